@@ -1,0 +1,32 @@
+# Two commands do everything: `make demo` and `make test`. Both create .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEMO := build/demo
+
+.PHONY: demo test test-quick bench clean
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# The CPU build of torch lies on this disk; a bare `torch` requirement would pull CUDA.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/vlmshard demo-data --out $(DEMO)/data
+	$(VENV)/bin/vlmshard preprocess --config configs/demo.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+test-quick: $(STAMP)
+	$(PY) -m pytest -m "not slow"
+
+bench: $(STAMP)
+	$(PY) benchmarks/preprocess_bench.py
+
+clean:
+	rm -rf build

@@ -1,0 +1,261 @@
+"""``vlmshard demo-data``: a deterministic LLaVA-format demo dataset over scikit-image's photos.
+
+The photos ship inside the ``scikit-image`` wheel (``skimage/data``), so nothing is downloaded.
+They are cropped and resized to many sizes and aspect ratios (wide, tall, tiny, huge) and used by
+five sources in every supported input format:
+
+- ``captions`` (JSONL): one image, short question and answer
+- ``docqa`` (JSON list): one wide, tall or huge image, long answers
+- ``multi`` (Parquet): two to four images per sample
+- ``chat`` (JSONL, subsampled by ``repeat_time: 0.5``): text only, multi-turn
+- ``noisy`` (JSONL): one row per reject reason; each row's ``id`` names the reason it must get
+
+``meta.json`` names them all, InternVL style. Same seed, same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import json
+import logging
+import os
+import random
+import struct
+import zlib
+from dataclasses import dataclass
+
+from PIL import Image
+
+log = logging.getLogger(__name__)
+
+HELP = "generate the bundled demo dataset (conversations over scikit-image's photos)"
+DESCRIPTION = __doc__
+
+PHOTOS = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "retina.jpg",
+          "hubble_deep_field.jpg", "motorcycle_left.png", "page.png", "text.png", "camera.png"]
+
+# (label, width, height): the aspect ratios and extremes the tiling policies must handle.
+SIZES = [
+    ("square", 448, 448), ("photo", 640, 480), ("photo", 1024, 768), ("portrait", 480, 640),
+    ("small", 336, 252), ("wide", 1792, 448), ("wide", 2400, 600), ("banner", 1600, 200),
+    ("tall", 448, 1344), ("tall", 600, 2000), ("tiny", 24, 18), ("tiny", 64, 48),
+    ("huge", 4096, 3072), ("huge", 3000, 3000), ("doc", 1240, 1754), ("doc", 1754, 1240),
+]
+
+WORDS = ("the a of to in is on for with that this image shows left right top bottom red blue "
+         "green large small person cat coffee cup rocket launch galaxy star text page table "
+         "figure chart value number answer question describe where what how many color shape "
+         "object background foreground near far sky road building window light dark bright "
+         "document line column row total sum average label title caption region detail "
+         "motorcycle camera portrait astronaut flag suit helmet planet nebula retina vessel").split()
+
+QUESTIONS = ["Describe the image.", "What is shown here?", "What color dominates the picture?",
+             "Read the text in the image.", "How many objects are visible?",
+             "Summarize the document.", "What is in the top left corner?"]
+
+
+@dataclass(frozen=True)
+class DemoDataset:
+    root: str
+    meta: str
+    images: list[str]
+    sources: dict[str, str]
+
+
+def skimage_photo_dir() -> str:
+    spec = importlib.util.find_spec("skimage")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("scikit-image is not installed; it ships the demo photos")
+    return os.path.join(list(spec.submodule_search_locations)[0], "data")
+
+
+def _write_if_changed(path: str, data: bytes) -> None:
+    """Rewrite only what changed, so file mtimes (part of a preprocess job's identity) hold still
+    and a second ``make demo`` finds its preprocess job already complete."""
+    try:
+        with open(path, "rb") as f:
+            if f.read() == data:
+                return
+    except FileNotFoundError:
+        pass
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _sentence(rng: random.Random, n_words: int) -> str:
+    words = [rng.choice(WORDS) for _ in range(n_words)]
+    return " ".join(words).capitalize() + "."
+
+
+def _answer(rng: random.Random, lo: int, hi: int) -> str:
+    n = rng.randint(lo, hi)
+    sentences, used = [], 0
+    while used < n:
+        k = min(n - used, rng.randint(6, 18))
+        sentences.append(_sentence(rng, k))
+        used += k
+    return " ".join(sentences)
+
+
+def _make_images(out: str, rng: random.Random) -> list[str]:
+    """Crop/resize the photos to every size in SIZES; JPEG and PNG alternate."""
+    photo_dir = skimage_photo_dir()
+    photos = [Image.open(os.path.join(photo_dir, p)).convert("RGB")
+              for p in PHOTOS if os.path.exists(os.path.join(photo_dir, p))]
+    os.makedirs(os.path.join(out, "images"), exist_ok=True)
+    names = []
+    for k, (label, w, h) in enumerate(SIZES * 2):
+        photo = photos[k % len(photos)]
+        pw, ph = photo.size
+        # Largest crop of the photo with the target aspect ratio, at a seeded offset.
+        cw, ch = (pw, max(1, round(pw * h / w))) if pw * h <= ph * w else (max(1, round(ph * w / h)), ph)
+        x0, y0 = rng.randint(0, pw - cw), rng.randint(0, ph - ch)
+        image = photo.crop((x0, y0, x0 + cw, y0 + ch)).resize((w, h), Image.BICUBIC)
+        ext = "jpg" if k % 2 == 0 else "png"
+        name = f"images/{label}-{k:02d}-{w}x{h}.{ext}"
+        buf = io.BytesIO()
+        image.save(buf, format="JPEG" if ext == "jpg" else "PNG", quality=90)
+        _write_if_changed(os.path.join(out, name), buf.getvalue())
+        names.append(name)
+    return names
+
+
+def _conv(question: str, answer: str, n_images: int) -> list[dict]:
+    tags = "".join("<image>\n" for _ in range(n_images))
+    return [{"from": "human", "value": tags + question}, {"from": "gpt", "value": answer}]
+
+
+def _write_jsonl(path: str, rows: list[dict]) -> None:
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    _write_if_changed(path, text.encode("utf-8"))
+
+
+def _bad_images(out: str) -> dict[str, str]:
+    """Image files that must be rejected, each named after the reason it triggers."""
+    bad = os.path.join(out, "images", "bad")
+    os.makedirs(bad, exist_ok=True)
+    good = os.path.join(out, "images", "photo-01-640x480.png")
+    with open(os.path.join(out, "images", "photo-02-1024x768.jpg"), "rb") as f:
+        jpeg = f.read()
+    files = {
+        "empty_image": b"",
+        "corrupt_image": b"this is not an image, only text that pretends to be one\n" * 4,
+        "truncated_image": jpeg[: len(jpeg) // 2],
+        "decompression_bomb": _png_with_size(good, 30000, 30000),
+    }
+    paths = {}
+    for reason, data in files.items():
+        ext = "png" if reason == "decompression_bomb" else "jpg"
+        paths[reason] = f"images/bad/{reason}.{ext}"
+        _write_if_changed(os.path.join(out, paths[reason]), data)
+    return paths
+
+
+def _png_with_size(png_path: str, width: int, height: int) -> bytes:
+    """A valid PNG whose header claims ``width``×``height``: a bomb without the pixels."""
+    with open(png_path, "rb") as f:
+        data = bytearray(f.read())
+    ihdr = 8  # signature, then the IHDR chunk: length(4) type(4) data(13) crc(4)
+    data[ihdr + 8: ihdr + 16] = struct.pack(">II", width, height)
+    crc = zlib.crc32(bytes(data[ihdr + 4: ihdr + 8 + 13])) & 0xFFFFFFFF
+    data[ihdr + 21: ihdr + 25] = struct.pack(">I", crc)
+    return bytes(data)
+
+
+def _noisy_rows(bad: dict[str, str], good_image: str) -> list[bytes]:
+    """One JSONL line per reject reason (``id`` = expected reason), plus two good rows."""
+    ok = _conv("Describe the image.", "A photo.", 1)
+
+    def line(row: dict) -> bytes:
+        return json.dumps(row).encode("utf-8")
+
+    rows = [
+        line({"id": "accepted-1", "image": good_image, "conversations": ok}),
+        b'{"id": "malformed_json", "conversations": [',
+        b'{"id": "undecodable_text", "conversations": [{"from": "human", "value": "caf\xe9 \xff"}]}',
+        line({"id": "missing_field", "image": good_image}),
+        line({"id": "bad_field", "image": 42, "conversations": ok}),
+        line({"id": "bad_role", "conversations": [{"from": "robot", "value": "beep"},
+                                                  {"from": "gpt", "value": "boop"}]}),
+        line({"id": "no_assistant_turn", "conversations": [{"from": "human", "value": "hi"}]}),
+        line({"id": "image_count_mismatch", "image": good_image,
+              "conversations": _conv("Compare.", "Same.", 2)}),
+        line({"id": "missing_image", "image": "images/does-not-exist.jpg", "conversations": ok}),
+        *[line({"id": reason, "image": path, "conversations": ok}) for reason, path in bad.items()],
+        line({"id": "too_long", "conversations": _conv("Write a lot.", "word " * 9000, 0)}),
+        line({"id": "accepted-2", "conversations": _conv("Say hi.", "Hi.", 0)}),
+    ]
+    return rows
+
+
+def generate(out: str, seed: int = 0, scale: int = 1) -> DemoDataset:
+    """Write the demo dataset under ``out``; ``scale`` multiplies the number of samples."""
+    rng = random.Random(seed)
+    os.makedirs(out, exist_ok=True)
+    images = _make_images(out, rng)
+    by_label: dict[str, list[str]] = {}
+    for name in images:
+        by_label.setdefault(os.path.basename(name).split("-")[0], []).append(name)
+    docs = by_label["wide"] + by_label["tall"] + by_label["huge"] + by_label["doc"] + by_label["banner"]
+
+    captions = [{"id": f"cap-{i}", "image": rng.choice(images),
+                 "conversations": _conv(rng.choice(QUESTIONS), _answer(rng, 5, 60), 1)}
+                for i in range(80 * scale)]
+    docqa = []
+    for i in range(50 * scale):
+        turns = []
+        for t in range(rng.randint(1, 3)):
+            turns += _conv(rng.choice(QUESTIONS), _answer(rng, 30, 400), 1 if t == 0 else 0)
+        docqa.append({"id": f"doc-{i}", "image": rng.choice(docs), "conversations": turns})
+    multi = []
+    for i in range(40 * scale):
+        k = rng.randint(2, 4)
+        multi.append({"id": f"multi-{i}", "image": rng.sample(images, k),
+                      "conversations": _conv("Compare these images.", _answer(rng, 20, 200), k)})
+    chat = []
+    for i in range(40 * scale):
+        turns = [{"from": "system", "value": "You are a helpful assistant."}] if i % 3 == 0 else []
+        for _ in range(rng.randint(1, 4)):
+            turns += _conv(_sentence(rng, rng.randint(4, 20)), _answer(rng, 10, 300), 0)
+        chat.append({"id": f"chat-{i}", "conversations": turns})
+
+    sources = {
+        "captions": "captions.jsonl",
+        "docqa": "docqa.json",
+        "multi": "multi.parquet",
+        "chat": "chat.jsonl",
+        "noisy": "noisy.jsonl",
+    }
+    _write_jsonl(os.path.join(out, sources["captions"]), captions)
+    _write_if_changed(os.path.join(out, sources["docqa"]), json.dumps(docqa, indent=1).encode())
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist(multi), buf)
+    _write_if_changed(os.path.join(out, sources["multi"]), buf.getvalue().to_pybytes())
+    _write_jsonl(os.path.join(out, sources["chat"]), chat)
+    _write_if_changed(os.path.join(out, sources["noisy"]),
+                      b"\n".join(_noisy_rows(_bad_images(out), images[1])) + b"\n")
+
+    meta = {name: {"root": ".", "annotation": path, "repeat_time": 1}
+            for name, path in sources.items()}
+    meta["chat"]["repeat_time"] = 0.5  # subsampled, as InternVL meta files allow
+    meta_path = os.path.join(out, "meta.json")
+    _write_if_changed(meta_path, json.dumps(meta, indent=1).encode())
+    log.info("demo dataset: %d images, %d sources -> %s", len(images), len(sources), out)
+    return DemoDataset(root=out, meta=meta_path, images=images, sources=sources)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="folder to write the dataset into")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scale", type=int, default=1, help="multiply the number of samples")
+
+
+def main(args: argparse.Namespace) -> int:
+    ds = generate(args.out, args.seed, args.scale)
+    print(f"demo dataset written: {ds.meta}")
+    return 0

@@ -1,0 +1,101 @@
+"""Header-only image inspection: size and integrity without decoding pixels.
+
+Pillow's ``Image.open`` parses only the header, which gives the size. A file cut short still has a
+valid header, so the file's tail is checked for the format's end marker as well: cheap, and it is
+what catches the truncated downloads common in scraped VLM data.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import warnings
+from dataclasses import dataclass
+
+import fsspec
+from PIL import Image, UnidentifiedImageError
+
+from .rejects import Reject
+
+# Pillow's own default limit: larger images are treated as decompression bombs.
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
+_TAIL_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class ImageHeader:
+    path: str
+    width: int
+    height: int
+    format: str
+
+
+def is_url(path: str) -> bool:
+    return "://" in path
+
+
+def resolve_image_path(path: str, root: str) -> str:
+    """An image reference made absolute against its source's root (URLs pass through)."""
+    if is_url(path) or os.path.isabs(path):
+        return path
+    if is_url(root):
+        return root.rstrip("/") + "/" + path
+    return os.path.normpath(os.path.join(root, path))
+
+
+def read_image_header(path: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImageHeader:
+    """Size and format of the image at ``path`` (local or fsspec URL); raises ``Reject``."""
+    try:
+        opener = open(path, "rb") if not is_url(path) else fsspec.open(path, "rb").open()
+    except FileNotFoundError:
+        raise Reject("missing_image", f"image not found: {path}") from None
+    except OSError as e:
+        raise Reject("missing_image", f"cannot open image {path}: {e}") from None
+    with opener as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        if size == 0:
+            raise Reject("empty_image", f"image has zero bytes: {path}")
+        f.seek(0)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                with Image.open(f) as im:
+                    width, height = im.size
+                    fmt = im.format or ""
+        except Image.DecompressionBombError as e:
+            raise Reject("decompression_bomb", f"{path}: {e}") from None
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError, struct.error) as e:
+            raise Reject("corrupt_image", f"cannot parse image header of {path}: {e}") from None
+        if width <= 0 or height <= 0:
+            raise Reject("empty_image", f"image {path} is {width}x{height}")
+        if width * height > max_pixels:
+            raise Reject("decompression_bomb",
+                         f"image {path} is {width}x{height} = {width * height:,} pixels, "
+                         f"over the limit of {max_pixels:,}")
+        f.seek(max(0, size - _TAIL_BYTES))
+        tail = f.read()
+        if not _has_end_marker(fmt, tail, size, f):
+            raise Reject("truncated_image", f"{fmt} image {path} ends before its end marker "
+                                            f"({size} bytes): the file is cut short")
+    return ImageHeader(path=path, width=width, height=height, format=fmt)
+
+
+def _has_end_marker(fmt: str, tail: bytes, size: int, f) -> bool:
+    """Whether the file ends the way a complete file of this format does."""
+    if fmt == "JPEG":
+        # 0xFF is byte-stuffed in entropy-coded data, so FFD9 can only be the EOI marker.
+        return b"\xff\xd9" in tail
+    if fmt == "PNG":
+        return b"IEND" in tail[-64:]
+    if fmt == "GIF":
+        return tail.rstrip(b"\x00").endswith(b";")
+    if fmt in ("WEBP", "BMP"):
+        f.seek(0)
+        head = f.read(8)
+        if fmt == "WEBP":
+            declared = struct.unpack("<I", head[4:8])[0] + 8
+        else:
+            declared = struct.unpack("<I", head[2:6])[0]
+        return size >= declared
+    return True  # formats without an end marker (TIFF, ...): the header check is all we have

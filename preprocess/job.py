@@ -1,0 +1,276 @@
+"""The preprocess job: plan parts, run them on an engine, then finalize the stats table.
+
+Output folder (Contract 1)::
+
+    OUT/stats/part-00000.parquet ...   accepted samples, dense sample_id in (source, row) order
+    OUT/rejects.parquet                source, row, reason, message
+    OUT/preprocess.json                config, tokenizer, tiling, per-source reconciliation, timings
+    OUT/_work/                         committed parts of an unfinished job (removed at the end)
+
+``preprocess.json`` is written last: its presence means the job finished. A rerun of a finished
+job with the same fingerprint is a no-op; a rerun of an interrupted one resumes from its parts.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import shutil
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from vlmshard import __version__
+from vlmshard.io import available_cpus, atomic_write, read_json, sha256_text, canonical_json, \
+    write_json_atomic
+from vlmshard.progress import Progress
+
+from .engines import run_local, run_ray
+from .images import DEFAULT_MAX_IMAGE_PIXELS, is_url
+from .rejects import REASONS
+from .sample import SampleLimits
+from .schema import REJECTS_SCHEMA, stats_schema, write_parquet
+from .sources import Source, discover_sources, index_source, plan_parts
+from .tiling import make_tiling
+from .tokenize import resolve_tokenizer
+from .worker import JobSpec, committed_summary, part_paths
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("local", "ray")
+
+
+class ConfigError(ValueError):
+    """A job that cannot start: the message says what to change."""
+
+
+class RejectRatioExceeded(RuntimeError):
+    """More rows were rejected than ``max_reject_ratio`` allows."""
+
+
+@dataclass
+class PreprocessConfig:
+    """Options of ``vlmshard preprocess`` (the CLI flags and the YAML keys have these names)."""
+
+    inputs: list[str]
+    out: str
+    image_root: str | None = None
+    tokenizer: str = "tekken"  # "tekken" or a path to a tokenizer.json
+    template: str | None = None  # chat template; default by tokenizer kind
+    tiling: str = "internvl"  # internvl | qwen2vl | fixed
+    max_num: int = 12  # internvl: most tiles per sample (split across its images)
+    min_num: int = 1
+    engine: str = "local"  # local | ray
+    workers: int | None = None  # default: CPUs this process may use (local) / the cluster's CPUs
+    ray_address: str | None = None  # join this Ray cluster instead of starting one
+    keep_tokens: bool = False  # store input_ids/labels so writing shards needs no re-tokenizing
+    max_seq_len: int | None = None  # reject longer samples
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_reject_ratio: float | None = None  # fail the job above this rejected/input ratio
+    part_size: int = 2048  # rows per committed part
+    seed: int = 0  # for repeat_time < 1 subsampling
+
+    def validate(self) -> None:
+        if not self.inputs:
+            raise ConfigError("no input given: pass conversation files, meta files, Parquet files "
+                              "or saved dataset folders")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"unknown engine {self.engine!r}: choose local or ray")
+        if self.workers is not None and self.workers < 1:
+            raise ConfigError(f"--workers must be >= 1, got {self.workers}")
+        if self.part_size < 1:
+            raise ConfigError(f"--part-size must be >= 1, got {self.part_size}")
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            raise ConfigError(f"--max-seq-len must be >= 1, got {self.max_seq_len}")
+        if self.max_reject_ratio is not None and not 0 <= self.max_reject_ratio <= 1:
+            raise ConfigError(f"--max-reject-ratio must be in [0, 1], got {self.max_reject_ratio}")
+
+
+@dataclass
+class PreprocessResult:
+    out: str
+    input_rows: int
+    accepted: int
+    rejected: int
+    parts: int
+    parts_resumed: int  # parts found committed by an earlier, interrupted run
+    seconds: float
+    already_complete: bool = False
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+def run_preprocess(cfg: PreprocessConfig) -> PreprocessResult:
+    """Run (or resume, or skip) a preprocess job; see the module docstring for the outputs."""
+    start = time.monotonic()
+    cfg.validate()
+    try:
+        sources = discover_sources(cfg.inputs, cfg.image_root)
+        tokenizer = resolve_tokenizer(cfg.tokenizer, cfg.template)
+        tiling = make_tiling(cfg.tiling, cfg.max_num, cfg.min_num)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    limits = SampleLimits(max_seq_len=cfg.max_seq_len, max_image_pixels=cfg.max_image_pixels)
+    identity = _job_identity(cfg, sources, tokenizer.to_dict(), tiling.to_dict(), limits)
+    fingerprint = sha256_text(canonical_json(identity))
+
+    final_path = os.path.join(cfg.out, "preprocess.json")
+    if os.path.exists(final_path):
+        done = read_json(final_path)
+        if done.get("fingerprint") == fingerprint:
+            log.info("%s is already complete (same inputs and config): nothing to do", cfg.out)
+            totals = done["totals"]
+            return PreprocessResult(out=cfg.out, input_rows=totals["input_rows"],
+                                    accepted=totals["accepted"], rejected=totals["rejected"],
+                                    parts=len(done["stats_files"]), parts_resumed=0,
+                                    seconds=time.monotonic() - start, already_complete=True,
+                                    rejected_by_reason=done["rejected_by_reason"])
+        raise ConfigError(f"{cfg.out} holds a finished job with other inputs or config; "
+                          "pass a new --out or delete that folder")
+
+    work_dir = os.path.join(cfg.out, "_work")
+    parts_dir = os.path.join(work_dir, "parts")
+    job_path = os.path.join(work_dir, "job.json")
+    if os.path.exists(job_path) and read_json(job_path).get("fingerprint") != fingerprint:
+        raise ConfigError(f"{cfg.out} holds an interrupted job with other inputs or config; "
+                          f"delete {work_dir} to start over, or rerun with the original options")
+    os.makedirs(parts_dir, exist_ok=True)
+    write_json_atomic(job_path, {"fingerprint": fingerprint, "identity": identity})
+
+    t_index = time.monotonic()
+    indexes = [index_source(s) for s in sources]
+    parts = plan_parts(sources, indexes, cfg.part_size, cfg.seed)
+    total_rows = sum(len(p.rows) for p in parts)
+    index_seconds = time.monotonic() - t_index
+    summaries = {p.index: committed_summary(parts_dir, p.index) for p in parts}
+    todo = [p for p in parts if summaries[p.index] is None]
+    resumed = len(parts) - len(todo)
+    log.info("%d source(s), %d row(s) in %d part(s)%s", len(sources), total_rows, len(parts),
+             f"; resuming, {resumed} part(s) already committed" if resumed else "")
+
+    spec = JobSpec(sources=tuple(sources), tokenizer=tokenizer, tiling=tiling.to_dict(),
+                   limits=limits, keep_tokens=cfg.keep_tokens, parts_dir=parts_dir)
+    t_process = time.monotonic()
+    workers = cfg.workers or (available_cpus() if cfg.engine == "local" else None)
+    results = (run_local(spec, todo, workers) if cfg.engine == "local"
+               else run_ray(spec, todo, workers, cfg.ray_address))
+    with Progress(total=total_rows - sum(len(p.rows) for p in parts if summaries[p.index]),
+                  desc="preprocess", unit="rows") as progress:
+        for summary in results:
+            summaries[summary["part"]] = summary
+            progress.update(summary["rows"])
+    process_seconds = time.monotonic() - t_process
+
+    t_final = time.monotonic()
+    report = _finalize(cfg, sources, parts_dir, [summaries[p.index] for p in parts])
+    report.update({
+        "vlmshard_version": __version__,
+        "fingerprint": fingerprint,
+        "config": identity,
+        "engine": {"name": cfg.engine, "workers": workers, "ray_address": cfg.ray_address},
+        "timings": {"index_seconds": round(index_seconds, 3),
+                    "process_seconds": round(process_seconds, 3),
+                    "finalize_seconds": round(time.monotonic() - t_final, 3),
+                    "rows_per_second": round(len(todo) and
+                                             sum(len(p.rows) for p in todo) / max(process_seconds, 1e-9), 1),
+                    "parts_resumed": resumed},
+    })
+    totals = report["totals"]
+    ratio = totals["rejected"] / max(1, totals["input_rows"])
+    if cfg.max_reject_ratio is not None and ratio > cfg.max_reject_ratio:
+        top = ", ".join(f"{r}={n}" for r, n in Counter(report["rejected_by_reason"]).most_common(5))
+        raise RejectRatioExceeded(
+            f"{totals['rejected']} of {totals['input_rows']} rows rejected ({ratio:.1%}) > "
+            f"--max-reject-ratio {cfg.max_reject_ratio:.1%}; top reasons: {top}; "
+            f"see {os.path.join(cfg.out, 'rejects.parquet')}")
+    write_json_atomic(final_path, report)
+    shutil.rmtree(work_dir)
+    seconds = time.monotonic() - start
+    log.info("preprocess: %d accepted, %d rejected of %d rows in %.1fs -> %s",
+             totals["accepted"], totals["rejected"], totals["input_rows"], seconds, cfg.out)
+    return PreprocessResult(out=cfg.out, input_rows=totals["input_rows"],
+                            accepted=totals["accepted"], rejected=totals["rejected"],
+                            parts=len(parts), parts_resumed=resumed, seconds=seconds,
+                            rejected_by_reason=report["rejected_by_reason"])
+
+
+def _job_identity(cfg: PreprocessConfig, sources: list[Source], tokenizer: dict, tiling: dict,
+                  limits: SampleLimits) -> dict:
+    """What determines the output bytes (not the engine or worker count)."""
+
+    def file_identity(path: str) -> dict:
+        if is_url(path):
+            return {"path": path}
+        st = os.stat(path)
+        return {"path": os.path.abspath(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+    return {
+        "sources": [dict(s.to_dict(), file=file_identity(s.path)) for s in sources],
+        "tokenizer": tokenizer,
+        "tiling": tiling,
+        "limits": asdict(limits),
+        "keep_tokens": cfg.keep_tokens,
+        "part_size": cfg.part_size,
+        "seed": cfg.seed,
+    }
+
+
+def _finalize(cfg: PreprocessConfig, sources: list[Source], parts_dir: str,
+              summaries: list[dict]) -> dict:
+    """Assign dense sample ids, write ``stats/`` and ``rejects.parquet``, reconcile the counts."""
+    stats_dir = os.path.join(cfg.out, "stats")
+    os.makedirs(stats_dir, exist_ok=True)
+    schema = stats_schema(cfg.keep_tokens)
+    stats_files: list[str] = []
+    reject_tables = []
+    next_id = 0
+    for summary in summaries:
+        stats_path, rejects_path, _ = part_paths(parts_dir, summary["part"])
+        reject_tables.append(pq.read_table(rejects_path))
+        table = pq.read_table(stats_path)
+        if table.num_rows == 0:
+            continue
+        ids = pa.array(range(next_id, next_id + table.num_rows), pa.int64())
+        table = table.add_column(0, schema.field("sample_id"), ids).cast(schema)
+        next_id += table.num_rows
+        name = f"part-{len(stats_files):05d}.parquet"
+        atomic_write(os.path.join(stats_dir, name), lambda tmp, t=table: write_parquet(t, tmp))
+        stats_files.append(f"stats/{name}")
+    for stale in sorted(set(glob.glob(os.path.join(stats_dir, "part-*.parquet")))
+                        - {os.path.join(cfg.out, f) for f in stats_files}):
+        os.unlink(stale)
+    rejects = pa.concat_tables(reject_tables) if reject_tables else REJECTS_SCHEMA.empty_table()
+    atomic_write(os.path.join(cfg.out, "rejects.parquet"),
+                 lambda tmp: write_parquet(rejects, tmp))
+
+    per_source = {s.name: {"input_rows": 0, "accepted": 0, "rejected": 0, "by_reason": Counter(),
+                           "images": 0, "vit_tiles": 0, "seq_len": 0} for s in sources}
+    for summary in summaries:
+        entry = per_source[summary["source"]]
+        entry["input_rows"] += summary["rows"]
+        entry["accepted"] += summary["accepted"]
+        entry["rejected"] += sum(summary["rejected"].values())
+        entry["by_reason"].update(summary["rejected"])
+        for key in ("images", "vit_tiles", "seq_len"):
+            entry[key] += summary[key]
+    by_reason: Counter = Counter()
+    for name, entry in per_source.items():
+        if entry["input_rows"] != entry["accepted"] + entry["rejected"]:
+            raise AssertionError(f"source {name}: counts do not reconcile: {entry}")
+        by_reason.update(entry["by_reason"])
+        entry["by_reason"] = dict(sorted(entry["by_reason"].items()))
+    totals = {key: sum(e[key] for e in per_source.values())
+              for key in ("input_rows", "accepted", "rejected", "images", "vit_tiles", "seq_len")}
+    if totals["accepted"] != next_id or totals["rejected"] != rejects.num_rows:
+        raise AssertionError("part summaries disagree with the tables written")
+    return {
+        "stats_files": stats_files,
+        "rejects_file": "rejects.parquet",
+        "totals": totals,
+        "rejected_by_reason": dict(sorted(by_reason.items())),
+        "reasons": {r: REASONS[r] for r in sorted(by_reason)},
+        "sources": per_source,
+    }

@@ -1,0 +1,103 @@
+"""The work for one conversation row: validate, read image headers, count tiles, tokenize."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .images import read_image_header, resolve_image_path
+from .rejects import Reject
+from .tiling import TilingPolicy
+from .tokenize import IMAGE_PLACEHOLDER, ROLES, ConversationEncoder
+
+
+@dataclass(frozen=True)
+class SampleLimits:
+    max_seq_len: int | None = None
+    max_image_pixels: int = 89_478_485
+
+
+def parse_turns(record: dict) -> list[tuple[str, str]]:
+    """(role, text) turns with roles normalized to system/user/assistant; raises ``Reject``."""
+    conversations = record.get("conversations")
+    if conversations is None:
+        raise Reject("missing_field", "no 'conversations' field")
+    if not isinstance(conversations, list) or not conversations:
+        raise Reject("bad_field", "'conversations' must be a non-empty list of turns")
+    turns = []
+    for i, turn in enumerate(conversations):
+        if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
+            raise Reject("missing_field", f"turn {i} lacks 'from' or 'value'")
+        role = ROLES.get(turn["from"]) if isinstance(turn["from"], str) else None
+        if role is None:
+            raise Reject("bad_role", f"turn {i} is from {turn['from']!r}; expected one of "
+                                     f"{', '.join(ROLES)}")
+        text = turn["value"]
+        if not isinstance(text, str):
+            raise Reject("bad_field", f"turn {i} 'value' is a {type(text).__name__}, not text")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise Reject("undecodable_text", f"turn {i} has text that is not valid UTF-8: {e}")
+        turns.append((role, text))
+    if not any(role == "assistant" for role, _ in turns):
+        raise Reject("no_assistant_turn", "no gpt/assistant turn to supervise")
+    return turns
+
+
+def parse_images(record: dict) -> list[str]:
+    images = record.get("image", record.get("images"))
+    if images is None:
+        return []
+    if isinstance(images, str):
+        images = [images]
+    if not isinstance(images, list) or not all(isinstance(p, str) and p for p in images):
+        raise Reject("bad_field", "'image' must be a path or a list of paths")
+    return images
+
+
+def match_placeholders(turns: list[tuple[str, str]], n_images: int) -> list[tuple[str, str]]:
+    """Check one ``<image>`` per image. A single image with no placeholder is put before the
+    first user turn, as InternVL's loader does."""
+    count = sum(text.count(IMAGE_PLACEHOLDER) for _, text in turns)
+    if count == n_images:
+        return turns
+    if count == 0 and n_images == 1:
+        first_user = next(i for i, (role, _) in enumerate(turns) if role != "system")
+        role, text = turns[first_user]
+        return turns[:first_user] + [(role, f"{IMAGE_PLACEHOLDER}\n{text}")] + turns[first_user + 1:]
+    raise Reject("image_count_mismatch",
+                 f"{count} <image> placeholder(s) for {n_images} image(s)")
+
+
+def process_record(record: dict, source_name: str, image_root: str, tiling: TilingPolicy,
+                   encoder: ConversationEncoder, limits: SampleLimits,
+                   keep_tokens: bool) -> dict:
+    """One stats row (Contract 1, without ``sample_id``) for a record; raises ``Reject``."""
+    turns = parse_turns(record)
+    images = parse_images(record)
+    turns = match_placeholders(turns, len(images))
+    paths = [resolve_image_path(p, image_root) for p in images]
+    headers = [read_image_header(p, limits.max_image_pixels) for p in paths]
+    tiles = [tiling.tiles(h.width, h.height, len(headers)) for h in headers]
+    image_tokens = [t * tiling.tokens_per_tile for t in tiles]
+    encoded = encoder.encode(turns, image_tokens, keep_tokens)
+    if encoded.loss_tokens == 0:
+        raise Reject("no_assistant_turn", "the assistant turns are empty")
+    seq_len = encoded.text_tokens + sum(image_tokens)
+    if limits.max_seq_len is not None and seq_len > limits.max_seq_len:
+        raise Reject("too_long", f"sequence length {seq_len} > --max-seq-len {limits.max_seq_len}")
+    row = {
+        "source": source_name,
+        "n_images": len(headers),
+        "image_tiles": tiles,
+        "vit_tiles": sum(tiles),
+        "text_tokens": encoded.text_tokens,
+        "seq_len": seq_len,
+        "loss_tokens": encoded.loss_tokens,
+        "image_paths": paths,
+        "image_sizes": [{"w": h.width, "h": h.height} for h in headers],
+    }
+    if keep_tokens:
+        row["input_ids"] = encoded.input_ids
+        row["labels"] = encoded.labels
+    return row

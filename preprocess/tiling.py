@@ -1,0 +1,150 @@
+"""Image tiling policies: how many ViT tiles and LLM tokens an image of a given size costs.
+
+Only the image size is needed, so preprocessing reads headers and never decodes pixels. The same
+policy objects are recorded in ``preprocess.json`` so later stages tile pixels identically.
+
+A *tile* is the policy's unit of ViT work:
+- ``internvl``: a 448×448 crop (plus a thumbnail when an image has more than one crop);
+  256 LLM tokens per tile.
+- ``qwen2vl``: one 28×28 merged patch (2×2 ViT patches of 14 px); 1 LLM token per tile.
+- ``fixed``: the whole image resized to one tile (LLaVA-1.5); 576 LLM tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+from .rejects import Reject
+
+
+class TilingPolicy(Protocol):
+    name: str
+    tokens_per_tile: int
+
+    def tiles(self, width: int, height: int, n_images: int) -> int:
+        """Tiles for one image of a sample holding ``n_images`` images."""
+
+    def to_dict(self) -> dict: ...
+
+
+@dataclass(frozen=True)
+class InternVLTiling:
+    """InternVL's ``dynamic_preprocess``, reproduced bit for bit (grid choice and tie-breaks)."""
+
+    max_num: int = 12
+    min_num: int = 1
+    image_size: int = 448
+    use_thumbnail: bool = True
+    tokens_per_tile: int = 256
+    name: str = "internvl"
+
+    def tiles(self, width: int, height: int, n_images: int) -> int:
+        # InternVL splits the tile budget across the images of a multi-image sample.
+        max_num = max(1, self.max_num // max(1, n_images))
+        min_num = min(self.min_num, max_num)
+        cols, rows = internvl_grid(width, height, min_num, max_num, self.image_size)
+        blocks = cols * rows
+        return blocks + 1 if self.use_thumbnail and blocks != 1 else blocks
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def internvl_grid(width: int, height: int, min_num: int, max_num: int,
+                  image_size: int) -> tuple[int, int]:
+    """The (columns, rows) grid InternVL's ``dynamic_preprocess`` picks for an image.
+
+    Kept in InternVL's exact form: candidates are built as a set and sorted stably by area, and the
+    tie rule prefers a later (larger) grid when the image covers more than half of its pixels.
+    """
+    aspect_ratio = width / height
+    target_ratios = set(
+        (i, j) for n in range(min_num, max_num + 1) for i in range(1, n + 1)
+        for j in range(1, n + 1) if min_num <= i * j <= max_num)
+    target_ratios = sorted(target_ratios, key=lambda x: x[0] * x[1])
+    best_diff = float("inf")
+    best = (1, 1)
+    area = width * height
+    for ratio in target_ratios:
+        diff = abs(aspect_ratio - ratio[0] / ratio[1])
+        if diff < best_diff:
+            best_diff = diff
+            best = ratio
+        elif diff == best_diff and area > 0.5 * image_size * image_size * ratio[0] * ratio[1]:
+            best = ratio
+    return best
+
+
+@dataclass(frozen=True)
+class Qwen2VLTiling:
+    """Qwen2-VL's ``smart_resize``: both sides to multiples of 28 with the pixel count bounded."""
+
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    factor: int = 28
+    tokens_per_tile: int = 1
+    name: str = "qwen2vl"
+
+    def tiles(self, width: int, height: int, n_images: int) -> int:
+        h, w = self.resized(width, height)
+        return (h // self.factor) * (w // self.factor)
+
+    def resized(self, width: int, height: int) -> tuple[int, int]:
+        """(height, width) after smart-resize, as Qwen2-VL's image processor computes it."""
+        f = self.factor
+        if height < f or width < f:
+            raise Reject("image_too_small",
+                         f"{width}x{height} has a side under {f} px, which qwen2vl cannot tile")
+        if max(height, width) / min(height, width) > 200:
+            raise Reject("bad_aspect_ratio", f"{width}x{height} exceeds qwen2vl's 200:1 limit")
+        h_bar = round(height / f) * f
+        w_bar = round(width / f) * f
+        if h_bar * w_bar > self.max_pixels:
+            beta = math.sqrt(height * width / self.max_pixels)
+            h_bar = math.floor(height / beta / f) * f
+            w_bar = math.floor(width / beta / f) * f
+        elif h_bar * w_bar < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            h_bar = math.ceil(height * beta / f) * f
+            w_bar = math.ceil(width * beta / f) * f
+        return h_bar, w_bar
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class FixedTiling:
+    """One tile per image, as LLaVA-1.5 (336 px, 24×24 patches = 576 tokens)."""
+
+    image_size: int = 336
+    tokens_per_tile: int = 576
+    name: str = "fixed"
+
+    def tiles(self, width: int, height: int, n_images: int) -> int:
+        return 1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+POLICIES = {"internvl": InternVLTiling, "qwen2vl": Qwen2VLTiling, "fixed": FixedTiling}
+
+
+def make_tiling(name: str, max_num: int = 12, min_num: int = 1) -> TilingPolicy:
+    """Build a policy by name; ``max_num``/``min_num`` apply to ``internvl`` only."""
+    if name == "internvl":
+        if not 1 <= min_num <= max_num:
+            raise ValueError(f"need 1 <= min_num <= max_num, got min_num={min_num}, max_num={max_num}")
+        return InternVLTiling(max_num=max_num, min_num=min_num)
+    if name in POLICIES:
+        return POLICIES[name]()
+    raise ValueError(f"unknown tiling policy {name!r}: choose one of {', '.join(POLICIES)}")
+
+
+def tiling_from_dict(d: dict) -> TilingPolicy:
+    """Inverse of ``policy.to_dict()``, for stages that read the recorded policy."""
+    d = dict(d)
+    return POLICIES[d.pop("name")](**d)

@@ -1,0 +1,206 @@
+"""Tokenizers and chat templates: a conversation becomes ``input_ids`` and ``labels``.
+
+Two tokenizer kinds, both offline: ``tekken`` (the Tekken file inside the ``mistral-common`` wheel)
+and any local ``tokenizer.json`` (HF ``tokenizers``). A template names the text or special tokens
+around each turn; ``<image>`` placeholders expand to the image's token count of the image token.
+Only assistant turns (and their end marker) are supervised.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from typing import Protocol
+
+from vlmshard.io import sha256_file
+
+IMAGE_PLACEHOLDER = "<image>"
+IGNORE_INDEX = -100
+
+
+class TextTokenizer(Protocol):
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain text (no special tokens added, none parsed from the text)."""
+
+    def special_id(self, token: str) -> int | None:
+        """The id of a special/added token, or None if the vocabulary has no such token."""
+
+
+class TekkenTokenizer:
+    """Mistral's Tekken (tiktoken BPE) from a ``tekken.json`` file."""
+
+    def __init__(self, path: str) -> None:
+        from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+        self._tok = Tekkenizer.from_file(path)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, bos=False, eos=False)
+
+    def special_id(self, token: str) -> int | None:
+        try:
+            return self._tok.get_special_token(token)
+        except Exception:
+            return None
+
+
+class HFTokenizer:
+    """Any local ``tokenizer.json`` through the ``tokenizers`` library."""
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(path)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def special_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+def default_tekken_path() -> str:
+    import mistral_common
+
+    return os.path.join(os.path.dirname(mistral_common.__file__), "data", "tekken_240911.json")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """Pieces around each turn. A piece that is a special token of the vocabulary becomes its id;
+    any other piece is encoded as text. Assistant text and ``assistant_suffix`` are supervised."""
+
+    name: str
+    image_token: str
+    bos: tuple[str, ...] = ()
+    system_prefix: tuple[str, ...] = ()
+    system_suffix: tuple[str, ...] = ()
+    user_prefix: tuple[str, ...] = ()
+    user_suffix: tuple[str, ...] = ()
+    assistant_prefix: tuple[str, ...] = ()
+    assistant_suffix: tuple[str, ...] = ()
+
+
+TEMPLATES = {
+    # Mistral's instruct format with Tekken's control tokens.
+    "mistral": ChatTemplate(
+        name="mistral", image_token="[IMG]", bos=("<s>",),
+        system_prefix=("[SYSTEM_PROMPT]",), system_suffix=("[/SYSTEM_PROMPT]",),
+        user_prefix=("[INST]",), user_suffix=("[/INST]",), assistant_suffix=("</s>",)),
+    # ChatML, the usual choice for a tokenizer.json (InternVL2, Qwen2).
+    "chatml": ChatTemplate(
+        name="chatml", image_token="<IMG_CONTEXT>",
+        system_prefix=("<|im_start|>", "system\n"), system_suffix=("<|im_end|>", "\n"),
+        user_prefix=("<|im_start|>", "user\n"), user_suffix=("<|im_end|>", "\n"),
+        assistant_prefix=("<|im_start|>", "assistant\n"), assistant_suffix=("<|im_end|>",)),
+}
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+         "system": "system"}
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """What later stages need to re-tokenize identically (recorded in ``preprocess.json``)."""
+
+    kind: str  # "tekken" | "hf"
+    path: str
+    template: str
+    sha256: str = field(default="", compare=False)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def resolve_tokenizer(spec: str, template: str | None = None) -> TokenizerConfig:
+    """``tekken`` or a path to a ``tokenizer.json``/``tekken*.json``; errors say what to pass."""
+    if spec == "tekken":
+        path, kind = default_tekken_path(), "tekken"
+    elif os.path.isfile(spec):
+        path = os.path.abspath(spec)
+        kind = "tekken" if os.path.basename(spec).startswith("tekken") else "hf"
+    else:
+        raise ValueError(f"unknown tokenizer {spec!r}: pass 'tekken' (the Tekken file inside "
+                         "mistral-common) or the path of a local tokenizer.json")
+    template = template or ("mistral" if kind == "tekken" else "chatml")
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown chat template {template!r}: choose one of {', '.join(TEMPLATES)}")
+    return TokenizerConfig(kind=kind, path=path, template=template, sha256=sha256_file(path))
+
+
+@dataclass
+class EncodedSample:
+    text_tokens: int
+    loss_tokens: int
+    input_ids: list[int] | None = None
+    labels: list[int] | None = None
+
+
+class ConversationEncoder:
+    """Turns (role, text) turns plus per-image token counts into token counts or ids."""
+
+    def __init__(self, config: TokenizerConfig) -> None:
+        self.config = config
+        self.tokenizer: TextTokenizer = (TekkenTokenizer(config.path) if config.kind == "tekken"
+                                         else HFTokenizer(config.path))
+        self.template = TEMPLATES[config.template]
+        image_id = self.tokenizer.special_id(self.template.image_token)
+        if image_id is None:
+            raise ValueError(f"tokenizer {config.path} has no token {self.template.image_token!r} "
+                             f"needed by the {self.template.name!r} template for image positions; "
+                             "add it as a special token")
+        self.image_token_id = image_id
+
+    @cached_property
+    def _pieces(self) -> dict[str, list[int]]:
+        t = self.template
+        names = ("bos", "system_prefix", "system_suffix", "user_prefix", "user_suffix",
+                 "assistant_prefix", "assistant_suffix")
+        return {name: self._encode_pieces(getattr(t, name)) for name in names}
+
+    def _encode_pieces(self, pieces: tuple[str, ...]) -> list[int]:
+        ids: list[int] = []
+        for piece in pieces:
+            special = self.tokenizer.special_id(piece)
+            ids.extend([special] if special is not None else self.tokenizer.encode(piece))
+        return ids
+
+    def encode(self, turns: list[tuple[str, str]], image_tokens: list[int],
+               keep_tokens: bool) -> EncodedSample:
+        """``turns`` are (role, text) with roles already normalized to system/user/assistant.
+
+        ``image_tokens[k]`` is the token count of the k-th ``<image>`` placeholder in turn order.
+        Returned ``text_tokens`` exclude image tokens; ``seq_len`` = text_tokens + Σimage_tokens.
+        """
+        p = self._pieces
+        ids: list[int] = [] if keep_tokens else None
+        labels: list[int] = [] if keep_tokens else None
+        n_text = n_loss = 0
+        next_image = 0
+
+        def add(chunk: list[int], supervised: bool) -> None:
+            nonlocal n_text, n_loss
+            n_text += len(chunk)
+            if supervised:
+                n_loss += len(chunk)
+            if keep_tokens:
+                ids.extend(chunk)
+                labels.extend(chunk if supervised else [IGNORE_INDEX] * len(chunk))
+
+        add(p["bos"], False)
+        for role, text in turns:
+            supervised = role == "assistant"
+            add(p[f"{role}_prefix"], False)
+            parts = text.split(IMAGE_PLACEHOLDER)
+            for k, part in enumerate(parts):
+                if k:
+                    count = image_tokens[next_image]
+                    next_image += 1
+                    if keep_tokens:
+                        ids.extend([self.image_token_id] * count)
+                        labels.extend([IGNORE_INDEX] * count)
+                if part:
+                    add(self.tokenizer.encode(part), supervised)
+            add(p[f"{role}_suffix"], supervised)
+        return EncodedSample(text_tokens=n_text, loss_tokens=n_loss, input_ids=ids, labels=labels)

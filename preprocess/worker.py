@@ -1,0 +1,96 @@
+"""Processing one part: read its rows, turn each into a stats row or a reject, commit atomically.
+
+A part is committed when its summary JSON exists; the two Parquet files are renamed into place
+before it. A rerun skips committed parts, so a killed job resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from vlmshard.io import atomic_write, read_json, write_json_atomic
+
+from .rejects import Reject
+from .sample import SampleLimits, process_record
+from .schema import REJECTS_SCHEMA, stats_schema, write_parquet
+from .sources import Part, Source, read_part_rows
+from .tiling import InternVLTiling, TilingPolicy, tiling_from_dict
+from .tokenize import ConversationEncoder, TokenizerConfig
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a worker needs, picklable so it ships to pool processes and Ray actors."""
+
+    sources: tuple[Source, ...]
+    tokenizer: TokenizerConfig
+    tiling: dict
+    limits: SampleLimits
+    keep_tokens: bool
+    parts_dir: str
+
+
+def part_paths(parts_dir: str, index: int) -> tuple[str, str, str]:
+    stem = os.path.join(parts_dir, f"part-{index:06d}")
+    return f"{stem}.stats.parquet", f"{stem}.rejects.parquet", f"{stem}.json"
+
+
+def committed_summary(parts_dir: str, index: int) -> dict | None:
+    summary = part_paths(parts_dir, index)[2]
+    return read_json(summary) if os.path.exists(summary) else None
+
+
+class PartWorker:
+    """Holds the per-process state (tokenizer, tiling) and processes parts one at a time."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.spec = spec
+        self.encoder = ConversationEncoder(spec.tokenizer)
+        base = tiling_from_dict(spec.tiling)
+        self.tilings: list[TilingPolicy] = [
+            dataclasses.replace(base, max_num=s.max_num)
+            if s.max_num is not None and isinstance(base, InternVLTiling) else base
+            for s in spec.sources]
+
+    def process(self, part: Part) -> dict:
+        """Process and commit ``part``; returns its summary (counts per reason)."""
+        spec = self.spec
+        source = spec.sources[part.source_index]
+        tiling = self.tilings[part.source_index]
+        schema = stats_schema(spec.keep_tokens, with_sample_id=False)
+        columns: dict[str, list] = {name: [] for name in schema.names}
+        rejects: dict[str, list] = {name: [] for name in REJECTS_SCHEMA.names}
+        for row, record in read_part_rows(source, part):
+            try:
+                if isinstance(record, Reject):
+                    raise record
+                stats = process_record(record, source.name, source.image_root, tiling,
+                                       self.encoder, spec.limits, spec.keep_tokens)
+            except Reject as r:
+                for name, value in zip(REJECTS_SCHEMA.names, (source.name, row, r.reason, r.message)):
+                    rejects[name].append(value)
+                continue
+            stats["row"] = row
+            for name in schema.names:
+                columns[name].append(stats[name])
+        stats_path, rejects_path, summary_path = part_paths(spec.parts_dir, part.index)
+        atomic_write(stats_path, lambda tmp: write_parquet(pa.table(columns, schema=schema), tmp))
+        atomic_write(rejects_path,
+                     lambda tmp: write_parquet(pa.table(rejects, schema=REJECTS_SCHEMA), tmp))
+        summary = {
+            "part": part.index,
+            "source": source.name,
+            "rows": len(part.rows),
+            "accepted": len(columns["row"]),
+            "rejected": dict(Counter(rejects["reason"])),
+            "seq_len": sum(columns["seq_len"]),
+            "vit_tiles": sum(columns["vit_tiles"]),
+            "images": sum(columns["n_images"]),
+        }
+        write_json_atomic(summary_path, summary)
+        return summary

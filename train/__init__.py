@@ -1,0 +1,1 @@
+"""The train stage (issue 5; see ../shared/DESIGN.md). Not built yet."""
