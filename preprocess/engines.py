@@ -78,8 +78,8 @@ def run_ray(spec: JobSpec, parts: list[Part], workers: int | None,
         ctx.enable_progress_bars = False
         ds = ray.data.from_items([{"part": p.index} for p in parts],
                                  override_num_blocks=len(parts))
-        ds = ds.map(_RayPartWorker, fn_constructor_args=(spec, parts), concurrency=concurrency,
-                    num_cpus=1)
+        ds = ds.map(_RayPartWorker, fn_constructor_args=(spec, parts), num_cpus=1,
+                    compute=ray.data.ActorPoolStrategy(size=concurrency))
         for row in ds.iter_rows():
             yield json.loads(row["summary"])
     finally:

@@ -33,5 +33,6 @@ def load_config(cls: type[T], flags: dict[str, Any], config_file: str | None = N
                if f.name not in values and f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING]
     if missing:
-        raise ValueError(f"missing required option(s): {', '.join(missing)}")
+        raise ValueError(f"missing required option(s): {', '.join(missing)} "
+                         "(pass them as arguments or in the --config file)")
     return cls(**values)

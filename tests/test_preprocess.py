@@ -1,0 +1,182 @@
+"""The preprocess stage end to end on the demo data: counts reconcile, every bad row gets its
+reason, output bytes are deterministic across worker counts, and every input format is read."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from preprocess import ConfigError, PreprocessConfig, RejectRatioExceeded, run_preprocess
+
+from helpers import tree_bytes, vlmshard
+
+
+def _run(demo, out, **kw):
+    kw.setdefault("max_seq_len", 8192)
+    kw.setdefault("part_size", 64)
+    return run_preprocess(PreprocessConfig(inputs=[demo.meta], out=str(out), **kw))
+
+
+@pytest.fixture(scope="module")
+def demo_out(demo, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pre") / "out"
+    _run(demo, out, keep_tokens=True, workers=1)
+    return out
+
+
+def _stats(out) -> pa.Table:
+    return pq.read_table(os.path.join(out, "stats"))
+
+
+def test_counts_reconcile_per_source_and_reason(demo_out):
+    report = json.load(open(demo_out / "preprocess.json"))
+    stats, rejects = _stats(demo_out), pq.read_table(demo_out / "rejects.parquet")
+    totals = report["totals"]
+    assert totals["input_rows"] == totals["accepted"] + totals["rejected"]
+    assert (totals["accepted"], totals["rejected"]) == (stats.num_rows, rejects.num_rows)
+    for name, src in report["sources"].items():
+        assert src["input_rows"] == src["accepted"] + src["rejected"], name
+        assert src["accepted"] == stats.filter(pa.compute.equal(stats["source"], name)).num_rows
+        assert sum(src["by_reason"].values()) == src["rejected"]
+    # chat has repeat_time 0.5 in the meta file: exactly half of its 40 rows, chosen by seed.
+    assert report["sources"]["chat"]["input_rows"] == 20
+
+
+def test_each_bad_row_gets_its_reason(demo, demo_out):
+    expected = {}
+    with open(os.path.join(demo.root, "noisy.jsonl"), "rb") as f:
+        for row, line in enumerate(f):
+            start = line.find(b'"id": "') + 7
+            expected[row] = line[start:line.index(b'"', start)].decode()
+    rejects = pq.read_table(demo_out / "rejects.parquet").to_pylist()
+    got = {r["row"]: r["reason"] for r in rejects if r["source"] == "noisy"}
+    want = {row: reason for row, reason in expected.items() if not reason.startswith("accepted")}
+    assert got == want
+    assert all(r["message"] for r in rejects)
+    accepted_rows = _stats(demo_out).filter(pa.compute.equal(_stats(demo_out)["source"], "noisy"))
+    assert sorted(accepted_rows["row"].to_pylist()) == \
+        [row for row, reason in expected.items() if reason.startswith("accepted")]
+
+
+def test_stats_table_contract(demo_out):
+    t = _stats(demo_out)
+    rows = t.to_pylist()
+    assert [r["sample_id"] for r in rows] == list(range(len(rows)))
+    order = ["captions", "docqa", "multi", "chat", "noisy"]
+    keys = [(order.index(r["source"]), r["row"]) for r in rows]
+    assert keys == sorted(keys)
+    for r in rows:
+        assert r["n_images"] == len(r["image_tiles"]) == len(r["image_paths"]) == len(r["image_sizes"])
+        assert r["vit_tiles"] == sum(r["image_tiles"])
+        assert r["seq_len"] == r["text_tokens"] + 256 * r["vit_tiles"] == len(r["input_ids"])
+        assert r["loss_tokens"] == sum(1 for label in r["labels"] if label != -100) > 0
+        assert all(os.path.isabs(p) and os.path.exists(p) for p in r["image_paths"])
+    assert {r["n_images"] for r in rows} >= {0, 1, 2, 3, 4}
+
+
+def test_bytes_identical_for_1_and_2_workers(demo, demo_out, tmp_path):
+    _run(demo, tmp_path / "two", keep_tokens=True, workers=2)
+    assert tree_bytes(tmp_path / "two") == tree_bytes(demo_out)
+
+
+def test_finished_job_rerun_is_a_noop(demo, demo_out):
+    before = {n: os.stat(os.path.join(demo_out, "stats", n)).st_mtime_ns
+              for n in os.listdir(demo_out / "stats")}
+    result = _run(demo, demo_out, keep_tokens=True, workers=1)
+    assert result.already_complete
+    assert before == {n: os.stat(os.path.join(demo_out, "stats", n)).st_mtime_ns
+                      for n in os.listdir(demo_out / "stats")}
+    with pytest.raises(ConfigError, match="finished job with other inputs or config"):
+        _run(demo, demo_out, keep_tokens=False, workers=1)
+
+
+def test_every_input_format_gives_the_same_rows(demo, tmp_path):
+    """The captions source as JSON list, JSONL, Parquet and a saved HF dataset."""
+    rows = [json.loads(line) for line in open(os.path.join(demo.root, "captions.jsonl"))][:30]
+    paths = {"jsonl": tmp_path / "c.jsonl", "json": tmp_path / "c.json",
+             "parquet": tmp_path / "c.parquet", "hf": tmp_path / "c_hf"}
+    paths["jsonl"].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paths["json"].write_text(json.dumps(rows))
+    pq.write_table(pa.Table.from_pylist(rows), paths["parquet"])
+    datasets.Dataset.from_list(rows).save_to_disk(str(paths["hf"]))
+    columns = ["row", "image_tiles", "seq_len", "loss_tokens", "image_paths"]
+    results = {}
+    for kind, path in paths.items():
+        out = tmp_path / f"out-{kind}"
+        run_preprocess(PreprocessConfig(inputs=[str(path)], out=str(out), image_root=demo.root,
+                                        workers=1))
+        results[kind] = _stats(out).select(columns).to_pylist()
+    assert len(results["jsonl"]) == 30
+    assert all(results[k] == results["jsonl"] for k in results)
+
+
+def test_meta_repeat_time_above_one_repeats(demo, tmp_path):
+    meta = {"twice": {"root": demo.root, "annotation": os.path.join(demo.root, "captions.jsonl"),
+                      "repeat_time": 2},
+            "third": {"root": demo.root, "annotation": os.path.join(demo.root, "docqa.json"),
+                      "repeat_time": 0.3, "max_dynamic_patch": 4}}
+    path = tmp_path / "meta.json"
+    path.write_text(json.dumps(meta))
+    result = run_preprocess(PreprocessConfig(inputs=[str(path)], out=str(tmp_path / "o"), workers=1))
+    t = _stats(tmp_path / "o")
+    twice = t.filter(pa.compute.equal(t["source"], "twice"))["row"].to_pylist()
+    assert twice == list(range(80)) * 2
+    assert result.input_rows == 160 + 15
+    third = t.filter(pa.compute.equal(t["source"], "third"))
+    assert max(third["vit_tiles"].to_pylist()) <= 5  # max_dynamic_patch 4 (+ thumbnail)
+
+
+def test_jsonl_blank_lines_and_json_list_surrogates(tmp_path):
+    ok = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    (tmp_path / "a.jsonl").write_text("\n" + json.dumps(ok) + "\n   \n" + json.dumps(ok))
+    (tmp_path / "b.json").write_text(json.dumps([ok, {"conversations": [
+        {"from": "human", "value": "bad \udc80"}, {"from": "gpt", "value": "x"}]}]))
+    (tmp_path / "c.json").write_text("[{not json")
+    result = run_preprocess(PreprocessConfig(
+        inputs=[str(tmp_path / n) for n in ("a.jsonl", "b.json", "c.json")],
+        out=str(tmp_path / "o"), workers=1))
+    assert (result.input_rows, result.accepted) == (5, 3)
+    assert result.rejected_by_reason == {"undecodable_text": 1, "unreadable_source": 1}
+
+
+def test_max_reject_ratio_fails_loudly(demo, tmp_path):
+    noisy = os.path.join(demo.root, "noisy.jsonl")
+    with pytest.raises(RejectRatioExceeded, match=r"13 of 15 rows rejected .* top reasons"):
+        run_preprocess(PreprocessConfig(inputs=[noisy], out=str(tmp_path / "o"), workers=1,
+                                        max_seq_len=8192, max_reject_ratio=0.5))
+    proc = vlmshard("preprocess", noisy, "--out", str(tmp_path / "p"), "--max-reject-ratio", "0.1",
+                    check=False)
+    assert proc.returncode == 3 and "--max-reject-ratio" in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["missing.jsonl"], "input not found: missing.jsonl"),
+    (["{captions}", "--tokenizer", "gpt5"], "unknown tokenizer 'gpt5'"),
+    (["{captions}", "--workers", "0"], "--workers must be >= 1"),
+    ([], "missing required option(s): inputs"),
+])
+def test_bad_config_fails_at_once_with_one_line(demo, tmp_path, args, message):
+    args = [a.format(captions=os.path.join(demo.root, "captions.jsonl")) for a in args]
+    proc = vlmshard("preprocess", *args, "--out", str(tmp_path / "o"), check=False)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_config_file_and_flag_override(demo, tmp_path):
+    cfg = tmp_path / "pre.yaml"
+    cfg.write_text(f"inputs: [{os.path.join(demo.root, 'captions.jsonl')}]\n"
+                   f"out: {tmp_path / 'from-yaml'}\ntiling: qwen2vl\n")
+    proc = vlmshard("preprocess", "--config", str(cfg), "--tiling", "fixed", "--json")
+    assert json.loads(proc.stdout)["accepted"] == 80  # qwen2vl would reject the 24x18 images
+    report = json.load(open(tmp_path / "from-yaml" / "preprocess.json"))
+    assert report["config"]["tiling"]["name"] == "fixed"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("inputs: [x]\nout: y\ntokeniser: tekken\n")
+    proc = vlmshard("preprocess", "--config", str(bad), check=False)
+    assert proc.returncode != 0 and "unknown key(s) tokeniser" in proc.stderr
