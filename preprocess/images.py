@@ -21,6 +21,10 @@ from .rejects import Reject
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
 _TAIL_BYTES = 1024
 
+# Oversized images become 'decompression_bomb' rejects with our own limit; Pillow's warning about
+# the same thing would only flood the log (a per-call catch_warnings costs more than the check).
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+
 
 @dataclass(frozen=True)
 class ImageHeader:
@@ -58,11 +62,9 @@ def read_image_header(path: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> 
             raise Reject("empty_image", f"image has zero bytes: {path}")
         f.seek(0)
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                with Image.open(f) as im:
-                    width, height = im.size
-                    fmt = im.format or ""
+            with Image.open(f) as im:
+                width, height = im.size
+                fmt = im.format or ""
         except Image.DecompressionBombError as e:
             raise Reject("decompression_bomb", f"{path}: {e}") from None
         except (UnidentifiedImageError, OSError, ValueError, SyntaxError, struct.error) as e:

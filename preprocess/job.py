@@ -25,8 +25,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlmshard import __version__
-from vlmshard.io import available_cpus, atomic_write, read_json, sha256_text, canonical_json, \
-    write_json_atomic
+from vlmshard.io import (atomic_write, available_cpus, canonical_json, read_json, sha256_text,
+                         write_json_atomic)
 from vlmshard.progress import Progress
 
 from .engines import run_local, run_ray
@@ -147,6 +147,7 @@ def run_preprocess(cfg: PreprocessConfig) -> PreprocessResult:
     index_seconds = time.monotonic() - t_index
     summaries = {p.index: committed_summary(parts_dir, p.index) for p in parts}
     todo = [p for p in parts if summaries[p.index] is None]
+    todo_rows = sum(len(p.rows) for p in todo)
     resumed = len(parts) - len(todo)
     log.info("%d source(s), %d row(s) in %d part(s)%s", len(sources), total_rows, len(parts),
              f"; resuming, {resumed} part(s) already committed" if resumed else "")
@@ -157,8 +158,7 @@ def run_preprocess(cfg: PreprocessConfig) -> PreprocessResult:
     workers = cfg.workers or (available_cpus() if cfg.engine == "local" else None)
     results = (run_local(spec, todo, workers) if cfg.engine == "local"
                else run_ray(spec, todo, workers, cfg.ray_address))
-    with Progress(total=total_rows - sum(len(p.rows) for p in parts if summaries[p.index]),
-                  desc="preprocess", unit="rows") as progress:
+    with Progress(total=todo_rows, desc="preprocess", unit="rows") as progress:
         for summary in results:
             summaries[summary["part"]] = summary
             progress.update(summary["rows"])
@@ -174,8 +174,7 @@ def run_preprocess(cfg: PreprocessConfig) -> PreprocessResult:
         "timings": {"index_seconds": round(index_seconds, 3),
                     "process_seconds": round(process_seconds, 3),
                     "finalize_seconds": round(time.monotonic() - t_final, 3),
-                    "rows_per_second": round(len(todo) and
-                                             sum(len(p.rows) for p in todo) / max(process_seconds, 1e-9), 1),
+                    "rows_per_second": round(todo_rows / max(process_seconds, 1e-9), 1),
                     "parts_resumed": resumed},
     })
     totals = report["totals"]

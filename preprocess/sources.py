@@ -163,18 +163,8 @@ def _meta_sources(meta_path: str, meta: dict) -> list[Source]:
 
 def index_source(source: Source) -> SourceIndex:
     if source.kind == "jsonl":
-        with _open(source.path) as f:
-            data = f.read()
-        buf = np.frombuffer(data, dtype=np.uint8)
-        ends = np.flatnonzero(buf == ord("\n"))
-        if len(data) and data[-1:] != b"\n":
-            ends = np.append(ends, len(data))
-        starts = np.concatenate([[0], ends[:-1] + 1]) if len(ends) else np.zeros(0, np.int64)
-        lengths = ends - starts
-        # Blank lines are not rows.
-        keep = _nonblank(buf, starts, lengths)
-        return SourceIndex(n_rows=int(keep.sum()), offsets=starts[keep].astype(np.int64),
-                           lengths=lengths[keep].astype(np.int64))
+        offsets, lengths = _jsonl_line_index(source.path)
+        return SourceIndex(n_rows=len(offsets), offsets=offsets, lengths=lengths)
     if source.kind == "json":
         try:
             rows = _load_json_list(source.path)
@@ -191,11 +181,31 @@ def index_source(source: Source) -> SourceIndex:
     raise AssertionError(source.kind)
 
 
-def _nonblank(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Per line, whether it has a non-whitespace byte (vectorized: lines can number millions)."""
-    is_space = np.isin(buf, np.frombuffer(b" \t\r\n", dtype=np.uint8))
-    nonspace_cum = np.concatenate([[0], np.cumsum(~is_space, dtype=np.int64)])
-    return (nonspace_cum[starts + lengths] - nonspace_cum[starts]) > 0
+def _jsonl_line_index(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """Byte offset and length of every non-blank line. Local files are memory-mapped, so a
+    file far larger than RAM is scanned without being read into the driver's memory."""
+    import mmap
+
+    with _open(path) as f:
+        if is_url(path):
+            data = f.read()
+        else:
+            size = os.fstat(f.fileno()).st_size
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        offsets: list[int] = []
+        lengths: list[int] = []
+        find, end, pos = data.find, len(data), 0
+        while pos < end:
+            nl = find(b"\n", pos)
+            nl = end if nl < 0 else nl
+            # Blank lines are not rows; only lines starting with whitespace need a closer look.
+            if nl > pos and (data[pos] not in b" \t\r" or data[pos:nl].strip()):
+                offsets.append(pos)
+                lengths.append(nl - pos)
+            pos = nl + 1
+        if isinstance(data, mmap.mmap):
+            data.close()
+    return np.array(offsets, dtype=np.int64), np.array(lengths, dtype=np.int64)
 
 
 def select_rows(n_rows: int, repeat_time: float, seed: int, name: str) -> np.ndarray:

@@ -78,3 +78,14 @@ def test_tokenizer_errors(tmp_path, hf_tokenizer_path):
     tok.save(str(path))
     with pytest.raises(ValueError, match="has no token '<IMG_CONTEXT>'"):
         ConversationEncoder(resolve_tokenizer(str(path)))
+
+
+def test_tekken_fast_path_equals_mistral_common(tekken):
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+    reference = Tekkenizer.from_file(tekken.config.path)
+    for text in ["Hello world, this is a test.", "  ünïcödé 漢字 😀\n\n\ttabs", "[INST] </s>", ""]:
+        assert tekken.tokenizer.encode(text) == reference.encode(text, bos=False, eos=False)
+        assert tekken.tokenizer.count(text) == len(reference.encode(text, bos=False, eos=False))
+    for token in ["<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[SYSTEM_PROMPT]"]:
+        assert tekken.tokenizer.special_id(token) == reference.get_special_token(token)

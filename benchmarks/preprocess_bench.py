@@ -1,0 +1,142 @@
+"""Preprocess throughput against the bare limit, side by side in one run.
+
+The bare limit is what no preprocess can beat on this machine: Tekken's own BPE (tiktoken's
+``encode_ordinary``) over every turn plus a header-only read of every image, in one process, on rows already in memory. Everything
+the stage adds (JSON parsing, validation, tiling, Parquet, parts, the engine) is overhead.
+
+    python benchmarks/preprocess_bench.py --samples 100000 --out build/bench/preprocess
+
+Prints a Markdown table for BENCHMARKS.md and writes results.json next to the data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import sys
+import time
+
+import numpy as np
+from PIL import Image
+
+from preprocess import PreprocessConfig, run_preprocess
+from preprocess.demo_data import WORDS, generate
+from preprocess.tokenize import TekkenTokenizer, default_tekken_path
+
+
+def make_dataset(root: str, n: int, seed: int = 0) -> str:
+    """``n`` LLaVA rows of ~1k tokens with 0-3 images each (over the demo images)."""
+    path = os.path.join(root, f"bench-{n}.jsonl")
+    if os.path.exists(path):
+        return path
+    demo = generate(os.path.abspath(os.path.join(root, "demo")), seed=seed)
+    images = [i for i in demo.images if "tiny" not in i]
+    rng = np.random.default_rng(seed)
+    words = np.array(WORDS)
+    paragraphs = [" ".join(words[rng.integers(0, len(words), rng.integers(30, 60))]) + "."
+                  for _ in range(4000)]
+    with open(path + ".tmp", "w") as f:
+        for i in range(n):
+            k = int(rng.integers(0, 4))
+            picks = rng.integers(0, len(paragraphs), 26)
+            question = " ".join(paragraphs[j] for j in picks[:6])
+            answer = " ".join(paragraphs[j] for j in picks[6:])
+            row = {"id": i, "conversations": [
+                {"from": "human", "value": "<image>\n" * k + question},
+                {"from": "gpt", "value": answer}]}
+            if k:
+                row["image"] = [os.path.join(demo.root, images[j])
+                                for j in rng.integers(0, len(images), k)]
+            f.write(json.dumps(row) + "\n")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def bare_limit(path: str, shard: int = 0, shards: int = 1) -> tuple[float, int]:
+    """Seconds for Tekken encode + header reads over every ``shards``-th row (parsed beforehand,
+    not timed)."""
+    rows = [json.loads(line) for i, line in enumerate(open(path)) if i % shards == shard]
+    tok = TekkenTokenizer(default_tekken_path())
+    tokens = 0
+    start = time.perf_counter()
+    for row in rows:
+        for turn in row["conversations"]:
+            tokens += tok.count(turn["value"])
+        for image in row.get("image", ()):
+            with open(image, "rb") as f, Image.open(f) as im:
+                im.size
+    return time.perf_counter() - start, tokens
+
+
+def run_stage(path: str, out: str, engine: str, workers: int) -> float:
+    """Seconds for the whole job. For Ray the cluster is up before the clock starts, as on a
+    fleet (``--ray-address``); its actors' start-up and tokenizer loads are timed."""
+    shutil.rmtree(out, ignore_errors=True)
+    if engine == "ray":
+        import ray
+
+        ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+    try:
+        start = time.perf_counter()
+        result = run_preprocess(PreprocessConfig(inputs=[path], out=out, engine=engine,
+                                                 workers=workers, part_size=2048))
+        seconds = time.perf_counter() - start
+    finally:
+        if engine == "ray":
+            ray.shutdown()
+    assert result.rejected == 0, result.rejected_by_reason
+    return seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--samples", type=int, default=100_000)
+    p.add_argument("--out", default="build/bench/preprocess")
+    p.add_argument("--engines", default="local,ray")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    os.makedirs(args.out, exist_ok=True)
+    path = make_dataset(args.out, args.samples)
+    n = args.samples
+
+    bare_s, tokens = bare_limit(path)
+    # The machine's own scaling ceiling: the bare limit in two processes at once, half each.
+    with mp.get_context("spawn").Pool(2) as pool:
+        bare2_s = max(s for s, _ in pool.starmap(bare_limit, [(path, 0, 2), (path, 1, 2)]))
+    rows = [("bare limit (encode + headers, 1 process)", 1, bare_s),
+            ("bare limit, 2 processes on halves (hardware scaling ceiling)", 2, bare2_s)]
+    for engine in args.engines.split(","):
+        for workers in (1, 2):
+            seconds = run_stage(path, os.path.join(args.out, f"out-{engine}-{workers}"), engine, workers)
+            rows.append((f"vlmshard preprocess --engine {engine}", workers, seconds))
+
+    bare_rate = n / bare_s
+    results = {"samples": n, "tokens": tokens, "machine": platform.platform(),
+               "cpus": os.cpu_count(), "python": sys.version.split()[0], "runs": []}
+    print(f"\n{n:,} samples, {tokens / n:,.0f} text tokens/sample on average\n")
+    print("| run | workers | seconds | samples/s | samples/s per worker | per worker vs bare limit |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, workers, seconds in rows:
+        rate = n / seconds
+        print(f"| {name} | {workers} | {seconds:.1f} | {rate:,.0f} | {rate / workers:,.0f} | "
+              f"{rate / workers / bare_rate:.0%} |")
+        results["runs"].append({"run": name, "workers": workers, "seconds": round(seconds, 2),
+                                "samples_per_s": round(rate, 1)})
+    by = {(r[0], r[1]): n / r[2] for r in rows}
+    local1 = by[("vlmshard preprocess --engine local", 1)]
+    local2 = by[("vlmshard preprocess --engine local", 2)]
+    print(f"\nlocal scaling 1 → 2 workers: {local2 / local1:.2f}x "
+          f"(bare limit 1 → 2 processes: {bare_s / bare2_s:.2f}x)")
+    if ("vlmshard preprocess --engine ray", 2) in by:
+        print(f"ray vs local at 2 workers: {by[('vlmshard preprocess --engine ray', 2)] / local2:.0%}")
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
