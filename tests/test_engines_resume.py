@@ -7,6 +7,7 @@ import glob
 import http.server
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -79,8 +80,16 @@ def test_annotations_and_images_over_http(demo, http_root, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    """A real Ray cluster on loopback: a head node and a second worker node, one CPU each."""
+def ray_cluster(tmp_path_factory):
+    """A real Ray cluster on loopback: a head node and a second worker node, one CPU each.
+
+    Token authentication with a token of its own: a stale ``~/.ray/auth_token`` (left by any
+    earlier ``ray.init``) otherwise makes ``ray start --address`` fail with InvalidAuthToken.
+    """
+    token = tmp_path_factory.mktemp("ray") / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     port = _free_port()
     address = f"127.0.0.1:{port}"
@@ -92,8 +101,15 @@ def ray_cluster():
         subprocess.run([ray_bin, "start", f"--address={address}", *common], check=True,
                        capture_output=True, timeout=180)
         yield address
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"{' '.join(e.cmd)} failed:\n{e.stderr.decode()[-2000:]}") from None
     finally:
         subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=180)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @pytest.mark.slow
