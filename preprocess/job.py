@@ -26,14 +26,14 @@ import pyarrow.parquet as pq
 
 from vlmshard import __version__
 from vlmshard.io import (atomic_write, available_cpus, canonical_json, read_json, sha256_text,
-                         write_json_atomic)
+                         write_json_atomic, write_parquet)
 from vlmshard.progress import Progress
 
 from .engines import run_local, run_ray
 from .images import DEFAULT_MAX_IMAGE_PIXELS, is_url
 from .rejects import REASONS
 from .sample import SampleLimits
-from .schema import REJECTS_SCHEMA, stats_schema, write_parquet
+from .schema import REJECTS_SCHEMA, stats_schema
 from .sources import Source, discover_sources, index_source, plan_parts
 from .tiling import make_tiling
 from .tokenize import resolve_tokenizer

@@ -34,10 +34,3 @@ REJECTS_SCHEMA = pa.schema([
 def stats_schema(keep_tokens: bool, with_sample_id: bool = True) -> pa.Schema:
     fields = STATS_FIELDS if with_sample_id else STATS_FIELDS[1:]
     return pa.schema(fields + (TOKEN_FIELDS if keep_tokens else []))
-
-
-def write_parquet(table: pa.Table, path: str) -> None:
-    """The one Parquet writer of the stage: fixed options so equal tables give equal bytes."""
-    import pyarrow.parquet as pq
-
-    pq.write_table(table, path, compression="zstd", row_group_size=64 * 1024)

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from vlmshard.io import atomic_write, read_json, write_json_atomic
+from vlmshard.io import atomic_write, read_json, write_json_atomic, write_parquet
 
 from .rejects import Reject
 from .sample import SampleLimits, process_record
-from .schema import REJECTS_SCHEMA, stats_schema, write_parquet
+from .schema import REJECTS_SCHEMA, stats_schema
 from .sources import Part, Source, read_part_rows
 from .tiling import InternVLTiling, TilingPolicy, tiling_from_dict
 from .tokenize import ConversationEncoder, TokenizerConfig

@@ -44,6 +44,13 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
     atomic_write(path, write)
 
 
+def write_parquet(table: "pyarrow.Table", path: str | Path) -> None:
+    """The one Parquet writer of the project: fixed options, so equal tables give equal bytes."""
+    import pyarrow.parquet as pq
+
+    pq.write_table(table, str(path), compression="zstd", row_group_size=64 * 1024)
+
+
 def read_json(path: str | Path) -> Any:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
