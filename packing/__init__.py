@@ -1,1 +1,1 @@
-"""The packing stage (issue 3; see ../shared/DESIGN.md). Not built yet."""
+"""The packing stage: stats table in, a balanced plan out (Contract 2 of ../shared/DESIGN.md)."""

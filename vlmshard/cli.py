@@ -11,6 +11,8 @@ from vlmshard import __version__
 # (name, module): each module has HELP, DESCRIPTION, add_arguments(parser) and main(args) -> int.
 SUBCOMMANDS = [
     ("preprocess", "preprocess.cli"),
+    ("pack", "packing.cli"),
+    ("report", "packing.report"),
     ("demo-data", "preprocess.demo_data"),
 ]
 

@@ -1,0 +1,378 @@
+"""Packing algorithms: pure functions from sample lengths to micro-batches in step-major order.
+
+- ``random``: k samples per micro-batch in random order, padded (OmniBal's random baseline).
+- ``lengthgroup``: LLaVA's length-grouped megabatches, padded.
+- ``isf``: OmniBal's Iterative Sampling and Filtering, faithful to its reference code, plus its
+  parameter search when Qv/Qt are not given.
+- ``balanced``: ours. Packs near-full on both resources inside shuffled windows, then deals the
+  micro-batches to ranks so every step's ranks carry equal tiles, tokens and attention.
+
+Each takes the samples that fit the caps (the caller lists the others as unplaced) and a seed,
+and returns a ``Packing``; samples that do not fill a whole step are unplaced ``remainder``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import kernels
+from .batches import Lengths, Packing
+from .cost import CostModel
+
+log = logging.getLogger(__name__)
+
+ALGORITHMS = ("balanced", "isf", "lengthgroup", "random")
+PADDED = ("random", "lengthgroup")  # micro-batches padded per sample, not packed
+
+
+@dataclass(frozen=True)
+class Caps:
+    qv: int  # Σ tiles per micro-batch
+    qt: int  # Σ seq_len per micro-batch
+
+
+def split_over_cap(lengths: Lengths, caps: Caps) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Sample ids that fit the caps on their own, and the others with the cap each breaks."""
+    over_v = lengths.tiles > caps.qv
+    over_t = lengths.tokens > caps.qt
+    fit = np.flatnonzero(~(over_v | over_t))
+    out = np.flatnonzero(over_v | over_t)
+    reasons = ["tiles_over_qv" if over_v[i] else "tokens_over_qt" for i in out]
+    return fit, out, reasons
+
+
+def whole_steps(items: np.ndarray, group: np.ndarray, ranks: int, micro_batches: int,
+                unplaced: np.ndarray, reasons: list[str]) -> Packing:
+    """Micro-batches from consecutive runs of ``group`` (already in step-major order).
+
+    Micro-batches past the last whole step are dropped and their samples unplaced as
+    ``remainder``, so every step has exactly ranks × micro_batches micro-batches.
+    """
+    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]]) if len(group) else np.array([], np.int64)
+    per_step = ranks * micro_batches
+    keep_micro = (len(starts) // per_step) * per_step
+    cut = starts[keep_micro] if keep_micro < len(starts) else len(items)
+    offsets = np.r_[starts[:keep_micro], cut].astype(np.int64)
+    rest = items[cut:]
+    return Packing(items[:cut].astype(np.int64), offsets, ranks, micro_batches,
+                   np.r_[unplaced, rest].astype(np.int64), list(reasons) + ["remainder"] * len(rest))
+
+
+# --- random and lengthgroup: fixed samples per micro-batch, padded -------------------------------
+
+def padded_caps(lengths: Lengths, samples_per_micro: int) -> Caps:
+    """Static shapes of a padded micro-batch: k times the largest sample on each side."""
+    return Caps(int(lengths.tiles.max(initial=0)) * samples_per_micro,
+                int(lengths.tokens.max(initial=0)) * samples_per_micro)
+
+
+def pack_random(lengths: Lengths, ids: np.ndarray, *, ranks: int, micro_batches: int,
+                samples_per_micro: int, seed: int) -> Packing:
+    order = ids[np.random.default_rng(seed).permutation(len(ids))]
+    group = np.arange(len(order)) // samples_per_micro
+    return _fixed_size(order, group, ranks, micro_batches, samples_per_micro)
+
+
+def pack_lengthgroup(lengths: Lengths, ids: np.ndarray, *, ranks: int, micro_batches: int,
+                     samples_per_micro: int, seed: int) -> Packing:
+    """LLaVA's ``get_length_grouped_indices``: one megabatch per step, sorted by length, split
+    into even chunks by greedy assignment to the shortest chunk."""
+    order = ids[np.random.default_rng(seed).permutation(len(ids))]
+    chunks = ranks * micro_batches
+    mega = chunks * samples_per_micro
+    out = []
+    for start in range(0, len(order), mega):
+        megabatch = order[start:start + mega]
+        megabatch = megabatch[np.argsort(-lengths.tokens[megabatch], kind="stable")]
+        out.extend(_split_to_even_chunks(megabatch, lengths.tokens, chunks))
+    items = np.concatenate(out) if out else np.array([], np.int64)
+    group = np.repeat(np.arange(len(out)), [len(c) for c in out])
+    return _fixed_size(items, group, ranks, micro_batches, samples_per_micro)
+
+
+def _split_to_even_chunks(indices: np.ndarray, tokens: np.ndarray, n: int) -> list[np.ndarray]:
+    if len(indices) % n:
+        return [indices[i::n] for i in range(n)]
+    per_chunk = len(indices) // n
+    chunks: list[list[int]] = [[] for _ in range(n)]
+    load = [0.0] * n
+    for i in indices:
+        c = load.index(min(load))
+        chunks[c].append(i)
+        load[c] += tokens[i]
+        if len(chunks[c]) == per_chunk:
+            load[c] = float("inf")
+    return [np.array(c, np.int64) for c in chunks]
+
+
+def _fixed_size(items, group, ranks, micro_batches, samples_per_micro) -> Packing:
+    """Drop a short last micro-batch into the remainder, then cut whole steps."""
+    sizes = np.bincount(group) if len(group) else np.array([], np.int64)
+    full = np.flatnonzero(sizes == samples_per_micro)
+    keep = np.isin(group, full)
+    short = items[~keep]
+    return whole_steps(items[keep], group[keep], ranks, micro_batches, short,
+                       ["remainder"] * len(short))
+
+
+# --- isf: OmniBal's Iterative Sampling and Filtering --------------------------------------------
+
+ISF_ITERATIONS = 50  # OmniBal's itertime
+ISF_MARGIN = 128  # keep a group once Σtokens ≥ Qt − 128
+
+
+def isf_groups(lengths: Lengths, ids: np.ndarray, caps: Caps, *, seed: int,
+               iterations: int = ISF_ITERATIONS) -> tuple[np.ndarray, np.ndarray]:
+    """OmniBal's ISF grouping: (items, group number per item), groups in output order.
+
+    Shuffle and cut greedily under the caps; keep groups that fill Qv exactly or reach
+    Qt − 128 tokens; reshuffle the rest with seed + i and cut again, ``iterations`` times in all.
+    """
+    thresh = caps.qt - ISF_MARGIN
+    kept_items, kept_groups, n_kept = [], [], 0
+    pending = ids[np.random.RandomState(seed).permutation(len(ids))]
+    group = kernels.greedy_groups(lengths.tiles, lengths.tokens, pending, caps.qv, caps.qt)
+    for i in range(iterations - 1):
+        n_groups = int(group[-1]) + 1 if len(group) else 0
+        gv = np.bincount(group, lengths.tiles[pending], minlength=n_groups)
+        gt = np.bincount(group, lengths.tokens[pending], minlength=n_groups)
+        full = (gv == caps.qv) | (gt >= thresh)
+        keep = full[group]
+        kept_items.append(pending[keep])
+        kept_groups.append(np.unique(group[keep], return_inverse=True)[1] + n_kept)
+        n_kept += int(full.sum())
+        rest = pending[~keep]
+        pending = rest[np.random.RandomState(seed + i).permutation(len(rest))]
+        group = kernels.greedy_groups(lengths.tiles, lengths.tokens, pending, caps.qv, caps.qt)
+    kept_items.append(pending)
+    kept_groups.append(group + n_kept)
+    return np.concatenate(kept_items), np.concatenate(kept_groups)
+
+
+def isf_groups_reference(tiles, tokens, ids, qv, qt, *, seed, iterations=ISF_ITERATIONS):
+    """OmniBal's ISF in plain Python lists, as its repository writes it (minus its bugs: it never
+    drops a sample). Used by the tests and as the speed baseline in benchmarks/pack_bench.py."""
+
+    def random_groups(samples, s):
+        index = list(range(len(samples)))
+        np.random.RandomState(s).shuffle(index)
+        groups, group, v_sum, t_sum = [], [], 0, 0
+        for k in index:
+            idx, v, t = samples[k]
+            v_sum += v
+            t_sum += t
+            if group and (v_sum > qv or t_sum > qt):
+                groups.append(group)
+                group, v_sum, t_sum = [], v, t
+            group.append(samples[k])
+        if group:
+            groups.append(group)
+        return groups
+
+    groups = random_groups([[int(i), int(tiles[i]), int(tokens[i])] for i in ids], seed)
+    output = []
+    for i in range(iterations - 1):
+        pending = []
+        for g in groups:
+            if sum(s[1] for s in g) == qv or sum(s[2] for s in g) >= qt - ISF_MARGIN:
+                output.append(g)
+            else:
+                pending.extend(g)
+        groups = random_groups(pending, seed + i)
+    output.extend(groups)
+    return [[s[0] for s in g] for g in output]
+
+
+def pack_isf(lengths: Lengths, ids: np.ndarray, caps: Caps, *, ranks: int, micro_batches: int,
+             seed: int, iterations: int = ISF_ITERATIONS) -> Packing:
+    """ISF groups dealt to ranks in random order (OmniBal's random sampler over the groups)."""
+    items, group = isf_groups(lengths, ids, caps, seed=seed, iterations=iterations)
+    n_groups = int(group[-1]) + 1 if len(group) else 0
+    rank_of_group = np.empty(n_groups, np.int64)
+    rank_of_group[np.random.default_rng(seed).permutation(n_groups)] = np.arange(n_groups)
+    new_group = rank_of_group[group]
+    sort = np.argsort(new_group, kind="stable")
+    return whole_steps(items[sort], new_group[sort], ranks, micro_batches, np.array([], np.int64), [])
+
+
+def search_isf_caps(lengths: Lengths, *, ranks: int, micro_batches: int, target_samples: int,
+                    seed: int, cost: CostModel, max_candidates: int = 40) -> tuple[Caps, list[dict]]:
+    """OmniBal's parameter search (``test_balanced_dynamic_batch.py``).
+
+    Start from Qt = 4096 and Qv = 4096 // (mean 256-binned tokens per tile, rounded to 16); step
+    both up together while ISF's mean samples per group stays below ``target_samples``, down once
+    it passes target + 1; keep candidates whose mean is within [target, target + 1] and choose the
+    one with the least pad + ViT dist + LLM dist. (Bounded, where OmniBal's loop can cycle.)
+    """
+    from .metrics import measure
+
+    binned = np.ceil(lengths.tokens / 256) * 256
+    mean_v = max(float(lengths.tiles.mean()), 1e-9)
+    per_tile = max(int(((float(binned.mean()) // mean_v + 1) // 16) * 16), 16)
+    qt, qv = 4096, max(4096 // per_tile, 1)
+    tried: list[dict] = []
+    best_mean = 0.0
+    for _ in range(max_candidates):
+        caps = Caps(qv, qt)
+        fit, out, reasons = split_over_cap(lengths, caps)
+        packing = pack_isf(lengths, fit, caps, ranks=ranks, micro_batches=1, seed=seed)
+        m = measure(lengths, packing, qv=qv, qt=qt, cost=cost, padded=False, dp=ranks,
+                    pack_seconds=0.0)
+        n_groups = packing.n_micro + len(packing.unplaced) / max(target_samples, 1)
+        mean_samples = len(fit) / max(n_groups, 1)
+        score = m.pad_ratio + m.vit_dist_ratio + m.llm_dist_ratio
+        tried.append({"qv": qv, "qt": qt, "mean_samples": mean_samples, "score": score,
+                      "accepted": target_samples <= mean_samples <= target_samples + 1})
+        best_mean = max(best_mean, mean_samples)
+        if best_mean > target_samples + 1:
+            if any(t["accepted"] for t in tried):
+                break
+            qv, qt = qv - 1, qt - per_tile
+        else:
+            qv, qt = qv + 1, qt + per_tile
+        if qv < 1 or qt < 1:
+            break
+    pool = [t for t in tried if t["accepted"]] or tried
+    best = min(pool, key=lambda t: (t["score"], t["qv"], t["qt"]))
+    return Caps(best["qv"], best["qt"]), tried
+
+
+# --- balanced: ours ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BalancedOptions:
+    fill_bins: int = 128  # micro-batches filled together (rounded up to whole steps)
+    overfill: float = 0.08  # a window takes this much more than it holds; the rest is carried
+    balance_steps: int = 256  # steps whose micro-batches are matched together
+    bands: int = 3  # steps per attention band; inside a band micro-batches are matched on tokens
+
+
+def auto_caps(lengths: Lengths, target_samples: int, headroom: float = 0.01) -> Caps:
+    """Qv from ``target_samples`` mean samples; Qt from the data's tokens-per-tile ratio.
+
+    Both caps are at least the largest sample, so automatic caps never leave a sample out.
+    """
+    total_v, total_t = float(lengths.tiles.sum()), float(lengths.tokens.sum())
+    qv = max(int(round(target_samples * float(lengths.tiles.mean()))), int(lengths.tiles.max()))
+    if total_v > 0:
+        qt = int(np.ceil(qv * total_t / total_v * (1 + headroom)))
+    else:
+        qt = int(np.ceil(target_samples * float(lengths.tokens.mean())))
+    return Caps(qv, max(qt, int(lengths.tokens.max())))
+
+
+def pack_balanced(lengths: Lengths, ids: np.ndarray, caps: Caps, *, ranks: int,
+                  micro_batches: int, seed: int, cost: CostModel,
+                  options: BalancedOptions = BalancedOptions()) -> Packing:
+    """Fill micro-batches near-full on tiles and tokens inside windows of the shuffled data, then
+    deal them to steps and ranks so that each step's ranks carry equal tiles, tokens, attention
+    and cost. No global sort: windows follow the shuffled order, and the steps are shuffled."""
+    rng = np.random.default_rng(seed)
+    stream = ids[rng.permutation(len(ids))].astype(np.int64)
+    placed, bin_of_item, n_bins = _fill_stream(lengths, stream, caps, ranks * micro_batches,
+                                               options)
+    order = _deal_steps(lengths, placed, bin_of_item, n_bins, ranks, micro_batches, cost, rng,
+                        options)
+    leftover = np.setdiff1d(stream, placed, assume_unique=True)
+    return Packing.from_bins(placed, bin_of_item, order, ranks, micro_batches,
+                             leftover, ["remainder"] * len(leftover))
+
+
+def _fill_stream(lengths, stream, caps, per_step, options):
+    """Fill windows of micro-batches from the shuffled stream; what does not fit is carried.
+
+    Carried samples go first in the next window (so none waits more than a window); the fresh
+    ones follow, largest first. The last window gets as many whole steps as its samples fill.
+    Returns (placed sample ids, micro-batch number of each, number of micro-batches).
+    """
+    n_bins = -(-options.fill_bins // per_step) * per_step
+    size = lengths.tiles / max(caps.qv, 1) + lengths.tokens / caps.qt
+    cum_v = np.cumsum(lengths.tiles[stream])
+    cum_t = np.cumsum(lengths.tokens[stream])
+    want = (1 + options.overfill) * n_bins
+    placed, bins = [], []
+    carry = np.array([], np.int64)
+    pos, n, total_bins = 0, len(stream), 0
+    while pos < n:
+        base_v = cum_v[pos - 1] if pos else 0
+        base_t = cum_t[pos - 1] if pos else 0
+        need_v = int(want * caps.qv) - int(lengths.tiles[carry].sum())
+        need_t = int(want * caps.qt) - int(lengths.tokens[carry].sum())
+        end = np.searchsorted(cum_t, base_t + need_t) + 1
+        if caps.qv:
+            end = min(end, np.searchsorted(cum_v, base_v + need_v) + 1)
+        fresh = stream[pos:max(end, pos + 1)]
+        pos += len(fresh)
+        batch = np.r_[carry[np.argsort(-size[carry], kind="stable")],
+                      fresh[np.argsort(-size[fresh], kind="stable")]]
+        window = n_bins if pos < n else _last_window_bins(lengths, batch, caps, per_step)
+        where = _fill(lengths, batch, caps, window)
+        if pos >= n and (where < 0).any() and len(batch) >= window + per_step:
+            window += per_step  # one more step rather than a remainder
+            where = _fill(lengths, batch, caps, window)
+        ok = where >= 0
+        sort = np.argsort(where[ok], kind="stable")
+        placed.append(batch[ok][sort])
+        bins.append(where[ok][sort] + total_bins)
+        total_bins += window
+        carry = batch[~ok]
+    if not placed:
+        return np.array([], np.int64), np.array([], np.int64), 0
+    return np.concatenate(placed), np.concatenate(bins), total_bins
+
+
+def _fill(lengths, batch, caps, window):
+    """``kernels.fill_bins`` with the window's mean attention per micro-batch as the soft target
+    for Σseq_len², so long samples spread out instead of meeting in a few micro-batches."""
+    if window == 0:
+        return np.full(len(batch), -1, np.int64)
+    tokens = lengths.tokens[batch]
+    mean_attn = float((tokens.astype(np.float64) ** 2).sum()) / window
+    return kernels.fill_bins(lengths.tiles[batch], tokens, caps.qv, caps.qt, mean_attn, window)
+
+
+def _last_window_bins(lengths, items, caps, per_step) -> int:
+    """Whole steps' worth of micro-batches for the final samples, none of them left empty."""
+    if len(items) < per_step:
+        return 0
+    need = max(lengths.tiles[items].sum() / max(caps.qv, 1), lengths.tokens[items].sum() / caps.qt)
+    steps = min(int(np.ceil(need / per_step)), len(items) // per_step)
+    return max(steps, 1) * per_step
+
+
+def _deal_steps(lengths, placed, bin_of_item, n_bins, ranks, micro_batches, cost, rng, options):
+    """Order micro-batches step-major so that each step's ranks carry equal load.
+
+    Per window of ``balance_steps`` steps: order by tiles, then attention; cut into bands of
+    ``bands`` steps and order each band by tokens; cut into steps; deal each step's micro-batches
+    to ranks largest cost first in snake order; finally shuffle the epoch's steps.
+    """
+    per_step = ranks * micro_batches
+    tokens = lengths.tokens[placed].astype(np.float64)
+    V = np.bincount(bin_of_item, lengths.tiles[placed], minlength=n_bins)
+    L = np.bincount(bin_of_item, tokens, minlength=n_bins)
+    A = np.bincount(bin_of_item, tokens * tokens, minlength=n_bins)
+    C = cost.cost(V, L, A)
+    index = np.arange(n_bins)
+    window = index // (options.balance_steps * per_step)
+    by_attn = np.lexsort((A, -V, window))
+    band = np.empty(n_bins, np.int64)
+    band[by_attn] = window[by_attn] * n_bins + np.arange(n_bins) // (per_step * options.bands)
+    by_tokens = np.lexsort((L[by_attn], band[by_attn]))
+    in_steps = by_attn[by_tokens]  # consecutive runs of per_step micro-batches form a step
+    step = np.empty(n_bins, np.int64)
+    step[in_steps] = np.arange(n_bins) // per_step
+    # Deal: within a step, largest cost first, snake order over ranks.
+    dealt = np.lexsort((-C, step))
+    k = np.arange(n_bins) % per_step
+    rnd, pos = np.divmod(k, ranks)
+    rank = np.where(rnd % 2 == 0, pos, ranks - 1 - pos)
+    slot = np.empty(n_bins, np.int64)
+    slot[dealt] = rank * micro_batches + rnd
+    # Shuffle all steps: windows differ a little at the ends of the epoch (the first has no
+    # carried samples, the last takes them all), so shuffling within windows would leave a trend.
+    new_step = rng.permutation(n_bins // per_step)
+    return np.lexsort((slot, new_step[step]))

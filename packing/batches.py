@@ -1,0 +1,73 @@
+"""The two value types every packing algorithm shares: its input and its output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """What the packer needs of each accepted sample, indexed by ``sample_id`` (0..N-1)."""
+
+    tiles: np.ndarray  # int64: vit_tiles, the ViT batch the sample adds
+    tokens: np.ndarray  # int64: seq_len, the LLM sequence the sample adds
+    source: np.ndarray  # int32: index into ``sources``
+    sources: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not (len(self.tiles) == len(self.tokens) == len(self.source)):
+            raise ValueError("tiles, tokens and source must have one entry per sample")
+
+    def __len__(self) -> int:
+        return len(self.tiles)
+
+    def take(self, index: np.ndarray) -> "Lengths":
+        return Lengths(self.tiles[index], self.tokens[index], self.source[index], self.sources)
+
+
+@dataclass
+class Packing:
+    """Micro-batches in step-major order, plus the samples left out and why.
+
+    Micro-batch ``b`` holds ``items[offsets[b]:offsets[b + 1]]`` (sample ids, in slot order) and
+    sits at step ``b // (ranks·micro_batches)``, rank ``(b // micro_batches) % ranks``, micro
+    ``b % micro_batches``, so every step has exactly ``ranks × micro_batches`` micro-batches.
+    """
+
+    items: np.ndarray  # int64 sample ids
+    offsets: np.ndarray  # int64, len = micro-batches + 1
+    ranks: int
+    micro_batches: int
+    unplaced: np.ndarray  # int64 sample ids
+    unplaced_reason: list[str]  # one per unplaced sample
+
+    @property
+    def n_micro(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def steps(self) -> int:
+        return self.n_micro // (self.ranks * self.micro_batches)
+
+    def micro_of_item(self) -> np.ndarray:
+        """The micro-batch number of each entry of ``items``."""
+        return np.repeat(np.arange(self.n_micro, dtype=np.int64), np.diff(self.offsets))
+
+    @classmethod
+    def from_bins(cls, items: np.ndarray, bins: np.ndarray, order: np.ndarray, ranks: int,
+                  micro_batches: int, unplaced: np.ndarray, unplaced_reason: list[str]) -> "Packing":
+        """Build from a bin number per item and the bins' step-major ``order`` (a permutation).
+
+        Items keep their relative order inside a bin: that order becomes the slot order.
+        """
+        position = np.empty(len(order), np.int64)
+        position[order] = np.arange(len(order), dtype=np.int64)
+        rank_of_item = position[bins]
+        sort = np.argsort(rank_of_item, kind="stable")
+        counts = np.bincount(rank_of_item, minlength=len(order))
+        offsets = np.zeros(len(order) + 1, np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        return cls(items[sort].astype(np.int64), offsets, ranks, micro_batches,
+                   np.asarray(unplaced, np.int64), list(unplaced_reason))

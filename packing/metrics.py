@@ -1,0 +1,139 @@
+"""The balance metrics of ``../shared/DESIGN.md`` ("Cost model and metrics"), computed from a plan.
+
+For step s and rank r let V, L, A be the rank's Σtiles, Σtokens and Σseq_len², C its cost:
+
+- ``dist_ratio(X) = mean_s Σ_r (max_r X − X[s,r]) / (max_r X · R)``: OmniBal's Dist Ratio for
+  X = V (``vit_dist_ratio``), L (``llm_dist_ratio``) and A (``attn_dist_ratio``, HBP's ABR).
+- ``pad_ratio``: padded tokens / all tokens the LLM processes. Packed micro-batches are padded
+  to Qt; padded ones (the ``random`` and ``lengthgroup`` baselines) pad each sample to the
+  longest in its micro-batch.
+- ``vit_fill = ΣV / (micro-batches · Qv)``, ``llm_fill = ΣL / (micro-batches · Qt)``.
+- ``cost_efficiency = Σ_s mean_r C / Σ_s max_r C`` (1: no rank ever waits).
+- ``order_spearman``: Spearman ρ between step index and the step's mean seq_len (balance must
+  not sort the data); ``source_mix_tv``: mean total-variation distance between each step's
+  source mix and the global mix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .batches import Lengths, Packing
+from .cost import CostModel
+
+# The keys ``vlmshard report --json`` prints, in this order.
+REPORT_KEYS = ("pad_ratio", "vit_dist_ratio", "llm_dist_ratio", "attn_dist_ratio", "vit_fill",
+               "llm_fill", "cost_efficiency", "order_spearman", "steps", "micro_batches",
+               "samples", "unplaced", "qv", "qt", "pack_seconds")
+
+
+@dataclass
+class Metrics:
+    pad_ratio: float
+    vit_dist_ratio: float
+    llm_dist_ratio: float
+    attn_dist_ratio: float
+    vit_fill: float
+    llm_fill: float
+    cost_efficiency: float
+    order_spearman: float
+    source_mix_tv: float
+    steps: int
+    micro_batches: int
+    samples: int
+    unplaced: int
+    qv: int
+    qt: int
+    pack_seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def report(self) -> dict:
+        return {k: getattr(self, k) for k in REPORT_KEYS}
+
+
+def dist_ratio(x: np.ndarray) -> float:
+    """OmniBal's Dist Ratio of a [steps, ranks] load table (a step where all loads are 0 is 0)."""
+    if x.size == 0:
+        return 0.0
+    peak = x.max(axis=1).astype(np.float64)
+    waste = (peak[:, None] - x).sum(axis=1)
+    per_step = np.divide(waste, peak * x.shape[1], out=np.zeros_like(peak), where=peak > 0)
+    return float(per_step.mean())
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    """Spearman ρ with average ranks for ties; 0 when either side is constant or too short."""
+    from scipy.stats import rankdata
+
+    if len(x) < 2:
+        return 0.0
+    rx, ry = rankdata(x), rankdata(y)
+    if rx.std() == 0 or ry.std() == 0:
+        return 0.0
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def measure(lengths: Lengths, packing: Packing, *, qv: int, qt: int, cost: CostModel,
+            padded: bool, dp: int, pack_seconds: float) -> Metrics:
+    """Metrics of ``packing`` as ``dp`` real ranks see it (each takes ranks/dp virtual ranks)."""
+    if packing.ranks % dp:
+        raise ValueError(f"dp={dp} does not divide the plan's {packing.ranks} virtual ranks")
+    n_micro, steps = packing.n_micro, packing.steps
+    micro = packing.micro_of_item()
+    tiles = lengths.tiles[packing.items].astype(np.float64)
+    tokens = lengths.tokens[packing.items].astype(np.float64)
+    V = np.bincount(micro, tiles, minlength=n_micro)
+    L = np.bincount(micro, tokens, minlength=n_micro)
+    A = np.bincount(micro, tokens * tokens, minlength=n_micro)
+
+    def per_rank(x: np.ndarray) -> np.ndarray:
+        return x.reshape(steps, dp, -1).sum(axis=2)
+
+    Vr, Lr, Ar = per_rank(V), per_rank(L), per_rank(A)
+    C = cost.cost(Vr, Lr, Ar)
+    if padded and n_micro:
+        longest = np.maximum.reduceat(tokens, packing.offsets[:-1]) if len(tokens) else 0
+        processed = float((np.diff(packing.offsets) * longest).sum())
+    else:
+        processed = float(n_micro) * qt
+    total_tokens = float(L.sum())
+
+    step_samples = np.diff(packing.offsets).reshape(steps, -1).sum(axis=1)
+    step_mean_len = np.divide(L.reshape(steps, -1).sum(axis=1), step_samples,
+                              out=np.zeros(steps), where=step_samples > 0)
+    return Metrics(
+        pad_ratio=(processed - total_tokens) / processed if processed else 0.0,
+        vit_dist_ratio=dist_ratio(Vr),
+        llm_dist_ratio=dist_ratio(Lr),
+        attn_dist_ratio=dist_ratio(Ar),
+        vit_fill=float(V.sum()) / (n_micro * qv) if n_micro and qv else 1.0,
+        llm_fill=total_tokens / (n_micro * qt) if n_micro else 0.0,
+        cost_efficiency=float(C.mean(axis=1).sum() / C.max(axis=1).sum()) if steps else 1.0,
+        order_spearman=spearman(np.arange(steps), step_mean_len),
+        source_mix_tv=source_mix_tv(lengths, packing),
+        steps=steps,
+        micro_batches=n_micro,
+        samples=len(packing.items),
+        unplaced=len(packing.unplaced),
+        qv=int(qv),
+        qt=int(qt),
+        pack_seconds=float(pack_seconds),
+    )
+
+
+def source_mix_tv(lengths: Lengths, packing: Packing) -> float:
+    """Mean over steps of the total-variation distance between the step's and the global mix."""
+    steps, n_src = packing.steps, len(lengths.sources)
+    if steps == 0 or n_src < 2:
+        return 0.0
+    per_step = packing.ranks * packing.micro_batches
+    step_of_item = packing.micro_of_item() // per_step
+    src = lengths.source[packing.items]
+    counts = np.bincount(step_of_item * n_src + src, minlength=steps * n_src).reshape(steps, n_src)
+    mix = counts / counts.sum(axis=1, keepdims=True)
+    overall = counts.sum(axis=0) / counts.sum()
+    return float(0.5 * np.abs(mix - overall).sum(axis=1).mean())

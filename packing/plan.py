@@ -1,0 +1,207 @@
+"""The pack job: stats in, ``plan.parquet`` + ``plan.json`` out (Contract 2).
+
+``plan.parquet`` has one row per placed sample, ``step, rank, micro, slot, sample_id``, sorted in
+that order; the same stats, options and seed give the same bytes. Epoch e is packed with seed + e
+and its steps follow epoch e − 1's. ``plan.json`` records the options, caps, cost model, metrics,
+timings, each epoch's step range and every sample that was not placed, with its reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from vlmshard import __version__
+from vlmshard.io import atomic_write, read_json, write_json_atomic, write_parquet
+
+from . import algorithms
+from .algorithms import ALGORITHMS, PADDED, BalancedOptions, Caps
+from .batches import Lengths, Packing
+from .cost import DEFAULT_MODEL, CostModel
+from .metrics import Metrics, measure
+from .stats import load_stats
+
+log = logging.getLogger(__name__)
+
+PLAN_SCHEMA = pa.schema([
+    pa.field("step", pa.int32(), nullable=False),
+    pa.field("rank", pa.int32(), nullable=False),
+    pa.field("micro", pa.int16(), nullable=False),
+    pa.field("slot", pa.int16(), nullable=False),
+    pa.field("sample_id", pa.int64(), nullable=False),
+])
+
+
+@dataclass
+class PackConfig:
+    """Options of ``vlmshard pack`` (CLI flags and YAML keys have these names)."""
+
+    stats: str
+    dp: int
+    out: str
+    micro_batches: int = 1
+    virtual_ranks: int | None = None  # plan for this many ranks; any dp dividing it can train
+    algo: str = "balanced"
+    qv: int | None = None
+    qt: int | None = None
+    target_samples: int = 4
+    seed: int = 0
+    epochs: int = 1
+    cost_model: str | None = None  # cost_model.json; default: FLOPs of ``model``
+    model: str = DEFAULT_MODEL
+
+    def validate(self) -> None:
+        if self.algo not in ALGORITHMS:
+            raise ValueError(f"--algo must be one of {', '.join(ALGORITHMS)}, not {self.algo!r}")
+        for name in ("dp", "micro_batches", "epochs", "target_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
+                                 f"got {getattr(self, name)}")
+        if self.virtual_ranks is not None and (self.virtual_ranks < 1
+                                               or self.virtual_ranks % self.dp):
+            raise ValueError(f"--virtual-ranks {self.virtual_ranks} must be a multiple of "
+                             f"--dp {self.dp}")
+        if (self.qv is None) != (self.qt is None):
+            raise ValueError("give both --qv and --qt, or neither (then they are chosen)")
+        if self.qv is not None:
+            if self.algo in PADDED:
+                raise ValueError(f"--qv/--qt do not apply to {self.algo}: it takes "
+                                 f"--target-samples samples per micro-batch")
+            if self.qv < 0 or self.qt < 1:
+                raise ValueError(f"caps must be positive, got --qv {self.qv} --qt {self.qt}")
+
+    @property
+    def ranks(self) -> int:
+        return self.virtual_ranks or self.dp
+
+
+@dataclass
+class PackResult:
+    out: str
+    metrics: Metrics
+    unplaced_by_reason: dict[str, int]
+
+
+def run_pack(cfg: PackConfig) -> PackResult:
+    cfg.validate()
+    t0 = time.perf_counter()
+    stats = load_stats(cfg.stats)
+    lengths = stats.lengths
+    cost = CostModel.from_json(cfg.cost_model) if cfg.cost_model else CostModel.from_shape(cfg.model)
+    t_loaded = time.perf_counter()
+    caps, caps_from, search = choose_caps(cfg, lengths, cost)
+    fit, over, over_reasons = algorithms.split_over_cap(lengths, caps)
+    if len(fit) == 0:
+        raise ValueError(f"--qv {caps.qv} --qt {caps.qt} leave out every sample: the smallest "
+                         f"has {int(lengths.tiles.min())} tiles and "
+                         f"{int(lengths.tokens.min())} tokens")
+    if len(over):
+        log.warning("%d samples exceed the caps on their own and are not placed", len(over))
+    epochs, packings = [], []
+    first_step = 0
+    for epoch in range(cfg.epochs):
+        packing = pack_epoch(cfg, lengths, fit, caps, cost, seed=cfg.seed + epoch)
+        packing.unplaced = np.r_[over, packing.unplaced].astype(np.int64)
+        packing.unplaced_reason = list(over_reasons) + packing.unplaced_reason
+        epochs.append({"epoch": epoch, "seed": cfg.seed + epoch, "first_step": first_step,
+                       "steps": packing.steps})
+        first_step += packing.steps
+        packings.append(packing)
+    pack_seconds = time.perf_counter() - t_loaded
+    plan = concat_epochs(packings)
+    metrics = measure(lengths, plan, qv=caps.qv, qt=caps.qt, cost=cost,
+                      padded=cfg.algo in PADDED, dp=cfg.dp, pack_seconds=pack_seconds)
+    unplaced = [{"epoch": e, "sample_id": int(s), "reason": r}
+                for e, p in enumerate(packings) for s, r in zip(p.unplaced, p.unplaced_reason)]
+    by_reason = dict(sorted(Counter(u["reason"] for u in unplaced).items()))
+
+    os.makedirs(cfg.out, exist_ok=True)
+    write_plan_parquet(os.path.join(cfg.out, "plan.parquet"), plan)
+    write_json_atomic(os.path.join(cfg.out, "plan.json"), {
+        "vlmshard_version": __version__,
+        "algorithm": cfg.algo,
+        "stats": stats.describe(),
+        "params": {**asdict(cfg), "ranks": cfg.ranks, "qv": caps.qv, "qt": caps.qt,
+                   "caps_from": caps_from,
+                   "balanced": asdict(BalancedOptions()) if cfg.algo == "balanced" else None,
+                   "isf_iterations": algorithms.ISF_ITERATIONS if cfg.algo == "isf" else None},
+        "cost_model": cost.to_dict(),
+        "metrics": metrics.to_dict(),
+        "epochs": epochs,
+        "unplaced_by_reason": by_reason,
+        "unplaced": unplaced,
+        "isf_search": search,
+        "timings": {"load_seconds": t_loaded - t0, "pack_seconds": pack_seconds,
+                    "total_seconds": time.perf_counter() - t0},
+    })
+    log.info("plan: %d steps x %d ranks x %d micro-batches, %d samples placed, %d unplaced -> %s",
+             metrics.steps, cfg.ranks, cfg.micro_batches, metrics.samples, metrics.unplaced,
+             cfg.out)
+    return PackResult(cfg.out, metrics, by_reason)
+
+
+def choose_caps(cfg: PackConfig, lengths: Lengths,
+                cost: CostModel) -> tuple[Caps, str, list[dict] | None]:
+    """The caps and where they came from: given, automatic (balanced), OmniBal's search (isf),
+    or the padded shape (random, lengthgroup)."""
+    if cfg.algo in PADDED:
+        return algorithms.padded_caps(lengths, cfg.target_samples), "padded", None
+    if cfg.qv is not None:
+        return Caps(cfg.qv, cfg.qt), "given", None
+    if cfg.algo == "isf":
+        caps, tried = algorithms.search_isf_caps(
+            lengths, ranks=cfg.ranks, micro_batches=cfg.micro_batches,
+            target_samples=cfg.target_samples, seed=cfg.seed, cost=cost)
+        return caps, "isf_search", tried
+    return algorithms.auto_caps(lengths, cfg.target_samples), "auto", None
+
+
+def pack_epoch(cfg: PackConfig, lengths: Lengths, ids: np.ndarray, caps: Caps, cost: CostModel,
+               *, seed: int) -> Packing:
+    common = {"ranks": cfg.ranks, "micro_batches": cfg.micro_batches, "seed": seed}
+    if cfg.algo == "random":
+        return algorithms.pack_random(lengths, ids, samples_per_micro=cfg.target_samples, **common)
+    if cfg.algo == "lengthgroup":
+        return algorithms.pack_lengthgroup(lengths, ids, samples_per_micro=cfg.target_samples,
+                                           **common)
+    if cfg.algo == "isf":
+        return algorithms.pack_isf(lengths, ids, caps, **common)
+    return algorithms.pack_balanced(lengths, ids, caps, cost=cost, **common)
+
+
+def concat_epochs(packings: list[Packing]) -> Packing:
+    """One packing whose steps run through the epochs in order."""
+    first = packings[0]
+    shifts = np.cumsum([0] + [len(p.items) for p in packings[:-1]])
+    offsets = np.concatenate([packings[0].offsets[:1]] +
+                             [p.offsets[1:] + s for p, s in zip(packings, shifts)])
+    return Packing(np.concatenate([p.items for p in packings]), offsets, first.ranks,
+                   first.micro_batches, np.concatenate([p.unplaced for p in packings]),
+                   [r for p in packings for r in p.unplaced_reason])
+
+
+def write_plan_parquet(path: str, packing: Packing) -> None:
+    micro_of_item = packing.micro_of_item()
+    per_step = packing.ranks * packing.micro_batches
+    slot = np.arange(len(packing.items)) - packing.offsets[micro_of_item]
+    table = pa.table({
+        "step": (micro_of_item // per_step).astype(np.int32),
+        "rank": ((micro_of_item // packing.micro_batches) % packing.ranks).astype(np.int32),
+        "micro": (micro_of_item % packing.micro_batches).astype(np.int16),
+        "slot": slot.astype(np.int16),
+        "sample_id": packing.items.astype(np.int64),
+    }, schema=PLAN_SCHEMA)
+    atomic_write(path, lambda tmp: write_parquet(table, tmp))
+
+
+def read_plan_json(plan_dir: str) -> dict:
+    path = os.path.join(plan_dir, "plan.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{plan_dir}: no plan.json here (write one with vlmshard pack)")
+    return read_json(path)

@@ -1,0 +1,159 @@
+"""Read what the packer needs from the stats table, or from OmniBal's length files.
+
+Accepted inputs:
+
+- the preprocess output folder (``OUT`` with ``stats/part-*.parquet``), its ``stats/`` folder, or
+  one Parquet file of Contract 1;
+- an OmniBal length file: a JSON list of ``{"vit_num", "token_num", ...}``;
+- an OmniBal meta file: ``{name: {"token_lengths": path, ...}, ...}``. ``sample_id`` follows the
+  order of the names in the file, then the rows of each length file (OmniBal's own order).
+  Relative paths are resolved against the meta file's folder, then the working directory.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from vlmshard.io import sha256_file
+
+from .batches import Lengths
+
+log = logging.getLogger(__name__)
+
+
+class StatsError(ValueError):
+    """The stats input cannot be read; the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class LoadedStats:
+    lengths: Lengths
+    path: str
+    format: str  # "vlmshard" or "omnibal"
+    files: tuple[str, ...]
+    sha256: str  # over the input files' names and contents, in order
+
+    def describe(self) -> dict:
+        return {"path": self.path, "format": self.format, "files": list(self.files),
+                "sha256": self.sha256, "samples": len(self.lengths),
+                "sources": list(self.lengths.sources)}
+
+
+def load_stats(path: str) -> LoadedStats:
+    if not os.path.exists(path):
+        raise StatsError(f"{path}: no such file or folder")
+    if os.path.isdir(path) or path.endswith(".parquet"):
+        lengths, files = _read_parquet_stats(path), _parquet_files(path)
+        fmt = "vlmshard"
+    else:
+        lengths, files = _read_omnibal(path)
+        fmt = "omnibal"
+    if len(lengths) == 0:
+        raise StatsError(f"{path}: no samples to pack")
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f"{os.path.basename(f)}:{sha256_file(f)}\n".encode())
+    return LoadedStats(lengths, path, fmt, tuple(files), digest.hexdigest())
+
+
+def _parquet_files(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    folder = os.path.join(path, "stats") if os.path.isdir(os.path.join(path, "stats")) else path
+    files = sorted(glob.glob(os.path.join(folder, "part-*.parquet")))
+    if not files:
+        raise StatsError(f"{path}: no stats/part-*.parquet here; give the preprocess output "
+                         f"folder, its stats/ folder, a .parquet file or OmniBal .json lengths")
+    return files
+
+
+def _read_parquet_stats(path: str) -> Lengths:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = ["sample_id", "source", "vit_tiles", "seq_len"]
+    try:
+        table = pa.concat_tables(pq.read_table(f, columns=columns) for f in _parquet_files(path))
+    except (pa.ArrowInvalid, KeyError) as e:
+        raise StatsError(f"{path}: not a stats table of Contract 1 ({e})") from None
+    sample_id = table["sample_id"].to_numpy()
+    if not np.array_equal(sample_id, np.arange(len(sample_id))):
+        raise StatsError(f"{path}: sample_id is not dense 0..N-1 in file order")
+    source = table["source"].combine_chunks().dictionary_encode()
+    return Lengths(table["vit_tiles"].to_numpy().astype(np.int64),
+                   table["seq_len"].to_numpy().astype(np.int64),
+                   source.indices.to_numpy().astype(np.int32),
+                   tuple(source.dictionary.to_pylist()))
+
+
+def _read_omnibal(path: str) -> tuple[Lengths, list[str]]:
+    data = _read_json(path)
+    if isinstance(data, list):
+        name = os.path.splitext(os.path.basename(path))[0]
+        return _lengths_from_parts([(name, path, data)]), [path]
+    if not isinstance(data, dict):
+        raise StatsError(f"{path}: expected an OmniBal length list or meta object")
+    parts = []
+    for name, entry in data.items():
+        if not isinstance(entry, dict) or "token_lengths" not in entry:
+            log.warning("%s: %r has no token_lengths; skipped (as OmniBal does)", path, name)
+            continue
+        file = _resolve(entry["token_lengths"], os.path.dirname(os.path.abspath(path)))
+        rows = _read_json(file)
+        if not isinstance(rows, list):
+            raise StatsError(f"{file}: expected a JSON list of {{vit_num, token_num}}")
+        parts.append((name, file, rows))
+    return _lengths_from_parts(parts), [p[1] for p in parts]
+
+
+def _resolve(ref: str, base: str) -> str:
+    for candidate in (os.path.join(base, ref), ref):
+        if os.path.exists(candidate):
+            return candidate
+    raise StatsError(f"token_lengths file {ref!r} not found next to the meta file or in the "
+                     f"working directory")
+
+
+def _read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StatsError(f"{path}: cannot read JSON ({e})") from None
+
+
+def _lengths_from_parts(parts: list[tuple[str, str, list]]) -> Lengths:
+    tiles, tokens, source = [], [], []
+    for k, (name, file, rows) in enumerate(parts):
+        try:
+            v = np.array([r["vit_num"] for r in rows], dtype=np.int64)
+            t = np.array([r["token_num"] for r in rows], dtype=np.int64)
+        except (KeyError, TypeError, ValueError):
+            bad = next(i for i, r in enumerate(rows) if not _valid_row(r))
+            raise StatsError(f"{file}: row {bad} needs integer vit_num and token_num, got "
+                             f"{rows[bad]!r}") from None
+        if len(rows) and (v.min() < 0 or t.min() < 1):
+            bad = int(np.flatnonzero((v < 0) | (t < 1))[0])
+            raise StatsError(f"{file}: row {bad} has vit_num < 0 or token_num < 1: {rows[bad]!r}")
+        tiles.append(v)
+        tokens.append(t)
+        source.append(np.full(len(rows), k, np.int32))
+    if not parts:
+        return Lengths(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32), ())
+    return Lengths(np.concatenate(tiles), np.concatenate(tokens), np.concatenate(source),
+                   tuple(p[0] for p in parts))
+
+
+def _valid_row(row) -> bool:
+    try:
+        return all(isinstance(row[k], int) and not isinstance(row[k], bool)
+                   for k in ("vit_num", "token_num"))
+    except (KeyError, TypeError):
+        return False
