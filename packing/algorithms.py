@@ -285,7 +285,8 @@ def _fill_stream(lengths, stream, caps, per_step, options):
     """Fill windows of micro-batches from the shuffled stream; what does not fit is carried.
 
     Carried samples go first in the next window (so none waits more than a window); the fresh
-    ones follow, largest first. The last window gets as many whole steps as its samples fill.
+    ones follow, largest first. The last window gets whole steps until every sample is placed
+    or fewer samples are left than one step has micro-batches (the remainder).
     Returns (placed sample ids, micro-batch number of each, number of micro-batches).
     """
     n_bins = -(-options.fill_bins // per_step) * per_step
@@ -310,7 +311,7 @@ def _fill_stream(lengths, stream, caps, per_step, options):
                       fresh[np.argsort(-size[fresh], kind="stable")]]
         window = n_bins if pos < n else _last_window_bins(lengths, batch, caps, per_step)
         where = _fill(lengths, batch, caps, window)
-        if pos >= n and (where < 0).any() and len(batch) >= window + per_step:
+        while pos >= n and (where < 0).any() and len(batch) >= window + per_step:
             window += per_step  # one more step rather than a remainder
             where = _fill(lengths, batch, caps, window)
         ok = where >= 0

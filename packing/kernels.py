@@ -52,18 +52,19 @@ def greedy_groups_reference(tiles, tokens, order, qv, qt):
 
 
 @njit(cache=True)
-def fill_bins(tiles, tokens, qv, qt, qa, n_bins):
-    """Place samples, in the given order, into ``n_bins`` micro-batches by 2-D worst fit.
+def fill_bins(tiles, tokens, qv, qt, mean_attn, n_bins):
+    """Place samples, in the given order, into ``n_bins`` micro-batches by worst fit.
 
     Each sample goes to the micro-batch that is least loaded after taking it, load being the
-    larger of its tile fill and its token fill; ties go to the lower index. Samples that fit
-    nowhere get -1. Fed largest first, worst fit grows all micro-batches evenly and leaves the
-    small samples to close the last gaps on both resources at once.
+    largest of its tile fill (of Qv), token fill (of Qt) and Σseq_len² relative to
+    ``mean_attn``, a soft target; ties go to the lower index. Samples that fit nowhere get -1.
+    Fed largest first, worst fit grows all micro-batches evenly, spreads long samples, and
+    leaves the small samples to close the last gaps on both resources at once.
     """
     n = tiles.shape[0]
     inv_v = 1.0 / qv if qv > 0 else 0.0
     inv_t = 1.0 / qt
-    inv_a = 1.0 / qa if qa > 0 else 0.0
+    inv_a = 1.0 / mean_attn if mean_attn > 0 else 0.0
     v_load = np.zeros(n_bins, np.int64)
     t_load = np.zeros(n_bins, np.int64)
     a_load = np.zeros(n_bins, np.float64)
@@ -79,7 +80,7 @@ def fill_bins(tiles, tokens, qv, qt, qa, n_bins):
             nt = t_load[b] + t
             if nv <= qv and nt <= qt:
                 score = max(max(nv * inv_v, nt * inv_t), (a_load[b] + a) * inv_a)
-                if score < best_score:
+                if best < 0 or score < best_score:
                     best_score = score
                     best = b
         if best >= 0:
@@ -90,18 +91,20 @@ def fill_bins(tiles, tokens, qv, qt, qa, n_bins):
     return where
 
 
-def fill_bins_reference(tiles, tokens, qv, qt, n_bins):
-    v_load = [0] * n_bins
-    t_load = [0] * n_bins
+def fill_bins_reference(tiles, tokens, qv, qt, mean_attn, n_bins):
+    inv = (1.0 / qv if qv > 0 else 0.0, 1.0 / qt, 1.0 / mean_attn if mean_attn > 0 else 0.0)
+    load = [[0, 0, 0.0] for _ in range(n_bins)]
     where = []
     for v, t in zip(tiles, tokens):
-        fits = [b for b in range(n_bins) if v_load[b] + v <= qv and t_load[b] + t <= qt]
+        a = float(t) * float(t)
+        fits = [b for b in range(n_bins) if load[b][0] + v <= qv and load[b][1] + t <= qt]
         if not fits:
             where.append(-1)
             continue
-        best = min(fits, key=lambda b: (max((v_load[b] + v) * (1.0 / qv if qv > 0 else 0.0),
-                                            (t_load[b] + t) * (1.0 / qt)), b))
-        v_load[best] += v
-        t_load[best] += t
+        best = min(fits, key=lambda b: (max((load[b][0] + v) * inv[0], (load[b][1] + t) * inv[1],
+                                            (load[b][2] + a) * inv[2]), b))
+        load[best][0] += v
+        load[best][1] += t
+        load[best][2] += a
         where.append(best)
     return np.array(where, np.int64)

@@ -83,6 +83,7 @@ def measure(lengths: Lengths, packing: Packing, *, qv: int, qt: int, cost: CostM
     if packing.ranks % dp:
         raise ValueError(f"dp={dp} does not divide the plan's {packing.ranks} virtual ranks")
     n_micro, steps = packing.n_micro, packing.steps
+    per_step = packing.ranks * packing.micro_batches
     micro = packing.micro_of_item()
     tiles = lengths.tiles[packing.items].astype(np.float64)
     tokens = lengths.tokens[packing.items].astype(np.float64)
@@ -91,7 +92,7 @@ def measure(lengths: Lengths, packing: Packing, *, qv: int, qt: int, cost: CostM
     A = np.bincount(micro, tokens * tokens, minlength=n_micro)
 
     def per_rank(x: np.ndarray) -> np.ndarray:
-        return x.reshape(steps, dp, -1).sum(axis=2)
+        return x.reshape(steps, dp, per_step // dp).sum(axis=2)
 
     Vr, Lr, Ar = per_rank(V), per_rank(L), per_rank(A)
     C = cost.cost(Vr, Lr, Ar)
@@ -102,8 +103,8 @@ def measure(lengths: Lengths, packing: Packing, *, qv: int, qt: int, cost: CostM
         processed = float(n_micro) * qt
     total_tokens = float(L.sum())
 
-    step_samples = np.diff(packing.offsets).reshape(steps, -1).sum(axis=1)
-    step_mean_len = np.divide(L.reshape(steps, -1).sum(axis=1), step_samples,
+    step_samples = np.diff(packing.offsets).reshape(steps, per_step).sum(axis=1)
+    step_mean_len = np.divide(L.reshape(steps, per_step).sum(axis=1), step_samples,
                               out=np.zeros(steps), where=step_samples > 0)
     return Metrics(
         pad_ratio=(processed - total_tokens) / processed if processed else 0.0,

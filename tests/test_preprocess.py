@@ -22,13 +22,6 @@ def _run(demo, out, **kw):
     return run_preprocess(PreprocessConfig(inputs=[demo.meta], out=str(out), **kw))
 
 
-@pytest.fixture(scope="module")
-def demo_out(demo, tmp_path_factory):
-    out = tmp_path_factory.mktemp("pre") / "out"
-    _run(demo, out, keep_tokens=True, workers=1)
-    return out
-
-
 def _stats(out) -> pa.Table:
     return pq.read_table(os.path.join(out, "stats"))
 

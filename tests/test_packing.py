@@ -1,0 +1,271 @@
+"""The packer: kernels equal their references, every algorithm keeps the plan contract on random
+inputs, metrics equal hand-computed values, OmniBal files import, errors are clear."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from packing import algorithms, kernels
+from packing.batches import Lengths, Packing
+from packing.cost import CostModel
+from packing.metrics import REPORT_KEYS, dist_ratio, measure
+from packing.plan import PackConfig, run_pack
+from packing.stats import StatsError, load_stats
+
+from helpers import vlmshard
+
+OMNIBAL = os.path.join(os.path.dirname(__file__), "data", "omnibal")
+COST = CostModel.from_shape("internvl2-2b")
+
+
+def _lengths(tiles, tokens, n_sources=2) -> Lengths:
+    tiles = np.asarray(tiles, np.int64)
+    return Lengths(tiles, np.asarray(tokens, np.int64),
+                   (np.arange(len(tiles)) % n_sources).astype(np.int32),
+                   tuple(f"s{i}" for i in range(n_sources)))
+
+
+samples = st.lists(st.tuples(st.integers(0, 6), st.integers(1, 900)), min_size=1, max_size=300)
+
+
+# --- kernels against their references -----------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(samples, st.integers(6, 20), st.integers(900, 3000), st.randoms(use_true_random=False))
+def test_greedy_groups_equals_reference(rows, qv, qt, rnd):
+    tiles, tokens = (np.array(c, np.int64) for c in zip(*rows))
+    order = np.array(rnd.sample(range(len(rows)), len(rows)), np.int64)
+    got = kernels.greedy_groups(tiles, tokens, order, qv, qt)
+    assert np.array_equal(got, kernels.greedy_groups_reference(tiles, tokens, order, qv, qt))
+
+
+@settings(max_examples=60, deadline=None)
+@given(samples, st.integers(6, 20), st.integers(900, 3000), st.integers(1, 12),
+       st.floats(0, 5e6))
+def test_fill_bins_equals_reference(rows, qv, qt, n_bins, mean_attn):
+    tiles, tokens = (np.array(c, np.int64) for c in zip(*rows))
+    got = kernels.fill_bins(tiles, tokens, qv, qt, mean_attn, n_bins)
+    want = kernels.fill_bins_reference(tiles, tokens, qv, qt, mean_attn, n_bins)
+    assert np.array_equal(got, want)
+    for b in range(n_bins):  # and the caps hold
+        assert tiles[got == b].sum() <= qv and tokens[got == b].sum() <= qt
+
+
+@settings(max_examples=25, deadline=None)
+@given(samples, st.integers(6, 20), st.integers(900, 3000), st.integers(0, 1000),
+       st.integers(1, 8))
+def test_isf_groups_equal_omnibal_reference(rows, qv, qt, seed, iterations):
+    lengths = _lengths(*zip(*rows))
+    ids = np.flatnonzero((lengths.tiles <= qv) & (lengths.tokens <= qt))
+    items, group = algorithms.isf_groups(lengths, ids, algorithms.Caps(qv, qt), seed=seed,
+                                         iterations=iterations)
+    got = [items[group == g].tolist() for g in range(int(group.max()) + 1)] if len(ids) else []
+    want = algorithms.isf_groups_reference(lengths.tiles, lengths.tokens, ids, qv, qt, seed=seed,
+                                           iterations=iterations)
+    assert got == want
+
+
+# --- the plan contract for every algorithm ------------------------------------------------------
+
+def _check_contract(lengths: Lengths, packing: Packing, caps: algorithms.Caps, ranks: int,
+                    micro: int, padded: bool = False) -> None:
+    everyone = np.r_[packing.items, packing.unplaced]
+    assert np.array_equal(np.sort(everyone), np.arange(len(lengths)))  # each sample exactly once
+    assert len(packing.unplaced_reason) == len(packing.unplaced)
+    assert packing.n_micro == packing.steps * ranks * micro  # whole steps only
+    sizes = np.diff(packing.offsets)
+    assert (sizes > 0).all()
+    m = packing.micro_of_item()
+    assert (np.bincount(m, lengths.tiles[packing.items], minlength=packing.n_micro) <= caps.qv).all()
+    assert (np.bincount(m, lengths.tokens[packing.items], minlength=packing.n_micro) <= caps.qt).all()
+    assert set(packing.unplaced_reason) <= {"remainder", "tiles_over_qv", "tokens_over_qt"}
+    if padded:  # fixed k samples per micro-batch
+        assert len(set(sizes.tolist())) <= 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(samples, st.sampled_from(algorithms.ALGORITHMS), st.integers(1, 4), st.integers(1, 3),
+       st.integers(0, 99))
+def test_every_algorithm_keeps_the_contract(rows, algo, ranks, micro, seed):
+    lengths = _lengths(*zip(*rows))
+    cfg = PackConfig(stats="-", dp=ranks, out="-", micro_batches=micro, algo=algo, seed=seed,
+                     target_samples=3)
+    from packing.plan import choose_caps, pack_epoch
+
+    caps, _, _ = choose_caps(cfg, lengths, COST)
+    fit, over, reasons = algorithms.split_over_cap(lengths, caps)
+    packing = pack_epoch(cfg, lengths, fit, caps, COST, seed=seed)
+    packing.unplaced = np.r_[over, packing.unplaced].astype(np.int64)
+    packing.unplaced_reason = reasons + packing.unplaced_reason
+    _check_contract(lengths, packing, caps, ranks, micro, algo in algorithms.PADDED)
+    again = pack_epoch(cfg, lengths, fit, caps, COST, seed=seed)  # deterministic
+    assert np.array_equal(again.items, packing.items)
+    assert np.array_equal(again.offsets, packing.offsets)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 5), st.integers(200, 2000)), min_size=50, max_size=400),
+       st.integers(1, 4), st.integers(0, 9))
+def test_balanced_places_all_but_less_than_a_step(rows, ranks, seed):
+    lengths = _lengths(*zip(*rows))
+    caps = algorithms.auto_caps(lengths, 4)
+    packing = algorithms.pack_balanced(lengths, np.arange(len(lengths)), caps, ranks=ranks,
+                                       micro_batches=1, seed=seed, cost=COST)
+    _check_contract(lengths, packing, caps, ranks, 1, False)
+    assert set(packing.unplaced_reason) <= {"remainder"}
+    assert len(packing.unplaced) < ranks  # fewer samples than one step's micro-batches
+
+
+def test_auto_caps_fit_every_sample():
+    lengths = _lengths([1, 5, 2, 12], [300, 1500, 500, 4000])
+    caps = algorithms.auto_caps(lengths, 2)
+    assert caps.qv >= 12 and caps.qt >= 4000
+    assert algorithms.split_over_cap(lengths, caps)[0].tolist() == [0, 1, 2, 3]
+
+
+# --- metrics against hand-computed values -------------------------------------------------------
+
+def test_dist_ratio_by_hand():
+    # step 0: max 4 -> (0 + 2) / (4 * 2) = 0.25; step 1: equal -> 0
+    assert dist_ratio(np.array([[4, 2], [3, 3]])) == pytest.approx(0.125)
+    assert dist_ratio(np.array([[0, 0]])) == 0.0
+
+
+def test_measure_by_hand():
+    # Two steps, two ranks, one micro-batch each. Tokens: [100, 50 | 120] [80 | 60, 40]
+    lengths = _lengths([1, 2, 3, 1, 1, 2], [100, 50, 120, 80, 60, 40])
+    packing = Packing(np.array([0, 1, 2, 3, 4, 5]), np.array([0, 2, 3, 4, 6]), 2, 1,
+                      np.array([], np.int64), [])
+    cost = CostModel(a_v=0.0, a_t=1.0, b=0.0, origin="test")
+    m = measure(lengths, packing, qv=4, qt=200, cost=cost, padded=False, dp=2, pack_seconds=0.5)
+    # V per rank: [3, 3], [1, 3]; L: [150, 120], [80, 100]; A: [12500, 14400], [6400, 5200]
+    assert m.vit_dist_ratio == pytest.approx((0 + (3 - 1) / (3 * 2)) / 2)
+    assert m.llm_dist_ratio == pytest.approx(((150 - 120) / 300 + (100 - 80) / 200) / 2)
+    assert m.attn_dist_ratio == pytest.approx(((14400 - 12500) / 28800 + (6400 - 5200) / 12800) / 2)
+    assert m.vit_fill == pytest.approx(10 / 16)
+    assert m.llm_fill == pytest.approx(450 / 800)
+    assert m.pad_ratio == pytest.approx(350 / 800)
+    assert m.cost_efficiency == pytest.approx((135 + 90) / (150 + 100))
+    assert m.order_spearman == pytest.approx(-1.0)  # step means 90 > 60
+    assert (m.steps, m.micro_batches, m.samples, m.unplaced) == (2, 4, 6, 0)
+    padded = measure(lengths, packing, qv=4, qt=200, cost=cost, padded=True, dp=2, pack_seconds=0)
+    assert padded.pad_ratio == pytest.approx(1 - 450 / (200 + 120 + 80 + 120))
+    merged = measure(lengths, packing, qv=4, qt=200, cost=cost, padded=False, dp=1, pack_seconds=0)
+    assert merged.llm_dist_ratio == 0.0  # one real rank takes both virtual ranks
+
+
+# --- inputs: OmniBal files and the stats table --------------------------------------------------
+
+def test_omnibal_meta_order_and_list():
+    meta = load_stats(os.path.join(OMNIBAL, "meta.json"))
+    ai2d = json.load(open(os.path.join(OMNIBAL, "ai2d_train_12k_head.json")))
+    doc = json.load(open(os.path.join(OMNIBAL, "docvqa_train_10k_head.json")))
+    rows = ai2d + doc  # sample_id: names in meta order, then rows
+    assert meta.lengths.tiles.tolist() == [r["vit_num"] for r in rows]
+    assert meta.lengths.tokens.tolist() == [r["token_num"] for r in rows]
+    assert meta.lengths.sources == ("ai2d", "docvqa")
+    assert meta.lengths.source.tolist() == [0] * len(ai2d) + [1] * len(doc)
+    single = load_stats(os.path.join(OMNIBAL, "docvqa_train_10k_head.json"))
+    assert single.lengths.tokens.tolist() == [r["token_num"] for r in doc]
+
+
+def test_omnibal_bad_rows_are_named(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps([{"vit_num": 1, "token_num": 10}, {"vit_num": 1}]))
+    with pytest.raises(StatsError, match=r"bad.json: row 1 needs integer vit_num and token_num"):
+        load_stats(str(path))
+
+
+def test_pack_the_preprocessed_demo(demo_out, tmp_path):
+    result = run_pack(PackConfig(stats=str(demo_out), dp=2, out=str(tmp_path / "plan")))
+    plan = pq.read_table(tmp_path / "plan" / "plan.parquet").to_pandas()
+    info = json.load(open(tmp_path / "plan" / "plan.json"))
+    accepted = json.load(open(demo_out / "preprocess.json"))["totals"]["accepted"]
+    placed = set(plan.sample_id)
+    unplaced = {u["sample_id"] for u in info["unplaced"]}
+    assert placed.isdisjoint(unplaced) and len(placed | unplaced) == accepted
+    assert len(plan) == len(placed) == result.metrics.samples
+    assert info["stats"]["format"] == "vlmshard" and len(info["stats"]["sha256"]) == 64
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+def test_pack_is_byte_identical_and_report_prints_the_keys(tmp_path):
+    meta = os.path.join(OMNIBAL, "meta.json")
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out in (a, b):
+        vlmshard("pack", "--stats", meta, "--dp", "4", "--out", str(out), "--seed", "3")
+    assert (a / "plan.parquet").read_bytes() == (b / "plan.parquet").read_bytes()
+    report = json.loads(vlmshard("report", str(a), "--json").stdout)
+    assert list(report) == list(REPORT_KEYS)
+    plan = pq.read_table(a / "plan.parquet")
+    assert plan.column_names == ["step", "rank", "micro", "slot", "sample_id"]
+    assert report["samples"] == plan.num_rows and report["steps"] == max(plan["step"].to_pylist()) + 1
+
+
+def test_epoch_e_uses_seed_plus_e(tmp_path):
+    meta = os.path.join(OMNIBAL, "meta.json")
+    two = run_pack(PackConfig(stats=meta, dp=2, out=str(tmp_path / "two"), seed=5, epochs=2))
+    one = run_pack(PackConfig(stats=meta, dp=2, out=str(tmp_path / "one"), seed=6))
+    info = json.load(open(tmp_path / "two" / "plan.json"))
+    second = info["epochs"][1]
+    assert second["seed"] == 6
+    plan_two = pq.read_table(tmp_path / "two" / "plan.parquet").to_pandas()
+    plan_one = pq.read_table(tmp_path / "one" / "plan.parquet").to_pandas()
+    tail = plan_two[plan_two.step >= second["first_step"]].copy()
+    tail["step"] -= second["first_step"]
+    assert tail.reset_index(drop=True).equals(plan_one)
+    assert two.metrics.samples == 2 * one.metrics.samples
+
+
+def test_virtual_ranks_carry_balance_to_a_divisor(tmp_path):
+    meta = os.path.join(OMNIBAL, "meta.json")
+    result = run_pack(PackConfig(stats=meta, dp=2, virtual_ranks=4, out=str(tmp_path / "p")))
+    plan = pq.read_table(tmp_path / "p" / "plan.parquet")
+    assert sorted(set(plan["rank"].to_pylist())) == [0, 1, 2, 3]
+    assert result.metrics.llm_dist_ratio < 0.02
+
+
+def test_balanced_beats_isf_on_real_lengths(tmp_path):
+    meta = os.path.join(OMNIBAL, "meta.json")
+    got = {}
+    for algo in ("balanced", "isf"):
+        got[algo] = run_pack(PackConfig(stats=meta, dp=4, out=str(tmp_path / algo),
+                                        algo=algo)).metrics
+    bal, isf = got["balanced"], got["isf"]
+    assert bal.llm_dist_ratio < isf.llm_dist_ratio
+    assert bal.attn_dist_ratio < isf.attn_dist_ratio
+    assert min(bal.vit_fill, bal.llm_fill) > min(isf.vit_fill, isf.llm_fill)
+    assert bal.cost_efficiency > isf.cost_efficiency
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dp", "0"], "--dp must be at least 1"),
+    (["--dp", "2", "--qv", "0", "--qt", "10"], "leave out every sample"),
+    (["--dp", "2", "--qv", "4"], "give both --qv and --qt"),
+    (["--dp", "3", "--virtual-ranks", "4"], "must be a multiple of --dp 3"),
+    (["--dp", "2", "--algo", "random", "--qv", "4", "--qt", "900"], "do not apply to random"),
+])
+def test_bad_options_fail_with_one_line(tmp_path, args, message):
+    proc = vlmshard("pack", "--stats", os.path.join(OMNIBAL, "meta.json"), "--out",
+                    str(tmp_path / "p"), *args, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_empty_and_missing_inputs_fail_clearly(tmp_path):
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    proc = vlmshard("pack", "--stats", str(empty), "--dp", "2", "--out", str(tmp_path / "p"),
+                    check=False)
+    assert proc.returncode != 0 and "no samples to pack" in proc.stderr
+    proc = vlmshard("pack", "--stats", str(tmp_path / "nope"), "--dp", "2", "--out",
+                    str(tmp_path / "p"), check=False)
+    assert proc.returncode != 0 and "no such file or folder" in proc.stderr
