@@ -248,6 +248,7 @@ class BalancedOptions:
     overfill: float = 0.08  # a window takes this much more than it holds; the rest is carried
     balance_steps: int = 256  # steps whose micro-batches are matched together
     bands: int = 3  # steps per attention band; inside a band micro-batches are matched on tokens
+    polish_rounds: int = 1  # swaps per rank and step (kernels.polish_steps); more rarely help
 
 
 def auto_caps(lengths: Lengths, target_samples: int, headroom: float = 0.01) -> Caps:
@@ -277,8 +278,11 @@ def pack_balanced(lengths: Lengths, ids: np.ndarray, caps: Caps, *, ranks: int,
     order = _deal_steps(lengths, placed, bin_of_item, n_bins, ranks, micro_batches, cost, rng,
                         options)
     leftover = np.setdiff1d(stream, placed, assume_unique=True)
-    return Packing.from_bins(placed, bin_of_item, order, ranks, micro_batches,
-                             leftover, ["remainder"] * len(leftover))
+    packing = Packing.from_bins(placed, bin_of_item, order, ranks, micro_batches,
+                                leftover, ["remainder"] * len(leftover))
+    kernels.polish_steps(packing.items, packing.offsets, lengths.tiles, lengths.tokens, ranks,
+                         micro_batches, caps.qt, options.polish_rounds * ranks)
+    return packing
 
 
 def _fill_stream(lengths, stream, caps, per_step, options):

@@ -108,3 +108,150 @@ def fill_bins_reference(tiles, tokens, qv, qt, mean_attn, n_bins):
         load[best][2] += a
         where.append(best)
     return np.array(where, np.int64)
+
+
+@njit(cache=True)
+def polish_steps(items, offsets, tiles, tokens, ranks, micro_batches, qt, rounds):
+    """Even out tokens and attention across a step's ranks by swapping samples, in place.
+
+    ``items``/``offsets`` hold micro-batches in step-major order (``Packing``). In each step,
+    up to ``rounds`` times: take the rank most above the step mean (deviation = relative tokens
+    + relative Σseq_len²) and apply the swap of two samples with equal tiles between it and any
+    other rank that most lowers Σ_r (ΔL_r/L̄)² + (ΔA_r/Ā)², keeping Qt. Tiles per
+    micro-batch never change, so ViT balance and caps are kept. Returns the number of swaps.
+    """
+    per_step = ranks * micro_batches
+    n_steps = (offsets.shape[0] - 1) // per_step
+    L = np.zeros(ranks)
+    A = np.zeros(ranks)
+    swaps = 0
+    for s in range(n_steps):
+        first = s * per_step
+        for r in range(ranks):
+            L[r] = 0.0
+            A[r] = 0.0
+            for k in range(offsets[first + r * micro_batches],
+                           offsets[first + (r + 1) * micro_batches]):
+                t = float(tokens[items[k]])
+                L[r] += t
+                A[r] += t * t
+        mean_l = L.sum() / ranks
+        mean_a = A.sum() / ranks
+        if mean_l <= 0.0:
+            continue
+        for _ in range(rounds):
+            p = 0
+            dev_p = (L[0] - mean_l) / mean_l + (A[0] - mean_a) / mean_a
+            for r in range(1, ranks):
+                dev = (L[r] - mean_l) / mean_l + (A[r] - mean_a) / mean_a
+                if dev > dev_p:
+                    p = r
+                    dev_p = dev
+            best_gain = 1e-12
+            best_i = -1
+            best_j = -1
+            best_q = -1
+            for q in range(ranks):
+                if q == p:
+                    continue
+                before = (((L[p] - mean_l) / mean_l) ** 2 + ((L[q] - mean_l) / mean_l) ** 2
+                          + ((A[p] - mean_a) / mean_a) ** 2 + ((A[q] - mean_a) / mean_a) ** 2)
+                for bi in range(first + p * micro_batches, first + (p + 1) * micro_batches):
+                    li = 0
+                    for k in range(offsets[bi], offsets[bi + 1]):
+                        li += tokens[items[k]]
+                    for bj in range(first + q * micro_batches, first + (q + 1) * micro_batches):
+                        lj = 0
+                        for k in range(offsets[bj], offsets[bj + 1]):
+                            lj += tokens[items[k]]
+                        for i in range(offsets[bi], offsets[bi + 1]):
+                            for j in range(offsets[bj], offsets[bj + 1]):
+                                if tiles[items[i]] != tiles[items[j]]:
+                                    continue
+                                ti = tokens[items[i]]
+                                tj = tokens[items[j]]
+                                d = tj - ti  # rank p gains d tokens, rank q loses them
+                                if d == 0 or li + d > qt or lj - d > qt:
+                                    continue
+                                da = float(tj) * tj - float(ti) * ti
+                                after = (((L[p] + d - mean_l) / mean_l) ** 2
+                                         + ((L[q] - d - mean_l) / mean_l) ** 2
+                                         + ((A[p] + da - mean_a) / mean_a) ** 2
+                                         + ((A[q] - da - mean_a) / mean_a) ** 2)
+                                if before - after > best_gain:
+                                    best_gain = before - after
+                                    best_i = i
+                                    best_j = j
+                                    best_q = q
+            if best_i < 0:
+                break
+            ti = float(tokens[items[best_i]])
+            tj = float(tokens[items[best_j]])
+            L[p] += tj - ti
+            L[best_q] -= tj - ti
+            A[p] += tj * tj - ti * ti
+            A[best_q] -= tj * tj - ti * ti
+            items[best_i], items[best_j] = items[best_j], items[best_i]
+            swaps += 1
+    return swaps
+
+
+def polish_steps_reference(items, offsets, tiles, tokens, ranks, micro_batches, qt, rounds):
+    per_step = ranks * micro_batches
+    swaps = 0
+
+    def micro(b):
+        return range(offsets[b], offsets[b + 1])
+
+    for s in range((len(offsets) - 1) // per_step):
+        first = s * per_step
+        rank_micros = [range(first + r * micro_batches, first + (r + 1) * micro_batches)
+                       for r in range(ranks)]
+
+        def loads():
+            ts = [[float(tokens[items[k]]) for b in rank_micros[r] for k in micro(b)]
+                  for r in range(ranks)]
+            return [sum(t) for t in ts], [sum(x * x for x in t) for t in ts]
+
+        L, A = loads()
+        mean_l, mean_a = sum(L) / ranks, sum(A) / ranks
+        if mean_l <= 0:
+            continue
+
+        def dev(r):
+            return (L[r] - mean_l) / mean_l + (A[r] - mean_a) / mean_a
+
+        def spread(lp, lq, ap, aq):
+            return sum(((x - m) / m) ** 2 for x, m in
+                       ((lp, mean_l), (lq, mean_l), (ap, mean_a), (aq, mean_a)))
+
+        for _ in range(rounds):
+            p = max(range(ranks), key=lambda r: (dev(r), -r))
+            best = None
+            for q in range(ranks):
+                if q == p:
+                    continue
+                before = spread(L[p], L[q], A[p], A[q])
+                for bi in rank_micros[p]:
+                    li = sum(tokens[items[k]] for k in micro(bi))
+                    for bj in rank_micros[q]:
+                        lj = sum(tokens[items[k]] for k in micro(bj))
+                        for i in micro(bi):
+                            for j in micro(bj):
+                                ti, tj = tokens[items[i]], tokens[items[j]]
+                                d = tj - ti
+                                if tiles[items[i]] != tiles[items[j]] or d == 0:
+                                    continue
+                                if li + d > qt or lj - d > qt:
+                                    continue
+                                da = float(tj) * tj - float(ti) * ti
+                                gain = before - spread(L[p] + d, L[q] - d, A[p] + da, A[q] - da)
+                                if gain > (best[0] if best else 1e-12):
+                                    best = (gain, i, j)
+            if best is None:
+                break
+            _, i, j = best
+            items[i], items[j] = items[j], items[i]
+            L, A = loads()
+            swaps += 1
+    return swaps

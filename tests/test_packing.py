@@ -72,6 +72,31 @@ def test_isf_groups_equal_omnibal_reference(rows, qv, qt, seed, iterations):
     assert got == want
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3), st.integers(1, 400)), min_size=4, max_size=80),
+       st.integers(1, 4), st.integers(1, 2), st.integers(1, 6), st.integers(0, 99))
+def test_polish_steps_equals_reference_and_keeps_tiles(rows, ranks, micro, rounds, seed):
+    lengths = _lengths(*zip(*rows))
+    per_step = ranks * micro
+    n_micro = (len(rows) // per_step) * per_step
+    if n_micro == 0:
+        return
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.choice(np.arange(1, len(rows)), n_micro - 1, replace=False))
+    offsets = np.r_[0, cuts, len(rows)].astype(np.int64)
+    items = rng.permutation(len(rows)).astype(np.int64)
+    qt = int(max(lengths.tokens[items[a:b]].sum() for a, b in zip(offsets, offsets[1:])))
+    got, want = items.copy(), items.copy()
+    n = kernels.polish_steps(got, offsets, lengths.tiles, lengths.tokens, ranks, micro, qt, rounds)
+    m = kernels.polish_steps_reference(want, offsets, lengths.tiles, lengths.tokens, ranks, micro,
+                                       qt, rounds)
+    assert n == m and np.array_equal(got, want)
+    assert sorted(got.tolist()) == sorted(items.tolist())
+    for a, b in zip(offsets, offsets[1:]):  # tiles per micro-batch unchanged, Qt kept
+        assert lengths.tiles[got[a:b]].sum() == lengths.tiles[items[a:b]].sum()
+        assert lengths.tokens[got[a:b]].sum() <= qt
+
+
 # --- the plan contract for every algorithm ------------------------------------------------------
 
 def _check_contract(lengths: Lengths, packing: Packing, caps: algorithms.Caps, ranks: int,

@@ -1,0 +1,175 @@
+"""Packing quality and speed on OmniBal's real InternVL-1.2M length statistics.
+
+    python benchmarks/pack_bench.py                    # everything (about 2 minutes)
+    python benchmarks/pack_bench.py --skip-speed       # only the quality tables
+
+Quality: all four algorithms on the real rows (ai2d + docvqa, 22,624 samples) at R=8 M=1,
+R=64 M=1 and R=8 M=4, automatic caps (ISF: OmniBal's search), default seed.
+Speed: ``balanced`` including automatic caps on 1.2M and 10M samples resampled from those rows,
+each size in a fresh process pinned to one core (peak RSS of that process); our ``isf`` grouping
+against OmniBal's pure-Python ISF logic on the same 1.2M samples and caps. Medians of repeats.
+Prints Markdown for BENCHMARKS.md; ``--json`` also writes the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from packing import algorithms  # noqa: E402
+from packing.batches import Lengths  # noqa: E402
+from packing.cost import CostModel  # noqa: E402
+from packing.plan import PackConfig, choose_caps, pack_epoch  # noqa: E402
+from packing.metrics import measure  # noqa: E402
+from packing.stats import load_stats  # noqa: E402
+
+DATA = os.path.join(REPO, "..", "shared", "data", "omnibal-lengths")
+FILES = ("ai2d_train_12k.json", "docvqa_train_10k.json")
+COST = CostModel.from_shape("internvl2-2b")
+SETTINGS = ((8, 1), (64, 1), (8, 4))
+COLUMNS = ("vit_dist_ratio", "llm_dist_ratio", "attn_dist_ratio", "vit_fill", "llm_fill",
+           "pad_ratio", "cost_efficiency", "order_spearman", "source_mix_tv", "qv", "qt",
+           "steps", "unplaced", "pack_seconds")
+
+
+def real_lengths(data_dir: str) -> Lengths:
+    meta = os.path.join(os.environ.get("TMPDIR", "/tmp"), "vlmshard-omnibal-meta.json")
+    with open(meta, "w") as f:
+        json.dump({os.path.splitext(n)[0]: {"token_lengths": os.path.abspath(
+            os.path.join(data_dir, n))} for n in FILES}, f)
+    return load_stats(meta).lengths
+
+
+def resample(lengths: Lengths, n: int, seed: int = 0) -> Lengths:
+    return lengths.take(np.random.default_rng(seed).integers(0, len(lengths), n))
+
+
+def plan(lengths: Lengths, algo: str, ranks: int, micro: int, seed: int = 0):
+    """Caps (automatic or searched) + one epoch + metrics, timed like ``vlmshard pack``."""
+    cfg = PackConfig(stats="-", dp=ranks, out="-", micro_batches=micro, algo=algo, seed=seed)
+    t0 = time.perf_counter()
+    caps, _, _ = choose_caps(cfg, lengths, COST)
+    fit, over, _ = algorithms.split_over_cap(lengths, caps)
+    packing = pack_epoch(cfg, lengths, fit, caps, COST, seed=seed)
+    seconds = time.perf_counter() - t0
+    packing.unplaced = np.r_[over, packing.unplaced]
+    return measure(lengths, packing, qv=caps.qv, qt=caps.qt, cost=COST,
+                   padded=algo in algorithms.PADDED, dp=ranks, pack_seconds=seconds)
+
+
+def quality(lengths: Lengths) -> dict:
+    plan(lengths.take(np.arange(2000)), "balanced", 8, 1)  # compile the kernels first
+    out = {}
+    for ranks, micro in SETTINGS:
+        for algo in algorithms.ALGORITHMS:
+            out[f"R={ranks} M={micro} {algo}"] = plan(lengths, algo, ranks, micro).to_dict()
+    return out
+
+
+def speed_child(n: int, repeats: int, data_dir: str) -> dict:
+    """Runs in a fresh process pinned to one core: balanced (auto caps) on n resampled samples."""
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    lengths = resample(real_lengths(data_dir), n)
+    plan(lengths.take(np.arange(2000)), "balanced", 8, 1)  # compile
+    times, m = [], None
+    for _ in range(repeats):
+        m = plan(lengths, "balanced", 8, 1)
+        times.append(m.pack_seconds)
+    return {"samples": n, "seconds": times, "median_seconds": statistics.median(times),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "metrics": m.to_dict()}
+
+
+def isf_vs_omnibal(lengths: Lengths, repeats: int) -> dict:
+    """Our ISF grouping against OmniBal's pure-Python logic: same samples, caps, seed, T=50."""
+    cfg = PackConfig(stats="-", dp=8, out="-", algo="isf")
+    caps, _, _ = choose_caps(cfg, lengths.take(np.arange(min(len(lengths), 200_000))), COST)
+    ids = algorithms.split_over_cap(lengths, caps)[0]
+    algorithms.isf_groups(lengths.take(np.arange(1000)), np.arange(1000), caps, seed=0)
+    ours = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        items, group = algorithms.isf_groups(lengths, ids, caps, seed=0)
+        ours.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    ref = algorithms.isf_groups_reference(lengths.tiles, lengths.tokens, ids, caps.qv, caps.qt,
+                                          seed=0)
+    reference = time.perf_counter() - t0
+    same = len(ref) == int(group[-1]) + 1 and all(
+        a == b for a, b in zip((i for g in ref for i in g), items.tolist()))
+    return {"samples": len(ids), "qv": caps.qv, "qt": caps.qt, "ours_seconds": ours,
+            "ours_median": statistics.median(ours), "omnibal_python_seconds": reference,
+            "speedup": reference / statistics.median(ours), "identical_groups": same}
+
+
+def markdown_quality(results: dict) -> str:
+    head = "| setting | algo | " + " | ".join(COLUMNS) + " |"
+    lines = [head, "|" + "---|" * (len(COLUMNS) + 2)]
+    for key, m in results.items():
+        setting, algo = key.rsplit(" ", 1)
+        cells = [f"{m[c]:.4f}" if isinstance(m[c], float) else str(m[c]) for c in COLUMNS]
+        lines.append(f"| {setting} | {algo} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--data", default=DATA, help="folder with OmniBal's length files")
+    p.add_argument("--sizes", type=float, nargs="+", default=[1.2e6, 1e7])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--skip-quality", action="store_true")
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(speed_child(args.child, args.repeats, args.data)))
+        return 0
+    results = {"machine": f"{platform.processor() or platform.machine()}, "
+                          f"{len(os.sched_getaffinity(0))} CPUs, Python {platform.python_version()}"}
+    lengths = real_lengths(args.data)
+    if not args.skip_quality:
+        results["quality"] = quality(lengths)
+        print(f"## Quality on the real rows ({len(lengths):,} samples)\n")
+        print(markdown_quality(results["quality"]), "\n")
+    if not args.skip_speed:
+        results["speed"] = []
+        for n in args.sizes:
+            out = subprocess.run([sys.executable, __file__, "--child", str(int(n)), "--repeats",
+                                  str(args.repeats), "--data", args.data],
+                                 capture_output=True, text=True, check=True).stdout
+            results["speed"].append(json.loads(out.strip().splitlines()[-1]))
+        results["isf"] = isf_vs_omnibal(resample(lengths, int(args.sizes[0])), args.repeats)
+        print("## Speed (balanced, automatic caps, one core)\n")
+        print("| samples | median s | runs s | peak RSS MB | vit_fill | llm_fill | cost_eff |")
+        print("|---|---|---|---|---|---|---|")
+        for s in results["speed"]:
+            m = s["metrics"]
+            print(f"| {s['samples']:,} | {s['median_seconds']:.2f} | "
+                  f"{', '.join(f'{t:.2f}' for t in s['seconds'])} | {s['peak_rss_mb']:.0f} | "
+                  f"{m['vit_fill']:.4f} | {m['llm_fill']:.4f} | {m['cost_efficiency']:.4f} |")
+        i = results["isf"]
+        print(f"\nISF grouping, {i['samples']:,} samples, Qv={i['qv']} Qt={i['qt']}, T=50: ours "
+              f"{i['ours_median']:.2f} s (median), OmniBal's Python logic "
+              f"{i['omnibal_python_seconds']:.1f} s: {i['speedup']:.0f}x; identical groups: "
+              f"{i['identical_groups']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
