@@ -18,6 +18,8 @@ $(STAMP): setup.cfg pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/vlmshard demo-data --out $(DEMO)/data
 	$(VENV)/bin/vlmshard preprocess --config configs/demo.yaml
+	$(VENV)/bin/vlmshard pack --stats $(DEMO)/preprocess --dp 2 --out $(DEMO)/plan
+	$(VENV)/bin/vlmshard report $(DEMO)/plan
 
 test: $(STAMP)
 	$(PY) -m pytest
@@ -27,6 +29,7 @@ test-quick: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/preprocess_bench.py
+	$(PY) benchmarks/pack_bench.py
 
 clean:
 	rm -rf build
