@@ -188,24 +188,30 @@ def isf_groups_reference(tiles, tokens, ids, qv, qt, *, seed, iterations=ISF_ITE
 
 def pack_isf(lengths: Lengths, ids: np.ndarray, caps: Caps, *, ranks: int, micro_batches: int,
              seed: int, iterations: int = ISF_ITERATIONS) -> Packing:
-    """ISF groups dealt to ranks in random order (OmniBal's random sampler over the groups)."""
     items, group = isf_groups(lengths, ids, caps, seed=seed, iterations=iterations)
+    return deal_groups(items, group, ranks=ranks, micro_batches=micro_batches, seed=seed)
+
+
+def deal_groups(items: np.ndarray, group: np.ndarray, *, ranks: int, micro_batches: int,
+                seed: int) -> Packing:
+    """Groups dealt to ranks in random order (OmniBal's random sampler over ISF's groups)."""
     n_groups = int(group[-1]) + 1 if len(group) else 0
-    rank_of_group = np.empty(n_groups, np.int64)
-    rank_of_group[np.random.default_rng(seed).permutation(n_groups)] = np.arange(n_groups)
-    new_group = rank_of_group[group]
+    position = np.empty(n_groups, np.int64)
+    position[np.random.default_rng(seed).permutation(n_groups)] = np.arange(n_groups)
+    new_group = position[group]
     sort = np.argsort(new_group, kind="stable")
     return whole_steps(items[sort], new_group[sort], ranks, micro_batches, np.array([], np.int64), [])
 
 
-def search_isf_caps(lengths: Lengths, *, ranks: int, micro_batches: int, target_samples: int,
-                    seed: int, cost: CostModel, max_candidates: int = 40) -> tuple[Caps, list[dict]]:
+def search_isf_caps(lengths: Lengths, *, ranks: int, target_samples: int, seed: int,
+                    cost: CostModel, max_candidates: int = 40) -> tuple[Caps, list[dict]]:
     """OmniBal's parameter search (``test_balanced_dynamic_batch.py``).
 
     Start from Qt = 4096 and Qv = 4096 // (mean 256-binned tokens per tile, rounded to 16); step
     both up together while ISF's mean samples per group stays below ``target_samples``, down once
     it passes target + 1; keep candidates whose mean is within [target, target + 1] and choose the
-    one with the least pad + ViT dist + LLM dist. (Bounded, where OmniBal's loop can cycle.)
+    one with the least pad + ViT dist + LLM dist, each candidate measured over ``ranks`` ranks
+    with one micro-batch each, as OmniBal does. (Bounded, where OmniBal's loop can cycle.)
     """
     from .metrics import measure
 
@@ -217,12 +223,12 @@ def search_isf_caps(lengths: Lengths, *, ranks: int, micro_batches: int, target_
     best_mean = 0.0
     for _ in range(max_candidates):
         caps = Caps(qv, qt)
-        fit, out, reasons = split_over_cap(lengths, caps)
-        packing = pack_isf(lengths, fit, caps, ranks=ranks, micro_batches=1, seed=seed)
+        fit = split_over_cap(lengths, caps)[0]
+        items, group = isf_groups(lengths, fit, caps, seed=seed)
+        mean_samples = len(fit) / (int(group[-1]) + 1) if len(group) else 0.0
+        packing = deal_groups(items, group, ranks=ranks, micro_batches=1, seed=seed)
         m = measure(lengths, packing, qv=qv, qt=qt, cost=cost, padded=False, dp=ranks,
                     pack_seconds=0.0)
-        n_groups = packing.n_micro + len(packing.unplaced) / max(target_samples, 1)
-        mean_samples = len(fit) / max(n_groups, 1)
         score = m.pad_ratio + m.vit_dist_ratio + m.llm_dist_ratio
         tried.append({"qv": qv, "qt": qt, "mean_samples": mean_samples, "score": score,
                       "accepted": target_samples <= mean_samples <= target_samples + 1})

@@ -156,8 +156,7 @@ def choose_caps(cfg: PackConfig, lengths: Lengths,
         return Caps(cfg.qv, cfg.qt), "given", None
     if cfg.algo == "isf":
         caps, tried = algorithms.search_isf_caps(
-            lengths, ranks=cfg.ranks, micro_batches=cfg.micro_batches,
-            target_samples=cfg.target_samples, seed=cfg.seed, cost=cost)
+            lengths, ranks=cfg.ranks, target_samples=cfg.target_samples, seed=cfg.seed, cost=cost)
         return caps, "isf_search", tried
     return algorithms.auto_caps(lengths, cfg.target_samples), "auto", None
 
