@@ -61,10 +61,8 @@ def plan(lengths: Lengths, algo: str, ranks: int, micro: int, seed: int = 0):
     cfg = PackConfig(stats="-", dp=ranks, out="-", micro_batches=micro, algo=algo, seed=seed)
     t0 = time.perf_counter()
     caps, _, _ = choose_caps(cfg, lengths, COST)
-    fit, over, _ = algorithms.split_over_cap(lengths, caps)
-    packing = pack_epoch(cfg, lengths, fit, caps, COST, seed=seed)
+    packing = pack_epoch(cfg, lengths, caps, COST, seed=seed)
     seconds = time.perf_counter() - t0
-    packing.unplaced = np.r_[over, packing.unplaced]
     return measure(lengths, packing, qv=caps.qv, qt=caps.qt, cost=COST,
                    padded=algo in algorithms.PADDED, dp=ranks, pack_seconds=seconds)
 

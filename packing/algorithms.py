@@ -13,7 +13,6 @@ and returns a ``Packing``; samples that do not fill a whole step are unplaced ``
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,8 +20,6 @@ import numpy as np
 from . import kernels
 from .batches import Lengths, Packing
 from .cost import CostModel
-
-log = logging.getLogger(__name__)
 
 ALGORITHMS = ("balanced", "isf", "lengthgroup", "random")
 PADDED = ("random", "lengthgroup")  # micro-batches padded per sample, not packed
@@ -51,7 +48,7 @@ def whole_steps(items: np.ndarray, group: np.ndarray, ranks: int, micro_batches:
     Micro-batches past the last whole step are dropped and their samples unplaced as
     ``remainder``, so every step has exactly ranks × micro_batches micro-batches.
     """
-    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]]) if len(group) else np.array([], np.int64)
+    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]]) if len(group) else group
     per_step = ranks * micro_batches
     keep_micro = (len(starts) // per_step) * per_step
     cut = starts[keep_micro] if keep_micro < len(starts) else len(items)

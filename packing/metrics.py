@@ -115,7 +115,8 @@ def measure(lengths: Lengths, packing: Packing, *, qv: int, qt: int, cost: CostM
         llm_fill=total_tokens / (n_micro * qt) if n_micro else 0.0,
         cost_efficiency=float(C.mean(axis=1).sum() / C.max(axis=1).sum()) if steps else 1.0,
         order_spearman=spearman(np.arange(steps), step_mean_len),
-        source_mix_tv=source_mix_tv(lengths, packing),
+        source_mix_tv=source_mix_tv(lengths.source[packing.items], micro // per_step, steps,
+                                    len(lengths.sources)),
         steps=steps,
         micro_batches=n_micro,
         samples=len(packing.items),
@@ -126,15 +127,13 @@ def measure(lengths: Lengths, packing: Packing, *, qv: int, qt: int, cost: CostM
     )
 
 
-def source_mix_tv(lengths: Lengths, packing: Packing) -> float:
+def source_mix_tv(source_of_item: np.ndarray, step_of_item: np.ndarray, steps: int,
+                  n_sources: int) -> float:
     """Mean over steps of the total-variation distance between the step's and the global mix."""
-    steps, n_src = packing.steps, len(lengths.sources)
-    if steps == 0 or n_src < 2:
+    if steps == 0 or n_sources < 2:
         return 0.0
-    per_step = packing.ranks * packing.micro_batches
-    step_of_item = packing.micro_of_item() // per_step
-    src = lengths.source[packing.items]
-    counts = np.bincount(step_of_item * n_src + src, minlength=steps * n_src).reshape(steps, n_src)
+    counts = np.bincount(step_of_item * n_sources + source_of_item,
+                         minlength=steps * n_sources).reshape(steps, n_sources)
     mix = counts / counts.sum(axis=1, keepdims=True)
     overall = counts.sum(axis=0) / counts.sum()
     return float(0.5 * np.abs(mix - overall).sum(axis=1).mean())

@@ -96,23 +96,17 @@ def run_pack(cfg: PackConfig) -> PackResult:
     cost = CostModel.from_json(cfg.cost_model) if cfg.cost_model else CostModel.from_shape(cfg.model)
     t_loaded = time.perf_counter()
     caps, caps_from, search = choose_caps(cfg, lengths, cost)
-    fit, over, over_reasons = algorithms.split_over_cap(lengths, caps)
-    if len(fit) == 0:
-        raise ValueError(f"--qv {caps.qv} --qt {caps.qt} leave out every sample: the smallest "
-                         f"has {int(lengths.tiles.min())} tiles and "
-                         f"{int(lengths.tokens.min())} tokens")
-    if len(over):
-        log.warning("%d samples exceed the caps on their own and are not placed", len(over))
     epochs, packings = [], []
     first_step = 0
     for epoch in range(cfg.epochs):
-        packing = pack_epoch(cfg, lengths, fit, caps, cost, seed=cfg.seed + epoch)
-        packing.unplaced = np.r_[over, packing.unplaced].astype(np.int64)
-        packing.unplaced_reason = list(over_reasons) + packing.unplaced_reason
+        packing = pack_epoch(cfg, lengths, caps, cost, seed=cfg.seed + epoch)
         epochs.append({"epoch": epoch, "seed": cfg.seed + epoch, "first_step": first_step,
                        "steps": packing.steps})
         first_step += packing.steps
         packings.append(packing)
+    over_cap = sum(r != "remainder" for r in packings[0].unplaced_reason)
+    if over_cap:
+        log.warning("%d samples exceed the caps on their own and are not placed", over_cap)
     pack_seconds = time.perf_counter() - t_loaded
     plan = concat_epochs(packings)
     metrics = measure(lengths, plan, qv=caps.qv, qt=caps.qt, cost=cost,
@@ -161,17 +155,28 @@ def choose_caps(cfg: PackConfig, lengths: Lengths,
     return algorithms.auto_caps(lengths, cfg.target_samples), "auto", None
 
 
-def pack_epoch(cfg: PackConfig, lengths: Lengths, ids: np.ndarray, caps: Caps, cost: CostModel,
-               *, seed: int) -> Packing:
+def pack_epoch(cfg: PackConfig, lengths: Lengths, caps: Caps, cost: CostModel, *,
+               seed: int) -> Packing:
+    """One epoch of ``cfg.algo``; samples over a cap on their own come first among the unplaced."""
+    ids, over, over_reasons = algorithms.split_over_cap(lengths, caps)
+    if len(ids) == 0:
+        raise ValueError(f"--qv {caps.qv} --qt {caps.qt} leave out every sample: the smallest "
+                         f"has {int(lengths.tiles.min())} tiles and "
+                         f"{int(lengths.tokens.min())} tokens")
     common = {"ranks": cfg.ranks, "micro_batches": cfg.micro_batches, "seed": seed}
     if cfg.algo == "random":
-        return algorithms.pack_random(lengths, ids, samples_per_micro=cfg.target_samples, **common)
-    if cfg.algo == "lengthgroup":
-        return algorithms.pack_lengthgroup(lengths, ids, samples_per_micro=cfg.target_samples,
-                                           **common)
-    if cfg.algo == "isf":
-        return algorithms.pack_isf(lengths, ids, caps, **common)
-    return algorithms.pack_balanced(lengths, ids, caps, cost=cost, **common)
+        packing = algorithms.pack_random(lengths, ids, samples_per_micro=cfg.target_samples,
+                                         **common)
+    elif cfg.algo == "lengthgroup":
+        packing = algorithms.pack_lengthgroup(lengths, ids, samples_per_micro=cfg.target_samples,
+                                              **common)
+    elif cfg.algo == "isf":
+        packing = algorithms.pack_isf(lengths, ids, caps, **common)
+    else:
+        packing = algorithms.pack_balanced(lengths, ids, caps, cost=cost, **common)
+    packing.unplaced = np.r_[over, packing.unplaced].astype(np.int64)
+    packing.unplaced_reason = over_reasons + packing.unplaced_reason
+    return packing
 
 
 def concat_epochs(packings: list[Packing]) -> Packing:

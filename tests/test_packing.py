@@ -16,7 +16,7 @@ from packing import algorithms, kernels
 from packing.batches import Lengths, Packing
 from packing.cost import CostModel
 from packing.metrics import REPORT_KEYS, dist_ratio, measure
-from packing.plan import PackConfig, run_pack
+from packing.plan import PackConfig, choose_caps, pack_epoch, run_pack
 from packing.stats import StatsError, load_stats
 
 from helpers import vlmshard
@@ -122,15 +122,10 @@ def test_every_algorithm_keeps_the_contract(rows, algo, ranks, micro, seed):
     lengths = _lengths(*zip(*rows))
     cfg = PackConfig(stats="-", dp=ranks, out="-", micro_batches=micro, algo=algo, seed=seed,
                      target_samples=3)
-    from packing.plan import choose_caps, pack_epoch
-
     caps, _, _ = choose_caps(cfg, lengths, COST)
-    fit, over, reasons = algorithms.split_over_cap(lengths, caps)
-    packing = pack_epoch(cfg, lengths, fit, caps, COST, seed=seed)
-    packing.unplaced = np.r_[over, packing.unplaced].astype(np.int64)
-    packing.unplaced_reason = reasons + packing.unplaced_reason
+    packing = pack_epoch(cfg, lengths, caps, COST, seed=seed)
     _check_contract(lengths, packing, caps, ranks, micro, algo in algorithms.PADDED)
-    again = pack_epoch(cfg, lengths, fit, caps, COST, seed=seed)  # deterministic
+    again = pack_epoch(cfg, lengths, caps, COST, seed=seed)  # deterministic
     assert np.array_equal(again.items, packing.items)
     assert np.array_equal(again.offsets, packing.offsets)
 
