@@ -25,11 +25,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlmshard import __version__
+from vlmshard.engines import ENGINES, run_units
 from vlmshard.io import (atomic_write, available_cpus, canonical_json, read_json, sha256_text,
                          write_json_atomic, write_parquet)
 from vlmshard.progress import Progress
 
-from .engines import run_local, run_ray
 from .images import DEFAULT_MAX_IMAGE_PIXELS, is_url
 from .rejects import REASONS
 from .sample import SampleLimits
@@ -37,12 +37,9 @@ from .schema import REJECTS_SCHEMA, stats_schema
 from .sources import Source, discover_sources, index_source, plan_parts
 from .tiling import make_tiling
 from .tokenize import resolve_tokenizer
-from .worker import JobSpec, committed_summary, part_paths
+from .worker import JobSpec, PartWorker, committed_summary, part_paths
 
 log = logging.getLogger(__name__)
-
-ENGINES = ("local", "ray")
-
 
 class ConfigError(ValueError):
     """A job that cannot start: the message says what to change."""
@@ -156,8 +153,7 @@ def run_preprocess(cfg: PreprocessConfig) -> PreprocessResult:
                    limits=limits, keep_tokens=cfg.keep_tokens, parts_dir=parts_dir)
     t_process = time.monotonic()
     workers = cfg.workers or (available_cpus() if cfg.engine == "local" else None)
-    results = (run_local(spec, todo, workers) if cfg.engine == "local"
-               else run_ray(spec, todo, workers, cfg.ray_address))
+    results = run_units(PartWorker, spec, todo, cfg.engine, workers, cfg.ray_address)
     with Progress(total=todo_rows, desc="preprocess", unit="rows") as progress:
         for summary in results:
             summaries[summary["part"]] = summary

@@ -12,6 +12,7 @@ A *tile* is the policy's unit of ViT work:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -146,6 +147,13 @@ def make_tiling(name: str, max_num: int = 12, min_num: int = 1) -> TilingPolicy:
     if name in POLICIES:
         return POLICIES[name]()
     raise ValueError(f"unknown tiling policy {name!r}: choose one of {', '.join(POLICIES)}")
+
+
+def source_tiling(base: TilingPolicy, max_num: int | None) -> TilingPolicy:
+    """The policy for one source: an InternVL meta's ``max_dynamic_patch`` overrides ``max_num``."""
+    if max_num is not None and isinstance(base, InternVLTiling):
+        return dataclasses.replace(base, max_num=max_num)
+    return base
 
 
 def tiling_from_dict(d: dict) -> TilingPolicy:

@@ -6,7 +6,6 @@ before it. A rerun skips committed parts, so a killed job resumes where it stopp
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from .rejects import Reject
 from .sample import SampleLimits, process_record
 from .schema import REJECTS_SCHEMA, stats_schema
 from .sources import Part, Source, read_part_rows
-from .tiling import InternVLTiling, TilingPolicy, tiling_from_dict
+from .tiling import TilingPolicy, source_tiling, tiling_from_dict
 from .tokenize import ConversationEncoder, TokenizerConfig
 
 
@@ -52,10 +51,7 @@ class PartWorker:
         self.spec = spec
         self.encoder = ConversationEncoder(spec.tokenizer)
         base = tiling_from_dict(spec.tiling)
-        self.tilings: list[TilingPolicy] = [
-            dataclasses.replace(base, max_num=s.max_num)
-            if s.max_num is not None and isinstance(base, InternVLTiling) else base
-            for s in spec.sources]
+        self.tilings: list[TilingPolicy] = [source_tiling(base, s.max_num) for s in spec.sources]
 
     def process(self, part: Part) -> dict:
         """Process and commit ``part``; returns its summary (counts per reason)."""

@@ -1,0 +1,107 @@
+"""Execution engines shared by the fleet stages: the same worker run in-process, in a local
+process pool, or as Ray Data actors.
+
+A stage supplies a worker class built once per process from a picklable spec (tokenizers, open
+files) whose ``process(unit)`` commits one unit of work and returns a JSON-able summary. Engines
+only decide where units run; a unit's output is fixed by its inputs, so every engine and worker
+count commits identical files. Summaries arrive in completion order.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+from typing import Any, Iterator, Protocol, Sequence
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("local", "ray")
+
+
+class Worker(Protocol):
+    def __init__(self, spec: Any) -> None: ...
+
+    def process(self, unit: Any) -> dict:
+        """Do and commit one unit of work; the summary must be JSON-serializable."""
+
+
+def run_units(worker_cls: type[Worker], spec: Any, units: Sequence[Any], engine: str,
+              workers: int | None, ray_address: str | None = None) -> Iterator[dict]:
+    """Yield each unit's summary as it finishes, on the ``local`` or ``ray`` engine."""
+    if engine == "local":
+        return _run_local(worker_cls, spec, units, workers or 1)
+    if engine == "ray":
+        return _run_ray(worker_cls, spec, units, workers, ray_address)
+    raise ValueError(f"unknown engine {engine!r}: choose {' or '.join(ENGINES)}")
+
+
+_pool_worker: Worker | None = None
+
+
+def _init_pool_worker(worker_cls: type[Worker], spec: Any) -> None:
+    global _pool_worker
+    _pool_worker = worker_cls(spec)
+
+
+def _process_in_pool(unit: Any) -> dict:
+    assert _pool_worker is not None
+    return _pool_worker.process(unit)
+
+
+def _run_local(worker_cls: type[Worker], spec: Any, units: Sequence[Any],
+               workers: int) -> Iterator[dict]:
+    if workers <= 1 or len(units) <= 1:  # one worker runs in this process, no pool
+        worker = worker_cls(spec)
+        for unit in units:
+            yield worker.process(unit)
+        return
+    # spawn, not fork: the parent may hold pyarrow/tokenizer threads that fork would copy mid-lock.
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(min(workers, len(units)), initializer=_init_pool_worker,
+                  initargs=(worker_cls, spec)) as pool:
+        yield from pool.imap_unordered(_process_in_pool, units)
+
+
+class _RayActor:
+    """Ray Data actor: builds the worker once, then processes the units it is handed by index."""
+
+    def __init__(self, worker_cls: type[Worker], spec: Any, units: Sequence[Any]) -> None:
+        self.worker = worker_cls(spec)
+        self.units = units
+
+    def __call__(self, item: dict) -> dict:
+        summary = self.worker.process(self.units[int(item["unit"])])
+        # As JSON text: summaries differ in shape between units, which Arrow cannot unify.
+        return {"summary": json.dumps(summary)}
+
+
+def _run_ray(worker_cls: type[Worker], spec: Any, units: Sequence[Any], workers: int | None,
+             address: str | None) -> Iterator[dict]:
+    """Run units as a Ray Data job (``address`` joins an existing cluster; None starts one).
+
+    Workers write straight to the output folder, which must be on storage every node sees.
+    """
+    import ray
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        kwargs = {"address": address} if address else {"num_cpus": workers}
+        ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
+                 **kwargs)
+    try:
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        concurrency = max(1, min(workers or cpus, cpus, len(units)))
+        log.info("ray: %d unit(s) on %d actor(s), cluster has %d CPU(s)",
+                 len(units), concurrency, cpus)
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False
+        ds = ray.data.from_items([{"unit": i} for i in range(len(units))],
+                                 override_num_blocks=len(units))
+        ds = ds.map(_RayActor, fn_constructor_args=(worker_cls, spec, list(units)), num_cpus=1,
+                    compute=ray.data.ActorPoolStrategy(size=concurrency))
+        for row in ds.iter_rows():
+            yield json.loads(row["summary"])
+    finally:
+        if started_here:
+            ray.shutdown()
