@@ -50,20 +50,26 @@ def load_stats(path: str) -> LoadedStats:
     if not os.path.exists(path):
         raise StatsError(f"{path}: no such file or folder")
     if os.path.isdir(path) or path.endswith(".parquet"):
-        lengths, files = _read_parquet_stats(path), _parquet_files(path)
+        lengths, files = _read_parquet_stats(path), stats_files(path)
         fmt = "vlmshard"
     else:
         lengths, files = _read_omnibal(path)
         fmt = "omnibal"
     if len(lengths) == 0:
         raise StatsError(f"{path}: no samples to pack")
+    return LoadedStats(lengths, path, fmt, tuple(files), files_sha256(files))
+
+
+def files_sha256(files: list[str]) -> str:
+    """One digest over the input files' names and contents, in order (recorded in the plan)."""
     digest = hashlib.sha256()
     for f in files:
         digest.update(f"{os.path.basename(f)}:{sha256_file(f)}\n".encode())
-    return LoadedStats(lengths, path, fmt, tuple(files), digest.hexdigest())
+    return digest.hexdigest()
 
 
-def _parquet_files(path: str) -> list[str]:
+def stats_files(path: str) -> list[str]:
+    """The stats Parquet files of a preprocess output folder, its stats/ folder or one file."""
     if os.path.isfile(path):
         return [path]
     folder = os.path.join(path, "stats") if os.path.isdir(os.path.join(path, "stats")) else path
@@ -80,7 +86,7 @@ def _read_parquet_stats(path: str) -> Lengths:
 
     columns = ["sample_id", "source", "vit_tiles", "seq_len"]
     try:
-        table = pa.concat_tables(pq.read_table(f, columns=columns) for f in _parquet_files(path))
+        table = pa.concat_tables(pq.read_table(f, columns=columns) for f in stats_files(path))
     except (pa.ArrowInvalid, KeyError) as e:
         raise StatsError(f"{path}: not a stats table of Contract 1 ({e})") from None
     sample_id = table["sample_id"].to_numpy()

@@ -1,7 +1,8 @@
 """Image tiling policies: how many ViT tiles and LLM tokens an image of a given size costs.
 
-Only the image size is needed, so preprocessing reads headers and never decodes pixels. The same
-policy objects are recorded in ``preprocess.json`` so later stages tile pixels identically.
+Only the image size is needed to count, so preprocessing reads headers and never decodes pixels.
+The same policy objects are recorded in ``preprocess.json`` and the shards' manifest, and the
+shard loader cuts decoded pixels with ``tile_pixels``, so the tiles always match the plan.
 
 A *tile* is the policy's unit of ViT work:
 - ``internvl``: a 448×448 crop (plus a thumbnail when an image has more than one crop);
@@ -16,17 +17,34 @@ import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+import numpy as np
 
 from .rejects import Reject
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 class TilingPolicy(Protocol):
     name: str
     tokens_per_tile: int
+    tile_size: int  # side of a tile in pixels (pixel_values are [tiles, 3, tile_size, tile_size])
+    mean: tuple[float, float, float]  # per-channel normalization of the model's ViT
+    std: tuple[float, float, float]
 
     def tiles(self, width: int, height: int, n_images: int) -> int:
         """Tiles for one image of a sample holding ``n_images`` images."""
+
+    def tile_pixels(self, image: "Image.Image", n_images: int) -> np.ndarray:
+        """The decoded RGB image cut into ``tiles(w, h, n_images)`` uint8 tiles [n, S, S, 3]."""
 
     def to_dict(self) -> dict: ...
 
@@ -41,14 +59,36 @@ class InternVLTiling:
     use_thumbnail: bool = True
     tokens_per_tile: int = 256
     name: str = "internvl"
+    mean: ClassVar = IMAGENET_MEAN
+    std: ClassVar = IMAGENET_STD
 
-    def tiles(self, width: int, height: int, n_images: int) -> int:
+    @property
+    def tile_size(self) -> int:
+        return self.image_size
+
+    def grid(self, width: int, height: int, n_images: int) -> tuple[int, int]:
         # InternVL splits the tile budget across the images of a multi-image sample.
         max_num = max(1, self.max_num // max(1, n_images))
         min_num = min(self.min_num, max_num)
-        cols, rows = internvl_grid(width, height, min_num, max_num, self.image_size)
+        return internvl_grid(width, height, min_num, max_num, self.image_size)
+
+    def tiles(self, width: int, height: int, n_images: int) -> int:
+        cols, rows = self.grid(width, height, n_images)
         blocks = cols * rows
         return blocks + 1 if self.use_thumbnail and blocks != 1 else blocks
+
+    def tile_pixels(self, image: "Image.Image", n_images: int) -> np.ndarray:
+        """``dynamic_preprocess``: resize to the grid, crop row-major, then the thumbnail."""
+        from PIL import Image
+
+        cols, rows = self.grid(image.width, image.height, n_images)
+        size = self.image_size
+        tiles = _cut_grid(image.resize((cols * size, rows * size), Image.BICUBIC), rows, cols,
+                          size)
+        if self.use_thumbnail and cols * rows != 1:
+            thumbnail = np.array(image.resize((size, size), Image.BICUBIC))[None]
+            tiles = np.concatenate([tiles, thumbnail])
+        return tiles
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -91,10 +131,24 @@ class Qwen2VLTiling:
     factor: int = 28
     tokens_per_tile: int = 1
     name: str = "qwen2vl"
+    mean: ClassVar = CLIP_MEAN
+    std: ClassVar = CLIP_STD
+
+    @property
+    def tile_size(self) -> int:
+        return self.factor
 
     def tiles(self, width: int, height: int, n_images: int) -> int:
         h, w = self.resized(width, height)
         return (h // self.factor) * (w // self.factor)
+
+    def tile_pixels(self, image: "Image.Image", n_images: int) -> np.ndarray:
+        """Smart-resized, then cut into factor × factor merged patches, row-major."""
+        from PIL import Image
+
+        h, w = self.resized(image.width, image.height)
+        f = self.factor
+        return _cut_grid(image.resize((w, h), Image.BICUBIC), h // f, w // f, f)
 
     def resized(self, width: int, height: int) -> tuple[int, int]:
         """(height, width) after smart-resize, as Qwen2-VL's image processor computes it."""
@@ -127,12 +181,30 @@ class FixedTiling:
     image_size: int = 336
     tokens_per_tile: int = 576
     name: str = "fixed"
+    mean: ClassVar = CLIP_MEAN
+    std: ClassVar = CLIP_STD
+
+    @property
+    def tile_size(self) -> int:
+        return self.image_size
 
     def tiles(self, width: int, height: int, n_images: int) -> int:
         return 1
 
+    def tile_pixels(self, image: "Image.Image", n_images: int) -> np.ndarray:
+        from PIL import Image
+
+        return np.array(image.resize((self.image_size, self.image_size), Image.BICUBIC))[None]
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _cut_grid(image: "Image.Image", rows: int, cols: int, size: int) -> np.ndarray:
+    """An image of exactly (cols·size) × (rows·size) px as row-major tiles [rows·cols, S, S, 3]."""
+    pixels = np.asarray(image)
+    return (pixels.reshape(rows, size, cols, size, 3).transpose(0, 2, 1, 3, 4)
+            .reshape(rows * cols, size, size, 3))
 
 
 POLICIES = {"internvl": InternVLTiling, "qwen2vl": Qwen2VLTiling, "fixed": FixedTiling}

@@ -12,6 +12,8 @@ from vlmshard import __version__
 SUBCOMMANDS = [
     ("preprocess", "preprocess.cli"),
     ("pack", "packing.cli"),
+    ("write", "shards.cli"),
+    ("verify", "shards.verify"),
     ("report", "packing.report"),
     ("demo-data", "preprocess.demo_data"),
 ]

@@ -36,3 +36,25 @@ def load_config(cls: type[T], flags: dict[str, Any], config_file: str | None = N
         raise ValueError(f"missing required option(s): {', '.join(missing)} "
                          "(pass them as arguments or in the --config file)")
     return cls(**values)
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from ``1GB``, ``512MiB``, ``2.5 GB`` or a plain integer (decimal units are powers
+    of 1000, ``*iB`` of 1024, as ``du --si`` and ``du``)."""
+    import re
+
+    if isinstance(value, int):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", value.upper())
+        if not m:
+            raise ValueError(f"cannot read size {value!r}: use bytes or a number with KB, MB, GB, "
+                             "TB (powers of 1000) or KiB, MiB, GiB, TiB")
+        n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2) or ""])
+    if n < 1:
+        raise ValueError(f"size must be positive, got {value!r}")
+    return n

@@ -10,6 +10,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()
+
+
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     """Call ``write(tmp_path)`` and rename the result onto ``path``.
 
@@ -22,6 +31,7 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; outputs are shared like any file
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

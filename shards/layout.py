@@ -1,0 +1,168 @@
+"""Where things live in a shard folder, the manifest, and opening any of it by URL.
+
+A shard folder (Contract 3 of ``../shared/DESIGN.md``)::
+
+    SHARDS/manifest.json                      written last: its presence means the write finished
+    SHARDS/rank-00000/shard-000000.tar ...    one folder per (virtual) rank, tars in step order
+
+Record keys are ``{step:08d}_{micro:03d}``. WebDataset splits a member name into key and
+extension at the first dot of its base name, so a dotted key such as ``00000012.003`` would merge
+every micro-batch of a step into one sample in any webdataset reader.
+
+``SHARDS`` may be a local folder or a URL: ``http(s)://`` (streamed with curl, as webdataset
+does), any fsspec URL (``s3://``, ``gs://``, ``memory://``, ...), or a ``pipe:`` command with a
+``{path}`` placeholder for the file's path below the root, e.g.
+``pipe:aws s3 cp s3://bucket/shards/{path} -``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import IO
+
+FORMAT = "vlmshard-shards/1"
+MANIFEST = "manifest.json"
+_KEY = re.compile(r"^(\d{8})_(\d{3})$")
+
+
+def shard_path(rank: int, index: int) -> str:
+    """Path of a shard below the root, with ``/`` separators (also a URL suffix)."""
+    return f"rank-{rank:05d}/shard-{index:06d}.tar"
+
+
+def record_key(step: int, micro: int) -> str:
+    return f"{step:08d}_{micro:03d}"
+
+
+def parse_key(key: str) -> tuple[int, int] | None:
+    """(step, micro) of a record key, or None if the key is not one of ours."""
+    m = _KEY.match(key)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """One tar: which rank and steps it holds, and what its bytes must hash to."""
+
+    path: str
+    rank: int
+    index: int
+    first_step: int
+    end_step: int  # exclusive
+    records: int
+    samples: int
+    bytes: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    """What a reader needs to stream, check and collate the shards (``manifest.json``)."""
+
+    ranks: int  # (virtual) ranks: one folder each
+    dp: int  # the DP size the plan was measured at
+    micro_batches: int  # records per rank per step
+    steps: int  # every rank has exactly this many
+    qv: int  # caps: pixel_values are padded to qv tiles, token tensors to qt
+    qt: int
+    tokenizer: dict
+    image_token_id: int
+    pad_token_id: int
+    tiling: dict[str, dict]  # source name -> tiling policy dict (max_num may differ per source)
+    plan: dict  # path, algorithm, plan.parquet sha256
+    stats: dict  # path, sha256 (as the plan recorded it)
+    shard_bytes: int
+    shards: list[ShardEntry] = field(default_factory=list)
+    format: str = FORMAT
+    vlmshard_version: str = ""
+
+    def rank_shards(self, rank: int) -> list[ShardEntry]:
+        return sorted((s for s in self.shards if s.rank == rank), key=lambda s: s.index)
+
+    def policies(self) -> dict:
+        """Source name -> the tiling policy its images were counted (and must be cut) with."""
+        from preprocess.tiling import tiling_from_dict
+
+        return {name: tiling_from_dict(d) for name, d in self.tiling.items()}
+
+    def coverage_problem(self, rank: int) -> str | None:
+        """Why ``rank``'s shards do not hold steps 0..steps-1 back to back, or None."""
+        end = 0
+        for s in self.rank_shards(rank):
+            if s.first_step != end or s.end_step <= s.first_step:
+                return (f"rank {rank}: {s.path} holds steps {s.first_step}..{s.end_step - 1}, "
+                        f"expected to start at step {end}")
+            if s.records != (s.end_step - s.first_step) * self.micro_batches:
+                return f"rank {rank}: {s.path} lists {s.records} records for its steps"
+            end = s.end_step
+        if end != self.steps:
+            return f"rank {rank}: shards end at step {end}, not at step {self.steps}"
+        return None
+
+    @property
+    def records(self) -> int:
+        return sum(s.records for s in self.shards)
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.bytes for s in self.shards)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str) -> "Manifest":
+        if d.get("format") != FORMAT:
+            raise ValueError(f"{where}: not a vlmshard shard manifest (format "
+                             f"{d.get('format')!r}, expected {FORMAT!r})")
+        d = dict(d)
+        d["shards"] = [ShardEntry(**s) for s in d["shards"]]
+        return cls(**d)
+
+
+def join(root: str, path: str) -> str:
+    """The URL or local path of ``path`` below ``root``."""
+    if root.startswith("pipe:"):
+        if "{path}" not in root:
+            raise ValueError(f"{root!r}: a pipe: root needs a {{path}} placeholder for the file "
+                             "below it, e.g. 'pipe:curl -s http://host/shards/{path}'")
+        return root.replace("{path}", path)
+    if "://" in root:
+        return root.rstrip("/") + "/" + path
+    return os.path.join(root, *path.split("/"))
+
+
+def open_url(url: str) -> IO[bytes]:
+    """A streaming binary reader for a local path, ``file://``, ``http(s)://``, ``pipe:`` or
+    fsspec URL. Schemes webdataset knows go through ``webdataset.gopen``; others through fsspec."""
+    from urllib.parse import urlparse
+
+    import webdataset
+
+    scheme = urlparse(url).scheme if "://" in url or url.startswith("pipe:") else ""
+    if scheme in ("", "file", "pipe") or scheme in webdataset.gopen.gopen_schemes:
+        return webdataset.gopen(url, "rb")
+    import fsspec
+
+    return fsspec.open(url, "rb").open()
+
+
+def read_manifest(root: str) -> Manifest:
+    """The manifest of a finished shard folder; a clear error if the write is not finished."""
+    url = join(root, MANIFEST)
+    if "://" not in root and not root.startswith("pipe:") and not os.path.exists(url):
+        hint = (" (an unfinished write: rerun vlmshard write to finish it)"
+                if os.path.isdir(os.path.join(root, "_work")) else "")
+        raise FileNotFoundError(f"{root}: no {MANIFEST}{hint}")
+    try:
+        with open_url(url) as f:
+            data = f.read()
+    except Exception as e:  # curl, pipe and fsspec each raise their own kind
+        raise FileNotFoundError(f"cannot read {url}: {e}") from None
+    try:
+        return Manifest.from_dict(json.loads(data), url)
+    except (json.JSONDecodeError, TypeError) as e:
+        raise ValueError(f"{url}: unreadable manifest: {e}") from None

@@ -1,0 +1,210 @@
+"""``vlmshard verify``: prove a shard folder holds exactly its plan, byte for byte.
+
+Full check, per shard (in parallel): sha256 and size, record count, records in (step, micro)
+order within the shard's steps, every member decodable (json, npy, each image decoded in full),
+CRC-32 of every member, tile counts recomputed from the decoded image sizes with the recorded
+policy, and image-token counts. Across shards: every rank covers the same steps back to back,
+no unlisted tars. With ``--plan``: the plan is the one written, and every planned sample sits
+exactly once at its planned (step, rank, micro, slot).
+
+``--quick`` checks only what the file system tells without reading data: files present, sizes,
+and the step coverage of each rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import io
+import json
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from vlmshard.io import available_cpus, sha256_file
+from vlmshard.progress import Progress
+
+from .layout import Manifest, ShardEntry, join, read_manifest
+from .reader import ShardError, iter_shard
+from .records import RecordError, check_image_tokens
+
+log = logging.getLogger(__name__)
+
+MAX_SHOWN = 20  # problems printed; all are in the --json output
+
+HELP = "check shards against their manifest (and plan): hashes, counts, every sample once"
+DESCRIPTION = __doc__.split("\n", 2)[2]
+
+
+@dataclass
+class VerifyResult:
+    root: str
+    ok: bool
+    quick: bool
+    ranks: int = 0
+    steps: int = 0
+    shards: int = 0
+    records: int = 0
+    samples: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+
+def verify_shards(root: str, plan: str | None = None, quick: bool = False,
+                  workers: int | None = None) -> VerifyResult:
+    """Check ``root`` (a folder or URL); ``problems`` is empty exactly when all holds."""
+    start = time.monotonic()
+    result = VerifyResult(root=root, ok=False, quick=quick)
+    try:
+        manifest = read_manifest(root)
+    except (FileNotFoundError, ValueError) as e:
+        result.problems.append(str(e))
+        return result
+    result.ranks, result.steps, result.shards = manifest.ranks, manifest.steps, len(manifest.shards)
+    result.records, result.bytes = manifest.records, manifest.bytes
+    problems = result.problems
+    problems += [p for r in range(manifest.ranks) if (p := manifest.coverage_problem(r))]
+    problems += _unlisted_files(root, manifest)
+
+    check = _quick_check if quick else _full_check
+    placements: list[np.ndarray] = []
+    with Progress(total=len(manifest.shards), desc="verify", unit="shards") as bar, \
+            ThreadPoolExecutor(workers or available_cpus()) as pool:
+        for problem, placed in pool.map(lambda e: check(root, e, manifest), manifest.shards):
+            if problem:
+                problems.append(problem)
+            if placed is not None:
+                placements.append(placed)
+            bar.update(1)
+    result.samples = sum(len(p) for p in placements) if not quick else \
+        sum(e.samples for e in manifest.shards)
+    if plan is not None:
+        problems += _plan_problems(plan, manifest, None if quick else placements)
+    result.ok = not problems
+    result.seconds = time.monotonic() - start
+    return result
+
+
+def _unlisted_files(root: str, manifest: Manifest) -> list[str]:
+    if "://" in root or root.startswith("pipe:"):
+        return []  # a URL cannot be listed in general
+    listed = {os.path.normpath(join(root, e.path)) for e in manifest.shards}
+    found = {os.path.normpath(p) for p in glob.glob(os.path.join(root, "rank-*", "*"))}
+    return [f"{p}: not in the manifest" for p in sorted(found - listed)]
+
+
+def _quick_check(root: str, entry: ShardEntry, manifest: Manifest) -> tuple[str | None, None]:
+    path = join(root, entry.path)
+    if "://" in root or root.startswith("pipe:"):
+        return None, None
+    if not os.path.exists(path):
+        return f"{path}: missing", None
+    size = os.path.getsize(path)
+    if size != entry.bytes:
+        return f"{path}: {size} bytes, manifest says {entry.bytes}", None
+    return None, None
+
+
+def _full_check(root: str, entry: ShardEntry,
+                manifest: Manifest) -> tuple[str | None, np.ndarray | None]:
+    """(problem or None, placements [n, 5] of step, rank, micro, slot, sample_id)."""
+    policies = manifest.policies()
+    tokens_per_tile = {name: p.tokens_per_tile for name, p in policies.items()}
+    rows = []
+    try:
+        for record in iter_shard(root, entry, manifest):
+            check_image_tokens(record, manifest.image_token_id, tokens_per_tile)
+            _check_images(record, policies)
+            rows += [(record.step, record.rank, record.micro, slot, s["sample_id"])
+                     for slot, s in enumerate(record.samples)]
+    except (ShardError, RecordError) as e:
+        return str(e), None
+    return None, np.array(rows, dtype=np.int64).reshape(-1, 5)
+
+
+def _check_images(record, policies: dict) -> None:
+    from PIL import Image
+
+    images = iter(record.images)
+    for sample in record.samples:
+        policy = policies[sample["source"]]
+        for name, planned in zip(sample["images"], sample["image_tiles"]):
+            try:
+                with Image.open(io.BytesIO(next(images))) as im:
+                    im.load()
+                    width, height = im.size
+            except Exception as e:
+                raise RecordError(f"{record.where}: image {name} does not decode: {e}") from None
+            tiles = policy.tiles(width, height, len(sample["images"]))
+            if tiles != planned:
+                raise RecordError(f"{record.where}: image {name} ({width}x{height}) makes "
+                                  f"{tiles} tiles, the plan has {planned}")
+
+
+def _plan_problems(plan_dir: str, manifest: Manifest,
+                   placements: list[np.ndarray] | None) -> list[str]:
+    import pyarrow.parquet as pq
+
+    path = os.path.join(plan_dir, "plan.parquet")
+    if not os.path.exists(path):
+        return [f"{plan_dir}: no plan.parquet"]
+    if sha256_file(path) != manifest.plan["sha256"]:
+        return [f"{path} is not the plan these shards were written from (sha256 differs)"]
+    if placements is None:
+        return []  # same bytes as written; --quick reads no records to compare
+    table = pq.read_table(path)
+    planned = np.stack([table[c].to_numpy().astype(np.int64)
+                        for c in ("step", "rank", "micro", "slot", "sample_id")], axis=1)
+    found = np.concatenate(placements) if placements else np.zeros((0, 5), np.int64)
+    found = found[np.lexsort(found.T[::-1])]
+    if np.array_equal(planned, found):
+        return []
+    problems = []
+    ids, counts = np.unique(found[:, 4], return_counts=True)
+    for sid in ids[counts > 1][:MAX_SHOWN]:
+        problems.append(f"sample {sid} is in the shards {counts[ids == sid][0]} times")
+    missing = np.setdiff1d(planned[:, 4], found[:, 4])
+    for sid in missing[:MAX_SHOWN]:
+        step, rank, micro, slot, _ = planned[planned[:, 4] == sid][0]
+        problems.append(f"sample {sid} (step {step} rank {rank} micro {micro} slot {slot}) "
+                        "is planned but not in the shards")
+    if not problems:
+        problems.append("the shards hold the planned samples at other places than planned")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("shards", metavar="SHARDS", help="shard folder or URL (http://, fsspec, "
+                                                     "'pipe:CMD {path}')")
+    p.add_argument("--plan", help="plan folder: also check every planned sample is present "
+                                  "exactly once where planned")
+    p.add_argument("--quick", action="store_true",
+                   help="only files, sizes and step coverage (no data read)")
+    p.add_argument("--workers", type=int, help="shards checked in parallel (default: CPUs)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def main(args: argparse.Namespace) -> int:
+    result = verify_shards(args.shards, plan=args.plan, quick=args.quick, workers=args.workers)
+    if args.json:
+        print(json.dumps(asdict(result), indent=1))
+    elif result.ok:
+        print(f"OK{' (quick)' if result.quick else ''}: {result.shards} shard(s), "
+              f"{result.records} record(s), {result.samples} sample(s), {result.ranks} rank(s) "
+              f"x {result.steps} step(s), {result.bytes / 1e6:.1f} MB ({result.seconds:.1f}s)")
+    else:
+        for problem in result.problems[:MAX_SHOWN]:
+            print(f"FAIL {problem}")
+        more = len(result.problems) - MAX_SHOWN
+        print(f"{result.root}: {len(result.problems)} problem(s)"
+              + (f" ({more} more with --json)" if more > 0 else ""))
+    return 0 if result.ok else 1

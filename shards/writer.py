@@ -1,0 +1,491 @@
+"""The write job: a plan and its stats table in, pre-balanced WebDataset shards out (Contract 3).
+
+Steps, each restartable:
+
+1. Check the plan was made from these stats (sha256) and that every step has all its
+   micro-batches.
+2. Copy the columns the records need into ``_work/samples.arrow``, an uncompressed Arrow file
+   that every worker memory-maps: a shard's samples come from all over the dataset, and Parquet
+   cannot be read by row.
+3. Lay out the shards: per rank, whole steps in order, a new shard before the one that would
+   pass ``--shard-bytes`` (estimated from image file sizes and token counts). The layout is a
+   pure function of the plan, the stats and the images, so a rerun computes the same one.
+4. Write each shard on an engine (local pool or Ray): temp file, then rename, then a marker in
+   ``_work/done/``. A rerun skips shards that have their marker.
+5. Write ``manifest.json`` last and remove ``_work``.
+
+Tars are byte-deterministic: members in sorted order, fixed mtime, uid/gid and names.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import logging
+import os
+import shutil
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from packing.plan import read_plan_json
+from packing.stats import files_sha256, stats_files
+from preprocess.images import is_url
+from preprocess.rejects import Reject
+from preprocess.sample import SampleLimits, process_record
+from preprocess.sources import Part, Source, index_source, read_part_rows
+from preprocess.tiling import source_tiling, tiling_from_dict
+from preprocess.tokenize import ConversationEncoder, TokenizerConfig
+from vlmshard import __version__
+from vlmshard.config import parse_size
+from vlmshard.engines import ENGINES, run_units
+from vlmshard.io import (atomic_write, available_cpus, canonical_json, read_json, sha256_file,
+                         sha256_text, write_json_atomic)
+from vlmshard.progress import Progress
+
+from .layout import FORMAT, MANIFEST, Manifest, ShardEntry, shard_path
+from .records import encode_record, image_member
+
+log = logging.getLogger(__name__)
+
+TAR_MTIME = 0  # every member's mtime: the same plan must give the same bytes
+SAMPLE_COLUMNS = ["sample_id", "source", "row", "image_tiles", "seq_len", "loss_tokens",
+                  "image_paths", "image_sizes"]
+TOKEN_COLUMNS = ["input_ids", "labels"]
+
+
+class WriteError(RuntimeError):
+    """The shards cannot be written as planned; the message names the sample, image or file."""
+
+
+@dataclass
+class WriteConfig:
+    """Options of ``vlmshard write`` (CLI flags and YAML keys have these names)."""
+
+    plan: str
+    stats: str
+    out: str
+    engine: str = "local"  # local | ray
+    workers: int | None = None  # default: the CPUs this process may use / the cluster's CPUs
+    ray_address: str | None = None
+    shard_bytes: int | str = "1GB"
+
+    def validate(self) -> int:
+        """Check the options; returns ``shard_bytes`` in bytes."""
+        if self.engine not in ENGINES:
+            raise ValueError(f"unknown engine {self.engine!r}: choose local or ray")
+        if self.workers is not None and self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        return parse_size(self.shard_bytes)
+
+
+@dataclass
+class WriteResult:
+    out: str
+    ranks: int
+    steps: int
+    shards: int
+    records: int
+    bytes: int
+    seconds: float
+    shards_resumed: int = 0
+    already_complete: bool = False
+
+
+@dataclass(frozen=True)
+class ShardUnit:
+    """One shard to write: its rank and steps, and each record's (step, micro, sample ids)."""
+
+    rank: int
+    index: int
+    first_step: int
+    end_step: int
+    records: tuple[tuple[int, int, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
+class RetokenizeSpec:
+    """How to rebuild token ids when the stats table did not keep them (preprocess's config)."""
+
+    sources: tuple[Source, ...]
+    tokenizer: TokenizerConfig
+    tiling: dict
+    limits: SampleLimits
+
+
+@dataclass(frozen=True)
+class WriteSpec:
+    """Everything a shard worker needs, picklable for pool processes and Ray actors."""
+
+    out: str
+    samples_path: str
+    retokenize: RetokenizeSpec | None
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+
+
+def run_write(cfg: WriteConfig) -> WriteResult:
+    """Write (or resume, or skip) the shards of ``cfg.plan``; see the module docstring."""
+    start = time.monotonic()
+    shard_bytes = cfg.validate()
+    plan_json = read_plan_json(cfg.plan)
+    plan_parquet = os.path.join(cfg.plan, "plan.parquet")
+    preprocess = _read_preprocess(cfg.stats, plan_json)
+    files = stats_files(cfg.stats)
+    if files_sha256(files) != plan_json["stats"]["sha256"]:
+        raise WriteError(f"{cfg.stats} is not the stats table {cfg.plan} was packed from "
+                         "(sha256 differs): pack again, or pass the stats the plan names "
+                         f"({plan_json['stats']['path']})")
+    identity = {"format": FORMAT, "plan_sha256": sha256_file(plan_parquet),
+                "stats_sha256": plan_json["stats"]["sha256"], "shard_bytes": shard_bytes}
+    fingerprint = sha256_text(canonical_json(identity))
+
+    manifest_path = os.path.join(cfg.out, MANIFEST)
+    if os.path.exists(manifest_path):
+        done = Manifest.from_dict(read_json(manifest_path), manifest_path)
+        if done.plan.get("fingerprint") == fingerprint:
+            log.info("%s is already complete (same plan, stats and shard size)", cfg.out)
+            return WriteResult(cfg.out, done.ranks, done.steps, len(done.shards), done.records,
+                               done.bytes, time.monotonic() - start, already_complete=True)
+        raise WriteError(f"{cfg.out} holds shards of another plan or shard size; pass a new "
+                         "--out or delete that folder")
+    work = os.path.join(cfg.out, "_work")
+    job_path = os.path.join(work, "job.json")
+    if os.path.exists(job_path) and read_json(job_path)["fingerprint"] != fingerprint:
+        raise WriteError(f"{cfg.out} holds an interrupted write of another plan or shard size; "
+                         f"delete {work} to start over, or rerun with the original options")
+    os.makedirs(os.path.join(work, "done"), exist_ok=True)
+    write_json_atomic(job_path, {"fingerprint": fingerprint, "identity": identity})
+    for stale in glob.glob(os.path.join(cfg.out, "rank-*", ".tmp-*")):
+        os.unlink(stale)  # a shard a killed run was writing
+
+    params = plan_json["params"]
+    ranks, micro = params["ranks"], params["micro_batches"]
+    records = _plan_records(plan_parquet, ranks, micro)
+    steps = len(records) // (ranks * micro)
+    keep_tokens = preprocess["config"]["keep_tokens"]
+    samples_path = os.path.join(work, "samples.arrow")
+    if not os.path.exists(samples_path):
+        _write_sample_table(files, samples_path, keep_tokens)
+    units = _layout(records, samples_path, ranks, micro, steps, shard_bytes)
+    spec = WriteSpec(out=cfg.out, samples_path=samples_path,
+                     retokenize=None if keep_tokens else _retokenize_spec(preprocess))
+
+    done = {(u.rank, u.index): _committed(work, u) for u in units}
+    todo = [u for u in units if done[(u.rank, u.index)] is None]
+    resumed = len(units) - len(todo)
+    log.info("%d rank(s) x %d step(s) x %d micro-batch(es) in %d shard(s)%s", ranks, steps,
+             micro, len(units), f"; resuming, {resumed} already written" if resumed else "")
+    workers = cfg.workers or (available_cpus() if cfg.engine == "local" else None)
+    with Progress(total=sum(len(u.records) for u in todo), desc="write", unit="records") as bar:
+        for summary in run_units(ShardWriter, spec, todo, cfg.engine, workers, cfg.ray_address):
+            entry = ShardEntry(**summary)
+            done[(entry.rank, entry.index)] = entry
+            bar.update(entry.records)
+
+    manifest = _manifest(cfg, plan_json, preprocess, identity, fingerprint, ranks, micro, steps,
+                         shard_bytes, sorted(done.values(), key=lambda e: (e.rank, e.index)))
+    write_json_atomic(manifest_path, manifest.to_dict())
+    shutil.rmtree(work)
+    seconds = time.monotonic() - start
+    log.info("write: %d shard(s), %d record(s), %.1f MB in %.1fs -> %s", len(manifest.shards),
+             manifest.records, manifest.bytes / 1e6, seconds, cfg.out)
+    return WriteResult(cfg.out, ranks, steps, len(manifest.shards), manifest.records,
+                       manifest.bytes, seconds, shards_resumed=resumed)
+
+
+def _read_preprocess(stats: str, plan_json: dict) -> dict:
+    if plan_json["stats"].get("format") != "vlmshard":
+        raise WriteError("the plan was packed from OmniBal length files, which hold no images "
+                         "or tokens: pack the preprocess output folder to write shards")
+    for folder in (stats, os.path.dirname(os.path.abspath(stats.rstrip("/")))):
+        path = os.path.join(folder, "preprocess.json")
+        if os.path.isfile(path):
+            return read_json(path)
+    raise WriteError(f"{stats}: no preprocess.json here or one folder up; pass the preprocess "
+                     "output folder as --stats")
+
+
+def _plan_records(plan_parquet: str, ranks: int, micro: int) -> list[tuple[int, ...]]:
+    """Sample ids of every micro-batch, in step-major order (step, rank, micro)."""
+    table = pq.read_table(plan_parquet)
+    step, rank = table["step"].to_numpy(), table["rank"].to_numpy()
+    mb = (step.astype(np.int64) * ranks + rank) * micro + table["micro"].to_numpy()
+    if len(mb) == 0:
+        raise WriteError(f"{plan_parquet}: the plan places no samples")
+    if np.any(np.diff(mb) < 0):
+        raise WriteError(f"{plan_parquet}: rows are not in (step, rank, micro, slot) order")
+    per_step = ranks * micro
+    steps = int(step.max()) + 1
+    counts = np.bincount(mb, minlength=steps * per_step)
+    if np.any(counts == 0):
+        empty = int(np.flatnonzero(counts == 0)[0])
+        raise WriteError(f"{plan_parquet}: step {empty // per_step} rank "
+                         f"{empty // micro % ranks} micro {empty % micro} has no samples: "
+                         "every step needs all ranks x micro-batches (Contract 2)")
+    ids = table["sample_id"].to_numpy()
+    return [tuple(map(int, chunk)) for chunk in np.split(ids, np.cumsum(counts)[:-1])]
+
+
+def _write_sample_table(files: list[str], path: str, keep_tokens: bool) -> None:
+    """The stats columns the records need, as one memory-mappable Arrow file (row = sample_id)."""
+    columns = SAMPLE_COLUMNS + (TOKEN_COLUMNS if keep_tokens else [])
+
+    def write(tmp: str) -> None:
+        writer = None
+        for f in files:
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=65536, columns=columns):
+                if writer is None:
+                    writer = pa.ipc.new_file(tmp, batch.schema)
+                writer.write_batch(batch)
+        writer.close()
+
+    atomic_write(path, write)
+
+
+def _open_sample_table(path: str) -> pa.Table:
+    return pa.ipc.open_file(pa.memory_map(path)).read_all()
+
+
+def _layout(records: list[tuple[int, ...]], samples_path: str, ranks: int, micro: int,
+            steps: int, shard_bytes: int) -> list[ShardUnit]:
+    """Whole steps per shard, per rank, cut before a shard would pass ``shard_bytes``."""
+    table = _open_sample_table(samples_path)
+    sample_bytes = _estimated_sample_bytes(table)
+    sizes = np.array([sum(sample_bytes[i] for i in ids) for ids in records], dtype=np.int64)
+    step_bytes = sizes.reshape(steps, ranks, micro).sum(axis=2)
+    units = []
+    for rank in range(ranks):
+        first, total, index = 0, 0, 0
+        for step in range(steps + 1):
+            if step == steps or (total and total + step_bytes[step, rank] > shard_bytes):
+                recs = tuple((s, m, records[(s * ranks + rank) * micro + m])
+                             for s in range(first, step) for m in range(micro))
+                units.append(ShardUnit(rank, index, first, step, recs))
+                first, total, index = step, 0, index + 1
+            if step < steps:
+                total += step_bytes[step, rank]
+    # Early steps of every rank first, so a partial run leaves the start of training ready.
+    return sorted(units, key=lambda u: (u.index, u.rank))
+
+
+def _estimated_sample_bytes(table: pa.Table) -> np.ndarray:
+    """Bytes a sample adds to a tar: its image files, 8 bytes per token, headers and json."""
+    paths = table["image_paths"].to_pylist()
+    unique = sorted({p for ps in paths for p in ps})
+    with ThreadPoolExecutor(16) as pool:  # stat calls on remote storage wait on the network
+        file_bytes = dict(zip(unique, pool.map(_file_size, unique)))
+    tokens = table["seq_len"].to_numpy().astype(np.int64)
+    images = np.array([sum(file_bytes[p] + 1024 for p in ps) for ps in paths], dtype=np.int64)
+    return 8 * tokens + images + 256
+
+
+def _file_size(path: str) -> int:
+    """A file's size, or 0 if it is gone (the worker then fails naming the sample)."""
+    try:
+        if is_url(path):
+            import fsspec
+
+            fs, p = fsspec.core.url_to_fs(path)
+            return int(fs.size(p))
+        return os.path.getsize(path)
+    except (OSError, ValueError):
+        return 0
+
+
+def _committed(work: str, unit: ShardUnit) -> ShardEntry | None:
+    marker = _marker_path(work, unit.rank, unit.index)
+    if not os.path.exists(marker):
+        return None
+    entry = ShardEntry(**read_json(marker))
+    tar = os.path.join(os.path.dirname(work), entry.path)
+    return entry if os.path.exists(tar) and os.path.getsize(tar) == entry.bytes else None
+
+
+def _marker_path(work: str, rank: int, index: int) -> str:
+    return os.path.join(work, "done", f"rank-{rank:05d}-shard-{index:06d}.json")
+
+
+def _retokenize_spec(preprocess: dict) -> RetokenizeSpec:
+    config = preprocess["config"]
+    tokenizer = TokenizerConfig(**config["tokenizer"])
+    _check_tokenizer(tokenizer)
+    names = {f.name for f in fields(Source)}
+    sources = tuple(Source(**{**{k: v for k, v in s.items() if k in names},
+                              "path": s["file"]["path"]}) for s in config["sources"])
+    return RetokenizeSpec(sources=sources, tokenizer=tokenizer, tiling=config["tiling"],
+                          limits=SampleLimits(**config["limits"]))
+
+
+def _check_tokenizer(tokenizer: TokenizerConfig) -> None:
+    if not os.path.isfile(tokenizer.path) or sha256_file(tokenizer.path) != tokenizer.sha256:
+        raise WriteError(f"tokenizer {tokenizer.path} is missing or differs from the one "
+                         "preprocessing used (sha256): token ids would not match the plan")
+
+
+def _manifest(cfg: WriteConfig, plan_json: dict, preprocess: dict, identity: dict,
+              fingerprint: str, ranks: int, micro: int, steps: int, shard_bytes: int,
+              entries: list[ShardEntry]) -> Manifest:
+    config = preprocess["config"]
+    tokenizer = TokenizerConfig(**config["tokenizer"])
+    _check_tokenizer(tokenizer)
+    encoder = ConversationEncoder(tokenizer)
+    pad = next((i for t in ("<pad>", "<|endoftext|>")
+                if (i := encoder.tokenizer.special_id(t)) is not None), 0)
+    base = tiling_from_dict(config["tiling"])
+    tiling = {s["name"]: source_tiling(base, s["max_num"]).to_dict() for s in config["sources"]}
+    params = plan_json["params"]
+    return Manifest(
+        ranks=ranks, dp=params["dp"], micro_batches=micro, steps=steps,
+        qv=params["qv"], qt=params["qt"], tokenizer=tokenizer.to_dict(),
+        image_token_id=encoder.image_token_id, pad_token_id=pad, tiling=tiling,
+        plan={"path": os.path.abspath(cfg.plan), "algorithm": plan_json["algorithm"],
+              "sha256": identity["plan_sha256"], "fingerprint": fingerprint},
+        stats={"path": os.path.abspath(cfg.stats), "sha256": identity["stats_sha256"]},
+        shard_bytes=shard_bytes, shards=entries, vlmshard_version=__version__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker
+
+
+class ShardWriter:
+    """Per-process state (the memory-mapped sample table, a tokenizer if needed); writes shards."""
+
+    def __init__(self, spec: WriteSpec) -> None:
+        self.spec = spec
+        self.table = _open_sample_table(spec.samples_path)
+        self.retokenizer = Retokenizer(spec.retokenize) if spec.retokenize else None
+
+    def process(self, unit: ShardUnit) -> dict:
+        """Write one shard atomically, then its marker; returns its manifest entry."""
+        import webdataset
+
+        rel = shard_path(unit.rank, unit.index)
+        path = os.path.join(self.spec.out, *rel.split("/"))
+
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as f:
+                with webdataset.TarWriter(f, encoder=False, mtime=TAR_MTIME, user="",
+                                          group="") as tar:
+                    for step, micro, ids in unit.records:
+                        tar.write(self._record(unit.rank, step, micro, ids))
+
+        atomic_write(path, write)
+        entry = ShardEntry(path=rel, rank=unit.rank, index=unit.index,
+                           first_step=unit.first_step, end_step=unit.end_step,
+                           records=len(unit.records),
+                           samples=sum(len(ids) for _, _, ids in unit.records),
+                           bytes=os.path.getsize(path), sha256=sha256_file(path))
+        write_json_atomic(_marker_path(os.path.join(self.spec.out, "_work"), unit.rank,
+                                       unit.index), asdict(entry))
+        return asdict(entry)
+
+    def _record(self, rank: int, step: int, micro: int, ids: tuple[int, ...]) -> dict:
+        rows = self.table.take(pa.array(ids, pa.int64())).to_pylist()
+        tokens = (self.retokenizer.tokens(rows) if self.retokenizer
+                  else [(r["input_ids"], r["labels"]) for r in rows])
+        images: list[tuple[str, bytes]] = []
+        samples = []
+        for row in rows:
+            names = []
+            for path, size in zip(row["image_paths"], row["image_sizes"]):
+                data, fmt = _read_image(row, path, size)
+                names.append(image_member(len(images), path, fmt))
+                images.append((names[-1], data))
+            samples.append({"sample_id": row["sample_id"], "source": row["source"],
+                            "row": row["row"], "seq_len": row["seq_len"],
+                            "loss_tokens": row["loss_tokens"], "image_tiles": row["image_tiles"],
+                            "images": names})
+        input_ids = np.concatenate([np.asarray(t[0], np.int32) for t in tokens])
+        labels = np.concatenate([np.asarray(t[1], np.int32) for t in tokens])
+        return encode_record(step, rank, micro, samples, input_ids, labels, images)
+
+
+def _where(row: dict) -> str:
+    return f"sample {row['sample_id']} ({row['source']} row {row['row']})"
+
+
+def _read_image(row: dict, path: str, size: dict) -> tuple[bytes, str]:
+    """An image's bytes, checked to be the image the plan was made from (same size)."""
+    from PIL import Image
+
+    try:
+        if is_url(path):
+            import fsspec
+
+            with fsspec.open(path, "rb") as f:
+                data = f.read()
+        else:
+            with open(path, "rb") as f:
+                data = f.read()
+    except Exception as e:  # OSError locally; fsspec and aiohttp raise their own kinds
+        raise WriteError(f"{_where(row)}: image vanished since preprocessing: {path} ({e}); "
+                         "restore it, or preprocess and pack again") from None
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            (w, h), fmt = im.size, im.format or ""
+    except Exception as e:
+        raise WriteError(f"{_where(row)}: image {path} no longer parses: {e}") from None
+    if (w, h) != (size["w"], size["h"]):
+        raise WriteError(f"{_where(row)}: image {path} is {w}x{h} now but was "
+                         f"{size['w']}x{size['h']} when preprocessed; preprocess and pack again")
+    return data, fmt
+
+
+class Retokenizer:
+    """Rebuilds ``input_ids``/``labels`` from the source rows, exactly as preprocessing would,
+    and checks the result against the recorded ``seq_len`` and tiles."""
+
+    def __init__(self, spec: RetokenizeSpec) -> None:
+        self.spec = spec
+        self.encoder = ConversationEncoder(spec.tokenizer)
+        base = tiling_from_dict(spec.tiling)
+        self.sources = {s.name: s for s in spec.sources}
+        self.tilings = {s.name: source_tiling(base, s.max_num) for s in spec.sources}
+        self.indexes: dict = {}
+
+    def tokens(self, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
+        wanted = defaultdict(set)
+        for row in rows:
+            wanted[row["source"]].add(row["row"])
+        records = {}
+        for name, numbers in wanted.items():
+            for number, record in read_part_rows(self.sources[name],
+                                                 self._part(name, sorted(numbers))):
+                records[(name, number)] = record
+        return [self._encode(row, records[(row["source"], row["row"])]) for row in rows]
+
+    def _part(self, name: str, numbers: list[int]) -> Part:
+        source = self.sources[name]
+        part = Part(index=-1, source_index=0, rows=np.array(numbers, np.int64))
+        if source.kind == "jsonl":
+            if name not in self.indexes:
+                self.indexes[name] = index_source(source)
+            part.offsets = self.indexes[name].offsets[part.rows]
+            part.lengths = self.indexes[name].lengths[part.rows]
+        return part
+
+    def _encode(self, row: dict, record) -> tuple[list[int], list[int]]:
+        source = self.sources[row["source"]]
+        try:
+            if isinstance(record, Reject):
+                raise record
+            new = process_record(record, source.name, source.image_root,
+                                 self.tilings[source.name], self.encoder, self.spec.limits,
+                                 keep_tokens=True)
+        except Reject as r:
+            raise WriteError(f"{_where(row)} no longer preprocesses ({r.reason}: {r.message}); "
+                             "the source changed since packing") from None
+        if new["seq_len"] != row["seq_len"] or list(new["image_tiles"]) != row["image_tiles"]:
+            raise WriteError(f"{_where(row)}: re-tokenized to seq_len {new['seq_len']} and tiles "
+                             f"{new['image_tiles']}, the stats say {row['seq_len']} and "
+                             f"{row['image_tiles']}; the source changed since packing")
+        return new["input_ids"], new["labels"]
