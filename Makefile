@@ -20,6 +20,8 @@ demo: $(STAMP)
 	$(VENV)/bin/vlmshard preprocess --config configs/demo.yaml
 	$(VENV)/bin/vlmshard pack --stats $(DEMO)/preprocess --dp 2 --out $(DEMO)/plan
 	$(VENV)/bin/vlmshard report $(DEMO)/plan
+	$(VENV)/bin/vlmshard write --plan $(DEMO)/plan --stats $(DEMO)/preprocess --out $(DEMO)/shards --shard-bytes 64MB
+	$(VENV)/bin/vlmshard verify $(DEMO)/shards --plan $(DEMO)/plan
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -202,7 +202,7 @@ class FixedTiling:
 
 def _cut_grid(image: "Image.Image", rows: int, cols: int, size: int) -> np.ndarray:
     """An image of exactly (cols·size) × (rows·size) px as row-major tiles [rows·cols, S, S, 3]."""
-    pixels = np.asarray(image)
+    pixels = np.array(image)  # writable: the loader hands tiles to torch without a copy
     return (pixels.reshape(rows, size, cols, size, 3).transpose(0, 2, 1, 3, 4)
             .reshape(rows * cols, size, size, 3))
 

@@ -138,13 +138,13 @@ def join(root: str, path: str) -> str:
 def open_url(url: str) -> IO[bytes]:
     """A streaming binary reader for a local path, ``file://``, ``http(s)://``, ``pipe:`` or
     fsspec URL. Schemes webdataset knows go through ``webdataset.gopen``; others through fsspec."""
+    import importlib
     from urllib.parse import urlparse
 
-    import webdataset
-
+    wds_gopen = importlib.import_module("webdataset.gopen")  # the package shadows it by a function
     scheme = urlparse(url).scheme if "://" in url or url.startswith("pipe:") else ""
-    if scheme in ("", "file", "pipe") or scheme in webdataset.gopen.gopen_schemes:
-        return webdataset.gopen(url, "rb")
+    if scheme in ("", "file") or scheme in wds_gopen.gopen_schemes:
+        return wds_gopen.gopen(url, "rb")
     import fsspec
 
     return fsspec.open(url, "rb").open()

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import secrets
+import socket
+import subprocess
+import sys
+
 import pytest
 
 from preprocess import PreprocessConfig, run_preprocess
@@ -20,3 +26,42 @@ def demo_out(demo, tmp_path_factory):
     run_preprocess(PreprocessConfig(inputs=[demo.meta], out=str(out), keep_tokens=True,
                                     workers=1, max_seq_len=8192, part_size=64))
     return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """A real Ray cluster on loopback: a head node and a second worker node, one CPU each.
+
+    Token authentication with a token of its own: a stale ``~/.ray/auth_token`` (left by any
+    earlier ``ray.init``) otherwise makes ``ray start --address`` fail with InvalidAuthToken.
+    """
+    token = tmp_path_factory.mktemp("ray") / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    common = ["--num-cpus=1", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
+              "--object-store-memory=200000000"]
+    try:
+        subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--include-dashboard=false",
+                        *common], check=True, capture_output=True, timeout=180)
+        subprocess.run([ray_bin, "start", f"--address={address}", *common], check=True,
+                       capture_output=True, timeout=180)
+        yield address
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"{' '.join(e.cmd)} failed:\n{e.stderr.decode()[-2000:]}") from None
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=180)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
-import functools
 import glob
-import http.server
 import json
 import os
-import secrets
-import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
 
 import pytest
 
-from helpers import REPO, tree_bytes, vlmshard
+from helpers import kill_9_when, serve_http, tree_bytes, vlmshard
 from preprocess import PreprocessConfig, run_preprocess
 from preprocess.demo_data import generate
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_kill_9_then_rerun_gives_identical_bytes(tmp_path):
@@ -34,14 +19,8 @@ def test_kill_9_then_rerun_gives_identical_bytes(tmp_path):
     vlmshard("preprocess", *args, "--out", str(tmp_path / "reference"))
 
     out = tmp_path / "crashed"
-    proc = subprocess.Popen([sys.executable, "-m", "vlmshard.cli", "preprocess", *args,
-                             "--out", str(out)], cwd=REPO, stderr=subprocess.DEVNULL)
     committed = lambda: glob.glob(str(out / "_work" / "parts" / "part-*.json"))  # noqa: E731
-    deadline = time.monotonic() + 120
-    while len(committed()) < 3 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_9_when("preprocess", *args, "--out", str(out), ready=lambda: len(committed()) >= 3)
     assert not (out / "preprocess.json").exists(), "job finished before it could be killed"
     n_before = len(committed())
     assert n_before >= 3
@@ -55,13 +34,8 @@ def test_kill_9_then_rerun_gives_identical_bytes(tmp_path):
 
 @pytest.fixture(scope="module")
 def http_root(demo):
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=demo.root)
-    handler.log_message = lambda *a, **k: None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    with serve_http(demo.root) as url:
+        yield url
 
 
 def test_annotations_and_images_over_http(demo, http_root, tmp_path):
@@ -77,39 +51,6 @@ def test_annotations_and_images_over_http(demo, http_root, tmp_path):
     t_remote = pq.read_table(tmp_path / "remote" / "stats")
     assert t_remote.select(cols).equals(t_local.select(cols))
     assert all(p[0].startswith(http_root) for p in t_remote["image_paths"].to_pylist())
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
-    """A real Ray cluster on loopback: a head node and a second worker node, one CPU each.
-
-    Token authentication with a token of its own: a stale ``~/.ray/auth_token`` (left by any
-    earlier ``ray.init``) otherwise makes ``ray start --address`` fail with InvalidAuthToken.
-    """
-    token = tmp_path_factory.mktemp("ray") / "auth_token"
-    token.write_text(secrets.token_hex(32))
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
-    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    port = _free_port()
-    address = f"127.0.0.1:{port}"
-    common = ["--num-cpus=1", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
-              "--object-store-memory=200000000"]
-    try:
-        subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--include-dashboard=false",
-                        *common], check=True, capture_output=True, timeout=180)
-        subprocess.run([ray_bin, "start", f"--address={address}", *common], check=True,
-                       capture_output=True, timeout=180)
-        yield address
-    except subprocess.CalledProcessError as e:
-        raise RuntimeError(f"{' '.join(e.cmd)} failed:\n{e.stderr.decode()[-2000:]}") from None
-    finally:
-        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=180)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @pytest.mark.slow

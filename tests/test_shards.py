@@ -1,0 +1,357 @@
+"""Shards: the writer, verify and the loader, on the demo data run through the real stages."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import tarfile
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+from helpers import kill_9_when, serve_http, tree_bytes, vlmshard
+from packing.plan import PackConfig, run_pack
+from preprocess import PreprocessConfig, run_preprocess
+from preprocess.tiling import FixedTiling, InternVLTiling, Qwen2VLTiling, internvl_grid
+from shards.layout import read_manifest, record_key
+from shards.loader import ShardDataset, make_loader
+from shards.reader import ShardError
+from shards.records import RecordError
+from shards.verify import verify_shards
+from shards.writer import WriteConfig, WriteError, run_write
+
+VIRTUAL_RANKS, MICRO = 4, 2
+
+
+def _pack(stats, out, **kw) -> str:
+    run_pack(PackConfig(stats=str(stats), dp=2, virtual_ranks=VIRTUAL_RANKS, micro_batches=MICRO,
+                        out=str(out), **kw))
+    return str(out)
+
+
+def _write(plan, stats, out, **kw) -> str:
+    run_write(WriteConfig(plan=str(plan), stats=str(stats), out=str(out),
+                          shard_bytes=kw.pop("shard_bytes", "8MB"), workers=kw.pop("workers", 1),
+                          **kw))
+    return str(out)
+
+
+def _tars(root) -> dict[str, bytes]:
+    return {k: v for k, v in tree_bytes(root).items() if k != "manifest.json"}
+
+
+@pytest.fixture(scope="module")
+def plan(demo_out, tmp_path_factory):
+    return _pack(demo_out, tmp_path_factory.mktemp("plan") / "plan")
+
+
+@pytest.fixture(scope="module")
+def shards(demo_out, plan, tmp_path_factory):
+    return _write(plan, demo_out, tmp_path_factory.mktemp("shards") / "shards")
+
+
+def _stats_rows(demo_out) -> list[dict]:
+    return pq.read_table(os.path.join(demo_out, "stats")).to_pylist()
+
+
+def _summary(records) -> list[tuple]:
+    """What identifies a record's content: place, samples and token ids."""
+    return [(r.step, r.rank, r.micro, tuple(s["sample_id"] for s in r.samples),
+             r.input_ids.tobytes()) for r in records]
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def test_shards_hold_exactly_the_plan(shards, plan):
+    result = verify_shards(shards, plan=plan)
+    assert result.ok, result.problems
+    manifest = read_manifest(shards)
+    planned = pq.read_table(os.path.join(plan, "plan.parquet")).num_rows
+    assert result.samples == planned == sum(s.samples for s in manifest.shards)
+    assert manifest.records == manifest.steps * VIRTUAL_RANKS * MICRO
+    assert all(len(manifest.rank_shards(r)) > 1 for r in range(VIRTUAL_RANKS))
+    for rank in range(VIRTUAL_RANKS):
+        assert manifest.coverage_problem(rank) is None
+        assert manifest.rank_shards(rank)[-1].end_step == manifest.steps
+    assert not os.path.exists(os.path.join(shards, "_work"))
+
+
+def test_same_bytes_with_more_workers_and_plain_readers_agree(shards, plan, demo_out, tmp_path):
+    again = _write(plan, demo_out, tmp_path / "again", workers=2)
+    assert tree_bytes(again) == tree_bytes(shards)
+
+    manifest = read_manifest(shards)
+    entries = manifest.rank_shards(0)
+    member = re.compile(r"^\d{8}_\d{3}\.(\d{3}\.\w+|input_ids\.npy|json|labels\.npy)$")
+    with tarfile.open(os.path.join(shards, entries[0].path)) as tar:
+        infos = tar.getmembers()
+    assert infos and all(member.match(i.name) and i.mtime == 0 and i.uid == 0 and i.gid == 0
+                         for i in infos)
+
+    import webdataset
+
+    urls = [os.path.join(shards, e.path) for e in entries]
+    samples = list(webdataset.WebDataset(urls, shardshuffle=False))
+    assert [s["__key__"] for s in samples] == [
+        record_key(step, micro) for step in range(manifest.steps) for micro in range(MICRO)]
+    for s in samples:
+        meta = json.loads(s["json"])
+        ids = np.load(__import__("io").BytesIO(s["input_ids.npy"]))
+        assert len(ids) == meta["cu_seqlens"][-1] == sum(meta["seq_lens"])
+        assert all(name in s for sample in meta["samples"] for name in sample["images"])
+
+
+def test_write_resumes_after_kill_9_to_the_same_bytes(shards, plan, demo_out, tmp_path):
+    out = tmp_path / "crashed"
+    args = ["write", "--plan", plan, "--stats", str(demo_out), "--out", str(out),
+            "--shard-bytes", "8MB", "--workers", "1"]
+    done = lambda: glob.glob(str(out / "_work" / "done" / "*.json"))  # noqa: E731
+    kill_9_when(*args, ready=lambda: len(done()) >= 2)
+    assert not (out / "manifest.json").exists(), "write finished before it could be killed"
+    n_before = len(done())
+
+    result = json.loads(vlmshard(*args, "--json").stdout)
+    assert result["shards_resumed"] >= n_before
+    assert tree_bytes(out) == tree_bytes(shards)
+    assert "already complete" in vlmshard(*args).stdout
+    other = vlmshard(*args[:-4], "--shard-bytes", "4MB", check=False)
+    assert other.returncode != 0 and "another plan or shard size" in other.stderr
+
+
+def test_retokenized_shards_equal_kept_tokens(demo, demo_out, plan, shards, tmp_path):
+    pre = tmp_path / "pre"
+    run_preprocess(PreprocessConfig(inputs=[demo.meta], out=str(pre), keep_tokens=False,
+                                    workers=1, max_seq_len=8192, part_size=64))
+    plan2 = _pack(pre, tmp_path / "plan")
+    assert (open(os.path.join(plan2, "plan.parquet"), "rb").read()
+            == open(os.path.join(plan, "plan.parquet"), "rb").read())
+    assert _tars(_write(plan2, pre, tmp_path / "shards")) == _tars(shards)
+
+
+def test_write_names_the_sample_whose_image_vanished(demo, tmp_path):
+    images = tmp_path / "images"
+    images.mkdir()
+    photos = sorted(glob.glob(os.path.join(demo.root, "images", "*.jpg")))[:2]
+    for name, src in zip(("a.jpg", "b.jpg"), photos):
+        shutil.copy(src, images / name)
+    rows = [{"image": f"images/{name}", "conversations": [
+        {"from": "human", "value": "<image>\nWhat is this?"}, {"from": "gpt", "value": "A photo."}]}
+        for name in ("a.jpg", "a.jpg", "b.jpg")]
+    with open(tmp_path / "tiny.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    run_preprocess(PreprocessConfig(inputs=[str(tmp_path / "tiny.jsonl")], out=str(tmp_path / "pre"),
+                                    keep_tokens=True, workers=1))
+    run_pack(PackConfig(stats=str(tmp_path / "pre"), dp=1, out=str(tmp_path / "plan"),
+                        target_samples=1))
+    os.unlink(images / "b.jpg")
+    with pytest.raises(WriteError, match=r"sample 2 \(tiny row 2\): image vanished since "
+                                         r"preprocessing: .*b\.jpg"):
+        _write(tmp_path / "plan", tmp_path / "pre", tmp_path / "shards")
+
+
+def test_write_refuses_stats_the_plan_was_not_made_from(plan, tmp_path, demo_out):
+    other = tmp_path / "other"
+    shutil.copytree(demo_out, other)
+    part = sorted(glob.glob(str(other / "stats" / "*.parquet")))[0]
+    table = pq.read_table(part)
+    pq.write_table(table.slice(0, table.num_rows - 1), part)
+    proc = vlmshard("write", "--plan", plan, "--stats", str(other), "--out",
+                    str(tmp_path / "s"), check=False)
+    assert proc.returncode != 0 and "is not the stats table" in proc.stderr
+
+
+@pytest.mark.slow
+def test_ray_engine_writes_the_same_bytes(ray_cluster, plan, demo_out, shards, tmp_path):
+    out = _write(plan, demo_out, tmp_path / "ray", engine="ray", ray_address=ray_cluster,
+                 workers=None)
+    assert tree_bytes(out) == tree_bytes(shards)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def _internvl_reference(image: Image.Image, policy: InternVLTiling, n_images: int) -> np.ndarray:
+    """InternVL's ``dynamic_preprocess`` as its own code writes it: resize, crop box by box."""
+    max_num = max(1, policy.max_num // n_images)
+    cols, rows = internvl_grid(image.width, image.height, min(policy.min_num, max_num), max_num,
+                               policy.image_size)
+    s = policy.image_size
+    resized = image.resize((cols * s, rows * s), Image.BICUBIC)
+    crops = [resized.crop(((i % cols) * s, (i // cols) * s, (i % cols + 1) * s, (i // cols + 1) * s))
+             for i in range(cols * rows)]
+    if policy.use_thumbnail and len(crops) != 1:
+        crops.append(image.resize((s, s), Image.BICUBIC))
+    return np.stack([np.asarray(c) for c in crops])
+
+
+@pytest.mark.parametrize("size", [(900, 500), (448, 448), (200, 1500), (3000, 800), (31, 29)])
+@pytest.mark.parametrize("n_images", [1, 3])
+def test_tile_pixels_match_the_tile_counts(size, n_images):
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+    internvl = InternVLTiling(max_num=6)
+    tiles = internvl.tile_pixels(image, n_images)
+    assert len(tiles) == internvl.tiles(*size, n_images)
+    np.testing.assert_array_equal(tiles, _internvl_reference(image, internvl, n_images))
+    for policy in (FixedTiling(), Qwen2VLTiling()):
+        if policy.name == "qwen2vl" and min(size) < 28:
+            continue
+        tiles = policy.tile_pixels(image, n_images)
+        assert tiles.shape == (policy.tiles(*size, n_images), policy.tile_size,
+                               policy.tile_size, 3)
+
+
+def test_collated_micro_batch_golden(shards, demo_out):
+    ds = ShardDataset(shards, rank=0, world_size=VIRTUAL_RANKS)
+    record = next(ds.records())
+    batch = ds.collate(record)
+    m = ds.manifest
+    stats = _stats_rows(demo_out)
+    samples = [stats[s["sample_id"]] for s in record.samples]
+    lens = [s["seq_len"] for s in samples]
+    n = sum(lens)
+    ids = np.concatenate([s["input_ids"] for s in samples])
+    labels = np.concatenate([s["labels"] for s in samples])
+    assert batch["input_ids"].shape == batch["labels"].shape == (m.qt,) and n < m.qt
+
+    assert batch["input_ids"][:n].tolist() == ids.tolist()
+    assert (batch["input_ids"][n:] == m.pad_token_id).all()
+    assert batch["labels"][:n].tolist() == labels.tolist()
+    assert (batch["labels"][n:] == -100).all()
+    assert int((batch["labels"] != -100).sum()) == sum(s["loss_tokens"] for s in samples)
+
+    bounds = np.cumsum([0] + lens).tolist()
+    assert batch["cu_seqlens"].tolist() == bounds + [m.qt]
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        assert batch["position_ids"][start:end].tolist() == list(range(end - start))
+    assert batch["position_ids"][n:].tolist() == list(range(m.qt - n))
+
+    mask = batch["image_token_mask"]
+    assert mask[:n].tolist() == (ids == m.image_token_id).tolist() and not mask[n:].any()
+    tiles = sum(t for s in samples for t in s["image_tiles"])
+    assert batch["num_tiles"] == tiles and int(mask.sum()) == tiles * 256
+    assert (batch["labels"][mask] == -100).all()
+
+    # The first sample's first image, cut by InternVL's own procedure, then normalized.
+    first = samples[0]
+    policy = InternVLTiling(**{k: v for k, v in m.tiling[first["source"]].items() if k != "name"})
+    with Image.open(first["image_paths"][0]) as im:
+        ref = _internvl_reference(im.convert("RGB"), policy, first["n_images"])
+    mean, std = np.array(policy.mean), np.array(policy.std)
+    expected = ((ref / 255.0 - mean) / std).transpose(0, 3, 1, 2)
+    np.testing.assert_allclose(batch["pixel_values"][:len(ref)].numpy(), expected, atol=1e-5)
+    assert batch["pixel_values"].shape == (m.qv, 3, 448, 448)
+    assert not batch["pixel_values"][tiles:].any()
+
+
+def test_world_sizes_dividing_the_virtual_ranks_merge_step_by_step(shards):
+    per_vrank = {v: _summary(ShardDataset(shards, v, VIRTUAL_RANKS).records())
+                 for v in range(VIRTUAL_RANKS)}
+    steps = read_manifest(shards).steps
+    for world in (1, 2):
+        for rank in range(world):
+            vranks = range(rank * VIRTUAL_RANKS // world, (rank + 1) * VIRTUAL_RANKS // world)
+            expected = [per_vrank[v][s * MICRO + m] for s in range(steps) for v in vranks
+                        for m in range(MICRO)]
+            ds = ShardDataset(shards, rank, world)
+            assert ds.micro_batches_per_step == MICRO * len(vranks)
+            assert _summary(ds.records()) == expected
+    with pytest.raises(ValueError, match=r"world size 3 does not divide it \(use one of "
+                                         r"\[1, 2, 4\]"):
+        ShardDataset(shards, 0, 3)
+
+
+def test_dataloader_workers_and_resume_are_exact(shards):
+    def run(start_step=0, workers=0):
+        loader = make_loader(shards, rank=1, world_size=VIRTUAL_RANKS, start_step=start_step,
+                             num_workers=workers)
+        return [(b["step"], b["micro"], tuple(b["sample_ids"].tolist()),
+                 float(b["pixel_values"].double().sum())) for b in loader]
+
+    reference = run()
+    per_step = MICRO
+    assert len(reference) == read_manifest(shards).steps * per_step
+    assert run(workers=2) == reference
+    k = len(reference) // per_step // 2
+    assert run(start_step=k) == reference[k * per_step:]
+
+
+def test_streams_from_http_pipe_and_fsspec_like_the_folder(shards):
+    folder = ShardDataset(shards, 0, 1)
+    reference = _summary(folder.records())
+    first = folder.collate(next(folder.records()))
+    with serve_http(shards) as url:
+        for root in (url, f"pipe:cat {shards}/{{path}}", f"file://{shards}"):
+            ds = ShardDataset(root, 0, 1)
+            assert _summary(ds.records()) == reference, root
+            batch = ds.collate(next(ds.records()))
+            assert all(torch.equal(batch[k], first[k]) if torch.is_tensor(first[k])
+                       else batch[k] == first[k] for k in first), root
+
+
+# ---------------------------------------------------------------------------------------------
+# Corruption
+
+
+def _copy(shards, tmp_path, name):
+    out = tmp_path / name
+    shutil.copytree(shards, out)
+    entry = read_manifest(str(out)).rank_shards(1)[0]
+    return str(out), entry, os.path.join(out, entry.path)
+
+
+def _image_data_offset(tar_path: str) -> tuple[int, str]:
+    with tarfile.open(tar_path) as tar:
+        info = next(i for i in tar.getmembers() if re.search(r"\.\d{3}\.\w+$", i.name))
+        return info.offset_data + info.size // 2, info.name.split(".")[0]
+
+
+def test_a_flipped_byte_is_named_by_verify_and_the_loader(shards, tmp_path):
+    root, entry, path = _copy(shards, tmp_path, "flip")
+    offset, key = _image_data_offset(path)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    proc = vlmshard("verify", root, check=False)
+    assert proc.returncode == 1
+    assert f"{entry.path}: record {key}: member" in proc.stdout and "CRC-32" in proc.stdout
+    with pytest.raises(RecordError, match=re.escape(entry.path) + f": record {key}: member"):
+        list(ShardDataset(root, 1, VIRTUAL_RANKS).records())
+
+
+def test_a_truncated_tar_is_named_by_verify_and_the_loader(shards, tmp_path):
+    root, entry, path = _copy(shards, tmp_path, "cut")
+    with open(path, "r+b") as f:
+        f.truncate(entry.bytes // 2)
+    result = verify_shards(root)
+    assert not result.ok and any(entry.path in p and "record" in p for p in result.problems)
+    assert not verify_shards(root, quick=True).ok
+    with pytest.raises(ShardError, match=re.escape(entry.path) + r": (truncated|\d+ record)"):
+        list(ShardDataset(root, 1, VIRTUAL_RANKS).records())
+
+
+def test_a_deleted_shard_is_named_by_verify_and_the_loader(shards, tmp_path):
+    root, entry, path = _copy(shards, tmp_path, "gone")
+    os.unlink(path)
+    for quick in (False, True):
+        result = verify_shards(root, quick=quick)
+        assert not result.ok and any(entry.path in p for p in result.problems)
+    with pytest.raises(ShardError, match=re.escape(entry.path) + ": cannot open shard"):
+        list(ShardDataset(root, 1, VIRTUAL_RANKS).records())
+
+
+def test_verify_names_a_plan_that_differs(shards, demo_out, tmp_path):
+    other = _pack(demo_out, tmp_path / "other", seed=1)
+    proc = vlmshard("verify", shards, "--plan", other, check=False)
+    assert proc.returncode == 1 and "not the plan these shards were written from" in proc.stdout
