@@ -158,12 +158,12 @@ class ShardDataset(IterableDataset):
                                       f"the plan has {planned}")
                 if tile + planned > m.qv:
                     raise RecordError(f"{record.where}: more than Qv {m.qv} tiles")
-                pixels[tile:tile + planned] = _normalize(tiles, policy.mean, policy.std)
+                pixels[tile:tile + planned] = normalize_tiles(tiles, policy.mean, policy.std)
                 tile += planned
         return pixels
 
 
-def _normalize(tiles: np.ndarray, mean, std) -> torch.Tensor:
+def normalize_tiles(tiles: np.ndarray, mean, std) -> torch.Tensor:
     """uint8 [n, S, S, 3] → float [n, 3, S, S], scaled to [0, 1] and standardized per channel."""
     t = torch.from_numpy(tiles).permute(0, 3, 1, 2).to(torch.float32).div_(255)
     return t.sub_(torch.tensor(mean)[:, None, None]).div_(torch.tensor(std)[:, None, None])

@@ -170,13 +170,14 @@ def run_write(cfg: WriteConfig) -> WriteResult:
     ranks, micro = params["ranks"], params["micro_batches"]
     records = _plan_records(plan_parquet, ranks, micro)
     steps = len(records) // (ranks * micro)
+    tokenizer = _recorded_tokenizer(preprocess)
     keep_tokens = preprocess["config"]["keep_tokens"]
     samples_path = os.path.join(work, "samples.arrow")
     if not os.path.exists(samples_path):
         _write_sample_table(files, samples_path, keep_tokens)
     units = _layout(records, samples_path, ranks, micro, steps, shard_bytes)
     spec = WriteSpec(out=cfg.out, samples_path=samples_path,
-                     retokenize=None if keep_tokens else _retokenize_spec(preprocess))
+                     retokenize=None if keep_tokens else _retokenize_spec(preprocess, tokenizer))
 
     done = {(u.rank, u.index): _committed(work, u) for u in units}
     todo = [u for u in units if done[(u.rank, u.index)] is None]
@@ -190,8 +191,9 @@ def run_write(cfg: WriteConfig) -> WriteResult:
             done[(entry.rank, entry.index)] = entry
             bar.update(entry.records)
 
-    manifest = _manifest(cfg, plan_json, preprocess, identity, fingerprint, ranks, micro, steps,
-                         shard_bytes, sorted(done.values(), key=lambda e: (e.rank, e.index)))
+    manifest = _manifest(cfg, plan_json, preprocess, tokenizer, identity, fingerprint, ranks,
+                         micro, steps, shard_bytes,
+                         sorted(done.values(), key=lambda e: (e.rank, e.index)))
     write_json_atomic(manifest_path, manifest.to_dict())
     shutil.rmtree(work)
     seconds = time.monotonic() - start
@@ -313,10 +315,8 @@ def _marker_path(work: str, rank: int, index: int) -> str:
     return os.path.join(work, "done", f"rank-{rank:05d}-shard-{index:06d}.json")
 
 
-def _retokenize_spec(preprocess: dict) -> RetokenizeSpec:
+def _retokenize_spec(preprocess: dict, tokenizer: TokenizerConfig) -> RetokenizeSpec:
     config = preprocess["config"]
-    tokenizer = TokenizerConfig(**config["tokenizer"])
-    _check_tokenizer(tokenizer)
     names = {f.name for f in fields(Source)}
     sources = tuple(Source(**{**{k: v for k, v in s.items() if k in names},
                               "path": s["file"]["path"]}) for s in config["sources"])
@@ -324,18 +324,19 @@ def _retokenize_spec(preprocess: dict) -> RetokenizeSpec:
                           limits=SampleLimits(**config["limits"]))
 
 
-def _check_tokenizer(tokenizer: TokenizerConfig) -> None:
+def _recorded_tokenizer(preprocess: dict) -> TokenizerConfig:
+    """The tokenizer preprocessing used, checked to be the same file (its ids are in the plan)."""
+    tokenizer = TokenizerConfig(**preprocess["config"]["tokenizer"])
     if not os.path.isfile(tokenizer.path) or sha256_file(tokenizer.path) != tokenizer.sha256:
         raise WriteError(f"tokenizer {tokenizer.path} is missing or differs from the one "
                          "preprocessing used (sha256): token ids would not match the plan")
+    return tokenizer
 
 
-def _manifest(cfg: WriteConfig, plan_json: dict, preprocess: dict, identity: dict,
-              fingerprint: str, ranks: int, micro: int, steps: int, shard_bytes: int,
-              entries: list[ShardEntry]) -> Manifest:
+def _manifest(cfg: WriteConfig, plan_json: dict, preprocess: dict, tokenizer: TokenizerConfig,
+              identity: dict, fingerprint: str, ranks: int, micro: int, steps: int,
+              shard_bytes: int, entries: list[ShardEntry]) -> Manifest:
     config = preprocess["config"]
-    tokenizer = TokenizerConfig(**config["tokenizer"])
-    _check_tokenizer(tokenizer)
     encoder = ConversationEncoder(tokenizer)
     pad = next((i for t in ("<pad>", "<|endoftext|>")
                 if (i := encoder.tokenizer.special_id(t)) is not None), 0)
