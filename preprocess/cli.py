@@ -8,6 +8,7 @@ import logging
 from dataclasses import asdict
 
 from vlmshard.config import load_config
+from vlmshard.engines import add_engine_arguments
 
 from .job import ConfigError, PreprocessConfig, RejectRatioExceeded, run_preprocess
 from .tiling import POLICIES
@@ -47,14 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="internvl: most tiles per sample, split across its images (default 12)")
     p.add_argument("--min-num", dest="min_num", type=int, default=S,
                    help="internvl: fewest tiles per image (default 1)")
-    p.add_argument("--engine", default=S, choices=["local", "ray"],
-                   help="local process pool (default) or Ray Data")
-    p.add_argument("--workers", type=int, default=S,
-                   help="parallel workers (default: the CPUs this process may use; with ray, "
-                        "the cluster's CPUs)")
-    p.add_argument("--ray-address", dest="ray_address", default=S,
-                   help="join this Ray cluster (e.g. 10.0.0.1:6379) instead of starting one; "
-                        "OUT must be on storage every node can write")
+    add_engine_arguments(p, "workers")
     p.add_argument("--keep-tokens", dest="keep_tokens", action="store_true", default=S,
                    help="store input_ids and labels in the stats table")
     p.add_argument("--max-seq-len", dest="max_seq_len", type=int, default=S,

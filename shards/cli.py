@@ -8,6 +8,7 @@ from dataclasses import asdict
 
 from packing.stats import StatsError
 from vlmshard.config import load_config
+from vlmshard.engines import add_engine_arguments
 
 from .writer import WriteConfig, WriteError, run_write
 
@@ -33,14 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats", default=S, help="the preprocess output folder the plan was "
                                               "packed from (required)")
     p.add_argument("--out", default=S, help="shard folder to write (required)")
-    p.add_argument("--engine", default=S, choices=["local", "ray"],
-                   help="local process pool (default) or Ray Data")
-    p.add_argument("--workers", type=int, default=S,
-                   help="parallel shard writers (default: the CPUs this process may use; with "
-                        "ray, the cluster's CPUs)")
-    p.add_argument("--ray-address", dest="ray_address", default=S,
-                   help="join this Ray cluster instead of starting one; OUT must be on storage "
-                        "every node can write")
+    add_engine_arguments(p, "shard writers")
     p.add_argument("--shard-bytes", dest="shard_bytes", default=S,
                    help="target shard size, e.g. 1GB (default) or 256MiB; shards hold whole "
                         "steps, so one step larger than this makes a larger shard")
