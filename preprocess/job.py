@@ -26,8 +26,8 @@ import pyarrow.parquet as pq
 
 from vlmshard import __version__
 from vlmshard.engines import ENGINES, run_units
-from vlmshard.io import (atomic_write, available_cpus, canonical_json, read_json, sha256_text,
-                         write_json_atomic, write_parquet)
+from vlmshard.io import atomic_write, available_cpus, write_json_atomic, write_parquet
+from vlmshard.jobs import WORK, claim_output
 from vlmshard.progress import Progress
 
 from .images import DEFAULT_MAX_IMAGE_PIXELS, is_url
@@ -112,30 +112,19 @@ def run_preprocess(cfg: PreprocessConfig) -> PreprocessResult:
         raise ConfigError(str(e)) from None
     limits = SampleLimits(max_seq_len=cfg.max_seq_len, max_image_pixels=cfg.max_image_pixels)
     identity = _job_identity(cfg, sources, tokenizer.to_dict(), tiling.to_dict(), limits)
-    fingerprint = sha256_text(canonical_json(identity))
-
+    fingerprint, done = claim_output(cfg.out, "preprocess.json", identity, error=ConfigError)
+    if done is not None:
+        log.info("%s is already complete (same inputs and config): nothing to do", cfg.out)
+        totals = done["totals"]
+        return PreprocessResult(out=cfg.out, input_rows=totals["input_rows"],
+                                accepted=totals["accepted"], rejected=totals["rejected"],
+                                parts=len(done["stats_files"]), parts_resumed=0,
+                                seconds=time.monotonic() - start, already_complete=True,
+                                rejected_by_reason=done["rejected_by_reason"])
     final_path = os.path.join(cfg.out, "preprocess.json")
-    if os.path.exists(final_path):
-        done = read_json(final_path)
-        if done.get("fingerprint") == fingerprint:
-            log.info("%s is already complete (same inputs and config): nothing to do", cfg.out)
-            totals = done["totals"]
-            return PreprocessResult(out=cfg.out, input_rows=totals["input_rows"],
-                                    accepted=totals["accepted"], rejected=totals["rejected"],
-                                    parts=len(done["stats_files"]), parts_resumed=0,
-                                    seconds=time.monotonic() - start, already_complete=True,
-                                    rejected_by_reason=done["rejected_by_reason"])
-        raise ConfigError(f"{cfg.out} holds a finished job with other inputs or config; "
-                          "pass a new --out or delete that folder")
-
-    work_dir = os.path.join(cfg.out, "_work")
+    work_dir = os.path.join(cfg.out, WORK)
     parts_dir = os.path.join(work_dir, "parts")
-    job_path = os.path.join(work_dir, "job.json")
-    if os.path.exists(job_path) and read_json(job_path).get("fingerprint") != fingerprint:
-        raise ConfigError(f"{cfg.out} holds an interrupted job with other inputs or config; "
-                          f"delete {work_dir} to start over, or rerun with the original options")
     os.makedirs(parts_dir, exist_ok=True)
-    write_json_atomic(job_path, {"fingerprint": fingerprint, "identity": identity})
 
     t_index = time.monotonic()
     indexes = [index_source(s) for s in sources]

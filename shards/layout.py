@@ -23,6 +23,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import IO
 
+from vlmshard.jobs import WORK
+
 FORMAT = "vlmshard-shards/1"
 MANIFEST = "manifest.json"
 _KEY = re.compile(r"^(\d{8})_(\d{3})$")
@@ -76,6 +78,7 @@ class Manifest:
     stats: dict  # path, sha256 (as the plan recorded it)
     shard_bytes: int
     shards: list[ShardEntry] = field(default_factory=list)
+    fingerprint: str = ""  # of what determines the bytes: plan, stats, shard size (a rerun skips)
     format: str = FORMAT
     vlmshard_version: str = ""
 
@@ -155,7 +158,7 @@ def read_manifest(root: str) -> Manifest:
     url = join(root, MANIFEST)
     if "://" not in root and not root.startswith("pipe:") and not os.path.exists(url):
         hint = (" (an unfinished write: rerun vlmshard write to finish it)"
-                if os.path.isdir(os.path.join(root, "_work")) else "")
+                if os.path.isdir(os.path.join(root, WORK)) else "")
         raise FileNotFoundError(f"{root}: no {MANIFEST}{hint}")
     try:
         with open_url(url) as f:

@@ -44,8 +44,8 @@ from preprocess.tokenize import ConversationEncoder, TokenizerConfig
 from vlmshard import __version__
 from vlmshard.config import parse_size
 from vlmshard.engines import ENGINES, run_units
-from vlmshard.io import (atomic_write, available_cpus, canonical_json, read_json, sha256_file,
-                         sha256_text, write_json_atomic)
+from vlmshard.io import atomic_write, available_cpus, read_json, sha256_file, write_json_atomic
+from vlmshard.jobs import WORK, claim_output
 from vlmshard.progress import Progress
 
 from .layout import FORMAT, MANIFEST, Manifest, ShardEntry, shard_path
@@ -145,24 +145,15 @@ def run_write(cfg: WriteConfig) -> WriteResult:
                          f"({plan_json['stats']['path']})")
     identity = {"format": FORMAT, "plan_sha256": sha256_file(plan_parquet),
                 "stats_sha256": plan_json["stats"]["sha256"], "shard_bytes": shard_bytes}
-    fingerprint = sha256_text(canonical_json(identity))
-
-    manifest_path = os.path.join(cfg.out, MANIFEST)
-    if os.path.exists(manifest_path):
-        done = Manifest.from_dict(read_json(manifest_path), manifest_path)
-        if done.plan.get("fingerprint") == fingerprint:
-            log.info("%s is already complete (same plan, stats and shard size)", cfg.out)
-            return WriteResult(cfg.out, done.ranks, done.steps, len(done.shards), done.records,
-                               done.bytes, time.monotonic() - start, already_complete=True)
-        raise WriteError(f"{cfg.out} holds shards of another plan or shard size; pass a new "
-                         "--out or delete that folder")
-    work = os.path.join(cfg.out, "_work")
-    job_path = os.path.join(work, "job.json")
-    if os.path.exists(job_path) and read_json(job_path)["fingerprint"] != fingerprint:
-        raise WriteError(f"{cfg.out} holds an interrupted write of another plan or shard size; "
-                         f"delete {work} to start over, or rerun with the original options")
+    fingerprint, finished = claim_output(cfg.out, MANIFEST, identity, error=WriteError)
+    if finished is not None:
+        existing = Manifest.from_dict(finished, cfg.out)
+        log.info("%s is already complete (same plan, stats and shard size)", cfg.out)
+        return WriteResult(cfg.out, existing.ranks, existing.steps, len(existing.shards),
+                           existing.records, existing.bytes, time.monotonic() - start,
+                           already_complete=True)
+    work = os.path.join(cfg.out, WORK)
     os.makedirs(os.path.join(work, "done"), exist_ok=True)
-    write_json_atomic(job_path, {"fingerprint": fingerprint, "identity": identity})
     for stale in glob.glob(os.path.join(cfg.out, "rank-*", ".tmp-*")):
         os.unlink(stale)  # a shard a killed run was writing
 
@@ -194,7 +185,7 @@ def run_write(cfg: WriteConfig) -> WriteResult:
     manifest = _manifest(cfg, plan_json, preprocess, tokenizer, identity, fingerprint, ranks,
                          micro, steps, shard_bytes,
                          sorted(done.values(), key=lambda e: (e.rank, e.index)))
-    write_json_atomic(manifest_path, manifest.to_dict())
+    write_json_atomic(os.path.join(cfg.out, MANIFEST), manifest.to_dict())
     shutil.rmtree(work)
     seconds = time.monotonic() - start
     log.info("write: %d shard(s), %d record(s), %.1f MB in %.1fs -> %s", len(manifest.shards),
@@ -348,9 +339,10 @@ def _manifest(cfg: WriteConfig, plan_json: dict, preprocess: dict, tokenizer: To
         qv=params["qv"], qt=params["qt"], tokenizer=tokenizer.to_dict(),
         image_token_id=encoder.image_token_id, pad_token_id=pad, tiling=tiling,
         plan={"path": os.path.abspath(cfg.plan), "algorithm": plan_json["algorithm"],
-              "sha256": identity["plan_sha256"], "fingerprint": fingerprint},
+              "sha256": identity["plan_sha256"]},
         stats={"path": os.path.abspath(cfg.stats), "sha256": identity["stats_sha256"]},
-        shard_bytes=shard_bytes, shards=entries, vlmshard_version=__version__)
+        shard_bytes=shard_bytes, shards=entries, fingerprint=fingerprint,
+        vlmshard_version=__version__)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,7 +377,7 @@ class ShardWriter:
                            records=len(unit.records),
                            samples=sum(len(ids) for _, _, ids in unit.records),
                            bytes=os.path.getsize(path), sha256=sha256_file(path))
-        write_json_atomic(_marker_path(os.path.join(self.spec.out, "_work"), unit.rank,
+        write_json_atomic(_marker_path(os.path.join(self.spec.out, WORK), unit.rank,
                                        unit.index), asdict(entry))
         return asdict(entry)
 
