@@ -1,0 +1,225 @@
+"""Pipeline stage partition and per-stage activation recompute, from profiled layer costs.
+
+Model of one stage s of P holding layers [first, end) under 1F1B:
+
+- time = Σ (forward + backward) + Σ forward of the recomputed layers
+  + the time to send its output activation to stage s + 1;
+- memory = Σ parameter/optimizer bytes + (P − s) micro-batches in flight × Σ activation bytes
+  kept for backward (a recomputed layer keeps only its input) + the largest recomputed layer's
+  activations, rebuilt during backward one layer at a time.
+
+``choose_recompute`` picks, for one stage, the fewest layers to recompute so the stage fits the
+memory budget: recomputing the layers that save the most first is optimal for the count, since
+any k layers save at most the k largest savings. ``search_partition`` is the exact min-max
+contiguous partition by dynamic programming over (stage, first layer), each stage costed with
+the recompute it then needs; ``brute_force_partition`` is its reference for tests.
+``omnibal_candidates`` is OmniBal's neighbourhood search around the greedy anchor, ranked by
+stage-time variance, then boundary communication.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Profiled cost of one pipeline layer for one micro-batch."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+    activation_bytes: int  # kept for backward when not recomputed
+    input_bytes: int  # kept instead when the layer is recomputed (its input checkpoint)
+    output_bytes: int  # sent to the next stage when a stage ends after this layer
+    param_bytes: int  # parameters, gradients and optimizer states
+
+
+@dataclass(frozen=True)
+class Machine:
+    memory_budget: int  # bytes per pipeline stage (device)
+    link_bytes_per_s: float = 25e9  # stage-to-stage bandwidth
+
+
+@dataclass
+class Stage:
+    first: int
+    end: int  # exclusive
+    recompute: list[int] = field(default_factory=list)
+    time_s: float = 0.0
+    memory_bytes: int = 0
+
+
+@dataclass
+class Partition:
+    """Stage boundaries (``bounds[s]`` .. ``bounds[s + 1]``), each stage's recompute and costs."""
+
+    bounds: list[int]
+    stages: list[Stage]
+
+    @property
+    def max_time_s(self) -> float:
+        return max(s.time_s for s in self.stages)
+
+    @property
+    def recompute(self) -> list[int]:
+        return [i for s in self.stages for i in s.recompute]
+
+
+class PartitionError(ValueError):
+    """No partition fits: the message says which stage and by how much."""
+
+
+def choose_recompute(layers: list[LayerCost], first: int, end: int, in_flight: int,
+                     budget: int) -> list[int] | None:
+    """Fewest layers of [first, end) to recompute so the stage fits ``budget``; None if even
+    recomputing every layer does not fit."""
+    order = sorted(range(first, end), key=lambda i: (
+        -(layers[i].activation_bytes - layers[i].input_bytes), i))
+    chosen: list[int] = []
+    for k in range(len(order) + 1):
+        chosen = sorted(order[:k])
+        if stage_memory(layers, first, end, in_flight, chosen) <= budget:
+            return chosen
+    return None
+
+
+def stage_memory(layers: list[LayerCost], first: int, end: int, in_flight: int,
+                 recompute: list[int]) -> int:
+    kept = sum(layers[i].input_bytes if i in recompute else layers[i].activation_bytes
+               for i in range(first, end))
+    rebuilt = max((layers[i].activation_bytes for i in recompute), default=0)
+    return sum(layers[i].param_bytes for i in range(first, end)) + in_flight * kept + rebuilt
+
+
+def stage_time(layers: list[LayerCost], first: int, end: int, recompute: list[int],
+               machine: Machine, last: bool) -> float:
+    compute = sum(layers[i].forward_s + layers[i].backward_s for i in range(first, end))
+    send = 0.0 if last else layers[end - 1].output_bytes / machine.link_bytes_per_s
+    return compute + sum(layers[i].forward_s for i in recompute) + send
+
+
+def make_stage(layers: list[LayerCost], first: int, end: int, index: int, stages: int,
+               machine: Machine) -> Stage | None:
+    """Stage ``index`` of ``stages`` over [first, end) with its recompute; None if it cannot fit."""
+    in_flight = stages - index
+    recompute = choose_recompute(layers, first, end, in_flight, machine.memory_budget)
+    if recompute is None:
+        return None
+    return Stage(first, end, recompute,
+                 stage_time(layers, first, end, recompute, machine, index == stages - 1),
+                 stage_memory(layers, first, end, in_flight, recompute))
+
+
+def evaluate(layers: list[LayerCost], bounds: list[int], machine: Machine) -> Partition | None:
+    """A given partition (e.g. DeepSpeed's) costed with its recompute; None if a stage cannot fit."""
+    stages = []
+    for s, (first, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        stage = make_stage(layers, first, end, s, len(bounds) - 1, machine)
+        if stage is None:
+            return None
+        stages.append(stage)
+    return Partition(list(bounds), stages)
+
+
+def search_partition(layers: list[LayerCost], stages: int, machine: Machine) -> Partition:
+    """The exact min-max partition into ``stages`` non-empty contiguous stages that fit memory."""
+    n = len(layers)
+    _check_stage_count(n, stages)
+
+    @lru_cache(maxsize=None)
+    def best(s: int, first: int) -> tuple[float, tuple[int, ...]]:
+        """Min over partitions of layers [first, n) into stages s..stages-1 of the max time."""
+        if s == stages - 1:
+            stage = make_stage(layers, first, n, s, stages, machine)
+            return (stage.time_s, (first, n)) if stage else (float("inf"), ())
+        result = (float("inf"), ())
+        for end in range(first + 1, n - (stages - 1 - s) + 1):
+            stage = make_stage(layers, first, end, s, stages, machine)
+            if stage is None:
+                break  # a longer stage s holds at least as much: it cannot fit either
+            rest, bounds = best(s + 1, end)
+            cost = max(stage.time_s, rest)
+            if cost < result[0]:
+                result = (cost, (first,) + bounds)
+        return result
+
+    cost, bounds = best(0, 0)
+    if cost == float("inf"):
+        raise PartitionError(_why_infeasible(layers, stages, machine))
+    return evaluate(layers, list(bounds), machine)
+
+
+def brute_force_partition(layers: list[LayerCost], stages: int, machine: Machine) -> Partition:
+    """Every composition of the layers into ``stages`` parts: the reference for tests."""
+    n = len(layers)
+    _check_stage_count(n, stages)
+    best = None
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        candidate = evaluate(layers, [0, *cuts, n], machine)
+        if candidate and (best is None or candidate.max_time_s < best.max_time_s):
+            best = candidate
+    if best is None:
+        raise PartitionError(_why_infeasible(layers, stages, machine))
+    return best
+
+
+def omnibal_candidates(layers: list[LayerCost], stages: int, machine: Machine,
+                       radius: int = 2) -> list[Partition]:
+    """OmniBal's search: the greedy anchor (equal shares of compute), every partition whose
+    boundaries lie within ``radius`` layers of it, ranked by stage-time variance, then by the
+    bytes crossing stage boundaries. Infeasible candidates are dropped."""
+    n = len(layers)
+    _check_stage_count(n, stages)
+    anchor = greedy_anchor([lay.forward_s + lay.backward_s for lay in layers], stages)
+    ranges = [range(max(1, b - radius), min(n - 1, b + radius) + 1) for b in anchor[1:-1]]
+    seen, found = set(), []
+    for cuts in itertools.product(*ranges):
+        if list(cuts) != sorted(set(cuts)) or cuts in seen:
+            continue
+        seen.add(cuts)
+        candidate = evaluate(layers, [0, *cuts, n], machine)
+        if candidate:
+            found.append(candidate)
+
+    def rank(p: Partition) -> tuple[float, int]:
+        times = [s.time_s for s in p.stages]
+        mean = sum(times) / len(times)
+        return (sum((t - mean) ** 2 for t in times) / len(times),
+                sum(layers[b - 1].output_bytes for b in p.bounds[1:-1]))
+
+    return sorted(found, key=rank)
+
+
+def greedy_anchor(costs: list[float], stages: int) -> list[int]:
+    """Boundaries where the cumulative cost crosses each 1/stages share (every stage non-empty)."""
+    n, total = len(costs), sum(costs)
+    bounds, running = [0], 0.0
+    for i, c in enumerate(costs):
+        running += c
+        s = len(bounds)
+        if s < stages and running >= total * s / stages and n - (i + 1) >= stages - s:
+            bounds.append(i + 1)
+    while len(bounds) < stages:  # tiny layer counts: take one layer per missing stage
+        bounds.append(bounds[-1] + 1)
+    return bounds + [n]
+
+
+def _check_stage_count(n: int, stages: int) -> None:
+    if stages < 1:
+        raise PartitionError(f"need at least one pipeline stage, got {stages}")
+    if stages > n:
+        raise PartitionError(f"{stages} pipeline stages for {n} layers would leave a stage "
+                             "empty; use at most as many stages as layers")
+
+
+def _why_infeasible(layers: list[LayerCost], stages: int, machine: Machine) -> str:
+    worst = max(range(len(layers)), key=lambda i: layers[i].param_bytes + stages *
+                layers[i].input_bytes)
+    need = stage_memory(layers, worst, worst + 1, stages, [worst])
+    return (f"no partition into {stages} stages fits {machine.memory_budget / 2**30:.2f} GiB "
+            f"per stage even with full recompute (layer {layers[worst].name} alone needs "
+            f"{need / 2**30:.2f} GiB on the first stage); raise --memory-budget or use more "
+            "stages")
