@@ -1,0 +1,79 @@
+"""The VLM's packed path equals running each sample alone (loss and gradients)."""
+
+from __future__ import annotations
+
+import torch
+
+from train.config import LLMConfig, ModelConfig, VisionConfig
+from train.model import VLM, next_token_targets, pixel_shuffle, segments
+
+CONFIG = ModelConfig(vision=VisionConfig(image_size=56, hidden=16, layers=2, heads=2),
+                     llm=LLMConfig(vocab_size=500, hidden=32, layers=2, heads=4, kv_heads=2,
+                                   intermediate=64))
+IMAGE_TOKEN = 7
+
+
+def _sample(gen: torch.Generator, length: int, tiles: int) -> dict:
+    """Token ids with ``tiles`` image-token blocks after a BOS, labels on the second half."""
+    per_tile = CONFIG.tokens_per_tile
+    ids = torch.randint(10, CONFIG.llm.vocab_size, (length,), generator=gen)
+    ids[1:1 + tiles * per_tile] = IMAGE_TOKEN
+    labels = torch.full((length,), -100)
+    labels[length // 2:] = ids[length // 2:]
+    pixels = torch.randn(tiles, 3, 56, 56, generator=gen)
+    return {"ids": ids, "labels": labels, "pixels": pixels}
+
+
+def _batch(samples: list[dict], qt: int, qv: int) -> dict:
+    """Pack samples as the shard loader collates them (padding is a segment of its own)."""
+    ids = torch.cat([s["ids"] for s in samples])
+    labels = torch.cat([s["labels"] for s in samples])
+    n, pad = len(ids), qt - len(ids)
+    lens = [len(s["ids"]) for s in samples] + ([pad] if pad else [])
+    pixels = torch.zeros(qv, 3, 56, 56)
+    tiles = torch.cat([s["pixels"] for s in samples])
+    pixels[:len(tiles)] = tiles
+    input_ids = torch.cat([ids, torch.zeros(pad, dtype=ids.dtype)])
+    return {"input_ids": input_ids,
+            "labels": torch.cat([labels, torch.full((pad,), -100)]),
+            "position_ids": torch.cat([torch.arange(x) for x in lens]),
+            "image_token_mask": torch.cat([ids == IMAGE_TOKEN, torch.zeros(pad, dtype=bool)]),
+            "pixel_values": pixels, "num_tiles": len(tiles), "num_tokens": n}
+
+
+def _loss_and_grads(model: VLM, batches: list[dict]) -> tuple[float, dict]:
+    model.zero_grad()
+    total = sum(model(b) for b in batches)
+    total.backward()
+    return float(total.detach()), {k: p.grad.clone() for k, p in model.named_parameters()
+                          if p.grad is not None}
+
+
+def test_packed_equals_one_by_one():
+    torch.manual_seed(0)
+    model = VLM(CONFIG)
+    gen = torch.Generator().manual_seed(1)
+    samples = [_sample(gen, 40, 2), _sample(gen, 25, 0), _sample(gen, 33, 1)]
+    packed_loss, packed = _loss_and_grads(model, [_batch(samples, qt=110, qv=4)])
+    alone_loss, alone = _loss_and_grads(
+        model, [_batch([s], qt=len(s["ids"]), qv=len(s["pixels"])) for s in samples])
+    assert abs(packed_loss - alone_loss) <= 1e-5 * abs(alone_loss)
+    assert packed.keys() == alone.keys()
+    for name in packed:
+        torch.testing.assert_close(packed[name], alone[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_targets_never_cross_samples():
+    labels = torch.tensor([-100, 5, 6, -100, 8, 9, -100, -100])
+    position_ids = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    assert next_token_targets(labels, position_ids).tolist() == [5, 6, -100, 8, 9, -100, -100,
+                                                                 -100]
+    assert segments(position_ids) == [(0, 3), (3, 6), (6, 8)]
+
+
+def test_pixel_shuffle_groups_2x2_neighbours():
+    x = torch.arange(16.0).view(1, 16, 1)  # a 4x4 grid of patches, one channel
+    out = pixel_shuffle(x, 0.5)
+    assert out.shape == (1, 4, 4)
+    # Each output token holds one 2x2 block of neighbouring patches.
+    assert sorted(out[0, 0].tolist()) == [0.0, 1.0, 4.0, 5.0]
