@@ -42,7 +42,8 @@ class ShardDataset(IterableDataset):
     """Packed micro-batches of one data-parallel rank, streamed from a shard folder or URL."""
 
     def __init__(self, root: str, rank: int = 0, world_size: int = 1, start_step: int = 0, *,
-                 pixel_dtype: torch.dtype = torch.float32, check_hash: bool = True) -> None:
+                 pixel_dtype: torch.dtype = torch.float32, check_hash: bool = True,
+                 pixels: bool = True) -> None:
         self.root = root
         self.manifest: Manifest = read_manifest(root)
         virtual = self.manifest.ranks
@@ -61,6 +62,7 @@ class ShardDataset(IterableDataset):
         self.start_step = start_step
         self.pixel_dtype = pixel_dtype
         self.check_hash = check_hash
+        self.pixels = pixels  # False: pixel_values stay zero (pipeline stages that need no images)
         self.policies = self.manifest.policies()
         sizes = {p.tile_size for p in self.policies.values()}
         if len(sizes) != 1:
@@ -145,6 +147,8 @@ class ShardDataset(IterableDataset):
 
         m, size = self.manifest, self.tile_size
         pixels = torch.zeros((m.qv, 3, size, size), dtype=self.pixel_dtype)
+        if not self.pixels:
+            return pixels
         images = iter(record.images)
         tile = 0
         for sample in record.samples:

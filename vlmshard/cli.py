@@ -14,6 +14,7 @@ SUBCOMMANDS = [
     ("pack", "packing.cli"),
     ("write", "shards.cli"),
     ("verify", "shards.verify"),
+    ("train", "train.cli"),
     ("report", "packing.report"),
     ("demo-data", "preprocess.demo_data"),
 ]

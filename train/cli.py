@@ -1,0 +1,76 @@
+"""``vlmshard train``: launch ``train.trainer`` on local processes through DeepSpeed's launcher."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import asdict
+
+from vlmshard.config import load_config
+from vlmshard.io import write_json_atomic
+
+from .trainer import TrainConfig
+
+HELP = "train the VLM on shards with DeepSpeed's pipeline engine (PP x DP local processes)"
+DESCRIPTION = """\
+Starts PP x DP processes with the DeepSpeed launcher (gloo on CPU, nccl on GPU). Each
+data-parallel replica streams its rank's shards (shards planned for V virtual ranks serve any DP
+dividing V); the pipeline takes one packed micro-batch per record, the plan's micro-batches of a
+step are its gradient accumulation, and the loss is normalized per supervised token over the
+global batch (Ave-Token). Writes OUT/train_log.jsonl: per step the loss, step time, tokens and
+the plan steps and sample ids it trained on (other DP ranks: OUT/train_log-dpD.jsonl)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    S = argparse.SUPPRESS
+    p.add_argument("--config", help="YAML file with any of these options (flags override it); "
+                                    "its 'model' key is a preset name or sizes")
+    p.add_argument("--shards", default=S, help="shard folder or URL (required)")
+    p.add_argument("--out", default=S, help="run folder (required)")
+    p.add_argument("--pp", type=int, default=S, help="pipeline stages (default 1)")
+    p.add_argument("--dp", type=int, default=S, help="data-parallel replicas (default 1)")
+    p.add_argument("--max-steps", dest="max_steps", type=int, default=S,
+                   help="optimizer steps (default: one pass over the shards; more repeats them)")
+    p.add_argument("--lr", type=float, default=S, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--seed", type=int, default=S, help="model initialization seed")
+
+
+def launch(cfg: TrainConfig) -> int:
+    """Run the training processes to completion; returns the launcher's exit status."""
+    import torch
+
+    cfg.validate()
+    if isinstance(cfg.model, str):
+        cfg.model = {"preset": cfg.model}
+    os.makedirs(cfg.out, exist_ok=True)
+    config_path = os.path.join(os.path.abspath(cfg.out), "train_config.json")
+    write_json_atomic(config_path, asdict(cfg))
+    processes = cfg.pp * cfg.dp
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["LOCAL_SIZE"] = str(processes)  # DeepSpeed's CPU accelerator counts "devices" here
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(processes),
+           "--master_port", str(port), "--module", "train.trainer", config_path]
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
+    return subprocess.call(cmd, env=env)
+
+
+def main(args: argparse.Namespace) -> int:
+    flags = {k: v for k, v in vars(args).items() if k != "config"}
+    try:
+        cfg = load_config(TrainConfig, flags, args.config)
+        cfg.validate()
+    except ValueError as e:
+        raise SystemExit(f"vlmshard train: error: {e}") from None
+    status = launch(cfg)
+    if status:
+        raise SystemExit(f"vlmshard train: the training processes exited with status {status}")
+    print(f"trained -> {os.path.join(cfg.out, 'train_log.jsonl')}")
+    return 0
