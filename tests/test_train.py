@@ -13,6 +13,9 @@ from packing.plan import PackConfig, run_pack
 from preprocess import PreprocessConfig, run_preprocess
 from shards.loader import ShardDataset
 from shards.writer import WriteConfig, run_write
+from train.partition import LayerCost, stage_memory
+from train.profile import ProfileConfig, run_profile
+from vlmshard.io import read_json
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                       "train-tiny.yaml")
@@ -38,6 +41,42 @@ def small_shards(demo, tmp_path_factory):
     return str(root / "s")
 
 
+@pytest.fixture(scope="module")
+def partition(small_shards, tmp_path_factory) -> str:
+    """A profiled partition for 2 stages whose memory budget forces some recompute."""
+    out = tmp_path_factory.mktemp("profile")
+    run_profile(ProfileConfig(shards=small_shards, out=str(out), pp=2, micro_batches=2,
+                              memory_budget="1TB"))
+    layers = [LayerCost(**c) for c in read_json(out / "profile.json")["layers"]]
+    n = len(layers)
+    # Just under what the best partition needs without recompute: every choice must recompute.
+    tight = min(max(stage_memory(layers, 0, cut, 2, []), stage_memory(layers, cut, n, 1, []))
+                for cut in range(1, n)) - 1
+    run_profile(ProfileConfig(shards=small_shards, out=str(out), pp=2, micro_batches=2,
+                              memory_budget=tight))
+    return str(out / "partition.json")
+
+
+def test_profile_calibrates_and_recomputes_to_fit(partition, small_shards, tmp_path):
+    chosen = read_json(partition)
+    budget = chosen["machine"]["memory_budget"]
+    search = chosen["search"]
+    assert all(s["memory_bytes"] <= budget for s in search["stages"])
+    assert any(s["recompute"] for s in search["stages"])
+    for other in ("parameters", "uniform"):
+        if chosen[other] is not None:
+            assert search["max_stage_s"] <= chosen[other]["max_stage_s"] + 1e-12
+    folder = os.path.dirname(partition)
+    profile = read_json(os.path.join(folder, "profile.json"))
+    assert [layer["name"] for layer in profile["layers"]][-1] == "head"
+    assert all(layer["forward_s"] > 0 and layer["activation_bytes"] >= 0
+               for layer in profile["layers"])
+    plan = tmp_path / "plan"
+    vlmshard("pack", "--stats", os.path.join(os.path.dirname(small_shards), "pre"), "--dp", "2",
+             "--cost-model", os.path.join(folder, "cost_model.json"), "--out", str(plan))
+    assert read_json(plan / "plan.json")["cost_model"]["origin"].startswith("file:")
+
+
 def _log(path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f]
@@ -49,9 +88,13 @@ def _plan_samples(shards: str, rank: int, world: int) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_pipeline_of_two_stages_learns_from_its_plan(small_shards, tmp_path):
+def test_pipeline_of_two_stages_learns_from_its_plan(small_shards, partition, tmp_path):
+    """The searched partition, with its per-stage recompute, trains on DeepSpeed's engine."""
     vlmshard("train", "--config", CONFIG, "--shards", small_shards, "--pp", "2", "--dp", "1",
-             "--max-steps", "20", "--lr", "0.003", "--out", str(tmp_path / "run"))
+             "--max-steps", "20", "--lr", "0.003", "--partition", partition,
+             "--out", str(tmp_path / "run"))
+    config = read_json(tmp_path / "run" / "train_config.json")
+    assert config["bounds"] == read_json(partition)["search"]["bounds"] and config["recompute"]
     log = _log(tmp_path / "run" / "train_log.jsonl")
     assert [r["step"] for r in log] == list(range(20))
     first, last = (sum(r["loss"] for r in part) / 5 for part in (log[:5], log[-5:]))

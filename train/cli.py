@@ -24,13 +24,41 @@ global batch (Ave-Token). Writes OUT/train_log.jsonl: per step the loss, step ti
 the plan steps and sample ids it trained on (other DP ranks: OUT/train_log-dpD.jsonl)."""
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+PROFILE_DESCRIPTION = """\
+Runs each pipeline layer alone on real micro-batches from the shards, on this device: forward and
+backward time, activation bytes saved for backward, input/output bytes, parameter + optimizer
+bytes. Writes OUT/profile.json, OUT/cost_model.json (a_v, a_t, b fitted to the measured times:
+`vlmshard pack --cost-model OUT/cost_model.json` balances for this model) and OUT/partition.json:
+the exact min-max stage partition for --pp stages with the fewest recomputed layers per stage
+that fit --memory-budget (stage s holds PP - s micro-batches under 1F1B), next to DeepSpeed's
+'parameters' and 'uniform' partitions. `vlmshard train --partition OUT/partition.json` uses it."""
+
+
+def _common(p: argparse.ArgumentParser) -> None:
     S = argparse.SUPPRESS
     p.add_argument("--config", help="YAML file with any of these options (flags override it); "
                                     "its 'model' key is a preset name or sizes")
     p.add_argument("--shards", default=S, help="shard folder or URL (required)")
-    p.add_argument("--out", default=S, help="run folder (required)")
+    p.add_argument("--out", default=S, help="output folder (required)")
     p.add_argument("--pp", type=int, default=S, help="pipeline stages (default 1)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    S = argparse.SUPPRESS
+    _common(p)
+    sub = p.add_subparsers(dest="action", metavar="[profile]")
+    prof = sub.add_parser("profile", help="profile layers, calibrate the cost model, search "
+                                          "the partition", description=PROFILE_DESCRIPTION,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(prof)
+    prof.add_argument("--memory-budget", dest="memory_budget", default=S,
+                      help="memory per pipeline stage, e.g. 80GiB (default)")
+    prof.add_argument("--micro-batches", dest="micro_batches", type=int, default=S,
+                      help="micro-batches to profile (default 4)")
+    prof.add_argument("--device", default=S, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--partition", default=S,
+                   help="partition.json from 'vlmshard train profile': its searched stage "
+                        "bounds and per-stage recompute (default: DeepSpeed's 'parameters')")
     p.add_argument("--dp", type=int, default=S, help="data-parallel replicas (default 1)")
     p.add_argument("--max-steps", dest="max_steps", type=int, default=S,
                    help="optimizer steps (default: one pass over the shards; more repeats them)")
@@ -63,14 +91,37 @@ def launch(cfg: TrainConfig) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    flags = {k: v for k, v in vars(args).items() if k != "config"}
+    flags = {k: v for k, v in vars(args).items() if k not in ("config", "action")}
+    if args.action == "profile":
+        return _profile(flags, args.config)
     try:
         cfg = load_config(TrainConfig, flags, args.config)
         cfg.validate()
-    except ValueError as e:
+        cfg.resolve_partition()
+    except (ValueError, OSError, KeyError) as e:
         raise SystemExit(f"vlmshard train: error: {e}") from None
     status = launch(cfg)
     if status:
         raise SystemExit(f"vlmshard train: the training processes exited with status {status}")
     print(f"trained -> {os.path.join(cfg.out, 'train_log.jsonl')}")
+    return 0
+
+
+def _profile(flags: dict, config_file: str | None) -> int:
+    from .partition import PartitionError
+    from .profile import ProfileConfig, run_profile
+
+    try:
+        cfg = load_config(ProfileConfig, flags, config_file)
+        partitions = run_profile(cfg)
+    except (ValueError, PartitionError) as e:
+        raise SystemExit(f"vlmshard train profile: error: {e}") from None
+    print(f"{'partition':<11} {'max stage s':>11}  stage times (s) / recomputed layers")
+    for name, p in partitions.items():
+        if p is None:
+            print(f"{name:<11} {'does not fit':>11}")
+            continue
+        times = " ".join(f"{s['time_s']:.4f}/{len(s['recompute'])}" for s in p["stages"])
+        print(f"{name:<11} {p['max_stage_s']:>11.4f}  {times}   bounds {p['bounds']}")
+    print(f"-> {cfg.out}/profile.json, cost_model.json, partition.json")
     return 0

@@ -33,6 +33,7 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     seed: int = 0
+    partition: str | None = None  # partition.json of `vlmshard train profile` (its search)
     bounds: list[int] | None = None  # stage partition; default DeepSpeed's 'parameters'
     recompute: list[str] = field(default_factory=list)  # layer names recomputed in backward
 
@@ -42,6 +43,19 @@ class TrainConfig:
                 raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"--max-steps must be at least 1, got {self.max_steps}")
+
+    def resolve_partition(self) -> None:
+        """Take ``bounds`` and ``recompute`` from ``partition`` (the searched choice)."""
+        if not self.partition:
+            return
+        from vlmshard.io import read_json
+
+        search = read_json(self.partition)["search"]
+        if len(search["bounds"]) != self.pp + 1:
+            raise ValueError(f"{self.partition} splits the model into "
+                             f"{len(search['bounds']) - 1} stages, not --pp {self.pp}")
+        self.bounds = search["bounds"]
+        self.recompute = [name for stage in search["stages"] for name in stage["recompute"]]
 
 
 def supervised_tokens(batch: dict) -> int:

@@ -1,0 +1,201 @@
+"""Profile the model layer by layer on real micro-batches, calibrate the packer's cost model, and
+choose the pipeline partition and per-stage recompute.
+
+Each pipeline layer runs alone on the activations the previous layer produced, so its forward and
+backward times, the bytes autograd saves for its backward (its activation memory), its input and
+output bytes and its parameter bytes are its own. Parameters are costed at 16 bytes each:
+fp32 weight and gradient plus AdamW's two fp32 moments.
+
+The calibrated cost model fits, over the profiled micro-batches, the ViT layers' time to
+``a_v·Σtiles`` and the LLM layers' time to ``a_t·Σtokens + b·Σseq_len²`` (non-negative least
+squares), the same three coefficients ``vlmshard pack --cost-model`` reads.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from . import model as M
+from .partition import LayerCost, Machine, Partition, evaluate, search_partition
+from .pipeline import Carry, Head, layer_names, pipeline_inputs
+from .trainer import TrainConfig
+
+BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
+
+
+@dataclass
+class ProfileConfig(TrainConfig):
+    """Options of ``vlmshard train profile``: the training options plus the profiling ones."""
+
+    memory_budget: int | str = "80GiB"
+    micro_batches: int = 4
+    device: str | None = None  # default: cuda when available
+    link_bytes_per_s: float = 25e9
+
+
+def run_profile(cfg: ProfileConfig) -> dict:
+    """Profile, calibrate and search; writes profile.json, cost_model.json, partition.json."""
+    import os
+    from itertools import islice
+
+    from shards.loader import ShardDataset
+    from vlmshard.config import parse_size
+    from vlmshard.io import write_json_atomic
+
+    cfg.validate()
+    model_config = ModelConfig.from_dict(cfg.model)
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(cfg.seed)
+    batches = list(islice(ShardDataset(cfg.shards, 0, 1), cfg.micro_batches))
+    profile = profile_layers(model_config, batches, device)
+    machine = Machine(parse_size(cfg.memory_budget), cfg.link_bytes_per_s)
+    partitions = compare_partitions(profile.layers, cfg.pp, machine)
+    cost = fit_cost_model(profile.micro_batches)
+    os.makedirs(cfg.out, exist_ok=True)
+    write_json_atomic(os.path.join(cfg.out, "profile.json"),
+                      {**profile.to_dict(), "model": model_config.to_dict(),
+                       "shards": cfg.shards})
+    write_json_atomic(os.path.join(cfg.out, "cost_model.json"),
+                      {**cost, "unit": "seconds", "device": device,
+                       "model": model_config.name})
+    write_json_atomic(os.path.join(cfg.out, "partition.json"),
+                      {**partitions, "machine": asdict(machine), "pp": cfg.pp})
+    return partitions
+
+
+@dataclass
+class Profile:
+    layers: list[LayerCost]  # means over the profiled micro-batches
+    micro_batches: list[dict]  # per micro-batch: tiles, tokens, squares, vit_s, llm_s
+    device: str
+
+    def to_dict(self) -> dict:
+        return {"device": self.device, "layers": [asdict(c) for c in self.layers],
+                "micro_batches": self.micro_batches}
+
+
+def pipeline_layers(config: ModelConfig) -> list[nn.Module]:
+    """The pipeline's layers, built in order (what ``build_pipeline`` puts in LayerSpecs)."""
+    return [Carry(cls, config) for cls, _ in M.layer_specs(config)[:-1]] + [Head(config)]
+
+
+def _tensor_bytes(x) -> int:
+    return sum(t.numel() * t.element_size() for t in (x if isinstance(x, tuple) else (x,))
+               if torch.is_tensor(t) and t.is_floating_point())
+
+
+def profile_layers(config: ModelConfig, batches: list[dict], device: str = "cpu",
+                   repeats: int = 1) -> Profile:
+    """Time and measure every layer on each batch (collated micro-batches from the loader)."""
+    layers = [layer.to(device) for layer in pipeline_layers(config)]
+    names = layer_names(config)
+    vision = sum(1 for n in names if n.startswith("vit_"))
+    sums = np.zeros((len(layers), 5))  # forward, backward, activation, input, output
+    per_batch = []
+    for batch in batches:
+        inputs, _ = pipeline_inputs(batch)
+        x = tuple(t.to(device) for t in inputs)
+        times = []
+        for i, layer in enumerate(layers):
+            x_in = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in x)
+            forward = backward = 0.0
+            for _ in range(repeats):
+                saved = _SavedBytes(layer)
+                _sync(device)
+                start = time.perf_counter()
+                with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                    out = layer(x_in)
+                _sync(device)
+                forward += time.perf_counter() - start
+                outs = out if isinstance(out, tuple) else (out,)
+                grads = [(o, torch.ones_like(o)) for o in outs
+                         if torch.is_tensor(o) and o.requires_grad]
+                start = time.perf_counter()
+                if grads:
+                    torch.autograd.backward([o for o, _ in grads], [g for _, g in grads])
+                _sync(device)
+                backward += time.perf_counter() - start
+                layer.zero_grad(set_to_none=True)
+            sums[i] += (forward / repeats, backward / repeats, saved.bytes, _tensor_bytes(x_in),
+                        _tensor_bytes(out))
+            times.append((forward + backward) / repeats)
+            x = tuple(t.detach() for t in out) if isinstance(out, tuple) else out
+        lens = np.diff(np.asarray(batch["cu_seqlens"][:batch["num_samples"] + 1]))
+        per_batch.append({"tiles": int(batch["num_tiles"]), "tokens": int(batch["num_tokens"]),
+                          "squares": int((lens.astype(np.int64) ** 2).sum()),
+                          "vit_s": float(sum(times[:1 + vision])),
+                          "llm_s": float(sum(times[1 + vision:]))})
+    means = sums / max(1, len(batches))
+    costs = [LayerCost(name, float(f), float(b), int(act), int(inp), int(out),
+                       BYTES_PER_PARAM * sum(p.numel() for p in layer.parameters()))
+             for name, layer, (f, b, act, inp, out) in zip(names, layers, means)]
+    return Profile(costs, per_batch, device)
+
+
+class _SavedBytes:
+    """Counts the bytes autograd saves for backward, parameters excluded (they stay anyway)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.params = {p.data_ptr() for p in module.parameters()}
+        self.seen: set[int] = set()
+        self.bytes = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.params and ptr not in self.seen:
+            self.seen.add(ptr)
+            self.bytes += t.untyped_storage().nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def fit_cost_model(micro_batches: list[dict]) -> dict:
+    """``a_v``, ``a_t``, ``b`` in seconds, by non-negative least squares over micro-batches."""
+    from scipy.optimize import nnls
+
+    tiles = np.array([m["tiles"] for m in micro_batches], dtype=float)
+    vit = np.array([m["vit_s"] for m in micro_batches])
+    llm_x = np.array([[m["tokens"], m["squares"]] for m in micro_batches], dtype=float)
+    llm = np.array([m["llm_s"] for m in micro_batches])
+    a_v = float(vit @ tiles / max(tiles @ tiles, 1e-12))
+    scale = llm_x.max(axis=0).clip(min=1.0)  # conditioning: tokens and squares differ by 1e4
+    (a_t, b), _ = nnls(llm_x / scale, llm)
+    return {"a_v": a_v, "a_t": float(a_t / scale[0]), "b": float(b / scale[1])}
+
+
+def compare_partitions(layers: list[LayerCost], stages: int, machine: Machine) -> dict:
+    """The searched partition next to DeepSpeed's ``parameters`` and ``uniform`` choices, each
+    with the recompute it needs and its modelled stage times (None where it cannot fit)."""
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+    searched = search_partition(layers, stages, machine)
+    options = {
+        "search": searched,
+        "parameters": evaluate(layers, [int(b) for b in partition_balanced(
+            [lay.param_bytes for lay in layers], stages)], machine),
+        "uniform": evaluate(layers, partition_uniform(len(layers), stages), machine),
+    }
+    return {name: describe(p, layers) if p else None for name, p in options.items()}
+
+
+def describe(partition: Partition, layers: list[LayerCost]) -> dict:
+    return {"bounds": partition.bounds,
+            "max_stage_s": partition.max_time_s,
+            "stages": [{"layers": [layers[i].name for i in range(s.first, s.end)],
+                        "recompute": [layers[i].name for i in s.recompute],
+                        "time_s": s.time_s, "memory_bytes": s.memory_bytes}
+                       for s in partition.stages]}
