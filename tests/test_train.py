@@ -100,7 +100,10 @@ def test_pipeline_of_two_stages_learns_from_its_plan(small_shards, partition, tm
     first, last = (sum(r["loss"] for r in part) / 5 for part in (log[:5], log[-5:]))
     assert last < first - 1.0, (first, last)
     plan = _plan_samples(small_shards, 0, 1)
-    seen = [ids for r in log for ids in r["sample_ids"]]
+    seen = [ids for r in log for ids in r["data"][0]["sample_ids"]]
+    stages = {r["stage"] for r in log[-1]["ranks"]}
+    assert stages == {0, 1} and all(r["forward_s"] > 0 and r["backward_s"] > 0
+                                    for r in log[-1]["ranks"])
     assert seen == [plan[i % len(plan)] for i in range(len(seen))]
 
 
@@ -109,7 +112,21 @@ def test_two_data_parallel_ranks_see_exactly_their_plan(small_shards, tmp_path):
     steps = ShardDataset(small_shards, 0, 2).steps
     vlmshard("train", "--config", CONFIG, "--shards", small_shards, "--pp", "1", "--dp", "2",
              "--max-steps", str(steps), "--out", str(tmp_path / "run"))
-    logs = [_log(tmp_path / "run" / name) for name in ("train_log.jsonl", "train_log-dp1.jsonl")]
-    for rank, log in enumerate(logs):
-        assert [ids for r in log for ids in r["sample_ids"]] == _plan_samples(small_shards, rank, 2)
-    assert [r["loss"] for r in logs[0]] == pytest.approx([r["loss"] for r in logs[1]])
+    log = _log(tmp_path / "run" / "train_log.jsonl")
+    for rank in range(2):
+        seen = [ids for r in log for ids in r["data"][rank]["sample_ids"]]
+        assert seen == _plan_samples(small_shards, rank, 2)
+
+
+@pytest.mark.slow
+def test_resume_continues_the_loss_trajectory_exactly(small_shards, tmp_path):
+    common = ["--config", CONFIG, "--shards", small_shards, "--pp", "2", "--lr", "0.003"]
+    vlmshard("train", *common, "--max-steps", "6", "--out", str(tmp_path / "straight"))
+    vlmshard("train", *common, "--max-steps", "3", "--out", str(tmp_path / "stopped"))
+    vlmshard("train", *common, "--max-steps", "6", "--resume", str(tmp_path / "stopped"))
+    straight = _log(tmp_path / "straight" / "train_log.jsonl")
+    resumed = _log(tmp_path / "stopped" / "train_log.jsonl")
+    assert [r["step"] for r in resumed] == list(range(6))
+    assert [r["data"] for r in resumed] == [r["data"] for r in straight]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight],
+                                                         rel=1e-5)

@@ -20,8 +20,9 @@ Starts PP x DP processes with the DeepSpeed launcher (gloo on CPU, nccl on GPU).
 data-parallel replica streams its rank's shards (shards planned for V virtual ranks serve any DP
 dividing V); the pipeline takes one packed micro-batch per record, the plan's micro-batches of a
 step are its gradient accumulation, and the loss is normalized per supervised token over the
-global batch (Ave-Token). Writes OUT/train_log.jsonl: per step the loss, step time, tokens and
-the plan steps and sample ids it trained on (other DP ranks: OUT/train_log-dpD.jsonl)."""
+global batch (Ave-Token). Writes OUT/train_log.jsonl: per step the loss, step time, tokens/s,
+every rank's forward, backward and waiting time, and the plan steps and sample ids each DP rank
+trained on; DeepSpeed checkpoints go to OUT/checkpoints (--resume continues exactly)."""
 
 
 PROFILE_DESCRIPTION = """\
@@ -64,6 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="optimizer steps (default: one pass over the shards; more repeats them)")
     p.add_argument("--lr", type=float, default=S, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--seed", type=int, default=S, help="model initialization seed")
+    p.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, default=S,
+                   help="save a DeepSpeed checkpoint every N steps (always after the last)")
+    p.add_argument("--resume", default=S,
+                   help="run folder to continue from its latest checkpoint: the data position "
+                        "follows from the step (default --out: that folder)")
 
 
 def launch(cfg: TrainConfig) -> int:
@@ -92,6 +98,8 @@ def launch(cfg: TrainConfig) -> int:
 
 def main(args: argparse.Namespace) -> int:
     flags = {k: v for k, v in vars(args).items() if k not in ("config", "action")}
+    if "resume" in flags:
+        flags.setdefault("out", flags["resume"])
     if args.action == "profile":
         return _profile(flags, args.config)
     try:

@@ -12,6 +12,8 @@ computes the chunked, supervised-only loss without ever building [Qt, vocab] log
 
 from __future__ import annotations
 
+import time
+
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule
 from torch import nn
@@ -21,7 +23,59 @@ from . import model as M
 from .config import ModelConfig
 
 
-class Carry(nn.Module):
+class StageClock:
+    """This process's forward and backward compute time, summed over its pipeline layers.
+
+    DeepSpeed's own timers (``wall_clock_breakdown``) trip an assertion in pipeline mode, so each
+    layer times itself: forward around its call; backward from the moment its output's gradient
+    arrives to the moment each of its parameters has its gradient (recompute included)."""
+
+    def __init__(self) -> None:
+        self.forward_s = 0.0
+        self.backward_s = 0.0
+
+    def take(self) -> tuple[float, float]:
+        """(forward, backward) seconds since the last call."""
+        out = (self.forward_s, self.backward_s)
+        self.forward_s = self.backward_s = 0.0
+        return out
+
+
+CLOCK = StageClock()
+
+
+class _Timed(nn.Module):
+    """Base of the pipeline layers: ``CLOCK`` accounting around ``compute``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mark = 0.0
+
+    def _watch_parameters(self) -> None:
+        for p in self.parameters():
+            p.register_post_accumulate_grad_hook(self._on_parameter_grad)
+
+    def _on_parameter_grad(self, _param) -> None:
+        now = time.perf_counter()
+        CLOCK.backward_s += now - self._mark
+        self._mark = now
+
+    def _on_output_grad(self, grad):
+        self._mark = time.perf_counter()
+        return grad
+
+    def forward(self, inputs: tuple):
+        start = time.perf_counter()
+        out = self.compute(inputs)
+        CLOCK.forward_s += time.perf_counter() - start
+        first = next((t for t in (out if isinstance(out, tuple) else (out,))
+                      if torch.is_tensor(t) and t.requires_grad), None)
+        if first is not None:
+            first.register_hook(self._on_output_grad)
+        return out
+
+
+class Carry(_Timed):
     """A model layer that passes the labels through, optionally recomputed in backward."""
 
     def __init__(self, layer_cls: type[nn.Module], config: ModelConfig,
@@ -29,8 +83,9 @@ class Carry(nn.Module):
         super().__init__()
         self.inner = layer_cls(config)
         self.recompute = recompute
+        self._watch_parameters()
 
-    def forward(self, inputs: tuple) -> tuple:
+    def compute(self, inputs: tuple) -> tuple:
         *x, labels = inputs
         if self.recompute and torch.is_grad_enabled():
             out = checkpoint(self.inner, tuple(x), use_reentrant=False)
@@ -39,15 +94,16 @@ class Carry(nn.Module):
         return (*out, labels)
 
 
-class Head(nn.Module):
+class Head(_Timed):
     """Final norm, LM head and the summed next-token loss of the micro-batch."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.norm = M.FinalNorm(config)
         self.loss = M.PackedLMLoss(config)
+        self._watch_parameters()
 
-    def forward(self, inputs: tuple) -> torch.Tensor:
+    def compute(self, inputs: tuple) -> torch.Tensor:
         hidden, position_ids, labels = inputs
         hidden, _ = self.norm((hidden, position_ids))
         return self.loss(hidden, labels, position_ids)

@@ -36,6 +36,8 @@ class TrainConfig:
     partition: str | None = None  # partition.json of `vlmshard train profile` (its search)
     bounds: list[int] | None = None  # stage partition; default DeepSpeed's 'parameters'
     recompute: list[str] = field(default_factory=list)  # layer names recomputed in backward
+    checkpoint_every: int | None = None  # also save every N steps (always at the end)
+    resume: str | None = None  # a run folder: continue from its latest checkpoint
 
     def validate(self) -> None:
         for name in ("pp", "dp"):
@@ -65,12 +67,16 @@ def supervised_tokens(batch: dict) -> int:
     return int((next_token_targets(batch["labels"], batch["position_ids"]) != IGNORE_INDEX).sum())
 
 
-def repeated(shards: str, rank: int, world: int, pixels: bool) -> Iterator[dict]:
-    """This rank's micro-batches, from step 0 again after the last step."""
+def repeated(shards: str, rank: int, world: int, pixels: bool, start: int) -> Iterator[dict]:
+    """This rank's micro-batches from global step ``start`` on, from step 0 again after the
+    last step: the data position is a pure function of the step."""
     from shards.loader import ShardDataset
 
+    steps = ShardDataset(shards, rank, world).steps
+    first = start % steps
     while True:
-        yield from ShardDataset(shards, rank, world, pixels=pixels)
+        yield from ShardDataset(shards, rank, world, start_step=first, pixels=pixels)
+        first = 0
 
 
 def run(cfg: TrainConfig) -> None:
@@ -81,17 +87,17 @@ def run(cfg: TrainConfig) -> None:
     from shards.loader import ShardDataset
 
     from .config import ModelConfig
-    from .pipeline import AveTokenLoss, build_pipeline, pipeline_inputs
+    from .pipeline import CLOCK, AveTokenLoss, build_pipeline, pipeline_inputs
 
     cfg.validate()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     torch.manual_seed(cfg.seed)
     model_config = ModelConfig.from_dict(cfg.model)
     probe = ShardDataset(cfg.shards, 0, cfg.dp)
-    if probe.manifest.tokenizer and model_config.tokens_per_tile != next(
-            iter(probe.policies.values())).tokens_per_tile:
-        raise ValueError(f"model makes {model_config.tokens_per_tile} tokens per tile, the shards "
-                         f"were tokenized with {next(iter(probe.policies.values())).tokens_per_tile}")
+    shard_tokens = {p.tokens_per_tile for p in probe.policies.values()}
+    if shard_tokens != {model_config.tokens_per_tile}:
+        raise ValueError(f"the model makes {model_config.tokens_per_tile} tokens per tile; the "
+                         f"shards were tokenized with {sorted(shard_tokens)}")
     gas = probe.micro_batches_per_step
     steps = cfg.max_steps or probe.steps
 
@@ -109,38 +115,65 @@ def run(cfg: TrainConfig) -> None:
         model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
         config=ds_config)
     loss.scale = gas * cfg.dp
+    checkpoints = os.path.join(cfg.out, "checkpoints")
+    first_step = 0
+    if cfg.resume:
+        _, state = engine.load_checkpoint(os.path.join(cfg.resume, "checkpoints"))
+        if state is None:
+            raise FileNotFoundError(f"{cfg.resume}: no checkpoint to resume from")
+        first_step = state["step"]
     dp_rank = engine.grid.get_data_parallel_id()
     reads = engine.is_first_stage() or engine.is_last_stage()
-    batches = repeated(cfg.shards, dp_rank, cfg.dp, pixels=engine.is_first_stage())
-    logs = _open_logs(cfg, engine, dp_rank)
-    for step in range(steps):
+    batches = repeated(cfg.shards, dp_rank, cfg.dp, engine.is_first_stage(), first_step)
+    log_file = _open_log(cfg, engine.global_rank, append=first_step > 0)
+    for step in range(first_step, steps):
         micro = [next(batches) for _ in range(gas)] if reads else []
         tokens = torch.tensor([sum(supervised_tokens(b) for b in micro)], dtype=torch.long)
         if engine.is_last_stage():
             deepspeed.comm.all_reduce(tokens, group=engine.grid.get_data_parallel_group())
             loss.global_tokens = int(tokens)
+        CLOCK.take()
         start = time.perf_counter()
-        value = engine.train_batch(iter([pipeline_inputs(b) for b in micro]))
+        value = float(engine.train_batch(iter([pipeline_inputs(b) for b in micro])))
         seconds = time.perf_counter() - start
-        record = {"step": step, "loss": float(value), "step_time_s": seconds,
-                  "micro_batches": gas, "dp_rank": dp_rank, "stage": engine.stage_id,
-                  "tokens": sum(b["num_tokens"] for b in micro),
-                  "plan_steps": [b["step"] for b in micro],
-                  "sample_ids": [b["sample_ids"].tolist() for b in micro]}
-        if logs:
-            logs.write(json.dumps(record) + "\n")
-            logs.flush()
-    if logs:
-        logs.close()
+        forward, backward = CLOCK.take()
+        mine = {"rank": engine.global_rank, "stage": engine.stage_id, "dp_rank": dp_rank,
+                "forward_s": forward, "backward_s": backward,
+                "wait_s": max(0.0, seconds - forward - backward), "step_time_s": seconds}
+        if engine.is_first_stage():
+            mine["data"] = {"tokens": sum(b["num_tokens"] for b in micro),
+                            "plan_steps": [b["step"] for b in micro],
+                            "sample_ids": [b["sample_ids"].tolist() for b in micro]}
+        ranks = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(ranks, mine)
+        if log_file:
+            log_file.write(json.dumps(_step_record(step, value, ranks)) + "\n")
+            log_file.flush()
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 or step + 1 == steps:
+            engine.save_checkpoint(checkpoints, tag=f"step{step + 1:08d}",
+                                   client_state={"step": step + 1})
+    if log_file:
+        log_file.close()
 
 
-def _open_logs(cfg: TrainConfig, engine, dp_rank: int):
-    """Rank (stage 0, dp d) writes ``data-dpD.jsonl``; global rank 0's is ``train_log.jsonl``."""
-    if not engine.is_first_stage():
+def _step_record(step: int, loss: float, ranks: list[dict]) -> dict:
+    """One line of train_log.jsonl from every rank's timings and the first stages' data."""
+    seconds = max(r["step_time_s"] for r in ranks)
+    data = sorted((r for r in ranks if "data" in r), key=lambda r: r["dp_rank"])
+    tokens = sum(r["data"]["tokens"] for r in data)
+    return {"step": step, "loss": loss, "step_time_s": seconds, "tokens": tokens,
+            "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "ranks": [{k: v for k, v in r.items() if k != "data"} for r in ranks],
+            "data": [{"dp_rank": r["dp_rank"], **r["data"]} for r in data]}
+
+
+def _open_log(cfg: TrainConfig, global_rank: int, append: bool):
+    """Global rank 0 writes ``train_log.jsonl`` (appending when resuming)."""
+    if global_rank != 0:
         return None
     os.makedirs(cfg.out, exist_ok=True)
-    name = "train_log.jsonl" if engine.global_rank == 0 else f"train_log-dp{dp_rank}.jsonl"
-    return open(os.path.join(cfg.out, name), "w", encoding="utf-8")
+    return open(os.path.join(cfg.out, "train_log.jsonl"), "a" if append else "w",
+                encoding="utf-8")
 
 
 def main() -> None:
