@@ -77,8 +77,6 @@ def launch(cfg: TrainConfig) -> int:
     import torch
 
     cfg.validate()
-    if isinstance(cfg.model, str):
-        cfg.model = {"preset": cfg.model}
     os.makedirs(cfg.out, exist_ok=True)
     config_path = os.path.join(os.path.abspath(cfg.out), "train_config.json")
     write_json_atomic(config_path, asdict(cfg))

@@ -55,8 +55,13 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
+    def from_dict(cls, d: dict | str) -> "ModelConfig":
+        """From YAML: a preset name, or sizes over a preset (``{"preset": "tiny", "llm": ...}``)."""
+        if isinstance(d, str):
+            d = {"preset": d}
         d = dict(d)
+        if d.get("preset", "tiny") not in PRESETS:
+            raise ValueError(f"unknown model preset {d['preset']!r}; known: {', '.join(PRESETS)}")
         base = PRESETS[d.pop("preset")] if "preset" in d else cls()
         vision = {**asdict(base.vision), **d.pop("vision", {})}
         llm = {**asdict(base.llm), **d.pop("llm", {})}

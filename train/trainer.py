@@ -26,7 +26,7 @@ class TrainConfig:
 
     shards: str
     out: str
-    model: dict = field(default_factory=lambda: {"preset": "tiny"})
+    model: dict | str = "tiny"  # a preset name, or sizes over a preset (ModelConfig.from_dict)
     pp: int = 1
     dp: int = 1
     max_steps: int | None = None  # default: the shards' steps (more repeats the data)
@@ -45,6 +45,9 @@ class TrainConfig:
                 raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"--max-steps must be at least 1, got {self.max_steps}")
+        from .config import ModelConfig
+
+        ModelConfig.from_dict(self.model)  # a bad model config fails here, not in every process
 
     def resolve_partition(self) -> None:
         """Take ``bounds`` and ``recompute`` from ``partition`` (the searched choice)."""
