@@ -37,7 +37,7 @@ from packing.stats import load_stats  # noqa: E402
 
 DATA = os.path.join(REPO, "..", "shared", "data", "omnibal-lengths")
 FILES = ("ai2d_train_12k.json", "docvqa_train_10k.json")
-COST = CostModel.from_shape("internvl2-2b")
+COST = CostModel.from_preset("internvl2-2b")
 SETTINGS = ((8, 1), (64, 1), (8, 4))
 COLUMNS = ("vit_dist_ratio", "llm_dist_ratio", "attn_dist_ratio", "vit_fill", "llm_fill",
            "pad_ratio", "cost_efficiency", "order_spearman", "source_mix_tv", "qv", "qt",

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
+from train.config import PRESETS
 from vlmshard.config import load_config
 
 from .algorithms import ALGORITHMS
-from .cost import DEFAULT_MODEL, MODEL_SHAPES
+from .cost import DEFAULT_MODEL
 from .metrics import REPORT_KEYS
 from .plan import PackConfig, run_pack
 from .stats import StatsError
@@ -55,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=S, help="epochs to plan (default 1)")
     p.add_argument("--cost-model", dest="cost_model", default=S,
                    help="cost_model.json with a_v, a_t, b (from vlmshard train profile)")
-    p.add_argument("--model", choices=sorted(MODEL_SHAPES), default=S,
+    p.add_argument("--model", choices=sorted(PRESETS), default=S,
                    help=f"model whose FLOPs set the default cost model (default {DEFAULT_MODEL})")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
 

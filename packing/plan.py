@@ -93,7 +93,8 @@ def run_pack(cfg: PackConfig) -> PackResult:
     t0 = time.perf_counter()
     stats = load_stats(cfg.stats)
     lengths = stats.lengths
-    cost = CostModel.from_json(cfg.cost_model) if cfg.cost_model else CostModel.from_shape(cfg.model)
+    cost = (CostModel.from_json(cfg.cost_model) if cfg.cost_model
+            else CostModel.from_preset(cfg.model))
     t_loaded = time.perf_counter()
     caps, caps_from, search = choose_caps(cfg, lengths, cost)
     epochs, packings = [], []

@@ -1,10 +1,15 @@
-"""The VLM's packed path equals running each sample alone (loss and gradients)."""
+"""The VLM's packed path equals running each sample alone (loss and gradients); the analytic
+per-layer costs equal what the real layers hold and compute."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
-from train.config import LLMConfig, ModelConfig, VisionConfig
+from train import model as M
+from train.analytic import Size, layer_work
+from train.config import PRESETS, LLMConfig, ModelConfig, VisionConfig
 from train.model import VLM, next_token_targets, pixel_shuffle, segments
 
 CONFIG = ModelConfig(vision=VisionConfig(image_size=56, hidden=16, layers=2, heads=2),
@@ -77,3 +82,50 @@ def test_pixel_shuffle_groups_2x2_neighbours():
     assert out.shape == (1, 4, 4)
     # Each output token holds one 2x2 block of neighbouring patches.
     assert sorted(out[0, 0].tolist()) == [0.0, 1.0, 4.0, 5.0]
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_are_valid_and_named_like_the_pipeline(name):
+    config = ModelConfig.from_dict(name)
+    assert config == PRESETS[name]
+    assert [w.name for w in layer_work(config)] == config.layer_names()
+    assert config.tokens_per_tile == 256  # what the demo shards are tokenized with
+
+
+def test_real_presets_have_their_published_sizes():
+    total = {name: sum(w.params for w in layer_work(PRESETS[name])) / 1e9
+             for name in ("internvl2-2b", "internvl-chat-1.5")}
+    assert 2.1 < total["internvl2-2b"] < 2.3  # InternVL2-2B: 2.2B
+    assert 25.0 < total["internvl-chat-1.5"] < 26.0  # InternVL-Chat-V1.5: 25.5B
+
+
+def test_analytic_params_and_flops_equal_the_real_layers():
+    """Parameters exactly; matmul/conv FLOPs exactly; causal attention is half the FLOPs of the
+    full score matrix that PyTorch's math path computes."""
+    gen = torch.Generator().manual_seed(0)
+    samples = [_sample(gen, 300, 2), _sample(gen, 70, 1), _sample(gen, 30, 0)]
+    batch = _batch(samples, qt=420, qv=4)
+    lens = [len(s["ids"]) for s in samples] + [20]  # the padding is a segment of its own
+    size = Size(tiles=batch["num_tiles"], tokens=420, squares=sum(n * n for n in lens))
+    v, t = CONFIG.vision, CONFIG.llm
+    patches = (v.image_size // v.patch_size) ** 2
+    x = (batch["pixel_values"], batch["input_ids"], batch["position_ids"],
+         batch["image_token_mask"], torch.tensor(batch["num_tiles"]))
+    layers = [cls(CONFIG) for cls, _ in M.layer_specs(CONFIG)]
+    work = layer_work(CONFIG)
+    for layer, w in zip(layers, work):
+        assert w.params == sum(p.numel() for p in layer.parameters()), w.name
+        with FlopCounterMode(display=False) as counter:
+            x = layer(x)
+        counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+        matmul = sum(n for op, n in counts.items() if op != "aten.bmm")
+        if w.name.startswith("vit_block"):
+            attention = 4 * patches ** 2 * v.hidden * size.tiles
+        elif w.name.startswith("llm_block"):
+            attention = 2 * t.hidden * size.squares
+            assert counts["aten.bmm"] == 2 * attention
+        else:
+            attention = 0
+        assert matmul == w.flops.dot(size) - attention, w.name
+    head = [M.FinalNorm(CONFIG), M.PackedLMLoss(CONFIG)]
+    assert work[-1].params == sum(p.numel() for m in head for p in m.parameters())

@@ -22,7 +22,7 @@ from packing.stats import StatsError, load_stats
 from helpers import vlmshard
 
 OMNIBAL = os.path.join(os.path.dirname(__file__), "data", "omnibal")
-COST = CostModel.from_shape("internvl2-2b")
+COST = CostModel.from_preset("internvl2-2b")
 
 
 def _lengths(tiles, tokens, n_sources=2) -> Lengths:

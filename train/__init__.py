@@ -1,1 +1,2 @@
-"""The train stage (issue 5; see ../shared/DESIGN.md). Not built yet."""
+"""The train stage: an InternVL-style VLM on DeepSpeed's pipeline engine, its profile, stage
+partition and recompute search (see ../shared/DESIGN.md, "Trainer")."""

@@ -1,5 +1,5 @@
-"""Model shapes: a YAML-readable config and presets (tiny for CPU tests, real sizes for profiling
-and simulation). The vision side must turn one tile into exactly the ``tokens_per_tile`` image
+"""Model shapes: a YAML-readable config and presets (tiny for CPU tests, real sizes for profiling,
+the packer's FLOPs cost model and simulation). The vision side must turn one tile into exactly the ``tokens_per_tile`` image
 tokens the shards were tokenized with: (image_size / patch_size × downsample_ratio)²."""
 
 from __future__ import annotations
@@ -51,6 +51,12 @@ class ModelConfig:
         if (t.hidden // t.heads) % 2:
             raise ValueError("the LLM head size must be even for rotary embeddings")
 
+    def layer_names(self) -> list[str]:
+        """The pipeline's layers in order: the units a stage partition cuts between."""
+        return (["vit_embed"] + [f"vit_block_{i}" for i in range(self.vision.layers)]
+                + ["projector_merge"] + [f"llm_block_{i}" for i in range(self.llm.layers)]
+                + ["head"])
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -74,4 +80,16 @@ class ModelConfig:
 PRESETS = {
     # CPU tests: every code path, seconds per step.
     "tiny": ModelConfig(),
+    # InternVL2-2B: InternViT-300M-448px + InternLM2-1.8B.
+    "internvl2-2b": ModelConfig(
+        name="internvl2-2b",
+        vision=VisionConfig(hidden=1024, layers=24, heads=16),
+        llm=LLMConfig(vocab_size=92553, hidden=2048, layers=24, heads=16, kv_heads=8,
+                      intermediate=8192)),
+    # InternVL-Chat-V1.5: InternViT-6B-448px-V1-5 + InternLM2-Chat-20B (OmniBal's main setting).
+    "internvl-chat-1.5": ModelConfig(
+        name="internvl-chat-1.5",
+        vision=VisionConfig(hidden=3200, layers=45, heads=25),
+        llm=LLMConfig(vocab_size=92544, hidden=6144, layers=48, heads=48, kv_heads=8,
+                      intermediate=16384)),
 }

@@ -211,13 +211,12 @@ class FinalNorm(nn.Module):
 
 
 def layer_specs(config: ModelConfig) -> list[tuple[type[nn.Module], str]]:
-    """The model as (layer class, name) in order: the units a pipeline partition cuts between."""
+    """(layer class, name) of every pipeline layer before the head, in order: the units a stage
+    partition cuts between (``config.layer_names()``, whose last is the head)."""
     config.validate()
-    return ([(VisionEmbed, "vit_embed")]
-            + [(VisionBlock, f"vit_block_{i}") for i in range(config.vision.layers)]
-            + [(ProjectorMerge, "projector_merge")]
-            + [(DecoderBlock, f"llm_block_{i}") for i in range(config.llm.layers)]
-            + [(FinalNorm, "final_norm")])
+    classes = ([VisionEmbed] + [VisionBlock] * config.vision.layers + [ProjectorMerge]
+               + [DecoderBlock] * config.llm.layers)
+    return list(zip(classes, config.layer_names()[:-1]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,6 +267,7 @@ class VLM(nn.Module):
         super().__init__()
         self.config = config
         self.layers = nn.ModuleList(cls(config) for cls, _ in layer_specs(config))
+        self.norm = FinalNorm(config)
         self.loss = PackedLMLoss(config)
 
     def forward(self, batch: dict) -> torch.Tensor:
@@ -276,5 +276,5 @@ class VLM(nn.Module):
              batch["image_token_mask"], torch.tensor(batch["num_tiles"]))
         for layer in self.layers:
             x = layer(x)
-        hidden, position_ids = x
+        hidden, position_ids = self.norm(x)
         return self.loss(hidden, batch["labels"], position_ids)

@@ -147,18 +147,13 @@ class VLMPipeline(PipelineModule):
         self._set_bounds(start=bounds[stage], stop=bounds[stage + 1])
 
 
-def layer_names(config: ModelConfig) -> list[str]:
-    """The pipeline's layers in order (the model's, the head last)."""
-    return [name for _, name in M.layer_specs(config)[:-1]] + ["head"]
-
-
 def build_pipeline(config: ModelConfig, stages: int, loss: AveTokenLoss,
                    bounds: list[int] | None = None,
                    recompute: set[str] = frozenset(), **kwargs) -> VLMPipeline:
     """The pipeline module: ``bounds`` from the partition search (None: DeepSpeed's
     ``parameters`` method), ``recompute`` the layer names to recompute in backward."""
     specs = [LayerSpec(Carry, cls, config, name in recompute)
-             for cls, name in M.layer_specs(config)[:-1]]
+             for cls, name in M.layer_specs(config)]
     specs.append(LayerSpec(Head, config))
     return VLMPipeline(layers=specs, num_stages=stages, loss_fn=loss,
                        partition_method="bounds" if bounds else "parameters", bounds=bounds,

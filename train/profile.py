@@ -3,8 +3,8 @@ choose the pipeline partition and per-stage recompute.
 
 Each pipeline layer runs alone on the activations the previous layer produced, so its forward and
 backward times, the bytes autograd saves for its backward (its activation memory), its input and
-output bytes and its parameter bytes are its own. Parameters are costed at 16 bytes each:
-fp32 weight and gradient plus AdamW's two fp32 moments.
+output bytes and its parameter bytes are its own. Parameters are costed at ``BYTES_PER_PARAM``
+each (16: AdamW in fp32, or bf16 weight and gradient plus fp32 master weight and moments).
 
 The calibrated cost model fits, over the profiled micro-batches, the ViT layers' time to
 ``a_v·Σtiles`` and the LLM layers' time to ``a_t·Σtokens + b·Σseq_len²`` (non-negative least
@@ -20,13 +20,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from .analytic import BYTES_PER_PARAM
 from .config import ModelConfig
 from . import model as M
 from .partition import LayerCost, Machine, Partition, evaluate, search_partition
-from .pipeline import Carry, Head, layer_names, pipeline_inputs
+from .pipeline import Carry, Head, pipeline_inputs
 from .trainer import TrainConfig
-
-BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
 
 
 @dataclass
@@ -82,7 +81,7 @@ class Profile:
 
 def pipeline_layers(config: ModelConfig) -> list[nn.Module]:
     """The pipeline's layers, built in order (what ``build_pipeline`` puts in LayerSpecs)."""
-    return [Carry(cls, config) for cls, _ in M.layer_specs(config)[:-1]] + [Head(config)]
+    return [Carry(cls, config) for cls, _ in M.layer_specs(config)] + [Head(config)]
 
 
 def _tensor_bytes(x) -> int:
@@ -94,7 +93,7 @@ def profile_layers(config: ModelConfig, batches: list[dict], device: str = "cpu"
                    repeats: int = 1) -> Profile:
     """Time and measure every layer on each batch (collated micro-batches from the loader)."""
     layers = [layer.to(device) for layer in pipeline_layers(config)]
-    names = layer_names(config)
+    names = config.layer_names()
     vision = sum(1 for n in names if n.startswith("vit_"))
     sums = np.zeros((len(layers), 5))  # forward, backward, activation, input, output
     per_batch = []

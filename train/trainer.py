@@ -70,6 +70,16 @@ def supervised_tokens(batch: dict) -> int:
     return int((next_token_targets(batch["labels"], batch["position_ids"]) != IGNORE_INDEX).sum())
 
 
+def check_vocabulary(batch: dict, vocab_size: int) -> dict:
+    """The batch, if every token id has an embedding (a real-size preset's vocabulary can be
+    smaller than the tokenizer the shards were made with)."""
+    largest = int(batch["input_ids"].max())
+    if largest >= vocab_size:
+        raise ValueError(f"the shards hold token id {largest}, but the model's vocabulary has "
+                         f"{vocab_size} entries; set model.llm.vocab_size to the tokenizer's")
+    return batch
+
+
 def repeated(shards: str, rank: int, world: int, pixels: bool, start: int) -> Iterator[dict]:
     """This rank's micro-batches from global step ``start`` on, from step 0 again after the
     last step: the data position is a pure function of the step."""
@@ -130,7 +140,8 @@ def run(cfg: TrainConfig) -> None:
     batches = repeated(cfg.shards, dp_rank, cfg.dp, engine.is_first_stage(), first_step)
     log_file = _open_log(cfg, engine.global_rank, append=first_step > 0)
     for step in range(first_step, steps):
-        micro = [next(batches) for _ in range(gas)] if reads else []
+        micro = [check_vocabulary(next(batches), model_config.llm.vocab_size)
+                 for _ in range(gas)] if reads else []
         tokens = torch.tensor([sum(supervised_tokens(b) for b in micro)], dtype=torch.long)
         if engine.is_last_stage():
             deepspeed.comm.all_reduce(tokens, group=engine.grid.get_data_parallel_group())
