@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 
 import pytest
 from PIL import Image
@@ -77,6 +78,24 @@ def test_profile_calibrates_and_recomputes_to_fit(partition, small_shards, tmp_p
     assert read_json(plan / "plan.json")["cost_model"]["origin"].startswith("file:")
 
 
+@pytest.mark.slow
+def test_validate_top_trains_each_candidate_and_chooses_the_fastest(small_shards, tmp_path):
+    out = tmp_path / "profile"
+    vlmshard("train", "profile", "--config", CONFIG, "--shards", small_shards, "--pp", "2",
+             "--micro-batches", "2", "--validate-top", "2", "--validate-steps", "3",
+             "--out", str(out))
+    partitions = read_json(out / "partition.json")
+    validated = partitions["validated"]
+    assert [p["name"] for p in validated] == ["search", partitions["omnibal"][0]["name"]]
+    for candidate in validated:
+        run = out / "validate" / candidate["name"]
+        assert read_json(run / "train_config.json")["bounds"] == candidate["bounds"]
+        times = [r["step_time_s"] for r in _log(run / "train_log.jsonl")]
+        assert len(times) == 3 and not (run / "checkpoints").exists()
+        assert candidate["measured_step_s"] == pytest.approx(statistics.median(times[1:]))
+    assert partitions["chosen"] == min(validated, key=lambda p: p["measured_step_s"])
+
+
 def _log(path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f]
@@ -94,7 +113,7 @@ def test_pipeline_of_two_stages_learns_from_its_plan(small_shards, partition, tm
              "--max-steps", "20", "--lr", "0.003", "--partition", partition,
              "--out", str(tmp_path / "run"))
     config = read_json(tmp_path / "run" / "train_config.json")
-    assert config["bounds"] == read_json(partition)["search"]["bounds"] and config["recompute"]
+    assert config["bounds"] == read_json(partition)["chosen"]["bounds"] and config["recompute"]
     log = _log(tmp_path / "run" / "train_log.jsonl")
     assert [r["step"] for r in log] == list(range(20))
     first, last = (sum(r["loss"] for r in part) / 5 for part in (log[:5], log[-5:]))

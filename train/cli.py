@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
-import sys
-from dataclasses import asdict
 
 from vlmshard.config import load_config
-from vlmshard.io import write_json_atomic
 
+from .launcher import launch
 from .trainer import TrainConfig
 
 HELP = "train the VLM on shards with DeepSpeed's pipeline engine (PP x DP local processes)"
@@ -32,7 +28,10 @@ bytes. Writes OUT/profile.json, OUT/cost_model.json (a_v, a_t, b fitted to the m
 `vlmshard pack --cost-model OUT/cost_model.json` balances for this model) and OUT/partition.json:
 the exact min-max stage partition for --pp stages with the fewest recomputed layers per stage
 that fit --memory-budget (stage s holds PP - s micro-batches under 1F1B), next to DeepSpeed's
-'parameters' and 'uniform' partitions. `vlmshard train --partition OUT/partition.json` uses it."""
+'parameters' and 'uniform' partitions and OmniBal's best neighbourhood candidates (ranked by
+stage-time variance, then boundary bytes). --validate-top K trains a few real steps with the
+search and the K-1 best OmniBal candidates and chooses the fastest measured; otherwise the search
+is chosen. `vlmshard train --partition OUT/partition.json` uses the chosen one."""
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -57,6 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     prof.add_argument("--micro-batches", dest="micro_batches", type=int, default=S,
                       help="micro-batches to profile (default 4)")
     prof.add_argument("--device", default=S, help="cpu or cuda (default: cuda if available)")
+    prof.add_argument("--validate-top", dest="validate_top", type=int, default=S,
+                      help="train real steps with the K best candidates and choose the fastest "
+                           "(default 0: choose the search's)")
+    prof.add_argument("--validate-steps", dest="validate_steps", type=int, default=S,
+                      help="steps per validated candidate, the first untimed (default 4)")
     p.add_argument("--partition", default=S,
                    help="partition.json from 'vlmshard train profile': its searched stage "
                         "bounds and per-stage recompute (default: DeepSpeed's 'parameters')")
@@ -70,28 +74,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", default=S,
                    help="run folder to continue from its latest checkpoint: the data position "
                         "follows from the step (default --out: that folder)")
-
-
-def launch(cfg: TrainConfig) -> int:
-    """Run the training processes to completion; returns the launcher's exit status."""
-    import torch
-
-    cfg.validate()
-    os.makedirs(cfg.out, exist_ok=True)
-    config_path = os.path.join(os.path.abspath(cfg.out), "train_config.json")
-    write_json_atomic(config_path, asdict(cfg))
-    processes = cfg.pp * cfg.dp
-    env = dict(os.environ)
-    if not torch.cuda.is_available():
-        env["LOCAL_SIZE"] = str(processes)  # DeepSpeed's CPU accelerator counts "devices" here
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(processes),
-           "--master_port", str(port), "--module", "train.trainer", config_path]
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
-    return subprocess.call(cmd, env=env)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -120,14 +102,20 @@ def _profile(flags: dict, config_file: str | None) -> int:
     try:
         cfg = load_config(ProfileConfig, flags, config_file)
         partitions = run_profile(cfg)
-    except (ValueError, PartitionError) as e:
+    except (ValueError, PartitionError, RuntimeError) as e:
         raise SystemExit(f"vlmshard train profile: error: {e}") from None
-    print(f"{'partition':<11} {'max stage s':>11}  stage times (s) / recomputed layers")
-    for name, p in partitions.items():
+    measured = {p["name"]: p["measured_step_s"] for p in partitions.get("validated", [])}
+    print(f"{'partition':<11} {'max stage s':>11} {'measured s':>10}  stage times (s) / "
+          "recomputed layers")
+    rows = [("parameters", partitions["parameters"]), ("uniform", partitions["uniform"]),
+            ("search", partitions["search"])] + [(p["name"], p) for p in partitions["omnibal"]]
+    for name, p in rows:
         if p is None:
             print(f"{name:<11} {'does not fit':>11}")
             continue
         times = " ".join(f"{s['time_s']:.4f}/{len(s['recompute'])}" for s in p["stages"])
-        print(f"{name:<11} {p['max_stage_s']:>11.4f}  {times}   bounds {p['bounds']}")
+        real = f"{measured[name]:.4f}" if name in measured else "-"
+        print(f"{name:<11} {p['max_stage_s']:>11.4f} {real:>10}  {times}   bounds {p['bounds']}")
+    print(f"chosen: {partitions['chosen']['name']}")
     print(f"-> {cfg.out}/profile.json, cost_model.json, partition.json")
     return 0

@@ -13,6 +13,8 @@ squares), the same three coefficients ``vlmshard pack --cost-model`` reads.
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -23,9 +25,12 @@ from torch import nn
 from .analytic import BYTES_PER_PARAM
 from .config import ModelConfig
 from . import model as M
-from .partition import LayerCost, Machine, Partition, evaluate, search_partition
+from .partition import (LayerCost, Machine, Partition, evaluate, omnibal_candidates,
+                        search_partition)
 from .pipeline import Carry, Head, pipeline_inputs
 from .trainer import TrainConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,11 +41,19 @@ class ProfileConfig(TrainConfig):
     micro_batches: int = 4
     device: str | None = None  # default: cuda when available
     link_bytes_per_s: float = 25e9
+    validate_top: int = 0  # train a few real steps with the K best candidates, keep the fastest
+    validate_steps: int = 4  # steps per validated candidate; the first (warm-up) is not timed
+
+    def validate(self) -> None:
+        super().validate()
+        if self.validate_top < 0 or self.validate_steps < 2:
+            raise ValueError("--validate-top must be >= 0 and --validate-steps >= 2 (the first "
+                             "step is warm-up)")
 
 
 def run_profile(cfg: ProfileConfig) -> dict:
-    """Profile, calibrate and search; writes profile.json, cost_model.json, partition.json."""
-    import os
+    """Profile, calibrate, search (and validate); writes profile.json, cost_model.json and
+    partition.json, whose ``chosen`` partition ``vlmshard train --partition`` uses."""
     from itertools import islice
 
     from shards.loader import ShardDataset
@@ -55,6 +68,10 @@ def run_profile(cfg: ProfileConfig) -> dict:
     profile = profile_layers(model_config, batches, device)
     machine = Machine(parse_size(cfg.memory_budget), cfg.link_bytes_per_s)
     partitions = compare_partitions(profile.layers, cfg.pp, machine)
+    if cfg.validate_top:
+        partitions["validated"] = validate_candidates(
+            cfg, [partitions["search"], *partitions["omnibal"]][:cfg.validate_top])
+        partitions["chosen"] = min(partitions["validated"], key=lambda p: p["measured_step_s"])
     cost = fit_cost_model(profile.micro_batches)
     os.makedirs(cfg.out, exist_ok=True)
     write_json_atomic(os.path.join(cfg.out, "profile.json"),
@@ -176,9 +193,11 @@ def fit_cost_model(micro_batches: list[dict]) -> dict:
     return {"a_v": a_v, "a_t": float(a_t / scale[0]), "b": float(b / scale[1])}
 
 
-def compare_partitions(layers: list[LayerCost], stages: int, machine: Machine) -> dict:
-    """The searched partition next to DeepSpeed's ``parameters`` and ``uniform`` choices, each
-    with the recompute it needs and its modelled stage times (None where it cannot fit)."""
+def compare_partitions(layers: list[LayerCost], stages: int, machine: Machine,
+                       omnibal: int = 5) -> dict:
+    """The searched partition next to DeepSpeed's ``parameters`` and ``uniform`` choices and
+    OmniBal's best ``omnibal`` neighbourhood candidates other than it, each with the recompute it
+    needs and its modelled stage times (None where it cannot fit). ``chosen`` is the search."""
     from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
     searched = search_partition(layers, stages, machine)
@@ -188,11 +207,37 @@ def compare_partitions(layers: list[LayerCost], stages: int, machine: Machine) -
             [lay.param_bytes for lay in layers], stages)], machine),
         "uniform": evaluate(layers, partition_uniform(len(layers), stages), machine),
     }
-    return {name: describe(p, layers) if p else None for name, p in options.items()}
+    result = {name: describe(p, layers, name) if p else None for name, p in options.items()}
+    neighbours = [p for p in omnibal_candidates(layers, stages, machine)
+                  if p.bounds != searched.bounds][:omnibal]
+    result["omnibal"] = [describe(p, layers, f"omnibal_{i}") for i, p in enumerate(neighbours)]
+    result["chosen"] = result["search"]
+    return result
 
 
-def describe(partition: Partition, layers: list[LayerCost]) -> dict:
-    return {"bounds": partition.bounds,
+def validate_candidates(cfg: ProfileConfig, candidates: list[dict]) -> list[dict]:
+    """Train ``cfg.validate_steps`` real steps with each candidate partition; each comes back
+    with ``measured_step_s``, the median step time after the warm-up step."""
+    from dataclasses import fields, replace
+
+    from .launcher import train
+
+    base = TrainConfig(**{f.name: getattr(cfg, f.name) for f in fields(TrainConfig)})
+    measured = []
+    for candidate in candidates:
+        run = replace(base, out=os.path.join(cfg.out, "validate", candidate["name"]),
+                      max_steps=cfg.validate_steps, partition=None, resume=None,
+                      save_checkpoints=False)
+        run.use_partition(candidate)
+        log.info("validating %s: bounds %s", candidate["name"], candidate["bounds"])
+        times = [r["step_time_s"] for r in train(run)[1:]]
+        measured.append({**candidate, "measured_step_s": float(np.median(times))})
+    return measured
+
+
+def describe(partition: Partition, layers: list[LayerCost], name: str) -> dict:
+    return {"name": name,
+            "bounds": partition.bounds,
             "max_stage_s": partition.max_time_s,
             "stages": [{"layers": [layers[i].name for i in range(s.first, s.end)],
                         "recompute": [layers[i].name for i in s.recompute],

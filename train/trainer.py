@@ -5,6 +5,10 @@ micro-step, Ave-Token loss, a JSON line per step.
 Every step takes ``micro_batches × V/W`` records from the rank's loader (the plan's step), so the
 pipeline's gradient accumulation is the plan's micro-batches. The first stage decodes images;
 the last stage reads the same records without pixels, for the labels and the token count.
+
+A barrier after loading starts every rank's step clock together: a rank's ``wait_s`` (step time
+less its own forward and backward) is then the time it lost to other ranks' compute and to the
+pipeline's bubbles, not to its own data loading.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class TrainConfig:
     bounds: list[int] | None = None  # stage partition; default DeepSpeed's 'parameters'
     recompute: list[str] = field(default_factory=list)  # layer names recomputed in backward
     checkpoint_every: int | None = None  # also save every N steps (always at the end)
+    save_checkpoints: bool = True  # False: none at all (short validation runs)
     resume: str | None = None  # a run folder: continue from its latest checkpoint
 
     def validate(self) -> None:
@@ -50,17 +55,21 @@ class TrainConfig:
         ModelConfig.from_dict(self.model)  # a bad model config fails here, not in every process
 
     def resolve_partition(self) -> None:
-        """Take ``bounds`` and ``recompute`` from ``partition`` (the searched choice)."""
+        """Take ``bounds`` and ``recompute`` from ``partition`` (the profile's chosen one)."""
         if not self.partition:
             return
         from vlmshard.io import read_json
 
-        search = read_json(self.partition)["search"]
-        if len(search["bounds"]) != self.pp + 1:
+        chosen = read_json(self.partition)["chosen"]
+        if len(chosen["bounds"]) != self.pp + 1:
             raise ValueError(f"{self.partition} splits the model into "
-                             f"{len(search['bounds']) - 1} stages, not --pp {self.pp}")
-        self.bounds = search["bounds"]
-        self.recompute = [name for stage in search["stages"] for name in stage["recompute"]]
+                             f"{len(chosen['bounds']) - 1} stages, not --pp {self.pp}")
+        self.use_partition(chosen)
+
+    def use_partition(self, described: dict) -> None:
+        """Bounds and recompute from a partition as ``train.profile.describe`` writes it."""
+        self.bounds = described["bounds"]
+        self.recompute = [name for stage in described["stages"] for name in stage["recompute"]]
 
 
 def supervised_tokens(batch: dict) -> int:
@@ -146,6 +155,7 @@ def run(cfg: TrainConfig) -> None:
         if engine.is_last_stage():
             deepspeed.comm.all_reduce(tokens, group=engine.grid.get_data_parallel_group())
             loss.global_tokens = int(tokens)
+        torch.distributed.barrier()  # the step's clock starts on every rank together
         CLOCK.take()
         start = time.perf_counter()
         value = float(engine.train_batch(iter([pipeline_inputs(b) for b in micro])))
@@ -163,7 +173,9 @@ def run(cfg: TrainConfig) -> None:
         if log_file:
             log_file.write(json.dumps(_step_record(step, value, ranks)) + "\n")
             log_file.flush()
-        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 or step + 1 == steps:
+        if cfg.save_checkpoints and (
+                cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0
+                or step + 1 == steps):
             engine.save_checkpoint(checkpoints, tag=f"step{step + 1:08d}",
                                    client_state={"step": step + 1})
     if log_file:

@@ -1,0 +1,168 @@
+"""Training throughput from balanced against random plans, and the searched stage partition
+against DeepSpeed's, measured on real DeepSpeed runs of the tiny model.
+
+    python benchmarks/train_bench.py                  # about 20 minutes on 2 vCPUs
+
+Data: the demo dataset (``--scale``), preprocessed with kept tokens.
+
+1. Plan ``random`` for DP=2 and write its shards; ``vlmshard train profile`` on them (PP=2) gives
+   the tiny model's measured cost model and the stage partitions (search, DeepSpeed's
+   ``parameters`` and ``uniform``).
+2. Plan ``balanced`` for DP=2 with that measured cost model (the loop between data and model
+   balance) and write its shards. Both plans hold the same samples.
+3. DP=2 (PP=1), one process per core: train one epoch of each plan, alternating plans,
+   ``--repeats`` times. Throughput = Σ tokens / Σ step time; waiting fraction of a rank =
+   Σ wait_s / Σ step time (``wait_s`` is step time less the rank's own forward and backward; every
+   step starts on a barrier, so data loading is not counted).
+4. PP=2 (DP=1) on the balanced shards: each partition trains ``--steps`` steps, alternating,
+   ``--repeats`` times; the measured step time is the median after the first (warm-up) step.
+
+Medians over repeats; ratios are taken within one run, side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from packing.plan import PackConfig, run_pack  # noqa: E402
+from preprocess import PreprocessConfig, run_preprocess  # noqa: E402
+from preprocess.demo_data import generate  # noqa: E402
+from shards.writer import WriteConfig, run_write  # noqa: E402
+from train.launcher import train  # noqa: E402
+from train.profile import ProfileConfig, run_profile  # noqa: E402
+from train.trainer import TrainConfig  # noqa: E402
+from vlmshard.io import read_json, write_json_atomic  # noqa: E402
+
+MODEL = os.path.join(REPO, "configs", "train-tiny.yaml")
+
+
+def prepare(work: str, scale: int) -> dict:
+    """Preprocess, plan ``random``, profile, plan ``balanced`` with the measured costs."""
+    import yaml
+
+    shutil.rmtree(work, ignore_errors=True)
+    data = generate(os.path.join(work, "data"), seed=0, scale=scale)
+    pre = os.path.join(work, "preprocess")
+    run_preprocess(PreprocessConfig(inputs=[data.meta], out=pre, keep_tokens=True,
+                                    max_seq_len=8192, part_size=256))
+    with open(MODEL, encoding="utf-8") as f:
+        model = yaml.safe_load(f)["model"]
+    shards = {}
+
+    def plan_and_write(name: str, **options) -> None:
+        plan = os.path.join(work, f"plan-{name}")
+        run_pack(PackConfig(stats=pre, dp=2, out=plan, **options))
+        shards[name] = os.path.join(work, f"shards-{name}")
+        run_write(WriteConfig(plan=plan, stats=pre, out=shards[name], workers=1))
+
+    plan_and_write("random", algo="random")
+    profile = os.path.join(work, "profile")
+    run_profile(ProfileConfig(shards=shards["random"], out=profile, model=model, pp=2,
+                              micro_batches=8, memory_budget="1TB"))
+    plan_and_write("balanced", algo="balanced",
+                   cost_model=os.path.join(profile, "cost_model.json"))
+    return {"shards": shards, "model": model, "profile": profile,
+            "plans": {name: read_json(os.path.join(work, f"plan-{name}", "plan.json"))["metrics"]
+                      for name in shards}}
+
+
+def summarize(log: list[dict], skip: int = 0) -> dict:
+    """Throughput and per-rank waiting fraction of a run's train_log records."""
+    records = log[skip:]
+    seconds = sum(r["step_time_s"] for r in records)
+    ranks = sorted({r["rank"] for r in records[0]["ranks"]})
+    wait = {rank: sum(x["wait_s"] for r in records for x in r["ranks"] if x["rank"] == rank)
+            for rank in ranks}
+    return {"steps": len(records), "seconds": seconds,
+            "tokens_per_s": sum(r["tokens"] for r in records) / seconds,
+            "wait_fraction": {str(rank): w / seconds for rank, w in wait.items()},
+            "median_step_s": statistics.median(r["step_time_s"] for r in records)}
+
+
+def bench_balance(work: str, setup: dict, repeats: int) -> dict:
+    runs = {name: [] for name in setup["shards"]}
+    for i in range(repeats):
+        for name, shards in setup["shards"].items():
+            out = os.path.join(work, "runs", f"dp-{name}-{i}")
+            log = train(TrainConfig(shards=shards, out=out, model=setup["model"], pp=1, dp=2,
+                                    save_checkpoints=False))
+            runs[name].append(summarize(log, skip=1))
+            print(f"  dp=2 {name:<9} repeat {i}: {runs[name][-1]['tokens_per_s']:.0f} tokens/s, "
+                  f"waiting {runs[name][-1]['wait_fraction']}", flush=True)
+    result = {}
+    for name, rs in runs.items():
+        result[name] = {
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
+            "wait_fraction": statistics.median(max(r["wait_fraction"].values()) for r in rs),
+            "mean_wait_fraction": statistics.median(
+                statistics.mean(r["wait_fraction"].values()) for r in rs),
+            "predicted_cost_efficiency": setup["plans"][name]["cost_efficiency"],
+            "runs": rs}
+    result["throughput_ratio"] = statistics.median(
+        b["tokens_per_s"] / r["tokens_per_s"] for b, r in zip(runs["balanced"], runs["random"]))
+    return result
+
+
+def bench_partitions(work: str, setup: dict, steps: int, repeats: int) -> dict:
+    partitions = read_json(os.path.join(setup["profile"], "partition.json"))
+    names = [n for n in ("search", "parameters", "uniform") if partitions[n]]
+    times = {name: [] for name in names}
+    for i in range(repeats):
+        for name in names:
+            cfg = TrainConfig(shards=setup["shards"]["balanced"], model=setup["model"], pp=2,
+                              dp=1, max_steps=steps, save_checkpoints=False,
+                              out=os.path.join(work, "runs", f"pp-{name}-{i}"))
+            cfg.use_partition(partitions[name])
+            times[name].append(summarize(train(cfg), skip=1)["median_step_s"])
+            print(f"  pp=2 {name:<10} repeat {i}: {times[name][-1]:.3f} s/step", flush=True)
+    return {name: {"bounds": partitions[name]["bounds"],
+                   "recompute": [r for s in partitions[name]["stages"] for r in s["recompute"]],
+                   "modelled_max_stage_s": partitions[name]["max_stage_s"],
+                   "median_step_s": statistics.median(times[name]),
+                   "vs_search": statistics.median(t / s for t, s in
+                                                  zip(times[name], times["search"])),
+                   "runs": times[name]}
+            for name in names}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", default=os.path.join(REPO, "build", "bench", "train"))
+    parser.add_argument("--scale", type=int, default=1, help="demo dataset scale")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8, help="steps per partition run")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    setup = prepare(args.work, args.scale)
+    result = {"machine": f"{platform.node()} {os.cpu_count()} CPUs, {platform.processor()}",
+              "plans": setup["plans"],
+              "balance": bench_balance(args.work, setup, args.repeats),
+              "partition": bench_partitions(args.work, setup, args.steps, args.repeats)}
+    balance = result["balance"]
+    print(f"\n{'dp=2 plan':<10} {'tokens/s':>9} {'max wait':>9} {'mean wait':>9} "
+          f"{'plan cost eff':>13}")
+    for name in ("balanced", "random"):
+        b = balance[name]
+        print(f"{name:<10} {b['tokens_per_s']:>9.0f} {b['wait_fraction']:>9.3f} "
+              f"{b['mean_wait_fraction']:>9.3f} {b['predicted_cost_efficiency']:>13.3f}")
+    print(f"balanced / random throughput: {balance['throughput_ratio']:.3f}")
+    print(f"\n{'pp=2 partition':<15} {'bounds':<16} {'modelled s':>10} {'step s':>8} "
+          f"{'/ search':>8}")
+    for name, p in result["partition"].items():
+        print(f"{name:<15} {str(p['bounds']):<16} {p['modelled_max_stage_s']:>10.3f} "
+              f"{p['median_step_s']:>8.3f} {p['vs_search']:>8.3f}")
+    if args.json:
+        write_json_atomic(args.json, result)
+
+
+if __name__ == "__main__":
+    main()
