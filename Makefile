@@ -13,6 +13,15 @@ $(STAMP): setup.cfg pyproject.toml
 	# The CPU build of torch lies on this disk; a bare `torch` requirement would pull CUDA.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# The report test looks at report.html in headless Chromium: Debian's chromium + chromedriver.
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+	  elif command -v apt-get >/dev/null && sudo -n true 2>/dev/null; then \
+	    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+	  else \
+	    echo "warning: chromium/chromedriver missing and cannot install them (need root or sudo with apt-get): the report's browser test will be skipped" >&2; \
+	  fi
 	touch $(STAMP)
 
 demo: $(STAMP)

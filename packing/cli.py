@@ -80,6 +80,10 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def format_value(value) -> str:
+    """A metric as pack and report print it: floats to 4 decimals, counts as they are."""
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
 def format_metrics(report: dict) -> str:
-    return "\n".join(f"{k:<16} {v:.4f}" if isinstance(v, float) else f"{k:<16} {v}"
-                     for k, v in ((k, report[k]) for k in REPORT_KEYS))
+    return "\n".join(f"{k:<16} {format_value(report[k])}" for k in REPORT_KEYS)

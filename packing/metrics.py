@@ -55,14 +55,17 @@ class Metrics:
         return {k: getattr(self, k) for k in REPORT_KEYS}
 
 
-def dist_ratio(x: np.ndarray) -> float:
-    """OmniBal's Dist Ratio of a [steps, ranks] load table (a step where all loads are 0 is 0)."""
-    if x.size == 0:
-        return 0.0
+def dist_ratio_per_step(x: np.ndarray) -> np.ndarray:
+    """Each step's Σ_r (max_r X − X[s,r]) / (max_r X · R) = 1 − mean_r X / max_r X of a [steps,
+    ranks] load table: the share of the step the ranks spend waiting (0 where all loads are 0)."""
     peak = x.max(axis=1).astype(np.float64)
     waste = (peak[:, None] - x).sum(axis=1)
-    per_step = np.divide(waste, peak * x.shape[1], out=np.zeros_like(peak), where=peak > 0)
-    return float(per_step.mean())
+    return np.divide(waste, peak * x.shape[1], out=np.zeros_like(peak), where=peak > 0)
+
+
+def dist_ratio(x: np.ndarray) -> float:
+    """OmniBal's Dist Ratio of a [steps, ranks] load table: the mean of ``dist_ratio_per_step``."""
+    return float(dist_ratio_per_step(x).mean()) if x.size else 0.0
 
 
 def spearman(x: np.ndarray, y: np.ndarray) -> float:
@@ -77,9 +80,23 @@ def spearman(x: np.ndarray, y: np.ndarray) -> float:
     return float(np.corrcoef(rx, ry)[0, 1])
 
 
-def measure(lengths: Lengths, packing: Packing, *, qv: int, qt: int, cost: CostModel,
-            padded: bool, dp: int, pack_seconds: float) -> Metrics:
-    """Metrics of ``packing`` as ``dp`` real ranks see it (each takes ranks/dp virtual ranks)."""
+@dataclass(frozen=True)
+class Loads:
+    """A packing's loads, per micro-batch and per (step, real rank): what every metric and every
+    report plot reads, so that the plots show exactly what the metrics average."""
+
+    micro_tiles: np.ndarray  # [micro-batches] Σtiles, step-major
+    micro_tokens: np.ndarray  # [micro-batches] Σseq_len
+    micro_squares: np.ndarray  # [micro-batches] Σseq_len²
+    tiles: np.ndarray  # [steps, dp] V
+    tokens: np.ndarray  # [steps, dp] L
+    squares: np.ndarray  # [steps, dp] A
+    cost: np.ndarray  # [steps, dp] C
+    sources: np.ndarray  # [steps, sources] samples of each source
+
+
+def step_loads(lengths: Lengths, packing: Packing, cost: CostModel, dp: int) -> Loads:
+    """Loads of ``packing`` as ``dp`` real ranks see it (each takes ranks/dp virtual ranks)."""
     if packing.ranks % dp:
         raise ValueError(f"dp={dp} does not divide the plan's {packing.ranks} virtual ranks")
     n_micro, steps = packing.n_micro, packing.steps
@@ -95,28 +112,50 @@ def measure(lengths: Lengths, packing: Packing, *, qv: int, qt: int, cost: CostM
         return x.reshape(steps, dp, per_step // dp).sum(axis=2)
 
     Vr, Lr, Ar = per_rank(V), per_rank(L), per_rank(A)
-    C = cost.cost(Vr, Lr, Ar)
-    if padded and n_micro:
-        longest = np.maximum.reduceat(tokens, packing.offsets[:-1]) if len(tokens) else 0
-        processed = float((np.diff(packing.offsets) * longest).sum())
+    n_sources = len(lengths.sources)
+    sources = np.bincount((micro // per_step) * n_sources + lengths.source[packing.items],
+                          minlength=steps * n_sources).reshape(steps, n_sources)
+    return Loads(V, L, A, Vr, Lr, Ar, cost.cost(Vr, Lr, Ar), sources)
+
+
+def micro_batch_sizes(lengths: Lengths, packing: Packing, padded: bool) -> np.ndarray:
+    """[micro-batches, 3]: the tiles, tokens and Σseq_len² each micro-batch makes the model
+    process. Packed: the sums over its samples. Padded (``random``, ``lengthgroup``): every
+    sample is as long as the micro-batch's longest."""
+    micro = packing.micro_of_item()
+    tokens = lengths.tokens[packing.items].astype(np.float64)
+    if padded and len(tokens):
+        tokens = np.maximum.reduceat(tokens, packing.offsets[:-1])[micro]
+    sums = [np.bincount(micro, x, minlength=packing.n_micro)
+            for x in (lengths.tiles[packing.items].astype(np.float64), tokens, tokens * tokens)]
+    return np.stack(sums, axis=1)
+
+
+def measure(lengths: Lengths, packing: Packing, *, qv: int, qt: int, cost: CostModel,
+            padded: bool, dp: int, pack_seconds: float) -> Metrics:
+    """Metrics of ``packing`` as ``dp`` real ranks see it (each takes ranks/dp virtual ranks)."""
+    loads = step_loads(lengths, packing, cost, dp)
+    n_micro, steps = packing.n_micro, packing.steps
+    C = loads.cost
+    if padded:
+        processed = float(micro_batch_sizes(lengths, packing, padded=True)[:, 1].sum())
     else:
         processed = float(n_micro) * qt
-    total_tokens = float(L.sum())
+    total_tokens = float(loads.micro_tokens.sum())
 
-    step_samples = np.diff(packing.offsets).reshape(steps, per_step).sum(axis=1)
-    step_mean_len = np.divide(L.reshape(steps, per_step).sum(axis=1), step_samples,
-                              out=np.zeros(steps), where=step_samples > 0)
+    step_samples = loads.sources.sum(axis=1)
+    step_mean_len = np.divide(loads.tokens.sum(axis=1), step_samples, out=np.zeros(steps),
+                              where=step_samples > 0)
     return Metrics(
         pad_ratio=(processed - total_tokens) / processed if processed else 0.0,
-        vit_dist_ratio=dist_ratio(Vr),
-        llm_dist_ratio=dist_ratio(Lr),
-        attn_dist_ratio=dist_ratio(Ar),
-        vit_fill=float(V.sum()) / (n_micro * qv) if n_micro and qv else 1.0,
+        vit_dist_ratio=dist_ratio(loads.tiles),
+        llm_dist_ratio=dist_ratio(loads.tokens),
+        attn_dist_ratio=dist_ratio(loads.squares),
+        vit_fill=float(loads.micro_tiles.sum()) / (n_micro * qv) if n_micro and qv else 1.0,
         llm_fill=total_tokens / (n_micro * qt) if n_micro else 0.0,
         cost_efficiency=float(C.mean(axis=1).sum() / C.max(axis=1).sum()) if steps else 1.0,
         order_spearman=spearman(np.arange(steps), step_mean_len),
-        source_mix_tv=source_mix_tv(lengths.source[packing.items], micro // per_step, steps,
-                                    len(lengths.sources)),
+        source_mix_tv=source_mix_tv(loads.sources),
         steps=steps,
         micro_batches=n_micro,
         samples=len(packing.items),
@@ -127,13 +166,15 @@ def measure(lengths: Lengths, packing: Packing, *, qv: int, qt: int, cost: CostM
     )
 
 
-def source_mix_tv(source_of_item: np.ndarray, step_of_item: np.ndarray, steps: int,
-                  n_sources: int) -> float:
-    """Mean over steps of the total-variation distance between the step's and the global mix."""
-    if steps == 0 or n_sources < 2:
+def source_shares(sources: np.ndarray) -> np.ndarray:
+    """Each step's source mix: a [steps, sources] count table divided by its row sums."""
+    return sources / sources.sum(axis=1, keepdims=True)
+
+
+def source_mix_tv(sources: np.ndarray) -> float:
+    """Mean over steps of the total-variation distance between the step's and the global mix,
+    from a [steps, sources] count table."""
+    if len(sources) == 0 or sources.shape[1] < 2:
         return 0.0
-    counts = np.bincount(step_of_item * n_sources + source_of_item,
-                         minlength=steps * n_sources).reshape(steps, n_sources)
-    mix = counts / counts.sum(axis=1, keepdims=True)
-    overall = counts.sum(axis=0) / counts.sum()
-    return float(0.5 * np.abs(mix - overall).sum(axis=1).mean())
+    overall = sources.sum(axis=0) / sources.sum()
+    return float(0.5 * np.abs(source_shares(sources) - overall).sum(axis=1).mean())

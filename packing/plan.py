@@ -25,7 +25,7 @@ from .algorithms import ALGORITHMS, PADDED, BalancedOptions, Caps
 from .batches import Lengths, Packing
 from .cost import DEFAULT_MODEL, CostModel
 from .metrics import Metrics, measure
-from .stats import load_stats
+from .stats import StatsError, load_stats
 
 log = logging.getLogger(__name__)
 
@@ -210,3 +210,42 @@ def read_plan_json(plan_dir: str) -> dict:
     if not os.path.exists(path):
         raise FileNotFoundError(f"{plan_dir}: no plan.json here (write one with vlmshard pack)")
     return read_json(path)
+
+
+def read_plan(plan_dir: str) -> tuple[dict, Packing]:
+    """``plan.json`` and ``plan.parquet`` read back as the Packing that pack measured, so that
+    readers recompute exactly the loads behind the recorded metrics."""
+    import pyarrow.parquet as pq
+
+    info = read_plan_json(plan_dir)
+    path = os.path.join(plan_dir, "plan.parquet")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{plan_dir}: no plan.parquet here (write one with vlmshard pack)")
+    table = pq.read_table(path)
+    ranks, micro = info["params"]["ranks"], info["params"]["micro_batches"]
+    n_micro = info["metrics"]["micro_batches"]
+    mb = ((table["step"].to_numpy().astype(np.int64) * ranks + table["rank"].to_numpy()) * micro
+          + table["micro"].to_numpy())
+    if np.any(np.diff(mb) < 0) or (len(mb) and not 0 <= mb[0] <= mb[-1] < n_micro):
+        raise ValueError(f"{path}: rows are not in (step, rank, micro, slot) order within the "
+                         f"{n_micro} micro-batches plan.json records")
+    offsets = np.zeros(n_micro + 1, np.int64)
+    np.cumsum(np.bincount(mb, minlength=n_micro), out=offsets[1:])
+    unplaced = info["unplaced"]
+    return info, Packing(table["sample_id"].to_numpy().astype(np.int64), offsets, ranks, micro,
+                         np.array([u["sample_id"] for u in unplaced], np.int64),
+                         [u["reason"] for u in unplaced])
+
+
+def load_plan(plan_dir: str) -> tuple[dict, Packing, Lengths]:
+    """A plan with the stats it was packed from, checked by their sha256."""
+    info, packing = read_plan(plan_dir)
+    try:
+        stats = load_stats(info["stats"]["path"])
+    except StatsError as e:
+        raise StatsError(f"{plan_dir}: cannot read the stats it was packed from: {e} (plan.json "
+                         "keeps the path given to pack: run report where pack ran)") from None
+    if stats.sha256 != info["stats"]["sha256"]:
+        raise ValueError(f"{info['stats']['path']} is no longer the stats {plan_dir} was packed "
+                         "from (sha256 differs): pack again")
+    return info, packing, stats.lengths

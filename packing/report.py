@@ -1,35 +1,135 @@
-"""``vlmshard report``: the balance metrics of one or more plans (DESIGN.md's definitions)."""
+"""``vlmshard report``: the balance metrics of one or more plans side by side (DESIGN.md's
+definitions), as a terminal table, JSON and a self-contained HTML page of plots, optionally set
+against a training run's measured waiting times. The IO of the report lives here; the series
+(``packing.series``), figures (``packing.plots``) and page (``packing.html_report``) are pure."""
 
 from __future__ import annotations
 
 import argparse
-import json
+import logging
+import os
+import sys
 
-from .cli import format_metrics
+from vlmshard.io import atomic_write, canonical_json, write_json_atomic
+
+from .batches import Lengths, Packing
+from .cli import format_value
+from .cost import CostModel
 from .metrics import REPORT_KEYS
-from .plan import read_plan_json
+from .plan import load_plan, read_plan_json
+from .series import PlanSeries, TrainSeries, parse_train_log, plan_series, train_series
 
-HELP = "print the balance metrics of a plan"
+log = logging.getLogger(__name__)
+
+# The table's rows: the metrics pack prints, and the source-mix distance next to order_spearman.
+_AFTER = REPORT_KEYS.index("order_spearman") + 1
+ROWS = REPORT_KEYS[:_AFTER] + ("source_mix_tv",) + REPORT_KEYS[_AFTER:]
+
+HELP = "compare the balance of plans: table, JSON, HTML plots, measured vs predicted waiting"
 DESCRIPTION = """\
-Prints the metrics that vlmshard pack measured for PLAN_DIR: pad ratio, ViT / LLM / attention
-dist ratios (OmniBal's Dist Ratio; 0 is perfect), fills of Qv and Qt, cost efficiency (1: no
-rank ever waits), Spearman rho between step index and step mean length, and the counts."""
+Prints one table with a column per PLAN_DIR (headed by its algorithm, or its folder name when two
+plans share an algorithm) and a row per metric: pad ratio, ViT / LLM / attention dist ratios
+(OmniBal's Dist Ratio; 0 is perfect), fills of Qv and Qt, cost efficiency (1: no rank ever
+waits), Spearman rho between step index and step mean length, source-mix distance, and counts.
+
+--json PATH writes the same as JSON ('-': print it instead of the table). --html PATH writes one
+self-contained page (images inlined) with plots: per-step imbalance, micro-batch fill, per-rank
+cumulative load, source mix over steps and the plans side by side. The plots read the stats the
+plan was packed from (the path plan.json names; its sha256 must still match).
+
+--train-log train_log.jsonl (written by vlmshard train on the FIRST plan's shards) adds the
+measured waiting fraction of every rank (wait_s / step_time_s) against the waiting the plan's
+cost model predicts for the step trained (1 - mean C / max C over the run's DP ranks)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan_dirs", nargs="+", metavar="PLAN_DIR", help="plan folder(s)")
-    p.add_argument("--json", action="store_true", help="print JSON (a list for several plans)")
+    p.add_argument("--train-log", dest="train_log", metavar="JSONL",
+                   help="train_log.jsonl of a run on the first plan's shards")
+    p.add_argument("--html", metavar="PATH", help="write a self-contained HTML report with plots")
+    p.add_argument("--json", metavar="PATH", help="write the table as JSON to PATH ('-': stdout)")
+
+
+def plan_labels(plan_dirs: list[str], infos: list[dict]) -> list[str]:
+    """Column headers: the algorithms when they differ, else folder names, else the paths."""
+    for labels in ([i["algorithm"] for i in infos],
+                   [os.path.basename(os.path.normpath(d)) for d in plan_dirs]):
+        if len(set(labels)) == len(labels):
+            return labels
+    return list(plan_dirs)
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    """Rows of strings as aligned text: the first column left-aligned, the rest right-aligned."""
+    table = [header] + rows
+    widths = [max(len(r[c]) for r in table) for c in range(len(header))]
+    return "\n".join("  ".join([r[0].ljust(widths[0])] + [v.rjust(w) for v, w in
+                                                           zip(r[1:], widths[1:])]).rstrip()
+                     for r in table)
+
+
+def read_train_log(path: str, info: dict, packing: Packing, lengths: Lengths) -> TrainSeries:
+    try:
+        with open(path, encoding="utf-8") as f:
+            records = parse_train_log(f, path)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason})") from None
+    return train_series(records, path, packing, lengths, CostModel(**info["cost_model"]))
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        reports = [{k: read_plan_json(d)["metrics"][k] for k in REPORT_KEYS}
-                   for d in args.plan_dirs]
-    except (FileNotFoundError, KeyError) as e:
+        return _report(args)
+    except (OSError, ValueError) as e:  # FileNotFoundError, StatsError and ReportError included
         raise SystemExit(f"vlmshard report: error: {e}") from None
+    except KeyError as e:
+        raise SystemExit(f"vlmshard report: error: a plan.json lacks {e}: pack it again with "
+                         "this vlmshard") from None
+
+
+def _report(args: argparse.Namespace) -> int:
+    infos = [read_plan_json(d) for d in args.plan_dirs]
+    labels = plan_labels(args.plan_dirs, infos)
+    header = ["metric", *labels]
+    rows = [[k, *(format_value(i["metrics"][k]) for i in infos)] for k in ROWS]
+    loaded = {}  # plan dir -> (info, packing, lengths), read only when a plot or the log needs it
+    if args.html or args.train_log:
+        for d in args.plan_dirs if args.html else args.plan_dirs[:1]:
+            loaded[d] = load_plan(d)
+    train = (read_train_log(args.train_log, *loaded[args.plan_dirs[0]])
+             if args.train_log else None)
+    result = {"plans": [{"label": label, "plan_dir": d, "algorithm": i["algorithm"],
+                         "metrics": {k: i["metrics"][k] for k in ROWS}}
+                        for label, d, i in zip(labels, args.plan_dirs, infos)]}
+    notes = [f"{label}: {d}" for label, d in zip(labels, args.plan_dirs)]
+    if train is not None:
+        summary = train.summary()
+        result["train_log"] = {"path": args.train_log, "plan": labels[0], **summary}
+        notes.append(
+            f"{args.train_log} ({summary['steps']} steps on {labels[0]}, dp {summary['dp']}): "
+            f"waiting fraction predicted by the plan {summary['predicted_wait_mean']:.4f}, "
+            f"measured {summary['measured_wait_mean']:.4f} (mean over ranks and steps), "
+            f"correlation per step {summary['correlation']:.3f}")
+    if args.html:
+        from . import html_report, plots  # matplotlib only when a page is asked for
+
+        series: list[PlanSeries] = [plan_series(label, *loaded[d])
+                                    for label, d in zip(labels, args.plan_dirs)]
+        page = html_report.render("vlmshard report", notes, header, rows,
+                                  plots.report_figures(series, train, labels[0]))
+        atomic_write(args.html, lambda tmp: _write_text(tmp, page))
+        log.info("report written to %s", args.html)
+    if args.json == "-":
+        sys.stdout.write(canonical_json(result))
+        return 0
     if args.json:
-        print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=1))
-    else:
-        for d, r in zip(args.plan_dirs, reports):
-            print(f"== {d}\n{format_metrics(r)}")
+        write_json_atomic(args.json, result)
+        log.info("JSON written to %s", args.json)
+    print(format_table(header, rows))
+    print("\n".join(notes))
     return 0
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)

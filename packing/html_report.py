@@ -1,0 +1,55 @@
+"""One self-contained HTML page from a table and captioned figures: PNGs inlined as base64 data
+URIs, inline CSS, no scripts and no external resources, so the file can be mailed or archived."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+DPI = 100
+
+STYLE = """
+body { font-family: sans-serif; margin: 2em auto; max-width: 1040px; color: #222; }
+table { border-collapse: collapse; margin: 1em 0; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.7em; }
+td.num { text-align: right; font-family: monospace; }
+figure { margin: 2em 0; }
+figure img { display: block; width: 100%; height: auto; }
+figcaption { color: #555; font-size: 0.9em; margin-top: 0.4em; }
+"""
+
+
+def png_bytes(fig: Figure) -> bytes:
+    """The figure rendered by Agg as PNG."""
+    FigureCanvasAgg(fig)  # attaches itself as the figure's canvas
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI)
+    return buffer.getvalue()
+
+
+def render(title: str, notes: list[str], header: list[str], rows: list[list[str]],
+           figures: list[tuple[Figure, str]]) -> str:
+    """The page: title, note paragraphs, the table (first column: row names) and the figures,
+    each with its title as alt text and its caption below."""
+    esc = html.escape
+    head = "".join(f"<th>{esc(h)}</th>" for h in header)
+    body = "".join("<tr><th>" + esc(row[0]) + "</th>"
+                   + "".join(f'<td class="num">{esc(c)}</td>' for c in row[1:]) + "</tr>\n"
+                   for row in rows)
+    parts = [f"<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+             f"<title>{esc(title)}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n"
+             f"<h1>{esc(title)}</h1>\n"]
+    parts += [f"<p>{esc(n)}</p>\n" for n in notes]
+    parts.append(f"<table>\n<tr>{head}</tr>\n{body}</table>\n")
+    for fig, caption in figures:
+        data = base64.b64encode(png_bytes(fig)).decode("ascii")
+        width, height = (int(round(x * DPI)) for x in fig.get_size_inches())
+        parts.append(f'<figure>\n<img src="data:image/png;base64,{data}" width="{width}" '
+                     f'height="{height}" alt="{esc(fig.get_suptitle())}">\n'
+                     f"<figcaption>{esc(caption)}</figcaption>\n</figure>\n")
+    parts.append("</body>\n</html>\n")
+    return "".join(parts)

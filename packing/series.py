@@ -1,0 +1,156 @@
+"""What ``vlmshard report`` shows, as arrays: a plan's per-step series and a training log set
+against its plan. Pure functions of data already read; ``packing.report`` does the IO.
+
+Every series comes from ``metrics.step_loads`` and ``metrics.dist_ratio_per_step``, the same
+functions that compute plan.json's metrics, so a plot's mean is the metric next to it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+from .batches import Lengths, Packing
+from .cost import CostModel
+from .metrics import dist_ratio_per_step, source_shares, step_loads
+
+
+class ReportError(ValueError):
+    """An input the report cannot use; the message names it and what is wrong."""
+
+
+@dataclass(frozen=True)
+class PlanSeries:
+    """One plan as the report plots it (steps and ranks as the plan's real DP size sees them)."""
+
+    label: str
+    metrics: dict  # plan.json's metrics
+    vit_imbalance: np.ndarray  # [steps] dist ratio of Σtiles per step
+    llm_imbalance: np.ndarray  # [steps] dist ratio of Σtokens
+    attn_imbalance: np.ndarray  # [steps] dist ratio of Σseq_len²
+    tile_fill: np.ndarray  # [micro-batches] Σtiles / Qv
+    token_fill: np.ndarray  # [micro-batches] Σseq_len / Qt
+    rank_cost: np.ndarray  # [steps, dp] C
+    source_shares: np.ndarray  # [steps, sources]
+    sources: tuple[str, ...]
+
+
+def plan_series(label: str, info: dict, packing: Packing, lengths: Lengths) -> PlanSeries:
+    """The series of a plan from its plan.json (``info``), its packing and its stats."""
+    loads = step_loads(lengths, packing, CostModel(**info["cost_model"]), info["params"]["dp"])
+    qv, qt = info["metrics"]["qv"], info["metrics"]["qt"]
+    # As in the metrics: with Qv = 0 (text-only data) every micro-batch counts as full of tiles.
+    tile_fill = loads.micro_tiles / qv if qv else np.ones_like(loads.micro_tiles)
+    return PlanSeries(label, info["metrics"], dist_ratio_per_step(loads.tiles),
+                      dist_ratio_per_step(loads.tokens), dist_ratio_per_step(loads.squares),
+                      tile_fill, loads.micro_tokens / qt, loads.cost,
+                      source_shares(loads.sources), lengths.sources)
+
+
+@dataclass(frozen=True)
+class TrainSeries:
+    """A training run against its plan: per training step, the waiting fraction the plan's cost
+    model predicts and the one each rank measured."""
+
+    steps: np.ndarray  # [n] training step
+    predicted: np.ndarray  # [n] 1 − mean_r C / max_r C of the plan step(s) trained
+    measured: np.ndarray  # [n, world] wait_s / step_time_s of each global rank
+    ranks: tuple[str, ...]  # a label per global rank
+    dp: int
+
+    def summary(self) -> dict:
+        measured = self.measured.mean(axis=1)
+        both_vary = len(measured) > 1 and measured.std() > 0 and self.predicted.std() > 0
+        return {"steps": len(self.steps), "dp": self.dp,
+                "predicted_wait_mean": float(self.predicted.mean()),
+                "measured_wait_mean": float(measured.mean()),
+                "correlation": float(np.corrcoef(self.predicted, measured)[0, 1])
+                if both_vary else 0.0}
+
+
+def parse_train_log(lines: Iterable[str], name: str) -> list[tuple[int, dict]]:
+    """(line number, record) of each non-blank line of a train_log.jsonl."""
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ReportError(f"{name} line {number}: not JSON ({e.msg})") from None
+        if not isinstance(record, dict):
+            raise ReportError(f"{name} line {number}: not a train_log record (a JSON object)")
+        records.append((number, record))
+    if not records:
+        raise ReportError(f"{name}: no training steps in it")
+    return records
+
+
+def train_series(records: list[tuple[int, dict]], name: str, packing: Packing,
+                 lengths: Lengths, cost: CostModel) -> TrainSeries:
+    """Check that every record trained the plan's own micro-batches and set the measured
+    waiting fractions against the plan's predicted imbalance at the run's DP size."""
+    first_line, first = records[0]
+    try:
+        dp = len(first["data"])
+        world = len(first["ranks"])
+    except (KeyError, TypeError):
+        raise ReportError(f"{name} line {first_line}: not a train_log record (needs 'data' and "
+                          "'ranks' lists)") from None
+    if dp == 0 or packing.ranks % dp:
+        raise ReportError(f"{name}: trained on {dp} data-parallel rank(s), which does not divide "
+                          f"the plan's {packing.ranks} ranks: this log is not from this plan")
+    predicted_of_step = dist_ratio_per_step(step_loads(lengths, packing, cost, dp).cost)
+    steps, predicted, measured, labels = [], [], [], ()
+    for number, record in records:
+        try:
+            plan_steps = _check_data(record["data"], dp, packing)
+            ranks = sorted(record["ranks"], key=lambda r: r["rank"])
+            waits = [r["wait_s"] / r["step_time_s"] if r["step_time_s"] > 0 else 0.0
+                     for r in ranks]
+            labels = labels or tuple(f"rank {r['rank']} (stage {r['stage']}, dp {r['dp_rank']})"
+                                     for r in ranks)
+            steps.append(int(record["step"]))
+        except ReportError as e:
+            raise ReportError(f"{name} line {number}: {e}: this log is not from this plan") \
+                from None
+        except (KeyError, TypeError, ValueError) as e:
+            detail = f"missing {e}" if isinstance(e, KeyError) else str(e)
+            raise ReportError(f"{name} line {number}: not a train_log record ({detail})") from None
+        if len(waits) != world:
+            raise ReportError(f"{name} line {number}: {len(waits)} ranks, line {first_line} "
+                              f"has {world}")
+        predicted.append(predicted_of_step[plan_steps].mean())
+        measured.append(waits)
+    return TrainSeries(np.array(steps), np.array(predicted), np.array(measured), labels, dp)
+
+
+def _check_data(data: list[dict], dp: int, packing: Packing) -> np.ndarray:
+    """The plan steps a record trained, after checking each DP rank trained exactly the
+    micro-batches the plan gives its virtual ranks at those steps."""
+    if sorted(d["dp_rank"] for d in data) != list(range(dp)):
+        raise ReportError(f"data of dp ranks {sorted(d['dp_rank'] for d in data)}, expected "
+                          f"0..{dp - 1}")
+    per_dp = packing.ranks // dp
+    trained = set()
+    for d in data:
+        plan_steps = sorted(set(d["plan_steps"]))
+        bad = [s for s in plan_steps if not 0 <= s < packing.steps]
+        if bad:
+            raise ReportError(f"plan step {bad[0]} is outside the plan's {packing.steps} steps")
+        first_micro = np.array([(s * packing.ranks + d["dp_rank"] * per_dp) * packing.micro_batches
+                                for s in plan_steps], np.int64)
+        micro = (first_micro[:, None]
+                 + np.arange(per_dp * packing.micro_batches)[None, :]).ravel()
+        want = sorted(tuple(packing.items[packing.offsets[b]:packing.offsets[b + 1]].tolist())
+                      for b in micro)
+        if sorted(tuple(ids) for ids in d["sample_ids"]) != want:
+            raise ReportError(f"dp rank {d['dp_rank']} trained other samples than the plan "
+                              f"places at step(s) {plan_steps}")
+        trained.update(plan_steps)
+    if not trained:
+        raise ReportError("no plan_steps: the record names no plan step it trained")
+    return np.array(sorted(trained), np.int64)
