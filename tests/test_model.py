@@ -105,12 +105,13 @@ def test_analytic_params_and_flops_equal_the_real_layers():
     gen = torch.Generator().manual_seed(0)
     samples = [_sample(gen, 300, 2), _sample(gen, 70, 1), _sample(gen, 30, 0)]
     batch = _batch(samples, qt=420, qv=4)
-    lens = [len(s["ids"]) for s in samples] + [20]  # the padding is a segment of its own
+    lens = [len(s["ids"]) for s in samples]  # the padding after them attends to nothing
     size = Size(tiles=batch["num_tiles"], tokens=420, squares=sum(n * n for n in lens))
     v, t = CONFIG.vision, CONFIG.llm
     patches = (v.image_size // v.patch_size) ** 2
     x = (batch["pixel_values"], batch["input_ids"], batch["position_ids"],
-         batch["image_token_mask"], torch.tensor(batch["num_tiles"]))
+         batch["image_token_mask"], torch.tensor(batch["num_tiles"]),
+         torch.tensor(batch["num_tokens"]))
     layers = [cls(CONFIG) for cls, _ in M.layer_specs(CONFIG)]
     work = layer_work(CONFIG)
     for layer, w in zip(layers, work):

@@ -8,12 +8,13 @@ supervised tokens, in chunks (a [Qt, vocab] logit tensor would not fit).
 Layers pass tuples of tensors with static shapes, as pipeline stages must:
 
 - vision layers: ``(vit_hidden [Qv, patches, Hv], input_ids [Qt], position_ids [Qt],
-  image_token_mask [Qt], num_tiles [])``
-- decoder layers: ``(hidden [Qt, H], position_ids [Qt])``
+  image_token_mask [Qt], num_tiles [], num_tokens [])``
+- decoder layers: ``(hidden [Qt, H], position_ids [Qt], num_tokens [])``
 
 Packed samples never attend to each other: a new sample starts where ``position_ids`` is 0, and
 attention runs causally within each sample (flash-attn's varlen kernel when installed, else
-PyTorch SDPA per sample).
+PyTorch SDPA per sample). The padding after ``num_tokens`` takes no part in attention, so its
+cost is only the linear layers' (static shapes are the price of pipelining).
 """
 
 from __future__ import annotations
@@ -44,12 +45,12 @@ class VisionEmbed(nn.Module):
         nn.init.trunc_normal_(self.position, std=0.02)
 
     def forward(self, inputs: tuple) -> tuple:
-        pixel_values, input_ids, position_ids, image_token_mask, num_tiles = inputs
-        n = int(num_tiles)
+        pixel_values, *rest = inputs
+        n = int(rest[3])  # num_tiles
         patches = self.patch(pixel_values[:n]).flatten(2).transpose(1, 2) + self.position
         hidden = patches.new_zeros((pixel_values.shape[0],) + patches.shape[1:])
         hidden[:n] = patches
-        return hidden, input_ids, position_ids, image_token_mask, num_tiles
+        return (hidden, *rest)
 
 
 class VisionBlock(nn.Module):
@@ -68,7 +69,7 @@ class VisionBlock(nn.Module):
 
     def forward(self, inputs: tuple) -> tuple:
         hidden, *rest = inputs
-        n = int(rest[-1])
+        n = int(rest[3])  # num_tiles
         x = hidden[:n]
         t, p, h = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(t, p, 3, self.heads, h // self.heads).unbind(2)
@@ -105,7 +106,7 @@ class ProjectorMerge(nn.Module):
         self.embed_tokens = nn.Embedding(t.vocab_size, t.hidden)
 
     def forward(self, inputs: tuple) -> tuple:
-        vit_hidden, input_ids, position_ids, image_token_mask, num_tiles = inputs
+        vit_hidden, input_ids, position_ids, image_token_mask, num_tiles, num_tokens = inputs
         n = int(num_tiles)
         hidden = self.embed_tokens(input_ids)
         if n:
@@ -115,7 +116,7 @@ class ProjectorMerge(nn.Module):
                 raise ValueError(f"{n} tiles give {image.shape[0]} image embeddings for "
                                  f"{int(image_token_mask.sum())} image tokens")
             hidden = hidden.masked_scatter(image_token_mask[:, None], image.to(hidden.dtype))
-        return hidden, position_ids
+        return hidden, position_ids, num_tokens
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,18 +153,22 @@ def segments(position_ids: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            position_ids: torch.Tensor) -> torch.Tensor:
-    """Causal attention within each packed sample; q [tokens, heads, d], k/v [tokens, kv, d]."""
+                            position_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Causal attention within each packed sample of the first ``num_tokens``; q [tokens, heads,
+    d], k/v [tokens, kv, d]. The padding after them attends to nothing (its output is 0)."""
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError:
         flash_attn_varlen_func = None
-    spans = segments(position_ids)
-    if flash_attn_varlen_func is not None and q.is_cuda:
+    spans = segments(position_ids[:num_tokens])
+    out = torch.zeros_like(q)
+    if flash_attn_varlen_func is not None and q.is_cuda and spans:
         cu = torch.tensor([0] + [e for _, e in spans], dtype=torch.int32, device=q.device)
         longest = max(e - s for s, e in spans)
-        return flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True)
-    out = torch.empty_like(q)
+        out[:num_tokens] = flash_attn_varlen_func(q[:num_tokens], k[:num_tokens],
+                                                  v[:num_tokens], cu, cu, longest, longest,
+                                                  causal=True)
+        return out
     for start, end in spans:
         out[start:end] = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1), k[start:end].transpose(0, 1),
@@ -188,16 +193,16 @@ class DecoderBlock(nn.Module):
         self.down = nn.Linear(t.intermediate, t.hidden, bias=False)
 
     def forward(self, inputs: tuple) -> tuple:
-        hidden, position_ids = inputs
+        hidden, position_ids, num_tokens = inputs
         n = hidden.shape[0]
         x = self.norm1(hidden)
         q = rotate(self.q(x).view(n, self.heads, self.head_dim), position_ids, self.theta)
         k, v = self.kv(x).view(n, 2, self.kv_heads, self.head_dim).unbind(1)
         k = rotate(k, position_ids, self.theta)
-        attn = packed_causal_attention(q, k, v, position_ids)
+        attn = packed_causal_attention(q, k, v, position_ids, int(num_tokens))
         hidden = hidden + self.o(attn.reshape(n, -1))
         gate, up = self.gate_up(self.norm2(hidden)).chunk(2, -1)
-        return hidden + self.down(F.silu(gate) * up), position_ids
+        return hidden + self.down(F.silu(gate) * up), position_ids, num_tokens
 
 
 class FinalNorm(nn.Module):
@@ -206,8 +211,8 @@ class FinalNorm(nn.Module):
         self.norm = RMSNorm(config.llm.hidden, config.llm.rms_eps)
 
     def forward(self, inputs: tuple) -> tuple:
-        hidden, position_ids = inputs
-        return self.norm(hidden), position_ids
+        hidden, *rest = inputs
+        return (self.norm(hidden), *rest)
 
 
 def layer_specs(config: ModelConfig) -> list[tuple[type[nn.Module], str]]:
@@ -273,8 +278,9 @@ class VLM(nn.Module):
     def forward(self, batch: dict) -> torch.Tensor:
         """Summed next-token loss over the batch's supervised tokens."""
         x = (batch["pixel_values"], batch["input_ids"], batch["position_ids"],
-             batch["image_token_mask"], torch.tensor(batch["num_tiles"]))
+             batch["image_token_mask"], torch.tensor(batch["num_tiles"]),
+             torch.tensor(batch["num_tokens"]))
         for layer in self.layers:
             x = layer(x)
-        hidden, position_ids = self.norm(x)
+        hidden, position_ids, _ = self.norm(x)
         return self.loss(hidden, batch["labels"], position_ids)

@@ -41,6 +41,7 @@ class LayerCost:
 class Machine:
     memory_budget: int  # bytes per pipeline stage (device)
     link_bytes_per_s: float = 25e9  # stage-to-stage bandwidth
+    full_recompute: bool = False  # recompute every layer (the usual baseline) instead of the fewest
 
 
 @dataclass
@@ -105,7 +106,12 @@ def make_stage(layers: list[LayerCost], first: int, end: int, index: int, stages
                machine: Machine) -> Stage | None:
     """Stage ``index`` of ``stages`` over [first, end) with its recompute; None if it cannot fit."""
     in_flight = stages - index
-    recompute = choose_recompute(layers, first, end, in_flight, machine.memory_budget)
+    if machine.full_recompute:
+        recompute = list(range(first, end))
+        if stage_memory(layers, first, end, in_flight, recompute) > machine.memory_budget:
+            return None
+    else:
+        recompute = choose_recompute(layers, first, end, in_flight, machine.memory_budget)
     if recompute is None:
         return None
     return Stage(first, end, recompute,

@@ -104,8 +104,8 @@ class Head(_Timed):
         self._watch_parameters()
 
     def compute(self, inputs: tuple) -> torch.Tensor:
-        hidden, position_ids, labels = inputs
-        hidden, _ = self.norm((hidden, position_ids))
+        hidden, position_ids, num_tokens, labels = inputs
+        hidden, *_ = self.norm((hidden, position_ids, num_tokens))
         return self.loss(hidden, labels, position_ids)
 
 
@@ -163,5 +163,6 @@ def build_pipeline(config: ModelConfig, stages: int, loss: AveTokenLoss,
 def pipeline_inputs(batch: dict) -> tuple[tuple, torch.Tensor]:
     """A collated micro-batch (``shards.loader``) as DeepSpeed's (inputs, labels) pair."""
     inputs = (batch["pixel_values"], batch["input_ids"], batch["position_ids"],
-              batch["image_token_mask"], torch.tensor(batch["num_tiles"]), batch["labels"])
+              batch["image_token_mask"], torch.tensor(batch["num_tiles"]),
+              torch.tensor(batch["num_tokens"]), batch["labels"])
     return inputs, batch["labels"]

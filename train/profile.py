@@ -28,7 +28,7 @@ from . import model as M
 from .partition import (LayerCost, Machine, Partition, evaluate, omnibal_candidates,
                         search_partition)
 from .pipeline import Carry, Head, pipeline_inputs
-from .trainer import TrainConfig
+from .trainer import TrainConfig, micro_batch_size
 
 log = logging.getLogger(__name__)
 
@@ -142,10 +142,7 @@ def profile_layers(config: ModelConfig, batches: list[dict], device: str = "cpu"
                         _tensor_bytes(out))
             times.append((forward + backward) / repeats)
             x = tuple(t.detach() for t in out) if isinstance(out, tuple) else out
-        lens = np.diff(np.asarray(batch["cu_seqlens"][:batch["num_samples"] + 1]))
-        per_batch.append({"tiles": int(batch["num_tiles"]), "tokens": int(batch["num_tokens"]),
-                          "squares": int((lens.astype(np.int64) ** 2).sum()),
-                          "vit_s": float(sum(times[:1 + vision])),
+        per_batch.append({**micro_batch_size(batch), "vit_s": float(sum(times[:1 + vision])),
                           "llm_s": float(sum(times[1 + vision:]))})
     means = sums / max(1, len(batches))
     costs = [LayerCost(name, float(f), float(b), int(act), int(inp), int(out),

@@ -79,6 +79,15 @@ def supervised_tokens(batch: dict) -> int:
     return int((next_token_targets(batch["labels"], batch["position_ids"]) != IGNORE_INDEX).sum())
 
 
+def micro_batch_size(batch: dict) -> dict:
+    """The three sizes the cost model and the simulator read: tiles, tokens, Σseq_len²."""
+    import numpy as np
+
+    lens = np.diff(np.asarray(batch["cu_seqlens"][:batch["num_samples"] + 1], dtype=np.int64))
+    return {"tiles": int(batch["num_tiles"]), "tokens": int(batch["num_tokens"]),
+            "squares": int((lens ** 2).sum())}
+
+
 def check_vocabulary(batch: dict, vocab_size: int) -> dict:
     """The batch, if every token id has an embedding (a real-size preset's vocabulary can be
     smaller than the tokenizer the shards were made with)."""
@@ -167,6 +176,7 @@ def run(cfg: TrainConfig) -> None:
         if engine.is_first_stage():
             mine["data"] = {"tokens": sum(b["num_tokens"] for b in micro),
                             "plan_steps": [b["step"] for b in micro],
+                            "micro_sizes": [micro_batch_size(b) for b in micro],
                             "sample_ids": [b["sample_ids"].tolist() for b in micro]}
         ranks = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(ranks, mine)

@@ -1,0 +1,283 @@
+"""Cluster-scale simulation of training on a plan: what balance saves before any GPU hour is spent.
+
+For every step, each data-parallel replica runs its micro-batches through a 1F1B pipeline of P
+stages. A stage's forward time for a micro-batch is its layers' FLOPs for that micro-batch's
+(Σtiles, Σtokens, Σseq_len²) over the GPU's sustained FLOP rate, plus sending its output
+activation; backward is twice the forward plus the forward of its recomputed layers. ViT stages
+and LLM stages therefore differ per micro-batch, exactly as on the cluster. The step takes the
+slowest replica; the epoch is the sum of its steps.
+
+- bubble fraction: the share of stage-time the pipeline leaves idle, within each replica;
+- waiting fraction: the share of replica-time spent waiting for the slowest replica of the step.
+
+The same 1F1B recurrence, fed with measured per-layer times from ``vlmshard train profile``,
+predicts a real run's step times (``validate_against_log``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from .analytic import ACTIVATION_BYTES, LayerWork, Size
+from .partition import LayerCost, Machine, Partition
+
+log = logging.getLogger(__name__)
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    peak_flops: float  # dense bf16
+    memory_bytes: int
+    link_bytes_per_s: float  # between pipeline stages (typically across nodes)
+
+
+GPUS = {
+    "a100": GPU("A100-SXM4-80GB", 312e12, 80 * GIB, 25e9),  # 200 Gb/s InfiniBand per GPU
+    "h100": GPU("H100-SXM5-80GB", 989e12, 80 * GIB, 50e9),  # 400 Gb/s InfiniBand per GPU
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The 1F1B pipeline
+
+
+def one_f_one_b(stages: int, micro_batches: int) -> list[tuple[str, int, int]]:
+    """Every (kind, stage, micro-batch) of one 1F1B step, in an order where each operation comes
+    after the one before it on its stage and after the one it needs from a neighbour stage."""
+    programs = []
+    for s in range(stages):
+        warmup = min(stages - s - 1, micro_batches)
+        ops = [("F", m) for m in range(warmup)]
+        for m in range(micro_batches - warmup):
+            ops += [("F", warmup + m), ("B", m)]
+        ops += [("B", m) for m in range(micro_batches - warmup, micro_batches)]
+        programs.append(ops)
+    done, order, cursor = set(), [], [0] * stages
+    while len(order) < 2 * stages * micro_batches:
+        progressed = False
+        for s in range(stages):
+            if cursor[s] == len(programs[s]):
+                continue
+            kind, m = programs[s][cursor[s]]
+            need = (("F", s - 1, m) if s > 0 else None) if kind == "F" else \
+                (("B", s + 1, m) if s < stages - 1 else ("F", s, m))
+            if need is None or need in done:
+                done.add((kind, s, m))
+                order.append((kind, s, m))
+                cursor[s] += 1
+                progressed = True
+        assert progressed, "the 1F1B programs deadlocked"
+    return order
+
+
+def pipeline_times(forward: np.ndarray, backward: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Makespan [B] and busy time per stage [B, P] of B independent pipelines, given the forward
+    and backward time [B, M, P] of each micro-batch on each stage (sends included)."""
+    n, micro, stages = forward.shape
+    free = np.zeros((n, stages))
+    finish = {}
+    for kind, s, m in one_f_one_b(stages, micro):
+        if kind == "F":
+            ready = finish[("F", s - 1, m)] if s > 0 else 0.0
+            duration = forward[:, m, s]
+        else:
+            ready = finish[("B", s + 1, m)] if s < stages - 1 else finish[("F", s, m)]
+            duration = backward[:, m, s]
+        end = np.maximum(free[:, s], ready) + duration
+        finish[(kind, s, m)] = free[:, s] = end
+    return free.max(axis=1), forward.sum(axis=1) + backward.sum(axis=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage times from layer work
+
+
+@dataclass(frozen=True)
+class LayerRates:
+    """Per layer, seconds per unit of (tiles, tokens, squares) forward and backward, and the
+    output activation's bytes per unit: analytic (``from_work``) or measured (``from_profile``)."""
+
+    forward: np.ndarray  # [layers, 3]
+    backward: np.ndarray  # [layers, 3]
+    output_bytes: np.ndarray  # [layers, 3]
+
+    @classmethod
+    def from_work(cls, work: list[LayerWork], flops_per_s: float) -> "LayerRates":
+        """FLOPs at a sustained rate; backward is twice the forward."""
+        forward = np.array([_vector(w.flops) for w in work]) / flops_per_s
+        return cls(forward, 2 * forward, np.array([_vector(w.output_bytes) for w in work]))
+
+    @classmethod
+    def from_profile(cls, profile: dict, cost_model: dict) -> "LayerRates":
+        """``vlmshard train profile``'s mean layer times, scaled per micro-batch: ViT-side layers
+        by tiles, LLM-side layers by the fitted ``a_t·tokens + b·squares``."""
+        batches = profile["micro_batches"]
+        mean = {k: np.mean([b[k] for b in batches]) for k in ("tiles", "tokens", "squares")}
+        llm = np.array([0.0, cost_model["a_t"], cost_model["b"]])
+        llm_unit = llm / max(llm @ [0.0, mean["tokens"], mean["squares"]], 1e-30)
+        vit_unit = np.array([1.0 / max(mean["tiles"], 1e-30), 0.0, 0.0])
+        per_token = np.array([0.0, 1.0 / max(mean["tokens"], 1e-30), 0.0])
+        layers = profile["layers"]
+        unit = [vit_unit if i <= _last_vision_layer(profile) else llm_unit
+                for i in range(len(layers))]
+        forward = np.array([u * lay["forward_s"] for u, lay in zip(unit, layers)])
+        backward = np.array([u * lay["backward_s"] for u, lay in zip(unit, layers)])
+        projector = _last_vision_layer(profile)  # its output is the LLM's hidden, per token
+        output = np.array([(vit_unit if i < projector else per_token) * lay["output_bytes"]
+                           for i, lay in enumerate(layers)])
+        return cls(forward, backward, output)
+
+
+def _last_vision_layer(profile: dict) -> int:
+    """The projector: the last layer whose work scales with tiles."""
+    return [lay["name"] for lay in profile["layers"]].index("projector_merge")
+
+
+@dataclass(frozen=True)
+class StageModel:
+    """Per stage, seconds per unit of (tiles, tokens, squares): forward and backward, sends
+    included. A micro-batch's stage times are its sizes times these rows."""
+
+    forward: np.ndarray  # [P, 3]
+    backward: np.ndarray  # [P, 3]
+
+    @classmethod
+    def build(cls, rates: LayerRates, partition: Partition,
+              link_bytes_per_s: float) -> "StageModel":
+        """Stage sums of layer rates; a stage sends its output forward and receives its
+        gradient back over the link; recomputed layers run their forward again in backward."""
+        forward, backward = [], []
+        last = len(partition.stages) - 1
+        for index, stage in enumerate(partition.stages):
+            layers = slice(stage.first, stage.end)
+            send = rates.output_bytes[stage.end - 1] / link_bytes_per_s if index < last else 0
+            receive = rates.output_bytes[stage.first - 1] / link_bytes_per_s if index else 0
+            recomputed = rates.forward[stage.recompute].sum(axis=0)
+            forward.append(rates.forward[layers].sum(axis=0) + send)
+            backward.append(rates.backward[layers].sum(axis=0) + recomputed + receive)
+        return cls(np.array(forward), np.array(backward))
+
+    def times(self, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Forward and backward seconds [..., P] of micro-batches with sizes [..., 3]."""
+        return sizes @ self.forward.T, sizes @ self.backward.T
+
+
+def _vector(size: Size) -> np.ndarray:
+    return np.array([size.tiles, size.tokens, size.squares], dtype=np.float64)
+
+
+def layer_costs(work: list[LayerWork], *, time_size: Size, memory_size: Size,
+                flops_per_s: float, bytes_per_param: float) -> list[LayerCost]:
+    """``LayerCost``s for the partition search: times at a typical micro-batch, memory at the
+    largest one (the one that must fit)."""
+    costs = []
+    for i, w in enumerate(work):
+        forward = w.flops.dot(time_size) / flops_per_s
+        inputs = work[i - 1].output_bytes if i else Size(tiles=ACTIVATION_BYTES * 3)
+        costs.append(LayerCost(
+            w.name, forward, 2 * forward, int(w.activation_bytes.dot(memory_size)),
+            int(inputs.dot(memory_size)), int(w.output_bytes.dot(memory_size)),
+            int(w.params * bytes_per_param)))
+    return costs
+
+
+def bytes_per_param(dp: int, zero: int) -> float:
+    """bf16 weight and gradient (4 bytes) + fp32 master weight and Adam moments (12 bytes), the
+    latter split over the data-parallel replicas under ZeRO stage 1."""
+    return 4 + 12 / (dp if zero >= 1 else 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# A plan on a cluster
+
+
+@dataclass
+class Simulation:
+    """One epoch of a plan on P × D GPUs."""
+
+    steps: int
+    seconds: float
+    gpu_days: float
+    bubble_fraction: float
+    waiting_fraction: float
+    step_seconds: np.ndarray  # [steps]
+
+    def summary(self) -> dict:
+        return {"steps": self.steps, "seconds": self.seconds, "gpu_days": self.gpu_days,
+                "bubble_fraction": self.bubble_fraction,
+                "waiting_fraction": self.waiting_fraction}
+
+
+def replica_micro_batches(sizes: np.ndarray, ranks: int, micro: int, dp: int,
+                          per_step: int | None = None) -> np.ndarray:
+    """Micro-batch sizes [steps, dp, M, 3] of each replica's steps. The plan's step-major
+    micro-batches [steps, ranks, micro] go to replicas by virtual rank (replica d takes ranks
+    d·V/D … (d+1)·V/D − 1); ``per_step`` regroups each replica's stream into steps of M."""
+    if ranks % dp:
+        raise ValueError(f"dp={dp} does not divide the plan's {ranks} virtual ranks")
+    steps = len(sizes) // (ranks * micro)
+    streams = sizes[:steps * ranks * micro].reshape(steps, dp, ranks // dp * micro, 3)
+    streams = streams.transpose(1, 0, 2, 3).reshape(dp, -1, 3)  # each replica's micro-batches
+    m = per_step or ranks // dp * micro
+    whole = streams.shape[1] // m
+    if whole == 0:
+        raise ValueError(f"--micro-batches {m} is more than a replica's "
+                         f"{streams.shape[1]} micro-batches in the whole plan")
+    if whole * m < streams.shape[1]:
+        log.warning("%d micro-batches per replica do not fill a last step of %d; left out",
+                    streams.shape[1] - whole * m, m)
+    return streams[:, :whole * m].reshape(dp, whole, m, 3).transpose(1, 0, 2, 3)
+
+
+def simulate(batches: np.ndarray, model: StageModel) -> Simulation:
+    """One epoch of ``batches`` [steps, D, M, 3] through the stage model."""
+    steps, dp, micro, _ = batches.shape
+    forward, backward = model.times(batches.reshape(steps * dp, micro, 3))
+    makespan, busy = pipeline_times(forward, backward)
+    makespan, busy = makespan.reshape(steps, dp), busy.reshape(steps, dp, -1)
+    step = makespan.max(axis=1)
+    stages = busy.shape[-1]
+    total = float(step.sum())
+    return Simulation(
+        steps=steps, seconds=total, gpu_days=total * stages * dp / 86400,
+        bubble_fraction=float(1 - busy.sum() / (stages * makespan.sum())) if total else 0.0,
+        waiting_fraction=float(1 - makespan.sum() / (dp * total)) if total else 0.0,
+        step_seconds=step)
+
+
+def search_for(work: list[LayerWork], sizes: np.ndarray, stages: int, gpu: GPU, *,
+               flops_per_s: float, dp: int, zero: int, full_recompute: bool = False,
+               method: str = "search") -> Partition:
+    """The stage partition for these micro-batch sizes: the exact search (``method="search"``)
+    or DeepSpeed's ``parameters``/``uniform``, with adaptive (or full) recompute."""
+    from .partition import PartitionError, evaluate, search_partition
+
+    mean, peak = sizes.mean(axis=0), sizes.max(axis=0)
+    layers = layer_costs(work, time_size=Size(*mean), memory_size=Size(*peak),
+                         flops_per_s=flops_per_s, bytes_per_param=bytes_per_param(dp, zero))
+    machine = Machine(int(gpu.memory_bytes * 0.9), gpu.link_bytes_per_s, full_recompute)
+    if method == "search":
+        return search_partition(layers, stages, machine)
+    bounds = deepspeed_bounds(layers, stages, method)
+    partition = evaluate(layers, bounds, machine)
+    if partition is None:
+        raise PartitionError(f"DeepSpeed's '{method}' partition {bounds} does not fit "
+                             f"{gpu.name} memory{' with full recompute' if full_recompute else ''}")
+    return partition
+
+
+def deepspeed_bounds(layers: list[LayerCost], stages: int, method: str) -> list[int]:
+    """What DeepSpeed's ``partition_method`` would choose (its own functions)."""
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+    if method == "parameters":
+        return [int(b) for b in partition_balanced([lay.param_bytes for lay in layers], stages)]
+    if method == "uniform":
+        return list(partition_uniform(len(layers), stages))
+    raise ValueError(f"unknown partition method {method!r}")
