@@ -283,7 +283,7 @@ def format_result(result: dict) -> str:
 
 
 def _row(r: dict) -> str:
-    return (f"{r['seconds'] / 3600:.2f} h, {r['gpu_days']:.2f} GPU-days, bubble "
+    return (f"{r['seconds'] / 3600:.2f} h, {r['gpu_days']:.4g} GPU-days, bubble "
             f"{r['bubble_fraction']:.1%}, waiting {r['waiting_fraction']:.1%}")
 
 
@@ -291,6 +291,6 @@ def _table_row(name: str, r: dict, base: float | None) -> str:
     if "error" in r:
         return f"{name:<18} does not fit: {r['error']}"
     speedup = f"{base / r['seconds']:.2f}x" if base else "-"
-    return (f"{name:<18} {r['gpu_days']:>9.2f} {r['bubble_fraction']:>7.1%} "
+    return (f"{name:<18} {r['gpu_days']:>9.4g} {r['bubble_fraction']:>7.1%} "
             f"{r['waiting_fraction']:>8.1%} {speedup:>8}")
 

@@ -16,6 +16,7 @@ SUBCOMMANDS = [
     ("verify", "shards.verify"),
     ("train", "train.cli"),
     ("report", "packing.report"),
+    ("simulate", "train.simulate_cli"),
     ("demo-data", "preprocess.demo_data"),
 ]
 

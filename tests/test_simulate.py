@@ -1,0 +1,109 @@
+"""The cluster simulator: the 1F1B recurrence against its closed form, replicas and waiting by
+hand, and ``vlmshard simulate`` on a vendored slice of OmniBal's InternVL-1.2M lengths."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from helpers import vlmshard
+from train.simulate import (StageModel, one_f_one_b, pipeline_times, replica_micro_batches,
+                            simulate)
+
+OMNIBAL_META = os.path.join(os.path.dirname(__file__), "data", "omnibal", "meta.json")
+
+
+@pytest.mark.parametrize("stages,micro", [(1, 1), (1, 5), (2, 1), (3, 4), (4, 8), (8, 3)])
+def test_uniform_1f1b_has_the_textbook_makespan(stages, micro):
+    """Equal stages: (M + P − 1)(f + b), so the bubble is (P − 1) / (M + P − 1)."""
+    f, b = 1.0, 2.0
+    forward = np.full((1, micro, stages), f)
+    makespan, busy = pipeline_times(forward, np.full((1, micro, stages), b))
+    assert makespan[0] == pytest.approx((micro + stages - 1) * (f + b))
+    bubble = 1 - busy.sum() / (stages * makespan[0])
+    assert bubble == pytest.approx((stages - 1) / (micro + stages - 1))
+
+
+def test_1f1b_order_runs_each_operation_once_after_what_it_needs():
+    order = one_f_one_b(4, 6)
+    assert sorted(order) == sorted((k, s, m) for k in "FB" for s in range(4) for m in range(6))
+    seen = set()
+    for kind, s, m in order:
+        need = ("F", s - 1, m) if kind == "F" and s else ("B", s + 1, m) if kind == "B" and s < 3 \
+            else ("F", s, m) if kind == "B" else None
+        assert need is None or need in seen
+        seen.add((kind, s, m))
+    # 1F1B: stage 0 never holds more than P micro-batches whose backward is pending.
+    in_flight = peak = 0
+    for kind, s, _ in order:
+        if s == 0:
+            in_flight += 1 if kind == "F" else -1
+            peak = max(peak, in_flight)
+    assert peak == 4
+
+
+def test_a_slow_stage_sets_the_pace():
+    """Steady state runs at the slowest stage: makespan grows by its f + b per micro-batch."""
+    forward = np.array([[[1.0, 3.0]] * 10])
+    backward = 2 * forward
+    ten = pipeline_times(forward, backward)[0][0]
+    eleven = pipeline_times(np.concatenate([forward, forward[:, :1]], axis=1),
+                            np.concatenate([backward, backward[:, :1]], axis=1))[0][0]
+    assert eleven - ten == pytest.approx(3.0 + 6.0)
+
+
+def test_replicas_take_their_virtual_ranks_and_wait_for_the_slowest():
+    # 2 steps x 4 virtual ranks x 1 micro-batch; sizes are (tiles, tokens, squares).
+    sizes = np.arange(8 * 3, dtype=float).reshape(8, 3)
+    batches = replica_micro_batches(sizes, ranks=4, micro=1, dp=2)
+    assert batches.shape == (2, 2, 2, 3)  # steps, replicas, micro-batches, sizes
+    np.testing.assert_array_equal(batches[1, 1], sizes[[6, 7]])  # step 1, ranks 2 and 3
+    regrouped = replica_micro_batches(sizes, ranks=4, micro=1, dp=2, per_step=4)
+    np.testing.assert_array_equal(regrouped[0, 0], sizes[[0, 1, 4, 5]])
+    with pytest.raises(ValueError, match="does not divide"):
+        replica_micro_batches(sizes, ranks=4, micro=1, dp=3)
+
+    # One stage costing 1 s per token forward, 2 s backward: replica loads are token sums.
+    model = StageModel(forward=np.array([[0.0, 1.0, 0.0]]), backward=np.array([[0.0, 2.0, 0.0]]))
+    loads = np.zeros((2, 2, 1, 3))
+    loads[:, :, 0, 1] = [[1, 3], [2, 2]]
+    sim = simulate(loads, model)
+    np.testing.assert_allclose(sim.step_seconds, [9.0, 6.0])
+    assert sim.seconds == 15.0
+    assert sim.waiting_fraction == pytest.approx(1 - (3 + 9 + 6 + 6) / (2 * 15))
+    assert sim.bubble_fraction == 0.0
+    assert sim.gpu_days == pytest.approx(15 * 2 / 86400)
+
+
+def test_simulate_compares_strategies_and_levers(tmp_path):
+    plan = tmp_path / "plan"
+    vlmshard("pack", "--stats", OMNIBAL_META, "--dp", "4", "--micro-batches", "2",
+             "--out", str(plan))
+    out = tmp_path / "sim.json"
+    text = vlmshard("simulate", str(plan), "--model", "internvl2-2b", "--gpu", "h100",
+                    "--pp", "2", "--micro-batches", "8", "--json", str(out)).stdout
+    result = json.loads(out.read_text())
+    assert result["plan"]["gpus"] == 8 and "GPU-days" in text
+    strategies = result["strategies"]
+    assert set(strategies) == {"random", "lengthgroup", "isf", "balanced"}
+    assert strategies["balanced"]["waiting_fraction"] < strategies["random"]["waiting_fraction"]
+    assert strategies["balanced"]["seconds"] < strategies["random"]["seconds"]
+    levers = [result["levers"][k]["seconds"] for k in
+              ("baseline", "+ data balance", "+ model balance", "+ memory balance")]
+    assert all(a >= b for a, b in zip(levers, levers[1:])), levers
+    for r in (*strategies.values(), *result["levers"].values()):
+        assert 0 <= r["bubble_fraction"] < 1 and 0 <= r["waiting_fraction"] < 1
+
+
+def test_simulate_errors_are_one_line(tmp_path):
+    for args, message in [((str(tmp_path),), "no plan.json"),
+                          ((str(tmp_path), "--gpu", "tpu"), "unknown --gpu"),
+                          (("--train-log", "x.jsonl"), "needs --profile"),
+                          ((), "give a PLAN_DIR")]:
+        proc = vlmshard("simulate", *args, check=False)
+        err = proc.stderr.strip().splitlines()
+        assert proc.returncode != 0 and message in err[-1] and err[-1].startswith(
+            "vlmshard simulate: error:"), proc.stderr
