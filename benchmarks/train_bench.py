@@ -16,6 +16,8 @@ Data: the demo dataset (``--scale``), preprocessed with kept tokens.
    step starts on a barrier, so data loading is not counted).
 4. PP=2 (DP=1) on the balanced shards: each partition trains ``--steps`` steps, alternating,
    ``--repeats`` times; the measured step time is the median after the first (warm-up) step.
+5. Every run is also re-simulated from its train_log with the profile's measured layer times
+   (``vlmshard simulate --train-log``): the simulator's median per-step error.
 
 Medians over repeats; ratios are taken within one run, side by side.
 """
@@ -38,6 +40,7 @@ from preprocess.demo_data import generate  # noqa: E402
 from shards.writer import WriteConfig, run_write  # noqa: E402
 from train.launcher import train  # noqa: E402
 from train.profile import ProfileConfig, run_profile  # noqa: E402
+from train.simulate_cli import validate_against_log  # noqa: E402
 from train.trainer import TrainConfig  # noqa: E402
 from vlmshard.io import read_json, write_json_atomic  # noqa: E402
 
@@ -74,9 +77,10 @@ def prepare(work: str, scale: int) -> dict:
                       for name in shards}}
 
 
-def summarize(log: list[dict], skip: int = 0) -> dict:
-    """Throughput and per-rank waiting fraction of a run's train_log records."""
+def summarize(log: list[dict], run: str, profile: str, skip: int = 1) -> dict:
+    """Throughput, per-rank waiting fraction and the simulator's error on a run's train_log."""
     records = log[skip:]
+    check = validate_against_log(os.path.join(run, "train_log.jsonl"), profile)
     seconds = sum(r["step_time_s"] for r in records)
     ranks = sorted({r["rank"] for r in records[0]["ranks"]})
     wait = {rank: sum(x["wait_s"] for r in records for x in r["ranks"] if x["rank"] == rank)
@@ -84,7 +88,9 @@ def summarize(log: list[dict], skip: int = 0) -> dict:
     return {"steps": len(records), "seconds": seconds,
             "tokens_per_s": sum(r["tokens"] for r in records) / seconds,
             "wait_fraction": {str(rank): w / seconds for rank, w in wait.items()},
-            "median_step_s": statistics.median(r["step_time_s"] for r in records)}
+            "median_step_s": statistics.median(r["step_time_s"] for r in records),
+            "simulated_total_error": check["total_error"],
+            "simulated_median_step_error": check["median_step_error"]}
 
 
 def bench_balance(work: str, setup: dict, repeats: int) -> dict:
@@ -94,7 +100,7 @@ def bench_balance(work: str, setup: dict, repeats: int) -> dict:
             out = os.path.join(work, "runs", f"dp-{name}-{i}")
             log = train(TrainConfig(shards=shards, out=out, model=setup["model"], pp=1, dp=2,
                                     save_checkpoints=False))
-            runs[name].append(summarize(log, skip=1))
+            runs[name].append(summarize(log, out, setup["profile"]))
             print(f"  dp=2 {name:<9} repeat {i}: {runs[name][-1]['tokens_per_s']:.0f} tokens/s, "
                   f"waiting {runs[name][-1]['wait_fraction']}", flush=True)
     result = {}
@@ -115,22 +121,27 @@ def bench_partitions(work: str, setup: dict, steps: int, repeats: int) -> dict:
     partitions = read_json(os.path.join(setup["profile"], "partition.json"))
     names = [n for n in ("search", "parameters", "uniform") if partitions[n]]
     times = {name: [] for name in names}
+    errors = []
     for i in range(repeats):
         for name in names:
             cfg = TrainConfig(shards=setup["shards"]["balanced"], model=setup["model"], pp=2,
                               dp=1, max_steps=steps, save_checkpoints=False,
                               out=os.path.join(work, "runs", f"pp-{name}-{i}"))
             cfg.use_partition(partitions[name])
-            times[name].append(summarize(train(cfg), skip=1)["median_step_s"])
+            summary = summarize(train(cfg), cfg.out, setup["profile"])
+            times[name].append(summary["median_step_s"])
+            errors.append(summary["simulated_median_step_error"])
             print(f"  pp=2 {name:<10} repeat {i}: {times[name][-1]:.3f} s/step", flush=True)
-    return {name: {"bounds": partitions[name]["bounds"],
+    result = {name: {"bounds": partitions[name]["bounds"],
                    "recompute": [r for s in partitions[name]["stages"] for r in s["recompute"]],
                    "modelled_max_stage_s": partitions[name]["max_stage_s"],
                    "median_step_s": statistics.median(times[name]),
                    "vs_search": statistics.median(t / s for t, s in
                                                   zip(times[name], times["search"])),
                    "runs": times[name]}
-            for name in names}
+              for name in names}
+    result["simulated_median_step_error"] = statistics.median(errors)
+    return result
 
 
 def main() -> None:
@@ -158,8 +169,15 @@ def main() -> None:
     print(f"\n{'pp=2 partition':<15} {'bounds':<16} {'modelled s':>10} {'step s':>8} "
           f"{'/ search':>8}")
     for name, p in result["partition"].items():
+        if name == "simulated_median_step_error":
+            continue
         print(f"{name:<15} {str(p['bounds']):<16} {p['modelled_max_stage_s']:>10.3f} "
               f"{p['median_step_s']:>8.3f} {p['vs_search']:>8.3f}")
+    errors = [r["simulated_median_step_error"] for name in ("balanced", "random")
+              for r in balance[name]["runs"]]
+    print(f"\nsimulator (measured layer times) vs measured step times: median per-step error "
+          f"{statistics.median(errors):.1%} (dp=2 runs), "
+          f"{result['partition']['simulated_median_step_error']:.1%} (pp=2 runs)")
     if args.json:
         write_json_atomic(args.json, result)
 
