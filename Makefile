@@ -3,7 +3,6 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-DEMO := build/demo
 
 .PHONY: demo test test-quick bench clean
 
@@ -25,12 +24,7 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/vlmshard demo-data --out $(DEMO)/data
-	$(VENV)/bin/vlmshard preprocess --config configs/demo.yaml
-	$(VENV)/bin/vlmshard pack --stats $(DEMO)/preprocess --dp 2 --out $(DEMO)/plan
-	$(VENV)/bin/vlmshard report $(DEMO)/plan
-	$(VENV)/bin/vlmshard write --plan $(DEMO)/plan --stats $(DEMO)/preprocess --out $(DEMO)/shards --shard-bytes 64MB
-	$(VENV)/bin/vlmshard verify $(DEMO)/shards --plan $(DEMO)/plan
+	$(VENV)/bin/vlmshard run --config configs/demo.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -79,55 +79,59 @@ def read_train_log(path: str, info: dict, packing: Packing, lengths: Lengths) ->
 
 def main(args: argparse.Namespace) -> int:
     try:
-        return _report(args)
+        result, text = make_report(args.plan_dirs, train_log=args.train_log, html=args.html,
+                                   json=None if args.json == "-" else args.json)
     except (OSError, ValueError) as e:  # FileNotFoundError, StatsError and ReportError included
         raise SystemExit(f"vlmshard report: error: {e}") from None
     except KeyError as e:
         raise SystemExit(f"vlmshard report: error: a plan.json lacks {e}: pack it again with "
                          "this vlmshard") from None
+    if args.json == "-":
+        sys.stdout.write(canonical_json(result))
+    else:
+        print(text)
+    return 0
 
 
-def _report(args: argparse.Namespace) -> int:
-    infos = [read_plan_json(d) for d in args.plan_dirs]
-    labels = plan_labels(args.plan_dirs, infos)
+def make_report(plan_dirs: list[str], train_log: str | None = None, html: str | None = None,
+                json: str | None = None) -> tuple[dict, str]:
+    """The report as JSON and as the terminal table; writes the ``html`` and ``json`` files
+    when asked."""
+    infos = [read_plan_json(d) for d in plan_dirs]
+    labels = plan_labels(plan_dirs, infos)
     header = ["metric", *labels]
     rows = [[k, *(format_value(i["metrics"][k]) for i in infos)] for k in ROWS]
     loaded = {}  # plan dir -> (info, packing, lengths), read only when a plot or the log needs it
-    if args.html or args.train_log:
-        for d in args.plan_dirs if args.html else args.plan_dirs[:1]:
+    if html or train_log:
+        for d in plan_dirs if html else plan_dirs[:1]:
             loaded[d] = load_plan(d)
-    train = (read_train_log(args.train_log, *loaded[args.plan_dirs[0]])
-             if args.train_log else None)
+    train = (read_train_log(train_log, *loaded[plan_dirs[0]])
+             if train_log else None)
     result = {"plans": [{"label": label, "plan_dir": d, "algorithm": i["algorithm"],
                          "metrics": {k: i["metrics"][k] for k in ROWS}}
-                        for label, d, i in zip(labels, args.plan_dirs, infos)]}
-    notes = [f"{label}: {d}" for label, d in zip(labels, args.plan_dirs)]
+                        for label, d, i in zip(labels, plan_dirs, infos)]}
+    notes = [f"{label}: {d}" for label, d in zip(labels, plan_dirs)]
     if train is not None:
         summary = train.summary()
-        result["train_log"] = {"path": args.train_log, "plan": labels[0], **summary}
+        result["train_log"] = {"path": train_log, "plan": labels[0], **summary}
         notes.append(
-            f"{args.train_log} ({summary['steps']} steps on {labels[0]}, dp {summary['dp']}): "
+            f"{train_log} ({summary['steps']} steps on {labels[0]}, dp {summary['dp']}): "
             f"waiting fraction predicted by the plan {summary['predicted_wait_mean']:.4f}, "
             f"measured {summary['measured_wait_mean']:.4f} (mean over ranks and steps), "
             f"correlation per step {summary['correlation']:.3f}")
-    if args.html:
+    if html:
         from . import html_report, plots  # matplotlib only when a page is asked for
 
         series: list[PlanSeries] = [plan_series(label, *loaded[d])
-                                    for label, d in zip(labels, args.plan_dirs)]
+                                    for label, d in zip(labels, plan_dirs)]
         page = html_report.render("vlmshard report", notes, header, rows,
                                   plots.report_figures(series, train, labels[0]))
-        atomic_write(args.html, lambda tmp: _write_text(tmp, page))
-        log.info("report written to %s", args.html)
-    if args.json == "-":
-        sys.stdout.write(canonical_json(result))
-        return 0
-    if args.json:
-        write_json_atomic(args.json, result)
-        log.info("JSON written to %s", args.json)
-    print(format_table(header, rows))
-    print("\n".join(notes))
-    return 0
+        atomic_write(html, lambda tmp: _write_text(tmp, page))
+        log.info("report written to %s", html)
+    if json:
+        write_json_atomic(json, result)
+        log.info("JSON written to %s", json)
+    return result, "\n".join([format_table(header, rows), *notes])
 
 
 def _write_text(path: str, text: str) -> None:

@@ -18,6 +18,7 @@ SUBCOMMANDS = [
     ("report", "packing.report"),
     ("simulate", "train.simulate_cli"),
     ("demo-data", "preprocess.demo_data"),
+    ("run", "vlmshard.run"),
 ]
 
 

@@ -13,29 +13,45 @@ T = TypeVar("T")
 
 def load_config(cls: type[T], flags: dict[str, Any], config_file: str | None = None) -> T:
     """Build ``cls`` from an optional YAML file and the flags the user actually passed."""
-    fields = {f.name for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
     if config_file:
-        try:
-            with open(config_file, encoding="utf-8") as f:
-                loaded = yaml.safe_load(f) or {}
-        except OSError as e:
-            raise ValueError(f"cannot read config {config_file}: {e.strerror}") from None
-        if not isinstance(loaded, dict):
-            raise ValueError(f"config {config_file} must be a mapping of option: value")
-        values = {k.replace("-", "_"): v for k, v in loaded.items()}
-        unknown = sorted(set(values) - fields)
-        if unknown:
-            raise ValueError(f"config {config_file}: unknown key(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(fields))}")
-    values.update({k: v for k, v in flags.items() if k in fields})
+        values = read_yaml_mapping(config_file)
+        check_keys(cls, values, f"config {config_file}")
+    values.update({k: v for k, v in flags.items() if k in _field_names(cls)})
+    return from_mapping(cls, values, "pass them as arguments or in the --config file")
+
+
+def read_yaml_mapping(path: str) -> dict[str, Any]:
+    """A YAML file's top-level mapping, with ``-`` in keys read as ``_``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            loaded = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ValueError(f"cannot read config {path}: {e.strerror}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"config {path} must be a mapping of option: value")
+    return {k.replace("-", "_"): v for k, v in loaded.items()}
+
+
+def check_keys(cls: type, values: dict[str, Any], where: str) -> None:
+    unknown = sorted(set(values) - _field_names(cls))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(_field_names(cls)))}")
+
+
+def from_mapping(cls: type[T], values: dict[str, Any], hint: str) -> T:
+    """``cls(**values)`` once every required field is there (``hint`` says where to add them)."""
     missing = [f.name for f in dataclasses.fields(cls)
                if f.name not in values and f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING]
     if missing:
-        raise ValueError(f"missing required option(s): {', '.join(missing)} "
-                         "(pass them as arguments or in the --config file)")
+        raise ValueError(f"missing required option(s): {', '.join(missing)} ({hint})")
     return cls(**values)
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
 
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
