@@ -75,24 +75,32 @@ def stages(cfg: RunConfig) -> list[tuple[str, Callable[[], str]]]:
         check_keys(cls, values, f"run config section '{name}'")
         return from_mapping(cls, {**values, **connected}, f"add them to the '{name}' section")
 
+    # Every section is checked before any stage runs: a typo must not cost a preprocess.
+    pre_cfg = section(PreprocessConfig, {**inputs, **cfg.preprocess}, "preprocess", out=pre)
+    pack_cfg = section(PackConfig, cfg.pack, "pack", stats=pre, out=plan)
+    write_cfg = section(WriteConfig, cfg.write, "write", plan=plan, stats=pre, out=shards)
+    train_cfg = section(TrainConfig, cfg.train, "train", shards=shards, out=run) \
+        if cfg.train is not None else None
+    for checked in (pack_cfg, train_cfg):
+        if checked is not None:
+            checked.validate()
+
     def demo_data() -> str:
         from preprocess.demo_data import generate
 
         return f"demo dataset -> {generate(cfg.path('data'), **cfg.demo_data).meta}"
 
     def preprocess() -> str:
-        result = run_preprocess(section(PreprocessConfig, {**inputs, **cfg.preprocess},
-                                        "preprocess", out=pre))
+        result = run_preprocess(pre_cfg)
         return f"{result.accepted} accepted, {result.rejected} rejected -> {pre}"
 
     def pack() -> str:
-        m = run_pack(section(PackConfig, cfg.pack, "pack", stats=pre, out=plan)).metrics
+        m = run_pack(pack_cfg).metrics
         return (f"{m.samples} samples in {m.steps} steps, cost efficiency "
                 f"{m.cost_efficiency:.3f}, LLM dist ratio {m.llm_dist_ratio:.4f} -> {plan}")
 
     def write() -> str:
-        result = run_write(section(WriteConfig, cfg.write, "write", plan=plan, stats=pre,
-                                   out=shards))
+        result = run_write(write_cfg)
         return f"{result.shards} shards, {result.bytes / 1e6:.1f} MB -> {shards}"
 
     def verify() -> str:
@@ -103,7 +111,7 @@ def stages(cfg: RunConfig) -> list[tuple[str, Callable[[], str]]]:
         return f"OK: {result.records} records, {result.samples} samples, every one as planned"
 
     def train_stage() -> str:
-        records = train(section(TrainConfig, cfg.train, "train", shards=shards, out=run))
+        records = train(train_cfg)
         return (f"{len(records)} steps, loss {records[0]['loss']:.3f} -> "
                 f"{records[-1]['loss']:.3f} -> {run}")
 

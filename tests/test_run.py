@@ -1,0 +1,59 @@
+"""``vlmshard run``: every stage from one config, on the demo dataset, as ``make demo`` runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import yaml
+
+from helpers import REPO, tree_bytes, vlmshard
+from vlmshard.io import read_json
+
+
+def _config(tmp_path, out, **changes) -> str:
+    with open(os.path.join(REPO, "configs", "demo.yaml"), encoding="utf-8") as f:
+        config = yaml.safe_load(f)
+    config.update(out=str(out), **changes)
+    path = tmp_path / f"run-{len(changes)}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_demo_config_runs_every_stage_and_reruns_to_the_same_bytes(tmp_path):
+    out = tmp_path / "demo"
+    train = {"model": "tiny", "pp": 2, "dp": 1, "max_steps": 2}
+    stdout = vlmshard("run", "--config", _config(tmp_path, out, train=train)).stdout
+    lines = [line for line in stdout.splitlines() if line.startswith("[")]
+    assert [line.split()[1] for line in lines] == ["demo-data", "preprocess", "pack", "write",
+                                                   "verify", "train", "report"]
+    assert [line.split()[0] for line in lines] == [f"[{i}/7]" for i in range(1, 8)]
+    assert "OK:" in lines[4] and str(out / "report.html") in stdout.splitlines()[-1]
+
+    report = read_json(out / "report.json")
+    plan = read_json(out / "plan" / "plan.json")
+    assert report["plans"][0]["metrics"]["cost_efficiency"] == plan["metrics"]["cost_efficiency"]
+    assert report["train_log"]["steps"] == 2
+    with open(out / "train" / "train_log.jsonl") as f:
+        log = [json.loads(line) for line in f]
+    assert {r["stage"] for r in log[-1]["ranks"]} == {0, 1}
+    assert (out / "report.html").stat().st_size > 10_000
+
+    before = {name: tree_bytes(str(out / name)) for name in ("plan", "shards")}
+    stdout = vlmshard("run", "--config", _config(tmp_path, out, train=None)).stdout
+    assert [line.split()[1] for line in stdout.splitlines() if line.startswith("[")] == \
+        ["demo-data", "preprocess", "pack", "write", "verify", "report"]
+    assert {name: tree_bytes(str(out / name)) for name in ("plan", "shards")} == before
+
+
+def test_run_config_errors_name_the_section(tmp_path):
+    proc = vlmshard("run", "--config", _config(tmp_path, tmp_path / "x", pack={"dp": 2,
+                                                                                "algoritm": 1}),
+                    check=False)
+    assert proc.returncode != 0
+    assert "run config section 'pack': unknown key(s) algoritm" in proc.stderr
+    proc = vlmshard("run", "--config", _config(tmp_path, tmp_path / "y", pack={}), check=False)
+    assert proc.returncode != 0 and "missing required option(s): dp" in proc.stderr \
+        and "'pack' section" in proc.stderr
