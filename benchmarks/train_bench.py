@@ -1,7 +1,7 @@
 """Training throughput from balanced against random plans, and the searched stage partition
 against DeepSpeed's, measured on real DeepSpeed runs of the tiny model.
 
-    python benchmarks/train_bench.py                  # about 20 minutes on 2 vCPUs
+    python benchmarks/train_bench.py                  # about 25 minutes on 2 vCPUs
 
 Data: the demo dataset (``--scale``), preprocessed with kept tokens.
 
@@ -10,7 +10,8 @@ Data: the demo dataset (``--scale``), preprocessed with kept tokens.
    ``parameters`` and ``uniform``).
 2. Plan ``balanced`` for DP=2 with that measured cost model (the loop between data and model
    balance) and write its shards. Both plans hold the same samples.
-3. DP=2 (PP=1), one process per core: train one epoch of each plan, alternating plans,
+3. DP=2 (PP=1), one process per core: train the first ``--dp-steps`` steps of each plan (the
+   steps are shuffled over the epoch, so these are a fair sample), alternating plans,
    ``--repeats`` times. Throughput = Σ tokens / Σ step time; waiting fraction of a rank =
    Σ wait_s / Σ step time (``wait_s`` is step time less the rank's own forward and backward; every
    step starts on a barrier, so data loading is not counted).
@@ -93,13 +94,13 @@ def summarize(log: list[dict], run: str, profile: str, skip: int = 1) -> dict:
             "simulated_median_step_error": check["median_step_error"]}
 
 
-def bench_balance(work: str, setup: dict, repeats: int) -> dict:
+def bench_balance(work: str, setup: dict, steps: int, repeats: int) -> dict:
     runs = {name: [] for name in setup["shards"]}
     for i in range(repeats):
         for name, shards in setup["shards"].items():
             out = os.path.join(work, "runs", f"dp-{name}-{i}")
             log = train(TrainConfig(shards=shards, out=out, model=setup["model"], pp=1, dp=2,
-                                    save_checkpoints=False))
+                                    max_steps=steps or None, save_checkpoints=False))
             runs[name].append(summarize(log, out, setup["profile"]))
             print(f"  dp=2 {name:<9} repeat {i}: {runs[name][-1]['tokens_per_s']:.0f} tokens/s, "
                   f"waiting {runs[name][-1]['wait_fraction']}", flush=True)
@@ -149,14 +150,16 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", default=os.path.join(REPO, "build", "bench", "train"))
     parser.add_argument("--scale", type=int, default=1, help="demo dataset scale")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=8, help="steps per partition run")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dp-steps", type=int, default=10,
+                        help="steps per dp=2 run, the first untimed (0: the whole epoch)")
+    parser.add_argument("--steps", type=int, default=6, help="steps per pp=2 partition run")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     setup = prepare(args.work, args.scale)
     result = {"machine": f"{platform.node()} {os.cpu_count()} CPUs, {platform.processor()}",
               "plans": setup["plans"],
-              "balance": bench_balance(args.work, setup, args.repeats),
+              "balance": bench_balance(args.work, setup, args.dp_steps, args.repeats),
               "partition": bench_partitions(args.work, setup, args.steps, args.repeats)}
     balance = result["balance"]
     print(f"\n{'dp=2 plan':<10} {'tokens/s':>9} {'max wait':>9} {'mean wait':>9} "
