@@ -14,7 +14,9 @@ Data: the demo dataset (``--scale``), preprocessed with kept tokens.
    steps are shuffled over the epoch, so these are a fair sample), alternating plans,
    ``--repeats`` times. Throughput = Σ tokens / Σ step time; waiting fraction of a rank =
    Σ wait_s / Σ step time (``wait_s`` is step time less the rank's own forward and backward; every
-   step starts on a barrier, so data loading is not counted).
+   step starts on a barrier, so data loading is not counted); imbalance fraction = Σ over steps
+   and ranks of (busiest rank's forward + backward − this rank's) / (ranks × Σ step time), the
+   part of the waiting that imbalance causes.
 4. PP=2 (DP=1) on the balanced shards: each partition trains ``--steps`` steps, alternating,
    ``--repeats`` times; the measured step time is the median after the first (warm-up) step.
 5. Every run is also re-simulated from its train_log with the profile's measured layer times
@@ -86,9 +88,15 @@ def summarize(log: list[dict], run: str, profile: str, skip: int = 1) -> dict:
     ranks = sorted({r["rank"] for r in records[0]["ranks"]})
     wait = {rank: sum(x["wait_s"] for r in records for x in r["ranks"] if x["rank"] == rank)
             for rank in ranks}
+    # The waiting that imbalance causes: each rank's compute short of the step's busiest rank.
+    # (wait_s also holds what every rank spends outside its layers: the gradient all-reduce, the
+    # optimizer step, DeepSpeed's bookkeeping.)
+    compute = [[x["forward_s"] + x["backward_s"] for x in r["ranks"]] for r in records]
+    imbalance = sum(max(c) - x for c in compute for x in c) / (len(ranks) * seconds)
     return {"steps": len(records), "seconds": seconds,
             "tokens_per_s": sum(r["tokens"] for r in records) / seconds,
             "wait_fraction": {str(rank): w / seconds for rank, w in wait.items()},
+            "imbalance_fraction": imbalance,
             "median_step_s": statistics.median(r["step_time_s"] for r in records),
             "simulated_total_error": check["total_error"],
             "simulated_median_step_error": check["median_step_error"]}
@@ -111,6 +119,7 @@ def bench_balance(work: str, setup: dict, steps: int, repeats: int) -> dict:
             "wait_fraction": statistics.median(max(r["wait_fraction"].values()) for r in rs),
             "mean_wait_fraction": statistics.median(
                 statistics.mean(r["wait_fraction"].values()) for r in rs),
+            "imbalance_fraction": statistics.median(r["imbalance_fraction"] for r in rs),
             "predicted_cost_efficiency": setup["plans"][name]["cost_efficiency"],
             "runs": rs}
     result["throughput_ratio"] = statistics.median(
@@ -163,11 +172,12 @@ def main() -> None:
               "partition": bench_partitions(args.work, setup, args.steps, args.repeats)}
     balance = result["balance"]
     print(f"\n{'dp=2 plan':<10} {'tokens/s':>9} {'max wait':>9} {'mean wait':>9} "
-          f"{'plan cost eff':>13}")
+          f"{'imbalance':>9} {'plan cost eff':>13}")
     for name in ("balanced", "random"):
         b = balance[name]
         print(f"{name:<10} {b['tokens_per_s']:>9.0f} {b['wait_fraction']:>9.3f} "
-              f"{b['mean_wait_fraction']:>9.3f} {b['predicted_cost_efficiency']:>13.3f}")
+              f"{b['mean_wait_fraction']:>9.3f} {b['imbalance_fraction']:>9.3f} "
+              f"{b['predicted_cost_efficiency']:>13.3f}")
     print(f"balanced / random throughput: {balance['throughput_ratio']:.3f}")
     print(f"\n{'pp=2 partition':<15} {'bounds':<16} {'modelled s':>10} {'step s':>8} "
           f"{'/ search':>8}")

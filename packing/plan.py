@@ -243,8 +243,7 @@ def load_plan(plan_dir: str) -> tuple[dict, Packing, Lengths]:
     try:
         stats = load_stats(info["stats"]["path"])
     except StatsError as e:
-        raise StatsError(f"{plan_dir}: cannot read the stats it was packed from: {e} (plan.json "
-                         "keeps the path given to pack: run report where pack ran)") from None
+        raise StatsError(f"{plan_dir}: cannot read the stats it was packed from: {e}") from None
     if stats.sha256 != info["stats"]["sha256"]:
         raise ValueError(f"{info['stats']['path']} is no longer the stats {plan_dir} was packed "
                          "from (sha256 differs): pack again")

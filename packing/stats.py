@@ -41,7 +41,8 @@ class LoadedStats:
     sha256: str  # over the input files' names and contents, in order
 
     def describe(self) -> dict:
-        return {"path": self.path, "format": self.format, "files": list(self.files),
+        # Absolute, so that report and simulate find the stats from any working directory.
+        return {"path": os.path.abspath(self.path), "format": self.format, "files": list(self.files),
                 "sha256": self.sha256, "samples": len(self.lengths),
                 "sources": list(self.lengths.sources)}
 

@@ -190,6 +190,10 @@ def run(cfg: TrainConfig) -> None:
                                    client_state={"step": step + 1})
     if log_file:
         log_file.close()
+    # Leave together and join the communication threads before the interpreter exits: a rank
+    # torn down while gloo still runs aborts with "terminate called without an active exception".
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def _step_record(step: int, loss: float, ranks: list[dict]) -> dict:
