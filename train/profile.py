@@ -28,7 +28,7 @@ from . import model as M
 from .partition import (LayerCost, Machine, Partition, evaluate, omnibal_candidates,
                         search_partition)
 from .pipeline import Carry, Head, pipeline_inputs
-from .trainer import TrainConfig, micro_batch_size
+from .trainer import TrainConfig, cpu_threads_per_rank, micro_batch_size
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,8 @@ def run_profile(cfg: ProfileConfig) -> dict:
     cfg.validate()
     model_config = ModelConfig.from_dict(cfg.model)
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":  # a rank's device is its share of the cores, as in training
+        torch.set_num_threads(cpu_threads_per_rank(cfg.pp * cfg.dp))
     torch.manual_seed(cfg.seed)
     batches = list(islice(ShardDataset(cfg.shards, 0, 1), cfg.micro_batches))
     profile = profile_layers(model_config, batches, device)

@@ -88,6 +88,14 @@ def micro_batch_size(batch: dict) -> dict:
             "squares": int((lens ** 2).sum())}
 
 
+def cpu_threads_per_rank(processes: int) -> int:
+    """Intra-op threads for one of ``processes`` ranks sharing this machine's CPUs: more would
+    oversubscribe the cores and make every rank's time depend on its neighbours'."""
+    from vlmshard.io import available_cpus
+
+    return max(1, available_cpus() // processes)
+
+
 def check_vocabulary(batch: dict, vocab_size: int) -> dict:
     """The batch, if every token id has an embedding (a real-size preset's vocabulary can be
     smaller than the tokenizer the shards were made with)."""
@@ -122,6 +130,8 @@ def run(cfg: TrainConfig) -> None:
 
     cfg.validate()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    if not torch.cuda.is_available():
+        torch.set_num_threads(cpu_threads_per_rank(cfg.pp * cfg.dp))
     torch.manual_seed(cfg.seed)
     model_config = ModelConfig.from_dict(cfg.model)
     probe = ShardDataset(cfg.shards, 0, cfg.dp)
