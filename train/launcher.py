@@ -15,8 +15,11 @@ from vlmshard.io import write_json_atomic
 from .trainer import TrainConfig
 
 
-def launch(cfg: TrainConfig) -> int:
-    """Run the training processes to completion; returns the launcher's exit status."""
+def launch(cfg: TrainConfig, output: str | None = None) -> int:
+    """Run the training processes to completion; returns the launcher's exit status.
+
+    The processes print to this process's stdout and stderr, or append to the file ``output``
+    (``vlmshard run`` keeps DeepSpeed's chatter out of its one line per stage)."""
     import torch
 
     cfg.validate()
@@ -34,15 +37,20 @@ def launch(cfg: TrainConfig) -> int:
            "--master_port", str(port), "--module", "train.trainer", config_path]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
-    return subprocess.call(cmd, env=env)
+    if output is None:
+        return subprocess.call(cmd, env=env)
+    with open(output, "ab") as sink:
+        return subprocess.call(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
 
 
-def train(cfg: TrainConfig) -> list[dict]:
-    """Train to completion and return ``train_log.jsonl``'s records; raises if a process fails."""
-    status = launch(cfg)
+def train(cfg: TrainConfig, output: str | None = None) -> list[dict]:
+    """Train to completion and return ``train_log.jsonl``'s records; raises if a process fails.
+
+    ``output``: as in :func:`launch`; a failure then quotes the file's last lines."""
+    status = launch(cfg, output)
     if status:
         raise RuntimeError(f"the training processes exited with status {status} "
-                           f"(run folder {cfg.out})")
+                           f"(run folder {cfg.out}){_tail(output)}")
     return read_log(os.path.join(cfg.out, "train_log.jsonl"))
 
 
@@ -50,3 +58,12 @@ def read_log(path: str) -> list[dict]:
     """The records of a ``train_log.jsonl``, one per step."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def _tail(path: str | None, lines: int = 20) -> str:
+    """The last lines of the processes' output file, to quote in an error."""
+    if path is None or not os.path.exists(path):
+        return ""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        last = f.read().splitlines()[-lines:]
+    return f"; the last lines of {path}:\n" + "\n".join(last)

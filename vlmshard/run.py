@@ -29,7 +29,8 @@ Runs the whole pipeline from one YAML config (e.g. configs/demo.yaml, what `make
   write       pre-balanced WebDataset shards      -> OUT/shards
   verify      every shard against the plan
   train       DeepSpeed pipeline on the shards    -> OUT/train/train_log.jsonl (skipped when the
-              config has no train section)
+              config has no train section; the processes' output goes to
+              OUT/train/launcher.log)
   report      balance metrics, plots, measured waiting -> OUT/report.html, OUT/report.json
 Each section holds the options of its subcommand (see `vlmshard SUBCOMMAND --help`) except the
 paths that connect the stages. A line per stage says what it did and how long it took."""
@@ -111,9 +112,11 @@ def stages(cfg: RunConfig) -> list[tuple[str, Callable[[], str]]]:
         return f"OK: {result.records} records, {result.samples} samples, every one as planned"
 
     def train_stage() -> str:
-        records = train(train_cfg)
+        os.makedirs(run, exist_ok=True)
+        output = os.path.join(run, "launcher.log")
+        records = train(train_cfg, output=output)
         return (f"{len(records)} steps, loss {records[0]['loss']:.3f} -> "
-                f"{records[-1]['loss']:.3f} -> {run}")
+                f"{records[-1]['loss']:.3f} -> {run} (DeepSpeed's output: {output})")
 
     def report() -> str:
         log_file = os.path.join(run, "train_log.jsonl") if cfg.train is not None else None
