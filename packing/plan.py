@@ -4,6 +4,10 @@
 that order; the same stats, options and seed give the same bytes. Epoch e is packed with seed + e
 and its steps follow epoch e − 1's. ``plan.json`` records the options, caps, cost model, metrics,
 timings, each epoch's step range and every sample that was not placed, with its reason.
+
+A rerun with the same stats, options and cost model finds the finished plan (its fingerprint in
+``plan.json``, ``plan.parquet``'s sha256 intact) and leaves both files as they are, timings
+included; anything else packs again and replaces them.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import numpy as np
 import pyarrow as pa
 
 from vlmshard import __version__
-from vlmshard.io import atomic_write, read_json, write_json_atomic, write_parquet
+from vlmshard.io import (atomic_write, canonical_json, read_json, sha256_file, sha256_text,
+                         write_json_atomic, write_parquet)
 
 from . import algorithms
 from .algorithms import ALGORITHMS, PADDED, BalancedOptions, Caps
@@ -96,6 +101,14 @@ def run_pack(cfg: PackConfig) -> PackResult:
     cost = (CostModel.from_json(cfg.cost_model) if cfg.cost_model
             else CostModel.from_preset(cfg.model))
     t_loaded = time.perf_counter()
+    fingerprint = sha256_text(canonical_json({
+        "vlmshard_version": __version__, "stats_sha256": stats.sha256, "cost_model": cost.to_dict(),
+        "options": {k: v for k, v in asdict(cfg).items() if k not in ("out", "cost_model")}}))
+    finished = _finished_plan(cfg.out, fingerprint)
+    if finished is not None:
+        log.info("%s is already complete (same stats, options and cost model): nothing to do",
+                 cfg.out)
+        return PackResult(cfg.out, Metrics(**finished["metrics"]), finished["unplaced_by_reason"])
     caps, caps_from, search = choose_caps(cfg, lengths, cost)
     epochs, packings = [], []
     first_step = 0
@@ -117,9 +130,12 @@ def run_pack(cfg: PackConfig) -> PackResult:
     by_reason = dict(sorted(Counter(u["reason"] for u in unplaced).items()))
 
     os.makedirs(cfg.out, exist_ok=True)
-    write_plan_parquet(os.path.join(cfg.out, "plan.parquet"), plan)
+    plan_parquet = os.path.join(cfg.out, "plan.parquet")
+    write_plan_parquet(plan_parquet, plan)
     write_json_atomic(os.path.join(cfg.out, "plan.json"), {
         "vlmshard_version": __version__,
+        "fingerprint": fingerprint,
+        "plan_sha256": sha256_file(plan_parquet),
         "algorithm": cfg.algo,
         "stats": stats.describe(),
         "params": {**asdict(cfg), "ranks": cfg.ranks, "qv": caps.qv, "qt": caps.qt,
@@ -139,6 +155,17 @@ def run_pack(cfg: PackConfig) -> PackResult:
              metrics.steps, cfg.ranks, cfg.micro_batches, metrics.samples, metrics.unplaced,
              cfg.out)
     return PackResult(cfg.out, metrics, by_reason)
+
+
+def _finished_plan(out: str, fingerprint: str) -> dict | None:
+    """``plan.json`` when ``out`` holds the plan this fingerprint names, whole; else None."""
+    info_path, parquet = os.path.join(out, "plan.json"), os.path.join(out, "plan.parquet")
+    if not (os.path.exists(info_path) and os.path.exists(parquet)):
+        return None
+    info = read_json(info_path)
+    if info.get("fingerprint") != fingerprint or info.get("plan_sha256") != sha256_file(parquet):
+        return None
+    return info
 
 
 def choose_caps(cfg: PackConfig, lengths: Lengths,

@@ -230,6 +230,21 @@ def test_pack_is_byte_identical_and_report_prints_the_keys(tmp_path):
     assert report["samples"] == plan.num_rows and report["steps"] == max(plan["step"].to_pylist()) + 1
 
 
+def test_rerun_keeps_a_finished_plan_and_other_options_repack(tmp_path):
+    meta, out = os.path.join(OMNIBAL, "meta.json"), tmp_path / "plan"
+    first = run_pack(PackConfig(stats=meta, dp=2, out=str(out)))
+    files = {name: (out / name).read_bytes() for name in ("plan.json", "plan.parquet")}
+    again = run_pack(PackConfig(stats=meta, dp=2, out=str(out)))
+    assert {name: (out / name).read_bytes() for name in files} == files  # timings included
+    assert again.metrics == first.metrics
+    other = run_pack(PackConfig(stats=meta, dp=4, out=str(out)))
+    assert json.loads((out / "plan.json").read_text())["params"]["dp"] == 4
+    assert other.metrics.steps < first.metrics.steps
+    (out / "plan.parquet").write_bytes(files["plan.parquet"][:-8])  # a damaged plan is redone
+    run_pack(PackConfig(stats=meta, dp=4, out=str(out)))
+    assert pq.read_table(out / "plan.parquet").num_rows == other.metrics.samples
+
+
 def test_epoch_e_uses_seed_plus_e(tmp_path):
     meta = os.path.join(OMNIBAL, "meta.json")
     two = run_pack(PackConfig(stats=meta, dp=2, out=str(tmp_path / "two"), seed=5, epochs=2))
