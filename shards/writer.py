@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from packing.plan import read_plan_json
+from packing.plan import read_plan, read_plan_json
 from packing.stats import files_sha256, stats_files
 from preprocess.images import is_url
 from preprocess.rejects import Reject
@@ -159,7 +159,7 @@ def run_write(cfg: WriteConfig) -> WriteResult:
 
     params = plan_json["params"]
     ranks, micro = params["ranks"], params["micro_batches"]
-    records = _plan_records(plan_parquet, ranks, micro)
+    records = _plan_records(cfg.plan)
     steps = len(records) // (ranks * micro)
     tokenizer = _recorded_tokenizer(preprocess)
     keep_tokens = preprocess["config"]["keep_tokens"]
@@ -206,25 +206,21 @@ def _read_preprocess(stats: str, plan_json: dict) -> dict:
                      "output folder as --stats")
 
 
-def _plan_records(plan_parquet: str, ranks: int, micro: int) -> list[tuple[int, ...]]:
+def _plan_records(plan: str) -> list[tuple[int, ...]]:
     """Sample ids of every micro-batch, in step-major order (step, rank, micro)."""
-    table = pq.read_table(plan_parquet)
-    step, rank = table["step"].to_numpy(), table["rank"].to_numpy()
-    mb = (step.astype(np.int64) * ranks + rank) * micro + table["micro"].to_numpy()
-    if len(mb) == 0:
-        raise WriteError(f"{plan_parquet}: the plan places no samples")
-    if np.any(np.diff(mb) < 0):
-        raise WriteError(f"{plan_parquet}: rows are not in (step, rank, micro, slot) order")
-    per_step = ranks * micro
-    steps = int(step.max()) + 1
-    counts = np.bincount(mb, minlength=steps * per_step)
-    if np.any(counts == 0):
-        empty = int(np.flatnonzero(counts == 0)[0])
-        raise WriteError(f"{plan_parquet}: step {empty // per_step} rank "
-                         f"{empty // micro % ranks} micro {empty % micro} has no samples: "
-                         "every step needs all ranks x micro-batches (Contract 2)")
-    ids = table["sample_id"].to_numpy()
-    return [tuple(map(int, chunk)) for chunk in np.split(ids, np.cumsum(counts)[:-1])]
+    try:
+        _, packing = read_plan(plan)
+    except ValueError as e:
+        raise WriteError(str(e)) from None
+    sizes = np.diff(packing.offsets)
+    if len(sizes) == 0:
+        raise WriteError(f"{plan}: the plan places no samples")
+    if np.any(sizes == 0):
+        empty, micro = int(np.flatnonzero(sizes == 0)[0]), packing.micro_batches
+        raise WriteError(f"{plan}: step {empty // (packing.ranks * micro)} rank "
+                         f"{empty // micro % packing.ranks} micro {empty % micro} has no "
+                         "samples: every step needs all ranks x micro-batches (Contract 2)")
+    return [tuple(map(int, chunk)) for chunk in np.split(packing.items, packing.offsets[1:-1])]
 
 
 def _write_sample_table(files: list[str], path: str, keep_tokens: bool) -> None:
