@@ -16,6 +16,7 @@ from shards.loader import ShardDataset
 from shards.writer import WriteConfig, run_write
 from train.partition import LayerCost, stage_memory
 from train.profile import ProfileConfig, run_profile
+from train.simulate_cli import validate_against_log
 from vlmshard.io import read_json
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
@@ -124,6 +125,10 @@ def test_pipeline_of_two_stages_learns_from_its_plan(small_shards, partition, tm
     assert stages == {0, 1} and all(r["forward_s"] > 0 and r["backward_s"] > 0
                                     for r in log[-1]["ranks"])
     assert seen == [plan[i % len(plan)] for i in range(len(seen))]
+    # The simulator, fed the profile's measured layer times, replays this run's steps.
+    check = validate_against_log(str(tmp_path / "run" / "train_log.jsonl"),
+                                 os.path.dirname(partition))
+    assert check["steps"] == 19 and abs(check["total_error"]) < 0.35, check
 
 
 @pytest.mark.slow

@@ -1,0 +1,66 @@
+"""What balance saves at OmniBal's scale, by ``vlmshard simulate``.
+
+    python benchmarks/simulate_bench.py                # about 5 minutes on 2 vCPUs
+
+Data: OmniBal's released InternVL-1.2M length rows (ai2d + docvqa, 22,624 samples) resampled to
+1,200,000 samples (seed 0, as ``pack_bench.py`` does), written as an OmniBal length file and
+packed ``balanced`` for 32 data-parallel ranks. The plan is then simulated with
+``configs/simulate-omnibal.yaml`` (InternVL-Chat-1.5, 6B + 20B, on 4 × 32 A100s) and
+``configs/simulate-h100.yaml``: the plan itself, the same samples packed random / lengthgroup /
+isf / balanced, and OmniBal's three levers next to the paper's A100 GPU-days.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(BENCH)
+sys.path.insert(0, REPO)
+
+from pack_bench import DATA, real_lengths, resample  # noqa: E402
+
+from packing.plan import PackConfig, run_pack  # noqa: E402
+from train.simulate_cli import SimulateConfig, format_result, run_simulate  # noqa: E402
+from vlmshard.config import load_config  # noqa: E402
+from vlmshard.io import write_json_atomic  # noqa: E402
+
+
+def write_lengths(path: str, samples: int) -> None:
+    """The resampled rows as one OmniBal length file."""
+    lengths = resample(real_lengths(DATA), samples)
+    rows = [{"vit_num": int(v), "token_num": int(t)}
+            for v, t in zip(lengths.tiles, lengths.tokens)]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(rows, f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", default=os.path.join(REPO, "build", "bench", "simulate"))
+    parser.add_argument("--samples", type=int, default=1_200_000)
+    parser.add_argument("--dp", type=int, default=32)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    os.makedirs(args.work, exist_ok=True)
+    lengths = os.path.join(args.work, "lengths.json")
+    write_lengths(lengths, args.samples)
+    plan = os.path.join(args.work, "plan")
+    run_pack(PackConfig(stats=lengths, dp=args.dp, out=plan, model="internvl-chat-1.5"))
+    results = {}
+    for name in ("simulate-omnibal", "simulate-h100"):
+        config = os.path.join(REPO, "configs", f"{name}.yaml")
+        cfg = load_config(SimulateConfig, {"plan": plan}, config)
+        results[name] = run_simulate(cfg)
+        print(f"\n== vlmshard simulate {plan} --config configs/{name}.yaml")
+        print(format_result(results[name]), flush=True)
+    if args.json:
+        write_json_atomic(args.json, results)
+
+
+if __name__ == "__main__":
+    main()
