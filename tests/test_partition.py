@@ -54,6 +54,16 @@ def test_recompute_is_the_fewest_layers_that_fit(layers, in_flight, budget):
     assert stage_memory(layers, 0, n, in_flight, chosen) <= budget
     fewest = min(k for k, sets in fits.items() if sets)
     assert len(chosen) == fewest
+    assert stage_memory(layers, 0, n, in_flight, chosen) == min(
+        stage_memory(layers, 0, n, in_flight, list(c)) for c in fits[fewest])
+
+
+def test_recompute_counts_the_activation_it_rebuilds():
+    # Recomputing A saves the most kept bytes, but rebuilding A's 800 then overflows: B alone
+    # fits (2 × (800 + 0) + 590 = 2190), which a largest-saving-first greedy choice misses.
+    a = LayerCost("A", 1.0, 2.0, 800, 200, 10, 0)
+    b = LayerCost("B", 1.0, 2.0, 590, 0, 10, 0)
+    assert choose_recompute([a, b], 0, 2, 2, 2200) == [1]
 
 
 def test_first_stages_hold_more_micro_batches_so_recompute_more():

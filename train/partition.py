@@ -75,16 +75,34 @@ class PartitionError(ValueError):
 
 def choose_recompute(layers: list[LayerCost], first: int, end: int, in_flight: int,
                      budget: int) -> list[int] | None:
-    """Fewest layers of [first, end) to recompute so the stage fits ``budget``; None if even
-    recomputing every layer does not fit."""
-    order = sorted(range(first, end), key=lambda i: (
-        -(layers[i].activation_bytes - layers[i].input_bytes), i))
-    chosen: list[int] = []
-    for k in range(len(order) + 1):
-        chosen = sorted(order[:k])
-        if stage_memory(layers, first, end, in_flight, chosen) <= budget:
-            return chosen
-    return None
+    """Fewest layers of [first, end) to recompute so the stage fits ``budget`` (of those, the
+    least memory); None if even recomputing every layer does not fit.
+
+    Recomputing layer i saves ``in_flight × (activation − input)`` but the backward pass then
+    rebuilds the largest recomputed activation. So for each candidate largest layer j, the best
+    set of k layers is j and the k − 1 largest savings among layers no larger than j; the answer
+    is the best over j. Exact, O(n²) per stage."""
+    span = range(first, end)
+    if stage_memory(layers, first, end, in_flight, []) <= budget:
+        return []
+    fixed = sum(layers[i].param_bytes + in_flight * layers[i].activation_bytes for i in span)
+    by_saving = sorted(span, key=lambda i: (-(layers[i].activation_bytes
+                                              - layers[i].input_bytes), i))
+    best: tuple[int, int, list[int]] | None = None  # (layers, memory, chosen)
+    for peak in span:
+        cap = layers[peak].activation_bytes
+        chosen = [peak]
+        memory = fixed + cap - in_flight * (cap - layers[peak].input_bytes)
+        others = (i for i in by_saving if i != peak and layers[i].activation_bytes <= cap)
+        while memory > budget:
+            i = next(others, None)
+            if i is None:
+                break
+            chosen.append(i)
+            memory -= in_flight * (layers[i].activation_bytes - layers[i].input_bytes)
+        if memory <= budget and (best is None or (len(chosen), memory) < best[:2]):
+            best = (len(chosen), memory, sorted(chosen))
+    return None if best is None else best[2]
 
 
 def stage_memory(layers: list[LayerCost], first: int, end: int, in_flight: int,
