@@ -165,9 +165,11 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if flash_attn_varlen_func is not None and q.is_cuda and spans:
         cu = torch.tensor([0] + [e for _, e in spans], dtype=torch.int32, device=q.device)
         longest = max(e - s for s, e in spans)
-        out[:num_tokens] = flash_attn_varlen_func(q[:num_tokens], k[:num_tokens],
-                                                  v[:num_tokens], cu, cu, longest, longest,
-                                                  causal=True)
+        # The kernel takes fp16/bf16 only: an fp32 model attends in bf16 and keeps fp32 around.
+        kernel_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        q_, k_, v_ = (t[:num_tokens].to(kernel_dtype) for t in (q, k, v))
+        out[:num_tokens] = flash_attn_varlen_func(q_, k_, v_, cu, cu, longest, longest,
+                                                  causal=True).to(q.dtype)
         return out
     for start, end in spans:
         out[start:end] = F.scaled_dot_product_attention(
