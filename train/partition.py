@@ -247,3 +247,14 @@ def _why_infeasible(layers: list[LayerCost], stages: int, machine: Machine) -> s
             f"per stage even with full recompute (layer {layers[worst].name} alone needs "
             f"{need / 2**30:.2f} GiB on the first stage); raise --memory-budget or use more "
             "stages")
+
+
+def deepspeed_bounds(layers: list[LayerCost], stages: int, method: str) -> list[int]:
+    """What DeepSpeed's ``partition_method`` would choose (its own functions)."""
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+    if method == "parameters":
+        return [int(b) for b in partition_balanced([lay.param_bytes for lay in layers], stages)]
+    if method == "uniform":
+        return list(partition_uniform(len(layers), stages))
+    raise ValueError(f"unknown partition method {method!r}")

@@ -25,8 +25,8 @@ from torch import nn
 from .analytic import BYTES_PER_PARAM
 from .config import ModelConfig
 from . import model as M
-from .partition import (LayerCost, Machine, Partition, evaluate, omnibal_candidates,
-                        search_partition)
+from .partition import (LayerCost, Machine, Partition, deepspeed_bounds, evaluate,
+                        omnibal_candidates, search_partition)
 from .pipeline import Carry, Head, pipeline_inputs
 from .trainer import TrainConfig, cpu_threads_per_rank, micro_batch_size
 
@@ -197,15 +197,10 @@ def compare_partitions(layers: list[LayerCost], stages: int, machine: Machine,
     """The searched partition next to DeepSpeed's ``parameters`` and ``uniform`` choices and
     OmniBal's best ``omnibal`` neighbourhood candidates other than it, each with the recompute it
     needs and its modelled stage times (None where it cannot fit). ``chosen`` is the search."""
-    from deepspeed.runtime.utils import partition_balanced, partition_uniform
-
     searched = search_partition(layers, stages, machine)
-    options = {
-        "search": searched,
-        "parameters": evaluate(layers, [int(b) for b in partition_balanced(
-            [lay.param_bytes for lay in layers], stages)], machine),
-        "uniform": evaluate(layers, partition_uniform(len(layers), stages), machine),
-    }
+    options = {"search": searched}
+    for method in ("parameters", "uniform"):
+        options[method] = evaluate(layers, deepspeed_bounds(layers, stages, method), machine)
     result = {name: describe(p, layers, name) if p else None for name, p in options.items()}
     neighbours = [p for p in omnibal_candidates(layers, stages, machine)
                   if p.bounds != searched.bounds][:omnibal]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .analytic import ACTIVATION_BYTES, LayerWork, Size
-from .partition import LayerCost, Machine, Partition
+from .partition import LayerCost, Machine, Partition, deepspeed_bounds
 
 log = logging.getLogger(__name__)
 
@@ -270,14 +270,3 @@ def search_for(work: list[LayerWork], sizes: np.ndarray, stages: int, gpu: GPU, 
         raise PartitionError(f"DeepSpeed's '{method}' partition {bounds} does not fit "
                              f"{gpu.name} memory{' with full recompute' if full_recompute else ''}")
     return partition
-
-
-def deepspeed_bounds(layers: list[LayerCost], stages: int, method: str) -> list[int]:
-    """What DeepSpeed's ``partition_method`` would choose (its own functions)."""
-    from deepspeed.runtime.utils import partition_balanced, partition_uniform
-
-    if method == "parameters":
-        return [int(b) for b in partition_balanced([lay.param_bytes for lay in layers], stages)]
-    if method == "uniform":
-        return list(partition_uniform(len(layers), stages))
-    raise ValueError(f"unknown partition method {method!r}")

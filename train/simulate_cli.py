@@ -191,8 +191,7 @@ def validate_against_log(train_log: str, profile_dir: str) -> dict:
 def _run_partition(config: dict, profile: dict) -> Partition:
     """The stage bounds and recompute the run trained with (DeepSpeed's 'parameters' when it
     was given none, as the trainer does)."""
-    from .partition import LayerCost, Stage
-    from .simulate import deepspeed_bounds
+    from .partition import LayerCost, Stage, deepspeed_bounds
 
     names = [lay["name"] for lay in profile["layers"]]
     bounds = config.get("bounds") or deepspeed_bounds(
