@@ -132,14 +132,18 @@ def test_pipeline_of_two_stages_learns_from_its_plan(small_shards, partition, tm
 
 
 @pytest.mark.slow
-def test_two_data_parallel_ranks_see_exactly_their_plan(small_shards, tmp_path):
-    steps = ShardDataset(small_shards, 0, 2).steps
+def test_two_data_parallel_ranks_learn_from_exactly_their_plan(small_shards, tmp_path):
+    """20 steps over a 6-step plan: each rank reads its own shards, epoch after epoch."""
     vlmshard("train", "--config", CONFIG, "--shards", small_shards, "--pp", "1", "--dp", "2",
-             "--max-steps", str(steps), "--out", str(tmp_path / "run"))
+             "--max-steps", "20", "--lr", "0.003", "--out", str(tmp_path / "run"))
     log = _log(tmp_path / "run" / "train_log.jsonl")
+    assert [r["step"] for r in log] == list(range(20))
+    first, last = (sum(r["loss"] for r in part) / 5 for part in (log[:5], log[-5:]))
+    assert last < first - 1.0, (first, last)
     for rank in range(2):
+        plan = _plan_samples(small_shards, rank, 2)
         seen = [ids for r in log for ids in r["data"][rank]["sample_ids"]]
-        assert seen == _plan_samples(small_shards, rank, 2)
+        assert len(seen) > len(plan) and seen == [plan[i % len(plan)] for i in range(len(seen))]
 
 
 @pytest.mark.slow

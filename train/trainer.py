@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from .analytic import Size, training_flops
+
 log = logging.getLogger(__name__)
 
 
@@ -191,7 +193,8 @@ def run(cfg: TrainConfig) -> None:
         ranks = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(ranks, mine)
         if log_file:
-            log_file.write(json.dumps(_step_record(step, value, ranks)) + "\n")
+            record = _step_record(step, value, ranks, training_flops(model_config))
+            log_file.write(json.dumps(record) + "\n")
             log_file.flush()
         if cfg.save_checkpoints and (
                 cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0
@@ -206,13 +209,20 @@ def run(cfg: TrainConfig) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _step_record(step: int, loss: float, ranks: list[dict]) -> dict:
-    """One line of train_log.jsonl from every rank's timings and the first stages' data."""
+def _step_record(step: int, loss: float, ranks: list[dict], flops: Size) -> dict:
+    """One line of train_log.jsonl from every rank's timings and the first stages' data.
+
+    ``model_flops`` is the step's useful training work (forward + backward of the real tiles,
+    tokens and per-sample attention, padding excluded) from the model's analytic FLOPs: divided
+    by step time and the cluster's peak it is the MFU."""
     seconds = max(r["step_time_s"] for r in ranks)
     data = sorted((r for r in ranks if "data" in r), key=lambda r: r["dp_rank"])
     tokens = sum(r["data"]["tokens"] for r in data)
+    model_flops = sum(flops.dot(Size(**m)) for r in data for m in r["data"]["micro_sizes"])
     return {"step": step, "loss": loss, "step_time_s": seconds, "tokens": tokens,
             "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "model_flops": model_flops,
+            "model_flops_per_s": model_flops / seconds if seconds else 0.0,
             "ranks": [{k: v for k, v in r.items() if k != "data"} for r in ranks],
             "data": [{"dp_rank": r["dp_rank"], **r["data"]} for r in data]}
 
