@@ -32,9 +32,14 @@ test: $(STAMP)
 test-quick: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
+# About an hour on 2 vCPUs; each script's docstring says what it measures (BENCHMARKS.md: results).
 bench: $(STAMP)
+	mkdir -p build/bench
 	$(PY) benchmarks/preprocess_bench.py
-	$(PY) benchmarks/pack_bench.py
+	$(PY) benchmarks/pack_bench.py --json build/bench/pack.json
+	$(PY) benchmarks/shards_bench.py --json build/bench/shards.json
+	$(PY) benchmarks/train_bench.py --json build/bench/train.json
+	$(PY) benchmarks/simulate_bench.py --json build/bench/simulate.json
 
 clean:
 	rm -rf build

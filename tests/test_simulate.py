@@ -1,5 +1,6 @@
 """The cluster simulator: the 1F1B recurrence against its closed form, replicas and waiting by
-hand, and ``vlmshard simulate`` on a vendored slice of OmniBal's InternVL-1.2M lengths."""
+hand, ``vlmshard simulate`` on a vendored slice of OmniBal's InternVL-1.2M lengths, and a
+recorded CPU training run replayed."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from helpers import vlmshard
 from train.simulate import (StageModel, one_f_one_b, pipeline_times, replica_micro_batches,
                             simulate)
+from train.simulate_cli import validate_against_log
 
 OMNIBAL_META = os.path.join(os.path.dirname(__file__), "data", "omnibal", "meta.json")
 
@@ -107,3 +109,13 @@ def test_simulate_errors_are_one_line(tmp_path):
         err = proc.stderr.strip().splitlines()
         assert proc.returncode != 0 and message in err[-1] and err[-1].startswith(
             "vlmshard simulate: error:"), proc.stderr
+
+
+def test_simulator_replays_a_recorded_cpu_run_within_a_quarter():
+    """Real measured step times (tests/data/recorded-cpu-run/README.md) against the simulator
+    fed the profile's measured layer times: the check behind its GPU-days."""
+    recorded = os.path.join(os.path.dirname(__file__), "data", "recorded-cpu-run")
+    check = validate_against_log(os.path.join(recorded, "run", "train_log.jsonl"), recorded)
+    assert check["steps"] == 5  # 6 logged, the warm-up left out
+    assert check["measured_s"] == pytest.approx(sum(s["measured_s"] for s in check["per_step"]))
+    assert abs(check["total_error"]) < 0.25 and check["median_step_error"] < 0.25, check
