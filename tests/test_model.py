@@ -1,4 +1,5 @@
-"""The VLM's packed path equals running each sample alone (loss and gradients); the analytic
+"""The VLM's packed path, and the pipeline layers DeepSpeed runs, equal each sample alone (loss
+and gradients); the analytic
 per-layer costs equal what the real layers hold and compute."""
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from train import model as M
 from train.analytic import Size, layer_work
 from train.config import PRESETS, LLMConfig, ModelConfig, VisionConfig
 from train.model import VLM, next_token_targets, pixel_shuffle, segments
+from train.pipeline import AveTokenLoss, Carry, Head, pipeline_inputs
+from train.trainer import supervised_tokens
 
 CONFIG = ModelConfig(vision=VisionConfig(image_size=56, hidden=16, layers=2, heads=2),
                      llm=LLMConfig(vocab_size=500, hidden=32, layers=2, heads=4, kv_heads=2,
@@ -66,6 +69,46 @@ def test_packed_equals_one_by_one():
     assert packed.keys() == alone.keys()
     for name in packed:
         torch.testing.assert_close(packed[name], alone[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_pipeline_layers_with_recompute_and_ave_token_equal_the_reference():
+    """What DeepSpeed runs (Carry layers, some recomputed, the Head, AveTokenLoss over a step of
+    two micro-batches) against the reference model on each sample alone, per token."""
+    torch.manual_seed(0)
+    reference = VLM(CONFIG)
+    recomputed = {1, 3, 5}
+    layers = [Carry(cls, CONFIG, recompute=i in recomputed)
+              for i, (cls, _) in enumerate(M.layer_specs(CONFIG))] + [Head(CONFIG)]
+    for carry, layer in zip(layers, reference.layers):
+        carry.inner.load_state_dict(layer.state_dict())
+    layers[-1].norm.load_state_dict(reference.norm.state_dict())
+    layers[-1].loss.load_state_dict(reference.loss.state_dict())
+    gen = torch.Generator().manual_seed(1)
+    samples = [_sample(gen, 40, 2), _sample(gen, 25, 0), _sample(gen, 33, 1)]
+    step = [_batch(samples[:2], qt=80, qv=3), _batch(samples[2:], qt=40, qv=2)]
+    loss = AveTokenLoss()
+    loss.global_tokens = sum(supervised_tokens(b) for b in step)
+
+    total = 0.0
+    for batch in step:  # the pipeline's micro-steps: forward through every layer, loss, backward
+        x, labels = pipeline_inputs(batch)
+        for layer in layers:
+            x = layer(x)
+        micro = loss(x, labels)
+        micro.backward()
+        total += float(micro.detach())
+    alone_loss, alone = _loss_and_grads(
+        reference, [_batch([s], qt=len(s["ids"]), qv=len(s["pixels"])) for s in samples])
+    assert total == pytest.approx(alone_loss / loss.global_tokens, rel=1e-5)
+    pipeline_grads = {f"layers.{i}.{name}": p.grad
+                      for i, carry in enumerate(layers[:-1])
+                      for name, p in carry.inner.named_parameters() if p.grad is not None}
+    pipeline_grads.update((name, p.grad) for name, p in layers[-1].named_parameters()
+                          if p.grad is not None)
+    assert pipeline_grads.keys() == alone.keys()
+    for name, grad in pipeline_grads.items():  # Ave-Token: the per-token mean's gradient
+        torch.testing.assert_close(grad * loss.global_tokens, alone[name], rtol=1e-5, atol=1e-6,
+                                   msg=name)
 
 
 def test_targets_never_cross_samples():
