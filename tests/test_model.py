@@ -1,6 +1,5 @@
 """The VLM's packed path, and the pipeline layers DeepSpeed runs, equal each sample alone (loss
-and gradients); the analytic
-per-layer costs equal what the real layers hold and compute."""
+and gradients); the analytic per-layer costs equal what the real layers hold and compute."""
 
 from __future__ import annotations
 
