@@ -125,10 +125,12 @@ def test_pipeline_of_two_stages_learns_from_its_plan(small_shards, partition, tm
     assert stages == {0, 1} and all(r["forward_s"] > 0 and r["backward_s"] > 0
                                     for r in log[-1]["ranks"])
     assert seen == [plan[i % len(plan)] for i in range(len(seen))]
-    # The simulator, fed the profile's measured layer times, replays this run's steps.
+    # The simulator replays this run's steps from the profile's layer times. Live timings on a
+    # shared machine are noisy (test_simulate holds it to 25% on a recorded run): here only the
+    # wiring is checked, units and partition, which would be off by far more than 2x.
     check = validate_against_log(str(tmp_path / "run" / "train_log.jsonl"),
                                  os.path.dirname(partition))
-    assert check["steps"] == 19 and abs(check["total_error"]) < 0.35, check
+    assert check["steps"] == 19 and 0.5 < check["predicted_s"] / check["measured_s"] < 2, check
 
 
 @pytest.mark.slow
