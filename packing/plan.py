@@ -22,8 +22,8 @@ import numpy as np
 import pyarrow as pa
 
 from vlmshard import __version__
-from vlmshard.io import (atomic_write, canonical_json, read_json, sha256_file, sha256_text,
-                         write_json_atomic, write_parquet)
+from vlmshard.io import atomic_write, read_json, sha256_file, write_json_atomic, write_parquet
+from vlmshard.jobs import fingerprint as job_fingerprint
 
 from . import algorithms
 from .algorithms import ALGORITHMS, PADDED, BalancedOptions, Caps
@@ -101,9 +101,9 @@ def run_pack(cfg: PackConfig) -> PackResult:
     cost = (CostModel.from_json(cfg.cost_model) if cfg.cost_model
             else CostModel.from_preset(cfg.model))
     t_loaded = time.perf_counter()
-    fingerprint = sha256_text(canonical_json({
+    fingerprint = job_fingerprint({
         "vlmshard_version": __version__, "stats_sha256": stats.sha256, "cost_model": cost.to_dict(),
-        "options": {k: v for k, v in asdict(cfg).items() if k not in ("out", "cost_model")}}))
+        "options": {k: v for k, v in asdict(cfg).items() if k not in ("out", "cost_model")}})
     finished = _finished_plan(cfg.out, fingerprint)
     if finished is not None:
         log.info("%s is already complete (same stats, options and cost model): nothing to do",

@@ -169,6 +169,7 @@ def run(cfg: TrainConfig) -> None:
     reads = engine.is_first_stage() or engine.is_last_stage()
     batches = repeated(cfg.shards, dp_rank, cfg.dp, engine.is_first_stage(), first_step)
     log_file = _open_log(cfg, engine.global_rank, append=first_step > 0)
+    flops = training_flops(model_config)  # per tile, token and squared length
     for step in range(first_step, steps):
         micro = [check_vocabulary(next(batches), model_config.llm.vocab_size)
                  for _ in range(gas)] if reads else []
@@ -193,7 +194,7 @@ def run(cfg: TrainConfig) -> None:
         ranks = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(ranks, mine)
         if log_file:
-            record = _step_record(step, value, ranks, training_flops(model_config))
+            record = _step_record(step, value, ranks, flops)
             log_file.write(json.dumps(record) + "\n")
             log_file.flush()
         if cfg.save_checkpoints and (
