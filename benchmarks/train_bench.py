@@ -1,7 +1,7 @@
 """Training throughput from balanced against random plans, and the searched stage partition
 against DeepSpeed's, measured on real DeepSpeed runs of the tiny model.
 
-    python benchmarks/train_bench.py                  # about 25 minutes on 2 vCPUs
+    python benchmarks/train_bench.py                  # about 30 minutes on 2 vCPUs
 
 Data: the demo dataset (``--scale``), preprocessed with kept tokens.
 
