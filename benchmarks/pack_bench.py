@@ -28,12 +28,12 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from packing import algorithms  # noqa: E402
-from packing.batches import Lengths  # noqa: E402
-from packing.cost import CostModel  # noqa: E402
-from packing.plan import PackConfig, choose_caps, pack_epoch  # noqa: E402
-from packing.metrics import measure  # noqa: E402
-from packing.stats import load_stats  # noqa: E402
+from vlmshard.packing import algorithms  # noqa: E402
+from vlmshard.packing.batches import Lengths  # noqa: E402
+from vlmshard.packing.cost import CostModel  # noqa: E402
+from vlmshard.packing.plan import PackConfig, choose_caps, pack_epoch  # noqa: E402
+from vlmshard.packing.metrics import measure  # noqa: E402
+from vlmshard.packing.stats import load_stats  # noqa: E402
 
 DATA = os.path.join(REPO, "..", "shared", "data", "omnibal-lengths")
 FILES = ("ai2d_train_12k.json", "docvqa_train_10k.json")

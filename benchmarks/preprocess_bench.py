@@ -24,9 +24,9 @@ import time
 import numpy as np
 from PIL import Image
 
-from preprocess import PreprocessConfig, run_preprocess
-from preprocess.demo_data import WORDS, generate
-from preprocess.tokenize import TekkenTokenizer, default_tekken_path
+from vlmshard.preprocess import PreprocessConfig, run_preprocess
+from vlmshard.preprocess.demo_data import WORDS, generate
+from vlmshard.preprocess.tokenize import TekkenTokenizer, default_tekken_path
 
 
 def make_dataset(root: str, n: int, seed: int = 0) -> str:

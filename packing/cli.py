@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from train.config import PRESETS
+from vlmshard.model_sizes import PRESETS
 from vlmshard.config import load_config
 
 from .algorithms import ALGORITHMS

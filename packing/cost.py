@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 from vlmshard.io import read_json
 
-DEFAULT_MODEL = "internvl2-2b"  # a train.config.PRESETS name
+DEFAULT_MODEL = "internvl2-2b"  # a vlmshard.model_sizes.PRESETS name
 
 
 @dataclass(frozen=True)
@@ -24,9 +24,9 @@ class CostModel:
 
     @classmethod
     def from_preset(cls, name: str) -> "CostModel":
-        """Training FLOPs of a model preset (``train.config.PRESETS``), from its layer sizes."""
-        from train.analytic import training_flops
-        from train.config import PRESETS
+        """Training FLOPs of a model preset (``vlmshard.model_sizes.PRESETS``), from its layer sizes."""
+        from vlmshard.model_sizes import training_flops
+        from vlmshard.model_sizes import PRESETS
 
         if name not in PRESETS:
             raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(PRESETS))}")

@@ -2,7 +2,7 @@
 
 Public API::
 
-    from preprocess import PreprocessConfig, run_preprocess
+    from vlmshard.preprocess import PreprocessConfig, run_preprocess
     result = run_preprocess(PreprocessConfig(inputs=["meta.json"], out="out/"))
 """
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from dataclasses import asdict
 
-from packing.stats import StatsError
+from vlmshard.packing.stats import StatsError
 from vlmshard.config import load_config
 from vlmshard.engines import add_engine_arguments
 

@@ -87,7 +87,7 @@ class Manifest:
 
     def policies(self) -> dict:
         """Source name -> the tiling policy its images were counted (and must be cut) with."""
-        from preprocess.tiling import tiling_from_dict
+        from vlmshard.preprocess.tiling import tiling_from_dict
 
         return {name: tiling_from_dict(d) for name, d in self.tiling.items()}
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from preprocess.tokenize import IGNORE_INDEX
+from vlmshard.preprocess.tokenize import IGNORE_INDEX
 
 from .layout import Manifest, read_manifest
 from .reader import ShardError, iter_shard

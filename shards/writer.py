@@ -33,14 +33,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from packing.plan import read_plan, read_plan_json
-from packing.stats import files_sha256, stats_files
-from preprocess.images import is_url
-from preprocess.rejects import Reject
-from preprocess.sample import SampleLimits, process_record
-from preprocess.sources import Part, Source, index_source, read_part_rows
-from preprocess.tiling import source_tiling, tiling_from_dict
-from preprocess.tokenize import ConversationEncoder, TokenizerConfig
+from vlmshard.packing.plan import read_plan, read_plan_json
+from vlmshard.packing.stats import files_sha256, stats_files
+from vlmshard.preprocess.images import is_url
+from vlmshard.preprocess.rejects import Reject
+from vlmshard.preprocess.sample import SampleLimits, process_record
+from vlmshard.preprocess.sources import Part, Source, index_source, read_part_rows
+from vlmshard.preprocess.tiling import source_tiling, tiling_from_dict
+from vlmshard.preprocess.tokenize import ConversationEncoder, TokenizerConfig
 from vlmshard import __version__
 from vlmshard.config import parse_size
 from vlmshard.engines import ENGINES, run_units

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from preprocess import PreprocessConfig, run_preprocess
-from preprocess.demo_data import DemoDataset, generate
+from vlmshard.preprocess import PreprocessConfig, run_preprocess
+from vlmshard.preprocess.demo_data import DemoDataset, generate
 
 
 @pytest.fixture(scope="session")

@@ -8,10 +8,10 @@ import os
 import pytest
 
 from helpers import REPO
-from train.analytic import layer_work
-from train.config import ModelConfig
-from train.simulate_cli import SimulateConfig
-from train.trainer import TrainConfig
+from vlmshard.model_sizes import layer_work
+from vlmshard.model_sizes import ModelConfig
+from vlmshard.simulate.cli import SimulateConfig
+from vlmshard.train.trainer import TrainConfig
 from vlmshard.config import load_config
 from vlmshard.run import RunConfig, stages
 

@@ -9,8 +9,8 @@ import os
 import pytest
 
 from helpers import kill_9_when, serve_http, tree_bytes, vlmshard
-from preprocess import PreprocessConfig, run_preprocess
-from preprocess.demo_data import generate
+from vlmshard.preprocess import PreprocessConfig, run_preprocess
+from vlmshard.preprocess.demo_data import generate
 
 
 def test_kill_9_then_rerun_gives_identical_bytes(tmp_path):

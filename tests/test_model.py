@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from train import model as M
-from train.analytic import Size, layer_work
-from train.config import PRESETS, LLMConfig, ModelConfig, VisionConfig
-from train.model import VLM, next_token_targets, pixel_shuffle, segments
-from train.pipeline import AveTokenLoss, Carry, Head, pipeline_inputs
-from train.trainer import supervised_tokens
+from vlmshard.train import model as M
+from vlmshard.model_sizes import Size, layer_work
+from vlmshard.model_sizes import PRESETS, LLMConfig, ModelConfig, VisionConfig
+from vlmshard.train.model import VLM, next_token_targets, pixel_shuffle, segments
+from vlmshard.train.pipeline import AveTokenLoss, Carry, Head, pipeline_inputs
+from vlmshard.train.trainer import supervised_tokens
 
 CONFIG = ModelConfig(vision=VisionConfig(image_size=56, hidden=16, layers=2, heads=2),
                      llm=LLMConfig(vocab_size=500, hidden=32, layers=2, heads=4, kv_heads=2,

@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packing import algorithms, kernels
-from packing.batches import Lengths, Packing
-from packing.cost import CostModel
-from packing.metrics import REPORT_KEYS, dist_ratio, measure
-from packing.plan import PackConfig, choose_caps, pack_epoch, run_pack
-from packing.stats import StatsError, load_stats
+from vlmshard.packing import algorithms, kernels
+from vlmshard.packing.batches import Lengths, Packing
+from vlmshard.packing.cost import CostModel
+from vlmshard.packing.metrics import REPORT_KEYS, dist_ratio, measure
+from vlmshard.packing.plan import PackConfig, choose_caps, pack_epoch, run_pack
+from vlmshard.packing.stats import StatsError, load_stats
 
 from helpers import vlmshard
 

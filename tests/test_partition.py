@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from train.partition import (LayerCost, Machine, PartitionError, brute_force_partition,
+from vlmshard.train.partition import (LayerCost, Machine, PartitionError, brute_force_partition,
                              choose_recompute, greedy_anchor, omnibal_candidates,
                              search_partition, stage_memory)
 

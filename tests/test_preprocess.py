@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from preprocess import ConfigError, PreprocessConfig, RejectRatioExceeded, run_preprocess
+from vlmshard.preprocess import ConfigError, PreprocessConfig, RejectRatioExceeded, run_preprocess
 
 from helpers import tree_bytes, vlmshard
 

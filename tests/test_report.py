@@ -17,15 +17,15 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from packing import plots
-from packing.cli import format_value
-from packing.cost import CostModel
-from packing.metrics import REPORT_KEYS, measure
-from packing.plan import PackConfig, read_plan, run_pack
-from packing.report import load_plan, plan_labels
-from packing.series import (PlanSeries, TrainSeries, parse_train_log, plan_series,
+from vlmshard.report import plots
+from vlmshard.packing.cli import format_value
+from vlmshard.packing.cost import CostModel
+from vlmshard.packing.metrics import REPORT_KEYS, measure
+from vlmshard.packing.plan import PackConfig, read_plan, run_pack
+from vlmshard.report.report import load_plan, plan_labels
+from vlmshard.report.series import (PlanSeries, TrainSeries, parse_train_log, plan_series,
                             train_series)
-from packing.stats import load_stats
+from vlmshard.packing.stats import load_stats
 
 from helpers import vlmshard
 

@@ -16,15 +16,15 @@ import torch
 from PIL import Image
 
 from helpers import kill_9_when, serve_http, tree_bytes, vlmshard
-from packing.plan import PackConfig, run_pack
-from preprocess import PreprocessConfig, run_preprocess
-from preprocess.tiling import FixedTiling, InternVLTiling, Qwen2VLTiling, internvl_grid
-from shards.layout import read_manifest, record_key
-from shards.loader import ShardDataset, make_loader
-from shards.reader import ShardError
-from shards.records import RecordError
-from shards.verify import verify_shards
-from shards.writer import WriteConfig, WriteError, run_write
+from vlmshard.packing.plan import PackConfig, run_pack
+from vlmshard.preprocess import PreprocessConfig, run_preprocess
+from vlmshard.preprocess.tiling import FixedTiling, InternVLTiling, Qwen2VLTiling, internvl_grid
+from vlmshard.shards.layout import read_manifest, record_key
+from vlmshard.shards.loader import ShardDataset, make_loader
+from vlmshard.shards.reader import ShardError
+from vlmshard.shards.records import RecordError
+from vlmshard.shards.verify import verify_shards
+from vlmshard.shards.writer import WriteConfig, WriteError, run_write
 
 VIRTUAL_RANKS, MICRO = 4, 2
 

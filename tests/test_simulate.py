@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from helpers import vlmshard
-from train.simulate import (StageModel, one_f_one_b, pipeline_times, replica_micro_batches,
+from vlmshard.simulate.model import (StageModel, one_f_one_b, pipeline_times, replica_micro_batches,
                             simulate)
-from train.simulate_cli import validate_against_log
+from vlmshard.simulate.cli import validate_against_log
 
 OMNIBAL_META = os.path.join(os.path.dirname(__file__), "data", "omnibal", "meta.json")
 

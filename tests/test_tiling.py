@@ -4,8 +4,8 @@ grid when the image covers more than half of its pixels, thumbnail added when > 
 
 import pytest
 
-from preprocess.rejects import Reject
-from preprocess.tiling import FixedTiling, InternVLTiling, Qwen2VLTiling, make_tiling, tiling_from_dict
+from vlmshard.preprocess.rejects import Reject
+from vlmshard.preprocess.tiling import FixedTiling, InternVLTiling, Qwen2VLTiling, make_tiling, tiling_from_dict
 
 # (width, height) -> tiles for a sample with 1, 2 and 3 images (max_num 12 split: 12, 6, 4)
 INTERNVL_GOLDEN = {

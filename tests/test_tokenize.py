@@ -3,7 +3,7 @@
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from preprocess.tokenize import IGNORE_INDEX, ConversationEncoder, resolve_tokenizer
+from vlmshard.preprocess.tokenize import IGNORE_INDEX, ConversationEncoder, resolve_tokenizer
 
 
 @pytest.fixture(scope="module")

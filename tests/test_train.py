@@ -10,13 +10,13 @@ import pytest
 from PIL import Image
 
 from helpers import vlmshard
-from packing.plan import PackConfig, run_pack
-from preprocess import PreprocessConfig, run_preprocess
-from shards.loader import ShardDataset
-from shards.writer import WriteConfig, run_write
-from train.partition import LayerCost, stage_memory
-from train.profile import ProfileConfig, run_profile
-from train.simulate_cli import validate_against_log
+from vlmshard.packing.plan import PackConfig, run_pack
+from vlmshard.preprocess import PreprocessConfig, run_preprocess
+from vlmshard.shards.loader import ShardDataset
+from vlmshard.shards.writer import WriteConfig, run_write
+from vlmshard.train.partition import LayerCost, stage_memory
+from vlmshard.train.profile import ProfileConfig, run_profile
+from vlmshard.simulate.cli import validate_against_log
 from vlmshard.io import read_json
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",

@@ -34,9 +34,7 @@ def launch(cfg: TrainConfig, output: str | None = None) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(processes),
-           "--master_port", str(port), "--module", "train.trainer", config_path]
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
+           "--master_port", str(port), "--module", "vlmshard.train.trainer", config_path]
     if output is None:
         return subprocess.call(cmd, env=env)
     with open(output, "ab") as sink:

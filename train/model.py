@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .config import ModelConfig
+from vlmshard.model_sizes import ModelConfig
 
 IGNORE_INDEX = -100
 

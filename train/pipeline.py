@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import model as M
-from .config import ModelConfig
+from vlmshard.model_sizes import ModelConfig
 
 
 class StageClock:

@@ -22,8 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .analytic import BYTES_PER_PARAM
-from .config import ModelConfig
+from vlmshard.model_sizes import BYTES_PER_PARAM, ModelConfig
 from . import model as M
 from .partition import (LayerCost, Machine, Partition, deepspeed_bounds, evaluate,
                         omnibal_candidates, search_partition)
@@ -56,7 +55,7 @@ def run_profile(cfg: ProfileConfig) -> dict:
     partition.json, whose ``chosen`` partition ``vlmshard train --partition`` uses."""
     from itertools import islice
 
-    from shards.loader import ShardDataset
+    from vlmshard.shards.loader import ShardDataset
     from vlmshard.config import parse_size
     from vlmshard.io import write_json_atomic
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from .analytic import Size, training_flops
+from vlmshard.model_sizes import Size, training_flops
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class TrainConfig:
                 raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"--max-steps must be at least 1, got {self.max_steps}")
-        from .config import ModelConfig
+        from vlmshard.model_sizes import ModelConfig
 
         ModelConfig.from_dict(self.model)  # a bad model config fails here, not in every process
 
@@ -111,7 +111,7 @@ def check_vocabulary(batch: dict, vocab_size: int) -> dict:
 def repeated(shards: str, rank: int, world: int, pixels: bool, start: int) -> Iterator[dict]:
     """This rank's micro-batches from global step ``start`` on, from step 0 again after the
     last step: the data position is a pure function of the step."""
-    from shards.loader import ShardDataset
+    from vlmshard.shards.loader import ShardDataset
 
     steps = ShardDataset(shards, rank, world).steps
     first = start % steps
@@ -125,9 +125,9 @@ def run(cfg: TrainConfig) -> None:
     import torch
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
-    from shards.loader import ShardDataset
+    from vlmshard.shards.loader import ShardDataset
 
-    from .config import ModelConfig
+    from vlmshard.model_sizes import ModelConfig
     from .pipeline import CLOCK, AveTokenLoss, build_pipeline, pipeline_inputs
 
     cfg.validate()

@@ -10,14 +10,14 @@ from vlmshard import __version__
 
 # (name, module): each module has HELP, DESCRIPTION, add_arguments(parser) and main(args) -> int.
 SUBCOMMANDS = [
-    ("preprocess", "preprocess.cli"),
-    ("pack", "packing.cli"),
-    ("write", "shards.cli"),
-    ("verify", "shards.verify"),
-    ("train", "train.cli"),
-    ("report", "packing.report"),
-    ("simulate", "train.simulate_cli"),
-    ("demo-data", "preprocess.demo_data"),
+    ("preprocess", "vlmshard.preprocess.cli"),
+    ("pack", "vlmshard.packing.cli"),
+    ("write", "vlmshard.shards.cli"),
+    ("verify", "vlmshard.shards.verify"),
+    ("train", "vlmshard.train.cli"),
+    ("report", "vlmshard.report.report"),
+    ("simulate", "vlmshard.simulate.cli"),
+    ("demo-data", "vlmshard.preprocess.demo_data"),
     ("run", "vlmshard.run"),
 ]
 

@@ -61,13 +61,13 @@ class StageResult:
 
 def stages(cfg: RunConfig) -> list[tuple[str, Callable[[], str]]]:
     """(name, action) of every stage the config asks for; each action returns a summary line."""
-    from packing.plan import PackConfig, run_pack
-    from packing.report import make_report
-    from preprocess import PreprocessConfig, run_preprocess
-    from shards.verify import verify_shards
-    from shards.writer import WriteConfig, run_write
-    from train.launcher import train
-    from train.trainer import TrainConfig
+    from vlmshard.packing.plan import PackConfig, run_pack
+    from vlmshard.report.report import make_report
+    from vlmshard.preprocess import PreprocessConfig, run_preprocess
+    from vlmshard.shards.verify import verify_shards
+    from vlmshard.shards.writer import WriteConfig, run_write
+    from vlmshard.train.launcher import train
+    from vlmshard.train.trainer import TrainConfig
 
     pre, plan, shards, run = (cfg.path(n) for n in ("preprocess", "plan", "shards", "train"))
     inputs = {"inputs": [os.path.join(cfg.path("data"), "meta.json")]} if cfg.demo_data else {}
@@ -87,7 +87,7 @@ def stages(cfg: RunConfig) -> list[tuple[str, Callable[[], str]]]:
             checked.validate()
 
     def demo_data() -> str:
-        from preprocess.demo_data import generate
+        from vlmshard.preprocess.demo_data import generate
 
         return f"demo dataset -> {generate(cfg.path('data'), **cfg.demo_data).meta}"
 

@@ -9,10 +9,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .analytic import layer_work
-from .config import PRESETS
-from .partition import Partition, PartitionError
-from .simulate import (GPUS, LayerRates, StageModel, pipeline_times, replica_micro_batches,
+from vlmshard.model_sizes import PRESETS, layer_work
+from vlmshard.train.partition import Partition, PartitionError
+from .model import (GPUS, LayerRates, StageModel, pipeline_times, replica_micro_batches,
                        search_for, simulate)
 
 HELP = "simulate a plan's epoch at cluster scale: time, GPU-days, bubbles, waiting"
@@ -115,9 +114,9 @@ class _Cluster:
 
 
 def simulate_plan(cfg: SimulateConfig) -> dict:
-    from packing.algorithms import PADDED
-    from packing.metrics import micro_batch_sizes
-    from packing.plan import load_plan
+    from vlmshard.packing.algorithms import PADDED
+    from vlmshard.packing.metrics import micro_batch_sizes
+    from vlmshard.packing.plan import load_plan
 
     info, packing, lengths = load_plan(cfg.plan)
     cluster = _Cluster(cfg, packing.ranks, packing.micro_batches)
@@ -143,8 +142,8 @@ def simulate_plan(cfg: SimulateConfig) -> dict:
 def repack(info: dict, lengths, algo: str):
     """The plan's samples packed again with ``algo`` (same ranks, micro-batches, seed, cost
     model; the caps each algorithm chooses for itself)."""
-    from packing.cost import CostModel
-    from packing.plan import PackConfig, choose_caps, pack_epoch
+    from vlmshard.packing.cost import CostModel
+    from vlmshard.packing.plan import PackConfig, choose_caps, pack_epoch
 
     params = info["params"]
     cfg = PackConfig(stats=params["stats"], dp=params["dp"], out="", algo=algo,
@@ -162,7 +161,7 @@ def validate_against_log(train_log: str, profile_dir: str) -> dict:
     (warm-up) is left out."""
     from vlmshard.io import read_json
 
-    from .launcher import read_log
+    from vlmshard.train.launcher import read_log
 
     records = read_log(train_log)[1:]
     if not records:
@@ -191,7 +190,7 @@ def validate_against_log(train_log: str, profile_dir: str) -> dict:
 def _run_partition(config: dict, profile: dict) -> Partition:
     """The stage bounds and recompute the run trained with (DeepSpeed's 'parameters' when it
     was given none, as the trainer does)."""
-    from .partition import LayerCost, Stage, deepspeed_bounds
+    from vlmshard.train.partition import LayerCost, Stage, deepspeed_bounds
 
     names = [lay["name"] for lay in profile["layers"]]
     bounds = config.get("bounds") or deepspeed_bounds(

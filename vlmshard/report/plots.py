@@ -1,7 +1,7 @@
 """The figures of ``vlmshard report --html``: pure functions from series to matplotlib Figures.
 
 Figures are built with ``matplotlib.figure.Figure`` (no pyplot, so no global state and no GUI
-backend); ``packing.html_report`` renders them with Agg. Each figure has a title, labelled axes
+backend); ``vlmshard.report.html_report`` renders them with Agg. Each figure has a title, labelled axes
 and a caption (``report_figures``) that says how to read it.
 """
 

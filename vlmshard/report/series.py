@@ -1,5 +1,5 @@
 """What ``vlmshard report`` shows, as arrays: a plan's per-step series and a training log set
-against its plan. Pure functions of data already read; ``packing.report`` does the IO.
+against its plan. Pure functions of data already read; ``vlmshard.report.report`` does the IO.
 
 Every series comes from ``metrics.step_loads`` and ``metrics.dist_ratio_per_step``, the same
 functions that compute plan.json's metrics, so a plot's mean is the metric next to it.
@@ -13,9 +13,9 @@ from typing import Iterable
 
 import numpy as np
 
-from .batches import Lengths, Packing
-from .cost import CostModel
-from .metrics import dist_ratio_per_step, source_shares, step_loads
+from vlmshard.packing.batches import Lengths, Packing
+from vlmshard.packing.cost import CostModel
+from vlmshard.packing.metrics import dist_ratio_per_step, source_shares, step_loads
 
 
 class ReportError(ValueError):

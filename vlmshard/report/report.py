@@ -1,7 +1,7 @@
 """``vlmshard report``: the balance metrics of one or more plans side by side (DESIGN.md's
 definitions), as a terminal table, JSON and a self-contained HTML page of plots, optionally set
 against a training run's measured waiting times. The IO of the report lives here; the series
-(``packing.series``), figures (``packing.plots``) and page (``packing.html_report``) are pure."""
+(``vlmshard.report.series``), figures (``vlmshard.report.plots``) and page (``vlmshard.report.html_report``) are pure."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import sys
 
 from vlmshard.io import atomic_write, canonical_json, write_json_atomic
 
-from .batches import Lengths, Packing
-from .cli import format_value
-from .cost import CostModel
-from .metrics import REPORT_KEYS
-from .plan import load_plan, read_plan_json
+from vlmshard.packing.batches import Lengths, Packing
+from vlmshard.packing.cli import format_value
+from vlmshard.packing.cost import CostModel
+from vlmshard.packing.metrics import REPORT_KEYS
+from vlmshard.packing.plan import load_plan, read_plan_json
 from .series import PlanSeries, TrainSeries, parse_train_log, plan_series, train_series
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,114 @@
+"""The package's shape: one top-level name, imports that flow one way, a CLI that starts light.
+
+Imports are read from the source (every ``import`` statement, also those inside functions), so
+a lazy upward import is caught as surely as a module-level one."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+
+# Lower layers never import higher ones, nor a sibling of their own layer: the shared helpers
+# (layer 0) are below every stage, report and simulate sit side by side on top of train, and the
+# command line (cli, run) on top of everything.
+LAYERS = {
+    "vlmshard.io": 0, "vlmshard.jobs": 0, "vlmshard.engines": 0, "vlmshard.progress": 0,
+    "vlmshard.config": 0, "vlmshard.model_sizes": 0,
+    "vlmshard.preprocess": 1, "vlmshard.packing": 2, "vlmshard.shards": 3, "vlmshard.train": 4,
+    "vlmshard.report": 5, "vlmshard.simulate": 5,
+    "vlmshard.run": 6, "vlmshard.cli": 6,
+}
+FOLDERS = {"preprocess": "vlmshard.preprocess", "packing": "vlmshard.packing",
+           "shards": "vlmshard.shards", "train": "vlmshard.train", "vlmshard": "vlmshard"}
+
+
+def _unit(module: str) -> str | None:
+    """The layered unit a dotted module name belongs to (its longest prefix in LAYERS)."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LAYERS:
+            return ".".join(parts[:n])
+    return None
+
+
+def _modules():
+    """(module name, source path) of every module the distribution installs."""
+    for folder, package in FOLDERS.items():
+        for dirpath, _, files in os.walk(os.path.join(REPO, folder)):
+            rel = os.path.relpath(dirpath, os.path.join(REPO, folder))
+            prefix = package if rel == "." else f"{package}.{rel.replace(os.sep, '.')}"
+            for name in files:
+                if name.endswith(".py"):
+                    stem = name[:-3]
+                    yield (prefix if stem == "__init__" else f"{prefix}.{stem}",
+                           os.path.join(dirpath, name))
+
+
+def _imports(module: str, path: str, is_package: bool):
+    """Absolute names of everything ``path`` imports."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            yield target
+            for alias in node.names:  # `from vlmshard import report` imports a unit too
+                yield f"{target}.{alias.name}"
+
+
+def test_imports_flow_one_way():
+    problems = []
+    for module, path in _modules():
+        mine = _unit(module)
+        if mine is None:
+            continue  # vlmshard/__init__.py
+        for target in _imports(module, path, path.endswith("__init__.py")):
+            top = target.split(".")[0]
+            if top in ("preprocess", "packing", "shards", "train"):
+                problems.append(f"{module} imports the bare top-level {target}")
+                continue
+            theirs = _unit(target)
+            if theirs is None or theirs == mine:
+                continue
+            if LAYERS[theirs] > LAYERS[mine] or (LAYERS[theirs] == LAYERS[mine] not in (0, 6)):
+                problems.append(f"{module} ({mine}) imports {target} ({theirs})")
+    assert not problems, "\n".join(sorted(set(problems)))
+
+
+def test_the_distribution_owns_only_the_vlmshard_name():
+    dist = importlib.metadata.distribution("vlmshard")
+    top = (dist.read_text("top_level.txt") or "").split()
+    if not top:  # editable installs may not write top_level.txt: read the file list
+        top = sorted({f.parts[0] for f in dist.files or [] if f.suffix == ".py"})
+    assert top == ["vlmshard"]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["pack", "--help"], ["preprocess", "--help"],
+                                  ["write", "--help"], ["train", "--help"], ["report", "--help"],
+                                  ["simulate", "--help"], ["run", "--help"]])
+def test_help_imports_no_heavy_framework(argv):
+    code = ("import sys\nfrom vlmshard.cli import main\n"
+            f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+            "heavy = sorted(m for m in ('torch', 'deepspeed', 'ray', 'numba', 'webdataset', "
+            "'transformers', 'matplotlib') if m in sys.modules)\n"
+            "print('HEAVY', ','.join(heavy))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         check=True).stdout
+    line = [ln for ln in out.splitlines() if ln.startswith("HEAVY")][-1]
+    assert line == "HEAVY ", f"vlmshard {' '.join(argv)} imported {line[6:]}"

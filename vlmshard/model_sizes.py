@@ -1,0 +1,199 @@
+"""Model sizes and what each pipeline layer costs, computed from them: torch-free, read by
+packing (its default cost model), train (model shapes, FLOPs per step) and simulate.
+
+Presets: ``tiny`` for CPU tests, real sizes (``internvl2-2b``, ``internvl-chat-1.5``) for
+profiling, the packer's FLOPs cost model and simulation. The vision side must turn one tile into
+exactly the ``tokens_per_tile`` image tokens the shards were tokenized with:
+(image_size / patch_size x downsample_ratio)^2.
+
+Every layer cost is linear in three sizes of a micro-batch, the same three the packer balances:
+Σtiles, Σtokens and Σseq_len² (packed samples attend only within themselves). ``vlmshard train
+profile`` measures the same quantities on a real device; the functions here are its analytic
+twin. Conventions: forward FLOPs count a multiply-add as 2 (backward is 2x forward); activations
+are bf16 (2 bytes) with memory-efficient attention, so no score matrix is kept; parameters cost
+16 bytes each for mixed-precision AdamW (bf16 weight and gradient, fp32 master and two moments).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    image_size: int = 448
+    patch_size: int = 14
+    hidden: int = 32
+    layers: int = 1
+    heads: int = 2
+    mlp_ratio: float = 4.0
+
+
+@dataclass(frozen=True)
+class LLMConfig:
+    vocab_size: int = 131072  # Tekken's; every id the shards can hold needs an embedding
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2  # grouped-query attention: heads share kv_heads key/value heads
+    intermediate: int = 128
+    rope_theta: float = 1e6
+    rms_eps: float = 1e-6
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "tiny"
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    llm: LLMConfig = field(default_factory=LLMConfig)
+    downsample_ratio: float = 0.5  # InternVL's pixel shuffle: 4 patches -> 1 token
+
+    @property
+    def tokens_per_tile(self) -> int:
+        side = self.vision.image_size // self.vision.patch_size
+        return int(side * self.downsample_ratio) ** 2
+
+    def validate(self) -> None:
+        v, t = self.vision, self.llm
+        if v.image_size % v.patch_size:
+            raise ValueError(f"image_size {v.image_size} is not a multiple of patch_size "
+                             f"{v.patch_size}")
+        if v.hidden % v.heads or t.hidden % t.heads or t.heads % t.kv_heads:
+            raise ValueError("hidden sizes must divide by heads, and heads by kv_heads")
+        if (t.hidden // t.heads) % 2:
+            raise ValueError("the LLM head size must be even for rotary embeddings")
+
+    def layer_names(self) -> list[str]:
+        """The pipeline's layers in order: the units a stage partition cuts between."""
+        return (["vit_embed"] + [f"vit_block_{i}" for i in range(self.vision.layers)]
+                + ["projector_merge"] + [f"llm_block_{i}" for i in range(self.llm.layers)]
+                + ["head"])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict | str) -> "ModelConfig":
+        """From YAML: a preset name, or sizes over a preset (``{"preset": "tiny", "llm": ...}``)."""
+        if isinstance(d, str):
+            d = {"preset": d}
+        d = dict(d)
+        if d.get("preset", "tiny") not in PRESETS:
+            raise ValueError(f"unknown model preset {d['preset']!r}; known: {', '.join(PRESETS)}")
+        base = PRESETS[d.pop("preset")] if "preset" in d else cls()
+        vision = {**asdict(base.vision), **d.pop("vision", {})}
+        llm = {**asdict(base.llm), **d.pop("llm", {})}
+        merged = {**{k: v for k, v in asdict(base).items() if k not in ("vision", "llm")}, **d}
+        config = cls(vision=VisionConfig(**vision), llm=LLMConfig(**llm), **merged)
+        config.validate()
+        return config
+
+
+PRESETS = {
+    # CPU tests: every code path, seconds per step.
+    "tiny": ModelConfig(),
+    # InternVL2-2B: InternViT-300M-448px + InternLM2-1.8B.
+    "internvl2-2b": ModelConfig(
+        name="internvl2-2b",
+        vision=VisionConfig(hidden=1024, layers=24, heads=16),
+        llm=LLMConfig(vocab_size=92553, hidden=2048, layers=24, heads=16, kv_heads=8,
+                      intermediate=8192)),
+    # InternVL-Chat-V1.5: InternViT-6B-448px-V1-5 + InternLM2-Chat-20B (OmniBal's main setting).
+    "internvl-chat-1.5": ModelConfig(
+        name="internvl-chat-1.5",
+        vision=VisionConfig(hidden=3200, layers=45, heads=25),
+        llm=LLMConfig(vocab_size=92544, hidden=6144, layers=48, heads=48, kv_heads=8,
+                      intermediate=16384)),
+}
+
+
+ACTIVATION_BYTES = 2  # bf16
+BYTES_PER_PARAM = 16  # AdamW: bf16 weight and gradient + fp32 master and moments, or all fp32
+
+
+@dataclass(frozen=True)
+class Size:
+    """The three sizes of a micro-batch (or a sum of them) that every cost is linear in."""
+
+    tiles: float = 0.0
+    tokens: float = 0.0
+    squares: float = 0.0  # Σ seq_len² over packed samples
+
+    def dot(self, other: "Size") -> float:
+        return self.tiles * other.tiles + self.tokens * other.tokens + self.squares * other.squares
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """One pipeline layer: parameters, and per unit of ``Size`` its forward FLOPs, the activation
+    bytes it keeps for backward and the bytes of the activation it hands to the next layer."""
+
+    name: str
+    params: int
+    flops: Size
+    activation_bytes: Size
+    output_bytes: Size
+
+
+
+def layer_work(config: ModelConfig) -> list[LayerWork]:
+    """Every pipeline layer of ``config``, in pipeline order (``config.layer_names()``)."""
+    v, t = config.vision, config.llm
+    a = ACTIVATION_BYTES
+    patches = (v.image_size // v.patch_size) ** 2  # per tile
+    tokens = config.tokens_per_tile  # image tokens per tile after pixel shuffle
+    mlp = int(v.hidden * v.mlp_ratio)
+    width = int(v.hidden / config.downsample_ratio ** 2)  # pixel-shuffled channels
+    head_dim = t.hidden // t.heads
+    kv = t.kv_heads * head_dim
+    vit_out = Size(tiles=a * patches * v.hidden)
+    llm_out = Size(tokens=a * t.hidden)
+
+    embed_params = 3 * v.patch_size ** 2 * v.hidden + v.hidden + patches * v.hidden
+    vit_linear = 4 * v.hidden ** 2 + 2 * v.hidden * mlp
+    vit_params = vit_linear + 5 * v.hidden + mlp + 4 * v.hidden  # + biases and two norms
+    projector_linear = width * t.hidden + t.hidden ** 2
+    projector_params = projector_linear + 2 * width + 2 * t.hidden + t.vocab_size * t.hidden
+    llm_linear = 2 * t.hidden ** 2 + 2 * t.hidden * kv + 3 * t.hidden * t.intermediate
+    llm_params = llm_linear + 2 * t.hidden
+
+    embed = LayerWork(
+        "vit_embed", embed_params,
+        flops=Size(tiles=2 * 3 * v.patch_size ** 2 * v.hidden * patches),
+        activation_bytes=Size(tiles=a * 3 * v.image_size ** 2),  # the conv keeps its pixels
+        output_bytes=vit_out)
+    # Per patch: two norm inputs and outputs, q/k/v, attention output, the MLP's two hiddens.
+    vit_block = dict(
+        params=vit_params,
+        flops=Size(tiles=2 * patches * vit_linear + 4 * patches ** 2 * v.hidden),
+        activation_bytes=Size(tiles=a * patches * (8 * v.hidden + 2 * mlp)),
+        output_bytes=vit_out)
+    projector = LayerWork(
+        "projector_merge", projector_params,
+        flops=Size(tiles=2 * tokens * projector_linear),
+        activation_bytes=Size(tiles=a * tokens * (2 * width + 2 * t.hidden)),
+        output_bytes=llm_out)
+    # Per token: hidden and two norm outputs, q/k/v, attention output, the residual sum, the
+    # SwiGLU gate, up, activation and product. Causal attention is 2·s²·hidden per sample.
+    llm_block = dict(
+        params=llm_params,
+        flops=Size(tokens=2 * llm_linear, squares=2 * t.hidden),
+        activation_bytes=Size(tokens=a * (6 * t.hidden + 2 * kv + 4 * t.intermediate)),
+        output_bytes=llm_out)
+    head = LayerWork(
+        "head", t.hidden * t.vocab_size + t.hidden,
+        flops=Size(tokens=2 * t.hidden * t.vocab_size),
+        activation_bytes=Size(tokens=a * 2 * t.hidden),  # logits are chunked and recomputed
+        output_bytes=Size())
+
+    return ([embed] + [LayerWork(f"vit_block_{i}", **vit_block) for i in range(v.layers)]
+              + [projector] + [LayerWork(f"llm_block_{i}", **llm_block) for i in range(t.layers)]
+              + [head])
+
+
+def training_flops(config: ModelConfig) -> Size:
+    """Forward + backward FLOPs of the whole model per tile, per token and per squared length:
+    the packer's default cost model (``a_v``, ``a_t``, ``b``)."""
+    work = layer_work(config)
+    return Size(*(3 * sum(getattr(lay.flops, k) for lay in work)
+                  for k in ("tiles", "tokens", "squares")))
