@@ -43,7 +43,7 @@ from vlmshard.preprocess.demo_data import generate  # noqa: E402
 from vlmshard.shards.writer import WriteConfig, run_write  # noqa: E402
 from vlmshard.train.launcher import train  # noqa: E402
 from vlmshard.train.profile import ProfileConfig, run_profile  # noqa: E402
-from vlmshard.simulate.cli import validate_against_log  # noqa: E402
+from vlmshard.simulate.runs import validate_against_log  # noqa: E402
 from vlmshard.train.trainer import TrainConfig  # noqa: E402
 from vlmshard.io import read_json, write_json_atomic  # noqa: E402
 

@@ -19,10 +19,9 @@ import numpy as np
 
 from . import kernels
 from .batches import Lengths, Packing
+from .config import ALGORITHMS, PADDED  # noqa: F401 (the packers below, by these names)
 from .cost import CostModel
 
-ALGORITHMS = ("balanced", "isf", "lengthgroup", "random")
-PADDED = ("random", "lengthgroup")  # micro-batches padded per sample, not packed
 
 
 @dataclass(frozen=True)

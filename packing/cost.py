@@ -2,7 +2,7 @@
 
 ``vit_cost = a_v·Σtiles`` and ``llm_cost = a_t·Σseq_len + b·Σseq_len²`` (packed samples attend
 only within themselves, so attention is quadratic per sample). Defaults are the training FLOPs
-(forward + backward = 3× forward) of a model preset, from its layer sizes (``train/analytic.py``);
+(forward + backward = 3× forward) of a model preset, from its layer sizes (``vlmshard/model_sizes.py``);
 ``vlmshard train profile`` writes a measured ``cost_model.json`` with the same three keys.
 """
 
@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from vlmshard.io import read_json
-
-DEFAULT_MODEL = "internvl2-2b"  # a vlmshard.model_sizes.PRESETS name
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,16 @@ REPORT_KEYS = ("pad_ratio", "vit_dist_ratio", "llm_dist_ratio", "attn_dist_ratio
                "samples", "unplaced", "qv", "qt", "pack_seconds")
 
 
+def format_value(value) -> str:
+    """A metric as pack and report print it: floats to 4 decimals, counts as they are."""
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def format_metrics(report: dict) -> str:
+    """The ``REPORT_KEYS`` of a metrics report, one aligned line each."""
+    return "\n".join(f"{k:<16} {format_value(report[k])}" for k in REPORT_KEYS)
+
+
 @dataclass
 class Metrics:
     pad_ratio: float

@@ -26,9 +26,10 @@ from vlmshard.io import atomic_write, read_json, sha256_file, write_json_atomic,
 from vlmshard.jobs import fingerprint as job_fingerprint
 
 from . import algorithms
-from .algorithms import ALGORITHMS, PADDED, BalancedOptions, Caps
+from .algorithms import BalancedOptions, Caps
 from .batches import Lengths, Packing
-from .cost import DEFAULT_MODEL, CostModel
+from .config import PADDED, PackConfig
+from .cost import CostModel
 from .metrics import Metrics, measure
 from .stats import StatsError, load_stats
 
@@ -41,49 +42,6 @@ PLAN_SCHEMA = pa.schema([
     pa.field("slot", pa.int16(), nullable=False),
     pa.field("sample_id", pa.int64(), nullable=False),
 ])
-
-
-@dataclass
-class PackConfig:
-    """Options of ``vlmshard pack`` (CLI flags and YAML keys have these names)."""
-
-    stats: str
-    dp: int
-    out: str
-    micro_batches: int = 1
-    virtual_ranks: int | None = None  # plan for this many ranks; any dp dividing it can train
-    algo: str = "balanced"
-    qv: int | None = None
-    qt: int | None = None
-    target_samples: int = 4
-    seed: int = 0
-    epochs: int = 1
-    cost_model: str | None = None  # cost_model.json; default: FLOPs of ``model``
-    model: str = DEFAULT_MODEL
-
-    def validate(self) -> None:
-        if self.algo not in ALGORITHMS:
-            raise ValueError(f"--algo must be one of {', '.join(ALGORITHMS)}, not {self.algo!r}")
-        for name in ("dp", "micro_batches", "epochs", "target_samples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
-                                 f"got {getattr(self, name)}")
-        if self.virtual_ranks is not None and (self.virtual_ranks < 1
-                                               or self.virtual_ranks % self.dp):
-            raise ValueError(f"--virtual-ranks {self.virtual_ranks} must be a multiple of "
-                             f"--dp {self.dp}")
-        if (self.qv is None) != (self.qt is None):
-            raise ValueError("give both --qv and --qt, or neither (then they are chosen)")
-        if self.qv is not None:
-            if self.algo in PADDED:
-                raise ValueError(f"--qv/--qt do not apply to {self.algo}: it takes "
-                                 f"--target-samples samples per micro-batch")
-            if self.qv < 0 or self.qt < 1:
-                raise ValueError(f"caps must be positive, got --qv {self.qv} --qt {self.qt}")
-
-    @property
-    def ranks(self) -> int:
-        return self.virtual_ranks or self.dp
 
 
 @dataclass

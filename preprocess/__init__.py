@@ -4,9 +4,18 @@ Public API::
 
     from vlmshard.preprocess import PreprocessConfig, run_preprocess
     result = run_preprocess(PreprocessConfig(inputs=["meta.json"], out="out/"))
+
+The names load on first use, so importing the command line's option definitions stays light.
 """
 
-from .job import ConfigError, PreprocessConfig, PreprocessResult, RejectRatioExceeded, run_preprocess
+from importlib import import_module
 
-__all__ = ["ConfigError", "PreprocessConfig", "PreprocessResult", "RejectRatioExceeded",
-           "run_preprocess"]
+_PUBLIC = {"ConfigError": "vlmshard.config", "PreprocessConfig": ".config",
+           "PreprocessResult": ".job", "RejectRatioExceeded": ".job", "run_preprocess": ".job"}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_PUBLIC[name], __name__), name)

@@ -7,15 +7,12 @@ import json
 import logging
 from dataclasses import asdict
 
-from vlmshard.config import load_config
-from vlmshard.engines import add_engine_arguments
+from vlmshard.config import add_options, load_config
 
-from .job import ConfigError, PreprocessConfig, RejectRatioExceeded, run_preprocess
-from .tiling import POLICIES
+from .config import PreprocessConfig
 
 log = logging.getLogger(__name__)
 
-HELP = "tokenize conversations and count image tiles into the stats table (Contract 1)"
 DESCRIPTION = """\
 Reads conversation data and writes OUT/stats/part-*.parquet (one row per accepted sample:
 tiles, tokens, sequence length), OUT/rejects.parquet (every rejected row with a reason) and
@@ -29,52 +26,22 @@ resumes; rerun a finished job and it does nothing."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    S = argparse.SUPPRESS  # only flags the user passes override the --config file
-    p.add_argument("inputs", nargs="*", default=S, metavar="INPUT", help="input files or folders")
-    p.add_argument("--config", help="YAML file with any of these options (flags override it)")
-    p.add_argument("--out", default=S, help="output folder (required)")
-    p.add_argument("--image-root", dest="image_root", default=S,
-                   help="folder or URL that relative image paths start from "
-                        "(default: the annotation file's folder; meta files give 'root')")
-    p.add_argument("--tokenizer", default=S,
-                   help="'tekken' (default: the Tekken file inside mistral-common) or a path to "
-                        "a tokenizer.json")
-    p.add_argument("--template", default=S,
-                   help="chat template: mistral (default for tekken) or chatml (default for "
-                        "tokenizer.json)")
-    p.add_argument("--tiling", default=S, choices=sorted(POLICIES),
-                   help="tile counting policy (default: internvl, 448 px tiles, 256 tokens each)")
-    p.add_argument("--max-num", dest="max_num", type=int, default=S,
-                   help="internvl: most tiles per sample, split across its images (default 12)")
-    p.add_argument("--min-num", dest="min_num", type=int, default=S,
-                   help="internvl: fewest tiles per image (default 1)")
-    add_engine_arguments(p, "workers")
-    p.add_argument("--keep-tokens", dest="keep_tokens", action="store_true", default=S,
-                   help="store input_ids and labels in the stats table")
-    p.add_argument("--max-seq-len", dest="max_seq_len", type=int, default=S,
-                   help="reject samples longer than this (default: no limit)")
-    p.add_argument("--max-image-pixels", dest="max_image_pixels", type=int, default=S,
-                   help="reject images with more pixels, as decompression bombs "
-                        "(default 89478485, Pillow's limit)")
-    p.add_argument("--max-reject-ratio", dest="max_reject_ratio", type=float, default=S,
-                   help="fail (exit 3) if more than this fraction of rows is rejected")
-    p.add_argument("--part-size", dest="part_size", type=int, default=S,
-                   help="rows per committed part, the unit of resume (default 2048)")
-    p.add_argument("--seed", type=int, default=S, help="seed for repeat_time < 1 subsampling")
+    add_options(p, PreprocessConfig)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def main(args: argparse.Namespace) -> int:
-    flags = {k: v for k, v in vars(args).items() if k not in ("config", "json", "func")}
+    from .job import RejectRatioExceeded, run_preprocess
+
+    as_json = args.__dict__.pop("json")
     try:
-        cfg = load_config(PreprocessConfig, flags, args.config)
-        result = run_preprocess(cfg)
-    except (ConfigError, ValueError) as e:
+        result = run_preprocess(load_config(PreprocessConfig, args))
+    except ValueError as e:  # ConfigError, and sources that cannot be read
         raise SystemExit(f"vlmshard preprocess: error: {e}") from None
     except RejectRatioExceeded as e:
         log.error("%s", e)
         return 3
-    if args.json:
+    if as_json:
         print(json.dumps(asdict(result), indent=1))
     else:
         print(f"{result.accepted} samples accepted, {result.rejected} rejected "

@@ -28,9 +28,12 @@ from dataclasses import dataclass
 
 from PIL import Image
 
+from vlmshard.config import ConfigError, add_options, load_config
+
+from .config import DemoDataConfig
+
 log = logging.getLogger(__name__)
 
-HELP = "generate the bundled demo dataset (conversations over scikit-image's photos)"
 DESCRIPTION = __doc__
 
 PHOTOS = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "retina.jpg",
@@ -250,12 +253,14 @@ def generate(out: str, seed: int = 0, scale: int = 1) -> DemoDataset:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True, help="folder to write the dataset into")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--scale", type=int, default=1, help="multiply the number of samples")
+    add_options(p, DemoDataConfig)
 
 
 def main(args: argparse.Namespace) -> int:
-    ds = generate(args.out, args.seed, args.scale)
+    try:
+        cfg = load_config(DemoDataConfig, args)
+    except ConfigError as e:
+        raise SystemExit(f"vlmshard demo-data: error: {e}") from None
+    ds = generate(cfg.out, cfg.seed, cfg.scale)
     print(f"demo dataset written: {ds.meta}")
     return 0

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import fsspec
 from PIL import Image, UnidentifiedImageError
 
+from .config import DEFAULT_MAX_IMAGE_PIXELS
 from .rejects import Reject
 
 # Pillow's own default limit: larger images are treated as decompression bombs.
-DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
 _TAIL_BYTES = 1024
 
 # Oversized images become 'decompression_bomb' rejects with our own limit; Pillow's warning about

@@ -25,12 +25,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlmshard import __version__
-from vlmshard.engines import ENGINES, run_units
+from vlmshard.config import ConfigError
+from vlmshard.engines import run_units
 from vlmshard.io import atomic_write, available_cpus, write_json_atomic, write_parquet
 from vlmshard.jobs import WORK, claim_output
 from vlmshard.progress import Progress
 
-from .images import DEFAULT_MAX_IMAGE_PIXELS, is_url
+from .config import PreprocessConfig
+from .images import is_url
 from .rejects import REASONS
 from .sample import SampleLimits
 from .schema import REJECTS_SCHEMA, stats_schema
@@ -41,50 +43,8 @@ from .worker import JobSpec, PartWorker, committed_summary, part_paths
 
 log = logging.getLogger(__name__)
 
-class ConfigError(ValueError):
-    """A job that cannot start: the message says what to change."""
-
-
 class RejectRatioExceeded(RuntimeError):
     """More rows were rejected than ``max_reject_ratio`` allows."""
-
-
-@dataclass
-class PreprocessConfig:
-    """Options of ``vlmshard preprocess`` (the CLI flags and the YAML keys have these names)."""
-
-    inputs: list[str]
-    out: str
-    image_root: str | None = None
-    tokenizer: str = "tekken"  # "tekken" or a path to a tokenizer.json
-    template: str | None = None  # chat template; default by tokenizer kind
-    tiling: str = "internvl"  # internvl | qwen2vl | fixed
-    max_num: int = 12  # internvl: most tiles per sample (split across its images)
-    min_num: int = 1
-    engine: str = "local"  # local | ray
-    workers: int | None = None  # default: CPUs this process may use (local) / the cluster's CPUs
-    ray_address: str | None = None  # join this Ray cluster instead of starting one
-    keep_tokens: bool = False  # store input_ids/labels so writing shards needs no re-tokenizing
-    max_seq_len: int | None = None  # reject longer samples
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
-    max_reject_ratio: float | None = None  # fail the job above this rejected/input ratio
-    part_size: int = 2048  # rows per committed part
-    seed: int = 0  # for repeat_time < 1 subsampling
-
-    def validate(self) -> None:
-        if not self.inputs:
-            raise ConfigError("no input given: pass conversation files, meta files, Parquet files "
-                              "or saved dataset folders")
-        if self.engine not in ENGINES:
-            raise ConfigError(f"unknown engine {self.engine!r}: choose local or ray")
-        if self.workers is not None and self.workers < 1:
-            raise ConfigError(f"--workers must be >= 1, got {self.workers}")
-        if self.part_size < 1:
-            raise ConfigError(f"--part-size must be >= 1, got {self.part_size}")
-        if self.max_seq_len is not None and self.max_seq_len < 1:
-            raise ConfigError(f"--max-seq-len must be >= 1, got {self.max_seq_len}")
-        if self.max_reject_ratio is not None and not 0 <= self.max_reject_ratio <= 1:
-            raise ConfigError(f"--max-reject-ratio must be in [0, 1], got {self.max_reject_ratio}")
 
 
 @dataclass

@@ -13,7 +13,6 @@ and the step coverage of each rank.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import io
 import json
@@ -36,8 +35,6 @@ log = logging.getLogger(__name__)
 
 MAX_SHOWN = 20  # problems printed; all are in the --json output
 
-HELP = "check shards against their manifest (and plan): hashes, counts, every sample once"
-DESCRIPTION = __doc__.split("\n", 2)[2]
 
 
 @dataclass
@@ -176,35 +173,3 @@ def _plan_problems(plan_dir: str, manifest: Manifest,
     if not problems:
         problems.append("the shards hold the planned samples at other places than planned")
     return problems
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("shards", metavar="SHARDS", help="shard folder or URL (http://, fsspec, "
-                                                     "'pipe:CMD {path}')")
-    p.add_argument("--plan", help="plan folder: also check every planned sample is present "
-                                  "exactly once where planned")
-    p.add_argument("--quick", action="store_true",
-                   help="only files, sizes and step coverage (no data read)")
-    p.add_argument("--workers", type=int, help="shards checked in parallel (default: CPUs)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-
-
-def main(args: argparse.Namespace) -> int:
-    result = verify_shards(args.shards, plan=args.plan, quick=args.quick, workers=args.workers)
-    if args.json:
-        print(json.dumps(asdict(result), indent=1))
-    elif result.ok:
-        print(f"OK{' (quick)' if result.quick else ''}: {result.shards} shard(s), "
-              f"{result.records} record(s), {result.samples} sample(s), {result.ranks} rank(s) "
-              f"x {result.steps} step(s), {result.bytes / 1e6:.1f} MB ({result.seconds:.1f}s)")
-    else:
-        for problem in result.problems[:MAX_SHOWN]:
-            print(f"FAIL {problem}")
-        more = len(result.problems) - MAX_SHOWN
-        print(f"{result.root}: {len(result.problems)} problem(s)"
-              + (f" ({more} more with --json)" if more > 0 else ""))
-    return 0 if result.ok else 1

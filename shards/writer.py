@@ -42,12 +42,12 @@ from vlmshard.preprocess.sources import Part, Source, index_source, read_part_ro
 from vlmshard.preprocess.tiling import source_tiling, tiling_from_dict
 from vlmshard.preprocess.tokenize import ConversationEncoder, TokenizerConfig
 from vlmshard import __version__
-from vlmshard.config import parse_size
-from vlmshard.engines import ENGINES, run_units
+from vlmshard.engines import run_units
 from vlmshard.io import atomic_write, available_cpus, read_json, sha256_file, write_json_atomic
 from vlmshard.jobs import WORK, claim_output
 from vlmshard.progress import Progress
 
+from .config import WriteConfig
 from .layout import FORMAT, MANIFEST, Manifest, ShardEntry, shard_path
 from .records import encode_record, image_member
 
@@ -61,27 +61,6 @@ TOKEN_COLUMNS = ["input_ids", "labels"]
 
 class WriteError(RuntimeError):
     """The shards cannot be written as planned; the message names the sample, image or file."""
-
-
-@dataclass
-class WriteConfig:
-    """Options of ``vlmshard write`` (CLI flags and YAML keys have these names)."""
-
-    plan: str
-    stats: str
-    out: str
-    engine: str = "local"  # local | ray
-    workers: int | None = None  # default: the CPUs this process may use / the cluster's CPUs
-    ray_address: str | None = None
-    shard_bytes: int | str = "1GB"
-
-    def validate(self) -> int:
-        """Check the options; returns ``shard_bytes`` in bytes."""
-        if self.engine not in ENGINES:
-            raise ValueError(f"unknown engine {self.engine!r}: choose local or ray")
-        if self.workers is not None and self.workers < 1:
-            raise ValueError(f"--workers must be >= 1, got {self.workers}")
-        return parse_size(self.shard_bytes)
 
 
 @dataclass

@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from vlmshard.report import plots
-from vlmshard.packing.cli import format_value
+from vlmshard.packing.metrics import format_value
 from vlmshard.packing.cost import CostModel
 from vlmshard.packing.metrics import REPORT_KEYS, measure
 from vlmshard.packing.plan import PackConfig, read_plan, run_pack

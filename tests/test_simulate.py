@@ -13,7 +13,7 @@ import pytest
 from helpers import vlmshard
 from vlmshard.simulate.model import (StageModel, one_f_one_b, pipeline_times, replica_micro_batches,
                             simulate)
-from vlmshard.simulate.cli import validate_against_log
+from vlmshard.simulate.runs import validate_against_log
 
 OMNIBAL_META = os.path.join(os.path.dirname(__file__), "data", "omnibal", "meta.json")
 

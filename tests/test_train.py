@@ -16,7 +16,7 @@ from vlmshard.shards.loader import ShardDataset
 from vlmshard.shards.writer import WriteConfig, run_write
 from vlmshard.train.partition import LayerCost, stage_memory
 from vlmshard.train.profile import ProfileConfig, run_profile
-from vlmshard.simulate.cli import validate_against_log
+from vlmshard.simulate.runs import validate_against_log
 from vlmshard.io import read_json
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",

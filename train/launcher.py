@@ -12,7 +12,7 @@ from dataclasses import asdict
 
 from vlmshard.io import write_json_atomic
 
-from .trainer import TrainConfig
+from .config import TrainConfig
 
 
 def launch(cfg: TrainConfig, output: str | None = None) -> int:
@@ -25,7 +25,7 @@ def launch(cfg: TrainConfig, output: str | None = None) -> int:
     cfg.validate()
     os.makedirs(cfg.out, exist_ok=True)
     config_path = os.path.join(os.path.abspath(cfg.out), "train_config.json")
-    write_json_atomic(config_path, asdict(cfg))
+    write_json_atomic(config_path, asdict(cfg.training_options()))
     processes = cfg.pp * cfg.dp
     env = dict(os.environ)
     if not torch.cuda.is_available():

@@ -27,27 +27,10 @@ from . import model as M
 from .partition import (LayerCost, Machine, Partition, deepspeed_bounds, evaluate,
                         omnibal_candidates, search_partition)
 from .pipeline import Carry, Head, pipeline_inputs
-from .trainer import TrainConfig, cpu_threads_per_rank, micro_batch_size
+from .config import ProfileConfig
+from .trainer import cpu_threads_per_rank, micro_batch_size
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ProfileConfig(TrainConfig):
-    """Options of ``vlmshard train profile``: the training options plus the profiling ones."""
-
-    memory_budget: int | str = "80GiB"
-    micro_batches: int = 4
-    device: str | None = None  # default: cuda when available
-    link_bytes_per_s: float = 25e9
-    validate_top: int = 0  # train a few real steps with the K best candidates, keep the fastest
-    validate_steps: int = 4  # steps per validated candidate; the first (warm-up) is not timed
-
-    def validate(self) -> None:
-        super().validate()
-        if self.validate_top < 0 or self.validate_steps < 2:
-            raise ValueError("--validate-top must be >= 0 and --validate-steps >= 2 (the first "
-                             "step is warm-up)")
 
 
 def run_profile(cfg: ProfileConfig) -> dict:
@@ -211,11 +194,11 @@ def compare_partitions(layers: list[LayerCost], stages: int, machine: Machine,
 def validate_candidates(cfg: ProfileConfig, candidates: list[dict]) -> list[dict]:
     """Train ``cfg.validate_steps`` real steps with each candidate partition; each comes back
     with ``measured_step_s``, the median step time after the warm-up step."""
-    from dataclasses import fields, replace
+    from dataclasses import replace
 
     from .launcher import train
 
-    base = TrainConfig(**{f.name: getattr(cfg, f.name) for f in fields(TrainConfig)})
+    base = cfg.training_options()
     measured = []
     for candidate in candidates:
         run = replace(base, out=os.path.join(cfg.out, "validate", candidate["name"]),

@@ -23,55 +23,9 @@ from typing import Iterator
 
 from vlmshard.model_sizes import Size, training_flops
 
+from .config import TrainConfig
+
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainConfig:
-    """Options of ``vlmshard train`` (CLI flags and YAML keys have these names)."""
-
-    shards: str
-    out: str
-    model: dict | str = "tiny"  # a preset name, or sizes over a preset (ModelConfig.from_dict)
-    pp: int = 1
-    dp: int = 1
-    max_steps: int | None = None  # default: the shards' steps (more repeats the data)
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    seed: int = 0
-    partition: str | None = None  # partition.json of `vlmshard train profile` (its search)
-    bounds: list[int] | None = None  # stage partition; default DeepSpeed's 'parameters'
-    recompute: list[str] = field(default_factory=list)  # layer names recomputed in backward
-    checkpoint_every: int | None = None  # also save every N steps (always at the end)
-    save_checkpoints: bool = True  # False: none at all (short validation runs)
-    resume: str | None = None  # a run folder: continue from its latest checkpoint
-
-    def validate(self) -> None:
-        for name in ("pp", "dp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"--max-steps must be at least 1, got {self.max_steps}")
-        from vlmshard.model_sizes import ModelConfig
-
-        ModelConfig.from_dict(self.model)  # a bad model config fails here, not in every process
-
-    def resolve_partition(self) -> None:
-        """Take ``bounds`` and ``recompute`` from ``partition`` (the profile's chosen one)."""
-        if not self.partition:
-            return
-        from vlmshard.io import read_json
-
-        chosen = read_json(self.partition)["chosen"]
-        if len(chosen["bounds"]) != self.pp + 1:
-            raise ValueError(f"{self.partition} splits the model into "
-                             f"{len(chosen['bounds']) - 1} stages, not --pp {self.pp}")
-        self.use_partition(chosen)
-
-    def use_partition(self, described: dict) -> None:
-        """Bounds and recompute from a partition as ``train.profile.describe`` writes it."""
-        self.bounds = described["bounds"]
-        self.recompute = [name for stage in described["stages"] for name in stage["recompute"]]
 
 
 def supervised_tokens(batch: dict) -> int:

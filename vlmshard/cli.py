@@ -1,48 +1,67 @@
-"""The ``vlmshard`` command: one subcommand per stage, each a thin layer over a stage function."""
+"""The ``vlmshard`` command: one subcommand per stage, each a thin layer over a stage function.
+
+Only the subcommand that runs is imported (its options module first, its stage when it runs),
+so ``vlmshard --help`` and ``vlmshard pack --help`` start without torch, DeepSpeed or Ray.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from importlib import import_module
 
 from vlmshard import __version__
 
-# (name, module): each module has HELP, DESCRIPTION, add_arguments(parser) and main(args) -> int.
-SUBCOMMANDS = [
-    ("preprocess", "vlmshard.preprocess.cli"),
-    ("pack", "vlmshard.packing.cli"),
-    ("write", "vlmshard.shards.cli"),
-    ("verify", "vlmshard.shards.verify"),
-    ("train", "vlmshard.train.cli"),
-    ("report", "vlmshard.report.report"),
-    ("simulate", "vlmshard.simulate.cli"),
-    ("demo-data", "vlmshard.preprocess.demo_data"),
-    ("run", "vlmshard.run"),
-]
+# name: (module, one-line help). Each module has DESCRIPTION, add_arguments(parser) and
+# main(args) -> exit status.
+SUBCOMMANDS = {
+    "preprocess": ("vlmshard.preprocess.cli",
+                   "tokenize conversations and count image tiles into the stats table"),
+    "pack": ("vlmshard.packing.cli",
+             "pack samples into micro-batches balanced within and across data-parallel ranks"),
+    "write": ("vlmshard.shards.cli",
+              "write a plan's micro-batches as pre-balanced WebDataset shards"),
+    "verify": ("vlmshard.shards.verify_cli", "check shards: bytes, records, images, the plan"),
+    "train": ("vlmshard.train.cli",
+              "train on shards with DeepSpeed's pipeline engine; 'train profile' searches the "
+              "stage partition"),
+    "report": ("vlmshard.report.cli",
+               "compare the balance of plans: table, JSON, HTML plots, measured waiting"),
+    "simulate": ("vlmshard.simulate.cli",
+                 "simulate a plan's epoch at cluster scale: time, GPU-days, bubbles, waiting"),
+    "demo-data": ("vlmshard.preprocess.demo_data",
+                  "write the bundled demo dataset (scikit-image photos, generated conversations)"),
+    "run": ("vlmshard.run",
+            "run every stage from one config: preprocess, pack, write, verify, train, report"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    import importlib
-
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser, with the options of ``command`` alone (the others are listed, not loaded)."""
     parser = argparse.ArgumentParser(
         prog="vlmshard",
-        description="Pre-balanced WebDataset shards and balanced pipeline training for VLMs.")
+        description="Pre-balanced WebDataset shards and balanced pipeline training for VLMs. "
+                    "Run `vlmshard COMMAND --help` for a command's options.")
     parser.add_argument("--version", action="version", version=f"vlmshard {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, module_name in SUBCOMMANDS:
-        module = importlib.import_module(module_name)
-        p = sub.add_parser(name, help=module.HELP, description=module.DESCRIPTION,
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(p)
-        p.set_defaults(func=module.main)
+        if name == command:
+            module = import_module(module_name)
+            p.description = module.DESCRIPTION
+            module.add_arguments(p)
+            p.set_defaults(func=module.main)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in SUBCOMMANDS else None).parse_args(argv)
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")

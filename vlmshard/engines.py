@@ -9,15 +9,34 @@ count commits identical files. Summaries arrive in completion order.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import multiprocessing as mp
-from typing import Any, Iterator, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterator, Literal, Protocol, Sequence
+
+from .config import ConfigError, option
 
 log = logging.getLogger(__name__)
 
 ENGINES = ("local", "ray")
+
+
+@dataclass(kw_only=True)
+class EngineOptions:
+    """Where a fleet stage's units of work run: the options preprocess and write share."""
+
+    engine: Literal["local", "ray"] = option("local", help="local process pool or Ray Data")
+    workers: int | None = option(
+        None, help="parallel workers",
+        default_text="the CPUs this process may use; with ray, the cluster's CPUs")
+    ray_address: str | None = option(
+        None, help="join this Ray cluster (e.g. 10.0.0.1:6379) instead of starting one; OUT "
+                   "must be on storage every node can write")
+
+    def validate(self) -> None:
+        if self.workers is not None and self.workers < 1:
+            raise ConfigError(f"--workers must be >= 1, got {self.workers}")
 
 
 class Worker(Protocol):
@@ -35,19 +54,6 @@ def run_units(worker_cls: type[Worker], spec: Any, units: Sequence[Any], engine:
     if engine == "ray":
         return _run_ray(worker_cls, spec, units, workers, ray_address)
     raise ValueError(f"unknown engine {engine!r}: choose {' or '.join(ENGINES)}")
-
-
-def add_engine_arguments(p: argparse.ArgumentParser, workers_help: str) -> None:
-    """The --engine, --workers and --ray-address flags of every fleet stage."""
-    S = argparse.SUPPRESS  # only flags the user passes override the --config file
-    p.add_argument("--engine", default=S, choices=ENGINES,
-                   help="local process pool (default) or Ray Data")
-    p.add_argument("--workers", type=int, default=S,
-                   help=f"parallel {workers_help} (default: the CPUs this process may use; with "
-                        "ray, the cluster's CPUs)")
-    p.add_argument("--ray-address", dest="ray_address", default=S,
-                   help="join this Ray cluster (e.g. 10.0.0.1:6379) instead of starting one; "
-                        "OUT must be on storage every node can write")
 
 
 _pool_worker: Worker | None = None

@@ -80,11 +80,14 @@ class ModelConfig:
         d = dict(d)
         if d.get("preset", "tiny") not in PRESETS:
             raise ValueError(f"unknown model preset {d['preset']!r}; known: {', '.join(PRESETS)}")
+        from .config import load_section  # every size type-checked, as the other options
+
         base = PRESETS[d.pop("preset")] if "preset" in d else cls()
-        vision = {**asdict(base.vision), **d.pop("vision", {})}
-        llm = {**asdict(base.llm), **d.pop("llm", {})}
-        merged = {**{k: v for k, v in asdict(base).items() if k not in ("vision", "llm")}, **d}
-        config = cls(vision=VisionConfig(**vision), llm=LLMConfig(**llm), **merged)
+        vision = load_section(VisionConfig, {**asdict(base.vision), **d.pop("vision", {})},
+                              "model.vision")
+        llm = load_section(LLMConfig, {**asdict(base.llm), **d.pop("llm", {})}, "model.llm")
+        top = {k: v for k, v in asdict(base).items() if k not in ("vision", "llm")}
+        config = load_section(cls, {**top, **d}, "model", vision=vision, llm=llm)
         config.validate()
         return config
 

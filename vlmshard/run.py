@@ -13,14 +13,13 @@ import argparse
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
 
-from vlmshard.config import check_keys, from_mapping, load_config
+from vlmshard.config import add_options, load_config, load_section, option
 
 log = logging.getLogger(__name__)
 
-HELP = "run every stage from one config: preprocess, pack, write, verify, train, report"
 DESCRIPTION = """\
 Runs the whole pipeline from one YAML config (e.g. configs/demo.yaml, what `make demo` runs):
   demo-data   (when the config has a demo_data section) the bundled demo dataset
@@ -36,17 +35,23 @@ Each section holds the options of its subcommand (see `vlmshard SUBCOMMAND --hel
 paths that connect the stages. A line per stage says what it did and how long it took."""
 
 
-@dataclass
-class RunConfig:
-    """Options of ``vlmshard run``: the output folder and one section per stage."""
+Section = dict[str, Any]
 
-    out: str
-    demo_data: dict | None = None  # {seed, scale}: make the demo dataset and preprocess it
-    preprocess: dict = field(default_factory=dict)  # needs `inputs` unless demo_data is given
-    pack: dict = field(default_factory=dict)  # needs `dp`
-    write: dict = field(default_factory=dict)
-    verify: dict = field(default_factory=dict)
-    train: dict | None = None  # omit to stop after verify
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Options of ``vlmshard run``: the output folder and one section per stage. A section holds
+    the options of its subcommand, checked by the same definitions (``vlmshard pack --help``...)."""
+
+    out: str = option(help="output folder of every stage")
+    demo_data: Section | None = option(None, cli=False, help="{seed, scale}: make the demo "
+                                                             "dataset and preprocess it")
+    preprocess: Section = option(factory=dict, cli=False,
+                                 help="needs `inputs` unless demo_data is given")
+    pack: Section = option(factory=dict, cli=False, help="needs `dp`")
+    write: Section = option(factory=dict, cli=False, help="vlmshard write's options")
+    verify: Section = option(factory=dict, cli=False, help="vlmshard verify's options")
+    train: Section | None = option(None, cli=False, help="omit to stop after verify")
 
     def path(self, name: str) -> str:
         return os.path.join(self.out, name)
@@ -59,59 +64,70 @@ class StageResult:
     summary: str
 
 
-def stages(cfg: RunConfig) -> list[tuple[str, Callable[[], str]]]:
-    """(name, action) of every stage the config asks for; each action returns a summary line."""
-    from vlmshard.packing.plan import PackConfig, run_pack
-    from vlmshard.report.report import make_report
-    from vlmshard.preprocess import PreprocessConfig, run_preprocess
-    from vlmshard.shards.verify import verify_shards
-    from vlmshard.shards.writer import WriteConfig, run_write
-    from vlmshard.train.launcher import train
-    from vlmshard.train.trainer import TrainConfig
+def stages(cfg: RunConfig, where: str = "run config") -> list[tuple[str, Callable[[], str]]]:
+    """(name, action) of every stage the config asks for; each action returns a summary line.
+    ``where`` names the config in errors."""
+    from vlmshard.packing.config import PackConfig
+    from vlmshard.preprocess.config import DemoDataConfig, PreprocessConfig
+    from vlmshard.shards.config import VerifyConfig, WriteConfig
+    from vlmshard.train.config import TrainConfig
 
     pre, plan, shards, run = (cfg.path(n) for n in ("preprocess", "plan", "shards", "train"))
     inputs = {"inputs": [os.path.join(cfg.path("data"), "meta.json")]} if cfg.demo_data else {}
 
     def section(cls, values: dict, name: str, **connected):
-        check_keys(cls, values, f"run config section '{name}'")
-        return from_mapping(cls, {**values, **connected}, f"add them to the '{name}' section")
+        return load_section(cls, values, f"{where}, section '{name}'", **connected)
 
     # Every section is checked before any stage runs: a typo must not cost a preprocess.
-    pre_cfg = section(PreprocessConfig, {**inputs, **cfg.preprocess}, "preprocess", out=pre)
+    demo_cfg = section(DemoDataConfig, cfg.demo_data, "demo_data", out=cfg.path("data")) \
+        if cfg.demo_data is not None else None
+    pre_cfg = section(PreprocessConfig, cfg.preprocess, "preprocess", out=pre, **inputs)
     pack_cfg = section(PackConfig, cfg.pack, "pack", stats=pre, out=plan)
     write_cfg = section(WriteConfig, cfg.write, "write", plan=plan, stats=pre, out=shards)
+    verify_cfg = section(VerifyConfig, cfg.verify, "verify", shards=shards, plan=plan)
     train_cfg = section(TrainConfig, cfg.train, "train", shards=shards, out=run) \
         if cfg.train is not None else None
-    for checked in (pack_cfg, train_cfg):
+    for checked in (pre_cfg, pack_cfg, write_cfg, train_cfg):
         if checked is not None:
             checked.validate()
 
     def demo_data() -> str:
         from vlmshard.preprocess.demo_data import generate
 
-        return f"demo dataset -> {generate(cfg.path('data'), **cfg.demo_data).meta}"
+        return f"demo dataset -> {generate(demo_cfg.out, demo_cfg.seed, demo_cfg.scale).meta}"
 
     def preprocess() -> str:
+        from vlmshard.preprocess.job import run_preprocess
+
         result = run_preprocess(pre_cfg)
         return f"{result.accepted} accepted, {result.rejected} rejected -> {pre}"
 
     def pack() -> str:
+        from vlmshard.packing.plan import run_pack
+
         m = run_pack(pack_cfg).metrics
         return (f"{m.samples} samples in {m.steps} steps, cost efficiency "
                 f"{m.cost_efficiency:.3f}, LLM dist ratio {m.llm_dist_ratio:.4f} -> {plan}")
 
     def write() -> str:
+        from vlmshard.shards.writer import run_write
+
         result = run_write(write_cfg)
         return f"{result.shards} shards, {result.bytes / 1e6:.1f} MB -> {shards}"
 
     def verify() -> str:
-        result = verify_shards(shards, plan=plan, **cfg.verify)
+        from vlmshard.shards.verify import verify_shards
+
+        result = verify_shards(verify_cfg.shards, plan=verify_cfg.plan, quick=verify_cfg.quick,
+                               workers=verify_cfg.workers)
         if not result.ok:
             raise RuntimeError(f"verify found {len(result.problems)} problem(s), the first: "
                                f"{result.problems[0]}")
         return f"OK: {result.records} records, {result.samples} samples, every one as planned"
 
     def train_stage() -> str:
+        from vlmshard.train.launcher import train
+
         os.makedirs(run, exist_ok=True)
         output = os.path.join(run, "launcher.log")
         records = train(train_cfg, output=output)
@@ -119,6 +135,8 @@ def stages(cfg: RunConfig) -> list[tuple[str, Callable[[], str]]]:
                 f"{records[-1]['loss']:.3f} -> {run} (DeepSpeed's output: {output})")
 
     def report() -> str:
+        from vlmshard.report.report import make_report
+
         log_file = os.path.join(run, "train_log.jsonl") if cfg.train is not None else None
         make_report([plan], train_log=log_file, html=cfg.path("report.html"),
                     json=cfg.path("report.json"))
@@ -130,10 +148,10 @@ def stages(cfg: RunConfig) -> list[tuple[str, Callable[[], str]]]:
     return chosen + [("report", report)]
 
 
-def run_all(cfg: RunConfig, on_stage: Callable[[int, int, StageResult], None] | None = None
-            ) -> list[StageResult]:
+def run_all(cfg: RunConfig, on_stage: Callable[[int, int, StageResult], None] | None = None,
+            where: str = "run config") -> list[StageResult]:
     """Run the stages in order; ``on_stage(index, count, result)`` after each one."""
-    todo = stages(cfg)
+    todo = stages(cfg, where)
     results = []
     for index, (name, action) in enumerate(todo):
         log.info("stage %d/%d: %s", index + 1, len(todo), name)
@@ -149,9 +167,7 @@ def run_all(cfg: RunConfig, on_stage: Callable[[int, int, StageResult], None] | 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="run config, e.g. configs/demo.yaml")
-    p.add_argument("--out", default=argparse.SUPPRESS, help="output folder (overrides the "
-                                                             "config's 'out')")
+    add_options(p, RunConfig)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -159,10 +175,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"[{index + 1}/{count}] {result.name:<10} {result.seconds:6.1f}s  {result.summary}",
               flush=True)
 
+    if not getattr(args, "config", None):
+        raise SystemExit("vlmshard run: error: --config is required (e.g. configs/demo.yaml)")
     try:
-        cfg = load_config(RunConfig, {k: v for k, v in vars(args).items() if k != "config"},
-                          args.config)
-        results = run_all(cfg, show)
+        where = f"config {args.config}"
+        cfg = load_config(RunConfig, args)
+        results = run_all(cfg, show, where)
     except (ValueError, OSError, RuntimeError) as e:
         raise SystemExit(f"vlmshard run: error: {e}") from None
     total = sum(r.seconds for r in results)

@@ -1,22 +1,19 @@
 """``vlmshard report``: the balance metrics of one or more plans side by side (DESIGN.md's
 definitions), as a terminal table, JSON and a self-contained HTML page of plots, optionally set
-against a training run's measured waiting times. The IO of the report lives here; the series
-(``vlmshard.report.series``), figures (``vlmshard.report.plots``) and page (``vlmshard.report.html_report``) are pure."""
+against a training run's measured waiting times. The IO of the report lives here; the
+series (``series``), figures (``plots``) and page (``html_report``) are pure."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import sys
 
 from vlmshard.io import atomic_write, canonical_json, write_json_atomic
-
 from vlmshard.packing.batches import Lengths, Packing
-from vlmshard.packing.cli import format_value
 from vlmshard.packing.cost import CostModel
-from vlmshard.packing.metrics import REPORT_KEYS
+from vlmshard.packing.metrics import REPORT_KEYS, format_value
 from vlmshard.packing.plan import load_plan, read_plan_json
+
 from .series import PlanSeries, TrainSeries, parse_train_log, plan_series, train_series
 
 log = logging.getLogger(__name__)
@@ -24,31 +21,6 @@ log = logging.getLogger(__name__)
 # The table's rows: the metrics pack prints, and the source-mix distance next to order_spearman.
 _AFTER = REPORT_KEYS.index("order_spearman") + 1
 ROWS = REPORT_KEYS[:_AFTER] + ("source_mix_tv",) + REPORT_KEYS[_AFTER:]
-
-HELP = "compare the balance of plans: table, JSON, HTML plots, measured vs predicted waiting"
-DESCRIPTION = """\
-Prints one table with a column per PLAN_DIR (headed by its algorithm, or its folder name when two
-plans share an algorithm) and a row per metric: pad ratio, ViT / LLM / attention dist ratios
-(OmniBal's Dist Ratio; 0 is perfect), fills of Qv and Qt, cost efficiency (1: no rank ever
-waits), Spearman rho between step index and step mean length, source-mix distance, and counts.
-
---json PATH writes the same as JSON ('-': print it instead of the table). --html PATH writes one
-self-contained page (images inlined) with plots: per-step imbalance, micro-batch fill, per-rank
-cumulative load, source mix over steps and the plans side by side. The plots read the stats the
-plan was packed from (the path plan.json names; its sha256 must still match).
-
---train-log train_log.jsonl (written by vlmshard train on the FIRST plan's shards) adds the
-measured waiting fraction of every rank (wait_s / step_time_s) against the waiting the plan's
-cost model predicts for the step trained (1 - mean C / max C over the run's DP ranks)."""
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("plan_dirs", nargs="+", metavar="PLAN_DIR", help="plan folder(s)")
-    p.add_argument("--train-log", dest="train_log", metavar="JSONL",
-                   help="train_log.jsonl of a run on the first plan's shards")
-    p.add_argument("--html", metavar="PATH", help="write a self-contained HTML report with plots")
-    p.add_argument("--json", metavar="PATH", help="write the table as JSON to PATH ('-': stdout)")
-
 
 def plan_labels(plan_dirs: list[str], infos: list[dict]) -> list[str]:
     """Column headers: the algorithms when they differ, else folder names, else the paths."""
@@ -75,22 +47,6 @@ def read_train_log(path: str, info: dict, packing: Packing, lengths: Lengths) ->
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text ({e.reason})") from None
     return train_series(records, path, packing, lengths, CostModel(**info["cost_model"]))
-
-
-def main(args: argparse.Namespace) -> int:
-    try:
-        result, text = make_report(args.plan_dirs, train_log=args.train_log, html=args.html,
-                                   json=None if args.json == "-" else args.json)
-    except (OSError, ValueError) as e:  # FileNotFoundError, StatsError and ReportError included
-        raise SystemExit(f"vlmshard report: error: {e}") from None
-    except KeyError as e:
-        raise SystemExit(f"vlmshard report: error: a plan.json lacks {e}: pack it again with "
-                         "this vlmshard") from None
-    if args.json == "-":
-        sys.stdout.write(canonical_json(result))
-    else:
-        print(text)
-    return 0
 
 
 def make_report(plan_dirs: list[str], train_log: str | None = None, html: str | None = None,

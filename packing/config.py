@@ -1,0 +1,65 @@
+"""Options of ``vlmshard pack``: one definition each (flag, YAML key, type, help)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from vlmshard.config import ConfigError, option
+from vlmshard.model_sizes import PRESETS
+
+Algorithm = Literal["balanced", "isf", "lengthgroup", "random"]
+ALGORITHMS: tuple[str, ...] = get_args(Algorithm)
+PADDED = ("random", "lengthgroup")  # micro-batches padded per sample, not packed
+ModelName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
+DEFAULT_MODEL = "internvl2-2b"
+
+
+@dataclass(kw_only=True)
+class PackConfig:
+    """Options of ``vlmshard pack``."""
+
+    stats: str = option(help="preprocess output folder, a stats .parquet, or OmniBal "
+                             "length/meta .json")
+    dp: int = option(help="data-parallel ranks")
+    out: str = option(help="plan folder to write")
+    micro_batches: int = option(1, help="micro-batches per rank per step")
+    virtual_ranks: int | None = option(
+        None, help="plan for this many ranks, a multiple of --dp: shards then serve any real DP "
+                   "size dividing it", default_text="--dp")
+    algo: Algorithm = option("balanced", help="packing algorithm")
+    qv: int | None = option(None, help="ViT tiles per micro-batch (with --qt)",
+                            default_text="chosen from the data")
+    qt: int | None = option(None, help="LLM tokens per micro-batch (with --qv)",
+                            default_text="chosen from the data")
+    target_samples: int = option(4, help="mean samples per micro-batch that automatic caps aim "
+                                         "at; samples per micro-batch for random and lengthgroup")
+    seed: int = option(0, help="shuffle seed; epoch e uses seed + e")
+    epochs: int = option(1, help="epochs to plan")
+    cost_model: str | None = option(None, help="cost_model.json with a_v, a_t, b (from vlmshard "
+                                               "train profile)",
+                                    default_text="the FLOPs of --model")
+    model: ModelName = option(DEFAULT_MODEL,
+                              help="model whose FLOPs set the default cost model")
+
+    def validate(self) -> None:
+        for name in ("dp", "micro_batches", "epochs", "target_samples"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, "
+                                  f"got {getattr(self, name)}")
+        if self.virtual_ranks is not None and (self.virtual_ranks < 1
+                                               or self.virtual_ranks % self.dp):
+            raise ConfigError(f"--virtual-ranks {self.virtual_ranks} must be a multiple of "
+                              f"--dp {self.dp}")
+        if (self.qv is None) != (self.qt is None):
+            raise ConfigError("give both --qv and --qt, or neither (then they are chosen)")
+        if self.qv is not None:
+            if self.algo in PADDED:
+                raise ConfigError(f"--qv/--qt do not apply to {self.algo}: it takes "
+                                  f"--target-samples samples per micro-batch")
+            if self.qv < 0 or self.qt < 1:
+                raise ConfigError(f"caps must be positive, got --qv {self.qv} --qt {self.qt}")
+
+    @property
+    def ranks(self) -> int:
+        return self.virtual_ranks or self.dp

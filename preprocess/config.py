@@ -1,0 +1,66 @@
+"""Options of ``vlmshard preprocess``: one definition each (flag, YAML key, type, help)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from vlmshard.config import ConfigError, option
+from vlmshard.engines import EngineOptions
+
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485  # Pillow's decompression-bomb limit
+
+
+@dataclass(kw_only=True)
+class PreprocessConfig(EngineOptions):
+    """Options of ``vlmshard preprocess``."""
+
+    inputs: list[str] = option(
+        factory=list, positional=True, metavar="INPUT",
+        help="conversation files (.json/.jsonl), InternVL meta files, .parquet files or "
+             "datasets.save_to_disk folders")
+    out: str = option(help="output folder")
+    image_root: str | None = option(
+        None, help="folder or URL that relative image paths start from",
+        default_text="the annotation file's folder; meta files give 'root'")
+    tokenizer: str = option("tekken", help="'tekken' (the Tekken file inside mistral-common) or "
+                                           "a path to a tokenizer.json")
+    template: str | None = option(None, help="chat template: mistral or chatml",
+                                  default_text="mistral for tekken, chatml for tokenizer.json")
+    tiling: Literal["internvl", "qwen2vl", "fixed"] = option(
+        "internvl", help="tile counting policy (internvl: 448 px tiles, 256 tokens each)")
+    max_num: int = option(12, help="internvl: most tiles per sample, split across its images")
+    min_num: int = option(1, help="internvl: fewest tiles per image")
+    keep_tokens: bool = option(False, help="store input_ids and labels in the stats table, so "
+                                           "writing shards needs no re-tokenizing")
+    max_seq_len: int | None = option(None, help="reject samples longer than this",
+                                     default_text="no limit")
+    max_image_pixels: int = option(DEFAULT_MAX_IMAGE_PIXELS,
+                                   help="reject images with more pixels, as decompression bombs "
+                                        "(Pillow's limit)")
+    max_reject_ratio: float | None = option(
+        None, help="fail (exit 3) if more than this fraction of rows is rejected",
+        default_text="no limit")
+    part_size: int = option(2048, help="rows per committed part, the unit of resume")
+    seed: int = option(0, help="seed for repeat_time < 1 subsampling")
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.inputs:
+            raise ConfigError("no input given: pass conversation files, meta files, Parquet files "
+                              "or saved dataset folders")
+        if self.part_size < 1:
+            raise ConfigError(f"--part-size must be >= 1, got {self.part_size}")
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            raise ConfigError(f"--max-seq-len must be >= 1, got {self.max_seq_len}")
+        if self.max_reject_ratio is not None and not 0 <= self.max_reject_ratio <= 1:
+            raise ConfigError(f"--max-reject-ratio must be in [0, 1], got {self.max_reject_ratio}")
+
+
+@dataclass(kw_only=True)
+class DemoDataConfig:
+    """Options of ``vlmshard demo-data`` (and the ``demo_data`` section of ``vlmshard run``)."""
+
+    out: str = option(help="folder to write the dataset into")
+    seed: int = option(0, help="seed of the generated conversations and bad rows")
+    scale: int = option(1, help="multiply the number of samples")

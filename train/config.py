@@ -1,0 +1,97 @@
+"""Options of ``vlmshard train`` and ``vlmshard train profile``: one definition each."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from vlmshard.config import ConfigError, option
+from vlmshard.model_sizes import PRESETS
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Options of ``vlmshard train``."""
+
+    shards: str = option(help="shard folder or URL")
+    out: str = option(help="run folder: train_log.jsonl, checkpoints/, train_config.json")
+    model: str | dict[str, Any] = option(
+        "tiny", help=f"model preset ({', '.join(PRESETS)}); in a YAML file also sizes over a "
+                     "preset: {preset: NAME, vision: {...}, llm: {...}}")
+    pp: int = option(1, help="pipeline stages")
+    dp: int = option(1, help="data-parallel replicas (shards planned for V virtual ranks serve "
+                             "any DP dividing V)")
+    max_steps: int | None = option(None, help="optimizer steps; more than the shards hold "
+                                              "repeats them", default_text="one pass over the shards")
+    lr: float = option(1e-3, help="AdamW learning rate")
+    weight_decay: float = option(0.0, help="AdamW weight decay")
+    seed: int = option(0, help="model initialization seed")
+    partition: str | None = option(
+        None, help="partition.json from 'vlmshard train profile': its chosen stage bounds and "
+                   "per-stage recompute", default_text="DeepSpeed's 'parameters' partition")
+    bounds: list[int] | None = option(
+        None, help="stage boundaries as layer indices (PP + 1 of them), instead of --partition",
+        default_text="DeepSpeed's 'parameters' partition")
+    recompute: list[str] = option(factory=list,
+                                  help="layer names whose activations are recomputed in backward")
+    checkpoint_every: int | None = option(
+        None, help="also save a DeepSpeed checkpoint every N steps", default_text="at the end only")
+    save_checkpoints: bool = option(True, help="save DeepSpeed checkpoints at all (off for short "
+                                               "validation runs)")
+    resume: str | None = option(
+        None, help="run folder to continue from its latest checkpoint; the data position follows "
+                   "from the step", default_text="start afresh")
+
+    def validate(self) -> None:
+        for name in ("pp", "dp"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"--max-steps must be at least 1, got {self.max_steps}")
+        from vlmshard.model_sizes import ModelConfig
+
+        ModelConfig.from_dict(self.model)  # a bad model config fails here, not in every process
+
+    def training_options(self) -> "TrainConfig":
+        """The training options alone: what the training processes read (a ProfileConfig is a
+        TrainConfig plus the profiling options)."""
+        return TrainConfig(**{f.name: getattr(self, f.name)
+                              for f in dataclasses.fields(TrainConfig)})
+
+    def resolve_partition(self) -> None:
+        """Take ``bounds`` and ``recompute`` from ``partition`` (the profile's chosen one)."""
+        if not self.partition:
+            return
+        from vlmshard.io import read_json
+
+        chosen = read_json(self.partition)["chosen"]
+        if len(chosen["bounds"]) != self.pp + 1:
+            raise ConfigError(f"{self.partition} splits the model into "
+                              f"{len(chosen['bounds']) - 1} stages, not --pp {self.pp}")
+        self.use_partition(chosen)
+
+    def use_partition(self, described: dict) -> None:
+        """Bounds and recompute from a partition as ``train.profile.describe`` writes it."""
+        self.bounds = described["bounds"]
+        self.recompute = [name for stage in described["stages"] for name in stage["recompute"]]
+
+
+@dataclass(kw_only=True)
+class ProfileConfig(TrainConfig):
+    """Options of ``vlmshard train profile``: the training options plus the profiling ones."""
+
+    memory_budget: int | str = option("80GiB", help="memory per pipeline stage, e.g. 80GiB")
+    micro_batches: int = option(4, help="micro-batches to profile")
+    device: str | None = option(None, help="cpu or cuda", default_text="cuda when available")
+    link_bytes_per_s: float = option(25e9, help="bandwidth between pipeline stages, for the "
+                                                "boundary transfer times")
+    validate_top: int = option(0, help="train real steps with the K best candidates and choose "
+                                       "the fastest measured (0: choose the search's)")
+    validate_steps: int = option(4, help="steps per validated candidate, the first untimed")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.validate_top < 0 or self.validate_steps < 2:
+            raise ConfigError("--validate-top must be >= 0 and --validate-steps >= 2 (the first "
+                              "step is warm-up)")

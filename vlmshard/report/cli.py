@@ -1,0 +1,52 @@
+"""``vlmshard report``: the command-line face of ``report.report.make_report``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vlmshard.config import add_options, load_config
+
+from .config import ReportConfig
+
+DESCRIPTION = """\
+Prints one table with a column per PLAN_DIR (headed by its algorithm, or its folder name when two
+plans share an algorithm) and a row per metric: pad ratio, ViT / LLM / attention dist ratios
+(OmniBal's Dist Ratio; 0 is perfect), fills of Qv and Qt, cost efficiency (1: no rank ever
+waits), Spearman rho between step index and step mean length, source-mix distance, and counts.
+
+--json PATH writes the same as JSON ('-': print it instead of the table). --html PATH writes one
+self-contained page (images inlined) with plots: per-step imbalance, micro-batch fill, per-rank
+cumulative load, source mix over steps and the plans side by side. The plots read the stats the
+plan was packed from (the path plan.json names; its sha256 must still match).
+
+--train-log train_log.jsonl (written by vlmshard train on the FIRST plan's shards) adds the
+measured waiting fraction of every rank (wait_s / step_time_s) against the waiting the plan's
+cost model predicts for the step trained (1 - mean C / max C over the run's DP ranks)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_options(p, ReportConfig)
+
+
+def main(args: argparse.Namespace) -> int:
+    from vlmshard.io import canonical_json
+
+    from .report import make_report
+
+    try:
+        cfg = load_config(ReportConfig, args)
+        if not cfg.plan_dirs:
+            raise ValueError("give at least one PLAN_DIR")
+        result, text = make_report(cfg.plan_dirs, train_log=cfg.train_log, html=cfg.html,
+                                   json=None if cfg.json == "-" else cfg.json)
+    except (OSError, ValueError) as e:  # FileNotFoundError, StatsError and ReportError included
+        raise SystemExit(f"vlmshard report: error: {e}") from None
+    except KeyError as e:
+        raise SystemExit(f"vlmshard report: error: a plan.json lacks {e}: pack it again with "
+                         "this vlmshard") from None
+    if cfg.json == "-":
+        sys.stdout.write(canonical_json(result))
+    else:
+        print(text)
+    return 0

@@ -1,0 +1,21 @@
+"""Options of ``vlmshard report``: one definition each (flag, YAML key, type, help)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vlmshard.config import option
+
+
+@dataclass(kw_only=True)
+class ReportConfig:
+    """Options of ``vlmshard report``."""
+
+    plan_dirs: list[str] = option(factory=list, positional=True, metavar="PLAN_DIR",
+                                  help="plan folder(s), one column each")
+    train_log: str | None = option(None, metavar="JSONL",
+                                   help="train_log.jsonl of a run on the first plan's shards")
+    html: str | None = option(None, metavar="PATH",
+                              help="write a self-contained HTML report with plots")
+    json: str | None = option(None, metavar="PATH",
+                              help="write the table as JSON to PATH ('-': stdout)")

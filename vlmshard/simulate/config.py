@@ -1,0 +1,46 @@
+"""Options of ``vlmshard simulate``: one definition each (flag, YAML key, type, help)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from vlmshard.config import ConfigError, option
+from vlmshard.model_sizes import PRESETS
+
+ModelName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
+
+
+@dataclass(kw_only=True)
+class SimulateConfig:
+    """Options of ``vlmshard simulate``."""
+
+    plan: str | None = option(None, positional=True, metavar="PLAN_DIR", help="plan folder")
+    model: ModelName = option("internvl-chat-1.5", help="model preset")
+    gpu: Literal["a100", "h100"] = option("a100", help="GPU kind (dense bf16 peak, memory, "
+                                                       "links)")
+    pp: int = option(4, help="pipeline stages")
+    dp: int | None = option(None, help="data-parallel replicas; must divide the plan's ranks",
+                            default_text="the plan's ranks")
+    micro_batches: int | None = option(None, help="micro-batches per replica per step",
+                                       default_text="the plan's")
+    mfu: float = option(0.45, help="sustained fraction of peak FLOPs")
+    zero: int = option(1, help="ZeRO stage 0 or 1 (DeepSpeed pipelines support no more)")
+    compare: bool = option(True, help="also simulate the packing strategies and OmniBal's "
+                                      "levers (--no-compare: only the plan itself)")
+    train_log: str | None = option(None, help="train_log.jsonl of a run to check the simulator "
+                                              "against (with --profile)")
+    profile: str | None = option(None, help="the run's `vlmshard train profile` folder")
+    json: str | None = option(None, help="also write the results as JSON here")
+
+    def validate(self) -> None:
+        if self.pp < 1 or (self.dp is not None and self.dp < 1):
+            raise ConfigError("--pp and --dp must be at least 1")
+        if not 0 < self.mfu <= 1:
+            raise ConfigError(f"--mfu must be in (0, 1], got {self.mfu}")
+        if self.zero not in (0, 1):
+            raise ConfigError("--zero must be 0 or 1 (DeepSpeed pipelines support no more)")
+        if bool(self.train_log) != bool(self.profile):
+            raise ConfigError("--train-log needs --profile (the measured layer times), and back")
+        if not self.plan and not self.train_log:
+            raise ConfigError("give a PLAN_DIR, or --train-log and --profile to validate")
