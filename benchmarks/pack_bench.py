@@ -1,13 +1,14 @@
 """Packing quality and speed on OmniBal's real InternVL-1.2M length statistics.
 
     python benchmarks/pack_bench.py                    # everything (about 2 minutes)
-    python benchmarks/pack_bench.py --skip-speed       # only the quality tables
+    python benchmarks/pack_bench.py --skip-speed       # only the quality tables (+ command)
 
 Quality: all four algorithms on the real rows (ai2d + docvqa, 22,624 samples) at R=8 M=1,
 R=64 M=1 and R=8 M=4, automatic caps (ISF: OmniBal's search), default seed.
 Speed: ``balanced`` including automatic caps on 1.2M and 10M samples resampled from those rows,
 each size in a fresh process pinned to one core (peak RSS of that process); our ``isf`` grouping
 against OmniBal's pure-Python ISF logic on the same 1.2M samples and caps. Medians of repeats.
+Command: the whole ``vlmshard pack`` process on the real rows against its own pack_seconds.
 Prints Markdown for BENCHMARKS.md; ``--json`` also writes the numbers.
 """
 
@@ -116,6 +117,28 @@ def isf_vs_omnibal(lengths: Lengths, repeats: int) -> dict:
             "speedup": reference / statistics.median(ours), "identical_groups": same}
 
 
+def command_overhead(data_dir: str, repeats: int) -> dict:
+    """The whole ``vlmshard pack`` command (a fresh process: imports, reading the lengths,
+    packing, metrics, writing the plan) against its own ``pack_seconds``, on the real rows."""
+    import tempfile
+
+    meta = os.path.join(os.environ.get("TMPDIR", "/tmp"), "vlmshard-omnibal-meta.json")
+    real_lengths(data_dir)  # writes the meta file naming both length files
+    walls, packs = [], []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as out:
+            t0 = time.perf_counter()
+            proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "vlmshard"),
+                                   "-q", "pack", "--stats", meta, "--dp", "8", "--out", out,
+                                   "--json"], capture_output=True, text=True, check=True)
+            walls.append(time.perf_counter() - t0)
+            packs.append(json.loads(proc.stdout)["pack_seconds"])
+    wall, pack = statistics.median(walls), statistics.median(packs)
+    return {"command_seconds": walls, "pack_seconds": packs, "median_command_seconds": wall,
+            "median_pack_seconds": pack, "budget_seconds": 1.5 * pack + 0.5,
+            "within_budget": wall < 1.5 * pack + 0.5}
+
+
 def markdown_quality(results: dict) -> str:
     head = "| setting | algo | " + " | ".join(COLUMNS) + " |"
     lines = [head, "|" + "---|" * (len(COLUMNS) + 2)]
@@ -133,6 +156,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-quality", action="store_true")
+    p.add_argument("--skip-command", action="store_true")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -167,6 +191,13 @@ def main() -> int:
               f"{i['ours_median']:.2f} s (median), OmniBal's Python logic "
               f"{i['omnibal_python_seconds']:.1f} s: {i['speedup']:.0f}x; identical groups: "
               f"{i['identical_groups']}")
+    if not args.skip_command:
+        c = results["command"] = command_overhead(args.data, max(args.repeats, 5))
+        print(f"\n## `vlmshard pack` command vs its pack_seconds ({len(lengths):,} rows, dp 8)\n")
+        print(f"command median {c['median_command_seconds']:.2f} s (runs "
+              f"{', '.join(f'{t:.2f}' for t in c['command_seconds'])}), pack_seconds median "
+              f"{c['median_pack_seconds']:.2f} s; budget 1.5 x pack + 0.5 = "
+              f"{c['budget_seconds']:.2f} s: {'within' if c['within_budget'] else 'OVER'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -237,7 +237,10 @@ def search_isf_caps(lengths: Lengths, *, ranks: int, target_samples: int, seed: 
             qv, qt = qv + 1, qt + per_tile
         if qv < 1 or qt < 1:
             break
-    pool = [t for t in tried if t["accepted"]] or tried
+    # Without an accepted candidate, the best that places anything (a tiny or odd dataset can
+    # leave every sample over both caps, whose empty packing would score a perfect 0).
+    pool = ([t for t in tried if t["accepted"]] or [t for t in tried if t["mean_samples"] > 0]
+            or tried)
     best = min(pool, key=lambda t: (t["score"], t["qv"], t["qt"]))
     return Caps(best["qv"], best["qt"]), tried
 

@@ -80,14 +80,24 @@ def dist_ratio(x: np.ndarray) -> float:
 
 def spearman(x: np.ndarray, y: np.ndarray) -> float:
     """Spearman ρ with average ranks for ties; 0 when either side is constant or too short."""
-    from scipy.stats import rankdata
-
     if len(x) < 2:
         return 0.0
-    rx, ry = rankdata(x), rankdata(y)
+    rx, ry = average_ranks(np.asarray(x)), average_ranks(np.asarray(y))
     if rx.std() == 0 or ry.std() == 0:
         return 0.0
     return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def average_ranks(x: np.ndarray) -> np.ndarray:
+    """1-based ranks, ties sharing their mean rank (``scipy.stats.rankdata``'s default, without
+    importing SciPy: that import alone took longer than packing)."""
+    order = np.argsort(x, kind="stable")
+    ordered = x[order]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    ends = np.r_[starts[1:], len(x)]
+    ranks = np.empty(len(x), dtype=np.float64)
+    ranks[order] = np.repeat((starts + ends + 1) / 2, ends - starts)
+    return ranks
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,64 @@
+"""The built wheel is the product: it installs the one top-level name ``vlmshard`` and runs the
+pipeline from any folder, with no source tree in sight."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+
+import pytest
+
+from helpers import REPO
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
+                    "--no-build-isolation", "--wheel-dir", str(out), REPO], check=True,
+                   capture_output=True)
+    return glob.glob(str(out / "vlmshard-*.whl"))[0]
+
+
+def test_wheel_holds_only_the_vlmshard_package(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"vlmshard"}
+    for stage in ("preprocess", "packing", "shards", "train", "report", "simulate"):
+        assert f"vlmshard/{stage}/__init__.py" in names
+    top_level = [n for n in names if n.endswith(".dist-info/top_level.txt")]
+    assert zipfile.ZipFile(wheel).read(top_level[0]).decode().split() == ["vlmshard"]
+
+
+@pytest.mark.slow
+def test_wheel_installs_into_a_fresh_venv_and_runs(wheel, tmp_path, demo):
+    """A fresh venv sees this venv's dependencies (a plain path entry: their own .pth hooks,
+    the editable install's among them, are not run) and the wheel's vlmshard alone."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(site, "deps.pth"), "w") as f:
+        f.write(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-deps", wheel], check=True,
+                   capture_output=True)
+    where = subprocess.run(
+        [python, "-c", "import importlib.metadata as m, vlmshard.packing.plan as p; "
+                       "print(p.__file__); print(m.distribution('vlmshard').read_text("
+                       "'top_level.txt').split())"],
+        capture_output=True, text=True, check=True, cwd=tmp_path).stdout.splitlines()
+    assert where[0].startswith(site) and where[1] == "['vlmshard']"
+    config = tmp_path / "run.yaml"
+    config.write_text(f"out: {tmp_path / 'out'}\n"
+                      f"preprocess: {{inputs: [{demo.meta}], keep_tokens: true, part_size: 64,"
+                      " max_seq_len: 8192}\n"
+                      "pack: {dp: 2}\nwrite: {shard_bytes: 64MB}\n")
+    proc = subprocess.run([str(venv / "bin" / "vlmshard"), "run", "--config", str(config)],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[5/5] report" in proc.stdout and (tmp_path / "out" / "report.html").exists()
