@@ -12,8 +12,9 @@ import struct
 import warnings
 from dataclasses import dataclass
 
-import fsspec
 from PIL import Image, UnidentifiedImageError
+
+from vlmshard.io import is_url, open_file
 
 from .config import DEFAULT_MAX_IMAGE_PIXELS
 from .rejects import Reject
@@ -34,10 +35,6 @@ class ImageHeader:
     format: str
 
 
-def is_url(path: str) -> bool:
-    return "://" in path
-
-
 def resolve_image_path(path: str, root: str) -> str:
     """An image reference made absolute against its source's root (URLs pass through)."""
     if is_url(path) or os.path.isabs(path):
@@ -50,7 +47,7 @@ def resolve_image_path(path: str, root: str) -> str:
 def read_image_header(path: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImageHeader:
     """Size and format of the image at ``path`` (local or fsspec URL); raises ``Reject``."""
     try:
-        opener = open(path, "rb") if not is_url(path) else fsspec.open(path, "rb").open()
+        opener = open_file(path)
     except FileNotFoundError:
         raise Reject("missing_image", f"image not found: {path}") from None
     except OSError as e:

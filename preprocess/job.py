@@ -27,12 +27,11 @@ import pyarrow.parquet as pq
 from vlmshard import __version__
 from vlmshard.config import ConfigError
 from vlmshard.engines import run_units
-from vlmshard.io import atomic_write, available_cpus, write_json_atomic, write_parquet
+from vlmshard.io import atomic_write, available_cpus, is_url, write_json_atomic, write_parquet
 from vlmshard.jobs import WORK, claim_output
 from vlmshard.progress import Progress
 
 from .config import PreprocessConfig
-from .images import is_url
 from .rejects import REASONS
 from .sample import SampleLimits
 from .schema import REJECTS_SCHEMA, stats_schema

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Iterator
 
-import fsspec
 import numpy as np
 
-from .images import is_url
+from vlmshard.io import file_exists, is_url, open_file
+
 from .rejects import Reject
 
 
@@ -60,17 +60,6 @@ class InputError(ValueError):
     """An input that cannot be used at all (missing path, unknown format)."""
 
 
-def _open(path: str, mode: str = "rb"):
-    return fsspec.open(path, mode).open() if is_url(path) else open(path, mode)
-
-
-def _exists(path: str) -> bool:
-    if is_url(path):
-        fs, p = fsspec.core.url_to_fs(path)
-        return fs.exists(p)
-    return os.path.exists(path)
-
-
 def _stem(path: str) -> str:
     base = os.path.basename(path.rstrip("/"))
     for ext in (".jsonl", ".json", ".parquet"):
@@ -97,7 +86,7 @@ def discover_sources(inputs: list[str], image_root: str | None = None) -> list[S
     """Expand the command-line inputs into sources, in order (meta files in their key order)."""
     sources: list[Source] = []
     for path in inputs:
-        if not _exists(path):
+        if not file_exists(path):
             raise InputError(f"input not found: {path}")
         kind = _kind_of(path)
         meta = _read_meta(path) if kind == "json" else None
@@ -118,11 +107,11 @@ def discover_sources(inputs: list[str], image_root: str | None = None) -> list[S
 
 def _read_meta(path: str) -> dict | None:
     """The parsed meta file if ``path`` is an InternVL-style meta JSON (an object), else None."""
-    with _open(path) as f:
+    with open_file(path) as f:
         head = f.read(4096).lstrip()
     if not head.startswith(b"{"):
         return None
-    with _open(path) as f:
+    with open_file(path) as f:
         try:
             meta = json.load(f)
         except json.JSONDecodeError as e:
@@ -143,7 +132,7 @@ def _meta_sources(meta_path: str, meta: dict) -> list[Source]:
     sources = []
     for name, entry in meta.items():
         annotation = rel(entry["annotation"])
-        if not _exists(annotation):
+        if not file_exists(annotation):
             raise InputError(f"meta file {meta_path}: annotation of {name!r} not found: {annotation}")
         repeat = float(entry.get("repeat_time", 1.0))
         if repeat <= 0:
@@ -174,7 +163,7 @@ def index_source(source: Source) -> SourceIndex:
     if source.kind == "parquet":
         import pyarrow.parquet as pq
 
-        with _open(source.path) as f:
+        with open_file(source.path) as f:
             return SourceIndex(n_rows=pq.ParquetFile(f).metadata.num_rows)
     if source.kind == "hf_dataset":
         return SourceIndex(n_rows=len(_load_hf_dataset(source.path)))
@@ -186,7 +175,7 @@ def _jsonl_line_index(path: str) -> tuple[np.ndarray, np.ndarray]:
     file far larger than RAM is scanned without being read into the driver's memory."""
     import mmap
 
-    with _open(path) as f:
+    with open_file(path) as f:
         if is_url(path):
             data = f.read()
         else:
@@ -270,7 +259,7 @@ def read_part_rows(source: Source, part: Part) -> Iterator[tuple[int, dict | Rej
 def _jsonl_rows(path: str, part: Part) -> Iterator[tuple[int, dict | Reject]]:
     lo = int(part.offsets.min())
     hi = int((part.offsets + part.lengths).max())
-    with _open(path) as f:
+    with open_file(path) as f:
         f.seek(lo)
         span = f.read(hi - lo)
     for row, off, n in zip(part.rows, part.offsets, part.lengths):
@@ -295,7 +284,7 @@ def _as_record(value: Any) -> dict | Reject:
 @lru_cache(maxsize=1)
 def _load_json_list(path: str) -> list:
     """A JSON-list file, parsed once per process (lone surrogates survive to be rejected per row)."""
-    with _open(path) as f:
+    with open_file(path) as f:
         text = f.read().decode("utf-8", errors="surrogateescape")
     try:
         rows = json.loads(text)
@@ -310,7 +299,7 @@ def _load_json_list(path: str) -> list:
 def _load_parquet(path: str):
     import pyarrow.parquet as pq
 
-    with _open(path) as f:
+    with open_file(path) as f:
         return pq.read_table(f)
 
 

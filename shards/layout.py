@@ -23,6 +23,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import IO
 
+from vlmshard.io import is_url, open_file
 from vlmshard.jobs import WORK
 
 FORMAT = "vlmshard-shards/1"
@@ -126,6 +127,11 @@ class Manifest:
         return cls(**d)
 
 
+def is_remote(root: str) -> bool:
+    """Whether ``root`` is a URL or a ``pipe:`` command, not a local path (nothing to list)."""
+    return is_url(root) or root.startswith("pipe:")
+
+
 def join(root: str, path: str) -> str:
     """The URL or local path of ``path`` below ``root``."""
     if root.startswith("pipe:"):
@@ -133,30 +139,30 @@ def join(root: str, path: str) -> str:
             raise ValueError(f"{root!r}: a pipe: root needs a {{path}} placeholder for the file "
                              "below it, e.g. 'pipe:curl -s http://host/shards/{path}'")
         return root.replace("{path}", path)
-    if "://" in root:
+    if is_url(root):
         return root.rstrip("/") + "/" + path
     return os.path.join(root, *path.split("/"))
 
 
 def open_url(url: str) -> IO[bytes]:
     """A streaming binary reader for a local path, ``file://``, ``http(s)://``, ``pipe:`` or
-    fsspec URL. Schemes webdataset knows go through ``webdataset.gopen``; others through fsspec."""
-    import importlib
-    from urllib.parse import urlparse
+    fsspec URL. Schemes webdataset knows go through ``webdataset.gopen``; local paths and others
+    through ``vlmshard.io.open_file``."""
+    if is_remote(url):
+        import importlib
+        from urllib.parse import urlparse
 
-    wds_gopen = importlib.import_module("webdataset.gopen")  # the package shadows it by a function
-    scheme = urlparse(url).scheme if "://" in url or url.startswith("pipe:") else ""
-    if scheme in ("", "file") or scheme in wds_gopen.gopen_schemes:
-        return wds_gopen.gopen(url, "rb")
-    import fsspec
-
-    return fsspec.open(url, "rb").open()
+        wds_gopen = importlib.import_module("webdataset.gopen")  # the package shadows it
+        scheme = urlparse(url).scheme
+        if scheme != "file" and scheme in wds_gopen.gopen_schemes:
+            return wds_gopen.gopen(url, "rb")
+    return open_file(url)
 
 
 def read_manifest(root: str) -> Manifest:
     """The manifest of a finished shard folder; a clear error if the write is not finished."""
     url = join(root, MANIFEST)
-    if "://" not in root and not root.startswith("pipe:") and not os.path.exists(url):
+    if not is_remote(root) and not os.path.exists(url):
         hint = (" (an unfinished write: rerun vlmshard write to finish it)"
                 if os.path.isdir(os.path.join(root, WORK)) else "")
         raise FileNotFoundError(f"{root}: no {MANIFEST}{hint}")

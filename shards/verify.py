@@ -27,7 +27,7 @@ import numpy as np
 from vlmshard.io import available_cpus, sha256_file
 from vlmshard.progress import Progress
 
-from .layout import Manifest, ShardEntry, join, read_manifest
+from .layout import Manifest, ShardEntry, is_remote, join, read_manifest
 from .reader import ShardError, iter_shard
 from .records import RecordError, check_image_tokens
 
@@ -88,7 +88,7 @@ def verify_shards(root: str, plan: str | None = None, quick: bool = False,
 
 
 def _unlisted_files(root: str, manifest: Manifest) -> list[str]:
-    if "://" in root or root.startswith("pipe:"):
+    if is_remote(root):
         return []  # a URL cannot be listed in general
     listed = {os.path.normpath(join(root, e.path)) for e in manifest.shards}
     found = {os.path.normpath(p) for p in glob.glob(os.path.join(root, "rank-*", "*"))}
@@ -97,7 +97,7 @@ def _unlisted_files(root: str, manifest: Manifest) -> list[str]:
 
 def _quick_check(root: str, entry: ShardEntry, manifest: Manifest) -> tuple[str | None, None]:
     path = join(root, entry.path)
-    if "://" in root or root.startswith("pipe:"):
+    if is_remote(root):
         return None, None
     if not os.path.exists(path):
         return f"{path}: missing", None

@@ -35,7 +35,6 @@ import pyarrow.parquet as pq
 
 from vlmshard.packing.plan import read_plan, read_plan_json
 from vlmshard.packing.stats import files_sha256, stats_files
-from vlmshard.preprocess.images import is_url
 from vlmshard.preprocess.rejects import Reject
 from vlmshard.preprocess.sample import SampleLimits, process_record
 from vlmshard.preprocess.sources import Part, Source, index_source, read_part_rows
@@ -43,7 +42,8 @@ from vlmshard.preprocess.tiling import source_tiling, tiling_from_dict
 from vlmshard.preprocess.tokenize import ConversationEncoder, TokenizerConfig
 from vlmshard import __version__
 from vlmshard.engines import run_units
-from vlmshard.io import atomic_write, available_cpus, read_json, sha256_file, write_json_atomic
+from vlmshard.io import (atomic_write, available_cpus, file_size, open_file, read_json,
+                         sha256_file, write_json_atomic)
 from vlmshard.jobs import WORK, claim_output
 from vlmshard.progress import Progress
 
@@ -258,12 +258,7 @@ def _estimated_sample_bytes(table: pa.Table) -> np.ndarray:
 def _file_size(path: str) -> int:
     """A file's size, or 0 if it is gone (the worker then fails naming the sample)."""
     try:
-        if is_url(path):
-            import fsspec
-
-            fs, p = fsspec.core.url_to_fs(path)
-            return int(fs.size(p))
-        return os.path.getsize(path)
+        return file_size(path)
     except (OSError, ValueError):
         return 0
 
@@ -386,14 +381,8 @@ def _read_image(row: dict, path: str, size: dict) -> tuple[bytes, str]:
     from PIL import Image
 
     try:
-        if is_url(path):
-            import fsspec
-
-            with fsspec.open(path, "rb") as f:
-                data = f.read()
-        else:
-            with open(path, "rb") as f:
-                data = f.read()
+        with open_file(path) as f:
+            data = f.read()
     except Exception as e:  # OSError locally; fsspec and aiohttp raise their own kinds
         raise WriteError(f"{_where(row)}: image vanished since preprocessing: {path} ({e}); "
                          "restore it, or preprocess and pack again") from None
