@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import re
 import shutil
@@ -18,7 +19,8 @@ from PIL import Image
 from helpers import kill_9_when, serve_http, tree_bytes, vlmshard
 from vlmshard.packing.plan import PackConfig, run_pack
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
-from vlmshard.preprocess.tiling import FixedTiling, InternVLTiling, Qwen2VLTiling, internvl_grid
+from vlmshard.preprocess.rejects import Reject
+from vlmshard.preprocess.tiling import FixedTiling, InternVLTiling, Qwen2VLTiling
 from vlmshard.shards.layout import read_manifest, record_key
 from vlmshard.shards.loader import ShardDataset, make_loader
 from vlmshard.shards.reader import ShardError
@@ -179,35 +181,99 @@ def test_ray_engine_writes_the_same_bytes(ray_cluster, plan, demo_out, shards, t
 # Loading
 
 
+# Independent references for the tilers, written from the published rules (InternVL's
+# ``dynamic_preprocess`` with ``find_closest_aspect_ratio``; Qwen2-VL's ``smart_resize`` in its
+# image processor), with PIL's own crop boxes rather than array reshapes.
+
 def _internvl_reference(image: Image.Image, policy: InternVLTiling, n_images: int) -> np.ndarray:
-    """InternVL's ``dynamic_preprocess`` as its own code writes it: resize, crop box by box."""
+    """InternVL's rule: a sample of n images gives each max_num // n tiles (at least 1). Candidate
+    grids (i cols, j rows) have min_num ≤ i·j ≤ max_num, in increasing area. The grid whose i/j
+    is closest to the image's w/h wins; among grids at exactly that distance, in area order, a
+    later grid replaces the current one when the image has more than half its pixels. The image is
+    resized (bicubic) to i·S × j·S and cropped row by row; a thumbnail (the whole image resized to
+    S × S) follows when there is more than one crop."""
+    S = policy.image_size
     max_num = max(1, policy.max_num // n_images)
-    cols, rows = internvl_grid(image.width, image.height, min(policy.min_num, max_num), max_num,
-                               policy.image_size)
-    s = policy.image_size
-    resized = image.resize((cols * s, rows * s), Image.BICUBIC)
-    crops = [resized.crop(((i % cols) * s, (i // cols) * s, (i % cols + 1) * s, (i // cols + 1) * s))
-             for i in range(cols * rows)]
-    if policy.use_thumbnail and len(crops) != 1:
-        crops.append(image.resize((s, s), Image.BICUBIC))
+    min_num = min(policy.min_num, max_num)
+    grids = sorted(((i, j) for i in range(1, max_num + 1) for j in range(1, max_num + 1)
+                    if min_num <= i * j <= max_num), key=lambda g: g[0] * g[1])
+    aspect = image.width / image.height
+    distance = {g: abs(aspect - g[0] / g[1]) for g in grids}
+    closest = [g for g in grids if distance[g] == min(distance.values())]
+    cols, rows = closest[0]
+    for i, j in closest[1:]:
+        if image.width * image.height > 0.5 * S * S * i * j:
+            cols, rows = i, j
+    resized = image.resize((cols * S, rows * S), Image.BICUBIC)
+    crops = [resized.crop((c * S, r * S, (c + 1) * S, (r + 1) * S))
+             for r in range(rows) for c in range(cols)]
+    if policy.use_thumbnail and len(crops) > 1:
+        crops.append(image.resize((S, S), Image.BICUBIC))
     return np.stack([np.asarray(c) for c in crops])
 
 
-@pytest.mark.parametrize("size", [(900, 500), (448, 448), (200, 1500), (3000, 800), (31, 29)])
+def _smart_resize(width: int, height: int, factor: int = 28, min_pixels: int = 56 * 56,
+                  max_pixels: int = 28 * 28 * 1280) -> tuple[int, int] | None:
+    """Qwen2-VL's rule: (height, width) rounded to multiples of 28; if that exceeds max_pixels,
+    scale both sides by sqrt(max_pixels / (h·w)) and floor to multiples of 28; if under
+    min_pixels, scale up by sqrt(min_pixels / (h·w)) and ceil. None where Qwen2-VL refuses the
+    image (a side under 28 px, or an aspect ratio over 200)."""
+    if min(width, height) < factor or max(width, height) > 200 * min(width, height):
+        return None
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if h * w > max_pixels:
+        scale = math.sqrt(max_pixels / (height * width))
+        h, w = math.floor(height * scale / factor) * factor, math.floor(width * scale / factor) * factor
+    elif h * w < min_pixels:
+        scale = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * scale / factor) * factor, math.ceil(width * scale / factor) * factor
+    return h, w
+
+
+def _qwen2vl_reference(image: Image.Image) -> np.ndarray | None:
+    """Smart-resized (bicubic), then 28 × 28 merged patches (2 × 2 ViT patches of 14 px) row by
+    row: the order Qwen2-VL's processor flattens them in (grid_h/2, grid_w/2, 2, 2)."""
+    size = _smart_resize(image.width, image.height)
+    if size is None:
+        return None
+    h, w = size
+    resized = image.resize((w, h), Image.BICUBIC)
+    return np.stack([np.asarray(resized.crop((c * 28, r * 28, (c + 1) * 28, (r + 1) * 28)))
+                     for r in range(h // 28) for c in range(w // 28)])
+
+
+@pytest.mark.parametrize("size", [(900, 500), (448, 448), (200, 1500), (3000, 800), (31, 29),
+                                  (1000, 1000), (20, 100), (50, 30)])
 @pytest.mark.parametrize("n_images", [1, 3])
-def test_tile_pixels_match_the_tile_counts(size, n_images):
+def test_tile_pixels_match_the_references(size, n_images):
     rng = np.random.default_rng(0)
     image = Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+
     internvl = InternVLTiling(max_num=6)
-    tiles = internvl.tile_pixels(image, n_images)
-    assert len(tiles) == internvl.tiles(*size, n_images)
-    np.testing.assert_array_equal(tiles, _internvl_reference(image, internvl, n_images))
-    for policy in (FixedTiling(), Qwen2VLTiling()):
-        if policy.name == "qwen2vl" and min(size) < 28:
-            continue
-        tiles = policy.tile_pixels(image, n_images)
-        assert tiles.shape == (policy.tiles(*size, n_images), policy.tile_size,
-                               policy.tile_size, 3)
+    want = _internvl_reference(image, internvl, n_images)
+    assert internvl.tiles(*size, n_images) == len(want)
+    np.testing.assert_array_equal(internvl.tile_pixels(image, n_images), want)
+
+    qwen = Qwen2VLTiling()
+    want = _qwen2vl_reference(image)
+    if want is None:  # refused by Qwen2-VL's rule: a reject, never a crash or a silent tile
+        with pytest.raises(Reject):
+            qwen.tiles(*size, n_images)
+    else:
+        assert qwen.tiles(*size, n_images) == len(want)
+        np.testing.assert_array_equal(qwen.tile_pixels(image, n_images), want)
+
+    fixed = FixedTiling()
+    assert fixed.tiles(*size, n_images) == 1
+    np.testing.assert_array_equal(fixed.tile_pixels(image, n_images),
+                                  np.asarray(image.resize((336, 336), Image.BICUBIC))[None])
+
+
+def test_smart_resize_reference_by_hand():
+    # the reference itself, on sizes worked out by hand
+    assert _smart_resize(640, 480) == (476, 644)  # 17.1 → 17 × 28, 22.9 → 23 × 28
+    assert _smart_resize(31, 29) == (56, 84)  # 28 × 28 < 56²: × 1.868, ceil → 2 × 3 patches
+    assert _smart_resize(20, 100) is None
 
 
 def test_collated_micro_batch_golden(shards, demo_out):
