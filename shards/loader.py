@@ -24,7 +24,6 @@ images only for its own records.
 
 from __future__ import annotations
 
-import io
 from typing import Iterator
 
 import numpy as np
@@ -35,7 +34,7 @@ from vlmshard.preprocess.tokenize import IGNORE_INDEX
 
 from .layout import Manifest, read_manifest
 from .reader import ShardError, iter_shard
-from .records import Record, RecordError, check_image_tokens
+from .records import Record, RecordError, check_image_tokens, image_tiles
 
 
 class ShardDataset(IterableDataset):
@@ -143,27 +142,16 @@ class ShardDataset(IterableDataset):
         }
 
     def _pixel_values(self, record: Record) -> torch.Tensor:
-        from PIL import Image
-
         m, size = self.manifest, self.tile_size
         pixels = torch.zeros((m.qv, 3, size, size), dtype=self.pixel_dtype)
         if not self.pixels:
             return pixels
-        images = iter(record.images)
         tile = 0
-        for sample in record.samples:
-            policy = self.policies[sample["source"]]
-            for name, planned in zip(sample["images"], sample["image_tiles"]):
-                with Image.open(io.BytesIO(next(images))) as im:
-                    tiles = policy.tile_pixels(im.convert("RGB"), len(sample["images"]))
-                if len(tiles) != planned:
-                    raise RecordError(f"{record.where}: image {name} of sample "
-                                      f"{sample['sample_id']} cuts into {len(tiles)} tiles, "
-                                      f"the plan has {planned}")
-                if tile + planned > m.qv:
-                    raise RecordError(f"{record.where}: more than Qv {m.qv} tiles")
-                pixels[tile:tile + planned] = normalize_tiles(tiles, policy.mean, policy.std)
-                tile += planned
+        for policy, tiles in image_tiles(record, self.policies):
+            if tile + len(tiles) > m.qv:
+                raise RecordError(f"{record.where}: more than Qv {m.qv} tiles")
+            pixels[tile:tile + len(tiles)] = normalize_tiles(tiles, policy.mean, policy.std)
+            tile += len(tiles)
         return pixels
 
 

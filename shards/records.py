@@ -16,10 +16,14 @@ import io
 import json
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
 from .layout import parse_key, record_key
+
+if TYPE_CHECKING:
+    from vlmshard.preprocess.tiling import TilingPolicy
 
 JSON = "json"
 INPUT_IDS = "input_ids.npy"
@@ -139,3 +143,30 @@ def check_image_tokens(record: Record, image_token_id: int,
         if have != want:
             raise RecordError(f"{record.where}: sample {sample['sample_id']} has {have} image "
                               f"tokens, its tiles need {want}")
+
+
+def image_tiles(record: Record, policies: dict[str, "TilingPolicy"], *,
+                cut: bool = True) -> Iterator[tuple["TilingPolicy", np.ndarray | None]]:
+    """Decode each image of ``record`` in full, in token order, and check that it makes the tiles
+    the plan has under its source's policy; yields (policy, its uint8 tiles [n, S, S, 3]), the
+    tiles only with ``cut`` (else None). The one decode-and-tile of the loader and ``verify``."""
+    from PIL import Image
+
+    images = iter(record.images)
+    for sample in record.samples:
+        policy = policies[sample["source"]]
+        n_images = len(sample["images"])
+        for name, planned in zip(sample["images"], sample["image_tiles"]):
+            try:
+                with Image.open(io.BytesIO(next(images))) as im:
+                    im.load()
+                    width, height = im.size
+                    rgb = im.convert("RGB") if cut else None
+            except Exception as e:
+                raise RecordError(f"{record.where}: image {name} does not decode: {e}") from None
+            tiles = policy.tiles(width, height, n_images)
+            if tiles != planned:
+                raise RecordError(f"{record.where}: image {name} ({width}x{height}) of sample "
+                                  f"{sample['sample_id']} makes {tiles} tiles, the plan has "
+                                  f"{planned}")
+            yield policy, policy.tile_pixels(rgb, n_images) if cut else None

@@ -14,7 +14,6 @@ and the step coverage of each rank.
 from __future__ import annotations
 
 import glob
-import io
 import json
 import logging
 import os
@@ -29,7 +28,7 @@ from vlmshard.progress import Progress
 
 from .layout import Manifest, ShardEntry, is_remote, join, read_manifest
 from .reader import ShardError, iter_shard
-from .records import RecordError, check_image_tokens
+from .records import RecordError, check_image_tokens, image_tiles
 
 log = logging.getLogger(__name__)
 
@@ -116,31 +115,13 @@ def _full_check(root: str, entry: ShardEntry,
     try:
         for record in iter_shard(root, entry, manifest):
             check_image_tokens(record, manifest.image_token_id, tokens_per_tile)
-            _check_images(record, policies)
+            for _ in image_tiles(record, policies, cut=False):
+                pass
             rows += [(record.step, record.rank, record.micro, slot, s["sample_id"])
                      for slot, s in enumerate(record.samples)]
     except (ShardError, RecordError) as e:
         return str(e), None
     return None, np.array(rows, dtype=np.int64).reshape(-1, 5)
-
-
-def _check_images(record, policies: dict) -> None:
-    from PIL import Image
-
-    images = iter(record.images)
-    for sample in record.samples:
-        policy = policies[sample["source"]]
-        for name, planned in zip(sample["images"], sample["image_tiles"]):
-            try:
-                with Image.open(io.BytesIO(next(images))) as im:
-                    im.load()
-                    width, height = im.size
-            except Exception as e:
-                raise RecordError(f"{record.where}: image {name} does not decode: {e}") from None
-            tiles = policy.tiles(width, height, len(sample["images"]))
-            if tiles != planned:
-                raise RecordError(f"{record.where}: image {name} ({width}x{height}) makes "
-                                  f"{tiles} tiles, the plan has {planned}")
 
 
 def _plan_problems(plan_dir: str, manifest: Manifest,
