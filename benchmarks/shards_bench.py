@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from vlmshard.packing.plan import PackConfig, run_pack  # noqa: E402
 from vlmshard.preprocess import PreprocessConfig, run_preprocess  # noqa: E402
 from vlmshard.preprocess.demo_data import generate  # noqa: E402
+from vlmshard.preprocess.tokenize import IGNORE_INDEX  # noqa: E402
 from vlmshard.shards.layout import join, read_manifest  # noqa: E402
 from vlmshard.shards.loader import make_loader, normalize_tiles  # noqa: E402
 from vlmshard.shards.writer import WriteConfig, run_write  # noqa: E402
@@ -80,7 +81,7 @@ def plain_webdataset(root: str):
         n = len(ids)
         input_ids = torch.full((manifest.qt,), manifest.pad_token_id, dtype=torch.long)
         input_ids[:n] = torch.from_numpy(ids.astype(np.int64))
-        lab = torch.full((manifest.qt,), -100, dtype=torch.long)
+        lab = torch.full((manifest.qt,), IGNORE_INDEX, dtype=torch.long)
         lab[:n] = torch.from_numpy(labels.astype(np.int64))
         pixels = torch.zeros((manifest.qv, 3, size, size))
         tile = 0

@@ -25,8 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from vlmshard.model_sizes import ModelConfig
-
-IGNORE_INDEX = -100
+from vlmshard.preprocess.tokenize import IGNORE_INDEX
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,27 +21,22 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from vlmshard.model_sizes import Size, training_flops
+from vlmshard.model_sizes import training_flops
 
 from .config import TrainConfig
+from .train_log import micro_batch_size  # noqa: F401 (train.profile imports it from here)
+from .train_log import open_log, rank_data, rank_timing, step_record, write_record
 
 log = logging.getLogger(__name__)
 
 
 def supervised_tokens(batch: dict) -> int:
     """Tokens with a next-token target in this micro-batch (the Ave-Token denominator's share)."""
-    from .model import IGNORE_INDEX, next_token_targets
+    from vlmshard.preprocess.tokenize import IGNORE_INDEX
+
+    from .model import next_token_targets
 
     return int((next_token_targets(batch["labels"], batch["position_ids"]) != IGNORE_INDEX).sum())
-
-
-def micro_batch_size(batch: dict) -> dict:
-    """The three sizes the cost model and the simulator read: tiles, tokens, Σseq_len²."""
-    import numpy as np
-
-    lens = np.diff(np.asarray(batch["cu_seqlens"][:batch["num_samples"] + 1], dtype=np.int64))
-    return {"tiles": int(batch["num_tiles"]), "tokens": int(batch["num_tokens"]),
-            "squares": int((lens ** 2).sum())}
 
 
 def cpu_threads_per_rank(processes: int) -> int:
@@ -122,7 +117,7 @@ def run(cfg: TrainConfig) -> None:
     dp_rank = engine.grid.get_data_parallel_id()
     reads = engine.is_first_stage() or engine.is_last_stage()
     batches = repeated(cfg.shards, dp_rank, cfg.dp, engine.is_first_stage(), first_step)
-    log_file = _open_log(cfg, engine.global_rank, append=first_step > 0)
+    log_file = open_log(cfg.out, append=first_step > 0) if engine.global_rank == 0 else None
     flops = training_flops(model_config)  # per tile, token and squared length
     for step in range(first_step, steps):
         micro = [check_vocabulary(next(batches), model_config.llm.vocab_size)
@@ -137,20 +132,14 @@ def run(cfg: TrainConfig) -> None:
         value = float(engine.train_batch(iter([pipeline_inputs(b) for b in micro])))
         seconds = time.perf_counter() - start
         forward, backward = CLOCK.take()
-        mine = {"rank": engine.global_rank, "stage": engine.stage_id, "dp_rank": dp_rank,
-                "forward_s": forward, "backward_s": backward,
-                "wait_s": max(0.0, seconds - forward - backward), "step_time_s": seconds}
+        mine = rank_timing(rank=engine.global_rank, stage=engine.stage_id, dp_rank=dp_rank,
+                           forward_s=forward, backward_s=backward, step_time_s=seconds)
         if engine.is_first_stage():
-            mine["data"] = {"tokens": sum(b["num_tokens"] for b in micro),
-                            "plan_steps": [b["step"] for b in micro],
-                            "micro_sizes": [micro_batch_size(b) for b in micro],
-                            "sample_ids": [b["sample_ids"].tolist() for b in micro]}
+            mine["data"] = rank_data(micro)
         ranks = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(ranks, mine)
         if log_file:
-            record = _step_record(step, value, ranks, flops)
-            log_file.write(json.dumps(record) + "\n")
-            log_file.flush()
+            write_record(log_file, step_record(step, value, ranks, flops))
         if cfg.save_checkpoints and (
                 cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0
                 or step + 1 == steps):
@@ -162,33 +151,6 @@ def run(cfg: TrainConfig) -> None:
     # torn down while gloo still runs aborts with "terminate called without an active exception".
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-
-
-def _step_record(step: int, loss: float, ranks: list[dict], flops: Size) -> dict:
-    """One line of train_log.jsonl from every rank's timings and the first stages' data.
-
-    ``model_flops`` is the step's useful training work (forward + backward of the real tiles,
-    tokens and per-sample attention, padding excluded) from the model's analytic FLOPs: divided
-    by step time and the cluster's peak it is the MFU."""
-    seconds = max(r["step_time_s"] for r in ranks)
-    data = sorted((r for r in ranks if "data" in r), key=lambda r: r["dp_rank"])
-    tokens = sum(r["data"]["tokens"] for r in data)
-    model_flops = sum(flops.dot(Size(**m)) for r in data for m in r["data"]["micro_sizes"])
-    return {"step": step, "loss": loss, "step_time_s": seconds, "tokens": tokens,
-            "tokens_per_s": tokens / seconds if seconds else 0.0,
-            "model_flops": model_flops,
-            "model_flops_per_s": model_flops / seconds if seconds else 0.0,
-            "ranks": [{k: v for k, v in r.items() if k != "data"} for r in ranks],
-            "data": [{"dp_rank": r["dp_rank"], **r["data"]} for r in data]}
-
-
-def _open_log(cfg: TrainConfig, global_rank: int, append: bool):
-    """Global rank 0 writes ``train_log.jsonl`` (appending when resuming)."""
-    if global_rank != 0:
-        return None
-    os.makedirs(cfg.out, exist_ok=True)
-    return open(os.path.join(cfg.out, "train_log.jsonl"), "a" if append else "w",
-                encoding="utf-8")
 
 
 def main() -> None:
