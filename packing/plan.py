@@ -22,7 +22,8 @@ import numpy as np
 import pyarrow as pa
 
 from vlmshard import __version__
-from vlmshard.io import atomic_write, read_json, sha256_file, write_json_atomic, write_parquet
+from vlmshard.io import (arrow_column, atomic_write, read_json, sha256_file, write_json_atomic,
+                         write_parquet)
 from vlmshard.jobs import fingerprint as job_fingerprint
 
 from . import algorithms
@@ -180,13 +181,12 @@ def write_plan_parquet(path: str, packing: Packing) -> None:
     micro_of_item = packing.micro_of_item()
     per_step = packing.ranks * packing.micro_batches
     slot = np.arange(len(packing.items)) - packing.offsets[micro_of_item]
-    table = pa.table({
-        "step": (micro_of_item // per_step).astype(np.int32),
-        "rank": ((micro_of_item // packing.micro_batches) % packing.ranks).astype(np.int32),
-        "micro": (micro_of_item % packing.micro_batches).astype(np.int16),
-        "slot": slot.astype(np.int16),
-        "sample_id": packing.items.astype(np.int64),
-    }, schema=PLAN_SCHEMA)
+    columns = [(micro_of_item // per_step).astype(np.int32),
+               ((micro_of_item // packing.micro_batches) % packing.ranks).astype(np.int32),
+               (micro_of_item % packing.micro_batches).astype(np.int16),
+               slot.astype(np.int16),
+               packing.items.astype(np.int64)]
+    table = pa.Table.from_arrays([arrow_column(c) for c in columns], schema=PLAN_SCHEMA)
     atomic_write(path, lambda tmp: write_parquet(table, tmp))
 
 

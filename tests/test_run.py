@@ -55,7 +55,7 @@ def test_run_config_errors_name_the_section(tmp_path):
                                                                                 "algoritm": 1}),
                     check=False)
     assert proc.returncode != 0
-    assert "run config section 'pack': unknown key(s) algoritm" in proc.stderr
+    assert "section 'pack': unknown key(s) algoritm" in proc.stderr
     proc = vlmshard("run", "--config", _config(tmp_path, tmp_path / "y", pack={}), check=False)
-    assert proc.returncode != 0 and "missing required option(s): dp" in proc.stderr \
-        and "'pack' section" in proc.stderr
+    assert proc.returncode != 0 and "missing required option(s) dp" in proc.stderr \
+        and "section 'pack'" in proc.stderr

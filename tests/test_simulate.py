@@ -102,7 +102,7 @@ def test_simulate_compares_strategies_and_levers(tmp_path):
 
 def test_simulate_errors_are_one_line(tmp_path):
     for args, message in [((str(tmp_path),), "no plan.json"),
-                          ((str(tmp_path), "--gpu", "tpu"), "unknown --gpu"),
+                          ((str(tmp_path), "--gpu", "tpu"), "invalid choice: 'tpu'"),
                           (("--train-log", "x.jsonl"), "needs --profile"),
                           ((), "give a PLAN_DIR")]:
         proc = vlmshard("simulate", *args, check=False)
