@@ -68,14 +68,35 @@ def _adapter(annotation: Any):
 
 def check_value(cls: type, name: str, value: Any, where: str) -> Any:
     """``value`` converted to field ``name``'s type, or a one-line :class:`ConfigError`."""
+    annotation = _hints(cls)[name]
+    if _conforms(value, annotation):
+        return value  # most values already are (flags are parsed typed): no pydantic import
     from pydantic import ValidationError
 
-    annotation = _hints(cls)[name]
     try:
         return _adapter(annotation).validate_python(value)
     except ValidationError:
         raise ConfigError(f"{where}: {name}: expected {type_name(annotation)}, got "
                           f"{value!r}") from None
+
+
+def _conforms(value: Any, annotation: Any) -> bool:
+    """Whether ``value`` already has exactly the declared type (nothing to convert)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is Any:
+        return True
+    if origin is Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if origin in (Union, types.UnionType):
+        return any(_conforms(value, a) for a in args)
+    if origin is list:
+        return type(value) is list and all(_conforms(v, args[0]) for v in value)
+    if origin is dict or annotation is dict:
+        return type(value) is dict and all(_conforms(v, args[1]) for v in value.values()) \
+            if args else type(value) is dict
+    if annotation is type(None):
+        return value is None
+    return type(value) is annotation
 
 
 def type_name(annotation: Any) -> str:
@@ -187,9 +208,14 @@ def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["metavar"] = _metavar(f.name, inner)
+        if inner in (int, float):  # parsed here, so the value arrives typed
+            kwargs["type"] = inner
         if typing.get_origin(inner) in (list, tuple):  # one value per word: INPUT [INPUT ...]
+            item = typing.get_args(inner)[0]
             kwargs["nargs"] = "*" if meta["positional"] else "+"
-            kwargs["metavar"] = _metavar(f.name.removesuffix("s"), typing.get_args(inner)[0])
+            kwargs["metavar"] = _metavar(f.name.removesuffix("s"), item)
+            if item in (int, float):
+                kwargs["type"] = item
         if meta.get("metavar"):
             kwargs["metavar"] = meta["metavar"]
         if meta["positional"]:
