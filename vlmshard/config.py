@@ -32,20 +32,19 @@ class ConfigError(ValueError):
 
 
 def option(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None,
-           flag: str | None = None, metavar: str | None = None, positional: bool = False,
-           cli: bool = True, default_text: str | None = None) -> Any:
+           metavar: str | None = None, positional: bool = False, cli: bool = True,
+           default_text: str | None = None) -> Any:
     """A config field.
 
     help: what the option does, without its default (the help text appends it).
     factory: a default factory, for mutable defaults.
-    flag: the long flag, when it is not ``--`` + the field name with dashes.
     metavar: the value's name in ``--help``, when the type's does not say it (``PATH``).
     positional: a positional argument on the command line (a list: any number of them).
     cli: False for options only a YAML file can set (nested mappings).
     default_text: what a ``None`` default means (``the CPUs this process may use``).
     """
-    metadata = {"help": help, "flag": flag, "metavar": metavar, "positional": positional,
-                "cli": cli, "default_text": default_text}
+    metadata = {"help": help, "metavar": metavar, "positional": positional, "cli": cli,
+                "default_text": default_text}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -226,12 +225,9 @@ def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
 
 
 def _flag_name(cls: type, name: str) -> str:
-    for f in dataclasses.fields(cls):
-        if f.name == name:
-            if f.metadata.get("positional"):
-                return name.upper()
-            return f.metadata.get("flag") or "--" + name.replace("_", "-")
-    return "--" + name.replace("_", "-")
+    """How the user typed option ``name``: ``--max-seq-len``, or ``INPUTS`` for a positional."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return name.upper() if field.metadata.get("positional") else "--" + name.replace("_", "-")
 
 
 def _help(f: dataclasses.Field) -> str:
