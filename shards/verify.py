@@ -14,12 +14,11 @@ and the step coverage of each rank.
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 

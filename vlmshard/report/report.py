@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 
-from vlmshard.io import atomic_write, canonical_json, write_json_atomic
+from vlmshard.io import atomic_write, write_json_atomic
 from vlmshard.packing.batches import Lengths, Packing
 from vlmshard.packing.cost import CostModel
 from vlmshard.packing.metrics import REPORT_KEYS, format_value
