@@ -26,6 +26,8 @@ from vlmshard.report.report import load_plan, plan_labels
 from vlmshard.report.series import (PlanSeries, TrainSeries, parse_train_log, plan_series,
                             train_series)
 from vlmshard.packing.stats import load_stats
+from vlmshard.model_sizes import PRESETS, training_flops
+from vlmshard.train.train_log import rank_data, rank_timing, step_record, write_record
 
 from helpers import vlmshard
 
@@ -54,48 +56,88 @@ def _micro_batches(plan_dir: Path) -> dict[tuple[int, int, int], list[int]]:
     return out
 
 
-def _expected_waits(plan_dir: Path, dp: int) -> np.ndarray:
-    """[steps, dp] the share of each plan step a DP rank waits if its time is its cost: computed
-    here from plan.parquet, the stats and plan.json's cost model, apart from the package's code."""
+def _omnibal_lengths() -> tuple[np.ndarray, np.ndarray]:
+    """Tiles and tokens per sample_id, read straight from the OmniBal files (meta order)."""
+    rows = []
+    for name in json.loads(Path(META).read_text()).values():
+        rows += json.loads((Path(META).parent / name["token_lengths"]).read_text())
+    return (np.array([r["vit_num"] for r in rows], np.int64),
+            np.array([r["token_num"] for r in rows], np.int64))
+
+
+def _rank_costs(plan_dir: Path, dp: int) -> np.ndarray:
+    """[plan steps, dp] each DP rank's cost (a_v·tiles + a_t·tokens + b·Σlen²) at each plan step,
+    computed here from plan.parquet, the OmniBal files and plan.json's cost model."""
     info = json.loads((plan_dir / "plan.json").read_text())
-    lengths = load_stats(META).lengths
+    tiles, tokens = _omnibal_lengths()
     a_v, a_t, b = (info["cost_model"][k] for k in ("a_v", "a_t", "b"))
     ranks, steps = info["params"]["ranks"], info["metrics"]["steps"]
     cost = np.zeros((steps, dp))
     for (step, rank, _), ids in _micro_batches(plan_dir).items():
-        tokens = lengths.tokens[ids].astype(float)
-        cost[step, rank // (ranks // dp)] += (a_v * lengths.tiles[ids].sum() + a_t * tokens.sum()
-                                              + b * (tokens ** 2).sum())
+        t = tokens[ids].astype(float)
+        cost[step, rank // (ranks // dp)] += a_v * tiles[ids].sum() + a_t * t.sum() + b * (t ** 2).sum()
+    return cost
+
+
+def _expected_waits(plan_dir: Path, dp: int) -> np.ndarray:
+    """[steps, dp] the share of each plan step a DP rank would wait if its time were its cost."""
+    cost = _rank_costs(plan_dir, dp)
     return 1 - cost / cost.max(axis=1, keepdims=True)
+
+
+BUBBLE_S = 0.1  # the synthetic run's pipeline bubble: every rank waits at least this long
+
+
+def _compute_seconds(plan_dir: Path, dp: int, pp: int, steps: int) -> np.ndarray:
+    """[steps, pp, dp] the synthetic run's compute time of each rank: its DP rank's cost, scaled
+    to at most 0.5 s, times a fixed pseudo-random factor in [0.9, 1.1] per rank and step (so
+    measured waiting is not the plan's prediction in disguise)."""
+    cost = _rank_costs(plan_dir, dp)
+    cost = cost[np.arange(steps) % len(cost)]
+    jitter = np.random.default_rng(0).uniform(0.9, 1.1, (steps, pp, dp))
+    return 0.5 * cost[:, None, :] / cost.max() * jitter
+
+
+def _loader_batch(plan_step: int, ids: list[int], tiles: np.ndarray, tokens: np.ndarray) -> dict:
+    """The fields of a loader micro-batch that the trainer's log records read."""
+    lens = tokens[ids]
+    return {"step": plan_step, "sample_ids": np.array(ids, np.int64),
+            "num_tokens": int(lens.sum()), "num_tiles": int(tiles[ids].sum()),
+            "num_samples": len(ids), "cu_seqlens": np.r_[0, np.cumsum(lens)]}
 
 
 def write_train_log(plan_dir: Path, path: Path, dp: int, pp: int = 2,
                     steps: int = TRAIN_STEPS) -> None:
-    """A train_log.jsonl in train/trainer.py's format for a run on ``plan_dir``'s shards with
-    ``dp`` x ``pp`` ranks: each DP rank trains its virtual ranks' micro-batches of the plan, and
-    takes 1 s per step of which it computes cost / max cost (so its peers wait the rest)."""
+    """A train_log.jsonl for a run on ``plan_dir``'s shards with ``dp`` × ``pp`` ranks, made by
+    the trainer's own record functions (vlmshard.train.train_log). Each DP rank trains its virtual
+    ranks' micro-batches of the plan (from plan step 0 again after the last); rank (stage, d)
+    computes for ``_compute_seconds`` (forward 1/3, backward 2/3) and the step lasts the slowest
+    rank's compute plus ``BUBBLE_S``."""
     info = json.loads((plan_dir / "plan.json").read_text())
     ranks, micro = info["params"]["ranks"], info["params"]["micro_batches"]
     plan_steps = info["metrics"]["steps"]
     batches = _micro_batches(plan_dir)
-    waits = _expected_waits(plan_dir, dp)
+    tiles, tokens = _omnibal_lengths()
+    compute = _compute_seconds(plan_dir, dp, pp, steps)
+    flops = training_flops(PRESETS["internvl2-2b"])
     per_dp = ranks // dp
     with open(path, "w", encoding="utf-8") as f:
         for step in range(steps):
             s = step % plan_steps
-            data = []
-            for d in range(dp):
-                ids = [batches[(s, v, m)] for v in range(d * per_dp, (d + 1) * per_dp)
-                       for m in range(micro)]
-                data.append({"dp_rank": d, "tokens": sum(map(len, ids)),
-                             "plan_steps": [s] * len(ids), "sample_ids": ids})
-            timings = [{"rank": stage * dp + d, "stage": stage, "dp_rank": d,
-                        "forward_s": (1 - waits[s, d]) / 3,
-                        "backward_s": 2 * (1 - waits[s, d]) / 3,
-                        "wait_s": waits[s, d], "step_time_s": 1.0}
-                       for stage in range(pp) for d in range(dp)]
-            f.write(json.dumps({"step": step, "loss": 2.0, "step_time_s": 1.0, "tokens": 0,
-                                "tokens_per_s": 0.0, "ranks": timings, "data": data}) + "\n")
+            seconds = compute[step].max() + BUBBLE_S
+            timings = []
+            for stage in range(pp):
+                for d in range(dp):
+                    c = float(compute[step, stage, d])
+                    timing = rank_timing(rank=stage * dp + d, stage=stage, dp_rank=d,
+                                         forward_s=c / 3, backward_s=2 * c / 3,
+                                         step_time_s=float(seconds))
+                    if stage == 0:
+                        timing["data"] = rank_data(
+                            [_loader_batch(s, batches[(s, v, m)], tiles, tokens)
+                             for v in range(d * per_dp, (d + 1) * per_dp) for m in range(micro)])
+                    timings.append(timing)
+            write_record(f, step_record(step, 2.0, timings, flops))
 
 
 @pytest.fixture(scope="module")
@@ -192,15 +234,27 @@ def test_per_step_series_average_to_the_plan_metrics(plans):
 
 # --- the training log ---------------------------------------------------------------------------
 
+def _measured_waits(plan_dir: Path, dp: int, pp: int, steps: int) -> np.ndarray:
+    """[steps, pp·dp] each rank's waiting share of the synthetic run, from the compute times the
+    log was made from (not from the log): (step time − own compute) / step time."""
+    compute = _compute_seconds(plan_dir, dp, pp, steps)
+    step_time = compute.max(axis=(1, 2)) + BUBBLE_S
+    return (1 - compute / step_time[:, None, None]).reshape(steps, pp * dp)
+
+
 def test_train_log_is_set_against_the_plans_prediction(plans, report_run):
     summary = json.loads(report_run["json"].read_text())["train_log"]
     want = _expected_waits(plans["balanced"], 4)
     predicted = want.mean(axis=1)[np.arange(TRAIN_STEPS) % len(want)]
+    measured = _measured_waits(plans["balanced"], 4, 2, TRAIN_STEPS).mean(axis=1)
     assert summary["plan"] == "balanced" and summary["steps"] == TRAIN_STEPS
     assert summary["dp"] == 4
-    assert summary["predicted_wait_mean"] == pytest.approx(predicted.mean())
-    assert summary["measured_wait_mean"] == pytest.approx(predicted.mean())  # time = cost here
-    assert summary["correlation"] == pytest.approx(1.0)
+    assert summary["predicted_wait_mean"] == pytest.approx(predicted.mean(), rel=1e-9)
+    assert summary["measured_wait_mean"] == pytest.approx(measured.mean(), rel=1e-9)
+    assert summary["correlation"] == pytest.approx(np.corrcoef(predicted, measured)[0, 1],
+                                                   rel=1e-9)
+    # the run's bubble and jitter make measured waiting more than predicted, as in a real run
+    assert summary["measured_wait_mean"] > summary["predicted_wait_mean"] + 0.05
     assert f"correlation per step {summary['correlation']:.3f}" in report_run["stdout"]
 
 
@@ -216,7 +270,8 @@ def test_train_series_per_step_and_rank(plans, tmp_path, dp):
     waits = _expected_waits(plans["random"], dp)[:20]
     assert train.steps.tolist() == list(range(20)) and train.dp == dp
     assert train.predicted == pytest.approx(waits.mean(axis=1))
-    assert train.measured == pytest.approx(np.tile(waits, (1, 2)))  # stage 0 ranks, then stage 1
+    # [step, rank] by global rank: stage 0's DP ranks, then stage 1's
+    assert train.measured == pytest.approx(_measured_waits(plans["random"], dp, 2, 20))
     assert train.ranks[dp] == f"rank {dp} (stage 1, dp 0)"
 
 

@@ -1,0 +1,76 @@
+"""``train_log.jsonl``: one JSON line per optimizer step, written by global rank 0.
+
+Torch-free, so that anything that writes or checks a train log (the trainer, tests, tools)
+makes the records with the same code. A record holds every rank's timings and, for each
+data-parallel rank, what its first stage trained:
+
+``{"step", "loss", "step_time_s", "tokens", "tokens_per_s", "model_flops", "model_flops_per_s",
+"ranks": [{"rank", "stage", "dp_rank", "forward_s", "backward_s", "wait_s", "step_time_s"}],
+"data": [{"dp_rank", "tokens", "plan_steps", "micro_sizes", "sample_ids"}]}``
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import IO
+
+from vlmshard.model_sizes import Size
+
+LOG_NAME = "train_log.jsonl"
+
+
+def micro_batch_size(batch: dict) -> dict:
+    """The three sizes the cost model and the simulator read: tiles, tokens, Σseq_len²."""
+    import numpy as np
+
+    lens = np.diff(np.asarray(batch["cu_seqlens"][:batch["num_samples"] + 1], dtype=np.int64))
+    return {"tiles": int(batch["num_tiles"]), "tokens": int(batch["num_tokens"]),
+            "squares": int((lens ** 2).sum())}
+
+
+def rank_timing(*, rank: int, stage: int, dp_rank: int, forward_s: float, backward_s: float,
+                step_time_s: float) -> dict:
+    """One rank's timings of a step: ``wait_s`` is the step time less its own compute."""
+    return {"rank": rank, "stage": stage, "dp_rank": dp_rank, "forward_s": forward_s,
+            "backward_s": backward_s, "wait_s": max(0.0, step_time_s - forward_s - backward_s),
+            "step_time_s": step_time_s}
+
+
+def rank_data(micro: list[dict]) -> dict:
+    """What a data-parallel rank's first stage trained in a step, from its loader batches."""
+    return {"tokens": sum(b["num_tokens"] for b in micro),
+            "plan_steps": [b["step"] for b in micro],
+            "micro_sizes": [micro_batch_size(b) for b in micro],
+            "sample_ids": [b["sample_ids"].tolist() for b in micro]}
+
+
+def step_record(step: int, loss: float, ranks: list[dict], flops: Size) -> dict:
+    """One line of train_log.jsonl from every rank's timings (``rank_timing``, with ``data``
+    from ``rank_data`` on first-stage ranks).
+
+    ``model_flops`` is the step's useful training work (forward + backward of the real tiles,
+    tokens and per-sample attention, padding excluded) from the model's analytic FLOPs: divided
+    by step time and the cluster's peak it is the MFU."""
+    seconds = max(r["step_time_s"] for r in ranks)
+    data = sorted((r for r in ranks if "data" in r), key=lambda r: r["dp_rank"])
+    tokens = sum(r["data"]["tokens"] for r in data)
+    model_flops = sum(flops.dot(Size(**m)) for r in data for m in r["data"]["micro_sizes"])
+    return {"step": step, "loss": loss, "step_time_s": seconds, "tokens": tokens,
+            "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "model_flops": model_flops,
+            "model_flops_per_s": model_flops / seconds if seconds else 0.0,
+            "ranks": [{k: v for k, v in r.items() if k != "data"} for r in ranks],
+            "data": [{"dp_rank": r["dp_rank"], **r["data"]} for r in data]}
+
+
+def open_log(out: str, append: bool) -> IO[str]:
+    """``OUT/train_log.jsonl``, appended to when a run resumes."""
+    os.makedirs(out, exist_ok=True)
+    return open(os.path.join(out, LOG_NAME), "a" if append else "w", encoding="utf-8")
+
+
+def write_record(f: IO[str], record: dict) -> None:
+    """One record as one line, flushed (a crashed run keeps every finished step)."""
+    f.write(json.dumps(record) + "\n")
+    f.flush()
