@@ -5,13 +5,20 @@ Public API::
     from vlmshard.preprocess import PreprocessConfig, run_preprocess
     result = run_preprocess(PreprocessConfig(inputs=["meta.json"], out="out/"))
 
+For later stages (the shard writer): ``RecordedPreprocess`` reads what a run recorded in its
+``preprocess.json``, and ``Retokenizer`` rebuilds token ids from the sources when the stats did
+not keep them (``RetokenizeError`` names a sample that changed); see ``retokenize``.
+
 The names load on first use, so importing the command line's option definitions stays light.
 """
 
 from importlib import import_module
 
 _PUBLIC = {"ConfigError": "vlmshard.config", "PreprocessConfig": ".config",
-           "PreprocessResult": ".job", "RejectRatioExceeded": ".job", "run_preprocess": ".job"}
+           "PreprocessResult": ".job", "RejectRatioExceeded": ".job", "run_preprocess": ".job",
+           "RecordedPreprocess": ".retokenize", "RetokenizeError": ".retokenize",
+           "RetokenizeSpec": ".retokenize", "Retokenizer": ".retokenize",
+           "sample_where": ".retokenize"}
 __all__ = sorted(_PUBLIC)
 
 

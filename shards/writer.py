@@ -25,9 +25,8 @@ import logging
 import os
 import shutil
 import time
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -35,11 +34,8 @@ import pyarrow.parquet as pq
 
 from vlmshard.packing.plan import read_plan, read_plan_json
 from vlmshard.packing.stats import files_sha256, stats_files
-from vlmshard.preprocess.rejects import Reject
-from vlmshard.preprocess.sample import SampleLimits, process_record
-from vlmshard.preprocess.sources import Part, Source, index_source, read_part_rows
-from vlmshard.preprocess.tiling import source_tiling, tiling_from_dict
-from vlmshard.preprocess.tokenize import ConversationEncoder, TokenizerConfig
+from vlmshard.preprocess import (RecordedPreprocess, RetokenizeError, RetokenizeSpec, Retokenizer,
+                                 sample_where)
 from vlmshard import __version__
 from vlmshard.engines import run_units
 from vlmshard.io import (atomic_write, available_cpus, file_size, open_file, read_json,
@@ -88,16 +84,6 @@ class ShardUnit:
 
 
 @dataclass(frozen=True)
-class RetokenizeSpec:
-    """How to rebuild token ids when the stats table did not keep them (preprocess's config)."""
-
-    sources: tuple[Source, ...]
-    tokenizer: TokenizerConfig
-    tiling: dict
-    limits: SampleLimits
-
-
-@dataclass(frozen=True)
 class WriteSpec:
     """Everything a shard worker needs, picklable for pool processes and Ray actors."""
 
@@ -140,14 +126,13 @@ def run_write(cfg: WriteConfig) -> WriteResult:
     ranks, micro = params["ranks"], params["micro_batches"]
     records = _plan_records(cfg.plan)
     steps = len(records) // (ranks * micro)
-    tokenizer = _recorded_tokenizer(preprocess)
-    keep_tokens = preprocess["config"]["keep_tokens"]
+    recorded = _recorded_preprocess(preprocess)
     samples_path = os.path.join(work, "samples.arrow")
     if not os.path.exists(samples_path):
-        _write_sample_table(files, samples_path, keep_tokens)
+        _write_sample_table(files, samples_path, recorded.keep_tokens)
     units = _layout(records, samples_path, ranks, micro, steps, shard_bytes)
     spec = WriteSpec(out=cfg.out, samples_path=samples_path,
-                     retokenize=None if keep_tokens else _retokenize_spec(preprocess, tokenizer))
+                     retokenize=None if recorded.keep_tokens else recorded.retokenize_spec())
 
     done = {(u.rank, u.index): _committed(work, u) for u in units}
     todo = [u for u in units if done[(u.rank, u.index)] is None]
@@ -161,8 +146,8 @@ def run_write(cfg: WriteConfig) -> WriteResult:
             done[(entry.rank, entry.index)] = entry
             bar.update(entry.records)
 
-    manifest = _manifest(cfg, plan_json, preprocess, tokenizer, identity, fingerprint, ranks,
-                         micro, steps, shard_bytes,
+    manifest = _manifest(cfg, plan_json, recorded, identity, fingerprint, ranks, micro, steps,
+                         shard_bytes,
                          sorted(done.values(), key=lambda e: (e.rank, e.index)))
     write_json_atomic(os.path.join(cfg.out, MANIFEST), manifest.to_dict())
     shutil.rmtree(work)
@@ -276,38 +261,25 @@ def _marker_path(work: str, rank: int, index: int) -> str:
     return os.path.join(work, "done", f"rank-{rank:05d}-shard-{index:06d}.json")
 
 
-def _retokenize_spec(preprocess: dict, tokenizer: TokenizerConfig) -> RetokenizeSpec:
-    config = preprocess["config"]
-    names = {f.name for f in fields(Source)}
-    sources = tuple(Source(**{**{k: v for k, v in s.items() if k in names},
-                              "path": s["file"]["path"]}) for s in config["sources"])
-    return RetokenizeSpec(sources=sources, tokenizer=tokenizer, tiling=config["tiling"],
-                          limits=SampleLimits(**config["limits"]))
-
-
-def _recorded_tokenizer(preprocess: dict) -> TokenizerConfig:
-    """The tokenizer preprocessing used, checked to be the same file (its ids are in the plan)."""
-    tokenizer = TokenizerConfig(**preprocess["config"]["tokenizer"])
-    if not os.path.isfile(tokenizer.path) or sha256_file(tokenizer.path) != tokenizer.sha256:
-        raise WriteError(f"tokenizer {tokenizer.path} is missing or differs from the one "
+def _recorded_preprocess(preprocess: dict) -> RecordedPreprocess:
+    """What preprocessing recorded, its tokenizer checked to be the same file (its ids are in the
+    plan)."""
+    recorded = RecordedPreprocess(preprocess)
+    if not recorded.tokenizer_unchanged():
+        raise WriteError(f"tokenizer {recorded.tokenizer.path} is missing or differs from the one "
                          "preprocessing used (sha256): token ids would not match the plan")
-    return tokenizer
+    return recorded
 
 
-def _manifest(cfg: WriteConfig, plan_json: dict, preprocess: dict, tokenizer: TokenizerConfig,
-              identity: dict, fingerprint: str, ranks: int, micro: int, steps: int,
-              shard_bytes: int, entries: list[ShardEntry]) -> Manifest:
-    config = preprocess["config"]
-    encoder = ConversationEncoder(tokenizer)
-    pad = next((i for t in ("<pad>", "<|endoftext|>")
-                if (i := encoder.tokenizer.special_id(t)) is not None), 0)
-    base = tiling_from_dict(config["tiling"])
-    tiling = {s["name"]: source_tiling(base, s["max_num"]).to_dict() for s in config["sources"]}
+def _manifest(cfg: WriteConfig, plan_json: dict, recorded: RecordedPreprocess, identity: dict,
+              fingerprint: str, ranks: int, micro: int, steps: int, shard_bytes: int,
+              entries: list[ShardEntry]) -> Manifest:
+    image_token_id, pad = recorded.token_ids()
     params = plan_json["params"]
     return Manifest(
         ranks=ranks, dp=params["dp"], micro_batches=micro, steps=steps,
-        qv=params["qv"], qt=params["qt"], tokenizer=tokenizer.to_dict(),
-        image_token_id=encoder.image_token_id, pad_token_id=pad, tiling=tiling,
+        qv=params["qv"], qt=params["qt"], tokenizer=recorded.tokenizer.to_dict(),
+        image_token_id=image_token_id, pad_token_id=pad, tiling=recorded.source_tilings(),
         plan={"path": os.path.abspath(cfg.plan), "algorithm": plan_json["algorithm"],
               "sha256": identity["plan_sha256"]},
         stats={"path": os.path.abspath(cfg.stats), "sha256": identity["stats_sha256"]},
@@ -353,8 +325,11 @@ class ShardWriter:
 
     def _record(self, rank: int, step: int, micro: int, ids: tuple[int, ...]) -> dict:
         rows = self.table.take(pa.array(ids, pa.int64())).to_pylist()
-        tokens = (self.retokenizer.tokens(rows) if self.retokenizer
-                  else [(r["input_ids"], r["labels"]) for r in rows])
+        try:
+            tokens = (self.retokenizer.tokens(rows) if self.retokenizer
+                      else [(r["input_ids"], r["labels"]) for r in rows])
+        except RetokenizeError as e:
+            raise WriteError(str(e)) from None
         images: list[tuple[str, bytes]] = []
         samples = []
         for row in rows:
@@ -372,10 +347,6 @@ class ShardWriter:
         return encode_record(step, rank, micro, samples, input_ids, labels, images)
 
 
-def _where(row: dict) -> str:
-    return f"sample {row['sample_id']} ({row['source']} row {row['row']})"
-
-
 def _read_image(row: dict, path: str, size: dict) -> tuple[bytes, str]:
     """An image's bytes, checked to be the image the plan was made from (same size)."""
     from PIL import Image
@@ -384,65 +355,14 @@ def _read_image(row: dict, path: str, size: dict) -> tuple[bytes, str]:
         with open_file(path) as f:
             data = f.read()
     except Exception as e:  # OSError locally; fsspec and aiohttp raise their own kinds
-        raise WriteError(f"{_where(row)}: image vanished since preprocessing: {path} ({e}); "
+        raise WriteError(f"{sample_where(row)}: image vanished since preprocessing: {path} ({e}); "
                          "restore it, or preprocess and pack again") from None
     try:
         with Image.open(io.BytesIO(data)) as im:
             (w, h), fmt = im.size, im.format or ""
     except Exception as e:
-        raise WriteError(f"{_where(row)}: image {path} no longer parses: {e}") from None
+        raise WriteError(f"{sample_where(row)}: image {path} no longer parses: {e}") from None
     if (w, h) != (size["w"], size["h"]):
-        raise WriteError(f"{_where(row)}: image {path} is {w}x{h} now but was "
+        raise WriteError(f"{sample_where(row)}: image {path} is {w}x{h} now but was "
                          f"{size['w']}x{size['h']} when preprocessed; preprocess and pack again")
     return data, fmt
-
-
-class Retokenizer:
-    """Rebuilds ``input_ids``/``labels`` from the source rows, exactly as preprocessing would,
-    and checks the result against the recorded ``seq_len`` and tiles."""
-
-    def __init__(self, spec: RetokenizeSpec) -> None:
-        self.spec = spec
-        self.encoder = ConversationEncoder(spec.tokenizer)
-        base = tiling_from_dict(spec.tiling)
-        self.sources = {s.name: s for s in spec.sources}
-        self.tilings = {s.name: source_tiling(base, s.max_num) for s in spec.sources}
-        self.indexes: dict = {}
-
-    def tokens(self, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
-        wanted = defaultdict(set)
-        for row in rows:
-            wanted[row["source"]].add(row["row"])
-        records = {}
-        for name, numbers in wanted.items():
-            for number, record in read_part_rows(self.sources[name],
-                                                 self._part(name, sorted(numbers))):
-                records[(name, number)] = record
-        return [self._encode(row, records[(row["source"], row["row"])]) for row in rows]
-
-    def _part(self, name: str, numbers: list[int]) -> Part:
-        source = self.sources[name]
-        part = Part(index=-1, source_index=0, rows=np.array(numbers, np.int64))
-        if source.kind == "jsonl":
-            if name not in self.indexes:
-                self.indexes[name] = index_source(source)
-            part.offsets = self.indexes[name].offsets[part.rows]
-            part.lengths = self.indexes[name].lengths[part.rows]
-        return part
-
-    def _encode(self, row: dict, record) -> tuple[list[int], list[int]]:
-        source = self.sources[row["source"]]
-        try:
-            if isinstance(record, Reject):
-                raise record
-            new = process_record(record, source.name, source.image_root,
-                                 self.tilings[source.name], self.encoder, self.spec.limits,
-                                 keep_tokens=True)
-        except Reject as r:
-            raise WriteError(f"{_where(row)} no longer preprocesses ({r.reason}: {r.message}); "
-                             "the source changed since packing") from None
-        if new["seq_len"] != row["seq_len"] or list(new["image_tiles"]) != row["image_tiles"]:
-            raise WriteError(f"{_where(row)}: re-tokenized to seq_len {new['seq_len']} and tiles "
-                             f"{new['image_tiles']}, the stats say {row['seq_len']} and "
-                             f"{row['image_tiles']}; the source changed since packing")
-        return new["input_ids"], new["labels"]

@@ -1,0 +1,142 @@
+"""What a finished preprocess run recorded, for the stages after it, and re-tokenizing from it.
+
+When the stats table did not keep the token ids (no ``--keep-tokens``), a later stage that needs
+them rebuilds them from the sources, exactly as preprocessing did, and checks the result against
+the recorded ``seq_len`` and tiles::
+
+    recorded = RecordedPreprocess(read_json("out/preprocess.json"))
+    retokenizer = Retokenizer(recorded.retokenize_spec())
+    ids_and_labels = retokenizer.tokens(rows)  # rows of the stats table
+
+A sample that no longer preprocesses, or no longer to what the stats say, raises
+``RetokenizeError`` naming it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from vlmshard.io import sha256_file
+
+from .rejects import Reject
+from .sample import SampleLimits, process_record
+from .sources import Part, Source, index_source, read_part_rows
+from .tiling import source_tiling, tiling_from_dict
+from .tokenize import ConversationEncoder, TokenizerConfig
+
+PAD_TOKENS = ("<pad>", "<|endoftext|>")  # the padding id: the first the vocabulary has, else 0
+
+
+class RetokenizeError(RuntimeError):
+    """A sample that no longer re-tokenizes to what the stats say; the message names it."""
+
+
+@dataclass(frozen=True)
+class RetokenizeSpec:
+    """How to rebuild token ids as preprocessing did; picklable for worker processes."""
+
+    sources: tuple[Source, ...]
+    tokenizer: TokenizerConfig
+    tiling: dict
+    limits: SampleLimits
+
+
+class RecordedPreprocess:
+    """The config a preprocess run recorded in its ``preprocess.json``."""
+
+    def __init__(self, preprocess: dict) -> None:
+        self.config = preprocess["config"]
+        self.tokenizer = TokenizerConfig(**self.config["tokenizer"])
+
+    @property
+    def keep_tokens(self) -> bool:
+        return self.config["keep_tokens"]
+
+    def tokenizer_unchanged(self) -> bool:
+        """Whether the recorded tokenizer file is still there, with the same sha256."""
+        path = self.tokenizer.path
+        return os.path.isfile(path) and sha256_file(path) == self.tokenizer.sha256
+
+    def token_ids(self) -> tuple[int, int]:
+        """(image token id, padding id) of the recorded tokenizer and template."""
+        encoder = ConversationEncoder(self.tokenizer)
+        pad = next((i for t in PAD_TOKENS if (i := encoder.tokenizer.special_id(t)) is not None),
+                   0)
+        return encoder.image_token_id, pad
+
+    def source_tilings(self) -> dict[str, dict]:
+        """Source name -> the tiling policy (as a dict) its images were counted with."""
+        base = tiling_from_dict(self.config["tiling"])
+        return {s["name"]: source_tiling(base, s["max_num"]).to_dict()
+                for s in self.config["sources"]}
+
+    def retokenize_spec(self) -> RetokenizeSpec:
+        names = {f.name for f in fields(Source)}
+        sources = tuple(Source(**{**{k: v for k, v in s.items() if k in names},
+                                  "path": s["file"]["path"]}) for s in self.config["sources"])
+        return RetokenizeSpec(sources=sources, tokenizer=self.tokenizer,
+                              tiling=self.config["tiling"],
+                              limits=SampleLimits(**self.config["limits"]))
+
+
+def sample_where(row: dict) -> str:
+    """How messages name a sample of the stats table."""
+    return f"sample {row['sample_id']} ({row['source']} row {row['row']})"
+
+
+class Retokenizer:
+    """Rebuilds ``input_ids``/``labels`` from the source rows, exactly as preprocessing would,
+    and checks the result against the recorded ``seq_len`` and tiles."""
+
+    def __init__(self, spec: RetokenizeSpec) -> None:
+        self.spec = spec
+        self.encoder = ConversationEncoder(spec.tokenizer)
+        base = tiling_from_dict(spec.tiling)
+        self.sources = {s.name: s for s in spec.sources}
+        self.tilings = {s.name: source_tiling(base, s.max_num) for s in spec.sources}
+        self.indexes: dict = {}
+
+    def tokens(self, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
+        """(input_ids, labels) of each stats row (``sample_id``, ``source``, ``row``,
+        ``seq_len``, ``image_tiles``); raises ``RetokenizeError``."""
+        wanted = defaultdict(set)
+        for row in rows:
+            wanted[row["source"]].add(row["row"])
+        records = {}
+        for name, numbers in wanted.items():
+            for number, record in read_part_rows(self.sources[name],
+                                                 self._part(name, sorted(numbers))):
+                records[(name, number)] = record
+        return [self._encode(row, records[(row["source"], row["row"])]) for row in rows]
+
+    def _part(self, name: str, numbers: list[int]) -> Part:
+        source = self.sources[name]
+        part = Part(index=-1, source_index=0, rows=np.array(numbers, np.int64))
+        if source.kind == "jsonl":
+            if name not in self.indexes:
+                self.indexes[name] = index_source(source)
+            part.offsets = self.indexes[name].offsets[part.rows]
+            part.lengths = self.indexes[name].lengths[part.rows]
+        return part
+
+    def _encode(self, row: dict, record) -> tuple[list[int], list[int]]:
+        source = self.sources[row["source"]]
+        try:
+            if isinstance(record, Reject):
+                raise record
+            new = process_record(record, source.name, source.image_root,
+                                 self.tilings[source.name], self.encoder, self.spec.limits,
+                                 keep_tokens=True)
+        except Reject as r:
+            raise RetokenizeError(f"{sample_where(row)} no longer preprocesses ({r.reason}: "
+                                  f"{r.message}); the source changed since packing") from None
+        if new["seq_len"] != row["seq_len"] or list(new["image_tiles"]) != row["image_tiles"]:
+            raise RetokenizeError(f"{sample_where(row)}: re-tokenized to seq_len "
+                                  f"{new['seq_len']} and tiles {new['image_tiles']}, the stats "
+                                  f"say {row['seq_len']} and {row['image_tiles']}; the source "
+                                  "changed since packing")
+        return new["input_ids"], new["labels"]
