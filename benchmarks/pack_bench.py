@@ -36,6 +36,9 @@ from vlmshard.packing.plan import PackConfig, choose_caps, pack_epoch  # noqa: E
 from vlmshard.packing.metrics import measure  # noqa: E402
 from vlmshard.packing.stats import load_stats  # noqa: E402
 
+sys.path.insert(0, os.path.join(REPO, "tests"))
+from references import isf_groups_reference  # noqa: E402  (OmniBal's ISF, the speed baseline)
+
 DATA = os.path.join(REPO, "..", "shared", "data", "omnibal-lengths")
 FILES = ("ai2d_train_12k.json", "docvqa_train_10k.json")
 COST = CostModel.from_preset("internvl2-2b")
@@ -107,8 +110,7 @@ def isf_vs_omnibal(lengths: Lengths, repeats: int) -> dict:
         items, group = algorithms.isf_groups(lengths, ids, caps, seed=0)
         ours.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
-    ref = algorithms.isf_groups_reference(lengths.tiles, lengths.tokens, ids, caps.qv, caps.qt,
-                                          seed=0)
+    ref = isf_groups_reference(lengths.tiles, lengths.tokens, ids, caps.qv, caps.qt, seed=0)
     reference = time.perf_counter() - t0
     same = len(ref) == int(group[-1]) + 1 and all(
         a == b for a, b in zip((i for g in ref for i in g), items.tolist()))

@@ -148,40 +148,6 @@ def isf_groups(lengths: Lengths, ids: np.ndarray, caps: Caps, *, seed: int,
     return np.concatenate(kept_items), np.concatenate(kept_groups)
 
 
-def isf_groups_reference(tiles, tokens, ids, qv, qt, *, seed, iterations=ISF_ITERATIONS):
-    """OmniBal's ISF in plain Python lists, as its repository writes it (minus its bugs: it never
-    drops a sample). Used by the tests and as the speed baseline in benchmarks/pack_bench.py."""
-
-    def random_groups(samples, s):
-        index = list(range(len(samples)))
-        np.random.RandomState(s).shuffle(index)
-        groups, group, v_sum, t_sum = [], [], 0, 0
-        for k in index:
-            idx, v, t = samples[k]
-            v_sum += v
-            t_sum += t
-            if group and (v_sum > qv or t_sum > qt):
-                groups.append(group)
-                group, v_sum, t_sum = [], v, t
-            group.append(samples[k])
-        if group:
-            groups.append(group)
-        return groups
-
-    groups = random_groups([[int(i), int(tiles[i]), int(tokens[i])] for i in ids], seed)
-    output = []
-    for i in range(iterations - 1):
-        pending = []
-        for g in groups:
-            if sum(s[1] for s in g) == qv or sum(s[2] for s in g) >= qt - ISF_MARGIN:
-                output.append(g)
-            else:
-                pending.extend(g)
-        groups = random_groups(pending, seed + i)
-    output.extend(groups)
-    return [[s[0] for s in g] for g in output]
-
-
 def pack_isf(lengths: Lengths, ids: np.ndarray, caps: Caps, *, ranks: int, micro_batches: int,
              seed: int, iterations: int = ISF_ITERATIONS) -> Packing:
     items, group = isf_groups(lengths, ids, caps, seed=seed, iterations=iterations)

@@ -1,8 +1,8 @@
-"""The packer's hot loops as Numba kernels, each beside a pure-Python reference.
+"""The packer's hot loops as Numba kernels.
 
-Every kernel here has a ``*_reference`` twin written for clarity, not speed; the tests hold each
-kernel to its twin on random inputs, so a change to one without the other fails. Everything that
-is not a loop over samples stays in NumPy in ``algorithms.py``.
+Each kernel has a pure-Python twin written for clarity, not speed, in ``tests/references.py``;
+the tests hold each kernel to its twin on random inputs, so a change to one without the other
+fails. Everything that is not a loop over samples stays in NumPy in ``algorithms.py``.
 
 Conventions: ``tiles`` and ``tokens`` are int32/int64 arrays of per-sample ViT tiles and LLM
 sequence length; caps are ``qv`` (tiles) and ``qt`` (tokens) per micro-batch; no sample passed in
@@ -38,17 +38,6 @@ def greedy_groups(tiles, tokens, order, qv, qt):
         t_sum += t
         group[k] = g
     return group
-
-
-def greedy_groups_reference(tiles, tokens, order, qv, qt):
-    groups: list[list[int]] = []
-    for i in order:
-        if groups and (sum(tiles[j] for j in groups[-1]) + tiles[i] <= qv
-                       and sum(tokens[j] for j in groups[-1]) + tokens[i] <= qt):
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return np.array([g for g, members in enumerate(groups) for _ in members], np.int64)
 
 
 @njit(cache=True)
@@ -89,25 +78,6 @@ def fill_bins(tiles, tokens, qv, qt, mean_attn, n_bins):
             a_load[best] += a
             where[i] = best
     return where
-
-
-def fill_bins_reference(tiles, tokens, qv, qt, mean_attn, n_bins):
-    inv = (1.0 / qv if qv > 0 else 0.0, 1.0 / qt, 1.0 / mean_attn if mean_attn > 0 else 0.0)
-    load = [[0, 0, 0.0] for _ in range(n_bins)]
-    where = []
-    for v, t in zip(tiles, tokens):
-        a = float(t) * float(t)
-        fits = [b for b in range(n_bins) if load[b][0] + v <= qv and load[b][1] + t <= qt]
-        if not fits:
-            where.append(-1)
-            continue
-        best = min(fits, key=lambda b: (max((load[b][0] + v) * inv[0], (load[b][1] + t) * inv[1],
-                                            (load[b][2] + a) * inv[2]), b))
-        load[best][0] += v
-        load[best][1] += t
-        load[best][2] += a
-        where.append(best)
-    return np.array(where, np.int64)
 
 
 @njit(cache=True)
@@ -192,66 +162,5 @@ def polish_steps(items, offsets, tiles, tokens, ranks, micro_batches, qt, rounds
             A[p] += tj * tj - ti * ti
             A[best_q] -= tj * tj - ti * ti
             items[best_i], items[best_j] = items[best_j], items[best_i]
-            swaps += 1
-    return swaps
-
-
-def polish_steps_reference(items, offsets, tiles, tokens, ranks, micro_batches, qt, rounds):
-    per_step = ranks * micro_batches
-    swaps = 0
-
-    def micro(b):
-        return range(offsets[b], offsets[b + 1])
-
-    for s in range((len(offsets) - 1) // per_step):
-        first = s * per_step
-        rank_micros = [range(first + r * micro_batches, first + (r + 1) * micro_batches)
-                       for r in range(ranks)]
-
-        def loads():
-            ts = [[float(tokens[items[k]]) for b in rank_micros[r] for k in micro(b)]
-                  for r in range(ranks)]
-            return [sum(t) for t in ts], [sum(x * x for x in t) for t in ts]
-
-        L, A = loads()
-        mean_l, mean_a = sum(L) / ranks, sum(A) / ranks
-        if mean_l <= 0:
-            continue
-
-        def dev(r):
-            return (L[r] - mean_l) / mean_l + (A[r] - mean_a) / mean_a
-
-        def spread(lp, lq, ap, aq):
-            return sum(((x - m) / m) ** 2 for x, m in
-                       ((lp, mean_l), (lq, mean_l), (ap, mean_a), (aq, mean_a)))
-
-        for _ in range(rounds):
-            p = max(range(ranks), key=lambda r: (dev(r), -r))
-            best = None
-            for q in range(ranks):
-                if q == p:
-                    continue
-                before = spread(L[p], L[q], A[p], A[q])
-                for bi in rank_micros[p]:
-                    li = sum(tokens[items[k]] for k in micro(bi))
-                    for bj in rank_micros[q]:
-                        lj = sum(tokens[items[k]] for k in micro(bj))
-                        for i in micro(bi):
-                            for j in micro(bj):
-                                ti, tj = tokens[items[i]], tokens[items[j]]
-                                d = tj - ti
-                                if tiles[items[i]] != tiles[items[j]] or d == 0:
-                                    continue
-                                if li + d > qt or lj - d > qt:
-                                    continue
-                                da = float(tj) * tj - float(ti) * ti
-                                gain = before - spread(L[p] + d, L[q] - d, A[p] + da, A[q] - da)
-                                if gain > (best[0] if best else 1e-12):
-                                    best = (gain, i, j)
-            if best is None:
-                break
-            _, i, j = best
-            items[i], items[j] = items[j], items[i]
-            L, A = loads()
             swaps += 1
     return swaps

@@ -22,6 +22,7 @@ from vlmshard.packing.metrics import REPORT_KEYS, dist_ratio, measure
 from vlmshard.packing.plan import PackConfig, choose_caps, pack_epoch, run_pack
 from vlmshard.packing.stats import StatsError, load_stats
 
+import references
 from helpers import vlmshard
 
 OMNIBAL = os.path.join(os.path.dirname(__file__), "data", "omnibal")
@@ -46,7 +47,7 @@ def test_greedy_groups_equals_reference(rows, qv, qt, rnd):
     tiles, tokens = (np.array(c, np.int64) for c in zip(*rows))
     order = np.array(rnd.sample(range(len(rows)), len(rows)), np.int64)
     got = kernels.greedy_groups(tiles, tokens, order, qv, qt)
-    assert np.array_equal(got, kernels.greedy_groups_reference(tiles, tokens, order, qv, qt))
+    assert np.array_equal(got, references.greedy_groups_reference(tiles, tokens, order, qv, qt))
 
 
 @settings(max_examples=60, deadline=None)
@@ -55,7 +56,7 @@ def test_greedy_groups_equals_reference(rows, qv, qt, rnd):
 def test_fill_bins_equals_reference(rows, qv, qt, n_bins, mean_attn):
     tiles, tokens = (np.array(c, np.int64) for c in zip(*rows))
     got = kernels.fill_bins(tiles, tokens, qv, qt, mean_attn, n_bins)
-    want = kernels.fill_bins_reference(tiles, tokens, qv, qt, mean_attn, n_bins)
+    want = references.fill_bins_reference(tiles, tokens, qv, qt, mean_attn, n_bins)
     assert np.array_equal(got, want)
     for b in range(n_bins):  # and the caps hold
         assert tiles[got == b].sum() <= qv and tokens[got == b].sum() <= qt
@@ -70,7 +71,7 @@ def test_isf_groups_equal_omnibal_reference(rows, qv, qt, seed, iterations):
     items, group = algorithms.isf_groups(lengths, ids, algorithms.Caps(qv, qt), seed=seed,
                                          iterations=iterations)
     got = [items[group == g].tolist() for g in range(int(group.max()) + 1)] if len(ids) else []
-    want = algorithms.isf_groups_reference(lengths.tiles, lengths.tokens, ids, qv, qt, seed=seed,
+    want = references.isf_groups_reference(lengths.tiles, lengths.tokens, ids, qv, qt, seed=seed,
                                            iterations=iterations)
     assert got == want
 
@@ -90,8 +91,8 @@ def test_polish_steps_equals_reference_and_keeps_tiles(rows, ranks, micro, round
     qt = int(max(lengths.tokens[items[a:b]].sum() for a, b in zip(offsets, offsets[1:])))
     got, want = items.copy(), items.copy()
     n = kernels.polish_steps(got, offsets, lengths.tiles, lengths.tokens, ranks, micro, qt, rounds)
-    m = kernels.polish_steps_reference(want, offsets, lengths.tiles, lengths.tokens, ranks, micro,
-                                       qt, rounds)
+    m = references.polish_steps_reference(want, offsets, lengths.tiles, lengths.tokens, ranks,
+                                          micro, qt, rounds)
     assert n == m and np.array_equal(got, want)
     assert sorted(got.tolist()) == sorted(items.tolist())
     for a, b in zip(offsets, offsets[1:]):  # tiles per micro-batch unchanged, Qt kept

@@ -12,7 +12,7 @@ Model of one stage s of P holding layers [first, end) under 1F1B:
 memory budget: recomputing the layers that save the most first is optimal for the count, since
 any k layers save at most the k largest savings. ``search_partition`` is the exact min-max
 contiguous partition by dynamic programming over (stage, first layer), each stage costed with
-the recompute it then needs; ``brute_force_partition`` is its reference for tests.
+the recompute it then needs (tests/test_partition.py holds it to an exhaustive search).
 ``omnibal_candidates`` is OmniBal's neighbourhood search around the greedy anchor, ranked by
 stage-time variance, then boundary communication.
 """
@@ -174,20 +174,6 @@ def search_partition(layers: list[LayerCost], stages: int, machine: Machine) -> 
     if cost == float("inf"):
         raise PartitionError(_why_infeasible(layers, stages, machine))
     return evaluate(layers, list(bounds), machine)
-
-
-def brute_force_partition(layers: list[LayerCost], stages: int, machine: Machine) -> Partition:
-    """Every composition of the layers into ``stages`` parts: the reference for tests."""
-    n = len(layers)
-    _check_stage_count(n, stages)
-    best = None
-    for cuts in itertools.combinations(range(1, n), stages - 1):
-        candidate = evaluate(layers, [0, *cuts, n], machine)
-        if candidate and (best is None or candidate.max_time_s < best.max_time_s):
-            best = candidate
-    if best is None:
-        raise PartitionError(_why_infeasible(layers, stages, machine))
-    return best
 
 
 def omnibal_candidates(layers: list[LayerCost], stages: int, machine: Machine,
