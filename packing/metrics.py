@@ -107,7 +107,6 @@ class Loads:
 
     micro_tiles: np.ndarray  # [micro-batches] Σtiles, step-major
     micro_tokens: np.ndarray  # [micro-batches] Σseq_len
-    micro_squares: np.ndarray  # [micro-batches] Σseq_len²
     tiles: np.ndarray  # [steps, dp] V
     tokens: np.ndarray  # [steps, dp] L
     squares: np.ndarray  # [steps, dp] A
@@ -135,7 +134,7 @@ def step_loads(lengths: Lengths, packing: Packing, cost: CostModel, dp: int) -> 
     n_sources = len(lengths.sources)
     sources = np.bincount((micro // per_step) * n_sources + lengths.source[packing.items],
                           minlength=steps * n_sources).reshape(steps, n_sources)
-    return Loads(V, L, A, Vr, Lr, Ar, cost.cost(Vr, Lr, Ar), sources)
+    return Loads(V, L, Vr, Lr, Ar, cost.cost(Vr, Lr, Ar), sources)
 
 
 def micro_batch_sizes(lengths: Lengths, packing: Packing, padded: bool) -> np.ndarray:
