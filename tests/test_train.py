@@ -6,10 +6,13 @@ import json
 import os
 import statistics
 
+import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from helpers import vlmshard
+from pipeline_reference import replay
 from vlmshard.packing.plan import PackConfig, run_pack
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
 from vlmshard.shards.loader import ShardDataset
@@ -59,6 +62,132 @@ def partition(small_shards, tmp_path_factory) -> str:
     return str(out / "partition.json")
 
 
+def _saved_bytes(out, params: set[int]) -> int:
+    """Bytes autograd keeps for backward, found by walking the graph behind ``out`` and reading
+    every node's saved tensors (``_saved_*``), one count per storage, parameters excluded: a
+    second way to measure what the profile counts with saved-tensor hooks."""
+    seen, total, visited = set(), 0, set()
+    stack = [o.grad_fn for o in (out if isinstance(out, tuple) else (out,))
+             if torch.is_tensor(o) and o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        for name in dir(node):
+            if not name.startswith("_saved_"):
+                continue
+            value = getattr(node, name)
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if torch.is_tensor(t):
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr not in params and ptr not in seen:
+                        seen.add(ptr)
+                        total += t.untyped_storage().nbytes()
+        stack += [f for f, _ in node.next_functions]
+    return total
+
+
+def _param_counts(model: dict) -> dict[str, int]:
+    """Parameters of each pipeline layer, counted by hand from the architecture (train/model.py)
+    and the sizes profile.json records."""
+    v, t = model["vision"], model["llm"]
+    hv, patch, side = v["hidden"], v["patch_size"], v["image_size"] // v["patch_size"]
+    mlp = int(hv * v["mlp_ratio"])
+    width = int(hv / model["downsample_ratio"] ** 2)
+    h, hd = t["hidden"], t["hidden"] // t["heads"]
+    counts = {
+        "vit_embed": 3 * patch * patch * hv + hv + side * side * hv,  # conv + bias, positions
+        # two LayerNorms, qkv and proj with biases, MLP with biases
+        "vit_block": 2 * 2 * hv + (hv * 3 * hv + 3 * hv) + (hv * hv + hv)
+                     + (hv * mlp + mlp) + (mlp * hv + hv),
+        # LayerNorm, two Linear with biases, the token embedding
+        "projector_merge": 2 * width + (width * h + h) + (h * h + h) + t["vocab_size"] * h,
+        # two RMSNorms, q, kv, o, gate_up, down (no biases)
+        "llm_block": 2 * h + h * t["heads"] * hd + h * 2 * t["kv_heads"] * hd
+                     + t["heads"] * hd * h + h * 2 * t["intermediate"] + t["intermediate"] * h,
+        "head": h + h * t["vocab_size"],  # final RMSNorm, LM head
+    }
+    return {name: counts[name.rsplit("_", 1)[0] if name[-1].isdigit() else name]
+            for name in ["vit_embed"] + [f"vit_block_{i}" for i in range(v["layers"])]
+                        + ["projector_merge"] + [f"llm_block_{i}" for i in range(t["layers"])]
+                        + ["head"]}
+
+
+def test_profile_measures_each_layer_as_counted_apart(partition, small_shards):
+    """profile.json against counts made here: parameters by hand from the sizes, input and output
+    bytes by hand from the plan's caps (micro-batches are padded to Qv tiles and Qt tokens, fp32),
+    the patch embedding's kept activation (the conv keeps its pixels) by hand, every other
+    layer's kept activation by walking the autograd graph on the same micro-batches; per
+    micro-batch ViT and LLM seconds sum to the layers' means; the fitted cost model is a
+    least-squares optimum (its optimality conditions checked here)."""
+    profile = read_json(os.path.join(os.path.dirname(partition), "profile.json"))
+    layers = {layer["name"]: layer for layer in profile["layers"]}
+    model = profile["model"]
+    names = list(_param_counts(model))
+    assert list(layers) == names
+    for name, count in _param_counts(model).items():
+        assert layers[name]["param_bytes"] == 16 * count, name  # AdamW fp32: 16 bytes a param
+
+    caps = read_json(os.path.join(os.path.dirname(small_shards), "plan", "plan.json"))["params"]
+    qv, qt = caps["qv"], caps["qt"]
+    v = model["vision"]
+    pixels = qv * 3 * v["image_size"] ** 2 * 4
+    vit = qv * (v["image_size"] // v["patch_size"]) ** 2 * v["hidden"] * 4
+    llm = qt * model["llm"]["hidden"] * 4
+    def by_kind(name: str) -> str:
+        return name.rsplit("_", 1)[0] if name[-1].isdigit() else name
+
+    inputs = {"vit_embed": pixels, "vit_block": vit, "projector_merge": vit, "llm_block": llm,
+              "head": llm}
+    outputs = {"vit_embed": vit, "vit_block": vit, "projector_merge": llm, "llm_block": llm,
+               "head": 4}  # the head returns the fp32 loss
+    for name in names:
+        assert layers[name]["input_bytes"] == inputs[by_kind(name)], name
+        assert layers[name]["output_bytes"] == outputs[by_kind(name)], name
+    assert layers["vit_embed"]["activation_bytes"] == pixels
+
+    from itertools import islice
+
+    from vlmshard.model_sizes import ModelConfig
+    from vlmshard.train.pipeline import pipeline_inputs
+    from vlmshard.train.profile import pipeline_layers
+
+    config = ModelConfig.from_dict({"preset": "tiny", "vision": model["vision"],
+                                    "llm": model["llm"]})
+    modules = pipeline_layers(config)
+    walked = np.zeros(len(names))
+    batches = list(islice(ShardDataset(small_shards, 0, 1), len(profile["micro_batches"])))
+    for batch in batches:
+        x = pipeline_inputs(batch)[0]
+        for i, module in enumerate(modules[:-1]):  # the head recomputes its logits in backward
+            x = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in x)
+            out = module(x)
+            walked[i] += _saved_bytes(out, {p.data_ptr() for p in module.parameters()})
+            x = tuple(t.detach() for t in out)
+    for i, name in enumerate(names[:-1]):
+        assert layers[name]["activation_bytes"] == int(walked[i] / len(batches)), name
+
+    micro = profile["micro_batches"]
+    vision = names.index("projector_merge") + 1  # ViT-side layers, the projector included
+    seconds = [layers[n]["forward_s"] + layers[n]["backward_s"] for n in names]
+    assert np.mean([m["vit_s"] for m in micro]) == pytest.approx(sum(seconds[:vision]), rel=1e-9)
+    assert np.mean([m["llm_s"] for m in micro]) == pytest.approx(sum(seconds[vision:]), rel=1e-9)
+
+    cost = read_json(os.path.join(os.path.dirname(partition), "cost_model.json"))
+    tiles = np.array([m["tiles"] for m in micro], float)
+    vit_s = np.array([m["vit_s"] for m in micro])
+    assert cost["a_v"] == pytest.approx(vit_s @ tiles / (tiles @ tiles), rel=1e-9)
+    X = np.array([[m["tokens"], m["squares"]] for m in micro], float)
+    y = np.array([m["llm_s"] for m in micro])
+    coef = np.array([cost["a_t"], cost["b"]])
+    assert (coef >= 0).all()
+    gradient = X.T @ (y - X @ coef)  # non-negative least squares: 0 where a coefficient is
+    scale = np.linalg.norm(X, axis=0) * np.linalg.norm(y)  # positive, <= 0 where it is 0
+    assert (gradient <= 1e-7 * scale).all() and (np.abs(gradient[coef > 0]) <= 1e-7
+                                                 * scale[coef > 0]).all()
+
+
 def test_profile_calibrates_and_recomputes_to_fit(partition, small_shards, tmp_path):
     chosen = read_json(partition)
     budget = chosen["machine"]["memory_budget"]
@@ -69,14 +198,14 @@ def test_profile_calibrates_and_recomputes_to_fit(partition, small_shards, tmp_p
         if chosen[other] is not None:
             assert search["max_stage_s"] <= chosen[other]["max_stage_s"] + 1e-12
     folder = os.path.dirname(partition)
-    profile = read_json(os.path.join(folder, "profile.json"))
-    assert [layer["name"] for layer in profile["layers"]][-1] == "head"
-    assert all(layer["forward_s"] > 0 and layer["activation_bytes"] >= 0
-               for layer in profile["layers"])
     plan = tmp_path / "plan"
     vlmshard("pack", "--stats", os.path.join(os.path.dirname(small_shards), "pre"), "--dp", "2",
              "--cost-model", os.path.join(folder, "cost_model.json"), "--out", str(plan))
-    assert read_json(plan / "plan.json")["cost_model"]["origin"].startswith("file:")
+    info = read_json(plan / "plan.json")
+    assert info["cost_model"]["origin"] == "file:" + os.path.join(folder, "cost_model.json")
+    fitted = read_json(os.path.join(folder, "cost_model.json"))
+    assert {k: info["cost_model"][k] for k in ("a_v", "a_t", "b")} == {
+        k: fitted[k] for k in ("a_v", "a_t", "b")}
 
 
 @pytest.mark.slow
@@ -131,7 +260,13 @@ def test_pipeline_of_two_stages_learns_from_its_plan(small_shards, partition, tm
     check = validate_against_log(str(tmp_path / "run" / "train_log.jsonl"),
                                  os.path.dirname(partition))
     assert [s["step"] for s in check["per_step"]] == list(range(1, 20))
-    assert all(s["predicted_s"] > 0 for s in check["per_step"])
+    records = log[1:]  # the warm-up step is left out
+    predicted = replay(records, read_json(os.path.join(os.path.dirname(partition),
+                                                       "profile.json")),
+                       read_json(os.path.join(os.path.dirname(partition), "cost_model.json")),
+                       config)
+    assert [s["predicted_s"] for s in check["per_step"]] == pytest.approx(predicted, rel=1e-9)
+    assert [s["measured_s"] for s in check["per_step"]] == [r["step_time_s"] for r in records]
 
 
 @pytest.mark.slow
