@@ -17,7 +17,7 @@ from importlib import import_module
 _PUBLIC = {"ConfigError": "vlmshard.config", "PreprocessConfig": ".config",
            "PreprocessResult": ".job", "RejectRatioExceeded": ".job", "run_preprocess": ".job",
            "RecordedPreprocess": ".retokenize", "RetokenizeError": ".retokenize",
-           "RetokenizeSpec": ".retokenize", "Retokenizer": ".retokenize",
+           "Retokenizer": ".retokenize", "SampleSpec": ".sample",
            "sample_where": ".retokenize"}
 __all__ = sorted(_PUBLIC)
 

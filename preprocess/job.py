@@ -33,7 +33,7 @@ from vlmshard.progress import Progress
 
 from .config import PreprocessConfig
 from .rejects import REASONS
-from .sample import SampleLimits
+from .sample import SampleLimits, SampleSpec
 from .schema import REJECTS_SCHEMA, stats_schema
 from .sources import Source, discover_sources, index_source, plan_parts
 from .tiling import make_tiling
@@ -97,8 +97,9 @@ def run_preprocess(cfg: PreprocessConfig) -> PreprocessResult:
     log.info("%d source(s), %d row(s) in %d part(s)%s", len(sources), total_rows, len(parts),
              f"; resuming, {resumed} part(s) already committed" if resumed else "")
 
-    spec = JobSpec(sources=tuple(sources), tokenizer=tokenizer, tiling=tiling.to_dict(),
-                   limits=limits, keep_tokens=cfg.keep_tokens, parts_dir=parts_dir)
+    spec = JobSpec(samples=SampleSpec(sources=tuple(sources), tokenizer=tokenizer,
+                                      tiling=tiling.to_dict(), limits=limits),
+                   keep_tokens=cfg.keep_tokens, parts_dir=parts_dir)
     t_process = time.monotonic()
     workers = cfg.workers or (available_cpus() if cfg.engine == "local" else None)
     results = run_units(PartWorker, spec, todo, cfg.engine, workers, cfg.ray_address)

@@ -5,7 +5,7 @@ them rebuilds them from the sources, exactly as preprocessing did, and checks th
 the recorded ``seq_len`` and tiles::
 
     recorded = RecordedPreprocess(read_json("out/preprocess.json"))
-    retokenizer = Retokenizer(recorded.retokenize_spec())
+    retokenizer = Retokenizer(recorded.sample_spec())
     ids_and_labels = retokenizer.tokens(rows)  # rows of the stats table
 
 A sample that no longer preprocesses, or no longer to what the stats say, raises
@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 import numpy as np
 
 from vlmshard.io import sha256_file
 
 from .rejects import Reject
-from .sample import SampleLimits, process_record
+from .sample import SampleLimits, SampleProcessor, SampleSpec
 from .sources import Part, Source, index_source, read_part_rows
 from .tiling import source_tiling, tiling_from_dict
 from .tokenize import ConversationEncoder, TokenizerConfig
@@ -33,16 +33,6 @@ PAD_TOKENS = ("<pad>", "<|endoftext|>")  # the padding id: the first the vocabul
 
 class RetokenizeError(RuntimeError):
     """A sample that no longer re-tokenizes to what the stats say; the message names it."""
-
-
-@dataclass(frozen=True)
-class RetokenizeSpec:
-    """How to rebuild token ids as preprocessing did; picklable for worker processes."""
-
-    sources: tuple[Source, ...]
-    tokenizer: TokenizerConfig
-    tiling: dict
-    limits: SampleLimits
 
 
 class RecordedPreprocess:
@@ -74,13 +64,13 @@ class RecordedPreprocess:
         return {s["name"]: source_tiling(base, s["max_num"]).to_dict()
                 for s in self.config["sources"]}
 
-    def retokenize_spec(self) -> RetokenizeSpec:
+    def sample_spec(self) -> SampleSpec:
+        """How this run turned source rows into samples (for ``Retokenizer``)."""
         names = {f.name for f in fields(Source)}
         sources = tuple(Source(**{**{k: v for k, v in s.items() if k in names},
                                   "path": s["file"]["path"]}) for s in self.config["sources"])
-        return RetokenizeSpec(sources=sources, tokenizer=self.tokenizer,
-                              tiling=self.config["tiling"],
-                              limits=SampleLimits(**self.config["limits"]))
+        return SampleSpec(sources=sources, tokenizer=self.tokenizer, tiling=self.config["tiling"],
+                          limits=SampleLimits(**self.config["limits"]))
 
 
 def sample_where(row: dict) -> str:
@@ -92,12 +82,9 @@ class Retokenizer:
     """Rebuilds ``input_ids``/``labels`` from the source rows, exactly as preprocessing would,
     and checks the result against the recorded ``seq_len`` and tiles."""
 
-    def __init__(self, spec: RetokenizeSpec) -> None:
-        self.spec = spec
-        self.encoder = ConversationEncoder(spec.tokenizer)
-        base = tiling_from_dict(spec.tiling)
-        self.sources = {s.name: s for s in spec.sources}
-        self.tilings = {s.name: source_tiling(base, s.max_num) for s in spec.sources}
+    def __init__(self, spec: SampleSpec) -> None:
+        self.samples = SampleProcessor(spec)
+        self.sources = {s.name: (i, s) for i, s in enumerate(spec.sources)}
         self.indexes: dict = {}
 
     def tokens(self, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
@@ -108,13 +95,13 @@ class Retokenizer:
             wanted[row["source"]].add(row["row"])
         records = {}
         for name, numbers in wanted.items():
-            for number, record in read_part_rows(self.sources[name],
+            for number, record in read_part_rows(self.sources[name][1],
                                                  self._part(name, sorted(numbers))):
                 records[(name, number)] = record
         return [self._encode(row, records[(row["source"], row["row"])]) for row in rows]
 
     def _part(self, name: str, numbers: list[int]) -> Part:
-        source = self.sources[name]
+        source = self.sources[name][1]
         part = Part(index=-1, source_index=0, rows=np.array(numbers, np.int64))
         if source.kind == "jsonl":
             if name not in self.indexes:
@@ -124,13 +111,8 @@ class Retokenizer:
         return part
 
     def _encode(self, row: dict, record) -> tuple[list[int], list[int]]:
-        source = self.sources[row["source"]]
         try:
-            if isinstance(record, Reject):
-                raise record
-            new = process_record(record, source.name, source.image_root,
-                                 self.tilings[source.name], self.encoder, self.spec.limits,
-                                 keep_tokens=True)
+            new = self.samples.process(self.sources[row["source"]][0], record, keep_tokens=True)
         except Reject as r:
             raise RetokenizeError(f"{sample_where(row)} no longer preprocesses ({r.reason}: "
                                   f"{r.message}); the source changed since packing") from None

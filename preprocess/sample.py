@@ -4,16 +4,48 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config import DEFAULT_MAX_IMAGE_PIXELS
 from .images import read_image_header, resolve_image_path
 from .rejects import Reject
-from .tiling import TilingPolicy
-from .tokenize import IMAGE_PLACEHOLDER, ROLES, ConversationEncoder
+from .sources import Source
+from .tiling import TilingPolicy, source_tiling, tiling_from_dict
+from .tokenize import IMAGE_PLACEHOLDER, ROLES, ConversationEncoder, TokenizerConfig
 
 
 @dataclass(frozen=True)
 class SampleLimits:
     max_seq_len: int | None = None
-    max_image_pixels: int = 89_478_485
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """How source rows become samples: the sources, tokenizer, tiling and limits. Picklable, so
+    it ships to pool processes and Ray actors."""
+
+    sources: tuple[Source, ...]
+    tokenizer: TokenizerConfig
+    tiling: dict
+    limits: SampleLimits
+
+
+class SampleProcessor:
+    """Per-process state for ``process_record`` (the tokenizer, each source's tiling)."""
+
+    def __init__(self, spec: SampleSpec) -> None:
+        self.spec = spec
+        self.encoder = ConversationEncoder(spec.tokenizer)
+        base = tiling_from_dict(spec.tiling)
+        self.tilings: list[TilingPolicy] = [source_tiling(base, s.max_num) for s in spec.sources]
+
+    def process(self, source_index: int, record: dict | Reject, keep_tokens: bool) -> dict:
+        """The stats row of a row of source ``source_index`` as ``read_part_rows`` yields it (a
+        record, or the ``Reject`` of an unreadable row); raises ``Reject``."""
+        if isinstance(record, Reject):
+            raise record
+        source = self.spec.sources[source_index]
+        return process_record(record, source.name, source.image_root, self.tilings[source_index],
+                              self.encoder, self.spec.limits, keep_tokens)
 
 
 def parse_turns(record: dict) -> list[tuple[str, str]]:

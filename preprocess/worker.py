@@ -15,21 +15,16 @@ import pyarrow as pa
 from vlmshard.io import atomic_write, read_json, write_json_atomic, write_parquet
 
 from .rejects import Reject
-from .sample import SampleLimits, process_record
+from .sample import SampleProcessor, SampleSpec
 from .schema import REJECTS_SCHEMA, stats_schema
-from .sources import Part, Source, read_part_rows
-from .tiling import TilingPolicy, source_tiling, tiling_from_dict
-from .tokenize import ConversationEncoder, TokenizerConfig
+from .sources import Part, read_part_rows
 
 
 @dataclass(frozen=True)
 class JobSpec:
     """Everything a worker needs, picklable so it ships to pool processes and Ray actors."""
 
-    sources: tuple[Source, ...]
-    tokenizer: TokenizerConfig
-    tiling: dict
-    limits: SampleLimits
+    samples: SampleSpec
     keep_tokens: bool
     parts_dir: str
 
@@ -49,24 +44,18 @@ class PartWorker:
 
     def __init__(self, spec: JobSpec) -> None:
         self.spec = spec
-        self.encoder = ConversationEncoder(spec.tokenizer)
-        base = tiling_from_dict(spec.tiling)
-        self.tilings: list[TilingPolicy] = [source_tiling(base, s.max_num) for s in spec.sources]
+        self.samples = SampleProcessor(spec.samples)
 
     def process(self, part: Part) -> dict:
         """Process and commit ``part``; returns its summary (counts per reason)."""
         spec = self.spec
-        source = spec.sources[part.source_index]
-        tiling = self.tilings[part.source_index]
+        source = spec.samples.sources[part.source_index]
         schema = stats_schema(spec.keep_tokens, with_sample_id=False)
         columns: dict[str, list] = {name: [] for name in schema.names}
         rejects: dict[str, list] = {name: [] for name in REJECTS_SCHEMA.names}
         for row, record in read_part_rows(source, part):
             try:
-                if isinstance(record, Reject):
-                    raise record
-                stats = process_record(record, source.name, source.image_root, tiling,
-                                       self.encoder, spec.limits, spec.keep_tokens)
+                stats = self.samples.process(part.source_index, record, spec.keep_tokens)
             except Reject as r:
                 for name, value in zip(REJECTS_SCHEMA.names, (source.name, row, r.reason, r.message)):
                     rejects[name].append(value)

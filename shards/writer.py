@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 
 from vlmshard.packing.plan import read_plan, read_plan_json
 from vlmshard.packing.stats import files_sha256, stats_files
-from vlmshard.preprocess import (RecordedPreprocess, RetokenizeError, RetokenizeSpec, Retokenizer,
+from vlmshard.preprocess import (RecordedPreprocess, RetokenizeError, Retokenizer, SampleSpec,
                                  sample_where)
 from vlmshard import __version__
 from vlmshard.engines import run_units
@@ -89,7 +89,7 @@ class WriteSpec:
 
     out: str
     samples_path: str
-    retokenize: RetokenizeSpec | None
+    retokenize: SampleSpec | None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def run_write(cfg: WriteConfig) -> WriteResult:
         _write_sample_table(files, samples_path, recorded.keep_tokens)
     units = _layout(records, samples_path, ranks, micro, steps, shard_bytes)
     spec = WriteSpec(out=cfg.out, samples_path=samples_path,
-                     retokenize=None if recorded.keep_tokens else recorded.retokenize_spec())
+                     retokenize=None if recorded.keep_tokens else recorded.sample_spec())
 
     done = {(u.rank, u.index): _committed(work, u) for u in units}
     todo = [u for u in units if done[(u.rank, u.index)] is None]
