@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import yaml
@@ -48,6 +49,27 @@ def test_demo_config_runs_every_stage_and_reruns_to_the_same_bytes(tmp_path):
     assert [line.split()[1] for line in stdout.splitlines()[:-1]] == \
         ["demo-data", "preprocess", "pack", "write", "verify", "report"]
     assert {name: tree_bytes(str(out / name)) for name in ("plan", "shards")} == before
+
+    # Deleted and made again from nothing, not skipped: the same bytes. Only wall-clock fields
+    # differ by design: plan.json's timings, and preprocess.json (timings, and the inputs'
+    # mtimes in its fingerprint: the demo data is written anew), which tree_bytes leaves out.
+    def plan_json() -> dict:
+        info = read_json(out / "plan" / "plan.json")
+        info.pop("timings")
+        info["metrics"].pop("pack_seconds")
+        return info
+
+    first = {name: tree_bytes(str(out / name)) for name in ("data", "preprocess", "shards")}
+    first_plan, first_info = (out / "plan" / "plan.parquet").read_bytes(), plan_json()
+    assert first["shards"] and first["preprocess"] and first_plan
+    shutil.rmtree(out)
+    vlmshard("run", "--config", _config(tmp_path, out, train=None))
+    again = {name: tree_bytes(str(out / name)) for name in ("data", "preprocess", "shards")}
+    for name in first:  # manifest.json included
+        assert sorted(again[name]) == sorted(first[name]), name
+        assert [k for k in first[name] if again[name][k] != first[name][k]] == [], name
+    assert (out / "plan" / "plan.parquet").read_bytes() == first_plan
+    assert plan_json() == first_info
 
 
 def test_run_config_errors_name_the_section(tmp_path):
