@@ -26,8 +26,8 @@ import pyarrow.parquet as pq
 
 from vlmshard import __version__
 from vlmshard.config import ConfigError
-from vlmshard.engines import run_units
-from vlmshard.io import atomic_write, available_cpus, is_url, write_json_atomic, write_parquet
+from vlmshard.engines import resolve_workers, run_units
+from vlmshard.io import atomic_write, is_url, write_json_atomic, write_parquet
 from vlmshard.jobs import WORK, claim_output
 from vlmshard.progress import Progress
 
@@ -101,7 +101,7 @@ def run_preprocess(cfg: PreprocessConfig) -> PreprocessResult:
                                       tiling=tiling.to_dict(), limits=limits),
                    keep_tokens=cfg.keep_tokens, parts_dir=parts_dir)
     t_process = time.monotonic()
-    workers = cfg.workers or (available_cpus() if cfg.engine == "local" else None)
+    workers = resolve_workers(cfg.engine, cfg.workers)
     results = run_units(PartWorker, spec, todo, cfg.engine, workers, cfg.ray_address)
     with Progress(total=todo_rows, desc="preprocess", unit="rows") as progress:
         for summary in results:

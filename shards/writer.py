@@ -37,9 +37,9 @@ from vlmshard.packing.stats import files_sha256, stats_files
 from vlmshard.preprocess import (RecordedPreprocess, RetokenizeError, Retokenizer, SampleSpec,
                                  sample_where)
 from vlmshard import __version__
-from vlmshard.engines import run_units
-from vlmshard.io import (atomic_write, available_cpus, file_size, open_file, read_json,
-                         sha256_file, write_json_atomic)
+from vlmshard.engines import resolve_workers, run_units
+from vlmshard.io import (atomic_write, file_size, open_file, read_json, sha256_file,
+                         write_json_atomic)
 from vlmshard.jobs import WORK, claim_output
 from vlmshard.progress import Progress
 
@@ -139,7 +139,7 @@ def run_write(cfg: WriteConfig) -> WriteResult:
     resumed = len(units) - len(todo)
     log.info("%d rank(s) x %d step(s) x %d micro-batch(es) in %d shard(s)%s", ranks, steps,
              micro, len(units), f"; resuming, {resumed} already written" if resumed else "")
-    workers = cfg.workers or (available_cpus() if cfg.engine == "local" else None)
+    workers = resolve_workers(cfg.engine, cfg.workers)
     with Progress(total=sum(len(u.records) for u in todo), desc="write", unit="records") as bar:
         for summary in run_units(ShardWriter, spec, todo, cfg.engine, workers, cfg.ray_address):
             entry = ShardEntry(**summary)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Protocol, Sequence
 
 from .config import ConfigError, option
+from .io import available_cpus
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,12 @@ class Worker(Protocol):
 
     def process(self, unit: Any) -> dict:
         """Do and commit one unit of work; the summary must be JSON-serializable."""
+
+
+def resolve_workers(engine: str, workers: int | None) -> int | None:
+    """``workers`` if given, else the default: on ``local`` the CPUs this process may use; on
+    ``ray`` None (the cluster's CPUs)."""
+    return workers or (available_cpus() if engine == "local" else None)
 
 
 def run_units(worker_cls: type[Worker], spec: Any, units: Sequence[Any], engine: str,
