@@ -67,7 +67,6 @@ class ShardDataset(IterableDataset):
         if len(sizes) != 1:
             raise ValueError(f"{root}: sources tile at different sizes {sorted(sizes)}")
         self.tile_size = sizes.pop()
-        self.tokens_per_tile = {name: p.tokens_per_tile for name, p in self.policies.items()}
 
     @property
     def micro_batches_per_step(self) -> int:
@@ -127,7 +126,7 @@ class ShardDataset(IterableDataset):
         segments = record.seq_lens + ([pad] if pad else [])
         position_ids = torch.from_numpy(np.concatenate([np.arange(s) for s in segments]))
         cu_seqlens = torch.tensor(record.cu_seqlens + ([m.qt] if pad else []), dtype=torch.int32)
-        check_image_tokens(record, m.image_token_id, self.tokens_per_tile)
+        check_image_tokens(record, m.image_token_id, self.policies)
         image_token_mask = torch.zeros(m.qt, dtype=torch.bool)
         image_token_mask[:n] = input_ids[:n] == m.image_token_id
         pixel_values = self._pixel_values(record)

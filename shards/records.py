@@ -131,7 +131,7 @@ def decode_record(sample: dict, where: str) -> Record:
 
 
 def check_image_tokens(record: Record, image_token_id: int,
-                       tokens_per_tile: dict[str, int]) -> None:
+                       policies: dict[str, "TilingPolicy"]) -> None:
     """Each sample's image-token count must equal its tiles × the source policy's tokens per tile:
     that is what places every tile's embedding on its own token."""
     start = 0
@@ -139,7 +139,7 @@ def check_image_tokens(record: Record, image_token_id: int,
         span = record.input_ids[start:start + sample["seq_len"]]
         start += sample["seq_len"]
         have = int(np.count_nonzero(span == image_token_id))
-        want = sum(sample["image_tiles"]) * tokens_per_tile[sample["source"]]
+        want = sum(sample["image_tiles"]) * policies[sample["source"]].tokens_per_tile
         if have != want:
             raise RecordError(f"{record.where}: sample {sample['sample_id']} has {have} image "
                               f"tokens, its tiles need {want}")

@@ -109,11 +109,10 @@ def _full_check(root: str, entry: ShardEntry,
                 manifest: Manifest) -> tuple[str | None, np.ndarray | None]:
     """(problem or None, placements [n, 5] of step, rank, micro, slot, sample_id)."""
     policies = manifest.policies()
-    tokens_per_tile = {name: p.tokens_per_tile for name, p in policies.items()}
     rows = []
     try:
         for record in iter_shard(root, entry, manifest):
-            check_image_tokens(record, manifest.image_token_id, tokens_per_tile)
+            check_image_tokens(record, manifest.image_token_id, policies)
             for _ in image_tiles(record, policies, cut=False):
                 pass
             rows += [(record.step, record.rank, record.micro, slot, s["sample_id"])
