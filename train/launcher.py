@@ -3,7 +3,6 @@ launcher (its CPU accelerator takes the process count from ``LOCAL_SIZE``; gloo 
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -13,6 +12,7 @@ from dataclasses import asdict
 from vlmshard.io import write_json_atomic
 
 from .config import TrainConfig
+from .train_log import LOG_NAME, read_log
 
 
 def launch(cfg: TrainConfig, output: str | None = None) -> int:
@@ -49,13 +49,7 @@ def train(cfg: TrainConfig, output: str | None = None) -> list[dict]:
     if status:
         raise RuntimeError(f"the training processes exited with status {status} "
                            f"(run folder {cfg.out}){_tail(output)}")
-    return read_log(os.path.join(cfg.out, "train_log.jsonl"))
-
-
-def read_log(path: str) -> list[dict]:
-    """The records of a ``train_log.jsonl``, one per step."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_log(os.path.join(cfg.out, LOG_NAME))
 
 
 def _tail(path: str | None, lines: int = 20) -> str:

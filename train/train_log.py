@@ -74,3 +74,9 @@ def write_record(f: IO[str], record: dict) -> None:
     """One record as one line, flushed (a crashed run keeps every finished step)."""
     f.write(json.dumps(record) + "\n")
     f.flush()
+
+
+def read_log(path: str) -> list[dict]:
+    """The records of a ``train_log.jsonl``, one per step."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

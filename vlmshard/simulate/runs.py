@@ -110,7 +110,7 @@ def validate_against_log(train_log: str, profile_dir: str) -> dict:
     (warm-up) is left out."""
     from vlmshard.io import read_json
 
-    from vlmshard.train.launcher import read_log
+    from vlmshard.train.train_log import read_log
 
     records = read_log(train_log)[1:]
     if not records:
