@@ -28,7 +28,8 @@ from .partition import (LayerCost, Machine, Partition, deepspeed_bounds, evaluat
                         omnibal_candidates, search_partition)
 from .pipeline import Carry, Head, pipeline_inputs
 from .config import ProfileConfig
-from .trainer import cpu_threads_per_rank, micro_batch_size
+from .train_log import micro_batch_size
+from .trainer import cpu_threads_per_rank
 
 log = logging.getLogger(__name__)
 

@@ -18,13 +18,11 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Iterator
 
 from vlmshard.model_sizes import training_flops
 
 from .config import TrainConfig
-from .train_log import micro_batch_size  # noqa: F401 (train.profile imports it from here)
 from .train_log import open_log, rank_data, rank_timing, step_record, write_record
 
 log = logging.getLogger(__name__)
