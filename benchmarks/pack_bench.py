@@ -201,6 +201,7 @@ def main() -> int:
               f"{c['median_pack_seconds']:.2f} s; budget 1.5 x pack + 0.5 = "
               f"{c['budget_seconds']:.2f} s: {'within' if c['within_budget'] else 'OVER'}")
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0
