@@ -32,7 +32,8 @@ sys.path.insert(0, REPO)
 from vlmshard.packing import algorithms  # noqa: E402
 from vlmshard.packing.batches import Lengths  # noqa: E402
 from vlmshard.packing.cost import CostModel  # noqa: E402
-from vlmshard.packing.plan import PackConfig, choose_caps, pack_epoch  # noqa: E402
+from vlmshard.packing.config import ALGORITHMS, PADDED, PackConfig  # noqa: E402
+from vlmshard.packing.plan import choose_caps, pack_epoch  # noqa: E402
 from vlmshard.packing.metrics import measure  # noqa: E402
 from vlmshard.packing.stats import load_stats  # noqa: E402
 
@@ -68,14 +69,14 @@ def plan(lengths: Lengths, algo: str, ranks: int, micro: int, seed: int = 0):
     packing = pack_epoch(cfg, lengths, caps, COST, seed=seed)
     seconds = time.perf_counter() - t0
     return measure(lengths, packing, qv=caps.qv, qt=caps.qt, cost=COST,
-                   padded=algo in algorithms.PADDED, dp=ranks, pack_seconds=seconds)
+                   padded=algo in PADDED, dp=ranks, pack_seconds=seconds)
 
 
 def quality(lengths: Lengths) -> dict:
     plan(lengths.take(np.arange(2000)), "balanced", 8, 1)  # compile the kernels first
     out = {}
     for ranks, micro in SETTINGS:
-        for algo in algorithms.ALGORITHMS:
+        for algo in ALGORITHMS:
             out[f"R={ranks} M={micro} {algo}"] = plan(lengths, algo, ranks, micro).to_dict()
     # R=64 has only 90 steps on the real rows; at 1.2M samples each step has more to match.
     big = resample(lengths, 1_200_000)

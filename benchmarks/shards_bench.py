@@ -35,13 +35,15 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from vlmshard.packing.plan import PackConfig, run_pack  # noqa: E402
+from vlmshard.packing.config import PackConfig  # noqa: E402
+from vlmshard.packing.plan import run_pack  # noqa: E402
 from vlmshard.preprocess import PreprocessConfig, run_preprocess  # noqa: E402
 from vlmshard.preprocess.demo_data import generate  # noqa: E402
 from vlmshard.preprocess.tokenize import IGNORE_INDEX  # noqa: E402
 from vlmshard.shards.layout import join, read_manifest  # noqa: E402
 from vlmshard.shards.loader import make_loader, normalize_tiles  # noqa: E402
-from vlmshard.shards.writer import WriteConfig, run_write  # noqa: E402
+from vlmshard.shards.config import WriteConfig  # noqa: E402
+from vlmshard.shards.writer import run_write  # noqa: E402
 
 
 def prepare(work: str, scale: int) -> tuple[str, str]:

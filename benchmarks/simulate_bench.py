@@ -23,7 +23,8 @@ sys.path.insert(0, REPO)
 
 from pack_bench import DATA, real_lengths, resample  # noqa: E402
 
-from vlmshard.packing.plan import PackConfig, run_pack  # noqa: E402
+from vlmshard.packing.config import PackConfig  # noqa: E402
+from vlmshard.packing.plan import run_pack  # noqa: E402
 from vlmshard.simulate.cli import format_result  # noqa: E402
 from vlmshard.simulate.config import SimulateConfig  # noqa: E402
 from vlmshard.simulate.runs import run_simulate  # noqa: E402

@@ -37,14 +37,17 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from vlmshard.packing.plan import PackConfig, run_pack  # noqa: E402
+from vlmshard.packing.config import PackConfig  # noqa: E402
+from vlmshard.packing.plan import run_pack  # noqa: E402
 from vlmshard.preprocess import PreprocessConfig, run_preprocess  # noqa: E402
 from vlmshard.preprocess.demo_data import generate  # noqa: E402
-from vlmshard.shards.writer import WriteConfig, run_write  # noqa: E402
+from vlmshard.shards.config import WriteConfig  # noqa: E402
+from vlmshard.shards.writer import run_write  # noqa: E402
 from vlmshard.train.launcher import train  # noqa: E402
-from vlmshard.train.profile import ProfileConfig, run_profile  # noqa: E402
+from vlmshard.train.config import ProfileConfig  # noqa: E402
+from vlmshard.train.profile import run_profile  # noqa: E402
 from vlmshard.simulate.runs import validate_against_log  # noqa: E402
-from vlmshard.train.trainer import TrainConfig  # noqa: E402
+from vlmshard.train.config import TrainConfig  # noqa: E402
 from vlmshard.io import read_json, write_json_atomic  # noqa: E402
 
 MODEL = os.path.join(REPO, "configs", "train-tiny.yaml")

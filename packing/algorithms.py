@@ -19,7 +19,6 @@ import numpy as np
 
 from . import kernels
 from .batches import Lengths, Packing
-from .config import ALGORITHMS, PADDED  # noqa: F401 (the packers below, by these names)
 from .cost import CostModel
 
 

@@ -18,10 +18,12 @@ from vlmshard.model_sizes import PRESETS, LLMConfig, ModelConfig, VisionConfig
 from vlmshard.train.model import VLM, next_token_targets, pixel_shuffle, segments
 from vlmshard.train.pipeline import AveTokenLoss, Carry, Head, pipeline_inputs
 from vlmshard.train.trainer import supervised_tokens
-from vlmshard.packing.plan import PackConfig, run_pack
+from vlmshard.packing.config import PackConfig
+from vlmshard.packing.plan import run_pack
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
 from vlmshard.shards.loader import make_loader
-from vlmshard.shards.writer import WriteConfig, run_write
+from vlmshard.shards.config import WriteConfig
+from vlmshard.shards.writer import run_write
 
 # Small widths, but the shapes the shards fix: 448 px tiles of 14 px patches, pixel-shuffled to
 # 256 image tokens, and every Tekken token id.

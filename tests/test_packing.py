@@ -19,7 +19,9 @@ from vlmshard.packing import algorithms, kernels
 from vlmshard.packing.batches import Lengths, Packing
 from vlmshard.packing.cost import CostModel
 from vlmshard.packing.metrics import REPORT_KEYS, dist_ratio, measure
-from vlmshard.packing.plan import PackConfig, choose_caps, pack_epoch, run_pack
+from vlmshard.packing.config import ALGORITHMS, PADDED
+from vlmshard.packing.config import PackConfig
+from vlmshard.packing.plan import choose_caps, pack_epoch, run_pack
 from vlmshard.packing.stats import StatsError, load_stats
 
 import references
@@ -119,7 +121,7 @@ def _check_contract(lengths: Lengths, packing: Packing, caps: algorithms.Caps, r
 
 
 @settings(max_examples=40, deadline=None)
-@given(samples, st.sampled_from(algorithms.ALGORITHMS), st.integers(1, 4), st.integers(1, 3),
+@given(samples, st.sampled_from(ALGORITHMS), st.integers(1, 4), st.integers(1, 3),
        st.integers(0, 99))
 # ISF's cap search once chose caps that left every sample out (an empty packing scored 0).
 @example(rows=[(0, 129), (2, 1), (2, 1), (2, 12), (6, 507)], algo="isf", ranks=4, micro=3,
@@ -130,7 +132,7 @@ def test_every_algorithm_keeps_the_contract(rows, algo, ranks, micro, seed):
                      target_samples=3)
     caps, _, _ = choose_caps(cfg, lengths, COST)
     packing = pack_epoch(cfg, lengths, caps, COST, seed=seed)
-    _check_contract(lengths, packing, caps, ranks, micro, algo in algorithms.PADDED)
+    _check_contract(lengths, packing, caps, ranks, micro, algo in PADDED)
     again = pack_epoch(cfg, lengths, caps, COST, seed=seed)  # deterministic
     assert np.array_equal(again.items, packing.items)
     assert np.array_equal(again.offsets, packing.offsets)

@@ -21,13 +21,14 @@ from vlmshard.report import plots
 from vlmshard.packing.metrics import format_value
 from vlmshard.packing.cost import CostModel
 from vlmshard.packing.metrics import REPORT_KEYS, measure
-from vlmshard.packing.plan import PackConfig, read_plan, run_pack
+from vlmshard.packing.config import PackConfig
+from vlmshard.packing.plan import read_plan, run_pack
 from vlmshard.report.report import load_plan, plan_labels
-from vlmshard.report.series import (PlanSeries, TrainSeries, parse_train_log, plan_series,
+from vlmshard.report.series import (PlanSeries, TrainSeries, plan_series,
                             train_series)
 from vlmshard.packing.stats import load_stats
 from vlmshard.model_sizes import PRESETS, training_flops
-from vlmshard.train.train_log import rank_data, rank_timing, step_record, write_record
+from vlmshard.train.train_log import parse_log, rank_data, rank_timing, step_record, write_record
 
 from helpers import vlmshard
 
@@ -265,7 +266,7 @@ def test_train_series_per_step_and_rank(plans, tmp_path, dp):
     write_train_log(plans["random"], log, dp=dp, pp=2, steps=20)
     info, packing, lengths = load_plan(str(plans["random"]))
     with open(log) as f:
-        train = train_series(parse_train_log(f, str(log)), str(log), packing, lengths,
+        train = train_series(parse_log(f, str(log)), str(log), packing, lengths,
                              CostModel(**info["cost_model"]))
     waits = _expected_waits(plans["random"], dp)[:20]
     assert train.steps.tolist() == list(range(20)) and train.dp == dp

@@ -17,7 +17,8 @@ import torch
 from PIL import Image
 
 from helpers import kill_9_when, serve_http, tree_bytes, vlmshard
-from vlmshard.packing.plan import PackConfig, run_pack
+from vlmshard.packing.config import PackConfig
+from vlmshard.packing.plan import run_pack
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
 from vlmshard.preprocess.rejects import Reject
 from vlmshard.preprocess.tiling import FixedTiling, InternVLTiling, Qwen2VLTiling
@@ -26,7 +27,8 @@ from vlmshard.shards.loader import ShardDataset, make_loader
 from vlmshard.shards.reader import ShardError
 from vlmshard.shards.records import RecordError
 from vlmshard.shards.verify import verify_shards
-from vlmshard.shards.writer import WriteConfig, WriteError, run_write
+from vlmshard.shards.config import WriteConfig
+from vlmshard.shards.writer import WriteError, run_write
 
 VIRTUAL_RANKS, MICRO = 4, 2
 

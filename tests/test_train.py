@@ -13,12 +13,15 @@ from PIL import Image
 
 from helpers import vlmshard
 from pipeline_reference import replay
-from vlmshard.packing.plan import PackConfig, run_pack
+from vlmshard.packing.config import PackConfig
+from vlmshard.packing.plan import run_pack
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
 from vlmshard.shards.loader import ShardDataset
-from vlmshard.shards.writer import WriteConfig, run_write
+from vlmshard.shards.config import WriteConfig
+from vlmshard.shards.writer import run_write
 from vlmshard.train.partition import LayerCost, stage_memory
-from vlmshard.train.profile import ProfileConfig, run_profile
+from vlmshard.train.config import ProfileConfig
+from vlmshard.train.profile import run_profile
 from vlmshard.simulate.runs import validate_against_log
 from vlmshard.io import read_json
 

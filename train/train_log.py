@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import IO
+from typing import IO, Iterable
 
 from vlmshard.model_sizes import Size
 
@@ -76,7 +76,33 @@ def write_record(f: IO[str], record: dict) -> None:
     f.flush()
 
 
+class TrainLogError(ValueError):
+    """A train log that cannot be read; the message names the file and line."""
+
+
+def parse_log(lines: Iterable[str], name: str) -> list[tuple[int, dict]]:
+    """(line number, record) of each non-blank line of a train log; ``name`` is its path in
+    errors."""
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TrainLogError(f"{name} line {number}: not JSON ({e.msg})") from None
+        if not isinstance(record, dict):
+            raise TrainLogError(f"{name} line {number}: not a train_log record (a JSON object)")
+        records.append((number, record))
+    if not records:
+        raise TrainLogError(f"{name}: no training steps in it")
+    return records
+
+
 def read_log(path: str) -> list[dict]:
     """The records of a ``train_log.jsonl``, one per step."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [record for _, record in parse_log(f, path)]
+    except UnicodeDecodeError as e:
+        raise TrainLogError(f"{path}: not UTF-8 text ({e.reason})") from None

@@ -13,21 +13,22 @@ import json
 import logging
 import multiprocessing as mp
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal, Protocol, Sequence
+from typing import Any, Iterator, Literal, Protocol, Sequence, get_args
 
 from .config import ConfigError, option
 from .io import available_cpus
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("local", "ray")
+Engine = Literal["local", "ray"]
+ENGINES: tuple[str, ...] = get_args(Engine)
 
 
 @dataclass(kw_only=True)
 class EngineOptions:
     """Where a fleet stage's units of work run: the options preprocess and write share."""
 
-    engine: Literal["local", "ray"] = option("local", help="local process pool or Ray Data")
+    engine: Engine = option("local", help="local process pool or Ray Data")
     workers: int | None = option(
         None, help="parallel workers",
         default_text="the CPUs this process may use; with ray, the cluster's CPUs")

@@ -14,7 +14,9 @@ from vlmshard.packing.cost import CostModel
 from vlmshard.packing.metrics import REPORT_KEYS, format_value
 from vlmshard.packing.plan import load_plan, read_plan_json
 
-from .series import PlanSeries, TrainSeries, parse_train_log, plan_series, train_series
+from vlmshard.train.train_log import parse_log
+
+from .series import PlanSeries, TrainSeries, plan_series, train_series
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
 def read_train_log(path: str, info: dict, packing: Packing, lengths: Lengths) -> TrainSeries:
     try:
         with open(path, encoding="utf-8") as f:
-            records = parse_train_log(f, path)
+            records = parse_log(f, path)
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text ({e.reason})") from None
     return train_series(records, path, packing, lengths, CostModel(**info["cost_model"]))

@@ -7,9 +7,7 @@ functions that compute plan.json's metrics, so a plot's mean is the metric next 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
 
@@ -69,24 +67,6 @@ class TrainSeries:
                 "measured_wait_mean": float(measured.mean()),
                 "correlation": float(np.corrcoef(self.predicted, measured)[0, 1])
                 if both_vary else 0.0}
-
-
-def parse_train_log(lines: Iterable[str], name: str) -> list[tuple[int, dict]]:
-    """(line number, record) of each non-blank line of a train_log.jsonl."""
-    records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ReportError(f"{name} line {number}: not JSON ({e.msg})") from None
-        if not isinstance(record, dict):
-            raise ReportError(f"{name} line {number}: not a train_log record (a JSON object)")
-        records.append((number, record))
-    if not records:
-        raise ReportError(f"{name}: no training steps in it")
-    return records
 
 
 def train_series(records: list[tuple[int, dict]], name: str, packing: Packing,

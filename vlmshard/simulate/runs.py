@@ -92,7 +92,8 @@ def repack(info: dict, lengths, algo: str):
     """The plan's samples packed again with ``algo`` (same ranks, micro-batches, seed, cost
     model; the caps each algorithm chooses for itself)."""
     from vlmshard.packing.cost import CostModel
-    from vlmshard.packing.plan import PackConfig, choose_caps, pack_epoch
+    from vlmshard.packing.config import PackConfig
+    from vlmshard.packing.plan import choose_caps, pack_epoch
 
     params = info["params"]
     cfg = PackConfig(stats=params["stats"], dp=params["dp"], out="", algo=algo,
