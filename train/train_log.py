@@ -99,10 +99,15 @@ def parse_log(lines: Iterable[str], name: str) -> list[tuple[int, dict]]:
     return records
 
 
-def read_log(path: str) -> list[dict]:
-    """The records of a ``train_log.jsonl``, one per step."""
+def read_numbered(path: str) -> list[tuple[int, dict]]:
+    """(line number, record) of each step in the train log file ``path``."""
     try:
         with open(path, encoding="utf-8") as f:
-            return [record for _, record in parse_log(f, path)]
+            return parse_log(f, path)
     except UnicodeDecodeError as e:
         raise TrainLogError(f"{path}: not UTF-8 text ({e.reason})") from None
+
+
+def read_log(path: str) -> list[dict]:
+    """The records of a ``train_log.jsonl``, one per step."""
+    return [record for _, record in read_numbered(path)]

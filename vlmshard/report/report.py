@@ -14,7 +14,7 @@ from vlmshard.packing.cost import CostModel
 from vlmshard.packing.metrics import REPORT_KEYS, format_value
 from vlmshard.packing.plan import load_plan, read_plan_json
 
-from vlmshard.train.train_log import parse_log
+from vlmshard.train.train_log import read_numbered
 
 from .series import PlanSeries, TrainSeries, plan_series, train_series
 
@@ -43,12 +43,7 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def read_train_log(path: str, info: dict, packing: Packing, lengths: Lengths) -> TrainSeries:
-    try:
-        with open(path, encoding="utf-8") as f:
-            records = parse_log(f, path)
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({e.reason})") from None
-    return train_series(records, path, packing, lengths, CostModel(**info["cost_model"]))
+    return train_series(read_numbered(path), path, packing, lengths, CostModel(**info["cost_model"]))
 
 
 def make_report(plan_dirs: list[str], train_log: str | None = None, html: str | None = None,
