@@ -9,6 +9,7 @@ from vlmshard.config import ConfigError, option
 from vlmshard.engines import EngineOptions
 
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485  # Pillow's decompression-bomb limit
+TileBudget = Literal["per-image", "per-sample"]
 
 
 @dataclass(kw_only=True)
@@ -23,14 +24,21 @@ class PreprocessConfig(EngineOptions):
     image_root: str | None = option(
         None, help="folder or URL that relative image paths start from",
         default_text="the annotation file's folder; meta files give 'root'")
-    tokenizer: str = option("tekken", help="'tekken' (the Tekken file inside mistral-common) or "
-                                           "a path to a tokenizer.json")
-    template: str | None = option(None, help="chat template: mistral or chatml",
-                                  default_text="mistral for tekken, chatml for tokenizer.json")
-    tiling: Literal["internvl", "qwen2vl", "fixed"] = option(
-        "internvl", help="tile counting policy (internvl: 448 px tiles, 256 tokens each)")
-    max_num: int = option(12, help="internvl: most tiles per sample, split across its images")
-    min_num: int = option(1, help="internvl: fewest tiles per image")
+    model: str | None = option(
+        None, metavar="PATH",
+        help="a local Hugging Face model folder (InternVL, Qwen2-VL, Qwen2.5-VL): its tokenizer, "
+             "chat template, image tokens and image processor limits define the samples",
+        default_text="the offline demo: Tekken with the mistral template")
+    tiling: Literal["internvl", "qwen2vl"] | None = option(
+        None, help="demo only (a --model sets its own): whose image processing to count with, "
+                   "at transformers' defaults", default_text="internvl")
+    max_patches: int | None = option(
+        None, help="internvl: most tiles per image (an InternVL meta file's max_dynamic_patch "
+                   "sets it per source)", default_text="the model's preprocessor_config.json")
+    tile_budget: TileBudget = option(
+        "per-image", help="internvl multi-image rows: per-image (each image may use "
+                          "max_patches, as transformers does) or per-sample (the images share it, "
+                          "as InternVL's training code divides it)")
     keep_tokens: bool = option(False, help="store input_ids and labels in the stats table, so "
                                            "writing shards needs no re-tokenizing")
     max_seq_len: int | None = option(None, help="reject samples longer than this",
@@ -49,6 +57,11 @@ class PreprocessConfig(EngineOptions):
         if not self.inputs:
             raise ConfigError("no input given: pass conversation files, meta files, Parquet files "
                               "or saved dataset folders")
+        if self.max_patches is not None and self.max_patches < 1:
+            raise ConfigError(f"--max-patches must be >= 1, got {self.max_patches}")
+        if self.model is not None and self.tiling is not None:
+            raise ConfigError("--tiling is for the demo tokenizer; with --model the model "
+                              "folder's preprocessor config sets the tiling")
         if self.part_size < 1:
             raise ConfigError(f"--part-size must be >= 1, got {self.part_size}")
         if self.max_seq_len is not None and self.max_seq_len < 1:

@@ -19,7 +19,7 @@ import os
 import shutil
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -33,11 +33,12 @@ from vlmshard.progress import Progress
 
 from .config import PreprocessConfig
 from .rejects import REASONS
-from .sample import SampleLimits, SampleSpec
+from .families import ModelFolderError, ModelSpec, load_model
+from .sample import SampleLimits, SampleSpec, make_encoder
 from .schema import REJECTS_SCHEMA, stats_schema
 from .sources import Source, discover_sources, index_source, plan_parts
-from .tiling import make_tiling
-from .tokenize import resolve_tokenizer
+from .tiling import POLICIES, InternVLTiling, TilingPolicy
+from .tokenize import TokenizerConfig, tekken_tokenizer
 from .worker import JobSpec, PartWorker, committed_summary, part_paths
 
 log = logging.getLogger(__name__)
@@ -65,12 +66,11 @@ def run_preprocess(cfg: PreprocessConfig) -> PreprocessResult:
     cfg.validate()
     try:
         sources = discover_sources(cfg.inputs, cfg.image_root)
-        tokenizer = resolve_tokenizer(cfg.tokenizer, cfg.template)
-        tiling = make_tiling(cfg.tiling, cfg.max_num, cfg.min_num)
+        model, tokenizer, tiling = resolve_model(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     limits = SampleLimits(max_seq_len=cfg.max_seq_len, max_image_pixels=cfg.max_image_pixels)
-    identity = _job_identity(cfg, sources, tokenizer.to_dict(), tiling.to_dict(), limits)
+    identity = _job_identity(cfg, sources, model, tokenizer, tiling, limits)
     fingerprint, done = claim_output(cfg.out, "preprocess.json", identity, error=ConfigError)
     if done is not None:
         log.info("%s is already complete (same inputs and config): nothing to do", cfg.out)
@@ -97,7 +97,7 @@ def run_preprocess(cfg: PreprocessConfig) -> PreprocessResult:
     log.info("%d source(s), %d row(s) in %d part(s)%s", len(sources), total_rows, len(parts),
              f"; resuming, {resumed} part(s) already committed" if resumed else "")
 
-    spec = JobSpec(samples=SampleSpec(sources=tuple(sources), tokenizer=tokenizer,
+    spec = JobSpec(samples=SampleSpec(sources=tuple(sources), model=model, tokenizer=tokenizer,
                                       tiling=tiling.to_dict(), limits=limits),
                    keep_tokens=cfg.keep_tokens, parts_dir=parts_dir)
     t_process = time.monotonic()
@@ -141,8 +141,30 @@ def run_preprocess(cfg: PreprocessConfig) -> PreprocessResult:
                             rejected_by_reason=report["rejected_by_reason"])
 
 
-def _job_identity(cfg: PreprocessConfig, sources: list[Source], tokenizer: dict, tiling: dict,
-                  limits: SampleLimits) -> dict:
+def resolve_model(cfg: PreprocessConfig) -> tuple[ModelSpec, TokenizerConfig, TilingPolicy]:
+    """The model folder's family, tokenizer and tiling (or the demo's), with the options that
+    adjust the tiling applied. Builds the encoder once, so a broken folder fails here."""
+    if cfg.model is not None:
+        try:
+            model, tiling = load_model(cfg.model)
+        except ModelFolderError as e:
+            raise ConfigError(str(e)) from None
+        tokenizer = TokenizerConfig(kind="model", path=model.path)
+    else:
+        tokenizer = tekken_tokenizer()
+        tiling = POLICIES[cfg.tiling or "internvl"]()
+        model = ModelSpec(family=tiling.name, path=None)
+    if isinstance(tiling, InternVLTiling):
+        tiling = replace(tiling, budget=cfg.tile_budget,
+                         max_patches=cfg.max_patches or tiling.max_patches)
+    elif cfg.max_patches is not None:
+        raise ConfigError(f"--max-patches applies to InternVL tiling, not {tiling.name}")
+    make_encoder(tokenizer, model)
+    return model, tokenizer, tiling
+
+
+def _job_identity(cfg: PreprocessConfig, sources: list[Source], model: ModelSpec,
+                  tokenizer: TokenizerConfig, tiling: TilingPolicy, limits: SampleLimits) -> dict:
     """What determines the output bytes (not the engine or worker count)."""
 
     def file_identity(path: str) -> dict:
@@ -153,8 +175,9 @@ def _job_identity(cfg: PreprocessConfig, sources: list[Source], tokenizer: dict,
 
     return {
         "sources": [dict(s.to_dict(), file=file_identity(s.path)) for s in sources],
-        "tokenizer": tokenizer,
-        "tiling": tiling,
+        "model": model.to_dict(),
+        "tokenizer": tokenizer.to_dict(),
+        "tiling": tiling.to_dict(),
         "limits": asdict(limits),
         "keep_tokens": cfg.keep_tokens,
         "part_size": cfg.part_size,

@@ -20,8 +20,8 @@ REASONS = {
     "corrupt_image": "an image header cannot be parsed",
     "truncated_image": "an image file ends before its end-of-image marker",
     "decompression_bomb": "an image has more pixels than --max-image-pixels",
-    "image_too_small": "an image is smaller than the tiling policy can handle",
-    "bad_aspect_ratio": "an image is more elongated than the tiling policy allows",
+        "bad_aspect_ratio": "an image is more elongated than the tiling policy allows",
+    "template_error": "the model's chat template refuses the conversation or drops its text",
     "too_long": "the sample's sequence length exceeds --max-seq-len",
 }
 

@@ -22,13 +22,12 @@ import numpy as np
 
 from vlmshard.io import sha256_file
 
+from .families import ModelSpec
 from .rejects import Reject
-from .sample import SampleLimits, SampleProcessor, SampleSpec
+from .sample import SampleLimits, SampleProcessor, SampleSpec, make_encoder
 from .sources import Part, Source, index_source, read_part_rows
 from .tiling import source_tiling, tiling_from_dict
-from .tokenize import ConversationEncoder, TokenizerConfig
-
-PAD_TOKENS = ("<pad>", "<|endoftext|>")  # the padding id: the first the vocabulary has, else 0
+from .tokenize import TokenizerConfig
 
 
 class RetokenizeError(RuntimeError):
@@ -41,22 +40,24 @@ class RecordedPreprocess:
     def __init__(self, preprocess: dict) -> None:
         self.config = preprocess["config"]
         self.tokenizer = TokenizerConfig(**self.config["tokenizer"])
+        self.model = ModelSpec.from_dict(self.config["model"])
 
     @property
     def keep_tokens(self) -> bool:
         return self.config["keep_tokens"]
 
     def tokenizer_unchanged(self) -> bool:
-        """Whether the recorded tokenizer file is still there, with the same sha256."""
+        """Whether the recorded tokenizer (the Tekken file, or the model folder's tokenizer and
+        config files) is still there, with the same sha256."""
+        if self.tokenizer.kind == "model":
+            return self.model.unchanged()
         path = self.tokenizer.path
         return os.path.isfile(path) and sha256_file(path) == self.tokenizer.sha256
 
     def token_ids(self) -> tuple[int, int]:
         """(image token id, padding id) of the recorded tokenizer and template."""
-        encoder = ConversationEncoder(self.tokenizer)
-        pad = next((i for t in PAD_TOKENS if (i := encoder.tokenizer.special_id(t)) is not None),
-                   0)
-        return encoder.image_token_id, pad
+        encoder = make_encoder(self.tokenizer, self.model)
+        return encoder.image_token_id, encoder.pad_token_id
 
     def source_tilings(self) -> dict[str, dict]:
         """Source name -> the tiling policy (as a dict) its images were counted with."""
@@ -69,7 +70,8 @@ class RecordedPreprocess:
         names = {f.name for f in fields(Source)}
         sources = tuple(Source(**{**{k: v for k, v in s.items() if k in names},
                                   "path": s["file"]["path"]}) for s in self.config["sources"])
-        return SampleSpec(sources=sources, tokenizer=self.tokenizer, tiling=self.config["tiling"],
+        return SampleSpec(sources=sources, model=self.model, tokenizer=self.tokenizer,
+                          tiling=self.config["tiling"],
                           limits=SampleLimits(**self.config["limits"]))
 
 

@@ -8,8 +8,9 @@ from .config import DEFAULT_MAX_IMAGE_PIXELS
 from .images import read_image_header, resolve_image_path
 from .rejects import Reject
 from .sources import Source
+from .families import ModelSpec
 from .tiling import TilingPolicy, source_tiling, tiling_from_dict
-from .tokenize import IMAGE_PLACEHOLDER, ROLES, ConversationEncoder, TokenizerConfig
+from .tokenize import IMAGE_PLACEHOLDER, ROLES, TekkenEncoder, TokenizerConfig
 
 
 @dataclass(frozen=True)
@@ -20,13 +21,23 @@ class SampleLimits:
 
 @dataclass(frozen=True)
 class SampleSpec:
-    """How source rows become samples: the sources, tokenizer, tiling and limits. Picklable, so
-    it ships to pool processes and Ray actors."""
+    """How source rows become samples: the sources, model, tokenizer, tiling and limits.
+    Picklable, so it ships to pool processes and Ray actors."""
 
     sources: tuple[Source, ...]
+    model: ModelSpec
     tokenizer: TokenizerConfig
     tiling: dict
     limits: SampleLimits
+
+
+def make_encoder(tokenizer: TokenizerConfig, model: ModelSpec):
+    """The conversation encoder: the demo's Tekken, or the model folder's chat template."""
+    if tokenizer.kind == "tekken":
+        return TekkenEncoder(tokenizer)
+    from .families.chat import ChatTemplateEncoder
+
+    return ChatTemplateEncoder(model)
 
 
 class SampleProcessor:
@@ -34,7 +45,7 @@ class SampleProcessor:
 
     def __init__(self, spec: SampleSpec) -> None:
         self.spec = spec
-        self.encoder = ConversationEncoder(spec.tokenizer)
+        self.encoder = make_encoder(spec.tokenizer, spec.model)
         base = tiling_from_dict(spec.tiling)
         self.tilings: list[TilingPolicy] = [source_tiling(base, s.max_num) for s in spec.sources]
 
@@ -102,7 +113,7 @@ def match_placeholders(turns: list[tuple[str, str]], n_images: int) -> list[tupl
 
 
 def process_record(record: dict, source_name: str, image_root: str, tiling: TilingPolicy,
-                   encoder: ConversationEncoder, limits: SampleLimits,
+                   encoder, limits: SampleLimits,
                    keep_tokens: bool) -> dict:
     """One stats row (Contract 1, without ``sample_id``) for a record; raises ``Reject``."""
     turns = parse_turns(record)

@@ -1,26 +1,30 @@
-"""Image tiling policies: how many ViT tiles and LLM tokens an image of a given size costs.
+"""Image tiling policies: how many ViT units and LLM tokens an image costs, and its pixels.
 
-Only the image size is needed to count, so preprocessing reads headers and never decodes pixels.
-The same policy objects are recorded in ``preprocess.json`` and the shards' manifest, and the
-shard loader cuts decoded pixels with ``tile_pixels``, so the tiles always match the plan.
+Counting needs only the image size, so preprocessing reads headers and never decodes pixels. The
+same policy objects are recorded in ``preprocess.json`` and the shards' manifest, and the loader
+makes the model's ``pixel_values`` with ``pixels``, so the pixels always match the plan.
 
-A *tile* is the policy's unit of ViT work:
-- ``internvl``: a 448×448 crop (plus a thumbnail when an image has more than one crop);
-  256 LLM tokens per tile.
-- ``qwen2vl``: one 28×28 merged patch (2×2 ViT patches of 14 px); 1 LLM token per tile.
-- ``fixed``: the whole image resized to one tile (LLaVA-1.5); 576 LLM tokens.
+Both policies follow ``transformers``' own image processors (their PIL versions), with the limits
+a model folder's ``preprocessor_config.json`` sets:
+
+- ``internvl``: ``GotOcr2ImageProcessor`` with ``crop_to_patches``, as ``InternVLProcessor`` uses
+  it. A *tile* is a 448×448 crop (plus a thumbnail when an image has more than one crop); the
+  ViT runs on each tile; ``tokens_per_tile`` (256) image tokens each.
+- ``qwen2vl``: ``Qwen2VLImageProcessor``'s ``smart_resize`` (Qwen2-VL and Qwen2.5-VL). A *tile*
+  is one merged patch of 28×28 px: the merge² (4) ViT patches that become one LLM token. The
+  ViT itself runs on ``merge_size²`` patches per tile.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import numpy as np
 
+from .config import TileBudget
 from .rejects import Reject
 
 if TYPE_CHECKING:
@@ -31,204 +35,228 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+BICUBIC = 3  # PIL's filter number, as preprocessor_config.json writes ``resample``
 
 
 class TilingPolicy(Protocol):
     name: str
     tokens_per_tile: int
-    tile_size: int  # side of a tile in pixels (pixel_values are [tiles, 3, tile_size, tile_size])
-    mean: tuple[float, float, float]  # per-channel normalization of the model's ViT
-    std: tuple[float, float, float]
+    tile_size: int  # side of a tile's square of the resized image, in pixels
+    rows_per_tile: int  # rows of pixel_values per tile (1 tile, or merge² ViT patches)
+    pixel_shape: tuple[int, ...]  # the shape of one row of pixel_values
+    takes_grid: bool  # whether the model's forward takes image_grid_thw
 
     def tiles(self, width: int, height: int, n_images: int) -> int:
-        """Tiles for one image of a sample holding ``n_images`` images."""
+        """Tiles for one image of a sample holding ``n_images`` images; raises ``Reject``."""
 
-    def tile_pixels(self, image: "Image.Image", n_images: int) -> np.ndarray:
-        """The decoded RGB image cut into ``tiles(w, h, n_images)`` uint8 tiles [n, S, S, 3]."""
+    def grid_thw(self, width: int, height: int) -> tuple[int, int, int] | None:
+        """The image's ViT patch grid, where the model takes one (``image_grid_thw``)."""
+
+    def pixels(self, image: "Image.Image", n_images: int) -> np.ndarray:
+        """The model's float32 ``pixel_values`` rows for a decoded RGB image (one per tile for
+        InternVL, one per ViT patch for Qwen2-VL), normalized as its processor does."""
 
     def to_dict(self) -> dict: ...
 
 
 @dataclass(frozen=True)
-class InternVLTiling:
-    """InternVL's ``dynamic_preprocess``, reproduced bit for bit (grid choice and tie-breaks)."""
+class _Normalized:
+    """What every processor does after resizing: ``x · rescale_factor``, minus mean, over std."""
 
-    max_num: int = 12
-    min_num: int = 1
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    resample: int = BICUBIC
+    rescale_factor: float = 1 / 255
+
+    def normalize(self, pixels: np.ndarray) -> np.ndarray:
+        """uint8 [..., H, W, 3] → float32 [..., 3, H, W]."""
+        x = pixels.astype(np.float32) * np.float32(self.rescale_factor)
+        x = (x - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+        return np.moveaxis(x, -1, -3)
+
+    def resize(self, image: "Image.Image", width: int, height: int) -> np.ndarray:
+        from PIL import Image
+
+        return np.asarray(image.resize((width, height), Image.Resampling(self.resample)))
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class InternVLTiling(_Normalized):
+    """``transformers``' InternVL processing: crop to a grid of tiles chosen by aspect ratio, then
+    a thumbnail of the whole image when there is more than one tile."""
+
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
     image_size: int = 448
-    use_thumbnail: bool = True
+    min_patches: int = 1
+    max_patches: int = 12
+    crop_to_patches: bool = True
     tokens_per_tile: int = 256
-    name: str = "internvl"
-    mean: ClassVar = IMAGENET_MEAN
-    std: ClassVar = IMAGENET_STD
+    # per-image: every image may use max_patches, as transformers applies it. per-sample: the
+    # images of a sample share max_patches, as InternVL's own training code divides it.
+    budget: TileBudget = "per-image"
+    name: ClassVar[str] = "internvl"
+
+    rows_per_tile: ClassVar[int] = 1
+    takes_grid: ClassVar[bool] = False
 
     @property
     def tile_size(self) -> int:
         return self.image_size
 
+    @property
+    def pixel_shape(self) -> tuple[int, ...]:
+        return 3, self.image_size, self.image_size
+
     def grid(self, width: int, height: int, n_images: int) -> tuple[int, int]:
-        # InternVL splits the tile budget across the images of a multi-image sample.
-        max_num = max(1, self.max_num // max(1, n_images))
-        min_num = min(self.min_num, max_num)
-        return internvl_grid(width, height, min_num, max_num, self.image_size)
+        """(columns, rows) of crops, or (1, 1) when the image is only resized."""
+        max_patches = self.max_patches
+        if self.budget == "per-sample":
+            max_patches = max(1, max_patches // max(1, n_images))
+        if not self.crop_to_patches or max_patches <= 1:
+            return 1, 1
+        return tiled_canvas(width, height, min(self.min_patches, max_patches), max_patches,
+                            self.image_size)
 
     def tiles(self, width: int, height: int, n_images: int) -> int:
         cols, rows = self.grid(width, height, n_images)
-        blocks = cols * rows
-        return blocks + 1 if self.use_thumbnail and blocks != 1 else blocks
+        return cols * rows + (cols * rows != 1)  # the thumbnail
 
-    def tile_pixels(self, image: "Image.Image", n_images: int) -> np.ndarray:
-        """``dynamic_preprocess``: resize to the grid, crop row-major, then the thumbnail."""
-        from PIL import Image
+    def grid_thw(self, width: int, height: int) -> None:
+        return None  # InternVL's forward takes tiles, no grid
 
+    def pixels(self, image: "Image.Image", n_images: int) -> np.ndarray:
+        """[tiles, 3, S, S]: the crops row-major, then the thumbnail."""
         cols, rows = self.grid(image.width, image.height, n_images)
         size = self.image_size
-        tiles = _cut_grid(image.resize((cols * size, rows * size), Image.BICUBIC), rows, cols,
-                          size)
-        if self.use_thumbnail and cols * rows != 1:
-            thumbnail = np.array(image.resize((size, size), Image.BICUBIC))[None]
-            tiles = np.concatenate([tiles, thumbnail])
-        return tiles
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+        tiles = _cut_grid(self.resize(image, cols * size, rows * size), rows, cols, size)
+        if cols * rows != 1:
+            tiles = np.concatenate([tiles, self.resize(image, size, size)[None]])
+        return self.normalize(tiles)
 
 
 @lru_cache(maxsize=65536)
-def internvl_grid(width: int, height: int, min_num: int, max_num: int,
-                  image_size: int) -> tuple[int, int]:
-    """The (columns, rows) grid InternVL's ``dynamic_preprocess`` picks for an image.
+def tiled_canvas(width: int, height: int, min_tiles: int, max_tiles: int,
+                 tile: int) -> tuple[int, int]:
+    """The (columns, rows) grid ``transformers``' ``get_optimal_tiled_canvas`` picks.
 
-    Cached: image sizes repeat a lot (camera and screenshot resolutions) and the search is ~50 µs.
-
-    Kept in InternVL's exact form: candidates are built as a set and sorted stably by area, and the
-    tie rule prefers a later (larger) grid when the image covers more than half of its pixels.
+    Grids with min ≤ columns·rows ≤ max, enumerated by columns then rows and sorted stably by
+    area; the closest aspect ratio wins; on a tie the later (larger) grid wins while the image
+    covers more than half of its pixels. Cached: sizes repeat a lot and the search is ~50 µs.
     """
-    aspect_ratio = width / height
-    target_ratios = set(
-        (i, j) for n in range(min_num, max_num + 1) for i in range(1, n + 1)
-        for j in range(1, n + 1) if min_num <= i * j <= max_num)
-    target_ratios = sorted(target_ratios, key=lambda x: x[0] * x[1])
-    best_diff = float("inf")
-    best = (1, 1)
-    area = width * height
-    for ratio in target_ratios:
-        diff = abs(aspect_ratio - ratio[0] / ratio[1])
+    grids = sorted(((c, r) for c in range(1, max_tiles + 1) for r in range(1, max_tiles + 1)
+                    if min_tiles <= c * r <= max_tiles), key=lambda g: g[0] * g[1])
+    aspect, area = width / height, width * height
+    best, best_diff = (1, 1), float("inf")
+    for cols, rows in grids:
+        diff = abs(aspect - cols / rows)
         if diff < best_diff:
-            best_diff = diff
-            best = ratio
-        elif diff == best_diff and area > 0.5 * image_size * image_size * ratio[0] * ratio[1]:
-            best = ratio
+            best, best_diff = (cols, rows), diff
+        elif diff == best_diff and area > 0.5 * tile * tile * cols * rows:
+            best = (cols, rows)
     return best
 
 
 @dataclass(frozen=True)
-class Qwen2VLTiling:
-    """Qwen2-VL's ``smart_resize``: both sides to multiples of 28 with the pixel count bounded."""
+class Qwen2VLTiling(_Normalized):
+    """``transformers``' Qwen2-VL processing: ``smart_resize`` to multiples of patch·merge pixels
+    with the pixel count in [min_pixels, max_pixels], then flattened ViT patches."""
 
+    mean: tuple[float, float, float] = CLIP_MEAN
+    std: tuple[float, float, float] = CLIP_STD
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
-    factor: int = 28
-    tokens_per_tile: int = 1
-    name: str = "qwen2vl"
-    mean: ClassVar = CLIP_MEAN
-    std: ClassVar = CLIP_STD
+    tokens_per_tile: ClassVar[int] = 1
+    takes_grid: ClassVar[bool] = True
+    name: ClassVar[str] = "qwen2vl"
 
     @property
     def tile_size(self) -> int:
-        return self.factor
+        return self.patch_size * self.merge_size
+
+    @property
+    def rows_per_tile(self) -> int:
+        return self.merge_size ** 2
+
+    @property
+    def pixel_shape(self) -> tuple[int, ...]:
+        return (3 * self.temporal_patch_size * self.patch_size ** 2,)
 
     def tiles(self, width: int, height: int, n_images: int) -> int:
         h, w = self.resized(width, height)
-        return (h // self.factor) * (w // self.factor)
+        return (h // self.tile_size) * (w // self.tile_size)
 
-    def tile_pixels(self, image: "Image.Image", n_images: int) -> np.ndarray:
-        """Smart-resized, then cut into factor × factor merged patches, row-major."""
-        from PIL import Image
-
-        h, w = self.resized(image.width, image.height)
-        f = self.factor
-        return _cut_grid(image.resize((w, h), Image.BICUBIC), h // f, w // f, f)
+    def grid_thw(self, width: int, height: int) -> tuple[int, int, int]:
+        """``image_grid_thw`` of an image: (1, ViT patch rows, ViT patch columns)."""
+        h, w = self.resized(width, height)
+        return 1, h // self.patch_size, w // self.patch_size
 
     def resized(self, width: int, height: int) -> tuple[int, int]:
-        """(height, width) after smart-resize, as Qwen2-VL's image processor computes it."""
-        f = self.factor
-        if height < f or width < f:
-            raise Reject("image_too_small",
-                         f"{width}x{height} has a side under {f} px, which qwen2vl cannot tile")
+        """(height, width) after ``smart_resize``. Tiny images are scaled up to ``min_pixels``,
+        as current ``transformers`` does; only an aspect ratio over 200 is refused."""
+        f = self.tile_size
         if max(height, width) / min(height, width) > 200:
-            raise Reject("bad_aspect_ratio", f"{width}x{height} exceeds qwen2vl's 200:1 limit")
-        h_bar = round(height / f) * f
-        w_bar = round(width / f) * f
+            raise Reject("bad_aspect_ratio", f"{width}x{height} exceeds the 200:1 aspect ratio "
+                                             "Qwen2-VL's processor accepts")
+        h_bar, w_bar = round(height / f) * f, round(width / f) * f
         if h_bar * w_bar > self.max_pixels:
             beta = math.sqrt(height * width / self.max_pixels)
-            h_bar = math.floor(height / beta / f) * f
-            w_bar = math.floor(width / beta / f) * f
+            h_bar = max(f, math.floor(height / beta / f) * f)
+            w_bar = max(f, math.floor(width / beta / f) * f)
         elif h_bar * w_bar < self.min_pixels:
             beta = math.sqrt(self.min_pixels / (height * width))
             h_bar = math.ceil(height * beta / f) * f
             w_bar = math.ceil(width * beta / f) * f
         return h_bar, w_bar
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def pixels(self, image: "Image.Image", n_images: int) -> np.ndarray:
+        """[patches, 3·T·P·P]: ``Qwen2VLImageProcessor``'s layout, patches ordered by merged
+        patch (row-major), then row and column inside it; the frame repeated T times."""
+        h, w = self.resized(image.width, image.height)
+        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        x = self.normalize(self.resize(image, w, h))  # [3, H, W]
+        x = x.reshape(3, h // (p * m), m, p, w // (p * m), m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+        x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], t, p, p))
+        return np.ascontiguousarray(x).reshape(-1, 3 * t * p * p)
 
 
-@dataclass(frozen=True)
-class FixedTiling:
-    """One tile per image, as LLaVA-1.5 (336 px, 24×24 patches = 576 tokens)."""
-
-    image_size: int = 336
-    tokens_per_tile: int = 576
-    name: str = "fixed"
-    mean: ClassVar = CLIP_MEAN
-    std: ClassVar = CLIP_STD
-
-    @property
-    def tile_size(self) -> int:
-        return self.image_size
-
-    def tiles(self, width: int, height: int, n_images: int) -> int:
-        return 1
-
-    def tile_pixels(self, image: "Image.Image", n_images: int) -> np.ndarray:
-        from PIL import Image
-
-        return np.array(image.resize((self.image_size, self.image_size), Image.BICUBIC))[None]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def _cut_grid(image: "Image.Image", rows: int, cols: int, size: int) -> np.ndarray:
+def _cut_grid(pixels: np.ndarray, rows: int, cols: int, size: int) -> np.ndarray:
     """An image of exactly (cols·size) × (rows·size) px as row-major tiles [rows·cols, S, S, 3]."""
-    pixels = np.array(image)  # writable: the loader hands tiles to torch without a copy
     return (pixels.reshape(rows, size, cols, size, 3).transpose(0, 2, 1, 3, 4)
             .reshape(rows * cols, size, size, 3))
 
 
-POLICIES = {"internvl": InternVLTiling, "qwen2vl": Qwen2VLTiling, "fixed": FixedTiling}
+def to_rgb(image: "Image.Image") -> "Image.Image":
+    """RGB as ``transformers`` converts: transparency composited onto white."""
+    from PIL import Image
+
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
 
 
-def make_tiling(name: str, max_num: int = 12, min_num: int = 1) -> TilingPolicy:
-    """Build a policy by name; ``max_num``/``min_num`` apply to ``internvl`` only."""
-    if name == "internvl":
-        if not 1 <= min_num <= max_num:
-            raise ValueError(f"need 1 <= min_num <= max_num, got min_num={min_num}, max_num={max_num}")
-        return InternVLTiling(max_num=max_num, min_num=min_num)
-    if name in POLICIES:
-        return POLICIES[name]()
-    raise ValueError(f"unknown tiling policy {name!r}: choose one of {', '.join(POLICIES)}")
+POLICIES = {policy.name: policy for policy in (InternVLTiling, Qwen2VLTiling)}
 
 
-def source_tiling(base: TilingPolicy, max_num: int | None) -> TilingPolicy:
-    """The policy for one source: an InternVL meta's ``max_dynamic_patch`` overrides ``max_num``."""
-    if max_num is not None and isinstance(base, InternVLTiling):
-        return dataclasses.replace(base, max_num=max_num)
+def source_tiling(base: TilingPolicy, max_patches: int | None) -> TilingPolicy:
+    """The policy for one source: an InternVL meta's ``max_dynamic_patch`` overrides the
+    model's ``max_patches``."""
+    if max_patches is not None and isinstance(base, InternVLTiling):
+        return replace(base, max_patches=max_patches)
     return base
 
 
 def tiling_from_dict(d: dict) -> TilingPolicy:
     """Inverse of ``policy.to_dict()``, for stages that read the recorded policy."""
     d = dict(d)
-    return POLICIES[d.pop("name")](**d)
+    cls = POLICIES[d.pop("name")]
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names})

@@ -1,9 +1,10 @@
-"""Tokenizers and chat templates: a conversation becomes ``input_ids`` and ``labels``.
+"""The offline demo's tokenizer: a conversation becomes ``input_ids`` and ``labels`` with Tekken
+(the file inside the ``mistral-common`` wheel) and the mistral template.
 
-Two tokenizer kinds, both offline: ``tekken`` (the Tekken file inside the ``mistral-common`` wheel)
-and any local ``tokenizer.json`` (HF ``tokenizers``). A template names the text or special tokens
-around each turn; ``<image>`` placeholders expand to the image's token count of the image token.
-Only assistant turns (and their end marker) are supervised.
+A template names the special tokens around each turn; ``<image>`` placeholders expand to the
+image's token count of ``[IMG]``. Only assistant turns (and their end marker) are supervised. Data
+text is encoded without special-token parsing, so a literal ``[INST]`` in a turn stays text.
+A model folder's tokenizer and chat template are in ``families.chat``.
 """
 
 from __future__ import annotations
@@ -11,23 +12,11 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
-from typing import Protocol
 
 from vlmshard.io import sha256_file
 
 IMAGE_PLACEHOLDER = "<image>"
 IGNORE_INDEX = -100
-
-
-class TextTokenizer(Protocol):
-    def encode(self, text: str) -> list[int]:
-        """Token ids of plain text (no special tokens added, none parsed from the text)."""
-
-    def count(self, text: str) -> int:
-        """``len(encode(text))``, as cheaply as the tokenizer allows."""
-
-    def special_id(self, token: str) -> int | None:
-        """The id of a special/added token, or None if the vocabulary has no such token."""
 
 
 class TekkenTokenizer:
@@ -70,24 +59,6 @@ class TekkenTokenizer:
         return self._special.get(token)
 
 
-class HFTokenizer:
-    """Any local ``tokenizer.json`` through the ``tokenizers`` library."""
-
-    def __init__(self, path: str) -> None:
-        from tokenizers import Tokenizer
-
-        self._tok = Tokenizer.from_file(path)
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def count(self, text: str) -> int:
-        return len(self._tok.encode(text, add_special_tokens=False))
-
-    def special_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
-
 def default_tekken_path() -> str:
     import mistral_common
 
@@ -110,19 +81,11 @@ class ChatTemplate:
     assistant_suffix: tuple[str, ...] = ()
 
 
-TEMPLATES = {
-    # Mistral's instruct format with Tekken's control tokens.
-    "mistral": ChatTemplate(
-        name="mistral", image_token="[IMG]", bos=("<s>",),
-        system_prefix=("[SYSTEM_PROMPT]",), system_suffix=("[/SYSTEM_PROMPT]",),
-        user_prefix=("[INST]",), user_suffix=("[/INST]",), assistant_suffix=("</s>",)),
-    # ChatML, the usual choice for a tokenizer.json (InternVL2, Qwen2).
-    "chatml": ChatTemplate(
-        name="chatml", image_token="<IMG_CONTEXT>",
-        system_prefix=("<|im_start|>", "system\n"), system_suffix=("<|im_end|>", "\n"),
-        user_prefix=("<|im_start|>", "user\n"), user_suffix=("<|im_end|>", "\n"),
-        assistant_prefix=("<|im_start|>", "assistant\n"), assistant_suffix=("<|im_end|>",)),
-}
+# Mistral's instruct format with Tekken's control tokens: the offline demo's template.
+MISTRAL = ChatTemplate(
+    name="mistral", image_token="[IMG]", bos=("<s>",),
+    system_prefix=("[SYSTEM_PROMPT]",), system_suffix=("[/SYSTEM_PROMPT]",),
+    user_prefix=("[INST]",), user_suffix=("[/INST]",), assistant_suffix=("</s>",))
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
          "system": "system"}
@@ -130,31 +93,21 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
 
 @dataclass(frozen=True)
 class TokenizerConfig:
-    """What later stages need to re-tokenize identically (recorded in ``preprocess.json``)."""
+    """What later stages need to re-tokenize identically (recorded in ``preprocess.json``):
+    ``tekken`` (the demo's Tekken file and mistral template), or ``model`` (a model folder's
+    tokenizer and chat template; ``path`` is the folder)."""
 
-    kind: str  # "tekken" | "hf"
+    kind: str  # "tekken" | "model"
     path: str
-    template: str
-    sha256: str = field(default="", compare=False)
+    sha256: str = field(default="", compare=False)  # of the tokenizer file (tekken)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def resolve_tokenizer(spec: str, template: str | None = None) -> TokenizerConfig:
-    """``tekken`` or a path to a ``tokenizer.json``/``tekken*.json``; errors say what to pass."""
-    if spec == "tekken":
-        path, kind = default_tekken_path(), "tekken"
-    elif os.path.isfile(spec):
-        path = os.path.abspath(spec)
-        kind = "tekken" if os.path.basename(spec).startswith("tekken") else "hf"
-    else:
-        raise ValueError(f"unknown tokenizer {spec!r}: pass 'tekken' (the Tekken file inside "
-                         "mistral-common) or the path of a local tokenizer.json")
-    template = template or ("mistral" if kind == "tekken" else "chatml")
-    if template not in TEMPLATES:
-        raise ValueError(f"unknown chat template {template!r}: choose one of {', '.join(TEMPLATES)}")
-    return TokenizerConfig(kind=kind, path=path, template=template, sha256=sha256_file(path))
+def tekken_tokenizer() -> TokenizerConfig:
+    path = default_tekken_path()
+    return TokenizerConfig(kind="tekken", path=path, sha256=sha256_file(path))
 
 
 @dataclass
@@ -165,20 +118,17 @@ class EncodedSample:
     labels: list[int] | None = None
 
 
-class ConversationEncoder:
-    """Turns (role, text) turns plus per-image token counts into token counts or ids."""
+class TekkenEncoder:
+    """The demo's encoder: Tekken with the mistral template, ``[IMG]`` per image token."""
+
+    PAD = "<pad>"
 
     def __init__(self, config: TokenizerConfig) -> None:
         self.config = config
-        self.tokenizer: TextTokenizer = (TekkenTokenizer(config.path) if config.kind == "tekken"
-                                         else HFTokenizer(config.path))
-        self.template = TEMPLATES[config.template]
-        image_id = self.tokenizer.special_id(self.template.image_token)
-        if image_id is None:
-            raise ValueError(f"tokenizer {config.path} has no token {self.template.image_token!r} "
-                             f"needed by the {self.template.name!r} template for image positions; "
-                             "add it as a special token")
-        self.image_token_id = image_id
+        self.tokenizer = TekkenTokenizer(config.path)
+        self.template = MISTRAL
+        self.image_token_id = self.tokenizer.special_id(self.template.image_token)
+        self.pad_token_id = self.tokenizer.special_id(self.PAD) or 0
 
     @cached_property
     def _pieces(self) -> dict[str, list[int]]:

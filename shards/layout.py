@@ -26,7 +26,7 @@ from typing import IO
 from vlmshard.io import is_url, open_file
 from vlmshard.jobs import WORK
 
-FORMAT = "vlmshard-shards/1"
+FORMAT = "vlmshard-shards/2"  # 2: the images of a record in one member (images.mp)
 MANIFEST = "manifest.json"
 _KEY = re.compile(r"^(\d{8})_(\d{3})$")
 
@@ -71,6 +71,7 @@ class Manifest:
     steps: int  # every rank has exactly this many
     qv: int  # caps: pixel_values are padded to qv tiles, token tensors to qt
     qt: int
+    model: dict  # the model family, image layout and dtype preprocessing recorded (ModelSpec)
     tokenizer: dict
     image_token_id: int
     pad_token_id: int
@@ -85,6 +86,12 @@ class Manifest:
 
     def rank_shards(self, rank: int) -> list[ShardEntry]:
         return sorted((s for s in self.shards if s.rank == rank), key=lambda s: s.index)
+
+    def model_spec(self):
+        """The recorded ``ModelSpec`` (family, image layout, dtype)."""
+        from vlmshard.preprocess.families import ModelSpec
+
+        return ModelSpec.from_dict(self.model)
 
     def policies(self) -> dict:
         """Source name -> the tiling policy its images were counted (and must be cut) with."""
@@ -119,9 +126,15 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: dict, where: str) -> "Manifest":
-        if d.get("format") != FORMAT:
-            raise ValueError(f"{where}: not a vlmshard shard manifest (format "
-                             f"{d.get('format')!r}, expected {FORMAT!r})")
+        found = d.get("format")
+        if isinstance(found, str) and found.startswith("vlmshard-shards/") and found != FORMAT:
+            raise ValueError(f"{where}: shards in format {found!r}, but this vlmshard reads "
+                             f"{FORMAT!r} (format 1 kept each image as its own member, which "
+                             "generic WebDataset readers refuse): write them again with "
+                             "vlmshard write")
+        if found != FORMAT:
+            raise ValueError(f"{where}: not a vlmshard shard manifest (format {found!r}, "
+                             f"expected {FORMAT!r})")
         d = dict(d)
         d["shards"] = [ShardEntry(**s) for s in d["shards"]]
         return cls(**d)

@@ -1,15 +1,21 @@
 """The streaming loader: each data-parallel rank gets exactly its plan's packed micro-batches.
 
 ``ShardDataset(root, rank, world_size, start_step)`` yields one collated micro-batch per record,
-padded to the plan's caps so every tensor has a static shape:
+in the tensors the model family's ``forward`` takes, packed. By default padded to the plan's
+caps so every tensor has a static shape (``pad_to_caps=False``: exactly the real tokens, tiles
+and patches):
 
 - ``input_ids`` [Qt], ``labels`` [Qt] (-100 on padding and non-assistant tokens);
-- ``position_ids`` [Qt], restarting at 0 for each packed sample (and for the padding);
+- ``position_ids`` restarting for each packed sample (and for the padding): [Qt] for InternVL;
+  [3, Qt] for Qwen2-VL, each sample's mRoPE ids as ``get_rope_index`` computes them for that
+  sample alone;
 - ``cu_seqlens`` [samples + 1, or + 2 with padding] int32: sample boundaries, ending at Qt (the
   padding is a segment of its own, so varlen attention kernels can take the tensors as they are);
-- ``image_token_mask`` [Qt] bool: where the image embeddings go, in tile order;
-- ``pixel_values`` [Qv, 3, S, S]: each image decoded and cut by the recorded tiling policy, tile
-  counts checked against the plan, normalized for the ViT, zero tiles after ``num_tiles``;
+- ``image_token_mask`` [Qt] bool: where the image embeddings go, in image order;
+- ``pixel_values``: each image decoded, its tile count checked against the plan, resized with the
+  model's filter and normalized with its mean and std, in the model's dtype (``pixel_dtype``):
+  InternVL [Qv, 3, 448, 448] tiles; Qwen2-VL [Qv·merge², 3·2·14·14] flattened patches, plus
+  ``image_grid_thw`` [images, 3]. Rows after ``num_tiles`` (× merge²) are zero;
 - ``num_tokens``, ``num_tiles``, ``num_samples``, ``sample_ids``, ``step``, ``rank``, ``micro``.
 
 Order and elasticity: shards planned for V virtual ranks serve any world size W dividing V. Rank
@@ -30,19 +36,20 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from vlmshard.preprocess.families import family
 from vlmshard.preprocess.tokenize import IGNORE_INDEX
 
 from .layout import Manifest, read_manifest
 from .reader import ShardError, iter_shard
-from .records import Record, RecordError, check_image_tokens, image_tiles
+from .records import DecodedImage, Record, RecordError, check_image_tokens, decoded_images
 
 
 class ShardDataset(IterableDataset):
     """Packed micro-batches of one data-parallel rank, streamed from a shard folder or URL."""
 
     def __init__(self, root: str, rank: int = 0, world_size: int = 1, start_step: int = 0, *,
-                 pixel_dtype: torch.dtype = torch.float32, check_hash: bool = True,
-                 pixels: bool = True) -> None:
+                 pixel_dtype: torch.dtype | None = None, check_hash: bool = True,
+                 pixels: bool = True, pad_to_caps: bool = True) -> None:
         self.root = root
         self.manifest: Manifest = read_manifest(root)
         virtual = self.manifest.ranks
@@ -59,14 +66,17 @@ class ShardDataset(IterableDataset):
         per_rank = virtual // world_size
         self.virtual_ranks = range(rank * per_rank, (rank + 1) * per_rank)
         self.start_step = start_step
-        self.pixel_dtype = pixel_dtype
+        model = self.manifest.model_spec()
+        self.family = family(model.family)
+        self.pixel_dtype = pixel_dtype or getattr(torch, model.dtype, torch.float32)
         self.check_hash = check_hash
         self.pixels = pixels  # False: pixel_values stay zero (pipeline stages that need no images)
+        self.pad_to_caps = pad_to_caps
         self.policies = self.manifest.policies()
-        sizes = {p.tile_size for p in self.policies.values()}
-        if len(sizes) != 1:
-            raise ValueError(f"{root}: sources tile at different sizes {sorted(sizes)}")
-        self.tile_size = sizes.pop()
+        shapes = {(p.rows_per_tile, p.pixel_shape, p.takes_grid) for p in self.policies.values()}
+        if len(shapes) != 1:
+            raise ValueError(f"{root}: sources make pixel rows of different shapes {shapes}")
+        self.rows_per_tile, self.pixel_shape, self.takes_grids = shapes.pop()
 
     @property
     def micro_batches_per_step(self) -> int:
@@ -113,51 +123,71 @@ class ShardDataset(IterableDataset):
                     yield record
 
     def collate(self, record: Record) -> dict:
-        """One record as static-shape tensors (see the module docstring)."""
+        """One record as tensors (see the module docstring)."""
         m = self.manifest
         n = len(record.input_ids)
-        pad = m.qt - n
+        qt = m.qt if self.pad_to_caps else n
+        pad = qt - n
         if pad < 0:
             raise RecordError(f"{record.where}: {n} tokens exceed Qt {m.qt}")
-        input_ids = torch.full((m.qt,), m.pad_token_id, dtype=torch.long)
-        input_ids[:n] = torch.from_numpy(record.input_ids.astype(np.int64))
-        labels = torch.full((m.qt,), IGNORE_INDEX, dtype=torch.long)
-        labels[:n] = torch.from_numpy(record.labels.astype(np.int64))
-        segments = record.seq_lens + ([pad] if pad else [])
-        position_ids = torch.from_numpy(np.concatenate([np.arange(s) for s in segments]))
-        cu_seqlens = torch.tensor(record.cu_seqlens + ([m.qt] if pad else []), dtype=torch.int32)
         check_image_tokens(record, m.image_token_id, self.policies)
-        image_token_mask = torch.zeros(m.qt, dtype=torch.bool)
-        image_token_mask[:n] = input_ids[:n] == m.image_token_id
-        pixel_values = self._pixel_values(record)
-        return {
-            "input_ids": input_ids, "labels": labels, "position_ids": position_ids,
-            "cu_seqlens": cu_seqlens, "image_token_mask": image_token_mask,
-            "pixel_values": pixel_values,
-            "num_tokens": n, "num_tiles": sum(t for s in record.samples for t in s["image_tiles"]),
-            "num_samples": len(record.samples),
+        input_ids = torch.full((qt,), m.pad_token_id, dtype=torch.long)
+        input_ids[:n] = torch.from_numpy(record.input_ids.astype(np.int64))
+        labels = torch.full((qt,), IGNORE_INDEX, dtype=torch.long)
+        labels[:n] = torch.from_numpy(record.labels.astype(np.int64))
+        images = list(decoded_images(record, self.policies, rgb=self.pixels))
+        num_tiles = sum(t for s in record.samples for t in s["image_tiles"])
+        batch = {
+            "input_ids": input_ids, "labels": labels,
+            "position_ids": self._position_ids(record, images, pad),
+            "cu_seqlens": torch.tensor(record.cu_seqlens + ([qt] if pad else []),
+                                       dtype=torch.int32),
+            "image_token_mask": input_ids == m.image_token_id,
+            "pixel_values": self._pixel_values(record, images, num_tiles),
+            "num_tokens": n, "num_tiles": num_tiles, "num_samples": len(record.samples),
             "sample_ids": torch.tensor([s["sample_id"] for s in record.samples]),
             "step": record.step, "rank": record.rank, "micro": record.micro,
         }
+        if pad:
+            batch["image_token_mask"][n:] = False
+        if self.takes_grids:
+            batch["image_grid_thw"] = torch.tensor(
+                [im.policy.grid_thw(im.width, im.height) for im in images],
+                dtype=torch.long).reshape(-1, 3)
+        return batch
 
-    def _pixel_values(self, record: Record) -> torch.Tensor:
-        m, size = self.manifest, self.tile_size
-        pixels = torch.zeros((m.qv, 3, size, size), dtype=self.pixel_dtype)
+    def _position_ids(self, record: Record, images: list[DecodedImage], pad: int) -> torch.Tensor:
+        """Each sample's position ids computed for it alone, then the padding's 0..pad-1."""
+        per_sample: dict[int, list] = {}
+        for im in images:
+            per_sample.setdefault(id(im.sample), []).append(im.policy.grid_thw(im.width,
+                                                                               im.height))
+        parts, start = [], 0
+        for sample in record.samples:
+            ids = record.input_ids[start:start + sample["seq_len"]]
+            start += sample["seq_len"]
+            parts.append(self.family.position_ids(
+                ids, self.manifest.image_token_id, per_sample.get(id(sample), []),
+                self.policies[sample["source"]]))
+        if pad:
+            parts.append(np.broadcast_to(np.arange(pad), (*parts[0].shape[:-1], pad)))
+        return torch.from_numpy(np.concatenate(parts, axis=-1).astype(np.int64))
+
+    def _pixel_values(self, record: Record, images: list[DecodedImage],
+                      num_tiles: int) -> torch.Tensor:
+        tiles = self.manifest.qv if self.pad_to_caps else num_tiles
+        pixels = torch.zeros((tiles * self.rows_per_tile, *self.pixel_shape),
+                             dtype=self.pixel_dtype)
         if not self.pixels:
             return pixels
-        tile = 0
-        for policy, tiles in image_tiles(record, self.policies):
-            if tile + len(tiles) > m.qv:
-                raise RecordError(f"{record.where}: more than Qv {m.qv} tiles")
-            pixels[tile:tile + len(tiles)] = normalize_tiles(tiles, policy.mean, policy.std)
-            tile += len(tiles)
+        row = 0
+        for im in images:
+            rows = torch.from_numpy(im.pixels())
+            if row + len(rows) > len(pixels):
+                raise RecordError(f"{record.where}: more than Qv {self.manifest.qv} tiles")
+            pixels[row:row + len(rows)] = rows
+            row += len(rows)
         return pixels
-
-
-def normalize_tiles(tiles: np.ndarray, mean, std) -> torch.Tensor:
-    """uint8 [n, S, S, 3] → float [n, 3, S, S], scaled to [0, 1] and standardized per channel."""
-    t = torch.from_numpy(tiles).permute(0, 3, 1, 2).to(torch.float32).div_(255)
-    return t.sub_(torch.tensor(mean)[:, None, None]).div_(torch.tensor(std)[:, None, None])
 
 
 def make_loader(root: str, rank: int = 0, world_size: int = 1, start_step: int = 0, *,

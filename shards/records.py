@@ -1,12 +1,15 @@
 """One record = one packed micro-batch: its members, how they are encoded, and how they are checked.
 
-Members of record ``KEY`` (tar order is sorted by member name, as ``webdataset.TarWriter`` writes):
+Every record has the same four members (tar order is sorted by member name, as
+``webdataset.TarWriter`` writes), so generic WebDataset readers (HF ``datasets``, Energon) take the
+shards as they are:
 
-- ``KEY.000.jpg``, ``KEY.001.png``, ...: each image's original encoded bytes, in token order;
+- ``KEY.images.mp``: a msgpack list of each image's original encoded bytes, in token order (an
+  empty list for a micro-batch without images);
 - ``KEY.input_ids.npy``, ``KEY.labels.npy``: the packed samples' ids back to back (int32, no
   padding; labels are -100 outside assistant turns);
-- ``KEY.json``: step, rank, micro, the samples (id, source, row, key, seq_len, loss_tokens, tiles
-  per image, image members), ``seq_lens``, ``cu_seqlens`` and a CRC-32 of every other member, so a
+- ``KEY.json``: step, rank, micro, the samples (id, source, row, seq_len, loss_tokens, tiles per
+  image, image names), ``seq_lens``, ``cu_seqlens`` and a CRC-32 of every other member, so a
   flipped byte is caught at the record that holds it, not only by the shard's sha256.
 """
 
@@ -22,12 +25,18 @@ import numpy as np
 
 from .layout import parse_key, record_key
 
+from vlmshard.preprocess.rejects import Reject
+
 if TYPE_CHECKING:
+    from PIL import Image
+
     from vlmshard.preprocess.tiling import TilingPolicy
 
 JSON = "json"
 INPUT_IDS = "input_ids.npy"
 LABELS = "labels.npy"
+IMAGES = "images.mp"
+MEMBERS = (IMAGES, INPUT_IDS, JSON, LABELS)
 
 
 class RecordError(ValueError):
@@ -56,8 +65,8 @@ class Record:
         return f"{self.shard}: record {self.key}"
 
 
-def image_member(index: int, path: str, fmt: str) -> str:
-    """Member name of a record's ``index``-th image: the file's own extension, else its format."""
+def image_name(index: int, path: str, fmt: str) -> str:
+    """Name of a record's ``index``-th image: the file's own extension, else its format."""
     base = path.rsplit("/", 1)[-1]
     ext = base.rsplit(".", 1)[-1].lower() if "." in base else fmt.lower() or "img"
     return f"{index:03d}.{ext}"
@@ -72,12 +81,15 @@ def _npy(array: np.ndarray) -> bytes:
 
 def encode_record(step: int, rank: int, micro: int, samples: list[dict],
                   input_ids: np.ndarray, labels: np.ndarray,
-                  images: list[tuple[str, bytes]]) -> dict:
+                  images: list[bytes]) -> dict:
     """A webdataset sample dict (``__key__`` plus member bytes) for ``webdataset.TarWriter``.
 
     ``samples`` hold sample_id, source, row, seq_len, loss_tokens, image_tiles and the names of
-    their images among ``images`` (member name, bytes)."""
-    members = {INPUT_IDS: _npy(input_ids), LABELS: _npy(labels), **dict(images)}
+    their images; ``images`` are the images' encoded bytes in the samples' order."""
+    import msgpack
+
+    members = {INPUT_IDS: _npy(input_ids), LABELS: _npy(labels),
+               IMAGES: msgpack.packb(images, use_bin_type=True)}
     seq_lens = [s["seq_len"] for s in samples]
     meta = {
         "step": step, "rank": rank, "micro": micro,
@@ -104,22 +116,26 @@ def decode_record(sample: dict, where: str) -> Record:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RecordError(f"{where}: json member does not parse: {e}") from None
     crc = meta.get("crc32", {})
-    members = {k for k in sample if not k.startswith("__") and k != JSON}
-    if members != set(crc):
-        raise RecordError(f"{where}: members {sorted(members)} differ from those recorded "
-                          f"{sorted(crc)}")
-    for name in sorted(members):
+    members = {k for k in sample if not k.startswith("__")}
+    if members != set(MEMBERS) or set(crc) != members - {JSON}:
+        raise RecordError(f"{where}: members {sorted(members)}, expected {sorted(MEMBERS)}")
+    for name in sorted(crc):
         if zlib.crc32(sample[name]) != crc[name]:
             raise RecordError(f"{where}: member {name} is corrupt (CRC-32 mismatch)")
+    import msgpack
+
     try:
         input_ids = np.load(io.BytesIO(sample[INPUT_IDS]), allow_pickle=False)
         labels = np.load(io.BytesIO(sample[LABELS]), allow_pickle=False)
+        images = msgpack.unpackb(sample[IMAGES])
         samples = meta["samples"]
-        names = [name for s in samples for name in s["images"]]
         record = Record(shard=shard, key=key, step=meta["step"], rank=meta["rank"],
                         micro=meta["micro"], samples=samples, input_ids=input_ids, labels=labels,
-                        images=[sample[n] for n in names], cu_seqlens=meta["cu_seqlens"])
-    except (KeyError, TypeError, ValueError) as e:
+                        images=images, cu_seqlens=meta["cu_seqlens"])
+        if len(images) != sum(len(s["images"]) for s in samples):
+            raise ValueError(f"{len(images)} images for the samples' "
+                             f"{sum(len(s['images']) for s in samples)}")
+    except (KeyError, TypeError, ValueError, msgpack.UnpackException) as e:
         raise RecordError(f"{where}: malformed record: {e!r}") from None
     if parse_key(key) != (record.step, record.micro):
         raise RecordError(f"{where}: json says step {record.step} micro {record.micro}")
@@ -145,12 +161,28 @@ def check_image_tokens(record: Record, image_token_id: int,
                               f"tokens, its tiles need {want}")
 
 
-def image_tiles(record: Record, policies: dict[str, "TilingPolicy"], *,
-                cut: bool = True) -> Iterator[tuple["TilingPolicy", np.ndarray | None]]:
+@dataclass
+class DecodedImage:
+    sample: dict  # the sample it belongs to (as in the json member)
+    policy: "TilingPolicy"  # its source's tiling policy
+    n_images: int  # images of its sample (InternVL's per-sample budget divides by it)
+    width: int
+    height: int
+    rgb: "Image.Image | None"  # converted as transformers converts, when asked for
+
+    def pixels(self) -> np.ndarray:
+        """The model's float32 pixel rows for this image (see ``TilingPolicy.pixels``)."""
+        return self.policy.pixels(self.rgb, self.n_images)
+
+
+def decoded_images(record: Record, policies: dict[str, "TilingPolicy"], *,
+                   rgb: bool = True) -> Iterator[DecodedImage]:
     """Decode each image of ``record`` in full, in token order, and check that it makes the tiles
-    the plan has under its source's policy; yields (policy, its uint8 tiles [n, S, S, 3]), the
-    tiles only with ``cut`` (else None). The one decode-and-tile of the loader and ``verify``."""
+    the plan has under its source's policy; RGB pixels only with ``rgb``. The one decode of the
+    loader and ``verify``."""
     from PIL import Image
+
+    from vlmshard.preprocess.tiling import to_rgb
 
     images = iter(record.images)
     for sample in record.samples:
@@ -161,12 +193,15 @@ def image_tiles(record: Record, policies: dict[str, "TilingPolicy"], *,
                 with Image.open(io.BytesIO(next(images))) as im:
                     im.load()
                     width, height = im.size
-                    rgb = im.convert("RGB") if cut else None
+                    converted = to_rgb(im) if rgb else None
             except Exception as e:
                 raise RecordError(f"{record.where}: image {name} does not decode: {e}") from None
-            tiles = policy.tiles(width, height, n_images)
+            try:
+                tiles = policy.tiles(width, height, n_images)
+            except Reject as e:
+                raise RecordError(f"{record.where}: image {name}: {e.message}") from None
             if tiles != planned:
                 raise RecordError(f"{record.where}: image {name} ({width}x{height}) of sample "
                                   f"{sample['sample_id']} makes {tiles} tiles, the plan has "
                                   f"{planned}")
-            yield policy, policy.tile_pixels(rgb, n_images) if cut else None
+            yield DecodedImage(sample, policy, n_images, width, height, converted)

@@ -27,7 +27,7 @@ from vlmshard.progress import Progress
 
 from .layout import Manifest, ShardEntry, is_remote, join, read_manifest
 from .reader import ShardError, iter_shard
-from .records import RecordError, check_image_tokens, image_tiles
+from .records import RecordError, check_image_tokens, decoded_images
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def _full_check(root: str, entry: ShardEntry,
     try:
         for record in iter_shard(root, entry, manifest):
             check_image_tokens(record, manifest.image_token_id, policies)
-            for _ in image_tiles(record, policies, cut=False):
+            for _ in decoded_images(record, policies, rgb=False):
                 pass
             rows += [(record.step, record.rank, record.micro, slot, s["sample_id"])
                      for slot, s in enumerate(record.samples)]

@@ -45,7 +45,7 @@ from vlmshard.progress import Progress
 
 from .config import WriteConfig
 from .layout import FORMAT, MANIFEST, Manifest, ShardEntry, shard_path
-from .records import encode_record, image_member
+from .records import encode_record, image_name
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +267,8 @@ def _recorded_preprocess(preprocess: dict) -> RecordedPreprocess:
     recorded = RecordedPreprocess(preprocess)
     if not recorded.tokenizer_unchanged():
         raise WriteError(f"tokenizer {recorded.tokenizer.path} is missing or differs from the one "
-                         "preprocessing used (sha256): token ids would not match the plan")
+                         "preprocessing used (sha256 of its files): token ids would not match "
+                         "the plan")
     return recorded
 
 
@@ -278,7 +279,8 @@ def _manifest(cfg: WriteConfig, plan_json: dict, recorded: RecordedPreprocess, i
     params = plan_json["params"]
     return Manifest(
         ranks=ranks, dp=params["dp"], micro_batches=micro, steps=steps,
-        qv=params["qv"], qt=params["qt"], tokenizer=recorded.tokenizer.to_dict(),
+        qv=params["qv"], qt=params["qt"], model=recorded.model.to_dict(),
+        tokenizer=recorded.tokenizer.to_dict(),
         image_token_id=image_token_id, pad_token_id=pad, tiling=recorded.source_tilings(),
         plan={"path": os.path.abspath(cfg.plan), "algorithm": plan_json["algorithm"],
               "sha256": identity["plan_sha256"]},
@@ -330,14 +332,14 @@ class ShardWriter:
                       else [(r["input_ids"], r["labels"]) for r in rows])
         except RetokenizeError as e:
             raise WriteError(str(e)) from None
-        images: list[tuple[str, bytes]] = []
+        images: list[bytes] = []
         samples = []
         for row in rows:
             names = []
             for path, size in zip(row["image_paths"], row["image_sizes"]):
                 data, fmt = _read_image(row, path, size)
-                names.append(image_member(len(images), path, fmt))
-                images.append((names[-1], data))
+                names.append(image_name(len(images), path, fmt))
+                images.append(data)
             samples.append({"sample_id": row["sample_id"], "source": row["source"],
                             "row": row["row"], "seq_len": row["seq_len"],
                             "loss_tokens": row["loss_tokens"], "image_tiles": row["image_tiles"],

@@ -1,0 +1,174 @@
+"""A model folder's chat template and tokenizer: a conversation becomes ids and labels exactly as
+``transformers`` renders and tokenizes it, except that data text never becomes control tokens.
+
+How, per conversation:
+
+1. Messages in ``transformers``' multimodal form: each turn's text is cut at its ``<image>``
+   placeholders into text and ``{"type": "image"}`` items. The line break right after a
+   placeholder belongs to it (LLaVA data writes ``<image>\\n``; the templates put their own
+   separator after an image).
+2. The template is rendered by ``tokenizer.apply_chat_template`` with a marker in place of each
+   text item, so the template's own text and the data text are told apart by position.
+3. The template text is split at the vocabulary's special tokens (as ``tokenizers`` does for the
+   whole string); each image placeholder becomes the family's expansion. Everything between two
+   special tokens, template and data text together, is encoded with special-token parsing off:
+   a literal ``<|im_end|>`` in a user turn stays text.
+4. Labels: the tokens of assistant text, then the template's tokens up to and including the first
+   special token after it (the end of turn, e.g. ``<|im_end|>``). The rest is ``IGNORE_INDEX``.
+
+For data without special-token text, the ids equal ``apply_chat_template(tokenize=True)`` with
+each placeholder expanded (``tests/test_families.py`` checks it per family).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from ..rejects import Reject
+from ..tokenize import IGNORE_INDEX, IMAGE_PLACEHOLDER, EncodedSample
+from . import ModelFolderError, ModelSpec
+
+_MARK = "\ue000{}\ue001"  # private-use code points: never produced by a template
+_MARKS = re.compile("\ue000(\\d+)\ue001")
+PAD_TOKENS = ("<|endoftext|>", "<pad>")  # when the tokenizer names no pad_token
+
+
+def to_messages(turns: list[tuple[str, str]]) -> tuple[list[dict], list[tuple[str, str]]]:
+    """(messages with a marker per text item, the (role, text) of each marker in order)."""
+    messages, texts = [], []
+    for role, text in turns:
+        chunks = text.split(IMAGE_PLACEHOLDER)
+        if len(chunks) == 1:
+            messages.append({"role": role, "content": _MARK.format(len(texts))})
+            texts.append((role, text))
+            continue
+        content = []
+        for k, chunk in enumerate(chunks):
+            if k:
+                content.append({"type": "image"})
+                chunk = chunk[1:] if chunk.startswith("\n") else chunk
+            if chunk:
+                content.append({"type": "text", "text": _MARK.format(len(texts))})
+                texts.append((role, chunk))
+        messages.append({"role": role, "content": content})
+    return messages, texts
+
+
+class ChatTemplateEncoder:
+    """Turns (role, text) turns plus per-image token counts into ids and labels (see above)."""
+
+    def __init__(self, model: ModelSpec) -> None:
+        from tokenizers import Tokenizer
+        from transformers import AutoTokenizer
+
+        self.model = model
+        try:
+            self.hf = AutoTokenizer.from_pretrained(model.path, local_files_only=True)
+            self.backend = Tokenizer.from_file(os.path.join(model.path, "tokenizer.json"))
+        except Exception as e:  # tokenizers and transformers raise many kinds
+            raise ModelFolderError(f"{model.path}: the tokenizer does not load: {e}") from None
+        if not self.hf.chat_template:
+            raise ModelFolderError(f"{model.path}: the tokenizer has no chat_template (in "
+                                   "tokenizer_config.json or chat_template.jinja)")
+        self.backend.encode_special_tokens = True  # data text stays text
+        self.special = {t.content: i for i, t in self.backend.get_added_tokens_decoder().items()
+                        if t.special}
+        layout = model.layout
+        for token in (layout.placeholder, layout.token, *layout.prefix, *layout.suffix):
+            if token not in self.special:
+                raise ModelFolderError(f"{model.path}: the tokenizer has no special token {token!r}, "
+                                 f"which the {model.family} image layout needs")
+        self._split = re.compile("(" + "|".join(
+            re.escape(t) for t in sorted(self.special, key=len, reverse=True)) + ")")
+        self.image_token_id = self.special[layout.token]
+        self._prefix = [self.special[t] for t in layout.prefix]
+        self._suffix = [self.special[t] for t in layout.suffix]
+        self._placeholder = layout.placeholder
+
+    @property
+    def pad_token_id(self) -> int:
+        for token in (self.hf.pad_token, *PAD_TOKENS):
+            if token is not None and (i := self.backend.token_to_id(token)) is not None:
+                return i
+        return 0
+
+    def render(self, turns: list[tuple[str, str]]) -> tuple[list[str], list[tuple[str, str]]]:
+        """The template's text between the markers (one more than texts), and the texts."""
+        messages, texts = to_messages(turns)
+        try:
+            rendered = self.hf.apply_chat_template(messages, tokenize=False)
+        except Exception as e:  # jinja's raise_exception, undefined variables, ...
+            raise Reject("template_error", f"the chat template refuses this conversation: {e}")
+        pieces = _MARKS.split(rendered)
+        order = [int(k) for k in pieces[1::2]]
+        if order != list(range(len(texts))):
+            raise Reject("template_error", "the chat template drops, repeats or reorders message "
+                                           "text; vlmshard needs each text once, in order")
+        return pieces[0::2], texts
+
+    def encode(self, turns: list[tuple[str, str]], image_tokens: list[int],
+               keep_tokens: bool) -> EncodedSample:
+        """``image_tokens[k]``: how many ``token`` the k-th image takes. ``text_tokens`` counts
+        every other token (the template's, the text's, the image prefix and suffix)."""
+        template, texts = self.render(turns)
+        ids: list[int] = []
+        labels: list[int] = []
+        segment: list[tuple[str, bool]] = []  # text pieces between special tokens, supervised?
+        images = iter(image_tokens)
+        supervise_template = False  # after assistant text, until the end-of-turn token
+        n_images = 0
+
+        def flush() -> None:
+            text = "".join(t for t, _ in segment)
+            if text:
+                enc = self.backend.encode(text, add_special_tokens=False)
+                spans, start = [], 0
+                for t, sup in segment:
+                    spans.append((start, start + len(t), sup))
+                    start += len(t)
+                ids.extend(enc.ids)
+                labels.extend(tok if _supervised(spans, lo) else IGNORE_INDEX
+                              for tok, (lo, _) in zip(enc.ids, enc.offsets))
+            segment.clear()
+
+        for k, piece in enumerate(template):
+            for j, part in enumerate(self._split.split(piece)):
+                if j % 2 == 0:
+                    segment.append((part, supervise_template))
+                    continue
+                flush()
+                if part == self._placeholder:
+                    count = next(images, None)
+                    if count is None:
+                        raise Reject("template_error", "the chat template renders more image "
+                                                       "placeholders than the sample has images")
+                    n_images += 1
+                    run = self._prefix + [self.image_token_id] * count + self._suffix
+                    ids.extend(run)
+                    labels.extend([IGNORE_INDEX] * len(run))
+                    continue
+                ids.append(self.special[part])
+                labels.append(self.special[part] if supervise_template else IGNORE_INDEX)
+                supervise_template = False
+            if k < len(texts):
+                role, text = texts[k]
+                segment.append((text, role == "assistant"))
+                supervise_template = role == "assistant"
+        flush()
+        if n_images != len(image_tokens):
+            raise Reject("template_error", f"the chat template rendered {n_images} image "
+                                           f"placeholder(s) for {len(image_tokens)} image(s)")
+        n_image = sum(image_tokens)
+        n_loss = sum(label != IGNORE_INDEX for label in labels)
+        return EncodedSample(text_tokens=len(ids) - n_image, loss_tokens=n_loss,
+                             input_ids=ids if keep_tokens else None,
+                             labels=labels if keep_tokens else None)
+
+
+def _supervised(spans: list[tuple[int, int, bool]], offset: int) -> bool:
+    """Whether the token starting at character ``offset`` starts in a supervised span."""
+    for lo, hi, sup in spans:
+        if lo <= offset < hi:
+            return sup
+    return False
