@@ -149,7 +149,9 @@ def test_max_reject_ratio_fails_loudly(demo, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["missing.jsonl"], "input not found: missing.jsonl"),
-    (["{captions}", "--tokenizer", "gpt5"], "unknown tokenizer 'gpt5'"),
+    (["{captions}", "--model", "/no/such/model"], "--model /no/such/model: no such folder"),
+    (["{captions}", "--tiling", "qwen2vl", "--max-patches", "4"],
+     "--max-patches applies to InternVL tiling, not qwen2vl"),
     (["{captions}", "--workers", "0"], "--workers must be >= 1"),
     ([], "no input given"),
 ])
@@ -164,11 +166,12 @@ def test_bad_config_fails_at_once_with_one_line(demo, tmp_path, args, message):
 def test_config_file_and_flag_override(demo, tmp_path):
     cfg = tmp_path / "pre.yaml"
     cfg.write_text(f"inputs: [{os.path.join(demo.root, 'captions.jsonl')}]\n"
-                   f"out: {tmp_path / 'from-yaml'}\ntiling: qwen2vl\n")
-    proc = vlmshard("preprocess", "--config", str(cfg), "--tiling", "fixed", "--json")
-    assert json.loads(proc.stdout)["accepted"] == 80  # qwen2vl would reject the 24x18 images
+                   f"out: {tmp_path / 'from-yaml'}\ntiling: qwen2vl\nmax_patches: 4\n")
+    proc = vlmshard("preprocess", "--config", str(cfg), "--tiling", "internvl", "--json")
+    assert json.loads(proc.stdout)["accepted"] == 80
     report = json.load(open(tmp_path / "from-yaml" / "preprocess.json"))
-    assert report["config"]["tiling"]["name"] == "fixed"
+    assert report["config"]["tiling"]["name"] == "internvl"  # the flag wins over the file
+    assert report["config"]["tiling"]["max_patches"] == 4  # the file's value, not the default
     bad = tmp_path / "bad.yaml"
     bad.write_text("inputs: [x]\nout: y\ntokeniser: tekken\n")
     proc = vlmshard("preprocess", "--config", str(bad), check=False)

@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import glob
 import json
-import math
 import os
 import re
 import shutil
 import tarfile
 
+import msgpack
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
 
+import image_references as ref
 from helpers import kill_9_when, serve_http, tree_bytes, vlmshard
 from vlmshard.packing.config import PackConfig
 from vlmshard.packing.plan import run_pack
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
-from vlmshard.preprocess.rejects import Reject
-from vlmshard.preprocess.tiling import FixedTiling, InternVLTiling, Qwen2VLTiling
 from vlmshard.shards.layout import read_manifest, record_key
 from vlmshard.shards.loader import ShardDataset, make_loader
 from vlmshard.shards.reader import ShardError
@@ -94,11 +93,17 @@ def test_same_bytes_with_more_workers_and_plain_readers_agree(shards, plan, demo
 
     manifest = read_manifest(shards)
     entries = manifest.rank_shards(0)
-    member = re.compile(r"^\d{8}_\d{3}\.(\d{3}\.\w+|input_ids\.npy|json|labels\.npy)$")
+    member = re.compile(r"^(\d{8}_\d{3})\.(images\.mp|input_ids\.npy|json|labels\.npy)$")
     with tarfile.open(os.path.join(shards, entries[0].path)) as tar:
         infos = tar.getmembers()
     assert infos and all(member.match(i.name) and i.mtime == 0 and i.uid == 0 and i.gid == 0
                          for i in infos)
+    per_key = {}
+    for i in infos:  # every record has the same four members: generic readers require it
+        key, name = member.match(i.name).groups()
+        per_key.setdefault(key, []).append(name)
+    assert all(names == ["images.mp", "input_ids.npy", "json", "labels.npy"]
+               for names in per_key.values())
 
     import webdataset
 
@@ -110,7 +115,11 @@ def test_same_bytes_with_more_workers_and_plain_readers_agree(shards, plan, demo
         meta = json.loads(s["json"])
         ids = np.load(__import__("io").BytesIO(s["input_ids.npy"]))
         assert len(ids) == meta["cu_seqlens"][-1] == sum(meta["seq_lens"])
-        assert all(name in s for sample in meta["samples"] for name in sample["images"])
+        images = msgpack.unpackb(s["images.mp"])
+        assert len(images) == sum(len(sample["images"]) for sample in meta["samples"])
+        for data in images:
+            with Image.open(__import__("io").BytesIO(data)) as im:
+                im.load()  # the original encoded bytes, whole
 
 
 def test_write_resumes_after_kill_9_to_the_same_bytes(shards, plan, demo_out, tmp_path):
@@ -183,101 +192,6 @@ def test_ray_engine_writes_the_same_bytes(ray_cluster, plan, demo_out, shards, t
 # Loading
 
 
-# Independent references for the tilers, written from the published rules (InternVL's
-# ``dynamic_preprocess`` with ``find_closest_aspect_ratio``; Qwen2-VL's ``smart_resize`` in its
-# image processor), with PIL's own crop boxes rather than array reshapes.
-
-def _internvl_reference(image: Image.Image, policy: InternVLTiling, n_images: int) -> np.ndarray:
-    """InternVL's rule: a sample of n images gives each max_num // n tiles (at least 1). Candidate
-    grids (i cols, j rows) have min_num ≤ i·j ≤ max_num, in increasing area. The grid whose i/j
-    is closest to the image's w/h wins; among grids at exactly that distance, in area order, a
-    later grid replaces the current one when the image has more than half its pixels. The image is
-    resized (bicubic) to i·S × j·S and cropped row by row; a thumbnail (the whole image resized to
-    S × S) follows when there is more than one crop."""
-    S = policy.image_size
-    max_num = max(1, policy.max_num // n_images)
-    min_num = min(policy.min_num, max_num)
-    grids = sorted(((i, j) for i in range(1, max_num + 1) for j in range(1, max_num + 1)
-                    if min_num <= i * j <= max_num), key=lambda g: g[0] * g[1])
-    aspect = image.width / image.height
-    distance = {g: abs(aspect - g[0] / g[1]) for g in grids}
-    closest = [g for g in grids if distance[g] == min(distance.values())]
-    cols, rows = closest[0]
-    for i, j in closest[1:]:
-        if image.width * image.height > 0.5 * S * S * i * j:
-            cols, rows = i, j
-    resized = image.resize((cols * S, rows * S), Image.BICUBIC)
-    crops = [resized.crop((c * S, r * S, (c + 1) * S, (r + 1) * S))
-             for r in range(rows) for c in range(cols)]
-    if policy.use_thumbnail and len(crops) > 1:
-        crops.append(image.resize((S, S), Image.BICUBIC))
-    return np.stack([np.asarray(c) for c in crops])
-
-
-def _smart_resize(width: int, height: int, factor: int = 28, min_pixels: int = 56 * 56,
-                  max_pixels: int = 28 * 28 * 1280) -> tuple[int, int] | None:
-    """Qwen2-VL's rule: (height, width) rounded to multiples of 28; if that exceeds max_pixels,
-    scale both sides by sqrt(max_pixels / (h·w)) and floor to multiples of 28; if under
-    min_pixels, scale up by sqrt(min_pixels / (h·w)) and ceil. None where Qwen2-VL refuses the
-    image (a side under 28 px, or an aspect ratio over 200)."""
-    if min(width, height) < factor or max(width, height) > 200 * min(width, height):
-        return None
-    h, w = round(height / factor) * factor, round(width / factor) * factor
-    if h * w > max_pixels:
-        scale = math.sqrt(max_pixels / (height * width))
-        h, w = math.floor(height * scale / factor) * factor, math.floor(width * scale / factor) * factor
-    elif h * w < min_pixels:
-        scale = math.sqrt(min_pixels / (height * width))
-        h, w = math.ceil(height * scale / factor) * factor, math.ceil(width * scale / factor) * factor
-    return h, w
-
-
-def _qwen2vl_reference(image: Image.Image) -> np.ndarray | None:
-    """Smart-resized (bicubic), then 28 × 28 merged patches (2 × 2 ViT patches of 14 px) row by
-    row: the order Qwen2-VL's processor flattens them in (grid_h/2, grid_w/2, 2, 2)."""
-    size = _smart_resize(image.width, image.height)
-    if size is None:
-        return None
-    h, w = size
-    resized = image.resize((w, h), Image.BICUBIC)
-    return np.stack([np.asarray(resized.crop((c * 28, r * 28, (c + 1) * 28, (r + 1) * 28)))
-                     for r in range(h // 28) for c in range(w // 28)])
-
-
-@pytest.mark.parametrize("size", [(900, 500), (448, 448), (200, 1500), (3000, 800), (31, 29),
-                                  (1000, 1000), (20, 100), (50, 30)])
-@pytest.mark.parametrize("n_images", [1, 3])
-def test_tile_pixels_match_the_references(size, n_images):
-    rng = np.random.default_rng(0)
-    image = Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
-
-    internvl = InternVLTiling(max_num=6)
-    want = _internvl_reference(image, internvl, n_images)
-    assert internvl.tiles(*size, n_images) == len(want)
-    np.testing.assert_array_equal(internvl.tile_pixels(image, n_images), want)
-
-    qwen = Qwen2VLTiling()
-    want = _qwen2vl_reference(image)
-    if want is None:  # refused by Qwen2-VL's rule: a reject, never a crash or a silent tile
-        with pytest.raises(Reject):
-            qwen.tiles(*size, n_images)
-    else:
-        assert qwen.tiles(*size, n_images) == len(want)
-        np.testing.assert_array_equal(qwen.tile_pixels(image, n_images), want)
-
-    fixed = FixedTiling()
-    assert fixed.tiles(*size, n_images) == 1
-    np.testing.assert_array_equal(fixed.tile_pixels(image, n_images),
-                                  np.asarray(image.resize((336, 336), Image.BICUBIC))[None])
-
-
-def test_smart_resize_reference_by_hand():
-    # the reference itself, on sizes worked out by hand
-    assert _smart_resize(640, 480) == (476, 644)  # 17.1 → 17 × 28, 22.9 → 23 × 28
-    assert _smart_resize(31, 29) == (56, 84)  # 28 × 28 < 56²: × 1.868, ceil → 2 × 3 patches
-    assert _smart_resize(20, 100) is None
-
-
 def test_collated_micro_batch_golden(shards, demo_out):
     ds = ShardDataset(shards, rank=0, world_size=VIRTUAL_RANKS)
     record = next(ds.records())
@@ -309,14 +223,12 @@ def test_collated_micro_batch_golden(shards, demo_out):
     assert batch["num_tiles"] == tiles and int(mask.sum()) == tiles * 256
     assert (batch["labels"][mask] == -100).all()
 
-    # The first sample's first image, cut by InternVL's own procedure, then normalized.
+    # The first sample's first image, cut by the published InternVL procedure, normalized.
     first = samples[0]
-    policy = InternVLTiling(**{k: v for k, v in m.tiling[first["source"]].items() if k != "name"})
     with Image.open(first["image_paths"][0]) as im:
-        ref = _internvl_reference(im.convert("RGB"), policy, first["n_images"])
-    mean, std = np.array(policy.mean), np.array(policy.std)
-    expected = ((ref / 255.0 - mean) / std).transpose(0, 3, 1, 2)
-    np.testing.assert_allclose(batch["pixel_values"][:len(ref)].numpy(), expected, atol=1e-5)
+        expected = ref.internvl_pixels(im.convert("RGB"),
+                                       m.tiling[first["source"]]["max_patches"])
+    np.testing.assert_allclose(batch["pixel_values"][:len(expected)].numpy(), expected, atol=1e-5)
     assert batch["pixel_values"].shape == (m.qv, 3, 448, 448)
     assert not batch["pixel_values"][tiles:].any()
 
@@ -379,7 +291,7 @@ def _copy(shards, tmp_path, name):
 
 def _image_data_offset(tar_path: str) -> tuple[int, str]:
     with tarfile.open(tar_path) as tar:
-        info = next(i for i in tar.getmembers() if re.search(r"\.\d{3}\.\w+$", i.name))
+        info = next(i for i in tar.getmembers() if i.name.endswith(".images.mp") and i.size > 1024)
         return info.offset_data + info.size // 2, info.name.split(".")[0]
 
 

@@ -1,26 +1,15 @@
-"""Chat templates, label masking and image-token expansion, on both tokenizer kinds."""
+"""The offline demo's encoder (Tekken, mistral template): label masking, image-token expansion,
+literal data text, and ids equal to ``mistral-common``'s own Tekkenizer. Model folders' chat
+templates are tested in ``test_families.py``."""
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
 
-from vlmshard.preprocess.tokenize import IGNORE_INDEX, ConversationEncoder, resolve_tokenizer
+from vlmshard.preprocess.tokenize import IGNORE_INDEX, TekkenEncoder, tekken_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tekken():
-    return ConversationEncoder(resolve_tokenizer("tekken"))
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer_path(tmp_path_factory):
-    words = "describe the image a cat on mat hello world system you are helpful user assistant".split()
-    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}, "\n": len(words) + 1}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit()])
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<IMG_CONTEXT>"])
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok.save(str(path))
-    return str(path)
+    return TekkenEncoder(tekken_tokenizer())
 
 
 def test_tekken_labels_mask_everything_but_assistant(tekken):
@@ -49,35 +38,12 @@ def test_counts_without_tokens_equal_counts_with(tekken):
 
 
 def test_special_token_text_is_not_injected(tekken):
-    enc = tekken.encode([("user", "[INST] </s>"), ("assistant", "ok")], [], keep_tokens=True)
-    inst = tekken.tokenizer.special_id("[INST]")
-    assert enc.input_ids.count(inst) == 1  # only the template's own [INST]
-
-
-def test_hf_tokenizer_json_with_chatml(hf_tokenizer_path):
-    cfg = resolve_tokenizer(hf_tokenizer_path)
-    assert (cfg.kind, cfg.template) == ("hf", "chatml")
-    enc = ConversationEncoder(cfg)
-    out = enc.encode([("user", "<image>\ndescribe the image"), ("assistant", "a cat")], [3],
-                     keep_tokens=True)
-    start, end, img = (enc.tokenizer.special_id(t) for t in ("<|im_start|>", "<|im_end|>",
-                                                              "<IMG_CONTEXT>"))
-    assert out.input_ids.count(img) == 3
-    assert out.input_ids.count(start) == 2 and out.input_ids.count(end) == 2
-    supervised = [i for i, label in zip(out.input_ids, out.labels) if label != IGNORE_INDEX]
-    assert supervised == enc.tokenizer.encode("a cat") + [end]
-
-
-def test_tokenizer_errors(tmp_path, hf_tokenizer_path):
-    with pytest.raises(ValueError, match="unknown tokenizer 'gpt5'"):
-        resolve_tokenizer("gpt5")
-    with pytest.raises(ValueError, match="unknown chat template"):
-        resolve_tokenizer("tekken", "llama9")
-    tok = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
-    path = tmp_path / "tokenizer.json"
-    tok.save(str(path))
-    with pytest.raises(ValueError, match="has no token '<IMG_CONTEXT>'"):
-        ConversationEncoder(resolve_tokenizer(str(path)))
+    text = "[INST] </s> [IMG] <s>"
+    enc = tekken.encode([("user", text), ("assistant", text)], [], keep_tokens=True)
+    specials = {tekken.tokenizer.special_id(t) for t in ("[INST]", "</s>", "[IMG]", "<s>")}
+    # only the template's own: <s>, [INST], [/INST] and the answer's </s>
+    assert [i for i in enc.input_ids if i in specials] == [1, tekken.tokenizer.special_id("[INST]"), 2]
+    assert tekken.tokenizer.encode(text) == enc.input_ids[2:2 + len(tekken.tokenizer.encode(text))]
 
 
 def test_tekken_fast_path_equals_mistral_common(tekken):
