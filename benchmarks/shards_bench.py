@@ -41,7 +41,8 @@ from vlmshard.preprocess import PreprocessConfig, run_preprocess  # noqa: E402
 from vlmshard.preprocess.demo_data import generate  # noqa: E402
 from vlmshard.preprocess.tokenize import IGNORE_INDEX  # noqa: E402
 from vlmshard.shards.layout import join, read_manifest  # noqa: E402
-from vlmshard.shards.loader import make_loader, normalize_tiles  # noqa: E402
+from vlmshard.preprocess.tiling import to_rgb  # noqa: E402
+from vlmshard.shards.loader import make_loader  # noqa: E402
 from vlmshard.shards.config import WriteConfig  # noqa: E402
 from vlmshard.shards.writer import run_write  # noqa: E402
 
@@ -68,12 +69,14 @@ def bench_write(work: str, pre: str, plan: str, workers: int, shard_bytes: str) 
 
 def plain_webdataset(root: str):
     """The baseline: webdataset's own pipeline, same decode/tile/pad work, no checks."""
+    import msgpack
     import webdataset as wds
     from PIL import Image
 
     manifest = read_manifest(root)
     policies = manifest.policies()
-    size = next(iter(policies.values())).tile_size
+    first = next(iter(policies.values()))
+    shape = (first.rows_per_tile, *first.pixel_shape)
     urls = [join(root, e.path) for e in manifest.rank_shards(0)]
 
     def collate(sample: dict) -> dict:
@@ -85,14 +88,15 @@ def plain_webdataset(root: str):
         input_ids[:n] = torch.from_numpy(ids.astype(np.int64))
         lab = torch.full((manifest.qt,), IGNORE_INDEX, dtype=torch.long)
         lab[:n] = torch.from_numpy(labels.astype(np.int64))
-        pixels = torch.zeros((manifest.qv, 3, size, size))
+        pixels = torch.zeros((manifest.qv * shape[0], *shape[1:]))
+        images = iter(msgpack.unpackb(sample["images.mp"]))
         tile = 0
         for s in meta["samples"]:
             policy = policies[s["source"]]
-            for name in s["images"]:
-                with Image.open(io.BytesIO(sample[name])) as im:
-                    tiles = policy.tile_pixels(im.convert("RGB"), len(s["images"]))
-                pixels[tile:tile + len(tiles)] = normalize_tiles(tiles, policy.mean, policy.std)
+            for _ in s["images"]:
+                with Image.open(io.BytesIO(next(images))) as im:
+                    tiles = torch.from_numpy(policy.pixels(to_rgb(im), len(s["images"])))
+                pixels[tile:tile + len(tiles)] = tiles
                 tile += len(tiles)
         segments = meta["seq_lens"] + ([manifest.qt - n] if n < manifest.qt else [])
         return {"input_ids": input_ids, "labels": lab, "pixel_values": pixels,

@@ -32,6 +32,20 @@ class CostModel:
         return cls(flops.tiles, flops.tokens, flops.squares, f"flops:{name}")
 
     @classmethod
+    def for_stats(cls, name: str | None, family: str) -> "CostModel":
+        """The FLOPs of preset ``name`` (default: the family's), checked to count the ViT in the
+        unit the stats do: a preset of other units would weigh tiles against tokens wrongly."""
+        from vlmshard.model_sizes import DEFAULT_PRESETS, PRESETS
+
+        name = name or DEFAULT_PRESETS[family]
+        preset, default = PRESETS.get(name), PRESETS[DEFAULT_PRESETS[family]]
+        if preset is not None and preset.vision.image_size != default.vision.image_size:
+            raise ValueError(f"model {name!r} counts {preset.vision.image_size}-px ViT units, but "
+                             f"the stats count {family}'s {default.vision.image_size}-px units: "
+                             f"pass --model {DEFAULT_PRESETS[family]} or a --cost-model file")
+        return cls.from_preset(name)
+
+    @classmethod
     def from_json(cls, path: str) -> "CostModel":
         data = read_json(path)
         try:

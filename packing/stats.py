@@ -39,6 +39,12 @@ class LoadedStats:
     format: str  # "vlmshard" or "omnibal"
     files: tuple[str, ...]
     sha256: str  # over the input files' names and contents, in order
+    preprocess: dict | None = None  # the preprocess.json beside the stats, if any
+
+    @property
+    def family(self) -> str:
+        """The model family whose ViT unit ``vit_tiles`` counts (OmniBal lengths: InternVL)."""
+        return self.preprocess["config"]["model"]["family"] if self.preprocess else "internvl"
 
     def describe(self) -> dict:
         # Absolute, so that report and simulate find the stats from any working directory.
@@ -50,15 +56,29 @@ class LoadedStats:
 def load_stats(path: str) -> LoadedStats:
     if not os.path.exists(path):
         raise StatsError(f"{path}: no such file or folder")
+    preprocess = None
     if os.path.isdir(path) or path.endswith(".parquet"):
         lengths, files = _read_parquet_stats(path), stats_files(path)
         fmt = "vlmshard"
+        preprocess = read_preprocess_json(path)
     else:
         lengths, files = _read_omnibal(path)
         fmt = "omnibal"
     if len(lengths) == 0:
         raise StatsError(f"{path}: no samples to pack")
-    return LoadedStats(lengths, path, fmt, tuple(files), files_sha256(files))
+    return LoadedStats(lengths, path, fmt, tuple(files), files_sha256(files), preprocess)
+
+
+def read_preprocess_json(stats: str) -> dict | None:
+    """The ``preprocess.json`` of a stats path: in the output folder the stats are in or under
+    (a stats folder, its ``stats/``, or one of its Parquet files)."""
+    folder = os.path.abspath(stats.rstrip("/"))
+    folder = folder if os.path.isdir(folder) else os.path.dirname(folder)
+    for candidate in (folder, os.path.dirname(folder)):
+        path = os.path.join(candidate, "preprocess.json")
+        if os.path.isfile(path):
+            return _read_json(path)
+    return None
 
 
 def files_sha256(files: list[str]) -> str:

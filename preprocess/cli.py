@@ -22,7 +22,12 @@ An INPUT is a LLaVA/InternVL conversation file (.json list or .jsonl), an Intern
 ({name: {root, annotation, repeat_time}}), a .parquet file, or a folder saved with
 datasets.save_to_disk. Images are read by header only (no pixel decode), from local paths or
 fsspec URLs. The job commits its work in parts: rerun the same command after a crash and it
-resumes; rerun a finished job and it does nothing."""
+resumes; rerun a finished job and it does nothing.
+
+--model PATH (a local Hugging Face folder of an InternVL, Qwen2-VL or Qwen2.5-VL checkpoint)
+makes the samples that model's: its chat template and tokenizer (rendered by transformers; text
+in the data never becomes control tokens), its image tokens, and its image processor's tiling
+limits. Without it, the offline demo tokenizer (Tekken, mistral template) is used."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlmshard.packing.plan import read_plan, read_plan_json
-from vlmshard.packing.stats import files_sha256, stats_files
+from vlmshard.packing.stats import files_sha256, read_preprocess_json, stats_files
 from vlmshard.preprocess import (RecordedPreprocess, RetokenizeError, Retokenizer, SampleSpec,
                                  sample_where)
 from vlmshard import __version__
@@ -162,12 +162,11 @@ def _read_preprocess(stats: str, plan_json: dict) -> dict:
     if plan_json["stats"].get("format") != "vlmshard":
         raise WriteError("the plan was packed from OmniBal length files, which hold no images "
                          "or tokens: pack the preprocess output folder to write shards")
-    for folder in (stats, os.path.dirname(os.path.abspath(stats.rstrip("/")))):
-        path = os.path.join(folder, "preprocess.json")
-        if os.path.isfile(path):
-            return read_json(path)
-    raise WriteError(f"{stats}: no preprocess.json here or one folder up; pass the preprocess "
-                     "output folder as --stats")
+    preprocess = read_preprocess_json(stats)
+    if preprocess is None:
+        raise WriteError(f"{stats}: no preprocess.json here or one folder up; pass the "
+                         "preprocess output folder as --stats")
+    return preprocess
 
 
 def _plan_records(plan: str) -> list[tuple[int, ...]]:

@@ -47,26 +47,27 @@ QWEN2VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|vide
 INTERNVL_TOKENS = ["<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
 
 
-def _tokenizer(special: list[str]):
+def _tokenizer(special: list[str], corpus: list[str], vocab_size: int):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=CHAT_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHAT_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(corpus, trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     return tok
 
 
-def _save_tokenizer(path: str, special: list[str], template: str, named: dict[str, str]) -> int:
+def _save_tokenizer(path: str, special: list[str], template: str, named: dict[str, str],
+                    corpus: list[str], vocab_size: int) -> int:
     """Save tokenizer.json + tokenizer_config.json (the template inside it, as hub folders
     have it) + special_tokens_map.json; returns the vocabulary size."""
     from transformers import PreTrainedTokenizerFast
 
-    tok = _tokenizer(special)
+    tok = _tokenizer(special, corpus, vocab_size)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                                  pad_token="<|endoftext|>", **named)
     hf.save_pretrained(path)
@@ -85,19 +86,21 @@ def _save_tokenizer(path: str, special: list[str], template: str, named: dict[st
 
 
 def qwen2vl_folder(path: str, *, model_type: str = "qwen2_vl", min_pixels: int = 56 * 56,
-                   max_pixels: int = 28 * 28 * 64) -> str:
+                   max_pixels: int = 28 * 28 * 64, corpus: list[str] = CORPUS,
+                   vocab_size: int = 420) -> str:
     from transformers import Qwen2VLConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil)
 
     os.makedirs(path, exist_ok=True)
     vocab = _save_tokenizer(path, QWEN2VL_TOKENS, QWEN2VL_TEMPLATE,
-                            {"image_token": "<|image_pad|>"})
+                            {"image_token": "<|image_pad|>"}, corpus, vocab_size)
     ids = {t: i for i, t in enumerate(CHAT_TOKENS)}
     config = Qwen2VLConfig(
         text_config=dict(vocab_size=vocab, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]}),
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
+                         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"]),
         vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2,
                            spatial_merge_size=2, patch_size=14, temporal_patch_size=2),
         image_token_id=vocab - 2, video_token_id=vocab - 1,
@@ -119,7 +122,7 @@ def internvl_folder(path: str, *, max_patches: int = 6) -> str:
     os.makedirs(path, exist_ok=True)
     named = {"start_image_token": "<img>", "end_image_token": "</img>",
              "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
-    vocab = _save_tokenizer(path, INTERNVL_TOKENS, INTERNVL_TEMPLATE, named)
+    vocab = _save_tokenizer(path, INTERNVL_TOKENS, INTERNVL_TEMPLATE, named, CORPUS, 420)
     config = InternVLConfig(
         text_config=dict(model_type="qwen2", vocab_size=vocab, hidden_size=32,
                          intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

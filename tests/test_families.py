@@ -75,10 +75,10 @@ def rows(tmp_path_factory) -> list[dict]:
          "messages": [{"role": "user", "content": [image, {"type": "text",
                                                            "text": "What animal is this?"}]},
                       {"role": "assistant", "content": "A cat."}]},
-        {"conversations": [{"from": "human", "value": "Hello there"},  # text only
-                           {"from": "gpt", "value": "Hi, how can I help?"}],
+        {"conversations": [{"from": "human", "value": "Hello there"},  # text only, non-ASCII
+                           {"from": "gpt", "value": "Hi! ünïcödé 漢字 😀\n\n  how can I help?"}],
          "messages": [{"role": "user", "content": "Hello there"},
-                      {"role": "assistant", "content": "Hi, how can I help?"}]},
+                      {"role": "assistant", "content": "Hi! ünïcödé 漢字 😀\n\n  how can I help?"}]},
         {"image": tiny,  # 12x10: Qwen2-VL scales it up to min_pixels
          "conversations": [{"from": "human", "value": "<image>\nWhat color?"},
                            {"from": "gpt", "value": "Grey."}],
@@ -386,3 +386,20 @@ def test_verify_names_an_old_shard_format(shards, tmp_path):
     proc = vlmshard("verify", str(root), check=False)
     assert proc.returncode == 1
     assert "format 'vlmshard-shards/1'" in proc.stdout and "write them again" in proc.stdout
+
+
+def test_pack_costs_the_vit_in_the_stats_unit(shards, tmp_path):
+    """Qwen2-VL stats count 28-px merged patches: the default cost model is a Qwen2-VL preset,
+    and a preset of 448-px tiles is refused rather than weighing patches as tiles."""
+    from vlmshard.model_sizes import PRESETS, training_flops
+
+    qwen_pre, _ = shards["qwen2vl"]
+    plan = json.load(open(os.path.join(os.path.dirname(shards["qwen2vl"][1]), "qwen2vl-plan",
+                                       "plan.json")))
+    assert plan["cost_model"]["origin"] == "flops:qwen2-vl-2b"
+    # a merged patch is 4 ViT patches of 1280 wide: ~4 × 2 × 3 × 32 layers × 12 × 1280² FLOPs
+    per_patch = 2 * 3 * 32 * 12 * 1280 ** 2
+    assert 4 * per_patch < training_flops(PRESETS["qwen2-vl-2b"]).tiles < 4.2 * per_patch
+    proc = vlmshard("pack", "--stats", qwen_pre, "--dp", "1", "--out", str(tmp_path / "p"),
+                    "--model", "internvl2-2b", check=False)
+    assert proc.returncode != 0 and "counts 448-px ViT units" in proc.stderr

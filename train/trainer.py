@@ -84,6 +84,9 @@ def run(cfg: TrainConfig) -> None:
     torch.manual_seed(cfg.seed)
     model_config = ModelConfig.from_dict(cfg.model)
     probe = ShardDataset(cfg.shards, 0, cfg.dp)
+    if probe.rows_per_tile != 1 or probe.takes_grids:
+        raise ValueError(f"{cfg.shards} hold {probe.family.name} pixels (flattened patches and "
+                         "grids); this trainer's model takes InternVL-style tiles")
     shard_tokens = {p.tokens_per_tile for p in probe.policies.values()}
     if shard_tokens != {model_config.tokens_per_tile}:
         raise ValueError(f"the model makes {model_config.tokens_per_tile} tokens per tile; the "

@@ -1,8 +1,10 @@
 """Model sizes and what each pipeline layer costs, computed from them: torch-free, read by
 packing (its default cost model), train (model shapes, FLOPs per step) and simulate.
 
-Presets: ``tiny`` for CPU tests, real sizes (``internvl2-2b``, ``internvl-chat-1.5``) for
-profiling, the packer's FLOPs cost model and simulation. The vision side must turn one tile into
+Presets: ``tiny`` for CPU tests, real sizes (``internvl2-2b``, ``internvl-chat-1.5``,
+``qwen2-vl-2b``) for profiling, the packer's FLOPs cost model and simulation. A preset's ViT unit
+(``image_size``) must be the one the stats count: a 448-px InternVL tile, or a 28-px Qwen2-VL
+merged patch (``DEFAULT_PRESETS`` maps each to its default). The vision side must turn one tile into
 exactly the ``tokens_per_tile`` image tokens the shards were tokenized with:
 (image_size / patch_size x downsample_ratio)^2.
 
@@ -92,6 +94,8 @@ class ModelConfig:
         return config
 
 
+DEFAULT_PRESETS = {"internvl": "internvl2-2b", "qwen2vl": "qwen2-vl-2b"}  # by family
+
 PRESETS = {
     # CPU tests: every code path, seconds per step.
     "tiny": ModelConfig(),
@@ -101,6 +105,14 @@ PRESETS = {
         vision=VisionConfig(hidden=1024, layers=24, heads=16),
         llm=LLMConfig(vocab_size=92553, hidden=2048, layers=24, heads=16, kv_heads=8,
                       intermediate=8192)),
+    # Qwen2-VL-2B: its 675M ViT + Qwen2-1.5B. The ViT unit is a merged patch (28 px: 2×2
+    # patches of 14 px, one LLM token after the merger), as the Qwen2-VL stats count it. ViT
+    # attention is modeled within the unit; the real one spans the image (see BENCHMARKS.md).
+    "qwen2-vl-2b": ModelConfig(
+        name="qwen2-vl-2b",
+        vision=VisionConfig(image_size=28, patch_size=14, hidden=1280, layers=32, heads=16),
+        llm=LLMConfig(vocab_size=151936, hidden=1536, layers=28, heads=12, kv_heads=2,
+                      intermediate=8960)),
     # InternVL-Chat-V1.5: InternViT-6B-448px-V1-5 + InternLM2-Chat-20B (OmniBal's main setting).
     "internvl-chat-1.5": ModelConfig(
         name="internvl-chat-1.5",

@@ -116,6 +116,7 @@ class ChatTemplateEncoder:
         labels: list[int] = []
         segment: list[tuple[str, bool]] = []  # text pieces between special tokens, supervised?
         images = iter(image_tokens)
+        loss = [0]  # supervised tokens so far
         supervise_template = False  # after assistant text, until the end-of-turn token
         n_images = 0
 
@@ -123,13 +124,16 @@ class ChatTemplateEncoder:
             text = "".join(t for t, _ in segment)
             if text:
                 enc = self.backend.encode(text, add_special_tokens=False)
-                spans, start = [], 0
-                for t, sup in segment:
-                    spans.append((start, start + len(t), sup))
-                    start += len(t)
+                seg_labels = [IGNORE_INDEX] * len(enc.ids)
+                start = 0
+                for piece, supervised in segment:
+                    if supervised and piece:
+                        lo, hi = _tokens_starting_in(enc, start, start + len(piece))
+                        seg_labels[lo:hi] = enc.ids[lo:hi]
+                        loss[0] += hi - lo
+                    start += len(piece)
                 ids.extend(enc.ids)
-                labels.extend(tok if _supervised(spans, lo) else IGNORE_INDEX
-                              for tok, (lo, _) in zip(enc.ids, enc.offsets))
+                labels.extend(seg_labels)
             segment.clear()
 
         for k, piece in enumerate(template):
@@ -150,6 +154,7 @@ class ChatTemplateEncoder:
                     continue
                 ids.append(self.special[part])
                 labels.append(self.special[part] if supervise_template else IGNORE_INDEX)
+                loss[0] += supervise_template
                 supervise_template = False
             if k < len(texts):
                 role, text = texts[k]
@@ -159,16 +164,19 @@ class ChatTemplateEncoder:
         if n_images != len(image_tokens):
             raise Reject("template_error", f"the chat template rendered {n_images} image "
                                            f"placeholder(s) for {len(image_tokens)} image(s)")
-        n_image = sum(image_tokens)
-        n_loss = sum(label != IGNORE_INDEX for label in labels)
-        return EncodedSample(text_tokens=len(ids) - n_image, loss_tokens=n_loss,
+        return EncodedSample(text_tokens=len(ids) - sum(image_tokens), loss_tokens=loss[0],
                              input_ids=ids if keep_tokens else None,
                              labels=labels if keep_tokens else None)
 
 
-def _supervised(spans: list[tuple[int, int, bool]], offset: int) -> bool:
-    """Whether the token starting at character ``offset`` starts in a supervised span."""
-    for lo, hi, sup in spans:
-        if lo <= offset < hi:
-            return sup
-    return False
+def _tokens_starting_in(enc, lo: int, hi: int) -> tuple[int, int]:
+    """The tokens of ``enc`` that start at a character in [lo, hi): a token straddling into the
+    span from before belongs to what precedes it (the template's text)."""
+    first, last = enc.char_to_token(lo), enc.char_to_token(hi - 1)
+    if first is None or last is None:  # characters a normalizer dropped: scan the offsets
+        starts = [start for start, _ in enc.offsets]
+        inside = [i for i, start in enumerate(starts) if lo <= start < hi]
+        return (inside[0], inside[-1] + 1) if inside else (0, 0)
+    if enc.token_to_chars(first)[0] < lo:
+        first += 1
+    return first, max(first, last + 1)
