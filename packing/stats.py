@@ -43,8 +43,9 @@ class LoadedStats:
 
     @property
     def family(self) -> str:
-        """The model family whose ViT unit ``vit_tiles`` counts (OmniBal lengths: InternVL)."""
-        return self.preprocess["config"]["model"]["family"] if self.preprocess else "internvl"
+        """The family whose ViT unit ``vit_tiles`` counts: its tiling policy's name (OmniBal
+        lengths: InternVL tiles)."""
+        return self.preprocess["config"]["tiling"]["name"] if self.preprocess else "internvl"
 
     def describe(self) -> dict:
         # Absolute, so that report and simulate find the stats from any working directory.

@@ -35,10 +35,15 @@ class RetokenizeError(RuntimeError):
 
 
 class RecordedPreprocess:
-    """The config a preprocess run recorded in its ``preprocess.json``."""
+    """The config a preprocess run recorded in its ``preprocess.json``; a ``ValueError`` names
+    one too old to say which model it was made for."""
 
     def __init__(self, preprocess: dict) -> None:
         self.config = preprocess["config"]
+        if "model" not in self.config:
+            raise ValueError(f"this preprocess output was written by vlmshard "
+                             f"{preprocess.get('vlmshard_version', '?')}, before model folders "
+                             "were recorded: preprocess it again")
         self.tokenizer = TokenizerConfig(**self.config["tokenizer"])
         self.model = ModelSpec.from_dict(self.config["model"])
 

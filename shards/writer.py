@@ -263,7 +263,10 @@ def _marker_path(work: str, rank: int, index: int) -> str:
 def _recorded_preprocess(preprocess: dict) -> RecordedPreprocess:
     """What preprocessing recorded, its tokenizer checked to be the same file (its ids are in the
     plan)."""
-    recorded = RecordedPreprocess(preprocess)
+    try:
+        recorded = RecordedPreprocess(preprocess)
+    except ValueError as e:
+        raise WriteError(str(e)) from None
     if not recorded.tokenizer_unchanged():
         raise WriteError(f"tokenizer {recorded.tokenizer.path} is missing or differs from the one "
                          "preprocessing used (sha256 of its files): token ids would not match "
