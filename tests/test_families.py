@@ -24,6 +24,7 @@ from vlmshard.preprocess import PreprocessConfig, run_preprocess
 from vlmshard.shards.config import WriteConfig
 from vlmshard.shards.layout import read_manifest
 from vlmshard.shards.loader import ShardDataset
+from vlmshard.shards.verify import verify_shards
 from vlmshard.shards.writer import run_write
 
 FAMILIES = ("internvl", "qwen2vl", "qwen2_5_vl")
@@ -297,6 +298,9 @@ def test_records_hold_the_preprocessed_tokens(family, shards, preprocessed):
             assert record.labels[start:end].tolist() == kept[s["sample_id"]]["labels"]
             start, seen = end, seen + 1
     assert seen == len(kept)
+    plan = os.path.join(os.path.dirname(shards[family][1]), f"{family}-plan")
+    result = verify_shards(shards[family][1], plan=plan)  # images decoded, tiles recounted
+    assert result.ok and result.samples == len(kept), result.problems
 
 
 def test_qwen_position_ids_equal_get_rope_index_per_sample(shards, folders):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -17,9 +18,14 @@ from helpers import REPO
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> str:
+    """Built from a copy of the source without build outputs: setuptools reuses ``build/lib``,
+    whose stale modules would hide a package missing from setup.cfg."""
     out = tmp_path_factory.mktemp("wheel")
+    source = out / "source"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
-                    "--no-build-isolation", "--wheel-dir", str(out), REPO], check=True,
+                    "--no-build-isolation", "--wheel-dir", str(out), str(source)], check=True,
                    capture_output=True)
     return glob.glob(str(out / "vlmshard-*.whl"))[0]
 
@@ -30,6 +36,13 @@ def test_wheel_holds_only_the_vlmshard_package(wheel):
     assert {t for t in tops if not t.endswith(".dist-info")} == {"vlmshard"}
     for stage in ("preprocess", "packing", "shards", "train", "report", "simulate"):
         assert f"vlmshard/{stage}/__init__.py" in names
+    # every module of the source tree is in it (a subpackage missing from setup.cfg is not)
+    roots = {"vlmshard": "vlmshard", "preprocess": "vlmshard/preprocess",
+             "packing": "vlmshard/packing", "shards": "vlmshard/shards", "train": "vlmshard/train"}
+    sources = {os.path.join(roots[root], os.path.relpath(path, os.path.join(REPO, root)))
+               for root in roots
+               for path in glob.glob(os.path.join(REPO, root, "**", "*.py"), recursive=True)}
+    assert sorted(sources - set(names)) == []
     top_level = [n for n in names if n.endswith(".dist-info/top_level.txt")]
     assert zipfile.ZipFile(wheel).read(top_level[0]).decode().split() == ["vlmshard"]
 
