@@ -28,7 +28,7 @@ from vlmshard import __version__
 from vlmshard.config import ConfigError
 from vlmshard.engines import resolve_workers, run_units
 from vlmshard.io import atomic_write, is_url, write_json_atomic, write_parquet
-from vlmshard.jobs import WORK, claim_output
+from vlmshard.jobs import WORK, claim_output, locked_output
 from vlmshard.progress import Progress
 
 from .config import PreprocessConfig
@@ -61,9 +61,15 @@ class PreprocessResult:
 
 
 def run_preprocess(cfg: PreprocessConfig) -> PreprocessResult:
-    """Run (or resume, or skip) a preprocess job; see the module docstring for the outputs."""
+    """Run (or resume, or skip) a preprocess job; see the module docstring for the outputs. A
+    second job on the same ``out`` while this one runs is refused (``ConfigError``)."""
     start = time.monotonic()
     cfg.validate()
+    with locked_output(cfg.out, ConfigError):
+        return _preprocess(cfg, start)
+
+
+def _preprocess(cfg: PreprocessConfig, start: float) -> PreprocessResult:
     try:
         sources = discover_sources(cfg.inputs, cfg.image_root)
         model, tokenizer, tiling = resolve_model(cfg)

@@ -40,7 +40,7 @@ from vlmshard import __version__
 from vlmshard.engines import resolve_workers, run_units
 from vlmshard.io import (atomic_write, file_size, open_file, read_json, sha256_file,
                          write_json_atomic)
-from vlmshard.jobs import WORK, claim_output
+from vlmshard.jobs import WORK, claim_output, locked_output
 from vlmshard.progress import Progress
 
 from .config import WriteConfig
@@ -97,9 +97,15 @@ class WriteSpec:
 
 
 def run_write(cfg: WriteConfig) -> WriteResult:
-    """Write (or resume, or skip) the shards of ``cfg.plan``; see the module docstring."""
+    """Write (or resume, or skip) the shards of ``cfg.plan``; see the module docstring. A second
+    job on the same ``out`` while this one runs is refused (``WriteError``)."""
     start = time.monotonic()
     shard_bytes = cfg.validate()
+    with locked_output(cfg.out, WriteError):
+        return _write(cfg, shard_bytes, start)
+
+
+def _write(cfg: WriteConfig, shard_bytes: int, start: float) -> WriteResult:
     plan_json = read_plan_json(cfg.plan)
     plan_parquet = os.path.join(cfg.plan, "plan.parquet")
     preprocess = _read_preprocess(cfg.stats, plan_json)

@@ -48,3 +48,27 @@ def test_local_paths_and_fsspec_urls_read_alike(tmp_path):
         open_file(str(tmp_path / "gone.bin"))
     with pytest.raises(FileNotFoundError):
         open_file("memory://vlmshard-test-io/gone.bin")
+
+
+def test_atomic_write_syncs_the_data_before_the_rename_and_the_folder_after(tmp_path,
+                                                                          monkeypatch):
+    """After a power loss a committed file must not exist empty: its bytes reach the device
+    before its name does (fsync, rename), and the name before the job counts it done."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("rename", str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    target = tmp_path / "part.json"
+    atomic_write(target, lambda tmp: open(tmp, "w").write("{}"))
+    assert [e[0] for e in events] == ["fsync", "rename", "fsync"]
+    assert os.path.basename(events[0][1]).startswith(".tmp-part.json-")
+    assert events[1][1] == str(target) and events[2][1] == str(tmp_path)

@@ -176,3 +176,16 @@ def test_config_file_and_flag_override(demo, tmp_path):
     bad.write_text("inputs: [x]\nout: y\ntokeniser: tekken\n")
     proc = vlmshard("preprocess", "--config", str(bad), check=False)
     assert proc.returncode != 0 and "unknown key(s) tokeniser" in proc.stderr
+
+
+def test_a_folder_in_use_by_another_job_is_refused(demo, tmp_path):
+    from vlmshard.jobs import locked_output
+
+    out = tmp_path / "busy"
+    cfg = PreprocessConfig(inputs=[os.path.join(demo.root, "captions.jsonl")], out=str(out),
+                           workers=1)
+    with locked_output(str(out)):  # another job holds the folder (a flock of its own)
+        with pytest.raises(ConfigError, match="is in use by another vlmshard job"):
+            run_preprocess(cfg)
+        assert not (out / "_work").exists()  # refused before touching anything
+    assert run_preprocess(cfg).accepted == 80

@@ -7,7 +7,11 @@ import json
 import os
 import re
 import shutil
+import socket
+import subprocess
+import sys
 import tarfile
+import time
 
 import msgpack
 import numpy as np
@@ -17,7 +21,7 @@ import torch
 from PIL import Image
 
 import image_references as ref
-from helpers import kill_9_when, serve_http, tree_bytes, vlmshard
+from helpers import REPO, kill_9_when, serve_http, tree_bytes, vlmshard
 from vlmshard.packing.config import PackConfig
 from vlmshard.packing.plan import run_pack
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
@@ -120,6 +124,25 @@ def test_same_bytes_with_more_workers_and_plain_readers_agree(shards, plan, demo
         for data in images:
             with Image.open(__import__("io").BytesIO(data)) as im:
                 im.load()  # the original encoded bytes, whole
+
+
+def test_a_second_job_on_the_same_folder_is_refused_and_the_first_ends_identical(
+        shards, plan, demo_out, tmp_path):
+    out = tmp_path / "shared"
+    first = subprocess.Popen([sys.executable, "-m", "vlmshard.cli", "write", "--plan", plan,
+                              "--stats", str(demo_out), "--out", str(out),
+                              "--shard-bytes", "8MB", "--workers", "1"], cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    job = out / "_work" / "job.json"
+    while not job.exists() and first.poll() is None:
+        time.sleep(0.005)
+    assert first.poll() is None, "the first write finished before a second could start"
+    with pytest.raises(WriteError, match=rf"{out} is in use by another vlmshard job \(pid "
+                                         rf"{first.pid} on {re.escape(socket.gethostname())}"):
+        _write(plan, demo_out, out)
+    assert first.wait(timeout=300) == 0, first.stderr.read()
+    assert tree_bytes(out) == tree_bytes(shards)
+    assert _write(plan, demo_out, out) == str(out)  # free again once the first has ended
 
 
 def test_write_resumes_after_kill_9_to_the_same_bytes(shards, plan, demo_out, tmp_path):

@@ -21,10 +21,12 @@ _UMASK = _current_umask()
 
 
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
-    """Call ``write(tmp_path)`` and rename the result onto ``path``.
+    """Call ``write(tmp_path)`` and rename the result onto ``path``, durably.
 
     Readers see either the old file or the complete new one, never a torn write; a crash leaves
-    at most a ``.tmp-*`` file that the next run ignores.
+    at most a ``.tmp-*`` file that the next run ignores. The file's data is fsynced before the
+    rename and the folder after it, so after a power loss a file that exists is complete: the
+    stages count a part or shard as done by its file (or a marker written after it).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -33,11 +35,22 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     try:
         write(tmp)
         os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; outputs are shared like any file
+        fsync_path(tmp)
         os.replace(tmp, path)
+        fsync_path(path.parent)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def fsync_path(path: str | Path) -> None:
+    """Flush a file's or a folder's (its entries') data to the device."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def canonical_json(obj: Any) -> str:
