@@ -46,6 +46,9 @@ class PreprocessConfig(EngineOptions):
     max_image_pixels: int = option(DEFAULT_MAX_IMAGE_PIXELS,
                                    help="reject images with more pixels, as decompression bombs "
                                         "(Pillow's limit)")
+    allow_outside_image_root: bool = option(
+        False, help="read relative image paths whose '..' leads out of their image root "
+                    "(otherwise such a row is a 'path_outside_root' reject)")
     max_reject_ratio: float | None = option(
         None, help="fail (exit 3) if more than this fraction of rows is rejected",
         default_text="no limit")

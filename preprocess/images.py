@@ -8,6 +8,7 @@ what catches the truncated downloads common in scraped VLM data.
 from __future__ import annotations
 
 import os
+import posixpath
 import struct
 import warnings
 from dataclasses import dataclass
@@ -35,13 +36,20 @@ class ImageHeader:
     format: str
 
 
-def resolve_image_path(path: str, root: str) -> str:
-    """An image reference made absolute against its source's root (URLs pass through)."""
+def resolve_image_path(path: str, root: str, allow_outside_root: bool = False) -> str:
+    """An image reference made absolute against its source's root (URLs and absolute paths
+    name their file themselves and pass through). A relative path whose ``..`` leads out of the
+    root is a ``path_outside_root`` reject unless ``allow_outside_root``: data must not read
+    files its root does not hold."""
     if is_url(path) or os.path.isabs(path):
         return path
+    relative = posixpath.normpath(path.replace(os.sep, "/"))
+    if not allow_outside_root and (relative == ".." or relative.startswith("../")):
+        raise Reject("path_outside_root", f"image {path!r} leads out of the image root {root} "
+                                          "(--allow-outside-image-root reads it anyway)")
     if is_url(root):
-        return root.rstrip("/") + "/" + path
-    return os.path.normpath(os.path.join(root, path))
+        return root.rstrip("/") + "/" + relative
+    return os.path.normpath(os.path.join(root, relative))
 
 
 def read_image_header(path: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImageHeader:

@@ -75,7 +75,8 @@ def _preprocess(cfg: PreprocessConfig, start: float) -> PreprocessResult:
         model, tokenizer, tiling = resolve_model(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    limits = SampleLimits(max_seq_len=cfg.max_seq_len, max_image_pixels=cfg.max_image_pixels)
+    limits = SampleLimits(max_seq_len=cfg.max_seq_len, max_image_pixels=cfg.max_image_pixels,
+                          allow_outside_image_root=cfg.allow_outside_image_root)
     identity = _job_identity(cfg, sources, model, tokenizer, tiling, limits)
     fingerprint, done = claim_output(cfg.out, "preprocess.json", identity, error=ConfigError)
     if done is not None:

@@ -15,6 +15,7 @@ REASONS = {
     "bad_role": "a turn's 'from' is not human/user, gpt/assistant or system",
     "no_assistant_turn": "nothing to supervise: no gpt/assistant turn",
     "image_count_mismatch": "the number of <image> placeholders differs from the number of images",
+    "path_outside_root": "a relative image path leads out of its image root with '..'",
     "missing_image": "an image file or URL does not exist",
     "empty_image": "an image file has zero bytes or a zero width/height",
     "corrupt_image": "an image header cannot be parsed",

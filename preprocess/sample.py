@@ -17,6 +17,7 @@ from .tokenize import IMAGE_PLACEHOLDER, ROLES, TekkenEncoder, TokenizerConfig
 class SampleLimits:
     max_seq_len: int | None = None
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    allow_outside_image_root: bool = False
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def process_record(record: dict, source_name: str, image_root: str, tiling: Tili
     turns = parse_turns(record)
     images = parse_images(record)
     turns = match_placeholders(turns, len(images))
-    paths = [resolve_image_path(p, image_root) for p in images]
+    paths = [resolve_image_path(p, image_root, limits.allow_outside_image_root) for p in images]
     headers = [read_image_header(p, limits.max_image_pixels) for p in paths]
     tiles = [tiling.tiles(h.width, h.height, len(headers)) for h in headers]
     image_tokens = [t * tiling.tokens_per_tile for t in tiles]

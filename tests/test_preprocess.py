@@ -189,3 +189,34 @@ def test_a_folder_in_use_by_another_job_is_refused(demo, tmp_path):
             run_preprocess(cfg)
         assert not (out / "_work").exists()  # refused before touching anything
     assert run_preprocess(cfg).accepted == 80
+
+
+def test_image_paths_leading_out_of_the_root_are_rejected_unless_allowed(demo, tmp_path):
+    import shutil
+
+    root = tmp_path / "data"
+    (root / "sub").mkdir(parents=True)
+    photo = os.path.join(demo.root, sorted(p for p in demo.images if "tiny" not in p)[0])
+    shutil.copy(photo, tmp_path / "secret.png")
+    shutil.copy(photo, root / "inside.png")
+    turns = [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "A photo."}]
+    rows = [{"image": "../secret.png"}, {"image": "sub/../../secret.png"},
+            {"image": "sub/../inside.png"}, {"image": str(tmp_path / "secret.png")}]
+    with open(root / "rows.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps({**row, "conversations": turns}) + "\n")
+
+    run_preprocess(PreprocessConfig(inputs=[str(root / "rows.jsonl")], out=str(tmp_path / "o"),
+                                    workers=1))
+    rejects = pq.read_table(tmp_path / "o" / "rejects.parquet").to_pylist()
+    assert [(r["row"], r["reason"]) for r in rejects] == [(0, "path_outside_root"),
+                                                         (1, "path_outside_root")]
+    assert "'../secret.png' leads out of the image root" in rejects[0]["message"]
+    stats = pq.read_table(tmp_path / "o" / "stats").to_pylist()
+    assert [s["image_paths"] for s in stats] == [[str(root / "inside.png")],
+                                                 [str(tmp_path / "secret.png")]]
+
+    allowed = run_preprocess(PreprocessConfig(inputs=[str(root / "rows.jsonl")],
+                                              out=str(tmp_path / "a"), workers=1,
+                                              allow_outside_image_root=True))
+    assert (allowed.accepted, allowed.rejected) == (4, 0)
