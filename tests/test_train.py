@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 
 import numpy as np
@@ -287,15 +288,35 @@ def test_two_data_parallel_ranks_learn_from_exactly_their_plan(small_shards, tmp
         assert len(seen) > len(plan) and seen == [plan[i % len(plan)] for i in range(len(seen))]
 
 
+def test_a_resumed_log_keeps_the_steps_before_the_checkpoint(tmp_path):
+    from vlmshard.train.train_log import open_log, read_log, write_record
+
+    with open_log(str(tmp_path)) as f:
+        for step in range(5):
+            write_record(f, {"step": step, "loss": float(step)})
+        f.write('{"step": 5, "lo')  # torn by the crash
+    with open_log(str(tmp_path), first_step=3) as f:
+        write_record(f, {"step": 3, "loss": 30.0})
+    assert [(r["step"], r["loss"]) for r in read_log(str(tmp_path / "train_log.jsonl"))] == [
+        (0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
+
+
 @pytest.mark.slow
 def test_resume_continues_the_loss_trajectory_exactly(small_shards, tmp_path):
     common = ["--config", CONFIG, "--shards", small_shards, "--pp", "2", "--lr", "0.003"]
     vlmshard("train", *common, "--max-steps", "6", "--out", str(tmp_path / "straight"))
-    vlmshard("train", *common, "--max-steps", "3", "--out", str(tmp_path / "stopped"))
-    vlmshard("train", *common, "--max-steps", "6", "--resume", str(tmp_path / "stopped"))
+    stopped = tmp_path / "stopped"
+    vlmshard("train", *common, "--max-steps", "5", "--checkpoint-every", "3", "--out",
+             str(stopped))
+    # A crash after steps 3 and 4 were logged but before their checkpoint: the latest
+    # checkpoint is step 3's, and the log holds two steps the resumed run will run again.
+    shutil.rmtree(stopped / "checkpoints" / "step00000005")
+    (stopped / "checkpoints" / "latest").write_text("step00000003")
+    assert [r["step"] for r in _log(stopped / "train_log.jsonl")] == list(range(5))
+    vlmshard("train", *common, "--max-steps", "6", "--resume", str(stopped))
     straight = _log(tmp_path / "straight" / "train_log.jsonl")
-    resumed = _log(tmp_path / "stopped" / "train_log.jsonl")
-    assert [r["step"] for r in resumed] == list(range(6))
+    resumed = _log(stopped / "train_log.jsonl")
+    assert [r["step"] for r in resumed] == list(range(6))  # each step once
     assert [r["data"] for r in resumed] == [r["data"] for r in straight]
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight],
                                                          rel=1e-5)

@@ -36,7 +36,8 @@ class TrainConfig:
     recompute: list[str] = option(factory=list,
                                   help="layer names whose activations are recomputed in backward")
     checkpoint_every: int | None = option(
-        None, help="also save a DeepSpeed checkpoint every N steps", default_text="at the end only")
+        200, help="also save a DeepSpeed checkpoint every N steps, so a crash loses at most N "
+                  "steps (YAML null: at the end only)")
     save_checkpoints: bool = option(True, help="save DeepSpeed checkpoints at all (off for short "
                                                "validation runs)")
     resume: str | None = option(
@@ -47,8 +48,10 @@ class TrainConfig:
         for name in ("pp", "dp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError(f"--max-steps must be at least 1, got {self.max_steps}")
+        for name in ("max_steps", "checkpoint_every"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         from vlmshard.model_sizes import ModelConfig
 
         ModelConfig.from_dict(self.model)  # a bad model config fails here, not in every process

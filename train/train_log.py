@@ -12,10 +12,14 @@ data-parallel rank, what its first stage trained:
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import IO, Iterable
 
+from vlmshard.io import atomic_write
 from vlmshard.model_sizes import Size
+
+log = logging.getLogger(__name__)
 
 LOG_NAME = "train_log.jsonl"
 
@@ -64,10 +68,34 @@ def step_record(step: int, loss: float, ranks: list[dict], flops: Size) -> dict:
             "data": [{"dp_rank": r["dp_rank"], **r["data"]} for r in data]}
 
 
-def open_log(out: str, append: bool) -> IO[str]:
-    """``OUT/train_log.jsonl``, appended to when a run resumes."""
+def open_log(out: str, first_step: int = 0) -> IO[str]:
+    """``OUT/train_log.jsonl`` for a run starting at ``first_step``: a fresh file at step 0;
+    when resuming, the steps logged before ``first_step`` are kept and the rest dropped (they
+    ran after the checkpoint resumed from, and run again now), then new steps are appended."""
     os.makedirs(out, exist_ok=True)
-    return open(os.path.join(out, LOG_NAME), "a" if append else "w", encoding="utf-8")
+    path = os.path.join(out, LOG_NAME)
+    if first_step > 0 and os.path.exists(path):
+        kept, dropped = [], 0
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    step = json.loads(line)["step"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    break  # a line the crash tore ends what was logged
+                if step < first_step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+                else:
+                    dropped += 1
+        if dropped:
+            log.info("%s: dropping %d step(s) logged after the checkpoint at step %d", path,
+                     dropped, first_step)
+
+        def write(tmp: str) -> None:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(kept)
+
+        atomic_write(path, write)
+    return open(path, "a" if first_step > 0 else "w", encoding="utf-8")
 
 
 def write_record(f: IO[str], record: dict) -> None:

@@ -118,7 +118,7 @@ def run(cfg: TrainConfig) -> None:
     dp_rank = engine.grid.get_data_parallel_id()
     reads = engine.is_first_stage() or engine.is_last_stage()
     batches = repeated(cfg.shards, dp_rank, cfg.dp, engine.is_first_stage(), first_step)
-    log_file = open_log(cfg.out, append=first_step > 0) if engine.global_rank == 0 else None
+    log_file = open_log(cfg.out, first_step) if engine.global_rank == 0 else None
     flops = training_flops(model_config)  # per tile, token and squared length
     for step in range(first_step, steps):
         micro = [check_vocabulary(next(batches), model_config.llm.vocab_size)
