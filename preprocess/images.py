@@ -88,11 +88,46 @@ def read_image_header(path: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> 
     return ImageHeader(path=path, width=width, height=height, format=fmt)
 
 
+def _jpeg_reaches_eoi(f) -> bool:
+    """Whether the JPEG's own structure ends in an EOI marker, whatever follows it: segments by
+    their lengths, and each scan's entropy-coded data up to the next marker (0xFF not followed
+    by a stuffed 0x00, a restart marker or fill)."""
+    f.seek(0)
+    data = f.read()
+    n, i = len(data), 2  # after SOI
+    while i + 1 < n:
+        if data[i] != 0xFF:
+            return False
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte before a marker
+            i += 1
+        elif marker == 0xD9:
+            return True
+        elif marker == 0x01 or 0xD0 <= marker <= 0xD7:  # no length
+            i += 2
+        else:
+            if i + 4 > n:
+                return False
+            i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
+            if marker == 0xDA:  # start of scan: skip its entropy-coded data
+                while True:
+                    j = data.find(b"\xff", i)
+                    if j < 0 or j + 1 >= n:
+                        return False
+                    if data[j + 1] == 0x00 or 0xD0 <= data[j + 1] <= 0xD7:
+                        i = j + 2
+                    else:
+                        i = j
+                        break
+    return False
+
+
 def _has_end_marker(fmt: str, tail: bytes, size: int, f) -> bool:
     """Whether the file ends the way a complete file of this format does."""
     if fmt == "JPEG":
-        # 0xFF is byte-stuffed in entropy-coded data, so FFD9 can only be the EOI marker.
-        return b"\xff\xd9" in tail
+        # 0xFF is byte-stuffed in entropy-coded data, so FFD9 near the end is the EOI marker;
+        # otherwise data may follow the EOI (a Motion Photo's MP4, EXIF appended): walk the file.
+        return b"\xff\xd9" in tail or _jpeg_reaches_eoi(f)
     if fmt == "PNG":
         return b"IEND" in tail[-64:]
     if fmt == "GIF":

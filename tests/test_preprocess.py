@@ -220,3 +220,36 @@ def test_image_paths_leading_out_of_the_root_are_rejected_unless_allowed(demo, t
                                               out=str(tmp_path / "a"), workers=1,
                                               allow_outside_image_root=True))
     assert (allowed.accepted, allowed.rejected) == (4, 0)
+
+
+@pytest.mark.parametrize("progressive", [False, True])
+def test_jpegs_with_data_after_their_end_are_complete_and_cut_ones_are_not(tmp_path,
+                                                                           progressive):
+    """Motion Photos append an MP4 after the JPEG's EOI marker, some cameras EXIF: the image is
+    whole. A JPEG cut before its EOI is truncated, whatever its last bytes look like."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from vlmshard.preprocess.images import read_image_header
+    from vlmshard.preprocess.rejects import Reject
+
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (120, 160, 3), dtype=np.uint8)).save(
+        buf, "JPEG", quality=90, progressive=progressive)
+    jpeg = buf.getvalue()
+    trailer = b"\x00\x00\x00\x18ftypmp42" + bytes(rng.integers(0, 255, 4096, dtype=np.uint8))
+    trailer = trailer.replace(b"\xff\xd9", b"\xff\x00")  # no EOI look-alike near the end
+    cases = {"plain.jpg": jpeg, "motion.jpg": jpeg + trailer,
+             "cut.jpg": jpeg[:len(jpeg) * 2 // 3],
+             "cut-with-tail.jpg": jpeg[:len(jpeg) * 2 // 3] + trailer}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+    for name in ("plain.jpg", "motion.jpg"):
+        assert read_image_header(str(tmp_path / name)).width == 160
+    for name in ("cut.jpg", "cut-with-tail.jpg"):
+        with pytest.raises(Reject) as e:
+            read_image_header(str(tmp_path / name))
+        assert e.value.reason == "truncated_image", name
