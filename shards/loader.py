@@ -136,10 +136,11 @@ class ShardDataset(IterableDataset):
         labels = torch.full((qt,), IGNORE_INDEX, dtype=torch.long)
         labels[:n] = torch.from_numpy(record.labels.astype(np.int64))
         images = list(decoded_images(record, self.policies, rgb=self.pixels))
+        grids = [im.policy.grid_thw(im.width, im.height) for im in images]  # None for InternVL
         num_tiles = sum(t for s in record.samples for t in s["image_tiles"])
         batch = {
             "input_ids": input_ids, "labels": labels,
-            "position_ids": self._position_ids(record, images, pad),
+            "position_ids": self._position_ids(record, grids, pad),
             "cu_seqlens": torch.tensor(record.cu_seqlens + ([qt] if pad else []),
                                        dtype=torch.int32),
             "image_token_mask": input_ids == m.image_token_id,
@@ -151,24 +152,21 @@ class ShardDataset(IterableDataset):
         if pad:
             batch["image_token_mask"][n:] = False
         if self.takes_grids:
-            batch["image_grid_thw"] = torch.tensor(
-                [im.policy.grid_thw(im.width, im.height) for im in images],
-                dtype=torch.long).reshape(-1, 3)
+            batch["image_grid_thw"] = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
         return batch
 
-    def _position_ids(self, record: Record, images: list[DecodedImage], pad: int) -> torch.Tensor:
-        """Each sample's position ids computed for it alone, then the padding's 0..pad-1."""
-        per_sample: dict[int, list] = {}
-        for im in images:
-            per_sample.setdefault(id(im.sample), []).append(im.policy.grid_thw(im.width,
-                                                                               im.height))
-        parts, start = [], 0
+    def _position_ids(self, record: Record, grids: list, pad: int) -> torch.Tensor:
+        """Each sample's position ids computed for it alone, then the padding's 0..pad-1;
+        ``grids`` are the record's images' grids in order, sample by sample."""
+        parts, start, image = [], 0, 0
         for sample in record.samples:
             ids = record.input_ids[start:start + sample["seq_len"]]
             start += sample["seq_len"]
+            n_images = len(sample["images"])
             parts.append(self.family.position_ids(
-                ids, self.manifest.image_token_id, per_sample.get(id(sample), []),
+                ids, self.manifest.image_token_id, grids[image:image + n_images],
                 self.policies[sample["source"]]))
+            image += n_images
         if pad:
             parts.append(np.broadcast_to(np.arange(pad), (*parts[0].shape[:-1], pad)))
         return torch.from_numpy(np.concatenate(parts, axis=-1).astype(np.int64))

@@ -163,7 +163,6 @@ def check_image_tokens(record: Record, image_token_id: int,
 
 @dataclass
 class DecodedImage:
-    sample: dict  # the sample it belongs to (as in the json member)
     policy: "TilingPolicy"  # its source's tiling policy
     n_images: int  # images of its sample (InternVL's per-sample budget divides by it)
     width: int
@@ -204,4 +203,4 @@ def decoded_images(record: Record, policies: dict[str, "TilingPolicy"], *,
                 raise RecordError(f"{record.where}: image {name} ({width}x{height}) of sample "
                                   f"{sample['sample_id']} makes {tiles} tiles, the plan has "
                                   f"{planned}")
-            yield DecodedImage(sample, policy, n_images, width, height, converted)
+            yield DecodedImage(policy, n_images, width, height, converted)

@@ -9,18 +9,19 @@ layout, and how position ids run. The tokenizer and template are rendered by ``t
 
 Adding a family is one module here: a ``Family`` subclass that says which ``model_type`` values
 it serves, builds its ``TilingPolicy`` from the processor config, names its image tokens, and
-computes position ids for one sample; then list it in ``FAMILIES``.
+computes position ids for one sample; then add it to ``_families``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from vlmshard.io import sha256_file
+from vlmshard.io import read_json, sha256_file
 
 from ..tiling import TilingPolicy
 
@@ -111,30 +112,34 @@ class Family:
         raise NotImplementedError
 
 
-def family(name: str) -> Family:
+@functools.cache
+def _families() -> dict[str, Family]:
+    """Every family by name (imported here: the family modules import this one)."""
     from .internvl import InternVL
     from .qwen2vl import Qwen2VL
 
-    families = {f.name: f for f in (InternVL(), Qwen2VL())}
-    if name not in families:
-        raise ValueError(f"unknown model family {name!r}; known: {', '.join(families)}")
-    return families[name]
+    return {f.name: f for f in (InternVL(), Qwen2VL())}
+
+
+def family(name: str) -> Family:
+    if name not in _families():
+        raise ValueError(f"unknown model family {name!r}; known: {', '.join(_families())}")
+    return _families()[name]
 
 
 def family_for_model_type(model_type: str, path: str) -> Family:
-    for name in ("internvl", "qwen2vl"):
-        if model_type in family(name).model_types:
-            return family(name)
-    known = sorted(t for name in ("internvl", "qwen2vl") for t in family(name).model_types)
+    for fam in _families().values():
+        if model_type in fam.model_types:
+            return fam
+    known = sorted(t for fam in _families().values() for t in fam.model_types)
     raise ModelFolderError(f"{os.path.join(path, 'config.json')}: model_type {model_type!r} is "
                            f"not a supported family (supported: {', '.join(known)})")
 
 
 def _read_json(path: str) -> dict:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
+        data = read_json(path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelFolderError(f"{path}: not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ModelFolderError(f"{path}: expected a JSON object")

@@ -77,8 +77,8 @@ class ChatTemplateEncoder:
         layout = model.layout
         for token in (layout.placeholder, layout.token, *layout.prefix, *layout.suffix):
             if token not in self.special:
-                raise ModelFolderError(f"{model.path}: the tokenizer has no special token {token!r}, "
-                                 f"which the {model.family} image layout needs")
+                raise ModelFolderError(f"{model.path}: the tokenizer has no special token "
+                                       f"{token!r}, which the {model.family} image layout needs")
         self._split = re.compile("(" + "|".join(
             re.escape(t) for t in sorted(self.special, key=len, reverse=True)) + ")")
         self.image_token_id = self.special[layout.token]
@@ -116,11 +116,12 @@ class ChatTemplateEncoder:
         labels: list[int] = []
         segment: list[tuple[str, bool]] = []  # text pieces between special tokens, supervised?
         images = iter(image_tokens)
-        loss = [0]  # supervised tokens so far
+        n_loss = 0  # supervised tokens so far
         supervise_template = False  # after assistant text, until the end-of-turn token
         n_images = 0
 
         def flush() -> None:
+            nonlocal n_loss
             text = "".join(t for t, _ in segment)
             if text:
                 enc = self.backend.encode(text, add_special_tokens=False)
@@ -130,7 +131,7 @@ class ChatTemplateEncoder:
                     if supervised and piece:
                         lo, hi = _tokens_starting_in(enc, start, start + len(piece))
                         seg_labels[lo:hi] = enc.ids[lo:hi]
-                        loss[0] += hi - lo
+                        n_loss += hi - lo
                     start += len(piece)
                 ids.extend(enc.ids)
                 labels.extend(seg_labels)
@@ -154,7 +155,7 @@ class ChatTemplateEncoder:
                     continue
                 ids.append(self.special[part])
                 labels.append(self.special[part] if supervise_template else IGNORE_INDEX)
-                loss[0] += supervise_template
+                n_loss += supervise_template
                 supervise_template = False
             if k < len(texts):
                 role, text = texts[k]
@@ -164,7 +165,7 @@ class ChatTemplateEncoder:
         if n_images != len(image_tokens):
             raise Reject("template_error", f"the chat template rendered {n_images} image "
                                            f"placeholder(s) for {len(image_tokens)} image(s)")
-        return EncodedSample(text_tokens=len(ids) - sum(image_tokens), loss_tokens=loss[0],
+        return EncodedSample(text_tokens=len(ids) - sum(image_tokens), loss_tokens=n_loss,
                              input_ids=ids if keep_tokens else None,
                              labels=labels if keep_tokens else None)
 
