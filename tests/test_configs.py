@@ -13,7 +13,6 @@ import pytest
 
 from helpers import REPO, vlmshard
 from vlmshard.config import ConfigError, load_config
-from vlmshard.model_sizes import ModelConfig, layer_work
 from vlmshard.run import RunConfig, stages
 from vlmshard.simulate.config import SimulateConfig
 from vlmshard.train.config import ProfileConfig, TrainConfig
@@ -32,21 +31,15 @@ def test_config_loads_as_its_command(path):
     check(load_config(cls, {**required, "config": path}))
 
 
-def test_gpu_config_is_about_a_billion_parameters():
-    cfg = load_config(TrainConfig, {"shards": "S", "out": "R",
-                                    "config": os.path.join(REPO, "configs", "train-1b.yaml")})
-    params = sum(w.params for w in layer_work(ModelConfig.from_dict(cfg.model)))
-    assert 0.9e9 < params < 1.2e9
-
-
 def test_yaml_values_arrive_typed(tmp_path):
     # YAML 1.1 reads 3e-4 (no dot) as a string; the declared float type converts it.
     path = tmp_path / "t.yaml"
     path.write_text("lr: 3e-4\nweight-decay: 1e-2\nmax_steps: 7\nsave_checkpoints: no\n"
-                    "bounds: [0, 3, 6]\nmodel: {preset: tiny, llm: {hidden: 64}}\n")
+                    "bounds: [0, 3, 6]\nmodel: /models/x\n")
     cfg = load_config(TrainConfig, {"shards": "S", "out": "R", "config": str(path)})
     assert (cfg.lr, cfg.weight_decay, cfg.max_steps) == (0.0003, 0.01, 7)
     assert type(cfg.lr) is float and cfg.save_checkpoints is False and cfg.bounds == [0, 3, 6]
+    assert cfg.model == "/models/x"
     sim = tmp_path / "s.yaml"
     sim.write_text("mfu: 4e-1\n")
     assert load_config(SimulateConfig, {"plan": "P", "config": str(sim)}).mfu == 0.4

@@ -17,7 +17,7 @@ from PIL import Image
 
 import image_references as ref
 from helpers import vlmshard
-from model_folders import internvl_folder, qwen2vl_folder
+from vlmshard.train.tiny_models import internvl_folder, qwen2vl_folder
 from vlmshard.packing.config import PackConfig
 from vlmshard.packing.plan import run_pack
 from vlmshard.preprocess import PreprocessConfig, run_preprocess

@@ -25,14 +25,14 @@ def _config(tmp_path, out, **changes) -> str:
 @pytest.mark.slow
 def test_demo_config_runs_every_stage_and_reruns_to_the_same_bytes(tmp_path):
     out = tmp_path / "demo"
-    train = {"model": "tiny", "pp": 2, "dp": 1, "max_steps": 2}
+    train = {"pp": 2, "dp": 1, "max_steps": 2}
     stdout = vlmshard("run", "--config", _config(tmp_path, out, train=train)).stdout
     # One line per stage and a last one, nothing else: DeepSpeed's output goes to launcher.log.
     lines = stdout.splitlines()[:-1]
-    assert [line.split()[1] for line in lines] == ["demo-data", "preprocess", "pack", "write",
-                                                   "verify", "train", "report"]
-    assert [line.split()[0] for line in lines] == [f"[{i}/7]" for i in range(1, 8)]
-    assert "OK:" in lines[4] and str(out / "report.html") in stdout.splitlines()[-1]
+    assert [line.split()[1] for line in lines] == ["demo-data", "demo-model", "preprocess",
+                                                   "pack", "write", "verify", "train", "report"]
+    assert [line.split()[0] for line in lines] == [f"[{i}/8]" for i in range(1, 9)]
+    assert "OK:" in lines[5] and str(out / "report.html") in stdout.splitlines()[-1]
 
     report = read_json(out / "report.json")
     plan = read_json(out / "plan" / "plan.json")
@@ -47,7 +47,7 @@ def test_demo_config_runs_every_stage_and_reruns_to_the_same_bytes(tmp_path):
     before = {name: tree_bytes(str(out / name)) for name in ("plan", "shards")}
     stdout = vlmshard("run", "--config", _config(tmp_path, out, train=None)).stdout
     assert [line.split()[1] for line in stdout.splitlines()[:-1]] == \
-        ["demo-data", "preprocess", "pack", "write", "verify", "report"]
+        ["demo-data", "demo-model", "preprocess", "pack", "write", "verify", "report"]
     assert {name: tree_bytes(str(out / name)) for name in ("plan", "shards")} == before
 
     # Deleted and made again from nothing, not skipped: the same bytes. Only wall-clock fields
@@ -59,12 +59,13 @@ def test_demo_config_runs_every_stage_and_reruns_to_the_same_bytes(tmp_path):
         info["metrics"].pop("pack_seconds")
         return info
 
-    first = {name: tree_bytes(str(out / name)) for name in ("data", "preprocess", "shards")}
+    first = {name: tree_bytes(str(out / name))
+             for name in ("data", "model", "preprocess", "shards")}
     first_plan, first_info = (out / "plan" / "plan.parquet").read_bytes(), plan_json()
     assert first["shards"] and first["preprocess"] and first_plan
     shutil.rmtree(out)
     vlmshard("run", "--config", _config(tmp_path, out, train=None))
-    again = {name: tree_bytes(str(out / name)) for name in ("data", "preprocess", "shards")}
+    again = {name: tree_bytes(str(out / name)) for name in first}
     for name in first:  # manifest.json included
         assert sorted(again[name]) == sorted(first[name]), name
         assert [k for k in first[name] if again[name][k] != first[name][k]] == [], name

@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from helpers import vlmshard
+from hf_reference import FAMILIES, hf_loss_and_grads, make_folder, make_shards
 from pipeline_reference import replay
 from vlmshard.packing.config import PackConfig
 from vlmshard.packing.plan import run_pack
@@ -20,7 +21,10 @@ from vlmshard.preprocess import PreprocessConfig, run_preprocess
 from vlmshard.shards.loader import ShardDataset
 from vlmshard.shards.config import WriteConfig
 from vlmshard.shards.writer import run_write
+from vlmshard.train.hf_model import model_layers
+from vlmshard.train.models import unpack, wire_inputs
 from vlmshard.train.partition import LayerCost, stage_memory
+from vlmshard.train.tiny_models import internvl_folder
 from vlmshard.train.config import ProfileConfig
 from vlmshard.train.profile import run_profile
 from vlmshard.simulate.runs import validate_against_log
@@ -32,8 +36,10 @@ CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 @pytest.fixture(scope="module")
 def small_shards(demo, tmp_path_factory):
-    """24 short single-tile conversations through the real stages, packed for 2 ranks."""
+    """24 short single-tile conversations through the real stages for a tiny InternVL folder
+    (tied embedding and head), packed for 2 ranks."""
     root = tmp_path_factory.mktemp("small")
+    folder = internvl_folder(str(root / "model"), max_patches=2)
     photo = next(p for p in demo.images if p.endswith(".jpg"))
     with Image.open(os.path.join(demo.root, photo)) as im:
         im.convert("RGB").resize((448, 448)).save(root / "photo.jpg")
@@ -43,7 +49,7 @@ def small_shards(demo, tmp_path_factory):
                 {"from": "human", "value": f"<image>\nWhat is shown, item {i % 4}?"},
                 {"from": "gpt", "value": f"A photo of item {i % 4}."}]}) + "\n")
     run_preprocess(PreprocessConfig(inputs=[str(root / "small.jsonl")], out=str(root / "pre"),
-                                    keep_tokens=True, workers=1))
+                                    model=folder, keep_tokens=True, workers=1))
     run_pack(PackConfig(stats=str(root / "pre"), dp=2, out=str(root / "plan"), target_samples=2))
     run_write(WriteConfig(plan=str(root / "plan"), stats=str(root / "pre"), out=str(root / "s"),
                           workers=1))
@@ -92,88 +98,68 @@ def _saved_bytes(out, params: set[int]) -> int:
     return total
 
 
-def _param_counts(model: dict) -> dict[str, int]:
-    """Parameters of each pipeline layer, counted by hand from the architecture (train/model.py)
-    and the sizes profile.json records."""
-    v, t = model["vision"], model["llm"]
-    hv, patch, side = v["hidden"], v["patch_size"], v["image_size"] // v["patch_size"]
-    mlp = int(hv * v["mlp_ratio"])
-    width = int(hv / model["downsample_ratio"] ** 2)
-    h, hd = t["hidden"], t["hidden"] // t["heads"]
-    counts = {
-        "vit_embed": 3 * patch * patch * hv + hv + side * side * hv,  # conv + bias, positions
-        # two LayerNorms, qkv and proj with biases, MLP with biases
-        "vit_block": 2 * 2 * hv + (hv * 3 * hv + 3 * hv) + (hv * hv + hv)
-                     + (hv * mlp + mlp) + (mlp * hv + hv),
-        # LayerNorm, two Linear with biases, the token embedding
-        "projector_merge": 2 * width + (width * h + h) + (h * h + h) + t["vocab_size"] * h,
-        # two RMSNorms, q, kv, o, gate_up, down (no biases)
-        "llm_block": 2 * h + h * t["heads"] * hd + h * 2 * t["kv_heads"] * hd
-                     + t["heads"] * hd * h + h * 2 * t["intermediate"] + t["intermediate"] * h,
-        "head": h + h * t["vocab_size"],  # final RMSNorm, LM head
-    }
-    return {name: counts[name.rsplit("_", 1)[0] if name[-1].isdigit() else name]
-            for name in ["vit_embed"] + [f"vit_block_{i}" for i in range(v["layers"])]
-                        + ["projector_merge"] + [f"llm_block_{i}" for i in range(t["layers"])]
-                        + ["head"]}
+# The HF modules each pipeline layer of an InternVL holds (its tied head holds the embedding).
+LAYER_MODULES = {"vit_embed": ["model.vision_tower.embeddings"],
+                 "vit_block": ["model.vision_tower.encoder.layer.{i}"],
+                 "projector": ["model.vision_tower.layernorm", "model.multi_modal_projector"],
+                 "embed_tokens": ["model.language_model.embed_tokens"],
+                 "llm_block": ["model.language_model.layers.{i}"],
+                 "final_norm": ["model.language_model.norm"],
+                 "head": ["model.language_model.embed_tokens"]}
+
+
+def _param_counts(folder: str, names: list[str]) -> dict[str, int]:
+    """Parameters of each pipeline layer, counted on the transformers model itself."""
+    from transformers import AutoModelForImageTextToText
+
+    hf = AutoModelForImageTextToText.from_pretrained(folder)
+    counts = {}
+    for name in names:
+        kind, _, i = name.rpartition("_") if name[-1].isdigit() else (name, "", "")
+        counts[name] = sum(p.numel() for path in LAYER_MODULES[kind]
+                           for p in hf.get_submodule(path.format(i=i)).parameters())
+    return counts
 
 
 def test_profile_measures_each_layer_as_counted_apart(partition, small_shards):
-    """profile.json against counts made here: parameters by hand from the sizes, input and output
-    bytes by hand from the plan's caps (micro-batches are padded to Qv tiles and Qt tokens, fp32),
-    the patch embedding's kept activation (the conv keeps its pixels) by hand, every other
-    layer's kept activation by walking the autograd graph on the same micro-batches; per
-    micro-batch ViT and LLM seconds sum to the layers' means; the fitted cost model is a
-    least-squares optimum (its optimality conditions checked here)."""
+    """profile.json against counts made here: parameters on the transformers model's own modules,
+    the patch embedding's input bytes by hand from the real tiles (fp32 pixels), every layer's
+    input as its predecessor's output, every layer's kept activation by walking the autograd
+    graph on the same micro-batches; per micro-batch ViT and LLM seconds sum to the layers'
+    means; the fitted cost model is a least-squares optimum (its optimality conditions checked
+    here)."""
     profile = read_json(os.path.join(os.path.dirname(partition), "profile.json"))
     layers = {layer["name"]: layer for layer in profile["layers"]}
-    model = profile["model"]
-    names = list(_param_counts(model))
+    model = model_layers(profile["model"])
+    names = model.names
     assert list(layers) == names
-    for name, count in _param_counts(model).items():
+    for name, count in _param_counts(profile["model"], names).items():
         assert layers[name]["param_bytes"] == 16 * count, name  # AdamW fp32: 16 bytes a param
-
-    caps = read_json(os.path.join(os.path.dirname(small_shards), "plan", "plan.json"))["params"]
-    qv, qt = caps["qv"], caps["qt"]
-    v = model["vision"]
-    pixels = qv * 3 * v["image_size"] ** 2 * 4
-    vit = qv * (v["image_size"] // v["patch_size"]) ** 2 * v["hidden"] * 4
-    llm = qt * model["llm"]["hidden"] * 4
-    def by_kind(name: str) -> str:
-        return name.rsplit("_", 1)[0] if name[-1].isdigit() else name
-
-    inputs = {"vit_embed": pixels, "vit_block": vit, "projector_merge": vit, "llm_block": llm,
-              "head": llm}
-    outputs = {"vit_embed": vit, "vit_block": vit, "projector_merge": llm, "llm_block": llm,
-               "head": 4}  # the head returns the fp32 loss
-    for name in names:
-        assert layers[name]["input_bytes"] == inputs[by_kind(name)], name
-        assert layers[name]["output_bytes"] == outputs[by_kind(name)], name
-    assert layers["vit_embed"]["activation_bytes"] == pixels
 
     from itertools import islice
 
-    from vlmshard.model_sizes import ModelConfig
-    from vlmshard.train.pipeline import pipeline_inputs
-    from vlmshard.train.profile import pipeline_layers
+    batches = list(islice(ShardDataset(small_shards, 0, 1, pixel_dtype=torch.float32),
+                          len(profile["micro_batches"])))
+    tiles = np.mean([b["num_tiles"] for b in batches])
+    assert layers["vit_embed"]["input_bytes"] == int(tiles * 3 * 448 * 448 * 4)
+    for before, after in zip(names, names[1:]):
+        assert layers[after]["input_bytes"] == layers[before]["output_bytes"], after
+    assert layers["head"]["output_bytes"] == 0
 
-    config = ModelConfig.from_dict({"preset": "tiny", "vision": model["vision"],
-                                    "llm": model["llm"]})
-    modules = pipeline_layers(config)
+    funcs = model.build_all()
     walked = np.zeros(len(names))
-    batches = list(islice(ShardDataset(small_shards, 0, 1), len(profile["micro_batches"])))
     for batch in batches:
-        x = pipeline_inputs(batch)[0]
-        for i, module in enumerate(modules[:-1]):  # the head recomputes its logits in backward
-            x = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in x)
-            out = module(x)
-            walked[i] += _saved_bytes(out, {p.data_ptr() for p in module.parameters()})
-            x = tuple(t.detach() for t in out)
+        micro = unpack(wire_inputs(batch, 1), model.input_phase(0), model.backend)
+        for i, layer in enumerate(funcs[:-1]):  # the head recomputes its logits in backward
+            micro = micro.with_x(micro.x.detach().requires_grad_(micro.x.is_floating_point()))
+            out = layer(micro)
+            walked[i] += _saved_bytes(out, {p.data_ptr() for p in layer.parameters()})
+            micro = micro.with_x(out.detach(), model.defs[i].output)
     for i, name in enumerate(names[:-1]):
         assert layers[name]["activation_bytes"] == int(walked[i] / len(batches)), name
 
     micro = profile["micro_batches"]
-    vision = names.index("projector_merge") + 1  # ViT-side layers, the projector included
+    vision = names.index("projector") + 1  # ViT-side layers, the projector included
     seconds = [layers[n]["forward_s"] + layers[n]["backward_s"] for n in names]
     assert np.mean([m["vit_s"] for m in micro]) == pytest.approx(sum(seconds[:vision]), rel=1e-9)
     assert np.mean([m["llm_s"] for m in micro]) == pytest.approx(sum(seconds[vision:]), rel=1e-9)
@@ -310,8 +296,8 @@ def test_resume_continues_the_loss_trajectory_exactly(small_shards, tmp_path):
              str(stopped))
     # A crash after steps 3 and 4 were logged but before their checkpoint: the latest
     # checkpoint is step 3's, and the log holds two steps the resumed run will run again.
-    shutil.rmtree(stopped / "checkpoints" / "step00000005")
-    (stopped / "checkpoints" / "latest").write_text("step00000003")
+    shutil.rmtree(stopped / "checkpoints" / "step-5")
+    (stopped / "checkpoints" / "latest").write_text("step-3")
     assert [r["step"] for r in _log(stopped / "train_log.jsonl")] == list(range(5))
     vlmshard("train", *common, "--max-steps", "6", "--resume", str(stopped))
     straight = _log(tmp_path / "straight" / "train_log.jsonl")
@@ -320,3 +306,88 @@ def test_resume_continues_the_loss_trajectory_exactly(small_shards, tmp_path):
     assert [r["data"] for r in resumed] == [r["data"] for r in straight]
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight],
                                                          rel=1e-5)
+
+
+def _stage_grads(run, model) -> dict[str, dict[str, torch.Tensor]]:
+    """Per pipeline stage, the gradients of the first optimizer step by checkpoint name, read
+    back from DeepSpeed's own checkpoint: AdamW's first moment after one step from zero is
+    (1 - beta1) x gradient, the data-parallel and tied-weight all-reduces included."""
+    import glob
+
+    stages = {}
+    for path in sorted(glob.glob(str(run / "checkpoints" / "step-1" / "mp_rank_*_model_states.pt"))):
+        state = torch.load(path, weights_only=False)
+        group = state["optimizer"]["param_groups"][0]
+        beta1 = group["betas"][0]
+        names = state["parameters"]  # the trainer's record of the optimizer's order
+        grads = {}
+        for index, name in zip(group["params"], names):
+            layer, local = name.split(".", 1)
+            if layer == "tied_modules":  # tied_modules.KEY.inner...: the embedding's
+                i, local = model.names.index("embed_tokens"), local.split(".", 1)[1]
+            else:
+                i = int(layer)
+            hf = model.defs[i].build(model.meta).hf_name(local.removeprefix("inner."))
+            grads[hf] = state["optimizer"]["state"][index]["exp_avg"] / (1 - beta1)
+        stages[os.path.basename(path)] = grads
+    return stages
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_first_pipeline_step_equals_the_hf_model(family, tmp_path):
+    """PP=2 through DeepSpeed on a step of two packed micro-batches: the logged loss is the
+    transformers model's own per-token mean over the step's samples run one at a time, and every
+    gradient equals its gradient (rtol 1e-4, fp32). Each stage holds only its own layers, and the
+    saved HF folder loads with from_pretrained holding exactly the trained weights."""
+    folder = make_folder(family, str(tmp_path / "model"))
+    shards = make_shards(folder, tmp_path, target_samples=3, micro_batches=2)
+    run = tmp_path / "run"
+    vlmshard("train", "--shards", shards, "--pp", "2", "--max-steps", "1", "--lr", "0.001",
+             "--max-grad-norm", "0", "--out", str(run))
+    model = model_layers(folder)
+    batches = list(ShardDataset(shards, pixel_dtype=torch.float32))[:2]
+    loss, count, ref_grads = hf_loss_and_grads(folder, batches, model.geometry.tokens_per_tile,
+                                               model.geometry.pixel_rows_per_tile)
+    logged = _log(run / "train_log.jsonl")[0]
+    assert logged["loss"] == pytest.approx(loss / count, rel=1e-5)
+
+    stages = _stage_grads(run, model)
+    assert len(stages) == 2
+    held = [set(g) for g in stages.values()]
+    tied = {n for n in held[0] & held[1]}  # only a tied embedding/head is on both stages
+    assert tied <= {"model.language_model.embed_tokens.weight"}
+    grads = {k: v for g in stages.values() for k, v in g.items()}
+    assert set(grads) == set(ref_grads)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name] * count, grad, rtol=1e-4,
+                                   atol=1e-5 * float(grad.abs().max()),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    def saved(folder) -> dict[str, torch.Tensor]:
+        out = {}
+        for path in folder.glob("*.safetensors"):
+            out.update(load_file(path))
+        return out
+
+    # The saved folder names its tensors as save_pretrained does, holds every one of them,
+    # and loads; the weights are the trained ones, DeepSpeed's own checkpoint of them.
+    trained, info = AutoModelForImageTextToText.from_pretrained(str(run / "hf"),
+                                                               output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert saved(run / "hf").keys() == saved(tmp_path / "model").keys()
+    layers = {}
+    for path in (run / "checkpoints" / "step-1").glob("layer_*-model_states.pt"):
+        index = int(path.name.split("_")[1].split("-")[0])
+        built = model.defs[index].build(model.meta)
+        layers.update({built.hf_name(k.removeprefix("inner.")): v
+                       for k, v in torch.load(path, weights_only=False).items()})
+    params = dict(trained.named_parameters())
+    assert layers.keys() == params.keys()
+    for name, tensor in layers.items():
+        assert torch.equal(params[name].data, tensor), name
+    original = dict(AutoModelForImageTextToText.from_pretrained(folder).named_parameters())
+    assert all(not torch.equal(params[n], original[n]) for n in params)

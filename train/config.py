@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
-
 from vlmshard.config import ConfigError, option
-from vlmshard.model_sizes import PRESETS
 
 
 @dataclass(kw_only=True)
@@ -16,9 +13,10 @@ class TrainConfig:
 
     shards: str = option(help="shard folder or URL")
     out: str = option(help="run folder: train_log.jsonl, checkpoints/, train_config.json")
-    model: str | dict[str, Any] = option(
-        "tiny", help=f"model preset ({', '.join(PRESETS)}); in a YAML file also sizes over a "
-                     "preset: {preset: NAME, vision: {...}, llm: {...}}")
+    model: str | None = option(
+        None, help="Hugging Face model folder to fine-tune (config.json, safetensors weights, "
+                   "tokenizer and processor files); InternVL, Qwen2-VL or Qwen2.5-VL",
+        default_text="the folder the shards were preprocessed with (--model of preprocess)")
     pp: int = option(1, help="pipeline stages")
     dp: int = option(1, help="data-parallel replicas (shards planned for V virtual ranks serve "
                              "any DP dividing V)")
@@ -26,6 +24,8 @@ class TrainConfig:
                                               "repeats them", default_text="one pass over the shards")
     lr: float = option(1e-3, help="AdamW learning rate")
     weight_decay: float = option(0.0, help="AdamW weight decay")
+    max_grad_norm: float = option(1.0, help="clip the global gradient norm to this (0: no "
+                                            "clipping), as Hugging Face's Trainer does")
     seed: int = option(0, help="model initialization seed")
     partition: str | None = option(
         None, help="partition.json from 'vlmshard train profile': its chosen stage bounds and "
@@ -52,9 +52,20 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-        from vlmshard.model_sizes import ModelConfig
 
-        ModelConfig.from_dict(self.model)  # a bad model config fails here, not in every process
+    def model_path(self) -> str:
+        """``model``, or the folder the shards were preprocessed with."""
+        from vlmshard.preprocess.families import read_model_folder
+
+        path = self.model
+        if path is None:
+            from vlmshard.shards.layout import read_manifest
+
+            path = read_manifest(self.shards).model_spec().path
+            if not path:
+                raise ConfigError(f"{self.shards} were preprocessed without a model folder "
+                                  "(the default tokenizer); name the model to train with --model")
+        return read_model_folder(path).path
 
     def training_options(self) -> "TrainConfig":
         """The training options alone: what the training processes read (a ProfileConfig is a

@@ -23,6 +23,7 @@ def launch(cfg: TrainConfig, output: str | None = None) -> int:
     import torch
 
     cfg.validate()
+    cfg.model = cfg.model_path()  # a missing folder fails here, not in every process
     os.makedirs(cfg.out, exist_ok=True)
     config_path = os.path.join(os.path.abspath(cfg.out), "train_config.json")
     write_json_atomic(config_path, asdict(cfg.training_options()))

@@ -22,12 +22,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from vlmshard.model_sizes import BYTES_PER_PARAM, ModelConfig
-from . import model as M
+from vlmshard.model_sizes import BYTES_PER_PARAM
+from .attention import choose_backend
+from .config import ProfileConfig
+from .hf_model import ModelLayers, model_layers
+from .models import unpack, wire_inputs
 from .partition import (LayerCost, Machine, Partition, deepspeed_bounds, evaluate,
                         omnibal_candidates, search_partition)
-from .pipeline import Carry, Head, pipeline_inputs
-from .config import ProfileConfig
 from .train_log import micro_batch_size
 from .trainer import cpu_threads_per_rank
 
@@ -44,13 +45,14 @@ def run_profile(cfg: ProfileConfig) -> dict:
     from vlmshard.io import write_json_atomic
 
     cfg.validate()
-    model_config = ModelConfig.from_dict(cfg.model)
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":  # a rank's device is its share of the cores, as in training
         torch.set_num_threads(cpu_threads_per_rank(cfg.pp * cfg.dp))
     torch.manual_seed(cfg.seed)
-    batches = list(islice(ShardDataset(cfg.shards, 0, 1), cfg.micro_batches))
-    profile = profile_layers(model_config, batches, device)
+    model = model_layers(cfg.model_path(), choose_backend(device))
+    batches = list(islice(ShardDataset(cfg.shards, 0, 1, pixel_dtype=torch.float32),
+                          cfg.micro_batches))
+    profile = profile_layers(model, batches, device)
     machine = Machine(parse_size(cfg.memory_budget), cfg.link_bytes_per_s)
     partitions = compare_partitions(profile.layers, cfg.pp, machine)
     if cfg.validate_top:
@@ -60,11 +62,10 @@ def run_profile(cfg: ProfileConfig) -> dict:
     cost = fit_cost_model(profile.micro_batches)
     os.makedirs(cfg.out, exist_ok=True)
     write_json_atomic(os.path.join(cfg.out, "profile.json"),
-                      {**profile.to_dict(), "model": model_config.to_dict(),
-                       "shards": cfg.shards})
+                      {**profile.to_dict(), "model": model.path, "shards": cfg.shards})
     write_json_atomic(os.path.join(cfg.out, "cost_model.json"),
                       {**cost, "unit": "seconds", "device": device,
-                       "model": model_config.name})
+                       "model": os.path.basename(model.path)})
     write_json_atomic(os.path.join(cfg.out, "partition.json"),
                       {**partitions, "machine": asdict(machine), "pp": cfg.pp})
     return partitions
@@ -81,66 +82,61 @@ class Profile:
                 "micro_batches": self.micro_batches}
 
 
-def pipeline_layers(config: ModelConfig) -> list[nn.Module]:
-    """The pipeline's layers, built in order (what ``build_pipeline`` puts in LayerSpecs)."""
-    return [Carry(cls, config) for cls, _ in M.layer_specs(config)] + [Head(config)]
-
-
 def _tensor_bytes(x) -> int:
     return sum(t.numel() * t.element_size() for t in (x if isinstance(x, tuple) else (x,))
                if torch.is_tensor(t) and t.is_floating_point())
 
 
-def profile_layers(config: ModelConfig, batches: list[dict], device: str = "cpu",
+def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
                    repeats: int = 1) -> Profile:
-    """Time and measure every layer on each batch (collated micro-batches from the loader)."""
-    layers = [layer.to(device) for layer in pipeline_layers(config)]
-    names = config.layer_names()
-    vision = sum(1 for n in names if n.startswith("vit_"))
-    sums = np.zeros((len(layers), 5))  # forward, backward, activation, input, output
+    """Time and measure every layer on each batch (collated micro-batches from the loader), each
+    on the real rows the previous layer produced, as a pipeline stage runs it."""
+    funcs = model.build_all(device)
+    vision = sum(1 for d in model.defs if d.output.per_tile)  # ViT layers and the projector
+    sums = np.zeros((len(funcs), 5))  # forward, backward, activation, input, output
     per_batch = []
     for batch in batches:
-        inputs, _ = pipeline_inputs(batch)
-        x = tuple(t.to(device) for t in inputs)
+        wire = tuple(t.to(device) for t in wire_inputs(batch, model.geometry.pixel_rows_per_tile))
+        micro = unpack(wire, model.input_phase(0), model.backend)
         times = []
-        for i, layer in enumerate(layers):
-            x_in = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in x)
+        for i, func in enumerate(funcs):
+            x_in = micro.x.detach().requires_grad_(micro.x.is_floating_point())
+            layer_in = micro.with_x(x_in)
+            parameters = list(func.parameters())
             forward = backward = 0.0
             for _ in range(repeats):
-                saved = _SavedBytes(layer)
+                saved = _SavedBytes(parameters)
                 _sync(device)
                 start = time.perf_counter()
                 with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-                    out = layer(x_in)
+                    out = func(layer_in)
                 _sync(device)
                 forward += time.perf_counter() - start
-                outs = out if isinstance(out, tuple) else (out,)
-                grads = [(o, torch.ones_like(o)) for o in outs
-                         if torch.is_tensor(o) and o.requires_grad]
                 start = time.perf_counter()
-                if grads:
-                    torch.autograd.backward([o for o, _ in grads], [g for _, g in grads])
+                if out.requires_grad:
+                    out.backward(torch.ones_like(out))
                 _sync(device)
                 backward += time.perf_counter() - start
-                layer.zero_grad(set_to_none=True)
+                for p in parameters:
+                    p.grad = None
             sums[i] += (forward / repeats, backward / repeats, saved.bytes, _tensor_bytes(x_in),
-                        _tensor_bytes(out))
+                        _tensor_bytes(out) if i < len(funcs) - 1 else 0)
             times.append((forward + backward) / repeats)
-            x = tuple(t.detach() for t in out) if isinstance(out, tuple) else out
-        per_batch.append({**micro_batch_size(batch), "vit_s": float(sum(times[:1 + vision])),
-                          "llm_s": float(sum(times[1 + vision:]))})
+            micro = micro.with_x(out.detach(), model.defs[i].output)
+        per_batch.append({**micro_batch_size(batch), "vit_s": float(sum(times[:vision])),
+                          "llm_s": float(sum(times[vision:]))})
     means = sums / max(1, len(batches))
     costs = [LayerCost(name, float(f), float(b), int(act), int(inp), int(out),
-                       BYTES_PER_PARAM * sum(p.numel() for p in layer.parameters()))
-             for name, layer, (f, b, act, inp, out) in zip(names, layers, means)]
+                       BYTES_PER_PARAM * sum(p.numel() for p in func.parameters()))
+             for name, func, (f, b, act, inp, out) in zip(model.names, funcs, means)]
     return Profile(costs, per_batch, device)
 
 
 class _SavedBytes:
     """Counts the bytes autograd saves for backward, parameters excluded (they stay anyway)."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.params = {p.data_ptr() for p in module.parameters()}
+    def __init__(self, parameters: list[torch.Tensor]) -> None:
+        self.params = {p.data_ptr() for p in parameters}
         self.seen: set[int] = set()
         self.bytes = 0
 

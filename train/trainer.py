@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Iterator
 
+from vlmshard.io import read_json
 from vlmshard.model_sizes import training_flops
 
 from .config import TrainConfig
@@ -32,9 +33,9 @@ def supervised_tokens(batch: dict) -> int:
     """Tokens with a next-token target in this micro-batch (the Ave-Token denominator's share)."""
     from vlmshard.preprocess.tokenize import IGNORE_INDEX
 
-    from .model import next_token_targets
+    from .models import next_token_targets
 
-    return int((next_token_targets(batch["labels"], batch["position_ids"]) != IGNORE_INDEX).sum())
+    return int((next_token_targets(batch["labels"], batch["cu_seqlens"]) != IGNORE_INDEX).sum())
 
 
 def cpu_threads_per_rank(processes: int) -> int:
@@ -45,25 +46,51 @@ def cpu_threads_per_rank(processes: int) -> int:
     return max(1, available_cpus() // processes)
 
 
+def check_shards_fit(dataset, model) -> None:
+    """The shards were made for this model: its family, image token, tokens per tile and
+    vocabulary (a mismatch would train on garbage, or fail deep inside a layer)."""
+    m = dataset.manifest
+    config = model.config
+    vocab = config.get_text_config().vocab_size
+    problems = []
+    if dataset.family.name != model.family:
+        problems.append(f"they hold {dataset.family.name} data, the model is {model.family}")
+    if m.image_token_id != config.image_token_id:
+        problems.append(f"their image token is {m.image_token_id}, the model's "
+                        f"{config.image_token_id}")
+    tokens = {p.tokens_per_tile for p in dataset.policies.values()}
+    if tokens != {model.geometry.tokens_per_tile}:
+        problems.append(f"they were tokenized with {sorted(tokens)} tokens per tile, the model "
+                        f"makes {model.geometry.tokens_per_tile}")
+    if m.pad_token_id >= vocab:
+        problems.append(f"their pad token {m.pad_token_id} is outside the model's vocabulary "
+                        f"of {vocab}")
+    if problems:
+        raise ValueError(f"{dataset.root} do not fit {model.path}: " + "; ".join(problems)
+                         + " (preprocess with --model the folder you train)")
+
+
 def check_vocabulary(batch: dict, vocab_size: int) -> dict:
-    """The batch, if every token id has an embedding (a real-size preset's vocabulary can be
-    smaller than the tokenizer the shards were made with)."""
+    """The batch, if every token id has an embedding."""
     largest = int(batch["input_ids"].max())
     if largest >= vocab_size:
         raise ValueError(f"the shards hold token id {largest}, but the model's vocabulary has "
-                         f"{vocab_size} entries; set model.llm.vocab_size to the tokenizer's")
+                         f"{vocab_size} entries")
     return batch
 
 
 def repeated(shards: str, rank: int, world: int, pixels: bool, start: int) -> Iterator[dict]:
     """This rank's micro-batches from global step ``start`` on, from step 0 again after the
     last step: the data position is a pure function of the step."""
+    import torch
+
     from vlmshard.shards.loader import ShardDataset
 
     steps = ShardDataset(shards, rank, world).steps
     first = start % steps
     while True:
-        yield from ShardDataset(shards, rank, world, start_step=first, pixels=pixels)
+        yield from ShardDataset(shards, rank, world, start_step=first, pixels=pixels,
+                                pixel_dtype=torch.float32)
         first = 0
 
 
@@ -72,35 +99,34 @@ def run(cfg: TrainConfig) -> None:
     import torch
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
+    from vlmshard.model_sizes import ModelConfig
     from vlmshard.shards.loader import ShardDataset
 
-    from vlmshard.model_sizes import ModelConfig
-    from .pipeline import CLOCK, AveTokenLoss, build_pipeline, pipeline_inputs
+    from .attention import choose_backend
+    from .hf_model import model_layers
+    from .pipeline import CLOCK, AveTokenLoss, VLMPipeline, pipeline_inputs
+    from .save import save_hf
 
     cfg.validate()
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    if not torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    if not cuda:
         torch.set_num_threads(cpu_threads_per_rank(cfg.pp * cfg.dp))
     torch.manual_seed(cfg.seed)
-    model_config = ModelConfig.from_dict(cfg.model)
     probe = ShardDataset(cfg.shards, 0, cfg.dp)
-    if probe.rows_per_tile != 1 or probe.takes_grids:
-        raise ValueError(f"{cfg.shards} hold {probe.family.name} pixels (flattened patches and "
-                         "grids); this trainer's model takes InternVL-style tiles")
-    shard_tokens = {p.tokens_per_tile for p in probe.policies.values()}
-    if shard_tokens != {model_config.tokens_per_tile}:
-        raise ValueError(f"the model makes {model_config.tokens_per_tile} tokens per tile; the "
-                         f"shards were tokenized with {sorted(shard_tokens)}")
+    model = model_layers(cfg.model_path(), choose_backend("cuda" if cuda else "cpu"))
+    check_shards_fit(probe, model)
     gas = probe.micro_batches_per_step
     steps = cfg.max_steps or probe.steps
 
     loss = AveTokenLoss()
-    net = build_pipeline(model_config, cfg.pp, loss, bounds=cfg.bounds,
-                         recompute=set(cfg.recompute),
-                         topology=PipeDataParallelTopology(num_pp=cfg.pp, num_dp=cfg.dp))
+    net = VLMPipeline(model, cfg.pp, loss, backend=model.backend, bounds=cfg.bounds,
+                      recompute=set(cfg.recompute),
+                      topology=PipeDataParallelTopology(num_pp=cfg.pp, num_dp=cfg.dp))
     ds_config = {
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
         "train_batch_size": gas * cfg.dp, "steps_per_print": 10 ** 9,
+        "gradient_clipping": cfg.max_grad_norm,
         "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr,
                                                   "weight_decay": cfg.weight_decay}},
     }
@@ -108,6 +134,8 @@ def run(cfg: TrainConfig) -> None:
         model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
         config=ds_config)
     loss.scale = gas * cfg.dp
+    # the order of the optimizer's parameters, saved with each checkpoint: which rank holds what
+    trained_names = [n for n, p in net.named_parameters() if p.requires_grad]
     checkpoints = os.path.join(cfg.out, "checkpoints")
     first_step = 0
     if cfg.resume:
@@ -119,10 +147,12 @@ def run(cfg: TrainConfig) -> None:
     reads = engine.is_first_stage() or engine.is_last_stage()
     batches = repeated(cfg.shards, dp_rank, cfg.dp, engine.is_first_stage(), first_step)
     log_file = open_log(cfg.out, first_step) if engine.global_rank == 0 else None
-    flops = training_flops(model_config)  # per tile, token and squared length
+    flops = training_flops(ModelConfig.from_hf_config(read_json(
+        os.path.join(model.path, "config.json")), os.path.basename(model.path)))
+    vocab = model.config.get_text_config().vocab_size
+    rows = model.geometry.pixel_rows_per_tile
     for step in range(first_step, steps):
-        micro = [check_vocabulary(next(batches), model_config.llm.vocab_size)
-                 for _ in range(gas)] if reads else []
+        micro = [check_vocabulary(next(batches), vocab) for _ in range(gas)] if reads else []
         tokens = torch.tensor([sum(supervised_tokens(b) for b in micro)], dtype=torch.long)
         if engine.is_last_stage():
             deepspeed.comm.all_reduce(tokens, group=engine.grid.get_data_parallel_group())
@@ -130,7 +160,7 @@ def run(cfg: TrainConfig) -> None:
         torch.distributed.barrier()  # the step's clock starts on every rank together
         CLOCK.take()
         start = time.perf_counter()
-        value = float(engine.train_batch(iter([pipeline_inputs(b) for b in micro])))
+        value = float(engine.train_batch(iter([pipeline_inputs(b, rows) for b in micro])))
         seconds = time.perf_counter() - start
         forward, backward = CLOCK.take()
         mine = rank_timing(rank=engine.global_rank, stage=engine.stage_id, dp_rank=dp_rank,
@@ -144,8 +174,12 @@ def run(cfg: TrainConfig) -> None:
         if cfg.save_checkpoints and (
                 cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0
                 or step + 1 == steps):
-            engine.save_checkpoint(checkpoints, tag=f"step{step + 1:08d}",
-                                   client_state={"step": step + 1})
+            tag = f"step-{step + 1}"
+            engine.save_checkpoint(checkpoints, tag=tag, client_state={
+                "step": step + 1, "parameters": trained_names})
+            save_hf(net, engine, os.path.join(checkpoints, tag, "hf"))
+    if cfg.save_checkpoints:
+        save_hf(net, engine, os.path.join(cfg.out, "hf"))
     if log_file:
         log_file.close()
     # Leave together and join the communication threads before the interpreter exits: a rank

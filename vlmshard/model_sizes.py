@@ -93,6 +93,46 @@ class ModelConfig:
         config.validate()
         return config
 
+    @classmethod
+    def from_hf_config(cls, config: dict, name: str) -> "ModelConfig":
+        """The sizes a Hugging Face ``config.json`` of a supported family states (InternVL,
+        Qwen2-VL, Qwen2.5-VL; older Qwen2-VL files keep the LLM's sizes at the top level)."""
+        model_type = config.get("model_type")
+        vision = config.get("vision_config") or {}
+        text = {**{k: v for k, v in config.items() if k not in ("vision_config", "text_config")},
+                **(config.get("text_config") or {})}
+        heads = text["num_attention_heads"]
+        rope = text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta")
+        llm = LLMConfig(vocab_size=text["vocab_size"], hidden=text["hidden_size"],
+                        layers=text["num_hidden_layers"], heads=heads,
+                        kv_heads=text.get("num_key_value_heads") or heads,
+                        intermediate=text["intermediate_size"], rope_theta=float(rope or 1e6),
+                        rms_eps=float(text.get("rms_norm_eps", 1e-6)))
+        if model_type == "internvl":
+            def first(v):
+                return v[0] if isinstance(v, list) else v
+            hidden = vision["hidden_size"]
+            vit = VisionConfig(image_size=first(vision["image_size"]),
+                               patch_size=first(vision["patch_size"]), hidden=hidden,
+                               layers=vision["num_hidden_layers"],
+                               heads=vision["num_attention_heads"],
+                               mlp_ratio=vision["intermediate_size"] / hidden)
+            ratio = float(config.get("downsample_ratio", 0.5))
+        elif model_type in ("qwen2_vl", "qwen2_5_vl"):  # the unit: one merged patch
+            hidden = vision["embed_dim"] if model_type == "qwen2_vl" else vision["hidden_size"]
+            mlp = vision.get("mlp_ratio") or vision["intermediate_size"] / hidden
+            merge = vision.get("spatial_merge_size", 2)
+            vit = VisionConfig(image_size=vision["patch_size"] * merge,
+                               patch_size=vision["patch_size"], hidden=hidden,
+                               layers=vision["depth"], heads=vision["num_heads"], mlp_ratio=mlp)
+            ratio = 1 / merge
+        else:
+            raise ValueError(f"model_type {model_type!r}: sizes are read for internvl, qwen2_vl "
+                             "and qwen2_5_vl")
+        model = cls(name=name, vision=vit, llm=llm, downsample_ratio=ratio)
+        model.validate()
+        return model
+
 
 DEFAULT_PRESETS = {"internvl": "internvl2-2b", "qwen2vl": "qwen2-vl-2b"}  # by family
 

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 DESCRIPTION = """\
 Runs the whole pipeline from one YAML config (e.g. configs/demo.yaml, what `make demo` runs):
   demo-data   (when the config has a demo_data section) the bundled demo dataset
+  demo-model  (when the config names demo_model) a tiny model folder -> OUT/model
   preprocess  tokenize and count tiles            -> OUT/preprocess
   pack        balanced micro-batches              -> OUT/plan
   write       pre-balanced WebDataset shards      -> OUT/shards
@@ -46,6 +47,10 @@ class RunConfig:
     out: str = option(help="output folder of every stage")
     demo_data: Section | None = option(None, cli=False, help="{seed, scale}: make the demo "
                                                              "dataset and preprocess it")
+    demo_model: str | None = option(
+        None, cli=False, help="make a tiny model folder of this family under OUT/model (random "
+                              "weights; internvl, qwen2_vl or qwen2_5_vl): preprocess tokenizes "
+                              "for it and train fine-tunes it")
     preprocess: Section = option(factory=dict, cli=False,
                                  help="needs `inputs` unless demo_data is given")
     pack: Section = option(factory=dict, cli=False, help="needs `dp`")
@@ -74,6 +79,13 @@ def stages(cfg: RunConfig, where: str = "run config") -> list[tuple[str, Callabl
 
     pre, plan, shards, run = (cfg.path(n) for n in ("preprocess", "plan", "shards", "train"))
     inputs = {"inputs": [os.path.join(cfg.path("data"), "meta.json")]} if cfg.demo_data else {}
+    if cfg.demo_model is not None:
+        from vlmshard.train.tiny_models import TINY_FAMILIES
+
+        if cfg.demo_model not in TINY_FAMILIES:
+            raise ValueError(f"{where}: demo_model {cfg.demo_model!r}: known families are "
+                             f"{', '.join(TINY_FAMILIES)}")
+        inputs["model"] = cfg.path("model")
 
     def section(cls, values: dict, name: str, **connected):
         return load_section(cls, values, f"{where}, section '{name}'", **connected)
@@ -95,6 +107,11 @@ def stages(cfg: RunConfig, where: str = "run config") -> list[tuple[str, Callabl
         from vlmshard.preprocess.demo_data import generate
 
         return f"demo dataset -> {generate(demo_cfg.out, demo_cfg.seed, demo_cfg.scale).meta}"
+
+    def demo_model() -> str:
+        from vlmshard.train.tiny_models import tiny_folder
+
+        return f"tiny {cfg.demo_model} -> {tiny_folder(cfg.demo_model, cfg.path('model'))}"
 
     def preprocess() -> str:
         from vlmshard.preprocess.job import run_preprocess
@@ -144,6 +161,7 @@ def stages(cfg: RunConfig, where: str = "run config") -> list[tuple[str, Callabl
         return f"-> {cfg.path('report.html')}, {cfg.path('report.json')}"
 
     chosen = [("demo-data", demo_data)] if cfg.demo_data is not None else []
+    chosen += [("demo-model", demo_model)] if cfg.demo_model is not None else []
     chosen += [("preprocess", preprocess), ("pack", pack), ("write", write), ("verify", verify)]
     chosen += [("train", train_stage)] if cfg.train is not None else []
     return chosen + [("report", report)]

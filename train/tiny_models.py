@@ -1,10 +1,13 @@
-"""Tiny, offline Hugging Face model folders of each family, built the way the hub's are.
+"""Tiny, offline Hugging Face model folders of each family, built the way the hub's are: the demo
+model and the tests' models.
 
 A byte-level BPE trained here on a few sentences (so any text encodes) with the family's special
-tokens, saved by ``transformers``; a chat template written for the test in the family's format
-(Qwen2-VL's, with its default system prompt; transformers' InternVL one); a ``transformers``
-config with small sizes; and the image processor config saved by ``transformers``' own (PIL)
-image processor class, with small limits so test images make several tiles.
+tokens, saved by ``transformers``; a chat template in the family's format (Qwen2-VL's, with its
+default system prompt; transformers' InternVL one); a ``transformers`` config with small sizes;
+the image processor config saved by ``transformers``' own (PIL) image processor class, with small
+limits so test images make several tiles; and random weights saved with ``save_pretrained``
+(``init_std``: a larger spread than the default 0.02 makes the output depend visibly on every
+input, so a wrong position or a missing image changes the loss).
 """
 
 from __future__ import annotations
@@ -87,8 +90,8 @@ def _save_tokenizer(path: str, special: list[str], template: str, named: dict[st
 
 def qwen2vl_folder(path: str, *, model_type: str = "qwen2_vl", min_pixels: int = 56 * 56,
                    max_pixels: int = 28 * 28 * 64, corpus: list[str] = CORPUS,
-                   vocab_size: int = 420) -> str:
-    from transformers import Qwen2VLConfig
+                   vocab_size: int = 420, seed: int = 0, init_std: float = 0.2) -> str:
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil)
 
@@ -96,25 +99,32 @@ def qwen2vl_folder(path: str, *, model_type: str = "qwen2_vl", min_pixels: int =
     vocab = _save_tokenizer(path, QWEN2VL_TOKENS, QWEN2VL_TEMPLATE,
                             {"image_token": "<|image_pad|>"}, corpus, vocab_size)
     ids = {t: i for i, t in enumerate(CHAT_TOKENS)}
-    config = Qwen2VLConfig(
+    if model_type == "qwen2_vl":
+        config_class = Qwen2VLConfig
+        vision = dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2)
+    elif model_type == "qwen2_5_vl":  # windowed ViT: 4x4 merged patches, block 1 full
+        config_class = Qwen2_5_VLConfig
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                      out_hidden_size=32, window_size=112, fullatt_block_indexes=[1])
+    else:
+        raise ValueError(f"not a Qwen2-VL model_type: {model_type!r}")
+    config = config_class(
         text_config=dict(vocab_size=vocab, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
                          bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"]),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2,
-                           spatial_merge_size=2, patch_size=14, temporal_patch_size=2),
+        vision_config=dict(vision, spatial_merge_size=2, patch_size=14, temporal_patch_size=2),
         image_token_id=vocab - 2, video_token_id=vocab - 1,
         vision_start_token_id=vocab - 4, vision_end_token_id=vocab - 3,
         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
-    config.model_type = model_type
     config.save_pretrained(path)
-    if model_type != "qwen2_vl":  # a Qwen2.5-VL folder: same processor, its own model_type
-        _edit_json(os.path.join(path, "config.json"), model_type=model_type)
     Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(path)
+    save_random_weights(path, seed, init_std)
     return path
 
 
-def internvl_folder(path: str, *, max_patches: int = 6) -> str:
+def internvl_folder(path: str, *, max_patches: int = 6, corpus: list[str] = CORPUS,
+                    vocab_size: int = 420, seed: int = 0, init_std: float = 0.2) -> str:
     from transformers import InternVLConfig
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (
         GotOcr2ImageProcessorPil)
@@ -122,7 +132,7 @@ def internvl_folder(path: str, *, max_patches: int = 6) -> str:
     os.makedirs(path, exist_ok=True)
     named = {"start_image_token": "<img>", "end_image_token": "</img>",
              "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
-    vocab = _save_tokenizer(path, INTERNVL_TOKENS, INTERNVL_TEMPLATE, named, CORPUS, 420)
+    vocab = _save_tokenizer(path, INTERNVL_TOKENS, INTERNVL_TEMPLATE, named, corpus, vocab_size)
     config = InternVLConfig(
         text_config=dict(model_type="qwen2", vocab_size=vocab, hidden_size=32,
                          intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -137,12 +147,38 @@ def internvl_folder(path: str, *, max_patches: int = 6) -> str:
                              image_std=[0.229, 0.224, 0.225]).save_pretrained(path)
     with open(os.path.join(path, "processor_config.json"), "w") as f:
         json.dump({"image_seq_length": 256, "processor_class": "InternVLProcessor"}, f)
+    save_random_weights(path, seed, init_std)
     return path
 
 
-def _edit_json(path: str, **changes) -> None:
-    with open(path) as f:
-        data = json.load(f)
-    data.update(changes)
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
+def save_random_weights(path: str, seed: int, init_std: float) -> None:
+    """Random weights for the folder's config, saved as safetensors with ``save_pretrained``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    for sub in (config, config.get_text_config(), getattr(config, "vision_config", None)):
+        if sub is not None and hasattr(sub, "initializer_range"):
+            sub.initializer_range = init_std
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config)
+    model.save_pretrained(path)
+
+
+
+TINY_FAMILIES = ("internvl", "qwen2_vl", "qwen2_5_vl")
+
+
+def tiny_folder(family: str, path: str) -> str:
+    """The demo's model folder: a tokenizer that has seen the demo data's words, InternVL's tile
+    limit of 12 (Qwen2-VL: up to 256 merged patches an image), random weights. The same bytes
+    every time, so rerunning the demo redoes nothing it need not."""
+    from vlmshard.preprocess.demo_data import WORDS
+
+    corpus = CORPUS + [" ".join(WORDS[i:] + WORDS[:i]) for i in range(0, len(WORDS), 7)]
+    if family == "internvl":
+        return internvl_folder(path, max_patches=12, corpus=corpus, vocab_size=1000)
+    if family in TINY_FAMILIES:
+        return qwen2vl_folder(path, model_type=family, max_pixels=28 * 28 * 256, corpus=corpus,
+                              vocab_size=1000)
+    raise ValueError(f"no tiny model of family {family!r}; known: {', '.join(TINY_FAMILIES)}")

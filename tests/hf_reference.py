@@ -1,0 +1,118 @@
+"""The truth for the trainer: the ``transformers`` model itself, run on one sample at a time.
+
+For each packed sample of the loader's micro-batches: its tokens, its own pixel rows (and image
+grids for Qwen2-VL), its labels, through ``AutoModelForImageTextToText.forward(labels=...)``
+with ``use_cache=False`` and the model's own position ids. Its mean loss times its count of
+supervised tokens is its summed loss; the gradients are those of the sum over all samples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from vlmshard.packing.config import PackConfig
+from vlmshard.packing.plan import run_pack
+from vlmshard.preprocess import PreprocessConfig, run_preprocess
+from vlmshard.shards.config import WriteConfig
+from vlmshard.shards.writer import run_write
+from vlmshard.train.tiny_models import internvl_folder, qwen2vl_folder
+
+FAMILIES = ("internvl", "qwen2_vl", "qwen2_5_vl")
+
+
+def _photo(name: str) -> str:
+    import skimage
+
+    return os.path.join(os.path.dirname(skimage.__file__), "data", name)
+
+
+ROWS = [
+    {"image": [_photo("astronaut.png"), _photo("rocket.jpg")], "conversations": [
+        {"from": "human", "value": "<image>\nFirst. <image>\nSecond?"},
+        {"from": "gpt", "value": "A person and a rocket."},
+        {"from": "human", "value": "Which is taller?"}, {"from": "gpt", "value": "The rocket."}]},
+    {"image": _photo("chelsea.png"), "conversations": [
+        {"from": "human", "value": "What animal is this?"}, {"from": "gpt", "value": "A cat."}]},
+    {"conversations": [{"from": "human", "value": "Hello there"},
+                       {"from": "gpt", "value": "Hi! How can I help?"}]},
+    {"image": _photo("coffee.png"), "conversations": [
+        {"from": "human", "value": "<image>\nWhat is in the cup?"},
+        {"from": "gpt", "value": "Coffee, with a pattern of foam."}]},
+    {"image": _photo("motorcycle_left.png"), "conversations": [
+        {"from": "human", "value": "<image>\nWhat vehicle?"},
+        {"from": "gpt", "value": "A motorcycle."}]},
+]
+
+
+def make_folder(family: str, path: str) -> str:
+    if family == "internvl":
+        return internvl_folder(path, max_patches=2)
+    return qwen2vl_folder(path, model_type=family, max_pixels=28 * 28 * 64)
+
+
+def make_shards(folder: str, root, rows=ROWS, **pack) -> str:
+    with open(root / "rows.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    run_preprocess(PreprocessConfig(inputs=[str(root / "rows.jsonl")], out=str(root / "pre"),
+                                    model=folder, workers=1))
+    run_pack(PackConfig(stats=str(root / "pre"), dp=1, out=str(root / "plan"), **pack))
+    run_write(WriteConfig(plan=str(root / "plan"), stats=str(root / "pre"),
+                          out=str(root / "shards"), workers=1))
+    return str(root / "shards")
+
+
+def split_samples(batch: dict, image_token_id: int, tokens_per_tile: int,
+                  rows_per_tile: int) -> list[dict]:
+    """The samples of a collated micro-batch, each with its own inputs for the HF model."""
+    cu = batch["cu_seqlens"].tolist()
+    grids = list(batch.get("image_grid_thw", []))
+    samples, row = [], 0
+    for start, end in zip(cu, cu[1:]):
+        if start >= batch["num_tokens"]:
+            break  # the padding's segment
+        ids = batch["input_ids"][start:end]
+        sample = {"input_ids": ids[None], "labels": batch["labels"][start:end][None]}
+        tiles = int((ids == image_token_id).sum()) // tokens_per_tile
+        if tiles:
+            rows = tiles * rows_per_tile
+            sample["pixel_values"] = batch["pixel_values"][row:row + rows]
+            row += rows
+            if grids:
+                mine = []
+                while rows > 0:
+                    mine.append(grids.pop(0))
+                    rows -= int(mine[-1].prod())
+                sample["image_grid_thw"] = torch.stack(mine)
+                sample["mm_token_type_ids"] = (ids == image_token_id).int()[None]
+        samples.append(sample)
+    return samples
+
+
+def supervised(sample: dict) -> int:
+    return int((sample["labels"][0, 1:] != -100).sum())
+
+
+def hf_loss_and_grads(folder: str, batches: list[dict], tokens_per_tile: int,
+                      rows_per_tile: int) -> tuple[float, int, dict[str, torch.Tensor]]:
+    """(Σ per-token losses, supervised tokens, gradients of that sum by parameter name)."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32,
+                                                        attn_implementation="sdpa")
+    model.train()
+    image_token_id = model.config.image_token_id
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    for batch in batches:
+        for sample in split_samples(batch, image_token_id, tokens_per_tile, rows_per_tile):
+            n = supervised(sample)
+            loss = model(**sample, use_cache=False).loss * n
+            loss.backward()
+            total += loss.detach().double()
+            count += n
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return float(total), count, grads

@@ -1,0 +1,92 @@
+"""A Hugging Face model folder as the trainer's layer list: read, built on ``meta``, loaded per layer.
+
+``model_layers(path, backend)`` reads the folder's config, picks the family from its
+``model_type`` (the families of ``vlmshard.preprocess.families``), builds the whole
+``transformers`` model on the ``meta`` device (free, whatever its size) with the chosen attention
+backend, and lists its pipeline layers (``train.models``). ``build_layer`` then materializes one
+layer with its own tensors only.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vlmshard.preprocess.families import family_for_model_type, read_model_folder
+
+from .attention import implementation
+from .models import Geometry, LayerDef, Phase
+from .weights import Checkpoint, load_layer
+
+
+def _family_layers():
+    from .models import internvl, qwen2vl
+
+    return {"internvl": internvl.layers, "qwen2vl": qwen2vl.layers}
+
+
+@dataclass
+class ModelLayers:
+    path: str
+    family: str
+    backend: str  # attention backend (train.attention)
+    config: object  # the transformers config
+    meta: nn.Module  # the whole model on the meta device
+    defs: list[LayerDef]
+    geometry: Geometry
+
+    @property
+    def names(self) -> list[str]:
+        return [d.name for d in self.defs]
+
+    def input_phase(self, index: int) -> Phase:
+        """What layer ``index`` receives: pixels for the first, else its predecessor's output."""
+        if index == 0:
+            return Phase("pixels", self.geometry.pixel_rows_per_tile)
+        return self.defs[index - 1].output
+
+    @functools.cached_property
+    def checkpoint(self) -> Checkpoint:
+        return Checkpoint(self.path, self.meta)
+
+    def first_of_tie(self, index: int) -> bool:
+        """Whether layer ``index`` is the first user of its weights (a tied head is not)."""
+        key = self.defs[index].tied_key
+        return key is None or index == min(i for i, d in enumerate(self.defs)
+                                           if d.tied_key == key)
+
+    def build_layer(self, index: int, device: torch.device | str = "cpu",
+                    dtype: torch.dtype = torch.float32) -> nn.Module:
+        """Layer ``index`` with its tensors loaded from the folder (and nothing else)."""
+        return load_layer(self.defs[index].build(self.meta), self.checkpoint, device, dtype)
+
+    def build_all(self, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> list[nn.Module]:
+        """Every layer in one process (profiling, tests), in order; tied layers are one module,
+        as in a single pipeline stage."""
+        built: dict[str, nn.Module] = {}
+        layers = []
+        for i, d in enumerate(self.defs):
+            key = d.tied_key or i
+            if key not in built:
+                built[key] = self.build_layer(i, device, dtype)
+            layers.append(built[key])
+        return layers
+
+
+@functools.cache
+def model_layers(path: str, backend: str = "sdpa") -> ModelLayers:
+    """The layer list of the model folder ``path`` (cached per process)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    folder = read_model_folder(path)
+    family = family_for_model_type(folder.config.get("model_type", ""), path).name
+    config = AutoConfig.from_pretrained(folder.path, local_files_only=True)
+    with torch.device("meta"):
+        meta = AutoModelForImageTextToText.from_config(
+            config, attn_implementation=implementation(backend))
+    defs, geometry = _family_layers()[family](meta)  # outside meta: rotary tables are real
+    return ModelLayers(folder.path, family, backend, meta.config, meta, defs, geometry)

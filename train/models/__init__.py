@@ -1,0 +1,296 @@
+"""Real Hugging Face VLMs as a flat list of pipeline layers that wrap their ``transformers`` modules.
+
+A layer is built from a ``meta``-device copy of the model, so building one costs no memory; the
+caller then loads its tensors (``train.weights``). Each family module (``internvl``, ``qwen2vl``,
+keyed like ``vlmshard.preprocess.families``) lists the layers of its model in order:
+
+    vision embedding, each vision block, projector / merger        (``Phase`` per tile)
+    token embedding with the image features scattered in,
+    each decoder layer, final norm                                  (``Phase`` per token)
+    LM head with the summed next-token loss
+
+Between pipeline stages a micro-batch travels as a tuple of static shapes (``Wire``): the
+activation padded to the plan's caps, then input_ids, position_ids, image grids, the real counts
+and labels. Inside a stage it is a ``Micro``: sliced once to the real tiles and tokens, so every
+layer computes on real data only, with the attention segments and rotary tables computed once
+and shared by the stage's layers (``Micro.cache``).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from vlmshard.preprocess.tokenize import IGNORE_INDEX
+
+from ..attention import Spans
+
+
+# ---------------------------------------------------------------------------------------------
+# The micro-batch between and within stages
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What a layer's activation rows are: ``per_tile`` rows per tile, or one per token (0)."""
+
+    name: str
+    per_tile: int = 0
+
+    def rows(self, tiles: int, tokens: int) -> int:
+        return self.per_tile * tiles if self.per_tile else tokens
+
+
+TOKENS = Phase("tokens")
+
+
+@dataclass
+class Micro:
+    """One packed micro-batch inside a stage: real rows only, plus the stage's shared metadata."""
+
+    x: torch.Tensor  # the activation: pixels, vision hidden states, image features or hidden
+    input_ids: torch.Tensor  # [n]
+    position_ids: torch.Tensor  # [n], or [3, n] for mRoPE
+    grids: torch.Tensor  # [images, 3] (t, h, w) patches of each image; empty for InternVL
+    labels: torch.Tensor  # [n]
+    num_tiles: int
+    num_tokens: int
+    backend: str  # attention backend, see train.attention
+    phase: Phase  # what ``x`` holds
+    wire: tuple  # the padded tuple this stage received: its shapes are the caps
+    cache: dict = field(default_factory=dict)  # computed once per micro-batch per stage
+
+    def with_x(self, x: torch.Tensor, phase: Phase | None = None) -> "Micro":
+        return replace(self, x=x, phase=phase or self.phase)
+
+    def cached(self, key: str, compute: Callable[[], object]):
+        if key not in self.cache:
+            self.cache[key] = compute()
+        return self.cache[key]
+
+    def text_spans(self) -> Spans:
+        """The packed samples: each starts where its (first) position id is 0."""
+        def compute() -> Spans:
+            first = self.position_ids if self.position_ids.dim() == 1 else self.position_ids[0]
+            starts = torch.nonzero(first == 0).flatten().tolist()
+            lengths = [b - a for a, b in zip(starts, starts[1:] + [self.num_tokens])]
+            return Spans.from_lengths(lengths, True, self.backend, self.x.device)
+        return self.cached("text_spans", compute)
+
+
+def unpack(wire: tuple, phase: Phase, backend: str) -> Micro:
+    """The padded tuple a stage receives, sliced to its real rows (one host sync)."""
+    x, input_ids, position_ids, grids, counts, labels = wire
+    tiles, tokens = counts.tolist()
+    return Micro(x=x[:phase.rows(tiles, tokens)], input_ids=input_ids[:tokens],
+                 position_ids=position_ids[..., :tokens], grids=grids[:_images(grids)],
+                 labels=labels[:tokens], num_tiles=tiles, num_tokens=tokens, backend=backend,
+                 phase=phase, wire=wire)
+
+
+def _images(grids: torch.Tensor) -> int:
+    return int((grids[:, 0] > 0).sum()) if grids.numel() else 0
+
+
+def pack(micro: Micro, phase: Phase) -> tuple:
+    """The tuple a stage sends: the activation padded back to the caps, the rest as received."""
+    wire = micro.wire
+    qv, qt = wire[3].shape[0], wire[1].shape[0]
+    capacity = phase.per_tile * qv if phase.per_tile else qt
+    x = micro.x
+    if x.shape[0] < capacity:
+        x = torch.cat([x, x.new_zeros((capacity - x.shape[0], *x.shape[1:]))])
+    return (x, *wire[1:])
+
+
+def wire_inputs(batch: dict, pixel_rows_per_tile: int) -> tuple:
+    """A collated micro-batch (``shards.loader``, padded to the caps) as the first stage's tuple."""
+    qv = batch["pixel_values"].shape[0] // pixel_rows_per_tile
+    grids = torch.zeros((qv, 3), dtype=torch.long)
+    if "image_grid_thw" in batch:
+        grids[:len(batch["image_grid_thw"])] = batch["image_grid_thw"]
+    counts = torch.tensor([batch["num_tiles"], batch["num_tokens"]])
+    return (batch["pixel_values"], batch["input_ids"], batch["position_ids"], grids, counts,
+            batch["labels"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+
+
+class HFLayer(nn.Module):
+    """A pipeline layer made of submodules of the ``transformers`` model: each is kept under an
+    attribute of this layer, and ``paths`` maps the attribute to the model's module path, which
+    names its tensors in the checkpoint."""
+
+    def __init__(self, model: nn.Module, paths: dict[str, str]) -> None:
+        super().__init__()
+        self.paths = dict(paths)
+        for attr, path in self.paths.items():
+            setattr(self, attr, copy.deepcopy(model.get_submodule(path)))
+
+    def hf_name(self, local: str) -> str:
+        """The checkpoint name of this layer's tensor ``local``."""
+        attr, _, rest = local.partition(".")
+        return f"{self.paths[attr]}.{rest}"
+
+    def forward(self, micro: Micro) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TokenEmbedding(HFLayer):
+    """The token embedding: the LLM's first layer, given image features, and, when the model ties
+    its weights, also its LM head, given the final hidden states (DeepSpeed then keeps the first
+    and last stages' copies equal)."""
+
+    def __init__(self, model: nn.Module, path: str, image_token_id: int) -> None:
+        super().__init__(model, {"embed": path})
+        self.image_token_id = image_token_id
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.embed.weight
+
+    def forward(self, micro: Micro) -> torch.Tensor:
+        if micro.phase.name == "features":
+            return embed_tokens(self, micro)
+        return lm_loss(self, micro)
+
+
+def embed_tokens(module: TokenEmbedding, micro: Micro) -> torch.Tensor:
+    """Token embeddings with each image's features written over its image tokens, in order."""
+    hidden = module.embed(micro.input_ids)
+    image = micro.input_ids == module.image_token_id
+    features = micro.x.to(hidden.dtype)
+    if features.shape[0] != int(image.sum()):
+        raise ValueError(f"{micro.num_tiles} tiles give {features.shape[0]} image features for "
+                         f"{int(image.sum())} image tokens")
+    return hidden.masked_scatter(image[:, None], features)
+
+
+class DecoderLayer(HFLayer):
+    """One decoder layer of the LLM on the packed tokens: rotary tables from the model's own
+    rotary embedding at each sample's position ids, attention within each sample."""
+
+    def __init__(self, model: nn.Module, path: str, rotary: Callable) -> None:
+        super().__init__(model, {"layer": path})
+        self.rotary = rotary
+
+    def forward(self, micro: Micro) -> torch.Tensor:
+        positions = micro.position_ids[..., None, :]  # a batch of one: [1, n] or [3, 1, n]
+        rope = micro.cached("text_rope", lambda: self.rotary(micro.x[None], positions))
+        out = self.layer(micro.x[None], attention_mask=None, position_embeddings=rope,
+                         use_cache=False, **micro.text_spans().kwargs())
+        return (out[0] if isinstance(out, tuple) else out)[0]
+
+
+class FinalNorm(HFLayer):
+    def __init__(self, model: nn.Module, path: str) -> None:
+        super().__init__(model, {"norm": path})
+
+    def forward(self, micro: Micro) -> torch.Tensor:
+        return self.norm(micro.x)
+
+
+class LMHead(HFLayer):
+    """An LM head with weights of its own (a model that does not tie it to the embedding)."""
+
+    def __init__(self, model: nn.Module, path: str) -> None:
+        super().__init__(model, {"head": path})
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    def forward(self, micro: Micro) -> torch.Tensor:
+        return lm_loss(self, micro)
+
+
+def lm_loss(module: nn.Module, micro: Micro, chunk: int = 1024) -> torch.Tensor:
+    """Next-token cross entropy summed over the supervised tokens (the target of token t is label
+    t + 1 of the same sample). Logits exist only for supervised tokens, ``chunk`` rows at a time,
+    recomputed in backward: a [tokens, vocab] tensor would not fit."""
+    targets = next_token_targets(micro.labels, micro.text_spans().cu_seqlens)
+    keep = targets != IGNORE_INDEX
+    hidden, targets = micro.x[keep], targets[keep]
+    total = micro.x.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.shape[0], chunk):
+        total = total + checkpoint(_chunk_loss, hidden[start:start + chunk], module.weight,
+                                   targets[start:start + chunk], use_reentrant=False)
+    return total
+
+
+def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+    return F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum")
+
+
+def next_token_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``labels`` shifted left by one, never across a sample boundary (``cu_seqlens``)."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:-1] = labels[1:]
+    targets[cu_seqlens[1:].long() - 1] = IGNORE_INDEX  # each sample's last token
+    return targets
+
+
+# ---------------------------------------------------------------------------------------------
+# A family's layer list
+
+
+@dataclass(frozen=True)
+class LayerDef:
+    """One pipeline layer: its name (the unit a partition cuts between and recompute names), how
+    to build it from the meta model, the phase of its output, and for a layer whose weights are
+    one with another layer's, their common key."""
+
+    name: str
+    build: Callable[[nn.Module], nn.Module]
+    output: Phase
+    tied_key: str | None = None
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the wire's layout depends on: rows per tile of pixels, ViT states and features."""
+
+    pixel_rows_per_tile: int
+    tokens_per_tile: int
+
+
+def language_layers(model: nn.Module, lm: str, image_token_id: int,
+                    rotary: Callable) -> list[LayerDef]:
+    """The LLM's layers (token embedding to LM head) of a model whose language model sits at
+    ``lm`` (``embed_tokens``, ``layers``, ``norm``) with its head at ``lm_head``."""
+    embed_path = f"{lm}.embed_tokens"
+    tied = model.lm_head.weight is model.get_submodule(embed_path).weight
+    make_embedding = functools.partial(TokenEmbedding, path=embed_path,
+                                       image_token_id=image_token_id)
+    tied_key = "embed" if tied else None
+    layers = [LayerDef("embed_tokens", make_embedding, TOKENS, tied_key)]
+    layers += [LayerDef(f"llm_block_{i}",
+                        functools.partial(DecoderLayer, path=f"{lm}.layers.{i}", rotary=rotary),
+                        TOKENS)
+               for i in range(len(model.get_submodule(f"{lm}.layers")))]
+    layers.append(LayerDef("final_norm", functools.partial(FinalNorm, path=f"{lm}.norm"), TOKENS))
+    if tied:
+        layers.append(LayerDef("head", make_embedding, Phase("loss"), tied_key))
+    else:
+        layers.append(LayerDef("head", functools.partial(LMHead, path="lm_head"), Phase("loss")))
+    return layers
+
+
+class Detached:
+    """Holds a module that must not become a submodule (no parameters, not saved, not moved):
+    the rotary tables, computed on the device of their input."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args):
+        return self.module(*args)

@@ -1,0 +1,133 @@
+"""Qwen2-VL and Qwen2.5-VL (``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VL...``) as pipeline
+layers.
+
+The ViT runs on the packed patch rows of every image of the micro-batch at once: 2-D rotary
+positions per patch, attention within each image (Qwen2-VL) or within each window, and within
+each image on the ``fullatt_block_indexes`` blocks (Qwen2.5-VL, whose patches travel in window
+order until the merger restores the image order), all computed as the model's own
+``transformers.vision_utils`` helpers do. The merger turns 2×2 patches into one LLM token; the
+LLM takes mRoPE position ids [3, n], each packed sample's computed for it alone.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.vision_utils import (get_vision_cu_seqlens, get_vision_position_ids,
+                                       get_vision_window_index)
+
+from ..attention import Spans
+from . import Detached, Geometry, HFLayer, LayerDef, Micro, Phase, language_layers
+
+VISION = "model.visual"
+
+
+@dataclass
+class VisionMeta:
+    """The micro-batch's ViT metadata, computed once per stage from its image grids."""
+
+    rope: tuple[torch.Tensor, torch.Tensor]
+    images: Spans
+    windows: Spans | None  # Qwen2.5-VL
+    window_index: torch.Tensor | None  # merged-patch order within windows (Qwen2.5-VL)
+
+
+class VisionGeometry:
+    """How one model's ViT lays out patches (held by each of its vision layers)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        vision = model.get_submodule(VISION)
+        self.merge = vision.spatial_merge_size
+        self.windowed = hasattr(vision, "fullatt_block_indexes")
+        self.full_blocks = set(getattr(vision, "fullatt_block_indexes", ()))
+        self.window_size = getattr(vision, "window_size", 0)
+        self.patch_size = vision.config.patch_size
+        rotary = vision.rotary_pos_emb
+        self.rotary = Detached(type(rotary)(rotary.config))
+
+    def meta(self, micro: Micro) -> VisionMeta:
+        return micro.cached("vision", lambda: self._compute(micro))
+
+    def _compute(self, micro: Micro) -> VisionMeta:
+        grids, device, backend = micro.grids.cpu(), micro.x.device, micro.backend
+        cu = get_vision_cu_seqlens(grids)
+        images = Spans.from_lengths((cu[1:] - cu[:-1]).tolist(), False, backend, device)
+        positions = get_vision_position_ids(grids, self.merge).to(device)
+        rope = self.rotary(micro.x, positions)
+        windows = window_index = None
+        if self.windowed:
+            window_index, cu_windows = get_vision_window_index(
+                grids, self.merge, self.window_size, self.patch_size)
+            windows = Spans.from_lengths((cu_windows[1:] - cu_windows[:-1]).tolist(), False,
+                                         backend, device)
+            window_index = window_index.to(device)
+            rope = tuple(self.window_order(t, window_index) for t in rope)
+        return VisionMeta(rope, images, windows, window_index)
+
+    def window_order(self, rows: torch.Tensor, window_index: torch.Tensor) -> torch.Tensor:
+        unit = self.merge ** 2
+        grouped = rows.reshape(rows.shape[0] // unit, unit, *rows.shape[1:])
+        return grouped[window_index].reshape(rows.shape)
+
+
+class VisionEmbedding(HFLayer):
+    def __init__(self, model: nn.Module, geometry: VisionGeometry) -> None:
+        super().__init__(model, {"patch_embed": f"{VISION}.patch_embed"})
+        self.geometry = geometry
+
+    def forward(self, micro: Micro) -> torch.Tensor:
+        hidden = self.patch_embed(micro.x)
+        if self.geometry.windowed:
+            hidden = self.geometry.window_order(hidden, self.geometry.meta(micro).window_index)
+        return hidden
+
+
+class VisionBlock(HFLayer):
+    def __init__(self, model: nn.Module, index: int, geometry: VisionGeometry) -> None:
+        super().__init__(model, {"block": f"{VISION}.blocks.{index}"})
+        self.geometry = geometry
+        self.full = not geometry.windowed or index in geometry.full_blocks
+
+    def forward(self, micro: Micro) -> torch.Tensor:
+        meta = self.geometry.meta(micro)
+        spans = meta.images if self.full else meta.windows
+        if spans.mask is None:  # flash: transformers passes the boundaries to the kernel
+            kwargs = {"cu_seqlens": spans.cu_seqlens, "max_seqlen": spans.max_len}
+        else:  # one segment for transformers (no loop over images), the block mask inside
+            kwargs = {"cu_seqlens": spans.cu_seqlens[[0, -1]], "packed_mask": spans.mask}
+        return self.block(micro.x, position_embeddings=meta.rope, **kwargs)
+
+
+class Merger(HFLayer):
+    """2×2 patches -> one LLM token each, back in image order: [patches, Hv] -> [tiles, H]."""
+
+    def __init__(self, model: nn.Module, geometry: VisionGeometry) -> None:
+        super().__init__(model, {"merger": f"{VISION}.merger"})
+        self.geometry = geometry
+
+    def forward(self, micro: Micro) -> torch.Tensor:
+        merged = self.merger(micro.x)
+        if self.geometry.windowed:
+            merged = merged[torch.argsort(self.geometry.meta(micro).window_index)]
+        return merged
+
+
+def layers(model: nn.Module) -> tuple[list[LayerDef], Geometry]:
+    geometry = VisionGeometry(model)
+    unit = geometry.merge ** 2
+    patches = Phase("vision", unit)
+    depth = len(model.get_submodule(f"{VISION}.blocks"))
+    defs = [LayerDef("vit_embed", functools.partial(VisionEmbedding, geometry=geometry),
+                     patches)]
+    defs += [LayerDef(f"vit_block_{i}",
+                      functools.partial(VisionBlock, index=i, geometry=geometry), patches)
+             for i in range(depth)]
+    defs.append(LayerDef("projector", functools.partial(Merger, geometry=geometry),
+                         Phase("features", 1)))
+    rotary = model.get_submodule("model.language_model.rotary_emb")
+    defs += language_layers(model, "model.language_model", model.config.image_token_id,
+                            Detached(type(rotary)(rotary.config)))
+    return defs, Geometry(pixel_rows_per_tile=unit, tokens_per_tile=1)
