@@ -1,9 +1,10 @@
-"""Training throughput from balanced against random plans, and the searched stage partition
-against DeepSpeed's, measured on real DeepSpeed runs of the tiny model.
+"""Training throughput from balanced against random plans, step time against padding, and the
+searched stage partition against DeepSpeed's, measured on real DeepSpeed runs of the demo's tiny
+InternVL (``InternVLForConditionalGeneration``, random weights).
 
-    python benchmarks/train_bench.py                  # about 30 minutes on 2 vCPUs
+    python benchmarks/train_bench.py                  # about 40 minutes on 2 vCPUs
 
-Data: the demo dataset (``--scale``), preprocessed with kept tokens.
+Data: the demo dataset (``--scale``), preprocessed for that model with kept tokens.
 
 1. Plan ``random`` for DP=2 and write its shards; ``vlmshard train profile`` on them (PP=2) gives
    the tiny model's measured cost model and the stage partitions (search, DeepSpeed's
@@ -19,7 +20,10 @@ Data: the demo dataset (``--scale``), preprocessed with kept tokens.
    part of the waiting that imbalance causes.
 4. PP=2 (DP=1) on the balanced shards: each partition trains ``--steps`` steps, alternating,
    ``--repeats`` times; the measured step time is the median after the first (warm-up) step.
-5. Every run is also re-simulated from its train_log with the profile's measured layer times
+5. Padding: the ``random`` plan again with caps twice as large (the same micro-batches, padded
+   to twice the tiles and tokens), DP=1 PP=1, alternating with the original ``--steps`` steps
+   each: the trainer computes on real rows only, so the step time should not follow the caps.
+6. Every run is also re-simulated from its train_log with the profile's measured layer times
    (``vlmshard simulate --train-log``): the simulator's median per-step error.
 
 Medians over repeats; ratios are taken within one run, side by side.
@@ -44,41 +48,40 @@ from vlmshard.preprocess.demo_data import generate  # noqa: E402
 from vlmshard.shards.config import WriteConfig  # noqa: E402
 from vlmshard.shards.writer import run_write  # noqa: E402
 from vlmshard.train.launcher import train  # noqa: E402
+from vlmshard.train.tiny_models import tiny_folder  # noqa: E402
 from vlmshard.train.config import ProfileConfig  # noqa: E402
 from vlmshard.train.profile import run_profile  # noqa: E402
 from vlmshard.simulate.runs import validate_against_log  # noqa: E402
 from vlmshard.train.config import TrainConfig  # noqa: E402
 from vlmshard.io import read_json, write_json_atomic  # noqa: E402
 
-MODEL = os.path.join(REPO, "configs", "train-tiny.yaml")
-
-
 def prepare(work: str, scale: int) -> dict:
-    """Preprocess, plan ``random``, profile, plan ``balanced`` with the measured costs."""
-    import yaml
-
+    """Preprocess, plan ``random`` (and padded to twice its caps), profile, plan ``balanced``
+    with the measured costs."""
     shutil.rmtree(work, ignore_errors=True)
     data = generate(os.path.join(work, "data"), seed=0, scale=scale)
+    model = tiny_folder("internvl", os.path.join(work, "model"))
     pre = os.path.join(work, "preprocess")
-    run_preprocess(PreprocessConfig(inputs=[data.meta], out=pre, keep_tokens=True,
-                                    max_seq_len=8192, part_size=256))
-    with open(MODEL, encoding="utf-8") as f:
-        model = yaml.safe_load(f)["model"]
+    run_preprocess(PreprocessConfig(inputs=[data.meta], out=pre, model=model, keep_tokens=True,
+                                    tile_budget="per-sample", max_seq_len=8192, part_size=256))
     shards = {}
 
-    def plan_and_write(name: str, **options) -> None:
+    def plan_and_write(name: str, **options) -> dict:
         plan = os.path.join(work, f"plan-{name}")
         run_pack(PackConfig(stats=pre, dp=2, out=plan, **options))
         shards[name] = os.path.join(work, f"shards-{name}")
         run_write(WriteConfig(plan=plan, stats=pre, out=shards[name], workers=1))
+        return read_json(os.path.join(plan, "plan.json"))["params"]
 
-    plan_and_write("random", algo="random")
+    caps = plan_and_write("random", algo="random")
+    plan_and_write("random-padded", algo="random", qv=2 * caps["qv"], qt=2 * caps["qt"])
+    padded = shards.pop("random-padded")
     profile = os.path.join(work, "profile")
     run_profile(ProfileConfig(shards=shards["random"], out=profile, model=model, pp=2,
                               micro_batches=8, memory_budget="1TB"))
     plan_and_write("balanced", algo="balanced",
                    cost_model=os.path.join(profile, "cost_model.json"))
-    return {"shards": shards, "model": model, "profile": profile,
+    return {"shards": shards, "padded": padded, "model": model, "profile": profile,
             "plans": {name: read_json(os.path.join(work, f"plan-{name}", "plan.json"))["metrics"]
                       for name in shards}}
 
@@ -130,6 +133,31 @@ def bench_balance(work: str, setup: dict, steps: int, repeats: int) -> dict:
     return result
 
 
+def bench_padding(work: str, setup: dict, steps: int, repeats: int) -> dict:
+    """The same micro-batches at their plan's caps and at twice the caps (DP=1, PP=1)."""
+    from vlmshard.shards.loader import ShardDataset
+
+    runs = {"caps": setup["shards"]["random"], "2x caps": setup["padded"]}
+    same = [[[s["sample_id"] for s in r.samples] for r in ShardDataset(path).records()]
+            for path in runs.values()]
+    assert same[0] == same[1], "the padded plan must hold the same micro-batches"
+    times, fill = {name: [] for name in runs}, {}
+    for i in range(repeats):
+        for name, shards in runs.items():
+            out = os.path.join(work, "runs", f"pad-{name.replace(' ', '')}-{i}")
+            log = train(TrainConfig(shards=shards, out=out, model=setup["model"], pp=1, dp=1,
+                                    max_steps=steps, save_checkpoints=False))
+            times[name].append(statistics.median(r["step_time_s"] for r in log[1:]))
+            manifest = read_json(os.path.join(shards, "manifest.json"))
+            tokens = [m["tokens"] for r in log[1:] for d in r["data"] for m in d["micro_sizes"]]
+            fill[name] = statistics.mean(tokens) / manifest["qt"]
+            print(f"  padding {name:<8} repeat {i}: {times[name][-1]:.3f} s/step, token fill "
+                  f"{fill[name]:.2f}", flush=True)
+    return {name: {"median_step_s": statistics.median(times[name]), "token_fill": fill[name],
+                   "runs": times[name]} for name in runs} | {
+        "ratio": statistics.median(b / a for a, b in zip(times["caps"], times["2x caps"]))}
+
+
 def bench_partitions(work: str, setup: dict, steps: int, repeats: int) -> dict:
     partitions = read_json(os.path.join(setup["profile"], "partition.json"))
     names = [n for n in ("search", "parameters", "uniform") if partitions[n]]
@@ -172,6 +200,7 @@ def main() -> None:
     result = {"machine": f"{platform.node()} {os.cpu_count()} CPUs, {platform.processor()}",
               "plans": setup["plans"],
               "balance": bench_balance(args.work, setup, args.dp_steps, args.repeats),
+              "padding": bench_padding(args.work, setup, args.steps, args.repeats),
               "partition": bench_partitions(args.work, setup, args.steps, args.repeats)}
     balance = result["balance"]
     print(f"\n{'dp=2 plan':<10} {'tokens/s':>9} {'max wait':>9} {'mean wait':>9} "
@@ -182,6 +211,12 @@ def main() -> None:
               f"{b['mean_wait_fraction']:>9.3f} {b['imbalance_fraction']:>9.3f} "
               f"{b['predicted_cost_efficiency']:>13.3f}")
     print(f"balanced / random throughput: {balance['throughput_ratio']:.3f}")
+    padding = result["padding"]
+    print(f"\n{'same batches':<13} {'token fill':>10} {'step s':>8}")
+    for name in ("caps", "2x caps"):
+        print(f"{name:<13} {padding[name]['token_fill']:>10.2f} "
+              f"{padding[name]['median_step_s']:>8.3f}")
+    print(f"step time at 2x caps / at caps: {padding['ratio']:.3f}")
     print(f"\n{'pp=2 partition':<15} {'bounds':<16} {'modelled s':>10} {'step s':>8} "
           f"{'/ search':>8}")
     for name, p in result["partition"].items():

@@ -2,7 +2,7 @@
 --train-log`` should predict, written from the model's description, not from vlmshard.simulate.
 
 - A profiled layer's mean forward and backward seconds scale per micro-batch: ViT-side layers
-  (up to and including ``projector_merge``) with the micro-batch's tiles over the profiled mean
+  (up to and including ``projector``) with the micro-batch's tiles over the profiled mean
   tiles, the others (LLM blocks, head) with ``a_t·tokens + b·squares`` over its profiled mean.
 - A stage's forward is the sum of its layers' forwards; its backward the sum of their backwards
   plus the forwards of its recomputed layers again. One machine: no link time.
@@ -51,7 +51,7 @@ def replay(records: list[dict], profile: dict, cost_model: dict, config: dict) -
     ``train_config.json`` is ``config`` (its ``bounds`` and ``recompute``)."""
     layers = profile["layers"]
     names = [lay["name"] for lay in layers]
-    projector = names.index("projector_merge")
+    projector = names.index("projector")
     a_t, b = cost_model["a_t"], cost_model["b"]
     profiled = profile["micro_batches"]
     mean_tiles = sum(p["tiles"] for p in profiled) / len(profiled)

@@ -128,15 +128,15 @@ class LayerRates:
                 for i in range(len(layers))]
         forward = np.array([u * lay["forward_s"] for u, lay in zip(unit, layers)])
         backward = np.array([u * lay["backward_s"] for u, lay in zip(unit, layers)])
-        projector = _last_vision_layer(profile)  # its output is the LLM's hidden, per token
-        output = np.array([(vit_unit if i < projector else per_token) * lay["output_bytes"]
+        projector = _last_vision_layer(profile)  # its output is image features, per tile
+        output = np.array([(vit_unit if i <= projector else per_token) * lay["output_bytes"]
                            for i, lay in enumerate(layers)])
         return cls(forward, backward, output)
 
 
 def _last_vision_layer(profile: dict) -> int:
     """The projector: the last layer whose work scales with tiles."""
-    return [lay["name"] for lay in profile["layers"]].index("projector_merge")
+    return [lay["name"] for lay in profile["layers"]].index("projector")
 
 
 @dataclass(frozen=True)
