@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from hf_reference import FAMILIES, hf_loss_and_grads, make_folder, make_shards
 from vlmshard.shards.loader import ShardDataset
-from vlmshard.train.attention import Spans, _packed_sdpa
+from vlmshard.train.attention import Spans, packed_sdpa
 from vlmshard.train.hf_model import model_layers
 from vlmshard.train.models import next_token_targets, unpack, wire_inputs
 from vlmshard.train.pipeline import run_layers
@@ -108,7 +108,7 @@ def test_packed_attention_equals_each_sample_alone():
         q = torch.randn(1, 4, n, 8)
         k, v = torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
         spans = Spans.from_lengths(lengths, causal, "sdpa", torch.device("cpu"))
-        out, _ = _packed_sdpa(Module(), q, k, v, None, is_causal=None if causal else False,
+        out, _ = packed_sdpa(Module(), q, k, v, None, is_causal=None if causal else False,
                               **spans.kwargs())
         start = 0
         for length in lengths:

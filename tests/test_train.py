@@ -391,3 +391,14 @@ def test_first_pipeline_step_equals_the_hf_model(family, tmp_path):
         assert torch.equal(params[name].data, tensor), name
     original = dict(AutoModelForImageTextToText.from_pretrained(folder).named_parameters())
     assert all(not torch.equal(params[n], original[n]) for n in params)
+
+
+def test_a_model_folder_without_weights_is_one_line(tmp_path):
+    folder = internvl_folder(str(tmp_path / "model"))
+    os.unlink(tmp_path / "model" / "model.safetensors")
+    proc = vlmshard("train", "--shards", str(tmp_path / "s"), "--model", folder, "--out",
+                    str(tmp_path / "run"), check=False)
+    assert proc.returncode != 0
+    assert proc.stderr.strip() == (f"vlmshard train: error: {folder}: no model.safetensors or "
+                                   "model.safetensors.index.json (only safetensors weights are "
+                                   "read; save the model with save_pretrained)")

@@ -40,7 +40,7 @@ def implementation(backend: str) -> str:
     return "flash_attention_2" if backend == "flash" else PACKED_SDPA
 
 
-def _packed_sdpa(module, query, key, value, attention_mask, *, packed_mask=None, **kwargs):
+def packed_sdpa(module, query, key, value, attention_mask, *, packed_mask=None, **kwargs):
     """``transformers``' SDPA attention, with the packed block-diagonal mask when one is given
     (``packed_mask``: bool [1, 1, n, n], True where a query may attend, causality included)."""
     for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
@@ -51,7 +51,7 @@ def _packed_sdpa(module, query, key, value, attention_mask, *, packed_mask=None,
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-AttentionInterface.register(PACKED_SDPA, _packed_sdpa)
+AttentionInterface.register(PACKED_SDPA, packed_sdpa)
 
 
 @dataclass

@@ -11,13 +11,17 @@ from vlmshard.config import add_options, load_config
 from .config import ProfileConfig, TrainConfig
 
 DESCRIPTION = """\
-Starts PP x DP processes with the DeepSpeed launcher (gloo on CPU, nccl on GPU). Each
+Fine-tunes a Hugging Face model folder (InternVL, Qwen2-VL, Qwen2.5-VL; --model, by default the
+folder the shards were preprocessed with) through DeepSpeed's pipeline engine: each stage builds
+and loads only its own layers of the transformers model, and computes on the real tiles and
+tokens only. Starts PP x DP processes with the DeepSpeed launcher (gloo on CPU, nccl on GPU). Each
 data-parallel replica streams its rank's shards (shards planned for V virtual ranks serve any DP
 dividing V); the pipeline takes one packed micro-batch per record, the plan's micro-batches of a
 step are its gradient accumulation, and the loss is normalized per supervised token over the
 global batch (Ave-Token). Writes OUT/train_log.jsonl: per step the loss, step time, tokens/s,
 every rank's forward, backward and waiting time, and the plan steps and sample ids each DP rank
-trained on; DeepSpeed checkpoints go to OUT/checkpoints (--resume continues exactly).
+trained on; DeepSpeed checkpoints go to OUT/checkpoints/step-N (--resume continues exactly), each
+with an HF folder (hf/), and the final weights to OUT/hf (from_pretrained loads them).
 
 `vlmshard train profile --help` shows the profiling command."""
 
@@ -54,6 +58,7 @@ def main(args: argparse.Namespace) -> int:
         cfg = load_config(TrainConfig, args)
         cfg.validate()
         cfg.resolve_partition()
+        cfg.model = cfg.model_path()
     except (ValueError, OSError, KeyError) as e:
         raise SystemExit(f"vlmshard train: error: {e}") from None
     from .launcher import launch

@@ -65,7 +65,11 @@ class TrainConfig:
             if not path:
                 raise ConfigError(f"{self.shards} were preprocessed without a model folder "
                                   "(the default tokenizer); name the model to train with --model")
-        return read_model_folder(path).path
+        folder = read_model_folder(path).path
+        from .weights import weight_files
+
+        weight_files(folder)  # no weights: one line now, not a traceback in every process
+        return folder
 
     def training_options(self) -> "TrainConfig":
         """The training options alone: what the training processes read (a ProfileConfig is a

@@ -137,6 +137,8 @@ class VLMPipeline(PipelineModule):
     def forward(self, wire: tuple):
         start = time.perf_counter()
         first = self.layer_indices[0]
+        if first == 0:  # DeepSpeed makes the float inputs require grad; pixels need none
+            wire = (wire[0].detach(), *wire[1:])
         micro = unpack(wire, self.model.input_phase(first), self.backend)
         micro = run_layers(self.forward_funcs, [self.model.defs[i] for i in self.layer_indices],
                            micro, self.recompute)

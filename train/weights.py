@@ -35,6 +35,24 @@ class WeightsError(ValueError):
     """A model folder whose weights cannot be read: the message names the file or tensor."""
 
 
+def weight_files(folder: str) -> dict[str, list[str]]:
+    """Each safetensors file of the folder and the tensor keys it holds."""
+    index = os.path.join(folder, INDEX)
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        files: dict[str, list[str]] = defaultdict(list)
+        for key, file in weight_map.items():
+            files[os.path.join(folder, file)].append(key)
+        return dict(files)
+    single = os.path.join(folder, SINGLE)
+    if not os.path.exists(single):
+        raise WeightsError(f"{folder}: no {SINGLE} or {INDEX} (only safetensors weights are "
+                           "read; save the model with save_pretrained)")
+    with safe_open(single, "pt") as f:
+        return {single: list(f.keys())}
+
+
 class Checkpoint:
     """Where each parameter of ``model`` (built on meta) lies in the folder's safetensors."""
 
@@ -43,7 +61,7 @@ class Checkpoint:
         from transformers.core_model_loading import WeightRenaming, rename_source_key
 
         self.folder = folder
-        files = self._files(folder)
+        files = weight_files(folder)
         transforms = get_model_conversion_mapping(model)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         if len(renamings) != len(transforms):
@@ -55,23 +73,6 @@ class Checkpoint:
             for key in keys:
                 name, _ = rename_source_key(key, renamings, [], model.base_model_prefix, wanted)
                 self.where[name] = (file, key)
-
-    @staticmethod
-    def _files(folder: str) -> dict[str, list[str]]:
-        index = os.path.join(folder, INDEX)
-        if os.path.exists(index):
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-            files: dict[str, list[str]] = defaultdict(list)
-            for key, file in weight_map.items():
-                files[os.path.join(folder, file)].append(key)
-            return dict(files)
-        single = os.path.join(folder, SINGLE)
-        if not os.path.exists(single):
-            raise WeightsError(f"{folder}: no {SINGLE} or {INDEX} (only safetensors weights are "
-                               "read; save the model with save_pretrained)")
-        with safe_open(single, "pt") as f:
-            return {single: list(f.keys())}
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The tensors of the given parameter names, reading only those."""

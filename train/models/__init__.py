@@ -9,9 +9,9 @@ keyed like ``vlmshard.preprocess.families``) lists the layers of its model in or
     each decoder layer, final norm                                  (``Phase`` per token)
     LM head with the summed next-token loss
 
-Between pipeline stages a micro-batch travels as a tuple of static shapes (``Wire``): the
-activation padded to the plan's caps, then input_ids, position_ids, image grids, the real counts
-and labels. Inside a stage it is a ``Micro``: sliced once to the real tiles and tokens, so every
+Between pipeline stages a micro-batch travels as a tuple of static shapes: the activation padded
+to the plan's caps, then input_ids, position_ids, image grids (Qwen2-VL's; Qv rows, enough for
+any micro-batch), the real counts (tiles, tokens, images) and labels. Inside a stage it is a ``Micro``: sliced once to the real tiles and tokens, so every
 layer computes on real data only, with the attention segments and rotary tables computed once
 and shared by the stage's layers (``Micro.cache``).
 """
@@ -88,15 +88,11 @@ class Micro:
 def unpack(wire: tuple, phase: Phase, backend: str) -> Micro:
     """The padded tuple a stage receives, sliced to its real rows (one host sync)."""
     x, input_ids, position_ids, grids, counts, labels = wire
-    tiles, tokens = counts.tolist()
+    tiles, tokens, images = counts.tolist()
     return Micro(x=x[:phase.rows(tiles, tokens)], input_ids=input_ids[:tokens],
-                 position_ids=position_ids[..., :tokens], grids=grids[:_images(grids)],
+                 position_ids=position_ids[..., :tokens], grids=grids[:images],
                  labels=labels[:tokens], num_tiles=tiles, num_tokens=tokens, backend=backend,
                  phase=phase, wire=wire)
-
-
-def _images(grids: torch.Tensor) -> int:
-    return int((grids[:, 0] > 0).sum()) if grids.numel() else 0
 
 
 def pack(micro: Micro, phase: Phase) -> tuple:
@@ -114,9 +110,9 @@ def wire_inputs(batch: dict, pixel_rows_per_tile: int) -> tuple:
     """A collated micro-batch (``shards.loader``, padded to the caps) as the first stage's tuple."""
     qv = batch["pixel_values"].shape[0] // pixel_rows_per_tile
     grids = torch.zeros((qv, 3), dtype=torch.long)
-    if "image_grid_thw" in batch:
-        grids[:len(batch["image_grid_thw"])] = batch["image_grid_thw"]
-    counts = torch.tensor([batch["num_tiles"], batch["num_tokens"]])
+    images = len(batch.get("image_grid_thw", ()))
+    grids[:images] = batch.get("image_grid_thw", grids[:0])
+    counts = torch.tensor([batch["num_tiles"], batch["num_tokens"], images])
     return (batch["pixel_values"], batch["input_ids"], batch["position_ids"], grids, counts,
             batch["labels"])
 
