@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
-from torch import nn
 
 from vlmshard.model_sizes import BYTES_PER_PARAM
 from .attention import choose_backend
