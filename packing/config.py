@@ -11,7 +11,6 @@ from vlmshard.model_sizes import PRESETS
 Algorithm = Literal["balanced", "isf", "lengthgroup", "random"]
 ALGORITHMS: tuple[str, ...] = get_args(Algorithm)
 PADDED = ("random", "lengthgroup")  # micro-batches padded per sample, not packed
-ModelName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
 
 
 @dataclass(kw_only=True)
@@ -38,10 +37,13 @@ class PackConfig:
     cost_model: str | None = option(None, help="cost_model.json with a_v, a_t, b (from vlmshard "
                                                "train profile)",
                                     default_text="the FLOPs of --model")
-    model: ModelName | None = option(
-        None, help="model preset whose FLOPs set the default cost model; its ViT unit must be "
-                   "the stats' (448-px tiles for InternVL, 28-px merged patches for Qwen2-VL)",
-        default_text="internvl2-2b, or qwen2-vl-2b for Qwen2-VL stats")
+    model: str | None = option(
+        None, help=f"model whose FLOPs set the default cost model: a Hugging Face model folder "
+                   f"(its config.json's sizes) or a preset ({', '.join(PRESETS)}); its ViT unit "
+                   "must be the stats' (448-px tiles for InternVL, 28-px merged patches for "
+                   "Qwen2-VL)",
+        default_text="the model folder the stats were preprocessed for; else internvl2-2b, or "
+                     "qwen2-vl-2b for Qwen2-VL stats")
 
     def validate(self) -> None:
         for name in ("dp", "micro_batches", "epochs", "target_samples"):

@@ -2,15 +2,20 @@
 
 ``vit_cost = a_v·Σtiles`` and ``llm_cost = a_t·Σseq_len + b·Σseq_len²`` (packed samples attend
 only within themselves, so attention is quadratic per sample). Defaults are the training FLOPs
-(forward + backward = 3× forward) of a model preset, from its layer sizes (``vlmshard/model_sizes.py``);
+(forward + backward = 3× forward) of the model, from its layer sizes (``vlmshard/model_sizes.py``):
+a model folder's ``config.json`` (by default the folder the stats were preprocessed for) or a
+preset;
 ``vlmshard train profile`` writes a measured ``cost_model.json`` with the same three keys.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 
 from vlmshard.io import read_json
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -21,29 +26,35 @@ class CostModel:
     origin: str  # where the numbers came from: a model name or a cost_model.json
 
     @classmethod
-    def from_preset(cls, name: str) -> "CostModel":
-        """Training FLOPs of a model preset (``vlmshard.model_sizes.PRESETS``), from its layer sizes."""
+    def from_sizes(cls, model) -> "CostModel":
+        """Training FLOPs of a ``vlmshard.model_sizes.ModelConfig``, from its layer sizes."""
         from vlmshard.model_sizes import training_flops
-        from vlmshard.model_sizes import PRESETS
 
-        if name not in PRESETS:
-            raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(PRESETS))}")
-        flops = training_flops(PRESETS[name])
-        return cls(flops.tiles, flops.tokens, flops.squares, f"flops:{name}")
+        flops = training_flops(model)
+        return cls(flops.tiles, flops.tokens, flops.squares, f"flops:{model.name}")
 
     @classmethod
-    def for_stats(cls, name: str | None, family: str) -> "CostModel":
-        """The FLOPs of preset ``name`` (default: the family's), checked to count the ViT in the
-        unit the stats do: a preset of other units would weigh tiles against tokens wrongly."""
+    def for_stats(cls, name: str | None, family: str,
+                  model_folder: str | None = None) -> "CostModel":
+        """The FLOPs of ``name`` (a model folder or a preset; default: the folder the stats were
+        made for, else the family's preset), checked to count the ViT in the unit the stats do:
+        a model of other units would weigh tiles against tokens wrongly."""
         from vlmshard.model_sizes import DEFAULT_PRESETS, PRESETS
 
-        name = name or DEFAULT_PRESETS[family]
-        preset, default = PRESETS.get(name), PRESETS[DEFAULT_PRESETS[family]]
-        if preset is not None and preset.vision.image_size != default.vision.image_size:
-            raise ValueError(f"model {name!r} counts {preset.vision.image_size}-px ViT units, but "
+        import os
+
+        if not name and model_folder and not os.path.isdir(model_folder):
+            log.warning("the stats' model folder %s is not here; costing with the %s preset",
+                        model_folder, DEFAULT_PRESETS[family])
+            model_folder = None
+        name = name or model_folder or DEFAULT_PRESETS[family]
+        model = _model_sizes(name, PRESETS)
+        default = PRESETS[DEFAULT_PRESETS[family]]
+        if model.vision.image_size != default.vision.image_size:
+            raise ValueError(f"model {name!r} counts {model.vision.image_size}-px ViT units, but "
                              f"the stats count {family}'s {default.vision.image_size}-px units: "
                              f"pass --model {DEFAULT_PRESETS[family]} or a --cost-model file")
-        return cls.from_preset(name)
+        return cls.from_sizes(model)
 
     @classmethod
     def from_json(cls, path: str) -> "CostModel":
@@ -62,3 +73,18 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _model_sizes(name: str, presets: dict):
+    """A preset's sizes, or those a model folder's ``config.json`` states."""
+    import os
+
+    from vlmshard.model_sizes import ModelConfig
+
+    if name in presets:
+        return presets[name]
+    config = os.path.join(name, "config.json")
+    if not os.path.isfile(config):
+        raise ValueError(f"unknown model {name!r}: neither a preset ({', '.join(sorted(presets))}) "
+                         "nor a model folder with a config.json")
+    return ModelConfig.from_hf_config(read_json(config), os.path.basename(os.path.abspath(name)))

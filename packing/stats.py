@@ -47,6 +47,12 @@ class LoadedStats:
         lengths: InternVL tiles)."""
         return self.preprocess["config"]["tiling"]["name"] if self.preprocess else "internvl"
 
+    @property
+    def model_folder(self) -> str | None:
+        """The model folder the stats were preprocessed for (None: the demo tokenizer)."""
+        model = (self.preprocess or {}).get("config", {}).get("model") or {}
+        return model.get("path")
+
     def describe(self) -> dict:
         # Absolute, so that report and simulate find the stats from any working directory.
         return {"path": os.path.abspath(self.path), "format": self.format, "files": list(self.files),

@@ -392,18 +392,28 @@ def test_verify_names_an_old_shard_format(shards, tmp_path):
     assert "format 'vlmshard-shards/1'" in proc.stdout and "write them again" in proc.stdout
 
 
-def test_pack_costs_the_vit_in_the_stats_unit(shards, tmp_path):
-    """Qwen2-VL stats count 28-px merged patches: the default cost model is a Qwen2-VL preset,
-    and a preset of 448-px tiles is refused rather than weighing patches as tiles."""
-    from vlmshard.model_sizes import PRESETS, training_flops
-
+def test_pack_costs_the_model_the_stats_were_made_for(shards, folders, tmp_path):
+    """By default the packer's FLOPs cost model is the preprocessed model folder's own sizes
+    (config.json); a preset of another ViT unit (448-px tiles for 28-px merged patches) is
+    refused rather than weighing patches as tiles."""
     qwen_pre, _ = shards["qwen2vl"]
     plan = json.load(open(os.path.join(os.path.dirname(shards["qwen2vl"][1]), "qwen2vl-plan",
                                        "plan.json")))
-    assert plan["cost_model"]["origin"] == "flops:qwen2-vl-2b"
-    # a merged patch is 4 ViT patches of 1280 wide: ~4 × 2 × 3 × 32 layers × 12 × 1280² FLOPs
-    per_patch = 2 * 3 * 32 * 12 * 1280 ** 2
-    assert 4 * per_patch < training_flops(PRESETS["qwen2-vl-2b"]).tiles < 4.2 * per_patch
+    cost = plan["cost_model"]
+    assert cost["origin"] == "flops:qwen2vl"
+    # By hand from the tiny folder's config: per token, 2 decoder layers of q, k, v, o (kv
+    # heads 2 of 8 dims) and a SwiGLU of 64, plus the LM head; x2 FLOPs a multiply-add, x3 for
+    # forward and backward. Per squared length, 2 x hidden per layer (the attention).
+    config = json.load(open(os.path.join(folders["qwen2vl"], "config.json")))
+    vocab = config.get("text_config", config)["vocab_size"]
+    h, kv, inter = 32, 2 * 8, 64
+    layer = 2 * h * h + 2 * h * kv + 3 * h * inter
+    assert cost["a_t"] == 3 * (2 * 2 * layer + 2 * h * vocab)
+    assert cost["b"] == 3 * 2 * 2 * h
     proc = vlmshard("pack", "--stats", qwen_pre, "--dp", "1", "--out", str(tmp_path / "p"),
                     "--model", "internvl2-2b", check=False)
     assert proc.returncode != 0 and "counts 448-px ViT units" in proc.stderr
+    vlmshard("pack", "--stats", qwen_pre, "--dp", "1", "--out", str(tmp_path / "q"),
+             "--model", "qwen2-vl-2b")
+    assert json.load(open(tmp_path / "q" / "plan.json"))["cost_model"]["origin"] == \
+        "flops:qwen2-vl-2b"

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from vlmshard.packing import algorithms, kernels
 from vlmshard.packing.batches import Lengths, Packing
+from vlmshard.model_sizes import PRESETS
 from vlmshard.packing.cost import CostModel
 from vlmshard.packing.metrics import REPORT_KEYS, dist_ratio, measure
 from vlmshard.packing.config import ALGORITHMS, PADDED
@@ -28,7 +29,7 @@ import references
 from helpers import vlmshard
 
 OMNIBAL = os.path.join(os.path.dirname(__file__), "data", "omnibal")
-COST = CostModel.from_preset("internvl2-2b")
+COST = CostModel.from_sizes(PRESETS["internvl2-2b"])
 
 
 def _lengths(tiles, tokens, n_sources=2) -> Lengths:
