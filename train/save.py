@@ -45,8 +45,9 @@ def save_hf(net: VLMPipeline, engine, folder: str) -> None:
     if engine.grid.get_data_parallel_id() == 0:
         from transformers.core_model_loading import revert_weight_conversion
 
-        tensors = {name: tensor.to(net.model.checkpoint.dtype(name))
-                   for name, tensor in stage_tensors(net).items()}
+        tensors = stage_tensors(net)
+        dtypes = net.model.checkpoint.dtypes(list(tensors))
+        tensors = {name: tensor.to(dtypes[name]) for name, tensor in tensors.items()}
         tensors = revert_weight_conversion(net.model.meta, tensors)
         weight_map = write_shard(partial, engine.stage_id, engine.num_stages, tensors)
     maps = [None] * dist.get_world_size()

@@ -76,6 +76,14 @@ class Checkpoint:
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The tensors of the given parameter names, reading only those."""
+        return self._each_file(names, lambda f, key: f.get_tensor(key))
+
+    def dtypes(self, names: list[str]) -> dict[str, torch.dtype]:
+        """The dtypes the folder stores the given parameter names in."""
+        return self._each_file(names, lambda f, key: _DTYPES[f.get_slice(key).get_dtype()])
+
+    def _each_file(self, names: list[str], get) -> dict:
+        """``get(open file, key)`` for each name, opening every file once."""
         missing = [n for n in names if n not in self.where]
         if missing:
             raise WeightsError(f"{self.folder}: no tensor for {', '.join(missing[:5])}"
@@ -87,14 +95,8 @@ class Checkpoint:
         for file, file_names in by_file.items():
             with safe_open(file, "pt") as f:
                 for name in file_names:
-                    out[name] = f.get_tensor(self.where[name][1])
+                    out[name] = get(f, self.where[name][1])
         return out
-
-    def dtype(self, name: str) -> torch.dtype:
-        """The dtype the folder stores ``name`` in."""
-        file, key = self.where[name]
-        with safe_open(file, "pt") as f:
-            return _DTYPES[f.get_slice(key).get_dtype()]
 
 
 def load_layer(layer: nn.Module, checkpoint: Checkpoint, device: torch.device | str = "cpu",
