@@ -24,6 +24,7 @@ from vlmshard.io import read_json
 from vlmshard.model_sizes import training_flops
 
 from .config import TrainConfig
+from .distributed import init_distributed
 from .train_log import open_log, rank_data, rank_timing, step_record, write_record
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ def run(cfg: TrainConfig) -> None:
 
     cfg.validate()
     cuda = torch.cuda.is_available()
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    init_distributed(cuda)
     if not cuda:
         torch.set_num_threads(cpu_threads_per_rank(cfg.pp * cfg.dp))
     torch.manual_seed(cfg.seed)
