@@ -26,9 +26,11 @@ PACKED_SDPA = "vlmshard_packed_sdpa"
 BACKENDS = ("flash", "sdpa")
 
 
-def choose_backend(device: torch.device | str) -> str:
-    """``flash`` on CUDA when flash-attn is installed, else ``sdpa``."""
-    if torch.device(device).type == "cuda" and importlib.util.find_spec("flash_attn"):
+def choose_backend(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
+    """``flash`` on CUDA in bf16/fp16 when flash-attn is installed (its kernels take no fp32),
+    else ``sdpa``."""
+    if (torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and importlib.util.find_spec("flash_attn")):
         return "flash"
     return "sdpa"
 

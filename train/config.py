@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
+
 from vlmshard.config import ConfigError, option
+
+Precision = Literal["bf16", "fp32"]
 
 
 @dataclass(kw_only=True)
@@ -27,6 +31,13 @@ class TrainConfig:
     max_grad_norm: float = option(1.0, help="clip the global gradient norm to this (0: no "
                                             "clipping), as Hugging Face's Trainer does")
     seed: int = option(0, help="model initialization seed")
+    precision: Precision | None = option(
+        None, help="bf16: weights, activations and pixels in bfloat16, fp32 master weights, "
+                   "gradients and optimizer states (DeepSpeed's BF16 optimizer); fp32: all fp32 "
+                   "(TF32 matmuls on GPU)", default_text="bf16 on GPU, fp32 on CPU")
+    loader_workers: int | None = option(
+        None, help="DataLoader worker processes per first-stage rank, decoding images ahead of "
+                   "the step (0: in the training process)", default_text="4 on GPU, 0 on CPU")
     partition: str | None = option(
         None, help="partition.json from 'vlmshard train profile': its chosen stage bounds and "
                    "per-stage recompute", default_text="DeepSpeed's 'parameters' partition")
@@ -40,6 +51,13 @@ class TrainConfig:
                   "steps (YAML null: at the end only)")
     save_checkpoints: bool = option(True, help="save DeepSpeed checkpoints at all (off for short "
                                                "validation runs)")
+    hostfile: str | None = option(
+        None, help="DeepSpeed hostfile ('HOST slots=N' per line): start every node from this one "
+                   "over passwordless ssh. Without it, a job started on every node (srun, or "
+                   "torchrun-style NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_ADDR) runs this "
+                   "node's share", default_text="this node alone, or the job's environment")
+    master_port: int | None = option(
+        None, help="node 0's rendezvous port", default_text="MASTER_PORT, else 29500")
     resume: str | None = option(
         None, help="run folder to continue from its latest checkpoint; the data position follows "
                    "from the step", default_text="start afresh")
@@ -48,10 +66,26 @@ class TrainConfig:
         for name in ("pp", "dp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.loader_workers is not None and self.loader_workers < 0:
+            raise ConfigError(f"--loader-workers must be at least 0, got {self.loader_workers}")
         for name in ("max_steps", "checkpoint_every"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+    def resolve_device_defaults(self, cuda: bool) -> None:
+        """Fill the options whose default depends on whether the ranks have GPUs."""
+        if self.precision is None:
+            self.precision = "bf16" if cuda else "fp32"
+        if self.loader_workers is None:
+            self.loader_workers = 4 if cuda else 0
+
+    @property
+    def dtype(self):
+        """The torch dtype of weights and activations for ``precision``."""
+        import torch
+
+        return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.precision or "fp32"]
 
     def model_path(self) -> str:
         """``model``, or the folder the shards were preprocessed with."""

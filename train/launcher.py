@@ -1,45 +1,62 @@
-"""Start the training processes: ``train.trainer`` on PP × DP local processes through DeepSpeed's
-launcher (its CPU accelerator takes the process count from ``LOCAL_SIZE``; gloo on CPU)."""
+"""Start the training processes: ``train.trainer`` on PP × DP processes through DeepSpeed's
+launchers, on one node or many (``train.cluster``); gloo on CPU, where DeepSpeed's CPU accelerator
+takes the processes per node from ``LOCAL_SIZE``."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import asdict
 
 from vlmshard.io import write_json_atomic
 
+from .cluster import Cluster
 from .config import TrainConfig
 from .train_log import LOG_NAME, read_log
 
 
 def launch(cfg: TrainConfig, output: str | None = None) -> int:
-    """Run the training processes to completion; returns the launcher's exit status.
+    """Run this node's training processes (every node's, with ``--hostfile``) to completion;
+    returns the launcher's exit status.
 
     The processes print to this process's stdout and stderr, or append to the file ``output``
     (``vlmshard run`` keeps DeepSpeed's chatter out of its one line per stage)."""
     import torch
 
     cfg.validate()
+    cuda = torch.cuda.is_available()
+    cfg.resolve_device_defaults(cuda)
     cfg.model = cfg.model_path()  # a missing folder fails here, not in every process
+    cluster = Cluster.resolve(cfg.pp * cfg.dp, os.environ, hostfile=cfg.hostfile,
+                              master_port=cfg.master_port)
+    cluster.check_port()
     os.makedirs(cfg.out, exist_ok=True)
     config_path = os.path.join(os.path.abspath(cfg.out), "train_config.json")
     write_json_atomic(config_path, asdict(cfg.training_options()))
-    processes = cfg.pp * cfg.dp
     env = dict(os.environ)
-    if not torch.cuda.is_available():
-        env["LOCAL_SIZE"] = str(processes)  # DeepSpeed's CPU accelerator counts "devices" here
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(processes),
-           "--master_port", str(port), "--module", "vlmshard.train.trainer", config_path]
+    if not cuda:
+        env["LOCAL_SIZE"] = str(cluster.procs_per_node)  # the CPU accelerator's "devices"
+    cmd = launcher_command(cluster) + ["--module", "vlmshard.train.trainer", config_path]
     if output is None:
         return subprocess.call(cmd, env=env)
     with open(output, "ab") as sink:
         return subprocess.call(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
+
+
+def launcher_command(cluster: Cluster) -> list[str]:
+    """DeepSpeed's multi-node runner for a hostfile, its per-node launcher otherwise (one node,
+    or this node of a job started on every node)."""
+    if cluster.hostfile:
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", cluster.hostfile,
+               "--master_port", str(cluster.master_port)]
+        return cmd + (["--master_addr", cluster.master_addr] if cluster.master_addr else [])
+    world = base64.urlsafe_b64encode(json.dumps(cluster.world_info()).encode()).decode()
+    return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
+            f"--node_rank={cluster.node_rank}", f"--master_addr={cluster.master_addr}",
+            f"--master_port={cluster.master_port}"]
 
 
 def train(cfg: TrainConfig, output: str | None = None) -> list[dict]:

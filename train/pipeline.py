@@ -17,59 +17,24 @@ static shapes the next stage expects. The last stage returns the micro-batch's s
 
 from __future__ import annotations
 
-import time
-
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import deepspeed_compat as ds
+from .clock import CLOCK
 from .hf_model import ModelLayers, model_layers
 from .models import LayerDef, Micro, pack, unpack, wire_inputs
-
-
-class StageClock:
-    """This process's forward and backward compute time, summed over its micro-batches.
-
-    DeepSpeed's own timers (``wall_clock_breakdown``) trip an assertion in pipeline mode, so the
-    stage times itself: forward around its layers; backward from the moment its output's
-    gradient arrives to the moment the last of its parameters has its gradient."""
-
-    def __init__(self) -> None:
-        self.forward_s = 0.0
-        self.backward_s = 0.0
-        self._mark = 0.0
-
-    def take(self) -> tuple[float, float]:
-        """(forward, backward) seconds since the last call."""
-        out = (self.forward_s, self.backward_s)
-        self.forward_s = self.backward_s = 0.0
-        return out
-
-    def watch(self, parameters) -> None:
-        for p in parameters:
-            p.register_post_accumulate_grad_hook(self._on_parameter_grad)
-
-    def output_grad_arrives(self, grad):
-        self._mark = time.perf_counter()
-        return grad
-
-    def _on_parameter_grad(self, _param) -> None:
-        now = time.perf_counter()
-        self.backward_s += now - self._mark
-        self._mark = now
-
-
-CLOCK = StageClock()
 
 
 class PipeLayer(nn.Module):
     """One layer of the model folder, built on meta and loaded with its own tensors only (what a
     DeepSpeed ``LayerSpec`` builds on the stage that holds it)."""
 
-    def __init__(self, path: str, index: int, backend: str) -> None:
+    def __init__(self, path: str, index: int, backend: str, dtype: torch.dtype) -> None:
         super().__init__()
-        self.inner = model_layers(path, backend).build_layer(index)
+        self.inner = model_layers(path, backend).build_layer(index, dtype=dtype)
 
     @property
     def weight(self) -> torch.Tensor:  # the tied embedding's, for DeepSpeed's tie
@@ -94,53 +59,53 @@ def run_layers(layers: list[nn.Module], defs: list[LayerDef], micro: Micro,
 
 class VLMPipeline(PipelineModule):
     """``PipelineModule`` over a model folder's layers. ``bounds``: stage s holds layers
-    ``bounds[s]:bounds[s + 1]`` (None: DeepSpeed's ``parameters`` method)."""
+    ``bounds[s]:bounds[s + 1]`` (None: DeepSpeed's ``parameters`` method); ``dtype``: the
+    weights' (each stage loads its tensors straight into it)."""
 
     def __init__(self, model: ModelLayers, stages: int, loss_fn, *, backend: str,
-                 bounds: list[int] | None = None, recompute: set[str] = frozenset(),
-                 **kwargs) -> None:
+                 dtype: torch.dtype = torch.float32, bounds: list[int] | None = None,
+                 recompute: set[str] = frozenset(), **kwargs) -> None:
         unknown = set(recompute) - set(model.names)
         if unknown:
             raise ValueError(f"recompute names {sorted(unknown)} are not layers of {model.path} "
                              f"({', '.join(model.names)})")
+        ds.check_compatible()
         self._vlmshard_bounds = bounds
         self.model = model
         self.backend = backend
         specs = []
         for i, d in enumerate(model.defs):
             if d.tied_key:
-                specs.append(TiedLayerSpec(d.tied_key, PipeLayer, model.path, i, backend))
+                specs.append(TiedLayerSpec(d.tied_key, PipeLayer, model.path, i, backend, dtype))
             else:
-                specs.append(LayerSpec(PipeLayer, model.path, i, backend))
+                specs.append(LayerSpec(PipeLayer, model.path, i, backend, dtype))
         super().__init__(layers=specs, num_stages=stages, loss_fn=loss_fn,
                          partition_method="bounds" if bounds else "parameters", **kwargs)
-        self.layer_indices = range(self._local_start, self._local_stop)
+        self.layer_indices = ds.local_layers(self)
         self.recompute = [model.names[i] in recompute for i in self.layer_indices]
         CLOCK.watch(p for p in self.parameters() if p.requires_grad)
 
     def _partition_layers(self, method: str = "uniform") -> None:
         if method != "bounds":
             return super()._partition_layers(method)
-        bounds = list(self._vlmshard_bounds)
-        if len(bounds) != self.num_stages + 1 or bounds[0] != 0 or bounds[-1] != len(
-                self._layer_specs) or any(a >= b for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"stage bounds {bounds} do not split {len(self._layer_specs)} "
-                             f"layers into {self.num_stages} non-empty stages")
-        self.parts = bounds
-        stage = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=bounds[stage], stop=bounds[stage + 1])
+        bounds, layers = list(self._vlmshard_bounds), ds.layer_count(self)
+        if len(bounds) != self.num_stages + 1 or bounds[0] != 0 or bounds[-1] != layers or any(
+                a >= b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"stage bounds {bounds} do not split {layers} layers into "
+                             f"{self.num_stages} non-empty stages")
+        ds.set_stage_bounds(self, bounds)
 
     @property
     def stage_layer_names(self) -> list[str]:
         return [self.model.names[i] for i in self.layer_indices]
 
     def forward(self, wire: tuple):
-        start = time.perf_counter()
+        start = CLOCK.mark()
         first = self.layer_indices[0]
         if first == 0:  # DeepSpeed makes the float inputs require grad; pixels need none
             wire = (wire[0].detach(), *wire[1:])
         micro = unpack(wire, self.model.input_phase(first), self.backend)
-        micro = run_layers(self.forward_funcs, [self.model.defs[i] for i in self.layer_indices],
+        micro = run_layers(ds.stage_functions(self), [self.model.defs[i] for i in self.layer_indices],
                            micro, self.recompute)
         last = self.layer_indices[-1]
         if last == len(self.model.defs) - 1:
@@ -148,7 +113,7 @@ class VLMPipeline(PipelineModule):
         else:
             out = pack(micro, self.model.defs[last].output)
             activation = out[0]
-        CLOCK.forward_s += time.perf_counter() - start
+        CLOCK.forward_done(start)
         if activation.requires_grad:
             activation.register_hook(CLOCK.output_grad_arrives)
         return out
@@ -171,6 +136,15 @@ class AveTokenLoss:
         return loss_sum * (self.scale / max(1, self.global_tokens))
 
 
-def pipeline_inputs(batch: dict, pixel_rows_per_tile: int) -> tuple[tuple, torch.Tensor]:
-    """A collated micro-batch (``shards.loader``) as DeepSpeed's (inputs, labels) pair."""
-    return wire_inputs(batch, pixel_rows_per_tile), batch["labels"]
+def pipeline_inputs(batch: dict, pixel_rows_per_tile: int,
+                    device: torch.device | str = "cpu") -> tuple[tuple, torch.Tensor]:
+    """A collated micro-batch (``shards.loader``) as DeepSpeed's (inputs, labels) pair on the
+    stage's device (an asynchronous copy from the loader's pinned memory on GPU)."""
+    wire = tuple(t.to(device, non_blocking=True) for t in wire_inputs(batch, pixel_rows_per_tile))
+    return wire, wire[-1]
+
+
+def no_inputs() -> tuple[tuple, torch.Tensor]:
+    """What a stage that reads no data gives DeepSpeed's loader: its inputs come from the
+    previous stage, and the last stage's head takes the labels off the wire, not from here."""
+    return (), torch.zeros(1)

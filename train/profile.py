@@ -45,13 +45,14 @@ def run_profile(cfg: ProfileConfig) -> dict:
 
     cfg.validate()
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cfg.resolve_device_defaults(device.startswith("cuda"))
     if device == "cpu":  # a rank's device is its share of the cores, as in training
         torch.set_num_threads(cpu_threads_per_rank(cfg.pp * cfg.dp))
     torch.manual_seed(cfg.seed)
-    model = model_layers(cfg.model_path(), choose_backend(device))
-    batches = list(islice(ShardDataset(cfg.shards, 0, 1, pixel_dtype=torch.float32),
+    model = model_layers(cfg.model_path(), choose_backend(device, cfg.dtype))
+    batches = list(islice(ShardDataset(cfg.shards, 0, 1, pixel_dtype=cfg.dtype),
                           cfg.micro_batches))
-    profile = profile_layers(model, batches, device)
+    profile = profile_layers(model, batches, device, cfg.dtype)
     machine = Machine(parse_size(cfg.memory_budget), cfg.link_bytes_per_s)
     partitions = compare_partitions(profile.layers, cfg.pp, machine)
     if cfg.validate_top:
@@ -87,10 +88,10 @@ def _tensor_bytes(x) -> int:
 
 
 def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
-                   repeats: int = 1) -> Profile:
+                   dtype: torch.dtype = torch.float32, repeats: int = 1) -> Profile:
     """Time and measure every layer on each batch (collated micro-batches from the loader), each
     on the real rows the previous layer produced, as a pipeline stage runs it."""
-    funcs = model.build_all(device)
+    funcs = model.build_all(device, dtype)
     vision = sum(1 for d in model.defs if d.output.per_tile)  # ViT layers and the projector
     sums = np.zeros((len(funcs), 5))  # forward, backward, activation, input, output
     per_batch = []

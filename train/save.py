@@ -16,6 +16,7 @@ import shutil
 
 import torch
 
+from . import deepspeed_compat as ds
 from .pipeline import VLMPipeline
 from .weights import write_index, write_shard
 
@@ -28,7 +29,7 @@ def stage_tensors(net: VLMPipeline) -> dict[str, torch.Tensor]:
         d = net.model.defs[i]
         if not net.model.first_of_tie(i):
             continue
-        layer = (net.tied_modules[d.tied_key] if d.tied_key else getattr(net, str(i))).inner
+        layer = ds.layer_module(net, i, d.tied_key).inner
         for local, tensor in layer.state_dict().items():
             out[layer.hf_name(local)] = tensor
     return out

@@ -4,8 +4,9 @@ Torch-free, so that anything that writes or checks a train log (the trainer, tes
 makes the records with the same code. A record holds every rank's timings and, for each
 data-parallel rank, what its first stage trained:
 
-``{"step", "loss", "step_time_s", "tokens", "tokens_per_s", "model_flops", "model_flops_per_s",
-"ranks": [{"rank", "stage", "dp_rank", "forward_s", "backward_s", "wait_s", "step_time_s"}],
+``{"step", "loss", "step_time_s", "load_s", "tokens", "tokens_per_s", "end_to_end_tokens_per_s",
+"model_flops", "model_flops_per_s", "ranks": [{"rank", "stage", "dp_rank", "forward_s",
+"backward_s", "wait_s", "step_time_s", "load_s"}],
 "data": [{"dp_rank", "tokens", "plan_steps", "micro_sizes", "sample_ids"}]}``
 """
 
@@ -34,11 +35,12 @@ def micro_batch_size(batch: dict) -> dict:
 
 
 def rank_timing(*, rank: int, stage: int, dp_rank: int, forward_s: float, backward_s: float,
-                step_time_s: float) -> dict:
-    """One rank's timings of a step: ``wait_s`` is the step time less its own compute."""
+                step_time_s: float, load_s: float = 0.0) -> dict:
+    """One rank's timings of a step: ``wait_s`` is the step time less its own compute;
+    ``load_s`` the time it waited for its loader before the step (outside the step time)."""
     return {"rank": rank, "stage": stage, "dp_rank": dp_rank, "forward_s": forward_s,
             "backward_s": backward_s, "wait_s": max(0.0, step_time_s - forward_s - backward_s),
-            "step_time_s": step_time_s}
+            "step_time_s": step_time_s, "load_s": load_s}
 
 
 def rank_data(micro: list[dict]) -> dict:
@@ -55,13 +57,16 @@ def step_record(step: int, loss: float, ranks: list[dict], flops: Size) -> dict:
 
     ``model_flops`` is the step's useful training work (forward + backward of the real tiles,
     tokens and per-sample attention, padding excluded) from the model's analytic FLOPs: divided
-    by step time and the cluster's peak it is the MFU."""
+    by step time and the cluster's peak it is the MFU. ``end_to_end_tokens_per_s`` also counts
+    the slowest rank's loading, which precedes the step."""
     seconds = max(r["step_time_s"] for r in ranks)
+    load = max(r.get("load_s", 0.0) for r in ranks)
     data = sorted((r for r in ranks if "data" in r), key=lambda r: r["dp_rank"])
     tokens = sum(r["data"]["tokens"] for r in data)
     model_flops = sum(flops.dot(Size(**m)) for r in data for m in r["data"]["micro_sizes"])
-    return {"step": step, "loss": loss, "step_time_s": seconds, "tokens": tokens,
+    return {"step": step, "loss": loss, "step_time_s": seconds, "load_s": load, "tokens": tokens,
             "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "end_to_end_tokens_per_s": tokens / (seconds + load) if seconds + load else 0.0,
             "model_flops": model_flops,
             "model_flops_per_s": model_flops / seconds if seconds else 0.0,
             "ranks": [{k: v for k, v in r.items() if k != "data"} for r in ranks],

@@ -3,12 +3,13 @@ DeepSpeed launcher): stream this data-parallel rank's shards, one packed micro-b
 micro-step, Ave-Token loss, a JSON line per step.
 
 Every step takes ``micro_batches × V/W`` records from the rank's loader (the plan's step), so the
-pipeline's gradient accumulation is the plan's micro-batches. The first stage decodes images;
-the last stage reads the same records without pixels, for the labels and the token count.
+pipeline's gradient accumulation is the plan's micro-batches. Only first stages read shards; the
+labels travel with the activations to the last stage, and the step's supervised-token count is
+summed over the world.
 
 A barrier after loading starts every rank's step clock together: a rank's ``wait_s`` (step time
 less its own forward and backward) is then the time it lost to other ranks' compute and to the
-pipeline's bubbles, not to its own data loading.
+pipeline's bubbles, not to its own data loading, which is logged apart as ``load_s``.
 """
 
 from __future__ import annotations
@@ -80,19 +81,35 @@ def check_vocabulary(batch: dict, vocab_size: int) -> dict:
     return batch
 
 
-def repeated(shards: str, rank: int, world: int, pixels: bool, start: int) -> Iterator[dict]:
-    """This rank's micro-batches from global step ``start`` on, from step 0 again after the
-    last step: the data position is a pure function of the step."""
-    import torch
+def repeated(cfg: TrainConfig, rank: int, start: int, cuda: bool) -> Iterator[dict]:
+    """This data-parallel rank's micro-batches from global step ``start`` on, from step 0 again
+    after the last step: the data position is a pure function of the step."""
+    from vlmshard.shards.loader import ShardDataset, make_loader
 
-    from vlmshard.shards.loader import ShardDataset
-
-    steps = ShardDataset(shards, rank, world).steps
+    steps = ShardDataset(cfg.shards, rank, cfg.dp).steps
     first = start % steps
     while True:
-        yield from ShardDataset(shards, rank, world, start_step=first, pixels=pixels,
-                                pixel_dtype=torch.float32)
+        yield from make_loader(cfg.shards, rank, cfg.dp, first, num_workers=cfg.loader_workers,
+                               pin_memory=cuda, pixel_dtype=cfg.dtype)
         first = 0
+
+
+def deepspeed_config(cfg: TrainConfig, gas: int) -> dict:
+    """The engine's configuration: one packed micro-batch per pipeline micro-step, the plan's
+    micro-batches as gradient accumulation. bf16 takes DeepSpeed's BF16 optimizer: fp32 master
+    weights and Adam states sharded over the data-parallel ranks (the ZeRO-1 setting is how
+    DeepSpeed selects it under pipeline parallelism) and gradients accumulated in fp32 (in bf16,
+    its own warning says, many accumulation steps are not safe)."""
+    config = {
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
+        "train_batch_size": gas * cfg.dp, "steps_per_print": 10 ** 9,
+        "gradient_clipping": cfg.max_grad_norm,
+    }
+    if cfg.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+        config["zero_optimization"] = {"stage": 1}
+    return config
 
 
 def run(cfg: TrainConfig) -> None:
@@ -104,36 +121,41 @@ def run(cfg: TrainConfig) -> None:
     from vlmshard.shards.loader import ShardDataset
 
     from .attention import choose_backend
+    from .clock import CLOCK
     from .hf_model import model_layers
-    from .pipeline import CLOCK, AveTokenLoss, VLMPipeline, pipeline_inputs
+    from .pipeline import AveTokenLoss, VLMPipeline, no_inputs, pipeline_inputs
     from .save import save_hf
 
     cfg.validate()
     cuda = torch.cuda.is_available()
+    cfg.resolve_device_defaults(cuda)
     init_distributed(cuda)
-    if not cuda:
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 runs: TF32 tensor cores
+        torch.backends.cudnn.allow_tf32 = True
+    else:
         torch.set_num_threads(cpu_threads_per_rank(cfg.pp * cfg.dp))
+    CLOCK.use_cuda(cuda)
     torch.manual_seed(cfg.seed)
     probe = ShardDataset(cfg.shards, 0, cfg.dp)
-    model = model_layers(cfg.model_path(), choose_backend("cuda" if cuda else "cpu"))
+    model = model_layers(cfg.model_path(), choose_backend("cuda" if cuda else "cpu",
+                                                          cfg.dtype))
     check_shards_fit(probe, model)
     gas = probe.micro_batches_per_step
     steps = cfg.max_steps or probe.steps
 
     loss = AveTokenLoss()
-    net = VLMPipeline(model, cfg.pp, loss, backend=model.backend, bounds=cfg.bounds,
-                      recompute=set(cfg.recompute),
+    net = VLMPipeline(model, cfg.pp, loss, backend=model.backend, dtype=cfg.dtype,
+                      bounds=cfg.bounds, recompute=set(cfg.recompute),
                       topology=PipeDataParallelTopology(num_pp=cfg.pp, num_dp=cfg.dp))
-    ds_config = {
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
-        "train_batch_size": gas * cfg.dp, "steps_per_print": 10 ** 9,
-        "gradient_clipping": cfg.max_grad_norm,
-        "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr,
-                                                  "weight_decay": cfg.weight_decay}},
-    }
-    engine, _, _, _ = deepspeed.initialize(
-        model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
-        config=ds_config)
+    trained = [p for p in net.parameters() if p.requires_grad]
+    # torch's own AdamW (fused kernels): DeepSpeed's "AdamW" compiles its fused_adam op on
+    # first use (nvcc on GPU, minutes of ninja on CPU).
+    optimizer = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  fused=True)
+    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=trained,
+                                           optimizer=optimizer,
+                                           config=deepspeed_config(cfg, gas))
     loss.scale = gas * cfg.dp
     # the order of the optimizer's parameters, saved with each checkpoint: which rank holds what
     trained_names = [n for n, p in net.named_parameters() if p.requires_grad]
@@ -145,28 +167,34 @@ def run(cfg: TrainConfig) -> None:
             raise FileNotFoundError(f"{cfg.resume}: no checkpoint to resume from")
         first_step = state["step"]
     dp_rank = engine.grid.get_data_parallel_id()
-    reads = engine.is_first_stage() or engine.is_last_stage()
-    batches = repeated(cfg.shards, dp_rank, cfg.dp, engine.is_first_stage(), first_step)
+    reads = engine.is_first_stage()
+    batches = repeated(cfg, dp_rank, first_step, cuda) if reads else None
     log_file = open_log(cfg.out, first_step) if engine.global_rank == 0 else None
     flops = training_flops(ModelConfig.from_hf_config(read_json(
         os.path.join(model.path, "config.json")), os.path.basename(model.path)))
     vocab = model.config.get_text_config().vocab_size
     rows = model.geometry.pixel_rows_per_tile
     for step in range(first_step, steps):
+        start = time.perf_counter()
         micro = [check_vocabulary(next(batches), vocab) for _ in range(gas)] if reads else []
-        tokens = torch.tensor([sum(supervised_tokens(b) for b in micro)], dtype=torch.long)
-        if engine.is_last_stage():
-            deepspeed.comm.all_reduce(tokens, group=engine.grid.get_data_parallel_group())
-            loss.global_tokens = int(tokens)
+        inputs = [pipeline_inputs(b, rows, engine.device) for b in micro] or \
+            [no_inputs() for _ in range(gas)]
+        # The Ave-Token denominator: the first stages' counts, summed over the whole world, on
+        # the engine's device (NCCL reduces device tensors only).
+        tokens = torch.tensor([sum(supervised_tokens(b) for b in micro)], device=engine.device)
+        torch.distributed.all_reduce(tokens)
+        loss.global_tokens = int(tokens)
+        load_s = time.perf_counter() - start
         torch.distributed.barrier()  # the step's clock starts on every rank together
         CLOCK.take()
         start = time.perf_counter()
-        value = float(engine.train_batch(iter([pipeline_inputs(b, rows) for b in micro])))
+        value = float(engine.train_batch(iter(inputs)))
         seconds = time.perf_counter() - start
         forward, backward = CLOCK.take()
         mine = rank_timing(rank=engine.global_rank, stage=engine.stage_id, dp_rank=dp_rank,
-                           forward_s=forward, backward_s=backward, step_time_s=seconds)
-        if engine.is_first_stage():
+                           forward_s=forward, backward_s=backward, step_time_s=seconds,
+                           load_s=load_s)
+        if reads:
             mine["data"] = rank_data(micro)
         ranks = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(ranks, mine)

@@ -1,0 +1,80 @@
+"""A pipeline stage's own compute time, read once per step.
+
+DeepSpeed's timers (``wall_clock_breakdown``) trip an assertion in pipeline mode, so a stage
+times itself: forward around its layers; backward from the moment its output's gradient arrives
+to the moment the last of its parameters has its gradient. On a GPU the marks are CUDA events
+recorded on the compute stream (a host clock would time kernel launches, not kernels), and
+``take`` synchronises once to read them all.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class StageClock:
+    """Forward and backward intervals of this process's micro-batches since the last ``take``."""
+
+    def __init__(self) -> None:
+        self.cuda = False
+        self._forward: list[tuple] = []
+        self._backward: list[tuple] = []
+        self._backward_open: list | None = None  # [start, latest parameter-gradient mark]
+
+    def use_cuda(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def mark(self):
+        """A point in time on the compute stream: a recorded CUDA event, or the host clock."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def forward_done(self, start) -> None:
+        self._forward.append((start, self.mark()))
+
+    def watch(self, parameters) -> None:
+        for p in parameters:
+            p.register_post_accumulate_grad_hook(self._on_parameter_grad)
+
+    def output_grad_arrives(self, grad):
+        """Tensor hook on the stage's output: this micro-batch's backward starts."""
+        self._close_backward()
+        start = self.mark()
+        self._backward_open = [start, start]
+        return grad
+
+    def _on_parameter_grad(self, _param) -> None:
+        if self._backward_open is None:
+            return
+        if self.cuda:  # one end event per micro-batch, re-recorded: the latest record counts
+            if self._backward_open[1] is self._backward_open[0]:
+                self._backward_open[1] = torch.cuda.Event(enable_timing=True)
+            self._backward_open[1].record()
+        else:
+            self._backward_open[1] = time.perf_counter()
+
+    def _close_backward(self) -> None:
+        if self._backward_open is not None:
+            self._backward.append(tuple(self._backward_open))
+            self._backward_open = None
+
+    def take(self) -> tuple[float, float]:
+        """(forward, backward) seconds since the last call; one device synchronisation."""
+        self._close_backward()
+        if self.cuda:
+            torch.cuda.synchronize()
+        out = (sum(self._seconds(a, b) for a, b in self._forward),
+               sum(self._seconds(a, b) for a, b in self._backward))
+        self._forward, self._backward = [], []
+        return out
+
+    def _seconds(self, start, end) -> float:
+        return end - start if not self.cuda else start.elapsed_time(end) / 1000.0
+
+
+CLOCK = StageClock()
