@@ -13,7 +13,7 @@ from hf_reference import FAMILIES, hf_loss_and_grads, make_folder, make_shards
 from vlmshard.shards.loader import ShardDataset
 from vlmshard.train.attention import Spans, packed_sdpa
 from vlmshard.train.hf_model import model_layers
-from vlmshard.train.models import next_token_targets, unpack, wire_inputs
+from vlmshard.train.models import next_token_targets, pack, unpack, wire_inputs
 from vlmshard.train.pipeline import run_layers
 
 
@@ -91,6 +91,52 @@ def test_padding_takes_no_compute(setup):
     assert padded["input_ids"].shape[0] >= 1.3 * tight["num_tokens"]
     assert padded_loss == loss
     assert padded_flops == flops > 0
+
+
+# What reads a device tensor back to the host (a GPU synchronisation): torch's
+# ``set_sync_debug_mode`` catches these on CUDA; on CPU they are counted by name.
+HOST_READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "nonzero",
+              "argwhere", "masked_select", "unique", "unique_consecutive", "numpy", "cpu"}
+
+
+class Tracked(torch.Tensor):
+    """A tensor that counts host reads of itself and of everything computed from it: the
+    stand-in for "on the GPU", so host-side tensors a layer builds itself do not count."""
+
+    reads: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        first = args[0] if args else None
+        boolean_index = (name == "__getitem__" and len(args) > 1 and torch.is_tensor(args[1])
+                         and args[1].dtype == torch.bool)
+        if isinstance(first, Tracked) and (name in HOST_READS or boolean_index or (
+                name == "repeat_interleave" and not (kwargs or {}).get("output_size"))):
+            cls.reads.append(name)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_stage_reads_the_device_once_per_micro_batch(setup):
+    """Every tensor a stage receives is tracked as a device tensor; through each stage's forward
+    and backward (the model cut in two, recompute on), the only host read is the metadata's."""
+    folder, shards = setup
+    model = model_layers(folder)
+    funcs = model.build_all()
+    cut = model.names.index("embed_tokens") + 2  # a stage boundary inside the LLM
+    batch = next(iter(ShardDataset(shards, pixel_dtype=torch.float32)))
+    wire = wire_inputs(batch, model.geometry.pixel_rows_per_tile)
+    for lo, hi in ((0, cut), (cut, len(funcs))):
+        received = tuple(t.as_subclass(Tracked) for t in wire)
+        if lo:
+            received = (received[0].detach().requires_grad_(), *received[1:])
+        Tracked.reads = []
+        micro = unpack(received, model.input_phase(lo), model.backend)
+        out = run_layers(funcs[lo:hi], model.defs[lo:hi], micro, [True] * (hi - lo)).x
+        out.sum().backward()
+        assert Tracked.reads == ["tolist"], (model.names[lo], Tracked.reads)
+        wire = pack(micro.with_x(out.detach(), model.defs[hi - 1].output),
+                    model.defs[hi - 1].output) if hi < len(funcs) else None
 
 
 def test_packed_attention_equals_each_sample_alone():

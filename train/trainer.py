@@ -31,15 +31,6 @@ from .train_log import open_log, rank_data, rank_timing, step_record, write_reco
 log = logging.getLogger(__name__)
 
 
-def supervised_tokens(batch: dict) -> int:
-    """Tokens with a next-token target in this micro-batch (the Ave-Token denominator's share)."""
-    from vlmshard.preprocess.tokenize import IGNORE_INDEX
-
-    from .models import next_token_targets
-
-    return int((next_token_targets(batch["labels"], batch["cu_seqlens"]) != IGNORE_INDEX).sum())
-
-
 def cpu_threads_per_rank(processes: int) -> int:
     """Intra-op threads for one of ``processes`` ranks sharing this machine's CPUs: more would
     oversubscribe the cores and make every rank's time depend on its neighbours'."""
@@ -123,6 +114,7 @@ def run(cfg: TrainConfig) -> None:
     from .attention import choose_backend
     from .clock import CLOCK
     from .hf_model import model_layers
+    from .models import supervised_tokens
     from .pipeline import AveTokenLoss, VLMPipeline, no_inputs, pipeline_inputs
     from .save import save_hf
 

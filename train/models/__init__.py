@@ -10,10 +10,11 @@ keyed like ``vlmshard.preprocess.families``) lists the layers of its model in or
     LM head with the summed next-token loss
 
 Between pipeline stages a micro-batch travels as a tuple of static shapes: the activation padded
-to the plan's caps, then input_ids, position_ids, image grids (Qwen2-VL's; Qv rows, enough for
-any micro-batch), the real counts (tiles, tokens, images) and labels. Inside a stage it is a ``Micro``: sliced once to the real tiles and tokens, so every
-layer computes on real data only, with the attention segments and rotary tables computed once
-and shared by the stage's layers (``Micro.cache``).
+to the plan's caps, then input_ids, position_ids, ``HostMeta`` as one int64 tensor, and labels.
+Inside a stage it is a ``Micro``: the metadata read to the host in one transfer (the stage's only
+host synchronisation for that micro-batch), every tensor sliced to the real tiles and tokens, so
+every layer computes on real data only, with the attention segments and rotary tables computed
+once and shared by the stage's layers (``Micro.cache``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,46 @@ class Phase:
 TOKENS = Phase("tokens")
 
 
+@dataclass(frozen=True)
+class HostMeta:
+    """What a stage needs to know on the host about a micro-batch. It is computed by the first
+    stage from the loader's CPU-side batch and travels as one tensor, so a stage's layers never
+    read a device tensor back (each read would stall the GPU's queue)."""
+
+    qv: int  # the caps: the wire's static sizes
+    qt: int
+    tiles: int
+    tokens: int
+    image_tokens: int
+    supervised: int  # tokens with a next-token target
+    grids: list[tuple[int, int, int]]  # (t, h, w) patches of each image; none for InternVL
+    sample_lengths: list[int]
+
+    _HEADER = 8  # qv, qt, tiles, tokens, image_tokens, supervised, images, samples
+
+    @staticmethod
+    def size(qv: int, qt: int) -> int:
+        """The tensor's length for these caps: a header, Qv grids, Qt sample lengths."""
+        return HostMeta._HEADER + 3 * qv + qt
+
+    def encode(self) -> torch.Tensor:
+        values = [self.qv, self.qt, self.tiles, self.tokens, self.image_tokens, self.supervised,
+                  len(self.grids), len(self.sample_lengths)]
+        values += [v for grid in self.grids for v in grid]
+        values += [0] * (HostMeta._HEADER + 3 * self.qv - len(values)) + self.sample_lengths
+        values += [0] * (self.size(self.qv, self.qt) - len(values))
+        return torch.tensor(values, dtype=torch.long)
+
+    @classmethod
+    def decode(cls, values: list[int]) -> "HostMeta":
+        qv, qt, tiles, tokens, image_tokens, supervised, images, samples = values[:cls._HEADER]
+        grids = values[cls._HEADER:cls._HEADER + 3 * images]
+        start = cls._HEADER + 3 * qv
+        return cls(qv, qt, tiles, tokens, image_tokens, supervised,
+                   [tuple(grids[i:i + 3]) for i in range(0, len(grids), 3)],
+                   values[start:start + samples])
+
+
 @dataclass
 class Micro:
     """One packed micro-batch inside a stage: real rows only, plus the stage's shared metadata."""
@@ -58,14 +99,20 @@ class Micro:
     x: torch.Tensor  # the activation: pixels, vision hidden states, image features or hidden
     input_ids: torch.Tensor  # [n]
     position_ids: torch.Tensor  # [n], or [3, n] for mRoPE
-    grids: torch.Tensor  # [images, 3] (t, h, w) patches of each image; empty for InternVL
     labels: torch.Tensor  # [n]
-    num_tiles: int
-    num_tokens: int
+    host: HostMeta
     backend: str  # attention backend, see train.attention
     phase: Phase  # what ``x`` holds
-    wire: tuple  # the padded tuple this stage received: its shapes are the caps
+    wire: tuple  # the padded tuple this stage received
     cache: dict = field(default_factory=dict)  # computed once per micro-batch per stage
+
+    @property
+    def num_tiles(self) -> int:
+        return self.host.tiles
+
+    @property
+    def num_tokens(self) -> int:
+        return self.host.tokens
 
     def with_x(self, x: torch.Tensor, phase: Phase | None = None) -> "Micro":
         return replace(self, x=x, phase=phase or self.phase)
@@ -76,44 +123,47 @@ class Micro:
         return self.cache[key]
 
     def text_spans(self) -> Spans:
-        """The packed samples: each starts where its (first) position id is 0."""
-        def compute() -> Spans:
-            first = self.position_ids if self.position_ids.dim() == 1 else self.position_ids[0]
-            starts = torch.nonzero(first == 0).flatten().tolist()
-            lengths = [b - a for a, b in zip(starts, starts[1:] + [self.num_tokens])]
-            return Spans.from_lengths(lengths, True, self.backend, self.x.device)
-        return self.cached("text_spans", compute)
+        """The packed samples, each attending within itself."""
+        return self.cached("text_spans", lambda: Spans.from_lengths(
+            self.host.sample_lengths, True, self.backend, self.x.device))
 
 
 def unpack(wire: tuple, phase: Phase, backend: str) -> Micro:
-    """The padded tuple a stage receives, sliced to its real rows (one host sync)."""
-    x, input_ids, position_ids, grids, counts, labels = wire
-    tiles, tokens, images = counts.tolist()
-    return Micro(x=x[:phase.rows(tiles, tokens)], input_ids=input_ids[:tokens],
-                 position_ids=position_ids[..., :tokens], grids=grids[:images],
-                 labels=labels[:tokens], num_tiles=tiles, num_tokens=tokens, backend=backend,
-                 phase=phase, wire=wire)
+    """The padded tuple a stage receives, sliced to its real rows (one host read)."""
+    x, input_ids, position_ids, meta, labels = wire
+    host = HostMeta.decode(meta.tolist())
+    tokens = host.tokens
+    return Micro(x=x[:phase.rows(host.tiles, tokens)], input_ids=input_ids[:tokens],
+                 position_ids=position_ids[..., :tokens], labels=labels[:tokens], host=host,
+                 backend=backend, phase=phase, wire=wire)
 
 
 def pack(micro: Micro, phase: Phase) -> tuple:
     """The tuple a stage sends: the activation padded back to the caps, the rest as received."""
-    wire = micro.wire
-    qv, qt = wire[3].shape[0], wire[1].shape[0]
-    capacity = phase.per_tile * qv if phase.per_tile else qt
+    capacity = phase.rows(micro.host.qv, micro.host.qt)
     x = micro.x
     if x.shape[0] < capacity:
         x = torch.cat([x, x.new_zeros((capacity - x.shape[0], *x.shape[1:]))])
-    return (x, *wire[1:])
+    return (x, *micro.wire[1:])
+
+
+def supervised_tokens(batch: dict) -> int:
+    """Tokens of a collated micro-batch with a next-token target (the Ave-Token count)."""
+    return int((next_token_targets(batch["labels"], batch["cu_seqlens"]) != IGNORE_INDEX).sum())
 
 
 def wire_inputs(batch: dict, pixel_rows_per_tile: int) -> tuple:
-    """A collated micro-batch (``shards.loader``, padded to the caps) as the first stage's tuple."""
-    qv = batch["pixel_values"].shape[0] // pixel_rows_per_tile
-    grids = torch.zeros((qv, 3), dtype=torch.long)
-    images = len(batch.get("image_grid_thw", ()))
-    grids[:images] = batch.get("image_grid_thw", grids[:0])
-    counts = torch.tensor([batch["num_tiles"], batch["num_tokens"], images])
-    return (batch["pixel_values"], batch["input_ids"], batch["position_ids"], grids, counts,
+    """A collated micro-batch (``shards.loader``, padded to the caps) as the first stage's tuple,
+    its host metadata computed here from the CPU-side batch."""
+    samples = batch["num_samples"]
+    cu = batch["cu_seqlens"][:samples + 1].tolist()
+    host = HostMeta(
+        qv=batch["pixel_values"].shape[0] // pixel_rows_per_tile, qt=batch["input_ids"].shape[0],
+        tiles=batch["num_tiles"], tokens=batch["num_tokens"],
+        image_tokens=int(batch["image_token_mask"].sum()), supervised=supervised_tokens(batch),
+        grids=[tuple(g) for g in batch.get("image_grid_thw", torch.zeros(0, 3)).tolist()],
+        sample_lengths=[b - a for a, b in zip(cu, cu[1:])])
+    return (batch["pixel_values"], batch["input_ids"], batch["position_ids"], host.encode(),
             batch["labels"])
 
 
@@ -165,9 +215,9 @@ def embed_tokens(module: TokenEmbedding, micro: Micro) -> torch.Tensor:
     hidden = module.embed(micro.input_ids)
     image = micro.input_ids == module.image_token_id
     features = micro.x.to(hidden.dtype)
-    if features.shape[0] != int(image.sum()):
+    if features.shape[0] != micro.host.image_tokens:
         raise ValueError(f"{micro.num_tiles} tiles give {features.shape[0]} image features for "
-                         f"{int(image.sum())} image tokens")
+                         f"{micro.host.image_tokens} image tokens")
     return hidden.masked_scatter(image[:, None], features)
 
 
@@ -214,8 +264,9 @@ def lm_loss(module: nn.Module, micro: Micro, chunk: int = 1024) -> torch.Tensor:
     t + 1 of the same sample). Logits exist only for supervised tokens, ``chunk`` rows at a time,
     recomputed in backward: a [tokens, vocab] tensor would not fit."""
     targets = next_token_targets(micro.labels, micro.text_spans().cu_seqlens)
-    keep = targets != IGNORE_INDEX
-    hidden, targets = micro.x[keep], targets[keep]
+    # the supervised rows, their count known on the host: no read back of the mask
+    keep = torch.nonzero_static(targets != IGNORE_INDEX, size=micro.host.supervised).flatten()
+    hidden, targets = micro.x.index_select(0, keep), targets.index_select(0, keep)
     total = micro.x.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk):
         total = total + checkpoint(_chunk_loss, hidden[start:start + chunk], module.weight,

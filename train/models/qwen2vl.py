@@ -52,7 +52,8 @@ class VisionGeometry:
         return micro.cached("vision", lambda: self._compute(micro))
 
     def _compute(self, micro: Micro) -> VisionMeta:
-        grids, device, backend = micro.grids.cpu(), micro.x.device, micro.backend
+        grids = torch.tensor(micro.host.grids, dtype=torch.long).reshape(-1, 3)
+        device, backend = micro.x.device, micro.backend
         cu = get_vision_cu_seqlens(grids)
         images = Spans.from_lengths((cu[1:] - cu[:-1]).tolist(), False, backend, device)
         positions = get_vision_position_ids(grids, self.merge).to(device)
@@ -96,8 +97,10 @@ class VisionBlock(HFLayer):
         spans = meta.images if self.full else meta.windows
         if spans.mask is None:  # flash: transformers passes the boundaries to the kernel
             kwargs = {"cu_seqlens": spans.cu_seqlens, "max_seqlen": spans.max_len}
-        else:  # one segment for transformers (no loop over images), the block mask inside
-            kwargs = {"cu_seqlens": spans.cu_seqlens[[0, -1]], "packed_mask": spans.mask}
+        else:  # one segment for transformers (no loop over images), the block mask inside;
+            # on the host, as transformers reads the segment lengths back
+            kwargs = {"cu_seqlens": torch.tensor([0, micro.x.shape[0]], dtype=torch.int32),
+                      "packed_mask": spans.mask}
         return self.block(micro.x, position_embeddings=meta.rope, **kwargs)
 
 
