@@ -139,6 +139,20 @@ def test_a_stage_reads_the_device_once_per_micro_batch(setup):
                     model.defs[hi - 1].output) if hi < len(funcs) else None
 
 
+def test_profiling_holds_one_layer_of_each_kind(setup):
+    """What ``train profile`` builds: one module per kind (a tied head shares the embedding's),
+    standing in for every layer of the kind; far fewer parameters than the model."""
+    folder, _ = setup
+    model = model_layers(folder)
+    shared = model.build_all(one_per_kind=True)
+    modules = {id(m): m for m in shared}
+    blocks = [d for d in model.defs if d.kind == "llm_block"]
+    assert len(blocks) >= 2 and len({id(shared[model.defs.index(d)]) for d in blocks}) == 1
+    assert len(modules) == len({d.tied_key or d.kind for d in model.defs}) < len(model.defs)
+    held = sum(p.numel() for m in modules.values() for p in m.parameters())
+    assert held < sum(p.numel() for p in model.meta.parameters())
+
+
 def test_packed_attention_equals_each_sample_alone():
     """One SDPA call with the block-diagonal mask against SDPA run on each segment alone:
     causal (the LLM, grouped-query heads) and full (a ViT's images or windows)."""

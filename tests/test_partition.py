@@ -156,3 +156,11 @@ def test_omnibal_candidates_by_hand():
 
     assert variance(found[1]) == pytest.approx(4.5, abs=1e-6)
     assert all(variance(a) <= variance(b) + 1e-6 for a, b in zip(found, found[1:]))
+
+
+def test_a_devices_budget_leaves_out_context_nccl_and_fragmentation():
+    """The one rule the profile and the simulator share: 80 GiB less 768 MiB of CUDA context and
+    512 MiB of NCCL buffers, 90% of the rest."""
+    assert Machine.for_device(80 * 2**30).memory_budget == int((80 - 1.25) * 2**30 * 0.9)
+    with pytest.raises(ValueError, match="leaves nothing"):
+        Machine.for_device(2**30)

@@ -23,7 +23,8 @@ from vlmshard.shards.config import WriteConfig
 from vlmshard.shards.writer import run_write
 from vlmshard.train.hf_model import model_layers
 from vlmshard.train.models import unpack, wire_inputs
-from vlmshard.train.partition import LayerCost, stage_memory
+from vlmshard.train.partition import (CUDA_CONTEXT_BYTES, FRAGMENTATION, NCCL_BUFFER_BYTES,
+                                      LayerCost, stage_memory)
 from vlmshard.train.tiny_models import internvl_folder
 from vlmshard.train.config import ProfileConfig
 from vlmshard.train.profile import run_profile
@@ -67,8 +68,10 @@ def partition(small_shards, tmp_path_factory) -> str:
     # Just under what the best partition needs without recompute: every choice must recompute.
     tight = min(max(stage_memory(layers, 0, cut, 2, []), stage_memory(layers, cut, n, 1, []))
                 for cut in range(1, n)) - 1
+    # --memory-budget is the device's: add back what the budget rule takes off it
+    device = int(tight / (1 - FRAGMENTATION)) + CUDA_CONTEXT_BYTES + NCCL_BUFFER_BYTES
     run_profile(ProfileConfig(shards=small_shards, out=str(out), pp=2, micro_batches=2,
-                              memory_budget=tight))
+                              memory_budget=device))
     return str(out / "partition.json")
 
 

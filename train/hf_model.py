@@ -48,6 +48,10 @@ class ModelLayers:
             return Phase("pixels", self.geometry.pixel_rows_per_tile)
         return self.defs[index - 1].output
 
+    def parameter_count(self, index: int) -> int:
+        """Layer ``index``'s parameters, counted on the meta model (nothing allocated)."""
+        return sum(p.numel() for p in self.defs[index].build(self.meta).parameters())
+
     @functools.cached_property
     def checkpoint(self) -> Checkpoint:
         return Checkpoint(self.path, self.meta)
@@ -63,14 +67,15 @@ class ModelLayers:
         """Layer ``index`` with its tensors loaded from the folder (and nothing else)."""
         return load_layer(self.defs[index].build(self.meta), self.checkpoint, device, dtype)
 
-    def build_all(self, device: torch.device | str = "cpu",
-                  dtype: torch.dtype = torch.float32) -> list[nn.Module]:
-        """Every layer in one process (profiling, tests), in order; tied layers are one module,
-        as in a single pipeline stage."""
-        built: dict[str, nn.Module] = {}
+    def build_all(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                  one_per_kind: bool = False) -> list[nn.Module]:
+        """Every layer in one process (tests), in order; tied layers are one module, as in a
+        single pipeline stage. ``one_per_kind``: the first layer of each kind stands in for the
+        others (profiling a model too large for one device: same shapes, same cost)."""
+        built: dict[str | int, nn.Module] = {}
         layers = []
         for i, d in enumerate(self.defs):
-            key = d.tied_key or i
+            key = d.tied_key or (d.kind if one_per_kind else i)
             if key not in built:
                 built[key] = self.build_layer(i, device, dtype)
             layers.append(built[key])

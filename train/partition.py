@@ -37,11 +37,32 @@ class LayerCost:
     param_bytes: int  # parameters, gradients and optimizer states
 
 
+# What a training process holds on its device besides the modelled tensors: the CUDA context
+# with cuBLAS/cuDNN workspaces, NCCL's communication buffers, and the caching allocator's
+# fragmentation (a share of the rest).
+CUDA_CONTEXT_BYTES = 768 * 2**20
+NCCL_BUFFER_BYTES = 512 * 2**20
+FRAGMENTATION = 0.10
+
+
 @dataclass(frozen=True)
 class Machine:
-    memory_budget: int  # bytes per pipeline stage (device)
+    memory_budget: int  # bytes per pipeline stage for the modelled tensors
     link_bytes_per_s: float = 25e9  # stage-to-stage bandwidth
     full_recompute: bool = False  # recompute every layer (the usual baseline) instead of the fewest
+
+    @classmethod
+    def for_device(cls, device_bytes: int, link_bytes_per_s: float = 25e9,
+                   full_recompute: bool = False) -> "Machine":
+        """A device of ``device_bytes``: the budget left for weights, optimizer states and
+        activations once the context, NCCL buffers and fragmentation are counted (the one rule
+        the profile and the simulator share)."""
+        usable = int((device_bytes - CUDA_CONTEXT_BYTES - NCCL_BUFFER_BYTES)
+                     * (1 - FRAGMENTATION))
+        if usable <= 0:
+            raise ValueError(f"{device_bytes / 2**30:.2f} GiB leaves nothing once the CUDA "
+                             "context and NCCL buffers (1.25 GiB) are counted")
+        return cls(usable, link_bytes_per_s, full_recompute)
 
 
 @dataclass

@@ -3,8 +3,14 @@ choose the pipeline partition and per-stage recompute.
 
 Each pipeline layer runs alone on the activations the previous layer produced, so its forward and
 backward times, the bytes autograd saves for its backward (its activation memory), its input and
-output bytes and its parameter bytes are its own. Parameters are costed at ``BYTES_PER_PARAM``
-each (16: AdamW in fp32, or bf16 weight and gradient plus fp32 master weight and moments).
+output bytes and its parameter bytes are its own. Parameters are costed at the bytes the trainer
+holds per parameter in the run's precision (``model_sizes.bytes_per_param``).
+
+Only one layer of each kind is built (``ModelLayers.build_all(one_per_kind=True)``, from the
+meta device): it runs in the place of every layer of its kind, on that layer's real input, so a
+model far larger than the device profiles layer by layer in the memory of a few layers.
+``--memory-budget`` is the device's memory; ``Machine.for_device`` takes the CUDA context, NCCL
+buffers and fragmentation off it, as the simulator does.
 
 The calibrated cost model fits, over the profiled micro-batches, the ViT layers' time to
 ``a_v·Σtiles`` and the LLM layers' time to ``a_t·Σtokens + b·Σseq_len²`` (non-negative least
@@ -21,7 +27,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from vlmshard.model_sizes import BYTES_PER_PARAM
+from vlmshard.model_sizes import bytes_per_param
 from .attention import choose_backend
 from .config import ProfileConfig
 from .hf_model import ModelLayers, model_layers
@@ -52,8 +58,9 @@ def run_profile(cfg: ProfileConfig) -> dict:
     model = model_layers(cfg.model_path(), choose_backend(device, cfg.dtype))
     batches = list(islice(ShardDataset(cfg.shards, 0, 1, pixel_dtype=cfg.dtype),
                           cfg.micro_batches))
-    profile = profile_layers(model, batches, device, cfg.dtype)
-    machine = Machine(parse_size(cfg.memory_budget), cfg.link_bytes_per_s)
+    profile = profile_layers(model, batches, device, cfg.dtype,
+                             param_bytes=bytes_per_param(cfg.precision, cfg.dp))
+    machine = Machine.for_device(parse_size(cfg.memory_budget), cfg.link_bytes_per_s)
     partitions = compare_partitions(profile.layers, cfg.pp, machine)
     if cfg.validate_top:
         partitions["validated"] = validate_candidates(
@@ -88,10 +95,11 @@ def _tensor_bytes(x) -> int:
 
 
 def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
-                   dtype: torch.dtype = torch.float32, repeats: int = 1) -> Profile:
+                   dtype: torch.dtype = torch.float32, repeats: int = 1,
+                   param_bytes: float = 16.0) -> Profile:
     """Time and measure every layer on each batch (collated micro-batches from the loader), each
     on the real rows the previous layer produced, as a pipeline stage runs it."""
-    funcs = model.build_all(device, dtype)
+    funcs = model.build_all(device, dtype, one_per_kind=True)
     vision = sum(1 for d in model.defs if d.output.per_tile)  # ViT layers and the projector
     sums = np.zeros((len(funcs), 5))  # forward, backward, activation, input, output
     per_batch = []
@@ -127,8 +135,8 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
                           "llm_s": float(sum(times[vision:]))})
     means = sums / max(1, len(batches))
     costs = [LayerCost(name, float(f), float(b), int(act), int(inp), int(out),
-                       BYTES_PER_PARAM * sum(p.numel() for p in func.parameters()))
-             for name, func, (f, b, act, inp, out) in zip(model.names, funcs, means)]
+                       int(param_bytes * model.parameter_count(i)))
+             for i, (name, (f, b, act, inp, out)) in enumerate(zip(model.names, means))]
     return Profile(costs, per_batch, device)
 
 

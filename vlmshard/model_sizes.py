@@ -163,7 +163,18 @@ PRESETS = {
 
 
 ACTIVATION_BYTES = 2  # bf16
-BYTES_PER_PARAM = 16  # AdamW: bf16 weight and gradient + fp32 master and moments, or all fp32
+
+
+def bytes_per_param(precision: str = "bf16", dp: int = 1) -> float:
+    """Device bytes per trained parameter as ``vlmshard train`` holds them with AdamW. fp32:
+    weight, gradient and two moments (16). bf16 (DeepSpeed's BF16 optimizer): bf16 weight and
+    gradient, the fp32 gradient accumulator (8), and the fp32 master weight and moments (12),
+    which it splits over the ``dp`` data-parallel ranks."""
+    if precision == "fp32":
+        return 16.0
+    if precision != "bf16":
+        raise ValueError(f"unknown precision {precision!r} (bf16 or fp32)")
+    return 8 + 12 / dp
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -300,6 +301,12 @@ class LayerDef:
     build: Callable[[nn.Module], nn.Module]
     output: Phase
     tied_key: str | None = None
+    variant: str = ""  # layers of one kind that cost differently (Qwen2.5's full-attention blocks)
+
+    @property
+    def kind(self) -> str:
+        """Layers of one kind have the same shapes and cost: ``llm_block_3`` → ``llm_block``."""
+        return re.sub(r"_\d+$", "", self.name) + (f"_{self.variant}" if self.variant else "")
 
 
 @dataclass(frozen=True)

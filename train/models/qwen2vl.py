@@ -126,7 +126,8 @@ def layers(model: nn.Module) -> tuple[list[LayerDef], Geometry]:
     defs = [LayerDef("vit_embed", functools.partial(VisionEmbedding, geometry=geometry),
                      patches)]
     defs += [LayerDef(f"vit_block_{i}",
-                      functools.partial(VisionBlock, index=i, geometry=geometry), patches)
+                      functools.partial(VisionBlock, index=i, geometry=geometry), patches,
+                      variant="full" if geometry.windowed and i in geometry.full_blocks else "")
              for i in range(depth)]
     defs.append(LayerDef("projector", functools.partial(Merger, geometry=geometry),
                          Phase("features", 1)))
