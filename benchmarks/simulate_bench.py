@@ -57,7 +57,7 @@ def main() -> None:
     results = {}
     for name in ("simulate-omnibal", "simulate-h100"):
         config = os.path.join(REPO, "configs", f"{name}.yaml")
-        cfg = load_config(SimulateConfig, {"plan": plan}, config)
+        cfg = load_config(SimulateConfig, {"plan": plan, "config": config})
         results[name] = run_simulate(cfg)
         print(f"\n== vlmshard simulate {plan} --config configs/{name}.yaml")
         print(format_result(results[name]), flush=True)

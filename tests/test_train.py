@@ -271,10 +271,16 @@ def test_pipeline_of_two_stages_learns_from_its_plan(small_shards, partition, tm
 
 @pytest.mark.slow
 def test_two_data_parallel_ranks_learn_from_exactly_their_plan(small_shards, tmp_path):
-    """20 steps over a 6-step plan: each rank reads its own shards, epoch after epoch."""
+    """20 steps over a 6-step plan: each rank reads its own shards, epoch after epoch, in plan
+    order through a DataLoader worker process; its loading is logged apart from the step."""
     vlmshard("train", "--config", CONFIG, "--shards", small_shards, "--pp", "1", "--dp", "2",
-             "--max-steps", "20", "--lr", "0.003", "--out", str(tmp_path / "run"))
+             "--max-steps", "20", "--lr", "0.003", "--loader-workers", "1",
+             "--out", str(tmp_path / "run"))
     log = _log(tmp_path / "run" / "train_log.jsonl")
+    for r in log:
+        assert r["load_s"] == max(rank["load_s"] for rank in r["ranks"]) > 0
+        assert r["end_to_end_tokens_per_s"] == pytest.approx(
+            r["tokens"] / (r["step_time_s"] + r["load_s"]))
     assert [r["step"] for r in log] == list(range(20))
     first, last = (sum(r["loss"] for r in part) / 5 for part in (log[:5], log[-5:]))
     assert last < first - 1.0, (first, last)

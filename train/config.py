@@ -35,6 +35,10 @@ class TrainConfig:
         None, help="bf16: weights, activations and pixels in bfloat16, fp32 master weights, "
                    "gradients and optimizer states (DeepSpeed's BF16 optimizer); fp32: all fp32 "
                    "(TF32 matmuls on GPU)", default_text="bf16 on GPU, fp32 on CPU")
+    grad_accum: Literal["fp32", "bf16"] = option(
+        "fp32", help="with bf16: the dtype gradients accumulate in over the plan's micro-batches; "
+                     "bf16 saves 4 bytes per parameter, and DeepSpeed warns it is not numerically "
+                     "safe over many accumulation steps")
     loader_workers: int | None = option(
         None, help="DataLoader worker processes per first-stage rank, decoding images ahead of "
                    "the step (0: in the training process)", default_text="4 on GPU, 0 on CPU")

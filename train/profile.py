@@ -59,7 +59,8 @@ def run_profile(cfg: ProfileConfig) -> dict:
     batches = list(islice(ShardDataset(cfg.shards, 0, 1, pixel_dtype=cfg.dtype),
                           cfg.micro_batches))
     profile = profile_layers(model, batches, device, cfg.dtype,
-                             param_bytes=bytes_per_param(cfg.precision, cfg.dp))
+                             param_bytes=bytes_per_param(cfg.precision, cfg.dp,
+                                                         cfg.grad_accum))
     machine = Machine.for_device(parse_size(cfg.memory_budget), cfg.link_bytes_per_s)
     partitions = compare_partitions(profile.layers, cfg.pp, machine)
     if cfg.validate_top:

@@ -165,16 +165,17 @@ PRESETS = {
 ACTIVATION_BYTES = 2  # bf16
 
 
-def bytes_per_param(precision: str = "bf16", dp: int = 1) -> float:
+def bytes_per_param(precision: str = "bf16", dp: int = 1, grad_accum: str = "fp32") -> float:
     """Device bytes per trained parameter as ``vlmshard train`` holds them with AdamW. fp32:
     weight, gradient and two moments (16). bf16 (DeepSpeed's BF16 optimizer): bf16 weight and
-    gradient, the fp32 gradient accumulator (8), and the fp32 master weight and moments (12),
-    which it splits over the ``dp`` data-parallel ranks."""
+    gradient (4), the gradient accumulator when it is fp32 (4), and the fp32 master weight and
+    moments (12), which it splits over the ``dp`` data-parallel ranks."""
     if precision == "fp32":
         return 16.0
-    if precision != "bf16":
-        raise ValueError(f"unknown precision {precision!r} (bf16 or fp32)")
-    return 8 + 12 / dp
+    if precision != "bf16" or grad_accum not in ("fp32", "bf16"):
+        raise ValueError(f"unknown precision {precision!r} or gradient accumulation "
+                         f"{grad_accum!r} (bf16 or fp32)")
+    return 4 + (4 if grad_accum == "fp32" else 0) + 12 / dp
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,9 @@ class SimulateConfig:
                                        default_text="the plan's")
     mfu: float = option(0.45, help="sustained fraction of peak FLOPs")
     zero: int = option(1, help="ZeRO stage 0 or 1 (DeepSpeed pipelines support no more)")
+    grad_accum: Literal["fp32", "bf16"] = option(
+        "fp32", help="gradient accumulation dtype, as `vlmshard train --grad-accum` (bf16: 4 "
+                     "bytes per parameter less)")
     compare: bool = option(True, help="also simulate the packing strategies and OmniBal's "
                                       "levers (--no-compare: only the plan itself)")
     train_log: str | None = option(None, help="train_log.jsonl of a run to check the simulator "

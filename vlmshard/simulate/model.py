@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vlmshard.model_sizes import ACTIVATION_BYTES, LayerWork, Size, bytes_per_param
+from vlmshard.model_sizes import ACTIVATION_BYTES, LayerWork, Size
 from vlmshard.train.partition import LayerCost, Machine, Partition, deepspeed_bounds
 
 log = logging.getLogger(__name__)
@@ -187,12 +187,6 @@ def layer_costs(work: list[LayerWork], *, time_size: Size, memory_size: Size,
     return costs
 
 
-def zero_bytes_per_param(dp: int, zero: int) -> float:
-    """The trainer's bf16 bytes per parameter; the fp32 master weight and moments are split over
-    the data-parallel replicas under ZeRO stage 1 (as the trainer's BF16 optimizer does)."""
-    return bytes_per_param("bf16", dp if zero >= 1 else 1)
-
-
 # ---------------------------------------------------------------------------------------------
 # A plan on a cluster
 
@@ -252,7 +246,7 @@ def simulate(batches: np.ndarray, model: StageModel) -> Simulation:
 
 
 def search_for(work: list[LayerWork], sizes: np.ndarray, stages: int, gpu: GPU, *,
-               flops_per_s: float, dp: int, zero: int, full_recompute: bool = False,
+               flops_per_s: float, bytes_per_param: float, full_recompute: bool = False,
                method: str = "search") -> Partition:
     """The stage partition for these micro-batch sizes: the exact search (``method="search"``)
     or DeepSpeed's ``parameters``/``uniform``, with adaptive (or full) recompute."""
@@ -260,7 +254,7 @@ def search_for(work: list[LayerWork], sizes: np.ndarray, stages: int, gpu: GPU, 
 
     mean, peak = sizes.mean(axis=0), sizes.max(axis=0)
     layers = layer_costs(work, time_size=Size(*mean), memory_size=Size(*peak),
-                         flops_per_s=flops_per_s, bytes_per_param=zero_bytes_per_param(dp, zero))
+                         flops_per_s=flops_per_s, bytes_per_param=bytes_per_param)
     machine = Machine.for_device(gpu.memory_bytes, gpu.link_bytes_per_s, full_recompute)
     if method == "search":
         return search_partition(layers, stages, machine)

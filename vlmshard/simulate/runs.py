@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from vlmshard.model_sizes import PRESETS, layer_work
+from vlmshard.model_sizes import PRESETS, bytes_per_param, layer_work
 from vlmshard.train.partition import Partition, PartitionError
 
 from .config import SimulateConfig
@@ -47,7 +47,9 @@ class _Cluster:
     def run(self, sizes: np.ndarray, method: str = "search",
             full_recompute: bool = False) -> dict:
         partition = search_for(self.work, sizes, self.cfg.pp, self.gpu,
-                               flops_per_s=self.flops_per_s, dp=self.dp, zero=self.cfg.zero,
+                               flops_per_s=self.flops_per_s,
+                               bytes_per_param=bytes_per_param(
+                                   "bf16", self.dp if self.cfg.zero else 1, self.cfg.grad_accum),
                                full_recompute=full_recompute, method=method)
         batches = replica_micro_batches(sizes, self.ranks, self.micro, self.dp,
                                         self.cfg.micro_batches)
