@@ -4,14 +4,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-quick bench clean
+.PHONY: demo test test-quick bench clean constraints
 
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# The CPU build of torch lies on this disk; a bare `torch` requirement would pull CUDA.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	# constraints.txt pins every dependency to the versions the suite was run with
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	# The report test looks at report.html in headless Chromium: Debian's chromium + chromedriver.
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -40,6 +41,13 @@ bench: $(STAMP)
 	$(PY) benchmarks/shards_bench.py --json build/bench/shards.json
 	$(PY) benchmarks/train_bench.py --json build/bench/train.json
 	$(PY) benchmarks/simulate_bench.py --json build/bench/simulate.json
+
+# Re-pin constraints.txt after changing setup.cfg's requirements (uv's resolver; keeps the
+# current pins where they still satisfy the requirements).
+constraints:
+	$(PY) -m pip install --quiet uv
+	$(VENV)/bin/uv pip compile setup.cfg constraints.in --extra dev --python-version 3.11 \
+	  -o constraints.txt --quiet
 
 clean:
 	rm -rf build

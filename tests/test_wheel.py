@@ -75,3 +75,31 @@ def test_wheel_installs_into_a_fresh_venv_and_runs(wheel, tmp_path, demo):
                           capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[5/5] report" in proc.stdout and (tmp_path / "out" / "report.html").exists()
+
+
+def test_constraints_pin_every_requirement_within_its_range():
+    """``make`` installs with ``-c constraints.txt``: every requirement of setup.cfg (and the dev
+    extra) is pinned there to one version its own range admits, and the pins are the
+    installed versions this suite runs on."""
+    import configparser
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    setup = configparser.ConfigParser()
+    setup.read(os.path.join(REPO, "setup.cfg"))
+    lines = (setup["options"]["install_requires"] + setup["options.extras_require"]["dev"])
+    requirements = [Requirement(line) for line in lines.splitlines()
+                    if line.strip() and not line.strip().startswith("#")]
+    pins = {}
+    with open(os.path.join(REPO, "constraints.txt")) as f:
+        for line in f:
+            if "==" in line and not line.startswith("#"):
+                name, pinned = line.split(";")[0].strip().split("==")
+                pins[canonicalize_name(name)] = pinned
+    assert pins["torch"] == "2.13.0"
+    for req in requirements:
+        pinned = pins[canonicalize_name(req.name)]
+        assert req.specifier.contains(pinned, prereleases=True), (req, pinned)
+        assert version(req.name).split("+")[0] == pinned, req.name
