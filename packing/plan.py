@@ -3,17 +3,20 @@
 ``plan.parquet`` has one row per placed sample, ``step, rank, micro, slot, sample_id``, sorted in
 that order; the same stats, options and seed give the same bytes. Epoch e is packed with seed + e
 and its steps follow epoch e − 1's. ``plan.json`` records the options, caps, cost model, metrics,
-timings, each epoch's step range and every sample that was not placed, with its reason.
+each epoch's step range and every sample that was not placed, with its reason: the same stats,
+options and seed give the same bytes there too, wherever and whenever pack runs. The run's own
+facts (where the stats and the plan were, the host, the timings) go to ``plan.run.json``.
 
 A rerun with the same stats, options and cost model finds the finished plan (its fingerprint in
-``plan.json``, ``plan.parquet``'s sha256 intact) and leaves both files as they are, timings
-included; anything else packs again and replaces them.
+``plan.json``, ``plan.parquet``'s sha256 intact) and leaves the files as they are; anything else
+packs again and replaces them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -35,6 +38,9 @@ from .metrics import Metrics, measure
 from .stats import StatsError, load_stats
 
 log = logging.getLogger(__name__)
+
+RUN_FACTS = "plan.run.json"  # where and when the plan was made: not part of the plan
+RUN_METRICS = ("pack_seconds",)  # measured, not computed: kept with the run's facts
 
 PLAN_SCHEMA = pa.schema([
     pa.field("step", pa.int32(), nullable=False),
@@ -67,7 +73,8 @@ def run_pack(cfg: PackConfig) -> PackResult:
     if finished is not None:
         log.info("%s is already complete (same stats, options and cost model): nothing to do",
                  cfg.out)
-        return PackResult(cfg.out, Metrics(**finished["metrics"]), finished["unplaced_by_reason"])
+        return PackResult(cfg.out, Metrics(**finished["metrics"]),
+                          finished["unplaced_by_reason"])
     caps, caps_from, search = choose_caps(cfg, lengths, cost)
     epochs, packings = [], []
     first_step = 0
@@ -91,24 +98,30 @@ def run_pack(cfg: PackConfig) -> PackResult:
     os.makedirs(cfg.out, exist_ok=True)
     plan_parquet = os.path.join(cfg.out, "plan.parquet")
     write_plan_parquet(plan_parquet, plan)
+    # The run's facts first: a plan.json present is a finished plan.
+    write_json_atomic(os.path.join(cfg.out, RUN_FACTS), {
+        "stats": os.path.abspath(cfg.stats), "out": os.path.abspath(cfg.out),
+        "host": socket.gethostname(), "pid": os.getpid(),
+        "timings": {"load_seconds": t_loaded - t0, "pack_seconds": pack_seconds,
+                    "total_seconds": time.perf_counter() - t0}})
+    deterministic = {k: v for k, v in metrics.to_dict().items() if k not in RUN_METRICS}
     write_json_atomic(os.path.join(cfg.out, "plan.json"), {
         "vlmshard_version": __version__,
         "fingerprint": fingerprint,
         "plan_sha256": sha256_file(plan_parquet),
         "algorithm": cfg.algo,
         "stats": stats.describe(),
-        "params": {**asdict(cfg), "ranks": cfg.ranks, "qv": caps.qv, "qt": caps.qt,
+        "params": {**{k: v for k, v in asdict(cfg).items() if k not in ("stats", "out")},
+                   "ranks": cfg.ranks, "qv": caps.qv, "qt": caps.qt,
                    "caps_from": caps_from,
                    "balanced": asdict(BalancedOptions()) if cfg.algo == "balanced" else None,
                    "isf_iterations": algorithms.ISF_ITERATIONS if cfg.algo == "isf" else None},
         "cost_model": cost.to_dict(),
-        "metrics": metrics.to_dict(),
+        "metrics": deterministic,
         "epochs": epochs,
         "unplaced_by_reason": by_reason,
         "unplaced": unplaced,
         "isf_search": search,
-        "timings": {"load_seconds": t_loaded - t0, "pack_seconds": pack_seconds,
-                    "total_seconds": time.perf_counter() - t0},
     })
     log.info("plan: %d steps x %d ranks x %d micro-batches, %d samples placed, %d unplaced -> %s",
              metrics.steps, cfg.ranks, cfg.micro_batches, metrics.samples, metrics.unplaced,
@@ -121,7 +134,7 @@ def _finished_plan(out: str, fingerprint: str) -> dict | None:
     info_path, parquet = os.path.join(out, "plan.json"), os.path.join(out, "plan.parquet")
     if not (os.path.exists(info_path) and os.path.exists(parquet)):
         return None
-    info = read_json(info_path)
+    info = read_plan_json(out)
     if info.get("fingerprint") != fingerprint or info.get("plan_sha256") != sha256_file(parquet):
         return None
     return info
@@ -191,10 +204,24 @@ def write_plan_parquet(path: str, packing: Packing) -> None:
 
 
 def read_plan_json(plan_dir: str) -> dict:
+    """``plan.json`` with the run's facts from ``plan.run.json`` under ``"run"`` (empty when that
+    file is gone) and ``pack_seconds`` back among the metrics (0 then), as readers print them."""
     path = os.path.join(plan_dir, "plan.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{plan_dir}: no plan.json here (write one with vlmshard pack)")
-    return read_json(path)
+    info = read_json(path)
+    facts = os.path.join(plan_dir, RUN_FACTS)
+    info["run"] = read_json(facts) if os.path.exists(facts) else {}
+    info["metrics"]["pack_seconds"] = info["run"].get("timings", {}).get("pack_seconds", 0.0)
+    return info
+
+
+def plan_stats_path(info: dict, plan_dir: str) -> str:
+    """Where the stats a plan was packed from were (its run facts record them)."""
+    if not info["run"].get("stats"):
+        raise StatsError(f"{plan_dir}: {RUN_FACTS} is missing, so where its stats are is unknown "
+                         "(copy it along with plan.json, or pack again)")
+    return info["run"]["stats"]
 
 
 def read_plan(plan_dir: str) -> tuple[dict, Packing]:
@@ -225,11 +252,12 @@ def read_plan(plan_dir: str) -> tuple[dict, Packing]:
 def load_plan(plan_dir: str) -> tuple[dict, Packing, Lengths]:
     """A plan with the stats it was packed from, checked by their sha256."""
     info, packing = read_plan(plan_dir)
+    path = plan_stats_path(info, plan_dir)
     try:
-        stats = load_stats(info["stats"]["path"])
+        stats = load_stats(path)
     except StatsError as e:
         raise StatsError(f"{plan_dir}: cannot read the stats it was packed from: {e}") from None
     if stats.sha256 != info["stats"]["sha256"]:
-        raise ValueError(f"{info['stats']['path']} is no longer the stats {plan_dir} was packed "
-                         "from (sha256 differs): pack again")
+        raise ValueError(f"{path} is no longer the stats {plan_dir} was packed from (sha256 "
+                         "differs): pack again")
     return info, packing, stats.lengths

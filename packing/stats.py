@@ -54,8 +54,10 @@ class LoadedStats:
         return model.get("path")
 
     def describe(self) -> dict:
-        # Absolute, so that report and simulate find the stats from any working directory.
-        return {"path": os.path.abspath(self.path), "format": self.format, "files": list(self.files),
+        """What the stats are, not where: file names relative to the stats folder (the plan's
+        run facts record the folder)."""
+        root = self.path if os.path.isdir(self.path) else os.path.dirname(self.path)
+        return {"format": self.format, "files": [os.path.relpath(f, root) for f in self.files],
                 "sha256": self.sha256, "samples": len(self.lengths),
                 "sources": list(self.lengths.sources)}
 

@@ -113,7 +113,7 @@ def _write(cfg: WriteConfig, shard_bytes: int, start: float) -> WriteResult:
     if files_sha256(files) != plan_json["stats"]["sha256"]:
         raise WriteError(f"{cfg.stats} is not the stats table {cfg.plan} was packed from "
                          "(sha256 differs): pack again, or pass the stats the plan names "
-                         f"({plan_json['stats']['path']})")
+                         f"({plan_json['run'].get('stats', 'see its plan.run.json')})")
     identity = {"format": FORMAT, "plan_sha256": sha256_file(plan_parquet),
                 "stats_sha256": plan_json["stats"]["sha256"], "shard_bytes": shard_bytes}
     fingerprint, finished = claim_output(cfg.out, MANIFEST, identity, error=WriteError)

@@ -226,34 +226,29 @@ def test_pack_the_preprocessed_demo(demo_out, tmp_path):
 
 # --- the command ----------------------------------------------------------------------------------
 
-def _without_timings(info: dict) -> dict:
-    """plan.json less its wall-clock fields (``timings`` and ``metrics.pack_seconds``), the only
-    ones that differ between runs by design."""
-    info = dict(info)
-    info.pop("timings")
-    info["metrics"] = {k: v for k, v in info["metrics"].items() if k != "pack_seconds"}
-    return info
-
-
 @pytest.mark.parametrize("algo", ["balanced", "isf"])
 def test_pack_is_byte_identical_across_processes(tmp_path, algo):
     """Two `vlmshard pack` processes with different PYTHONHASHSEED (so set and dict-of-str
-    iteration orders differ) write the same plan.parquet bytes and the same plan.json, timings
-    aside. Both write to the same folder (plan.json records it), emptied in between so the second
-    run packs from scratch instead of finding the first run's plan."""
-    meta, out = os.path.join(OMNIBAL, "meta.json"), tmp_path / "plan"
+    iteration orders differ), different output folders and different working directories write
+    the same plan.parquet and the same plan.json bytes; where, when and how long go to
+    plan.run.json, which differs."""
+    meta = os.path.join(OMNIBAL, "meta.json")
     runs = []
-    for hash_seed in ("0", "4242"):
+    for hash_seed, name in (("0", "a"), ("4242", "b")):
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        out = tmp_path / name / "plan"
+        (tmp_path / name).mkdir()
         vlmshard("pack", "--stats", meta, "--dp", "4", "--out", str(out), "--seed", "3",
-                 "--epochs", "2", "--algo", algo, env=env)
-        runs.append(((out / "plan.parquet").read_bytes(), json.loads((out / "plan.json").read_text())))
-        shutil.rmtree(out)
-    (parquet_a, info_a), (parquet_b, info_b) = runs
-    assert parquet_a == parquet_b
-    assert info_a["plan_sha256"] == hashlib.sha256(parquet_a).hexdigest()
-    assert set(info_a["timings"]) == {"load_seconds", "pack_seconds", "total_seconds"}
-    assert _without_timings(info_a) == _without_timings(info_b)
+                 "--epochs", "2", "--algo", algo, env=env, cwd=str(tmp_path / name))
+        runs.append([(out / f).read_bytes() for f in ("plan.parquet", "plan.json",
+                                                      "plan.run.json")])
+    (parquet_a, info_a, run_a), (parquet_b, info_b, run_b) = runs
+    assert parquet_a == parquet_b and info_a == info_b
+    assert json.loads(info_a)["plan_sha256"] == hashlib.sha256(parquet_a).hexdigest()
+    facts = json.loads(run_a)
+    assert facts["out"] == str(tmp_path / "a" / "plan") and facts["stats"] == meta
+    assert set(facts["timings"]) == {"load_seconds", "pack_seconds", "total_seconds"}
+    assert run_a != run_b and str(tmp_path) not in info_a.decode()
 
 
 def test_report_prints_the_keys(tmp_path):

@@ -154,7 +154,10 @@ def report_run(plans, tmp_path_factory) -> dict:
 
 
 def _metrics(plan_dir: Path) -> dict:
-    return json.loads((plan_dir / "plan.json").read_text())["metrics"]
+    """plan.json's metrics, with pack_seconds from the run's facts (plan.run.json)."""
+    facts = json.loads((plan_dir / "plan.run.json").read_text())
+    return {**json.loads((plan_dir / "plan.json").read_text())["metrics"],
+            "pack_seconds": facts["timings"]["pack_seconds"]}
 
 
 # --- the table and JSON -------------------------------------------------------------------------

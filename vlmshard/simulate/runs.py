@@ -98,7 +98,7 @@ def repack(info: dict, lengths, algo: str):
     from vlmshard.packing.plan import choose_caps, pack_epoch
 
     params = info["params"]
-    cfg = PackConfig(stats=params["stats"], dp=params["dp"], out="", algo=algo,
+    cfg = PackConfig(stats=info["run"].get("stats", ""), dp=params["dp"], out="", algo=algo,
                      micro_batches=params["micro_batches"],
                      virtual_ranks=params["virtual_ranks"],
                      target_samples=params["target_samples"], seed=params["seed"])
