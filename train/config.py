@@ -32,9 +32,10 @@ class TrainConfig:
                                             "clipping), as Hugging Face's Trainer does")
     seed: int = option(0, help="model initialization seed")
     precision: Precision | None = option(
-        None, help="bf16: weights, activations and pixels in bfloat16, fp32 master weights, "
-                   "gradients and optimizer states (DeepSpeed's BF16 optimizer); fp32: all fp32 "
-                   "(TF32 matmuls on GPU)", default_text="bf16 on GPU, fp32 on CPU")
+        None, help="bf16: weights, activations and pixels in bfloat16, fp32 master weights "
+                   "and optimizer states (DeepSpeed's BF16 optimizer), gradients accumulated "
+                   "as --grad-accum says; fp32: all fp32 (TF32 matmuls on GPU)",
+        default_text="bf16 on GPU, fp32 on CPU")
     grad_accum: Literal["fp32", "bf16"] = option(
         "fp32", help="with bf16: the dtype gradients accumulate in over the plan's micro-batches; "
                      "bf16 saves 4 bytes per parameter, and DeepSpeed warns it is not numerically "

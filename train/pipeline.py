@@ -105,8 +105,8 @@ class VLMPipeline(PipelineModule):
         if first == 0:  # DeepSpeed makes the float inputs require grad; pixels need none
             wire = (wire[0].detach(), *wire[1:])
         micro = unpack(wire, self.model.input_phase(first), self.backend)
-        micro = run_layers(ds.stage_functions(self), [self.model.defs[i] for i in self.layer_indices],
-                           micro, self.recompute)
+        defs = [self.model.defs[i] for i in self.layer_indices]
+        micro = run_layers(ds.stage_functions(self), defs, micro, self.recompute)
         last = self.layer_indices[-1]
         if last == len(self.model.defs) - 1:
             out = activation = micro.x  # the loss
