@@ -59,6 +59,15 @@ class ShardEntry:
     samples: int
     bytes: int
     sha256: str
+    # Where each record's first tar header starts, then where the last record ends (records + 1
+    # entries), and each record's CRC-32 over that range: loader workers seek to their own
+    # records and check just those bytes. Empty in manifests from before they were recorded.
+    offsets: list[int] = field(default_factory=list)
+    crc32: list[int] = field(default_factory=list)
+
+    @property
+    def seekable(self) -> bool:
+        return len(self.offsets) == self.records + 1 == len(self.crc32) + 1
 
 
 @dataclass

@@ -24,8 +24,11 @@ w merges virtual ranks w·V/W … (w+1)·V/W−1 step by step, so each step it y
 exact: ``start_step`` starts at that step's first record, a pure function of the step.
 
 DataLoader workers take every K-th record, which the DataLoader's round-robin turns back into the
-exact order; each worker reads every byte (to check the hashes and the sequence) but decodes
-images only for its own records.
+exact order. A worker seeks to its own records through the manifest's per-record byte offsets and
+reads only their bytes, each range checked against its CRC-32, so K workers read the shards once
+between them. Streams that cannot seek (``http(s)://`` through curl, ``pipe:``) and manifests
+without offsets are read whole by every worker, which decodes only its own records. With one
+reader (no workers) every shard is streamed whole and its sha256 checked too.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from vlmshard.preprocess.families import family
 from vlmshard.preprocess.tokenize import IGNORE_INDEX
 
-from .layout import Manifest, read_manifest
-from .reader import ShardError, iter_shard
+from .layout import Manifest, ShardEntry, is_remote, read_manifest
+from .reader import SeekingShard, ShardError, iter_shard
 from .records import DecodedImage, Record, RecordError, check_image_tokens, decoded_images
 
 
@@ -92,9 +95,8 @@ class ShardDataset(IterableDataset):
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        for i, record in enumerate(self.records()):
-            if i % workers == worker:
-                yield self.collate(record)
+        for record in self.worker_records(worker, workers):
+            yield self.collate(record)
 
     def records(self) -> Iterator[Record]:
         """This rank's records from ``start_step`` on, merged step by step, checked (not decoded
@@ -121,6 +123,50 @@ class ShardDataset(IterableDataset):
                                      check_hash=self.check_hash):
                 if record.step >= self.start_step:
                     yield record
+
+    def worker_records(self, worker: int, workers: int) -> Iterator[Record]:
+        """Records ``worker``, ``worker + workers``, ... of ``records()``' order: sought and
+        read alone where the shards allow it, else picked from the whole stream."""
+        if workers == 1 or not self.seekable:
+            return (r for i, r in enumerate(self.records()) if i % workers == worker)
+        return self._sought_records(worker, workers)
+
+    @property
+    def seekable(self) -> bool:
+        """Whether records can be read alone: local or fsspec shards with per-record offsets."""
+        return ((not is_remote(self.root) or _fsspec_seekable(self.root))
+                and all(e.seekable for e in self.manifest.shards))
+
+    def _sought_records(self, worker: int, workers: int) -> Iterator[Record]:
+        m = self.manifest
+        for v in self.virtual_ranks:
+            if problem := m.coverage_problem(v):
+                raise ShardError(f"{self.root}: manifest: {problem}")
+        shards = {v: iter(m.rank_shards(v)) for v in self.virtual_ranks}
+        current = {v: next(shards[v]) for v in self.virtual_ranks}
+        mine: list[tuple[ShardEntry, int]] = []  # (shard, record index in it), in order
+        i = 0
+        for step in range(self.start_step, self.steps):
+            for v in self.virtual_ranks:
+                while step >= current[v].end_step:
+                    current[v] = next(shards[v])
+                entry = current[v]
+                for micro in range(m.micro_batches):
+                    if i % workers == worker:
+                        mine.append((entry, (step - entry.first_step) * m.micro_batches + micro))
+                    i += 1
+        last = {entry.path: index for entry, index in mine}
+        opened: dict[str, SeekingShard] = {}
+        try:
+            for entry, index in mine:
+                if entry.path not in opened:
+                    opened[entry.path] = SeekingShard(self.root, entry, m)
+                yield opened[entry.path].read(index)
+                if last[entry.path] == index:
+                    opened.pop(entry.path).close()
+        finally:
+            for shard in opened.values():
+                shard.close()
 
     def collate(self, record: Record) -> dict:
         """One record as tensors (see the module docstring)."""
@@ -186,6 +232,14 @@ class ShardDataset(IterableDataset):
             pixels[row:row + len(rows)] = rows
             row += len(rows)
         return pixels
+
+
+def _fsspec_seekable(root: str) -> bool:
+    """fsspec URLs seek (ranged reads); ``http(s)://`` goes through curl and ``pipe:`` is a
+    stream."""
+    from urllib.parse import urlparse
+
+    return not root.startswith("pipe:") and urlparse(root).scheme not in ("http", "https")
 
 
 def make_loader(root: str, rank: int = 0, world_size: int = 1, start_step: int = 0, *,

@@ -1,39 +1,68 @@
-"""Streaming one shard with webdataset's tar iterator, checking it against the manifest as it goes.
+"""Reading shards with webdataset's tar iterator, checking them against the manifest.
 
-Each shard is read front to back (never seeked, so it works on any stream) through a hashing
-reader. Records must come in the manifest's step range, in (step, micro) order, each decoding and
-agreeing with its CRCs; at the end the record count, byte count and sha256 must match. Any
-failure raises ``ShardError`` naming the shard and the record: skipping would silently break the
-balance and the step count every rank relies on.
+Two ways in, both checked:
+
+- ``iter_shard`` streams a whole shard front to back (never seeked, so it works on any stream:
+  ``http(s)://`` through curl, ``pipe:``). Records must come in the manifest's step range, in
+  (step, micro) order, each decoding and agreeing with its CRCs; at the end the record count, byte
+  count, sha256 and each record's byte-range CRC must match.
+- ``SeekingShard`` seeks to chosen records through the manifest's per-record byte offsets and
+  reads only their bytes, each checked against its range CRC: what a DataLoader worker uses, so
+  K workers read the shards once between them instead of K times.
+
+Any failure raises ``ShardError`` naming the shard and the record: skipping would silently break
+the balance and the step count every rank relies on.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
+import tarfile
+import zlib
 from typing import IO, Iterator
 
 from webdataset.tariterators import group_by_keys, tar_file_iterator
 
-from .layout import Manifest, ShardEntry, join, open_url
+from vlmshard.io import open_file
+
+from .layout import Manifest, ShardEntry, join, open_url, record_key
 from .records import Record, RecordError, decode_record
+
+_BLOCK = tarfile.BLOCKSIZE
 
 
 class ShardError(RuntimeError):
     """A shard that is missing, truncated, corrupt or out of order."""
 
 
-class _HashingReader:
-    """File-like wrapper that hashes and counts every byte read through it."""
+class ByteLedger:
+    """File-like wrapper that counts and sha256-hashes every byte read through it, and CRC-32s
+    each record's byte range ``offsets[i]:offsets[i+1]`` as the bytes pass."""
 
-    def __init__(self, raw: IO[bytes]) -> None:
+    def __init__(self, raw: IO[bytes], offsets: list[int] = ()) -> None:
         self.raw = raw
         self.sha256 = hashlib.sha256()
         self.bytes = 0
+        self.offsets = list(offsets)
+        self.crc32: list[int] = []
+        self._crc = 0
 
     def read(self, n: int = -1) -> bytes:
         data = self.raw.read(n)
         self.sha256.update(data)
-        self.bytes += len(data)
+        start, self.bytes = self.bytes, self.bytes + len(data)
+        bounds = self.offsets
+        while data and len(self.crc32) + 1 < len(bounds):  # a record's range overlaps data
+            lo, hi = bounds[len(self.crc32)], bounds[len(self.crc32) + 1]
+            if lo >= self.bytes:
+                break
+            part = data[max(lo - start, 0):min(hi, self.bytes) - start]
+            self._crc = zlib.crc32(part, self._crc)
+            if hi > self.bytes:
+                break
+            self.crc32.append(self._crc)
+            self._crc = 0
         return data
 
     def drain(self) -> None:
@@ -41,27 +70,71 @@ class _HashingReader:
             pass
 
 
-def iter_shard(root: str, entry: ShardEntry, manifest: Manifest, *,
-               check_hash: bool = True) -> Iterator[Record]:
-    """Yield the records of one shard in order, checked (see the module docstring)."""
-    url = join(root, entry.path)
+def record_index(path: str) -> tuple[list[int], list[int], str, int]:
+    """(offsets, crc32s, sha256, bytes) of a local tar written by the shard writer: where each
+    record's first member header starts, then where the last record's data ends (the tar's
+    end-of-archive blocks follow); and the CRC-32 of each record's range."""
+    offsets, key, end = [], None, 0
+    with tarfile.open(path, "r:") as tar:
+        for info in tar:
+            name = info.name.rsplit("/", 1)[-1].split(".", 1)[0]
+            if name != key:
+                offsets.append(info.offset)
+                key = name
+            end = info.offset_data + -(-info.size // _BLOCK) * _BLOCK
+    offsets.append(end)
+    with open(path, "rb") as f:
+        ledger = ByteLedger(f, offsets)
+        ledger.drain()
+    return offsets, ledger.crc32, ledger.sha256.hexdigest(), ledger.bytes
+
+
+def _open(url: str, opener) -> IO[bytes]:
     try:
-        raw = open_url(url)
+        return opener(url)
     except Exception as e:
         raise ShardError(f"{url}: cannot open shard: {e}") from None
-    reader = _HashingReader(raw)
-    expected = ((step, micro) for step in range(entry.first_step, entry.end_step)
-                for micro in range(manifest.micro_batches))
+
+
+def _decode_one(url: str, data: bytes, want: tuple[int, int], rank: int) -> Record:
+    """The one record in ``data`` (a record's tar members), checked to be ``want``."""
+    files = ({**f, "__url__": url} for f in tar_file_iterator(io.BytesIO(data + bytes(2 * _BLOCK))))
+    samples = list(group_by_keys(files))
+    if len(samples) != 1:
+        raise ShardError(f"{url}: the bytes of record {record_key(*want)} hold {len(samples)} "
+                         "records")
+    record = decode_record(samples[0], url)
+    _check_place(url, record, want, rank)
+    return record
+
+
+def _check_place(url: str, record: Record, want: tuple[int, int] | None, rank: int) -> None:
+    if (record.step, record.micro) != want or record.rank != rank:
+        raise ShardError(f"{url}: record {record.key} (rank {record.rank}) where "
+                         f"{'nothing more' if want is None else 'step %d micro %d' % want}"
+                         f" of rank {rank} belongs")
+
+
+def _place(entry: ShardEntry, manifest: Manifest, index: int) -> tuple[int, int]:
+    """(step, micro) of the shard's ``index``-th record."""
+    step, micro = divmod(index, manifest.micro_batches)
+    return entry.first_step + step, micro
+
+
+def iter_shard(root: str, entry: ShardEntry, manifest: Manifest, *,
+               check_hash: bool = True) -> Iterator[Record]:
+    """Yield the records of one shard in order, streamed and checked (see the module
+    docstring)."""
+    url = join(root, entry.path)
+    raw = _open(url, open_url)
+    reader = ByteLedger(raw, entry.offsets)
+    expected = (_place(entry, manifest, i) for i in range(entry.records))
     count, last = 0, "(none)"
     try:
         files = ({**f, "__url__": url} for f in tar_file_iterator(reader))
         for sample in group_by_keys(files):
             record = decode_record(sample, url)
-            want = next(expected, None)
-            if (record.step, record.micro) != want or record.rank != entry.rank:
-                raise ShardError(f"{url}: record {record.key} (rank {record.rank}) where "
-                                 f"{'nothing more' if want is None else 'step %d micro %d' % want}"
-                                 f" of rank {entry.rank} belongs")
+            _check_place(url, record, next(expected, None), entry.rank)
             count += 1
             last = record.key
             yield record
@@ -80,3 +153,44 @@ def iter_shard(root: str, entry: ShardEntry, manifest: Manifest, *,
                        or reader.sha256.hexdigest() != entry.sha256):
         raise ShardError(f"{url}: {reader.bytes} bytes with sha256 {reader.sha256.hexdigest()}, "
                          f"manifest says {entry.bytes} bytes with sha256 {entry.sha256}")
+    if entry.crc32 and reader.crc32 != entry.crc32:
+        bad = next(i for i, (a, b) in enumerate(zip(reader.crc32, entry.crc32)) if a != b)
+        raise ShardError(f"{url}: record {record_key(*_place(entry, manifest, bad))}: its bytes "
+                         "differ from the manifest's per-record CRC-32 (offsets or content)")
+
+
+class SeekingShard:
+    """One shard open for reading single records through the manifest's offsets (a local file
+    or a seekable fsspec URL); each record's bytes must match its CRC-32."""
+
+    def __init__(self, root: str, entry: ShardEntry, manifest: Manifest) -> None:
+        self.entry, self.manifest = entry, manifest
+        self.url = join(root, entry.path)
+        self.file = _open(self.url, open_file)
+
+    def read(self, index: int) -> Record:
+        """The shard's ``index``-th record."""
+        url, entry = self.url, self.entry
+        want = _place(entry, self.manifest, index)
+        start, end = entry.offsets[index], entry.offsets[index + 1]
+        try:
+            self.file.seek(start)
+            data = self.file.read(end - start)
+        except Exception as e:
+            raise ShardError(f"{url}: cannot read record {record_key(*want)}: {e}") from None
+        if len(data) != end - start:
+            raise ShardError(f"{url}: record {record_key(*want)}: {len(data)} of its "
+                             f"{end - start} bytes (the tar is cut short)")
+        if zlib.crc32(data) != entry.crc32[index]:
+            raise ShardError(f"{url}: record {record_key(*want)}: its bytes differ from the "
+                             "manifest's per-record CRC-32")
+        try:
+            return _decode_one(url, data, want, entry.rank)
+        except (ShardError, RecordError):
+            raise
+        except Exception as e:  # tarfile.ReadError on a mangled header
+            raise ShardError(f"{url}: record {record_key(*want)} does not parse as tar "
+                             f"members: {e}") from None
+
+    def close(self) -> None:
+        self.file.close()

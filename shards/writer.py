@@ -313,6 +313,8 @@ class ShardWriter:
         """Write one shard atomically, then its marker; returns its manifest entry."""
         import webdataset
 
+        from .reader import record_index  # webdataset, so torch: only where shards are written
+
         rel = shard_path(unit.rank, unit.index)
         path = os.path.join(self.spec.out, *rel.split("/"))
 
@@ -324,11 +326,12 @@ class ShardWriter:
                         tar.write(self._record(unit.rank, step, micro, ids))
 
         atomic_write(path, write)
+        offsets, crc32, sha256, size = record_index(path)
         entry = ShardEntry(path=rel, rank=unit.rank, index=unit.index,
                            first_step=unit.first_step, end_step=unit.end_step,
                            records=len(unit.records),
                            samples=sum(len(ids) for _, _, ids in unit.records),
-                           bytes=os.path.getsize(path), sha256=sha256_file(path))
+                           bytes=size, sha256=sha256, offsets=offsets, crc32=crc32)
         write_json_atomic(_marker_path(os.path.join(self.spec.out, WORK), unit.rank,
                                        unit.index), asdict(entry))
         return asdict(entry)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import zlib
 
 import msgpack
 import numpy as np
@@ -288,6 +289,49 @@ def test_dataloader_workers_and_resume_are_exact(shards):
     assert run(start_step=k) == reference[k * per_step:]
 
 
+def _rchar() -> int:
+    """Bytes this process has read through read(2) so far (the kernel's own count)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def test_workers_seek_to_their_own_records_and_read_them_once(shards):
+    manifest = read_manifest(shards)
+    # The manifest's offsets and CRCs, recomputed from the tar headers with tarfile.
+    for entry in manifest.shards:
+        path = os.path.join(shards, entry.path)
+        with tarfile.open(path) as tar:
+            members = tar.getmembers()
+        starts = [m.offset for k, m in enumerate(members)
+                  if k == 0 or members[k - 1].name.split(".")[0] != m.name.split(".")[0]]
+        last = members[-1]
+        ends = starts[1:] + [last.offset_data + -(-last.size // 512) * 512]
+        assert entry.offsets == starts + ends[-1:]
+        with open(path, "rb") as f:
+            data = f.read()
+        assert entry.crc32 == [zlib.crc32(data[a:b]) for a, b in zip(starts, ends)]
+
+    ds = ShardDataset(shards, 0, 1)
+    reference = _summary(ds.records())
+    for root in (shards, f"file://{shards}"):
+        ds = ShardDataset(root, 0, 1)
+        assert ds.seekable, root
+        parts = [_summary(ds.worker_records(w, 3)) for w in range(3)]
+        merged = [parts[i % 3][i // 3] for i in range(len(reference))]
+        assert merged == reference, root
+    # Each of two workers reads about half the bytes; one reader streams them all.
+    read = []
+    for worker, workers in ((0, 2), (1, 2), (0, 1)):
+        before = _rchar()
+        list(ds.worker_records(worker, workers))
+        read.append(_rchar() - before)
+    assert read[0] + read[1] < 1.1 * manifest.bytes and max(read[:2]) < 0.65 * manifest.bytes
+    assert read[2] >= manifest.bytes
+    with serve_http(shards) as url:
+        assert not ShardDataset(url, 0, 1).seekable  # curl streams: each worker reads it all
+        assert _summary(ShardDataset(url, 0, 1).worker_records(1, 2)) == reference[1::2]
+
+
 def test_streams_from_http_pipe_and_fsspec_like_the_folder(shards):
     folder = ShardDataset(shards, 0, 1)
     reference = _summary(folder.records())
@@ -331,6 +375,11 @@ def test_a_flipped_byte_is_named_by_verify_and_the_loader(shards, tmp_path):
     assert f"{entry.path}: record {key}: member" in proc.stdout and "CRC-32" in proc.stdout
     with pytest.raises(RecordError, match=re.escape(entry.path) + f": record {key}: member"):
         list(ShardDataset(root, 1, VIRTUAL_RANKS).records())
+    ds = ShardDataset(root, 1, VIRTUAL_RANKS)
+    with pytest.raises(ShardError, match=re.escape(entry.path) + f": record {key}: its bytes "
+                                         "differ from the manifest's per-record CRC-32"):
+        for worker in (0, 1):
+            list(ds.worker_records(worker, 2))
 
 
 def test_a_truncated_tar_is_named_by_verify_and_the_loader(shards, tmp_path):
