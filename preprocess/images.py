@@ -7,6 +7,7 @@ what catches the truncated downloads common in scraped VLM data.
 
 from __future__ import annotations
 
+import io
 import os
 import posixpath
 import struct
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
-from vlmshard.io import is_url, open_file
+from vlmshard.io import RemoteReadError, is_url, read_bytes
 
 from .config import DEFAULT_MAX_IMAGE_PIXELS
 from .rejects import Reject
@@ -55,10 +56,14 @@ def resolve_image_path(path: str, root: str, allow_outside_root: bool = False) -
 def read_image_header(path: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImageHeader:
     """Size and format of the image at ``path`` (local or fsspec URL); raises ``Reject``."""
     try:
-        opener = open_file(path)
+        # A remote image is fetched whole (with retries), then checked exactly as a local file
+        # is, so both get the same reject reasons.
+        opener = io.BytesIO(read_bytes(path)) if is_url(path) else open(path, "rb")
     except FileNotFoundError:
         raise Reject("missing_image", f"image not found: {path}") from None
-    except OSError as e:
+    except RemoteReadError as e:
+        raise Reject("unreachable_image", str(e)) from None
+    except Exception as e:  # OSError locally; each fsspec backend raises its own kinds
         raise Reject("missing_image", f"cannot open image {path}: {e}") from None
     with opener as f:
         f.seek(0, os.SEEK_END)

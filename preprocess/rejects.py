@@ -17,6 +17,8 @@ REASONS = {
     "image_count_mismatch": "the number of <image> placeholders differs from the number of images",
     "path_outside_root": "a relative image path leads out of its image root with '..'",
     "missing_image": "an image file or URL does not exist",
+    "unreachable_image": "an image URL still failed (5xx, dropped connection, cut-off body) "
+                         "after every retry",
     "empty_image": "an image file has zero bytes or a zero width/height",
     "corrupt_image": "an image header cannot be parsed",
     "truncated_image": "an image file ends before its end-of-image marker",

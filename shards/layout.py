@@ -9,10 +9,10 @@ Record keys are ``{step:08d}_{micro:03d}``. WebDataset splits a member name into
 extension at the first dot of its base name, so a dotted key such as ``00000012.003`` would merge
 every micro-batch of a step into one sample in any webdataset reader.
 
-``SHARDS`` may be a local folder or a URL: ``http(s)://`` (streamed with curl, as webdataset
-does), any fsspec URL (``s3://``, ``gs://``, ``memory://``, ...), or a ``pipe:`` command with a
-``{path}`` placeholder for the file's path below the root, e.g.
-``pipe:aws s3 cp s3://bucket/shards/{path} -``.
+``SHARDS`` may be a local folder, any fsspec URL (``http(s)://`` from a server that serves byte
+ranges, as object stores do; ``s3://``, ``gs://``, ``memory://``, ...; read with retries), or a
+``pipe:`` command with a ``{path}`` placeholder for the file's path below the root, e.g.
+``pipe:curl -s https://host/shards/{path}`` for a server without ranges.
 """
 
 from __future__ import annotations
@@ -167,17 +167,13 @@ def join(root: str, path: str) -> str:
 
 
 def open_url(url: str) -> IO[bytes]:
-    """A streaming binary reader for a local path, ``file://``, ``http(s)://``, ``pipe:`` or
-    fsspec URL. Schemes webdataset knows go through ``webdataset.gopen``; local paths and others
-    through ``vlmshard.io.open_file``."""
-    if is_remote(url):
+    """A binary reader for a local path, a URL (``vlmshard.io.open_file``: fsspec, ranged reads
+    retried on transient errors) or a ``pipe:`` command (``webdataset.gopen``)."""
+    if url.startswith("pipe:"):
         import importlib
-        from urllib.parse import urlparse
 
         wds_gopen = importlib.import_module("webdataset.gopen")  # the package shadows it
-        scheme = urlparse(url).scheme
-        if scheme != "file" and scheme in wds_gopen.gopen_schemes:
-            return wds_gopen.gopen(url, "rb")
+        return wds_gopen.gopen(url, "rb")
     return open_file(url)
 
 

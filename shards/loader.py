@@ -26,8 +26,8 @@ exact: ``start_step`` starts at that step's first record, a pure function of the
 DataLoader workers take every K-th record, which the DataLoader's round-robin turns back into the
 exact order. A worker seeks to its own records through the manifest's per-record byte offsets and
 reads only their bytes, each range checked against its CRC-32, so K workers read the shards once
-between them. Streams that cannot seek (``http(s)://`` through curl, ``pipe:``) and manifests
-without offsets are read whole by every worker, which decodes only its own records. With one
+between them. ``pipe:`` streams, which cannot seek, and manifests without offsets are read whole
+by every worker, which decodes only its own records. With one
 reader (no workers) every shard is streamed whole and its sha256 checked too.
 """
 
@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from vlmshard.preprocess.families import family
 from vlmshard.preprocess.tokenize import IGNORE_INDEX
 
-from .layout import Manifest, ShardEntry, is_remote, read_manifest
+from .layout import Manifest, ShardEntry, read_manifest
 from .reader import SeekingShard, ShardError, iter_shard
 from .records import DecodedImage, Record, RecordError, check_image_tokens, decoded_images
 
@@ -133,8 +133,9 @@ class ShardDataset(IterableDataset):
 
     @property
     def seekable(self) -> bool:
-        """Whether records can be read alone: local or fsspec shards with per-record offsets."""
-        return ((not is_remote(self.root) or _fsspec_seekable(self.root))
+        """Whether records can be read alone: local or fsspec shards (not a ``pipe:`` stream)
+        with per-record offsets."""
+        return (not self.root.startswith("pipe:")
                 and all(e.seekable for e in self.manifest.shards))
 
     def _sought_records(self, worker: int, workers: int) -> Iterator[Record]:
@@ -232,14 +233,6 @@ class ShardDataset(IterableDataset):
             pixels[row:row + len(rows)] = rows
             row += len(rows)
         return pixels
-
-
-def _fsspec_seekable(root: str) -> bool:
-    """fsspec URLs seek (ranged reads); ``http(s)://`` goes through curl and ``pipe:`` is a
-    stream."""
-    from urllib.parse import urlparse
-
-    return not root.startswith("pipe:") and urlparse(root).scheme not in ("http", "https")
 
 
 def make_loader(root: str, rank: int = 0, world_size: int = 1, start_step: int = 0, *,

@@ -2,8 +2,8 @@
 
 Two ways in, both checked:
 
-- ``iter_shard`` streams a whole shard front to back (never seeked, so it works on any stream:
-  ``http(s)://`` through curl, ``pipe:``). Records must come in the manifest's step range, in
+- ``iter_shard`` streams a whole shard front to back (never seeked, so it works on any stream,
+  ``pipe:`` included). Records must come in the manifest's step range, in
   (step, micro) order, each decoding and agreeing with its CRCs; at the end the record count, byte
   count, sha256 and each record's byte-range CRC must match.
 - ``SeekingShard`` seeks to chosen records through the manifest's per-record byte offsets and
@@ -141,7 +141,7 @@ def iter_shard(root: str, entry: ShardEntry, manifest: Manifest, *,
         reader.drain()
     except (ShardError, RecordError):
         raise
-    except Exception as e:  # tarfile.ReadError, EOFError, curl/pipe exit status, ...
+    except Exception as e:  # tarfile.ReadError, EOFError, a pipe's exit status, ...
         raise ShardError(f"{url}: truncated or corrupt tar after {count} record(s) "
                          f"(last good record {last}): {e}") from None
     finally:

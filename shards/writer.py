@@ -38,7 +38,7 @@ from vlmshard.preprocess import (RecordedPreprocess, RetokenizeError, Retokenize
                                  sample_where)
 from vlmshard import __version__
 from vlmshard.engines import resolve_workers, run_units
-from vlmshard.io import (atomic_write, file_size, open_file, read_json, sha256_file,
+from vlmshard.io import (atomic_write, file_size, read_bytes, read_json, sha256_file,
                          write_json_atomic)
 from vlmshard.jobs import WORK, claim_output, locked_output
 from vlmshard.progress import Progress
@@ -365,8 +365,7 @@ def _read_image(row: dict, path: str, size: dict) -> tuple[bytes, str]:
     from PIL import Image
 
     try:
-        with open_file(path) as f:
-            data = f.read()
+        data = read_bytes(path)
     except Exception as e:  # OSError locally; fsspec and aiohttp raise their own kinds
         raise WriteError(f"{sample_where(row)}: image vanished since preprocessing: {path} ({e}); "
                          "restore it, or preprocess and pack again") from None

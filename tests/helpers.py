@@ -6,6 +6,7 @@ import contextlib
 import functools
 import http.server
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -49,12 +50,72 @@ def tree_bytes(root: str) -> dict[str, bytes]:
     return out
 
 
+class FaultyFiles(http.server.SimpleHTTPRequestHandler):
+    """Serves files with byte ranges (as object stores do) and injects faults: ``faults`` maps a
+    URL path to the faults its next requests meet, one per request, in order: ``503``, ``cut``
+    (the body stops halfway under a full Content-Length), ``reset`` (the connection closes with
+    no answer). A fault ending in ``*`` never runs out. ``requests`` counts requests per path."""
+
+    faults: dict[str, list[str]] = {}
+    requests: dict[str, int] = {}
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _fault(self) -> str | None:
+        path = self.path.split("?")[0]
+        self.requests[path] = self.requests.get(path, 0) + 1
+        queue = self.faults.get(path)
+        if not queue:
+            return None
+        return queue[0].rstrip("*") if queue[0].endswith("*") else queue.pop(0)
+
+    def do_HEAD(self) -> None:
+        self.do_GET(body=False)
+
+    def do_GET(self, body: bool = True) -> None:
+        fault = self._fault()
+        if fault == "503":
+            self.send_error(503)
+            return
+        if fault == "reset":
+            self.close_connection = True
+            return
+        path = self.translate_path(self.path)
+        if not os.path.isfile(path):
+            self.send_error(404)
+            return
+        with open(path, "rb") as f:
+            data = f.read()
+        start, end, status = 0, len(data), 200
+        if ranged := re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", "")):
+            start = int(ranged[1])
+            end = min(end, int(ranged[2]) + 1) if ranged[2] else end
+            status = 206
+            if start >= len(data):
+                self.send_error(416)
+                return
+        self.send_response(status)
+        self.send_header("Content-Length", str(end - start))
+        self.send_header("Accept-Ranges", "bytes")
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+        self.end_headers()
+        if body:
+            part = data[start:end]
+            self.wfile.write(part[:len(part) // 2] if fault == "cut" else part)
+            if fault == "cut":
+                self.close_connection = True
+
+
 @contextlib.contextmanager
-def serve_http(directory: str) -> Iterator[str]:
-    """Serve ``directory`` over HTTP on loopback; yields the base URL."""
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(directory))
-    handler.log_message = lambda *a, **k: None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+def serve_http(directory: str, faults: dict[str, list[str]] | None = None,
+               requests: dict[str, int] | None = None) -> Iterator[str]:
+    """Serve ``directory`` over HTTP on loopback (see ``FaultyFiles``); yields the base URL."""
+    handler = type("Handler", (FaultyFiles,), {"faults": faults or {},
+                                               "requests": {} if requests is None else requests})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                             functools.partial(handler, directory=str(directory)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

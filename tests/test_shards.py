@@ -327,9 +327,12 @@ def test_workers_seek_to_their_own_records_and_read_them_once(shards):
         read.append(_rchar() - before)
     assert read[0] + read[1] < 1.1 * manifest.bytes and max(read[:2]) < 0.65 * manifest.bytes
     assert read[2] >= manifest.bytes
-    with serve_http(shards) as url:
-        assert not ShardDataset(url, 0, 1).seekable  # curl streams: each worker reads it all
+    with serve_http(shards) as url:  # ranged reads, as from an object store
+        assert ShardDataset(url, 0, 1).seekable
         assert _summary(ShardDataset(url, 0, 1).worker_records(1, 2)) == reference[1::2]
+    piped = ShardDataset(f"pipe:cat {shards}/{{path}}", 0, 1)
+    assert not piped.seekable  # a stream: each worker reads it all, keeps its own
+    assert _summary(piped.worker_records(1, 2)) == reference[1::2]
 
 
 def test_streams_from_http_pipe_and_fsspec_like_the_folder(shards):

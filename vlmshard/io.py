@@ -1,14 +1,19 @@
-"""File helpers shared by every stage: local paths and fsspec URLs, atomic writes, canonical
-JSON, hashing, CPU discovery."""
+"""File helpers shared by every stage: local paths and fsspec URLs (read with retries), atomic
+writes, canonical JSON, hashing, CPU discovery."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _current_umask() -> int:
@@ -80,16 +85,116 @@ def is_url(path: str) -> bool:
     return "://" in path
 
 
+# ---------------------------------------------------------------------------------------------
+# Remote reads: object stores and HTTP servers fail transiently (503s, dropped connections,
+# bodies cut off halfway); one such failure must not stop a fleet job.
+
+TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently a remote read is retried: exponential backoff from
+    ``first_wait_s`` up to 16 times that per wait, each with up to ``first_wait_s`` of random
+    jitter so that a fleet's workers do not retry in step (about 20 s in all by default).
+    ``VLMSHARD_REMOTE_ATTEMPTS`` and ``VLMSHARD_REMOTE_WAIT_S`` override the defaults."""
+
+    attempts: int = 6
+    first_wait_s: float = 0.5
+
+    @property
+    def max_wait_s(self) -> float:
+        return 16 * self.first_wait_s
+
+    @classmethod
+    def from_env(cls) -> "RetryPolicy":
+        return cls(attempts=max(1, int(os.environ.get("VLMSHARD_REMOTE_ATTEMPTS", cls.attempts))),
+                   first_wait_s=float(os.environ.get("VLMSHARD_REMOTE_WAIT_S", cls.first_wait_s)))
+
+
+class RemoteReadError(OSError):
+    """A remote read that still failed transiently after every retry (names URL and error)."""
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether retrying may help: a 5xx/429/408 status, a dropped or refused connection, a
+    timeout, a body shorter than its Content-Length. Not a 404 or 403: those stay as they are."""
+    status = getattr(error, "status", None)  # aiohttp's ClientResponseError
+    if isinstance(status, int):
+        return status in TRANSIENT_STATUS
+    if isinstance(error, FileNotFoundError):
+        # fsspec's HTTP info() turns any failure into FileNotFoundError, raised from the cause
+        return error.__cause__ is not None and is_transient(error.__cause__)
+    if isinstance(error, PermissionError):
+        return False
+    if isinstance(error, (ConnectionError, TimeoutError)):
+        return True
+    import aiohttp
+
+    return isinstance(error, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError))
+
+
+def retrying(url: str, call: Callable[[], T], policy: RetryPolicy | None = None) -> T:
+    """``call()``, retried on transient errors (see ``RetryPolicy``); when the attempts run
+    out, ``RemoteReadError`` naming ``url`` and the last error. Other errors pass unchanged."""
+    from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+    policy = policy or RetryPolicy.from_env()
+
+    def warn(state) -> None:
+        log.warning("%s: %s; retry %d of %d", url, _describe(state.outcome.exception()),
+                    state.attempt_number, policy.attempts - 1)
+
+    retry = Retrying(stop=stop_after_attempt(policy.attempts), reraise=True,
+                     wait=wait_exponential_jitter(initial=policy.first_wait_s,
+                                                  max=policy.max_wait_s,
+                                                  jitter=policy.first_wait_s),
+                     retry=retry_if_exception(is_transient), before_sleep=warn)
+    try:
+        return retry(call)
+    except Exception as e:
+        if is_transient(e):
+            raise RemoteReadError(f"{url}: still failing after {policy.attempts} attempts: "
+                                  f"{_describe(e)}") from None
+        raise
+
+
+def _describe(error: BaseException | None) -> str:
+    if isinstance(error, FileNotFoundError) and error.__cause__ is not None:
+        error = error.__cause__  # fsspec's HTTP info() hides the status in the cause
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 def open_file(path: str, mode: str = "rb") -> IO:
     """The one opener of local paths and fsspec URLs (``s3://``, ``http://``, ``memory://``, ...).
 
-    Errors are the backend's own: ``OSError`` (``FileNotFoundError``) locally, whatever the
-    fsspec filesystem raises for a URL."""
-    if is_url(path):
-        import fsspec
+    A URL is opened, and every byte range it reads is fetched, through ``retrying``: fsspec's
+    buffered files read through their cache's fetcher, which takes (start, end) and so can be
+    called again after a failure. Errors are the backend's own (``FileNotFoundError`` for a
+    missing file) or ``RemoteReadError``."""
+    if not is_url(path):
+        return open(path, mode)
+    import fsspec
 
-        return fsspec.open(path, mode).open()
-    return open(path, mode)
+    f = retrying(path, lambda: fsspec.open(path, mode).open())
+    cache = getattr(f, "cache", None)
+    fetch = getattr(cache, "fetcher", None)
+    if fetch is not None:
+        cache.fetcher = lambda start, end: retrying(path, lambda: fetch(start, end))
+    return f
+
+
+def read_bytes(path: str) -> bytes:
+    """All bytes of a local file or of the object at an fsspec URL, the URL through
+    ``retrying`` (a 0-byte object is ``b""``, as a 0-byte file is)."""
+    if not is_url(path):
+        with open(path, "rb") as f:
+            return f.read()
+    import fsspec
+
+    fs, p = fsspec.core.url_to_fs(path)
+    return retrying(path, lambda: fs.cat_file(p))
 
 
 def file_size(path: str) -> int:
@@ -98,7 +203,7 @@ def file_size(path: str) -> int:
         import fsspec
 
         fs, p = fsspec.core.url_to_fs(path)
-        return int(fs.size(p))
+        return int(retrying(path, lambda: fs.size(p)))
     return os.path.getsize(path)
 
 
@@ -108,7 +213,11 @@ def file_exists(path: str) -> bool:
         import fsspec
 
         fs, p = fsspec.core.url_to_fs(path)
-        return fs.exists(p)
+        try:
+            retrying(path, lambda: fs.info(p))  # exists() would call a 503 "absent"
+        except FileNotFoundError:
+            return False
+        return True
     return os.path.exists(path)
 
 

@@ -1,0 +1,128 @@
+"""Faults injected for real: a loopback HTTP server that answers 503, cuts bodies halfway or
+drops connections (``helpers.FaultyFiles``). Each run must end either as a clean run does or
+with one clear line naming what failed, and nothing counted done that is not."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+
+from vlmshard.preprocess import PreprocessConfig, run_preprocess
+from vlmshard.shards.layout import read_manifest
+from vlmshard.shards.loader import ShardDataset
+from vlmshard.shards.reader import ShardError
+
+from helpers import serve_http, vlmshard
+
+
+@pytest.fixture(autouse=True)
+def quick_retries(monkeypatch):
+    """Retries as in production, but waiting milliseconds."""
+    monkeypatch.setenv("VLMSHARD_REMOTE_WAIT_S", "0.01")
+
+
+def _noisy_reasons(noisy) -> dict[int, str]:
+    """Row -> the reason its ``id`` names (``accepted...`` rows are kept). Read as bytes: some
+    rows are deliberately not JSON or not UTF-8."""
+    with open(noisy, "rb") as f:
+        return {row: re.search(rb'"id": "([^"]+)"', line)[1].decode() for row, line in enumerate(f)}
+
+
+def test_remote_images_get_the_local_reasons_through_transient_faults(demo, demo_out, tmp_path):
+    served = tmp_path / "served"
+    served.mkdir()
+    shutil.copytree(os.path.join(demo.root, "images"), served / "images")
+    shutil.copy(os.path.join(demo.root, "noisy.jsonl"), served / "noisy.jsonl")
+    expected = _noisy_reasons(served / "noisy.jsonl")
+    with open(served / "noisy.jsonl", "rb") as f:
+        good = next(m[1].decode() for line in f if b'"id": "accepted' in line
+                    and (m := re.search(rb'"image": "([^"]+)"', line)))
+    flaky_row = max(expected) + 1
+    with open(served / "noisy.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"id": "unreachable_image", "image": "images/flaky.jpg",
+                            "conversations": [{"from": "human", "value": "<image>\nWhat?"},
+                                              {"from": "gpt", "value": "A photo."}]}) + "\n")
+    shutil.copy(served / good, served / "images" / "flaky.jpg")  # fine, but never served
+    expected[flaky_row] = "unreachable_image"
+    faults = {"/noisy.jsonl": ["503", "reset"], f"/{good}": ["503", "cut", "reset"],
+              "/images/flaky.jpg": ["503*"]}
+    requests: dict[str, int] = {}
+    with serve_http(served, faults, requests) as url:
+        result = run_preprocess(PreprocessConfig(
+            inputs=[f"{url}/noisy.jsonl"], image_root=url, out=str(tmp_path / "out"),
+            max_seq_len=8192, workers=1))
+    rejects = pq.read_table(tmp_path / "out" / "rejects.parquet").to_pylist()
+    got = {r["row"]: r["reason"] for r in rejects}
+    assert got == {row: reason for row, reason in expected.items()
+                   if not reason.startswith("accepted")}
+    flaky = next(r for r in rejects if r["row"] == flaky_row)
+    assert f"{url}/images/flaky.jpg" in flaky["message"] and "503" in flaky["message"]
+    assert requests["/images/flaky.jpg"] == 6  # every attempt made
+    assert requests[f"/{good}"] > 3  # the faults were met, and retried past
+    # The accepted rows are the local run's, counted the same.
+    local = pq.read_table(demo_out / "stats").to_pylist()
+    remote = pq.read_table(tmp_path / "out" / "stats").to_pylist()
+    key = ("row", "seq_len", "loss_tokens", "image_tiles")
+    assert [tuple(r[k] for k in key) for r in remote] == \
+        [tuple(r[k] for k in key) for r in local if r["source"] == "noisy"]
+    assert result.input_rows == len(expected)
+
+
+def test_a_remote_annotation_file_that_keeps_failing_is_one_line(demo, tmp_path):
+    served = tmp_path / "served"
+    served.mkdir()
+    shutil.copy(os.path.join(demo.root, "chat.jsonl"), served / "chat.jsonl")
+    with serve_http(served, {"/chat.jsonl": ["503*"]}) as url:
+        proc = vlmshard("preprocess", f"{url}/chat.jsonl", "--out", str(tmp_path / "out"),
+                        check=False)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr
+    assert f"{url}/chat.jsonl" in lines[-1] and "503" in lines[-1], proc.stderr
+
+
+@pytest.fixture(scope="module")
+def shards(demo_out, tmp_path_factory):
+    from vlmshard.packing.config import PackConfig
+    from vlmshard.packing.plan import run_pack
+    from vlmshard.shards.config import WriteConfig
+    from vlmshard.shards.writer import run_write
+
+    work = tmp_path_factory.mktemp("fault-shards")
+    run_pack(PackConfig(stats=str(demo_out), dp=1, micro_batches=2, out=str(work / "plan")))
+    run_write(WriteConfig(plan=str(work / "plan"), stats=str(demo_out), out=str(work / "shards"),
+                          shard_bytes="4MB", workers=1))
+    return str(work / "shards")
+
+
+def _summary(records) -> list[tuple]:
+    return [(r.step, r.micro, tuple(s["sample_id"] for s in r.samples), r.input_ids.tobytes(),
+             tuple(r.images)) for r in records]
+
+
+def test_shards_over_http_read_the_same_records_through_faults(shards):
+    manifest = read_manifest(shards)
+    assert len(manifest.shards) > 1
+    reference = _summary(ShardDataset(shards).records())
+    tars = [f"/{e.path}" for e in manifest.shards]
+    for mode in ("stream", "seek"):
+        requests: dict[str, int] = {}
+        faults = {t: ["503", "cut", "reset", "cut"] for t in tars}
+        with serve_http(shards, faults, requests) as url:
+            ds = ShardDataset(url)
+            if mode == "stream":
+                got = _summary(ds.records())
+            else:
+                parts = [_summary(ds.worker_records(w, 2)) for w in range(2)]
+                got = [parts[i % 2][i // 2] for i in range(len(reference))]
+        assert got == reference, mode
+        assert all(not faults[t] for t in tars), mode  # every fault was met and got past
+    with serve_http(shards, {tars[-1]: ["503*"]}) as url:
+        with pytest.raises(ShardError, match=re.escape(f"{url}{tars[-1]}") + ".*still failing "
+                                             "after 6 attempts.*503"):
+            list(ShardDataset(url).records())
