@@ -13,6 +13,10 @@ read by a single rank's loader.
   tiling and normalization, padding to Qt/Qv) with none of the checks, both through a
   ``DataLoader`` with 0, 1 and 2 workers. Runs alternate ours/plain; medians of ``--repeats``.
   The first micro-batch of each run (worker start-up) is not timed.
+- Reads per worker: bytes each of K loader workers reads (the kernel's ``rchar``) and its
+  seconds, when it seeks to its own records through the manifest's offsets against when it
+  streams the rank's shards whole and keeps every K-th record (what a ``pipe:`` or curl stream
+  still does). Records only, no image decoding, so the difference is the I/O.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from vlmshard.preprocess.demo_data import generate  # noqa: E402
 from vlmshard.preprocess.tokenize import IGNORE_INDEX  # noqa: E402
 from vlmshard.shards.layout import join, read_manifest  # noqa: E402
 from vlmshard.preprocess.tiling import to_rgb  # noqa: E402
-from vlmshard.shards.loader import make_loader  # noqa: E402
+from vlmshard.shards.loader import ShardDataset, make_loader  # noqa: E402
 from vlmshard.shards.config import WriteConfig  # noqa: E402
 from vlmshard.shards.writer import run_write  # noqa: E402
 
@@ -130,6 +134,30 @@ def bench_load(root: str, workers: int, limit: int, repeats: int) -> dict:
             "ours_runs": ours, "plain_runs": plain}
 
 
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def bench_reads(root: str, workers: int, repeats: int) -> dict:
+    """Per worker of ``workers``: MB read and seconds, seeking and streaming (medians)."""
+    ds = ShardDataset(root)
+    modes = {"seek": lambda w: ds.worker_records(w, workers),
+             "stream": lambda w: (r for i, r in enumerate(ds.records()) if i % workers == w)}
+    out = {"workers": workers}
+    for mode, records in modes.items():
+        mb, seconds = [], []
+        for _ in range(repeats):
+            for w in range(workers):
+                before, start = _rchar(), time.perf_counter()
+                n = sum(1 for _ in records(w))
+                seconds.append(time.perf_counter() - start)
+                mb.append((_rchar() - before) / 1e6)
+        out[mode] = {"mb_per_worker": statistics.median(mb),
+                     "s_per_worker": statistics.median(seconds), "records": n}
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", default=os.path.join(REPO, "build", "bench", "shards"))
@@ -138,14 +166,19 @@ def main() -> None:
     p.add_argument("--records", type=int, default=24, help="timed micro-batches per load run")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", help="also write the numbers here")
+    p.add_argument("--only-reads", action="store_true",
+                   help="only the reads-per-worker table (writes one folder, no load timing)")
     args = p.parse_args()
     torch.set_num_threads(1)  # as a DataLoader worker runs; keeps 0 workers comparable
 
     pre, plan = prepare(args.work, args.scale)
-    writes = [bench_write(args.work, pre, plan, w, args.shard_bytes) for w in (1, 2)]
+    writes = [bench_write(args.work, pre, plan, w, args.shard_bytes)
+              for w in ((1,) if args.only_reads else (1, 2))]
     root = writes[0]["out"]
     manifest = read_manifest(root)
-    loads = [bench_load(root, w, args.records, args.repeats) for w in (0, 1, 2)]
+    loads = [] if args.only_reads else [bench_load(root, w, args.records, args.repeats)
+                                        for w in (0, 1, 2)]
+    reads = [bench_reads(root, w, args.repeats) for w in (1, 2, 4)]
 
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"python {platform.python_version()}, torch {torch.__version__}")
@@ -161,10 +194,16 @@ def main() -> None:
     for r in loads:
         print(f"| {r['workers']} | {r['ours']:.2f} | {r['plain']:.2f} | {r['ratio']:.3f} | "
               f"{100 * r['overhead']:.1f}% |")
+    print("\n| loader workers | streamed: MB read per worker | s | sought: MB read per worker | "
+          "s |\n|---|---|---|---|---|")
+    for r in reads:
+        print(f"| {r['workers']} | {r['stream']['mb_per_worker']:.0f} | "
+              f"{r['stream']['s_per_worker']:.2f} | {r['seek']['mb_per_worker']:.0f} | "
+              f"{r['seek']['s_per_worker']:.2f} |")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"write": writes, "load": loads}, f, indent=1)
+            json.dump({"write": writes, "load": loads, "reads": reads}, f, indent=1)
 
 
 if __name__ == "__main__":
