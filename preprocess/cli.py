@@ -36,14 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from vlmshard.io import RemoteReadError
-
     from .job import RejectRatioExceeded, run_preprocess
 
     as_json = args.__dict__.pop("json")
     try:
         result = run_preprocess(load_config(PreprocessConfig, args))
-    except (ValueError, RemoteReadError) as e:  # ConfigError, sources that cannot be read
+    except (ValueError, OSError) as e:  # ConfigError, unreadable sources, a full disk, ...
         raise SystemExit(f"vlmshard preprocess: error: {e}") from None
     except RejectRatioExceeded as e:
         log.error("%s", e)

@@ -1,23 +1,27 @@
 """Processing one part: read its rows, turn each into a stats row or a reject, commit atomically.
 
-A part is committed when its summary JSON exists; the two Parquet files are renamed into place
-before it. A rerun skips committed parts, so a killed job resumes where it stopped.
+A part is committed when its summary JSON exists and the two Parquet files, renamed into place
+before it, still have the size and sha256 it records. A rerun skips committed parts, so a killed
+job resumes where it stopped; a part file torn or changed behind the job's back is done again.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import Counter
 from dataclasses import dataclass
 
 import pyarrow as pa
 
-from vlmshard.io import atomic_write, read_json, write_json_atomic, write_parquet
+from vlmshard.io import atomic_write, read_json, sha256_file, write_json_atomic, write_parquet
 
 from .rejects import Reject
 from .sample import SampleProcessor, SampleSpec
 from .schema import REJECTS_SCHEMA, stats_schema
 from .sources import Part, read_part_rows
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,8 +39,23 @@ def part_paths(parts_dir: str, index: int) -> tuple[str, str, str]:
 
 
 def committed_summary(parts_dir: str, index: int) -> dict | None:
-    summary = part_paths(parts_dir, index)[2]
-    return read_json(summary) if os.path.exists(summary) else None
+    """The part's summary if it is committed and its files are as committed, else None."""
+    stats_path, rejects_path, summary_path = part_paths(parts_dir, index)
+    if not os.path.exists(summary_path):
+        return None
+    summary = read_json(summary_path)
+    if summary.get("files") != {"stats": _file_record(stats_path),
+                                "rejects": _file_record(rejects_path)}:
+        log.warning("part %d: its files differ from what was committed; processing it again",
+                    index)
+        return None
+    return summary
+
+
+def _file_record(path: str) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    return {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}
 
 
 class PartWorker:
@@ -76,6 +95,7 @@ class PartWorker:
             "seq_len": sum(columns["seq_len"]),
             "vit_tiles": sum(columns["vit_tiles"]),
             "images": sum(columns["n_images"]),
+            "files": {"stats": _file_record(stats_path), "rejects": _file_record(rejects_path)},
         }
         write_json_atomic(summary_path, summary)
         return summary

@@ -35,7 +35,7 @@ def main(args: argparse.Namespace) -> int:
     as_json = args.__dict__.pop("json")
     try:
         result = run_write(load_config(WriteConfig, args))
-    except (WriteError, FileNotFoundError, ValueError) as e:  # StatsError is a ValueError
+    except (WriteError, OSError, ValueError) as e:  # StatsError is a ValueError; a full disk
         raise SystemExit(f"vlmshard write: error: {e}") from None
     if as_json:
         print(json.dumps(asdict(result), indent=1))

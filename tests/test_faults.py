@@ -4,10 +4,14 @@ with one clear line naming what failed, and nothing counted done that is not."""
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import re
 import shutil
+import subprocess
+from typing import Iterator
 
 import pyarrow.parquet as pq
 import pytest
@@ -17,7 +21,7 @@ from vlmshard.shards.layout import read_manifest
 from vlmshard.shards.loader import ShardDataset
 from vlmshard.shards.reader import ShardError
 
-from helpers import serve_http, vlmshard
+from helpers import kill_9_when, serve_http, tree_bytes, vlmshard
 
 
 @pytest.fixture(autouse=True)
@@ -126,3 +130,67 @@ def test_shards_over_http_read_the_same_records_through_faults(shards):
         with pytest.raises(ShardError, match=re.escape(f"{url}{tars[-1]}") + ".*still failing "
                                              "after 6 attempts.*503"):
             list(ShardDataset(url).records())
+
+
+def test_a_part_torn_behind_the_jobs_back_is_done_again(demo, tmp_path):
+    """Killed mid-job, then one committed part's stats file truncated and another's rejects file
+    deleted: the rerun processes exactly those two again and ends byte-identical to a clean
+    run."""
+    args = [demo.meta, "--part-size", "5", "--workers", "1", "--max-seq-len", "8192"]
+    out = tmp_path / "torn"
+    parts = out / "_work" / "parts"
+    committed = lambda: sorted(glob.glob(str(parts / "part-*.json")))  # noqa: E731
+    kill_9_when("preprocess", *args, "--out", str(out), ready=lambda: len(committed()) >= 4)
+    assert not (out / "preprocess.json").exists(), "job finished before it could be killed"
+    done = committed()
+    torn, gone = done[0].replace(".json", ".stats.parquet"), done[1].replace(".json",
+                                                                              ".rejects.parquet")
+    with open(torn, "r+b") as f:
+        f.truncate(os.path.getsize(torn) // 2)
+    os.unlink(gone)
+    rerun = json.loads(vlmshard("preprocess", *args, "--out", str(out), "--json").stdout)
+    assert rerun["parts_resumed"] == len(done) - 2
+    vlmshard("preprocess", *args, "--out", str(tmp_path / "clean"))
+    assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
+
+
+@contextlib.contextmanager
+def small_disk(path, size: str) -> Iterator[str]:
+    """A tmpfs of ``size`` mounted at ``path`` (root only; skipped where mounting is denied);
+    yields a command that resizes it."""
+    os.makedirs(path, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield lambda new: subprocess.run(["mount", "-o", f"remount,size={new}", str(path)],
+                                         check=True)
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_one_line_and_a_rerun_with_space_completes_identically(demo, tmp_path):
+    pre_args = [demo.meta, "--part-size", "16", "--workers", "1", "--max-seq-len", "8192",
+                "--keep-tokens"]
+    vlmshard("preprocess", *pre_args, "--out", str(tmp_path / "pre"))
+    vlmshard("pack", "--stats", str(tmp_path / "pre"), "--dp", "1", "--out", str(tmp_path / "plan"))
+    write_args = ["--plan", str(tmp_path / "plan"), "--stats", str(tmp_path / "pre"),
+                  "--shard-bytes", "8MB", "--workers", "1"]
+    vlmshard("write", *write_args, "--out", str(tmp_path / "shards"))
+    disk = tmp_path / "disk"
+    for stage, args, clean, size in (("preprocess", pre_args, "pre", "96k"),
+                                     ("write", write_args, "shards", "48m")):
+        with small_disk(disk, size) as resize:
+            out = disk / stage
+            proc = vlmshard(stage, *args, "--out", str(out), check=False)
+            assert proc.returncode != 0, f"{stage} fit into {size}"
+            last = proc.stderr.strip().splitlines()[-1]
+            assert "Traceback" not in proc.stderr and "No space left on device" in last, \
+                proc.stderr
+            assert not (out / ("preprocess.json" if stage == "preprocess" else "manifest.json")
+                        ).exists()
+            resize("512m")
+            vlmshard(stage, *args, "--out", str(out))
+            assert tree_bytes(out) == tree_bytes(tmp_path / clean), stage
