@@ -6,6 +6,7 @@ import contextlib
 import functools
 import http.server
 import os
+import random
 import re
 import signal
 import subprocess
@@ -54,10 +55,16 @@ class FaultyFiles(http.server.SimpleHTTPRequestHandler):
     """Serves files with byte ranges (as object stores do) and injects faults: ``faults`` maps a
     URL path to the faults its next requests meet, one per request, in order: ``503``, ``cut``
     (the body stops halfway under a full Content-Length), ``reset`` (the connection closes with
-    no answer). A fault ending in ``*`` never runs out. ``requests`` counts requests per path."""
+    no answer). A fault ending in ``*`` never runs out. Other requests meet one of those three at
+    random with probability ``drop_rate``, and wait ``stall_s`` first with ``stall_rate``.
+    ``requests`` counts requests per path, ``injected`` the faults met per kind."""
 
     faults: dict[str, list[str]] = {}
     requests: dict[str, int] = {}
+    injected: dict[str, int] = {}
+    drop_rate = stall_rate = 0.0
+    stall_s = 1.0
+    rng = random.Random(0)
 
     def log_message(self, *args) -> None:
         pass
@@ -66,9 +73,18 @@ class FaultyFiles(http.server.SimpleHTTPRequestHandler):
         path = self.path.split("?")[0]
         self.requests[path] = self.requests.get(path, 0) + 1
         queue = self.faults.get(path)
-        if not queue:
-            return None
-        return queue[0].rstrip("*") if queue[0].endswith("*") else queue.pop(0)
+        if queue:
+            fault = queue[0].rstrip("*") if queue[0].endswith("*") else queue.pop(0)
+        elif self.rng.random() < self.drop_rate:
+            fault = self.rng.choice(["503", "reset", "cut"])
+        else:
+            fault = None
+        if self.rng.random() < self.stall_rate:
+            self.injected["stall"] = self.injected.get("stall", 0) + 1
+            time.sleep(self.stall_s)
+        if fault:
+            self.injected[fault] = self.injected.get(fault, 0) + 1
+        return fault
 
     def do_HEAD(self) -> None:
         self.do_GET(body=False)
@@ -110,10 +126,13 @@ class FaultyFiles(http.server.SimpleHTTPRequestHandler):
 
 @contextlib.contextmanager
 def serve_http(directory: str, faults: dict[str, list[str]] | None = None,
-               requests: dict[str, int] | None = None) -> Iterator[str]:
-    """Serve ``directory`` over HTTP on loopback (see ``FaultyFiles``); yields the base URL."""
-    handler = type("Handler", (FaultyFiles,), {"faults": faults or {},
-                                               "requests": {} if requests is None else requests})
+               requests: dict[str, int] | None = None, **random_faults) -> Iterator[str]:
+    """Serve ``directory`` over HTTP on loopback; ``faults``, ``requests`` and
+    ``random_faults`` (``drop_rate``, ``stall_rate``, ``stall_s``, ``injected``, ``rng``) as
+    ``FaultyFiles`` describes. Yields the base URL."""
+    handler = type("Handler", (FaultyFiles,), {
+        "faults": faults or {}, "requests": {} if requests is None else requests,
+        "injected": {}, "rng": random.Random(0), **random_faults})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
                                              functools.partial(handler, directory=str(directory)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)

@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+import posixpath
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,20 @@ def is_url(path: str) -> bool:
     return "://" in path
 
 
+def resolve(base: str, path: str) -> str:
+    """``path`` made absolute against the folder ``base`` (a local folder or a URL); URLs and
+    absolute paths name their file themselves."""
+    if is_url(path) or os.path.isabs(path):
+        return path
+    if is_url(base):
+        from urllib.parse import urlsplit, urlunsplit
+
+        parts = urlsplit(base)
+        joined = posixpath.normpath(posixpath.join("/" + parts.path.lstrip("/"), path))
+        return urlunsplit(parts._replace(path=joined))
+    return os.path.normpath(os.path.join(base, path))
+
+
 # ---------------------------------------------------------------------------------------------
 # Remote reads: object stores and HTTP servers fail transiently (503s, dropped connections,
 # bodies cut off halfway); one such failure must not stop a fleet job.
@@ -97,10 +112,12 @@ class RetryPolicy:
     """How often and how patiently a remote read is retried: exponential backoff from
     ``first_wait_s`` up to 16 times that per wait, each with up to ``first_wait_s`` of random
     jitter so that a fleet's workers do not retry in step (about 20 s in all by default).
-    ``VLMSHARD_REMOTE_ATTEMPTS`` and ``VLMSHARD_REMOTE_WAIT_S`` override the defaults."""
+    ``VLMSHARD_REMOTE_ATTEMPTS``, ``VLMSHARD_REMOTE_WAIT_S`` and ``VLMSHARD_REMOTE_STALL_S``
+    override the defaults."""
 
     attempts: int = 6
     first_wait_s: float = 0.5
+    stall_s: float = 60.0  # an HTTP connect or read that waits longer is a transient failure
 
     @property
     def max_wait_s(self) -> float:
@@ -108,8 +125,10 @@ class RetryPolicy:
 
     @classmethod
     def from_env(cls) -> "RetryPolicy":
-        return cls(attempts=max(1, int(os.environ.get("VLMSHARD_REMOTE_ATTEMPTS", cls.attempts))),
-                   first_wait_s=float(os.environ.get("VLMSHARD_REMOTE_WAIT_S", cls.first_wait_s)))
+        env = os.environ.get
+        return cls(attempts=max(1, int(env("VLMSHARD_REMOTE_ATTEMPTS", cls.attempts))),
+                   first_wait_s=float(env("VLMSHARD_REMOTE_WAIT_S", cls.first_wait_s)),
+                   stall_s=float(env("VLMSHARD_REMOTE_STALL_S", cls.stall_s)))
 
 
 class RemoteReadError(OSError):
@@ -166,6 +185,18 @@ def _describe(error: BaseException | None) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
+def _storage_options(url: str) -> dict:
+    """fsspec options: HTTP reads time out after ``RetryPolicy.stall_s`` without progress, so a
+    stalled server is retried like a dropped connection (aiohttp's default waits 5 minutes)."""
+    if not url.startswith(("http://", "https://")):
+        return {}
+    import aiohttp
+
+    stall = RetryPolicy.from_env().stall_s
+    return {"client_kwargs": {"timeout": aiohttp.ClientTimeout(sock_connect=stall,
+                                                               sock_read=stall)}}
+
+
 def open_file(path: str, mode: str = "rb") -> IO:
     """The one opener of local paths and fsspec URLs (``s3://``, ``http://``, ``memory://``, ...).
 
@@ -177,7 +208,7 @@ def open_file(path: str, mode: str = "rb") -> IO:
         return open(path, mode)
     import fsspec
 
-    f = retrying(path, lambda: fsspec.open(path, mode).open())
+    f = retrying(path, lambda: fsspec.open(path, mode, **_storage_options(path)).open())
     cache = getattr(f, "cache", None)
     fetch = getattr(cache, "fetcher", None)
     if fetch is not None:
@@ -193,7 +224,7 @@ def read_bytes(path: str) -> bytes:
             return f.read()
     import fsspec
 
-    fs, p = fsspec.core.url_to_fs(path)
+    fs, p = fsspec.core.url_to_fs(path, **_storage_options(path))
     return retrying(path, lambda: fs.cat_file(p))
 
 
@@ -202,7 +233,7 @@ def file_size(path: str) -> int:
     if is_url(path):
         import fsspec
 
-        fs, p = fsspec.core.url_to_fs(path)
+        fs, p = fsspec.core.url_to_fs(path, **_storage_options(path))
         return int(retrying(path, lambda: fs.size(p)))
     return os.path.getsize(path)
 
@@ -212,7 +243,7 @@ def file_exists(path: str) -> bool:
     if is_url(path):
         import fsspec
 
-        fs, p = fsspec.core.url_to_fs(path)
+        fs, p = fsspec.core.url_to_fs(path, **_storage_options(path))
         try:
             retrying(path, lambda: fs.info(p))  # exists() would call a 503 "absent"
         except FileNotFoundError:
