@@ -1,21 +1,29 @@
 """Input discovery and row access: conversation files, InternVL meta files, Parquet, HF datasets.
 
-The driver indexes each source once (row count; line offsets for JSONL) and splits the selected
-rows into fixed-size parts. Parts depend only on the inputs and ``part_size``, never on the engine
-or worker count, which is what makes the output byte-identical however it is run.
+The driver indexes each source once (row count; the byte span of every row of a JSONL file or
+JSON list) and splits the selected rows into fixed-size parts, each carrying its rows' spans. Parts
+depend only on the inputs and ``part_size``, never on the engine or worker count, which is what
+makes the output byte-identical however it is run.
+
+A worker's memory is bounded by its part, not by the source: it reads only its rows' bytes (JSONL,
+JSON list) or the Parquet row groups holding its rows, one batch at a time.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
-from dataclasses import dataclass
+import re
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
-from vlmshard.io import file_exists, is_url, open_file
+from vlmshard.io import file_exists, is_url, open_file, resolve
 
 from .rejects import Reject
 
@@ -44,8 +52,9 @@ class Part:
     index: int
     source_index: int
     rows: np.ndarray  # row numbers within the source file, ascending per repeat
-    offsets: np.ndarray | None = None  # JSONL: byte offset of each row's line
-    lengths: np.ndarray | None = None  # JSONL: byte length of each row's line
+    offsets: np.ndarray | None = None  # JSONL, JSON list: byte offset of each row's text
+    lengths: np.ndarray | None = None  # JSONL, JSON list: byte length of each row's text
+    unreadable: str | None = None  # JSON list: why the whole file could not be parsed
 
 
 @dataclass
@@ -54,6 +63,12 @@ class SourceIndex:
     offsets: np.ndarray | None = None
     lengths: np.ndarray | None = None
     unreadable: str | None = None  # why the whole file could not be parsed
+
+    def spans(self, part: Part) -> Part:
+        """``part`` with its rows' byte spans (or the reason the file is unreadable) attached."""
+        if self.offsets is None:
+            return replace(part, unreadable=self.unreadable)
+        return replace(part, offsets=self.offsets[part.rows], lengths=self.lengths[part.rows])
 
 
 class InputError(ValueError):
@@ -127,7 +142,7 @@ def _meta_sources(meta_path: str, meta: dict) -> list[Source]:
     base = os.path.dirname(meta_path)
 
     def rel(p: str) -> str:
-        return p if is_url(p) or os.path.isabs(p) else os.path.normpath(os.path.join(base, p))
+        return resolve(base, p)
 
     sources = []
     for name, entry in meta.items():
@@ -156,10 +171,10 @@ def index_source(source: Source) -> SourceIndex:
         return SourceIndex(n_rows=len(offsets), offsets=offsets, lengths=lengths)
     if source.kind == "json":
         try:
-            rows = _load_json_list(source.path)
+            offsets, lengths = _json_list_index(source.path)
         except Reject as r:
             return SourceIndex(n_rows=1, unreadable=r.message)
-        return SourceIndex(n_rows=len(rows))
+        return SourceIndex(n_rows=len(offsets), offsets=offsets, lengths=lengths)
     if source.kind == "parquet":
         import pyarrow.parquet as pq
 
@@ -181,8 +196,7 @@ def _jsonl_line_index(path: str) -> tuple[np.ndarray, np.ndarray]:
         else:
             size = os.fstat(f.fileno()).st_size
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-        offsets: list[int] = []
-        lengths: list[int] = []
+        offsets, lengths = array("q"), array("q")
         find, end, pos = data.find, len(data), 0
         while pos < end:
             nl = find(b"\n", pos)
@@ -194,7 +208,157 @@ def _jsonl_line_index(path: str) -> tuple[np.ndarray, np.ndarray]:
             pos = nl + 1
         if isinstance(data, mmap.mmap):
             data.close()
-    return np.array(offsets, dtype=np.int64), np.array(lengths, dtype=np.int64)
+    return np.frombuffer(offsets, np.int64), np.frombuffer(lengths, np.int64)
+
+
+_WINDOW = 1 << 20  # bytes of a JSON list held while indexing it; also the most one read spans
+_GAP = 64 << 10  # rows further apart than this are read separately, not with the bytes between
+_WHITESPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
+_SCALAR_END = re.compile(r"[ \t\n\r,\]}]")
+# Strings (group 1 is the closing quote, empty when the text ends first) and brackets. The
+# quantifiers are possessive: a backtracking one keeps state for every escape of a long string.
+_STRUCTURE = re.compile(r'"[^"\\]*+(?:\\.[^"\\]*+)*+("?)|[][{}]', re.DOTALL)
+
+
+def _json_list_index(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """Byte offset and length of every element of a JSON-list file, found in one streaming pass
+    that parses each element (so a malformed file is rejected here, whole, as ``json.loads``
+    would) while holding only a window of the file, never all of it."""
+    offsets, lengths = array("q"), array("q")
+    with open_file(path) as f:
+        window = _JsonWindow(f, path)
+        if f.read(len(codecs.BOM_UTF8)) == codecs.BOM_UTF8:
+            raise window.error("Unexpected UTF-8 BOM (decode using utf-8-sig)", 0)
+        f.seek(0)
+        char, pos = window.next_char(0)
+        if char != "[":
+            value, end = window.value(pos)
+            window.expect_end(end)
+            raise Reject("unreadable_source",
+                         f"{path} holds a JSON {type(value).__name__}, not a list")
+        char, pos = window.next_char(pos + 1)
+        while char != "]":
+            end = window.value(pos)[1]
+            offsets.append(pos)
+            lengths.append(end - pos)
+            char, pos = window.next_char(end)
+            if char == ",":
+                pos = window.next_char(pos + 1)[1]
+            elif char != "]":
+                raise window.error("Expecting ',' delimiter", pos)
+        window.expect_end(pos + 1)
+    return np.frombuffer(offsets, np.int64), np.frombuffer(lengths, np.int64)
+
+
+class _JsonWindow:
+    """A sliding window over a JSON file, addressed by absolute byte position.
+
+    The bytes are decoded as Latin-1, one character per byte, so string positions are byte
+    offsets; JSON's structure is ASCII and any byte may sit inside a string, so the window parses
+    exactly as the UTF-8 text does.
+    """
+
+    def __init__(self, f, path: str) -> None:
+        self.f, self.path = f, path
+        self.text, self.base, self.eof = "", 0, False
+        self.decoder = json.JSONDecoder()
+
+    def _more(self, keep: int) -> bool:
+        """Drop the text before ``keep`` and read on (at least doubling what is kept, so a long
+        value is parsed a bounded number of times); False at the end of the file."""
+        if self.eof:
+            return False
+        tail = self.text[keep - self.base:]
+        data = self.f.read(max(_WINDOW, len(tail)))
+        if not data:
+            self.eof = True
+            return False
+        text = data.decode("latin-1")
+        del data  # the bytes, and the old window below, freed before the new window is built
+        self.text = ""
+        self.text, self.base = tail + text, keep
+        return True
+
+    def next_char(self, pos: int) -> tuple[str, int]:
+        """The first non-whitespace character at or after ``pos`` and its position ('' at EOF)."""
+        while True:
+            i = _WHITESPACE.match(self.text, pos - self.base).end()
+            if i < len(self.text):
+                return self.text[i], self.base + i
+            pos = self.base + i
+            if not self._more(pos):
+                return "", pos
+
+    def value(self, pos: int) -> tuple[Any, int]:
+        """The JSON value starting at ``pos`` and where it ends, read on until it is whole."""
+        while True:
+            i = pos - self.base
+            try:
+                value, end = self.decoder.raw_decode(self.text, i)
+            except json.JSONDecodeError as e:
+                error = e.msg, self.base + e.pos  # not the exception: it holds the whole window
+            else:
+                # A number cut by the window parses short ("12" of "123"): make sure it ended.
+                if (self.text[end - 1] in '"]}' or _SCALAR_END.search(self.text, end)
+                        or not self._more(pos)):
+                    return value, self.base + end
+                continue
+            # An error inside a value that ends in the window is real; else read on.
+            if _ends_within(self.text, i) or not self._more(pos):
+                raise self.error(*error)
+
+    def expect_end(self, pos: int) -> None:
+        """Nothing but whitespace may follow the top-level value."""
+        char, pos = self.next_char(pos)
+        if char:
+            raise self.error("Extra data", pos)
+
+    def error(self, message: str, pos: int) -> Reject:
+        return Reject("unreadable_source",
+                      f"{self.path} is not valid JSON: {message}: {_json_position(self.path, pos)}")
+
+
+def _ends_within(text: str, i: int) -> bool:
+    """Whether the value starting at ``text[i]`` ends inside ``text``, judged by its brackets and
+    strings alone: for a valid value this is exact, so a parse error there is not a cut."""
+    if i >= len(text):
+        return False
+    if text[i] not in '[{"':
+        return _SCALAR_END.search(text, i) is not None
+    depth = 0
+    for m in _STRUCTURE.finditer(text, i):
+        token = text[m.start()]
+        if token == '"':
+            if not m.group(1):
+                return False
+        elif token in "[{":
+            depth += 1
+        else:
+            depth -= 1
+        if depth <= 0:
+            return True
+    return False
+
+
+def _json_position(path: str, pos: int) -> str:
+    """``line L column C (char N)`` of byte ``pos``, counted in the decoded text as ``json``'s
+    own messages count it; the file is read again up to ``pos``, only when there is an error."""
+    decoder = codecs.getincrementaldecoder("utf-8")("surrogateescape")
+    chars = lines = line_start = 0
+    with open_file(path) as f:
+        left = pos
+        while left > 0:
+            data = f.read(min(left, _WINDOW))
+            if not data:
+                break
+            left -= len(data)
+            text = decoder.decode(data, final=left <= 0)
+            newline = text.rfind("\n")
+            if newline >= 0:
+                lines += text.count("\n")
+                line_start = chars + newline + 1
+            chars += len(text)
+    return f"line {lines + 1} column {chars - line_start + 1} (char {chars})"
 
 
 def select_rows(n_rows: int, repeat_time: float, seed: int, name: str) -> np.ndarray:
@@ -205,7 +369,7 @@ def select_rows(n_rows: int, repeat_time: float, seed: int, name: str) -> np.nda
     whole = int(repeat_time)
     frac = repeat_time - whole
     chunks = [np.arange(n_rows, dtype=np.int64)] * whole
-    k = int(round(n_rows * frac))
+    k = round(n_rows * frac)
     if k:
         name_key = int.from_bytes(name.encode("utf-8")[:8].ljust(8, b"\0"), "little")
         rng = np.random.default_rng([seed, name_key])
@@ -221,10 +385,7 @@ def plan_parts(sources: list[Source], indexes: list[SourceIndex], part_size: int
                            seed, source.name)
         for start in range(0, len(rows), part_size):
             chunk = rows[start:start + part_size]
-            part = Part(index=len(parts), source_index=si, rows=chunk)
-            if index.offsets is not None:
-                part.offsets, part.lengths = index.offsets[chunk], index.lengths[chunk]
-            parts.append(part)
+            parts.append(index.spans(Part(index=len(parts), source_index=si, rows=chunk)))
     return parts
 
 
@@ -234,20 +395,17 @@ def plan_parts(sources: list[Source], indexes: list[SourceIndex], part_size: int
 
 def read_part_rows(source: Source, part: Part) -> Iterator[tuple[int, dict | Reject]]:
     """Yield (row number, record) for each row of the part; a bad row yields a ``Reject``."""
-    if source.kind == "jsonl":
-        yield from _jsonl_rows(source.path, part)
-    elif source.kind == "json":
-        try:
-            rows = _load_json_list(source.path)
-        except Reject as r:
-            yield int(part.rows[0]), r
+    if source.kind in ("jsonl", "json"):
+        if part.offsets is None and part.unreadable is None:  # a part not made by plan_parts
+            part = _cached_index(source).spans(part)
+        if part.unreadable is not None:
+            yield int(part.rows[0]), Reject("unreadable_source", part.unreadable)
             return
-        for row in part.rows:
-            yield int(row), _as_record(rows[row])
+        # A JSON list keeps undecodable bytes (as lone surrogates) for the row's own checks.
+        yield from _text_rows(source.path, part,
+                              "strict" if source.kind == "jsonl" else "surrogateescape")
     elif source.kind == "parquet":
-        table = _load_parquet(source.path)
-        for row, rec in zip(part.rows, table.take(part.rows).to_pylist()):
-            yield int(row), _as_record(rec)
+        yield from _parquet_rows(source.path, part.rows)
     elif source.kind == "hf_dataset":
         ds = _load_hf_dataset(source.path)
         for row, rec in zip(part.rows, ds.select(part.rows.tolist()).to_list()):
@@ -256,23 +414,74 @@ def read_part_rows(source: Source, part: Part) -> Iterator[tuple[int, dict | Rej
         raise AssertionError(source.kind)
 
 
-def _jsonl_rows(path: str, part: Part) -> Iterator[tuple[int, dict | Reject]]:
-    lo = int(part.offsets.min())
-    hi = int((part.offsets + part.lengths).max())
+def _text_rows(path: str, part: Part, errors: str) -> Iterator[tuple[int, dict | Reject]]:
+    """Each row parsed from its own bytes, read in runs of nearby rows (see ``_runs``)."""
     with open_file(path) as f:
-        f.seek(lo)
-        span = f.read(hi - lo)
-    for row, off, n in zip(part.rows, part.offsets, part.lengths):
-        line = span[off - lo: off - lo + n]
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            yield int(row), Reject("undecodable_text", f"line is not UTF-8: {e}")
-            continue
-        try:
-            yield int(row), _as_record(json.loads(text))
-        except json.JSONDecodeError as e:
-            yield int(row), Reject("malformed_json", f"invalid JSON: {e}")
+        for run in _runs(part.offsets, part.lengths):
+            lo = int(part.offsets[run.start])
+            f.seek(lo)
+            span = memoryview(f.read(int(part.offsets[run.stop - 1] + part.lengths[run.stop - 1])
+                                     - lo))
+            for row, off, n in zip(part.rows[run], part.offsets[run], part.lengths[run]):
+                try:
+                    text = str(span[off - lo: off - lo + n], "utf-8", errors)
+                except UnicodeDecodeError as e:
+                    yield int(row), Reject("undecodable_text", f"line is not UTF-8: {e}")
+                    continue
+                try:
+                    yield int(row), _as_record(json.loads(text))
+                except json.JSONDecodeError as e:
+                    yield int(row), Reject("malformed_json", f"invalid JSON: {e}")
+
+
+def _runs(offsets: np.ndarray, lengths: np.ndarray) -> list[slice]:
+    """Consecutive rows of a part, grouped so each group is one read: a group ends where the
+    next row lies before it (a new repeat), more than ``_GAP`` bytes after it (a subsample), or
+    past ``_WINDOW`` bytes from the group's start. So a part that wraps into the next repeat, or
+    a sparse subsample, never reads the bytes between its rows."""
+    runs, first = [], 0
+    for i in range(1, len(offsets)):
+        prev_end = offsets[i - 1] + lengths[i - 1]
+        if (not 0 <= offsets[i] - prev_end <= _GAP
+                or offsets[i] + lengths[i] - offsets[first] > _WINDOW):
+            runs.append(slice(first, i))
+            first = i
+    runs.append(slice(first, len(offsets)))
+    return runs
+
+
+_PARQUET_BATCH = 1024  # rows decoded at a time
+
+
+def _parquet_rows(path: str, rows: np.ndarray) -> Iterator[tuple[int, dict | Reject]]:
+    """The rows, from the row groups that hold them only, decoded a batch at a time and stopping
+    after the last row wanted from each group."""
+    import pyarrow.parquet as pq
+
+    with open_file(path) as f:
+        pf = pq.ParquetFile(f)
+        meta = pf.metadata
+        starts = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
+        # Ascending runs (a part may wrap into the next repeat); within one, groups ascend too.
+        for run in np.split(rows, np.flatnonzero(np.diff(rows) <= 0) + 1):
+            groups = np.searchsorted(starts, run, side="right") - 1
+            for g in np.unique(groups):
+                wanted = run[groups == g]
+                records = _row_group_records(pf, int(g), wanted - starts[g])
+                for row, rec in zip(wanted, records):
+                    yield int(row), _as_record(rec)
+
+
+def _row_group_records(pf, group: int, wanted: np.ndarray) -> Iterator[dict]:
+    """The records at the ascending positions ``wanted`` of one row group."""
+    pos = 0
+    for batch in pf.iter_batches(batch_size=_PARQUET_BATCH, row_groups=[group]):
+        lo, hi = np.searchsorted(wanted, [pos, pos + batch.num_rows])
+        if hi > lo:
+            yield from batch.take(wanted[lo:hi] - pos).to_pylist()
+        pos += batch.num_rows
+        if hi == len(wanted):
+            return
 
 
 def _as_record(value: Any) -> dict | Reject:
@@ -281,26 +490,11 @@ def _as_record(value: Any) -> dict | Reject:
     return Reject("malformed_json", f"row is a {type(value).__name__}, not a JSON object")
 
 
-@lru_cache(maxsize=1)
-def _load_json_list(path: str) -> list:
-    """A JSON-list file, parsed once per process (lone surrogates survive to be rejected per row)."""
-    with open_file(path) as f:
-        text = f.read().decode("utf-8", errors="surrogateescape")
-    try:
-        rows = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise Reject("unreadable_source", f"{path} is not valid JSON: {e}") from None
-    if not isinstance(rows, list):
-        raise Reject("unreadable_source", f"{path} holds a JSON {type(rows).__name__}, not a list")
-    return rows
-
-
-@lru_cache(maxsize=1)
-def _load_parquet(path: str):
-    import pyarrow.parquet as pq
-
-    with open_file(path) as f:
-        return pq.read_table(f)
+@lru_cache(maxsize=4)
+def _cached_index(source: Source) -> SourceIndex:
+    """The index of a source whose rows are read without a planned part (re-tokenizing a few
+    rows), built once per process."""
+    return index_source(source)
 
 
 @lru_cache(maxsize=1)

@@ -27,14 +27,19 @@ def vlmshard(*args: str, check: bool = True, **kwargs) -> subprocess.CompletedPr
     return proc
 
 
-def kill_9_when(*args: str, ready: Callable[[], bool], timeout: float = 120) -> None:
-    """Start ``vlmshard ARGS`` and SIGKILL it as soon as ``ready()`` holds (a crash mid-job)."""
+def kill_9_when(*args: str, ready: Callable[[], bool], timeout: float = 120,
+                session: bool = False) -> None:
+    """Start ``vlmshard ARGS`` and SIGKILL it as soon as ``ready()`` holds (a crash mid-job).
+    ``session``: it runs in a session of its own, and the whole session is killed, launcher
+    and every process it started (a node crash, for multi-process jobs such as train)."""
     proc = subprocess.Popen([sys.executable, "-m", "vlmshard.cli", *args], cwd=REPO,
-                            stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            start_new_session=session)
     deadline = time.monotonic() + timeout
     while not ready() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
-    os.kill(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):  # it may have ended (and been reaped)
+        (os.killpg if session else os.kill)(proc.pid, signal.SIGKILL)
     proc.wait()
 
 
@@ -68,6 +73,10 @@ class FaultyFiles(http.server.SimpleHTTPRequestHandler):
 
     def log_message(self, *args) -> None:
         pass
+
+    def handle(self) -> None:
+        with contextlib.suppress(ConnectionError):  # a client that gave up on a stall
+            super().handle()
 
     def _fault(self) -> str | None:
         path = self.path.split("?")[0]

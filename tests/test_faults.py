@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import itertools
 import json
 import os
 import re
@@ -15,6 +16,7 @@ from typing import Iterator
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
 from vlmshard.shards.layout import read_manifest
@@ -194,3 +196,48 @@ def test_a_full_disk_is_one_line_and_a_rerun_with_space_completes_identically(de
             resize("512m")
             vlmshard(stage, *args, "--out", str(out))
             assert tree_bytes(out) == tree_bytes(tmp_path / clean), stage
+
+
+FLAKY = {"drop_rate": 0.2, "stall_rate": 0.05, "stall_s": 1.0}  # 20% dropped, 5% stalled
+
+
+@pytest.fixture
+def flaky_env(monkeypatch):
+    """Stalls count as failures after 0.3 s; 10 attempts, so a read fails only if ten in a row
+    do (p < 1e-6 at these rates)."""
+    monkeypatch.setenv("VLMSHARD_REMOTE_STALL_S", "0.3")
+    monkeypatch.setenv("VLMSHARD_REMOTE_ATTEMPTS", "10")
+
+
+def _comparable(out) -> tuple[list, list]:
+    """Stats rows less their image paths (local paths vs URLs), and the rejects' row and
+    reason."""
+    stats = pq.read_table(os.path.join(out, "stats")).drop(["image_paths"]).to_pylist()
+    rejects = [(r["source"], r["row"], r["reason"])
+               for r in pq.read_table(os.path.join(out, "rejects.parquet")).to_pylist()]
+    return stats, rejects
+
+
+@pytest.mark.slow
+def test_preprocess_over_a_flaky_server_equals_the_local_run(demo, tmp_path, flaky_env):
+    args = dict(max_seq_len=8192, part_size=64, workers=1)
+    run_preprocess(PreprocessConfig(inputs=[demo.meta], out=str(tmp_path / "local"), **args))
+    with serve_http(demo.root, **FLAKY, injected=(injected := {})) as url:
+        run_preprocess(PreprocessConfig(inputs=[f"{url}/meta.json"], out=str(tmp_path / "http"),
+                                        **args))
+    assert _comparable(tmp_path / "http") == _comparable(tmp_path / "local")
+    assert sum(injected.values()) > 20 and injected.get("stall", 0) > 0, injected
+
+
+@pytest.mark.slow
+def test_the_loader_over_a_flaky_server_equals_the_local_folder(shards, flaky_env):
+    from vlmshard.shards.loader import make_loader
+
+    reference = _summary(ShardDataset(shards).records())
+    local = list(itertools.islice(make_loader(shards, num_workers=2), 3))
+    with serve_http(shards, **FLAKY, injected=(injected := {})) as url:
+        assert _summary(ShardDataset(url).records()) == reference
+        remote = list(itertools.islice(make_loader(url, num_workers=2), 3))
+    for a, b in zip(local, remote, strict=True):
+        assert all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
+    assert sum(injected.values()) > 5, injected

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing as mp
+import pickle
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Protocol, Sequence, get_args
 
@@ -92,14 +93,13 @@ def _run_local(worker_cls: type[Worker], spec: Any, units: Sequence[Any],
 
 
 class _RayActor:
-    """Ray Data actor: builds the worker once, then processes the units it is handed by index."""
+    """Ray Data actor: builds the worker once, then processes the unit each row carries."""
 
-    def __init__(self, worker_cls: type[Worker], spec: Any, units: Sequence[Any]) -> None:
+    def __init__(self, worker_cls: type[Worker], spec: Any) -> None:
         self.worker = worker_cls(spec)
-        self.units = units
 
     def __call__(self, item: dict) -> dict:
-        summary = self.worker.process(self.units[int(item["unit"])])
+        summary = self.worker.process(pickle.loads(item["unit"]))
         # As JSON text: summaries differ in shape between units, which Arrow cannot unify.
         return {"summary": json.dumps(summary)}
 
@@ -124,9 +124,11 @@ def _run_ray(worker_cls: type[Worker], spec: Any, units: Sequence[Any], workers:
                  len(units), concurrency, cpus)
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
-        ds = ray.data.from_items([{"unit": i} for i in range(len(units))],
-                                 override_num_blocks=len(units))
-        ds = ds.map(_RayActor, fn_constructor_args=(worker_cls, spec, list(units)), num_cpus=1,
+        # One block per unit, each carrying its own pickled unit: an actor receives the units it
+        # runs, not the whole list (whose parts hold row numbers and byte spans).
+        ds = ray.data.from_items([{"unit": pickle.dumps(unit, pickle.HIGHEST_PROTOCOL)}
+                                  for unit in units], override_num_blocks=len(units))
+        ds = ds.map(_RayActor, fn_constructor_args=(worker_cls, spec), num_cpus=1,
                     compute=ray.data.ActorPoolStrategy(size=concurrency))
         for row in ds.iter_rows():
             yield json.loads(row["summary"])
