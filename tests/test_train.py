@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 
 import numpy as np
@@ -12,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import vlmshard
+from helpers import kill_9_when, vlmshard
 from hf_reference import FAMILIES, hf_loss_and_grads, make_folder, make_shards
 from pipeline_reference import replay
 from vlmshard.packing.config import PackConfig
@@ -357,20 +356,22 @@ def test_a_resumed_log_keeps_the_steps_before_the_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_continues_the_loss_trajectory_exactly(small_shards, tmp_path):
-    common = ["--config", CONFIG, "--shards", small_shards, "--pp", "2", "--lr", "0.003"]
-    vlmshard("train", *common, "--max-steps", "6", "--out", str(tmp_path / "straight"))
-    stopped = tmp_path / "stopped"
-    vlmshard("train", *common, "--max-steps", "5", "--checkpoint-every", "3", "--out",
-             str(stopped))
-    # A crash after steps 3 and 4 were logged but before their checkpoint: the latest
-    # checkpoint is step 3's, and the log holds two steps the resumed run will run again.
-    shutil.rmtree(stopped / "checkpoints" / "step-5")
-    (stopped / "checkpoints" / "latest").write_text("step-3")
-    assert [r["step"] for r in _log(stopped / "train_log.jsonl")] == list(range(5))
-    vlmshard("train", *common, "--max-steps", "6", "--resume", str(stopped))
+def test_resume_after_kill_9_continues_the_loss_trajectory_exactly(small_shards, tmp_path):
+    common = ["--config", CONFIG, "--shards", small_shards, "--pp", "2", "--lr", "0.003",
+              "--max-steps", "6"]
+    vlmshard("train", *common, "--out", str(tmp_path / "straight"))
+    crashed = tmp_path / "crashed"
+    log = crashed / "train_log.jsonl"
+    logged = lambda: log.read_text().count("\n") if log.exists() else 0  # noqa: E731
+    # The launcher and both stage processes die together, as on a node crash, once step 3 is
+    # logged: after step 2's checkpoint, with steps logged that the resumed run runs again.
+    kill_9_when("train", *common, "--checkpoint-every", "2", "--out", str(crashed),
+                ready=lambda: logged() >= 4, timeout=600, session=True)
+    assert not (crashed / "hf").exists() and 4 <= logged() < 6, "the run ended before its kill"
+    assert (crashed / "checkpoints" / "latest").read_text() == "step-2"
+    vlmshard("train", *common, "--resume", str(crashed))
     straight = _log(tmp_path / "straight" / "train_log.jsonl")
-    resumed = _log(stopped / "train_log.jsonl")
+    resumed = _log(log)
     assert [r["step"] for r in resumed] == list(range(6))  # each step once
     assert [r["data"] for r in resumed] == [r["data"] for r in straight]
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight],
