@@ -8,6 +8,8 @@ from typing import Literal, get_args
 from vlmshard.config import ConfigError, option
 from vlmshard.model_sizes import PRESETS
 
+from .cost import ComputeMode
+
 Algorithm = Literal["balanced", "isf", "lengthgroup", "random"]
 ALGORITHMS: tuple[str, ...] = get_args(Algorithm)
 PADDED = ("random", "lengthgroup")  # micro-batches padded per sample, not packed
@@ -32,6 +34,10 @@ class PackConfig:
                             default_text="chosen from the data")
     target_samples: int = option(4, help="mean samples per micro-batch that automatic caps aim "
                                          "at; samples per micro-batch for random and lengthgroup")
+    compute_mode: ComputeMode = option(
+        "padding-free", help="what the trainer computes on, for step_efficiency: padding-free "
+                             "(vlmshard train: real tiles and tokens only) or padded (linear "
+                             "layers on all Qv tiles and Qt tokens of each micro-batch)")
     seed: int = option(0, help="shuffle seed; epoch e uses seed + e")
     epochs: int = option(1, help="epochs to plan")
     cost_model: str | None = option(None, help="cost_model.json with a_v, a_t, b (from vlmshard "

@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
+from typing import Literal, get_args
 
 from vlmshard.io import read_json
 
 log = logging.getLogger(__name__)
+
+# What the trainer computes on: ``padding-free`` (vlmshard train: every layer on the real tiles
+# and tokens only), or ``padded`` (linear layers on all Qv tiles and Qt tokens of every
+# micro-batch, attention within the real samples, as a trainer that keeps the static shapes).
+ComputeMode = Literal["padding-free", "padded"]
+COMPUTE_MODES: tuple[str, ...] = get_args(ComputeMode)
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,14 @@ class CostModel:
     def cost(self, tiles, tokens, squares):
         """Cost of micro-batches (or ranks) from their Σtiles, Σtokens and Σseq_len²."""
         return self.a_v * tiles + self.a_t * tokens + self.b * squares
+
+    def executed(self, tiles, tokens, squares, micro_batches, *, qv: int, qt: int,
+                 mode: str):
+        """Cost of what the trainer computes for ranks (or micro-batches) holding these sums
+        over ``micro_batches`` micro-batches, in compute ``mode`` (see ``ComputeMode``)."""
+        if mode == "padded":
+            return self.cost(micro_batches * qv, micro_batches * qt, squares)
+        return self.cost(tiles, tokens, squares)
 
     def to_dict(self) -> dict:
         return asdict(self)

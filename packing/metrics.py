@@ -9,6 +9,12 @@ For step s and rank r let V, L, A be the rank's Σtiles, Σtokens and Σseq_len�
   longest in its micro-batch.
 - ``vit_fill = ΣV / (micro-batches · Qv)``, ``llm_fill = ΣL / (micro-batches · Qt)``.
 - ``cost_efficiency = Σ_s mean_r C / Σ_s max_r C`` (1: no rank ever waits).
+- ``step_efficiency = Σ_s Σ_r C / Σ_s (R · max_r E)``, the headline figure: useful work (the cost
+  of the real tiles, tokens and per-sample attention) over what the ranks spend, each step
+  lasting as long as its busiest rank's executed work E. E is what the trainer computes in the
+  plan's compute mode (``CostModel.executed``; padded baselines pad each sample to the longest
+  in its micro-batch), so throughput is proportional to it. In ``padding-free`` mode a packed
+  plan's E is C, and step_efficiency equals cost_efficiency.
 - ``order_spearman``: Spearman ρ between step index and the step's mean seq_len (balance must
   not sort the data); ``source_mix_tv``: mean total-variation distance between each step's
   source mix and the global mix.
@@ -24,7 +30,7 @@ from .batches import Lengths, Packing
 from .cost import CostModel
 
 # The keys ``vlmshard report --json`` prints, in this order.
-REPORT_KEYS = ("pad_ratio", "vit_dist_ratio", "llm_dist_ratio", "attn_dist_ratio", "vit_fill",
+REPORT_KEYS = ("step_efficiency", "pad_ratio", "vit_dist_ratio", "llm_dist_ratio", "attn_dist_ratio", "vit_fill",
                "llm_fill", "cost_efficiency", "order_spearman", "steps", "micro_batches",
                "samples", "unplaced", "qv", "qt", "pack_seconds")
 
@@ -41,6 +47,7 @@ def format_metrics(report: dict) -> str:
 
 @dataclass
 class Metrics:
+    step_efficiency: float
     pad_ratio: float
     vit_dist_ratio: float
     llm_dist_ratio: float
@@ -127,14 +134,27 @@ def step_loads(lengths: Lengths, packing: Packing, cost: CostModel, dp: int) -> 
     L = np.bincount(micro, tokens, minlength=n_micro)
     A = np.bincount(micro, tokens * tokens, minlength=n_micro)
 
-    def per_rank(x: np.ndarray) -> np.ndarray:
-        return x.reshape(steps, dp, per_step // dp).sum(axis=2)
-
-    Vr, Lr, Ar = per_rank(V), per_rank(L), per_rank(A)
+    Vr, Lr, Ar = (per_rank(x, packing, dp) for x in (V, L, A))
     n_sources = len(lengths.sources)
     sources = np.bincount((micro // per_step) * n_sources + lengths.source[packing.items],
                           minlength=steps * n_sources).reshape(steps, n_sources)
     return Loads(V, L, Vr, Lr, Ar, cost.cost(Vr, Lr, Ar), sources)
+
+
+def per_rank(micro: np.ndarray, packing: Packing, dp: int) -> np.ndarray:
+    """[steps, dp]: a per-micro-batch quantity (step-major) summed over each real rank's
+    micro-batches of each step."""
+    per_step = packing.ranks * packing.micro_batches
+    return micro.reshape(packing.steps, dp, per_step // dp).sum(axis=2)
+
+
+def executed_work(lengths: Lengths, packing: Packing, cost: CostModel, dp: int, *, qv: int,
+                  qt: int, padded: bool, mode: str) -> np.ndarray:
+    """[steps, dp]: the cost of what each real rank's trainer computes each step."""
+    sizes = micro_batch_sizes(lengths, packing, padded)
+    tiles, tokens, squares = (per_rank(sizes[:, i], packing, dp) for i in range(3))
+    micro = packing.ranks * packing.micro_batches // dp
+    return cost.executed(tiles, tokens, squares, micro, qv=qv, qt=qt, mode=mode)
 
 
 def micro_batch_sizes(lengths: Lengths, packing: Packing, padded: bool) -> np.ndarray:
@@ -151,9 +171,12 @@ def micro_batch_sizes(lengths: Lengths, packing: Packing, padded: bool) -> np.nd
 
 
 def measure(lengths: Lengths, packing: Packing, *, qv: int, qt: int, cost: CostModel,
-            padded: bool, dp: int, pack_seconds: float) -> Metrics:
-    """Metrics of ``packing`` as ``dp`` real ranks see it (each takes ranks/dp virtual ranks)."""
+            padded: bool, dp: int, pack_seconds: float, mode: str = "padding-free") -> Metrics:
+    """Metrics of ``packing`` as ``dp`` real ranks see it (each takes ranks/dp virtual ranks),
+    its trainer computing in ``mode``."""
     loads = step_loads(lengths, packing, cost, dp)
+    executed = executed_work(lengths, packing, cost, dp, qv=qv, qt=qt, padded=padded, mode=mode)
+    spent = float(executed.max(axis=1).sum()) * dp
     n_micro, steps = packing.n_micro, packing.steps
     C = loads.cost
     if padded:
@@ -166,6 +189,7 @@ def measure(lengths: Lengths, packing: Packing, *, qv: int, qt: int, cost: CostM
     step_mean_len = np.divide(loads.tokens.sum(axis=1), step_samples, out=np.zeros(steps),
                               where=step_samples > 0)
     return Metrics(
+        step_efficiency=float(C.sum()) / spent if spent else 1.0,
         pad_ratio=(processed - total_tokens) / processed if processed else 0.0,
         vit_dist_ratio=dist_ratio(loads.tiles),
         llm_dist_ratio=dist_ratio(loads.tokens),

@@ -90,7 +90,8 @@ def run_pack(cfg: PackConfig) -> PackResult:
     pack_seconds = time.perf_counter() - t_loaded
     plan = concat_epochs(packings)
     metrics = measure(lengths, plan, qv=caps.qv, qt=caps.qt, cost=cost,
-                      padded=cfg.algo in PADDED, dp=cfg.dp, pack_seconds=pack_seconds)
+                      padded=cfg.algo in PADDED, dp=cfg.dp, pack_seconds=pack_seconds,
+                      mode=cfg.compute_mode)
     unplaced = [{"epoch": e, "sample_id": int(s), "reason": r}
                 for e, p in enumerate(packings) for s, r in zip(p.unplaced, p.unplaced_reason)]
     by_reason = dict(sorted(Counter(u["reason"] for u in unplaced).items()))

@@ -189,6 +189,24 @@ def test_measure_by_hand():
     merged = measure(lengths, packing, qv=4, qt=200, cost=cost, padded=False, dp=1, pack_seconds=0)
     assert merged.llm_dist_ratio == 0.0  # one real rank takes both virtual ranks
 
+    # step_efficiency: useful 450 token-costs over 2 ranks x each step's busiest rank's
+    # executed work. Padding-free, packed: that is C itself (busiest 150, 100).
+    assert m.step_efficiency == pytest.approx(450 / (2 * (150 + 100))) == m.cost_efficiency
+    # Padded compute: every rank runs Qt = 200 tokens per micro-batch.
+    def efficiency(padded, mode, cost=cost):
+        return measure(lengths, packing, qv=4, qt=200, cost=cost, padded=padded, dp=2,
+                       pack_seconds=0, mode=mode).step_efficiency
+
+    assert efficiency(False, "padded") == pytest.approx(450 / (2 * (200 + 200)))
+    # Per-sample padding (random, lengthgroup): micro-batches run 2x100, 120 | 80, 2x60 tokens.
+    assert efficiency(True, "padding-free") == pytest.approx(450 / (2 * (200 + 120)))
+    assert efficiency(True, "padded") == pytest.approx(450 / (2 * (200 + 200)))
+    # Padded compute keeps attention within the real samples: per rank Σseq² is
+    # [12500, 14400] | [6400, 5200] either way.
+    squares = CostModel(a_v=0.0, a_t=0.0, b=1.0, origin="test")
+    assert efficiency(False, "padded", squares) == pytest.approx(
+        (12500 + 14400 + 6400 + 5200) / (2 * (14400 + 6400)))
+
 
 # --- inputs: OmniBal files and the stats table --------------------------------------------------
 

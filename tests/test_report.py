@@ -33,7 +33,7 @@ from vlmshard.train.train_log import parse_log, rank_data, rank_timing, step_rec
 from helpers import vlmshard
 
 META = os.path.join(os.path.dirname(__file__), "data", "omnibal", "meta.json")
-ROWS = ["pad_ratio", "vit_dist_ratio", "llm_dist_ratio", "attn_dist_ratio", "vit_fill",
+ROWS = ["step_efficiency", "pad_ratio", "vit_dist_ratio", "llm_dist_ratio", "attn_dist_ratio", "vit_fill",
         "llm_fill", "cost_efficiency", "order_spearman", "source_mix_tv", "steps",
         "micro_batches", "samples", "unplaced", "qv", "qt", "pack_seconds"]
 TRAIN_STEPS = 50  # past the balanced plan's 40 steps: the trainer starts over, so does the log
