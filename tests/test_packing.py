@@ -409,3 +409,21 @@ def test_empty_and_missing_inputs_fail_clearly(tmp_path):
     proc = vlmshard("pack", "--stats", str(tmp_path / "nope"), "--dp", "2", "--out",
                     str(tmp_path / "p"), check=False)
     assert proc.returncode != 0 and "no such file or folder" in proc.stderr
+
+
+@pytest.mark.parametrize("algo", ["balanced", "isf"])
+def test_step_order_stays_random_over_twenty_seeds(tmp_path, algo):
+    """Balance must not sort the data: over 20 seeds, the Spearman rho between step index and
+    the step's mean length sits at chance level, whose spread is sigma = 1/sqrt(steps - 1)
+    (E|rho| = sqrt(2/pi) sigma), and no seed shows a trend beyond 3 sigma."""
+    rhos, steps = [], set()
+    for seed in range(20):
+        result = run_pack(PackConfig(stats=os.path.join(OMNIBAL, "meta.json"), dp=4,
+                                     micro_batches=2, algo=algo, seed=seed,
+                                     out=str(tmp_path / f"{seed}")))
+        rhos.append(result.metrics.order_spearman)
+        steps.add(result.metrics.steps)
+    sigma = 1 / np.sqrt(min(steps) - 1)
+    mean_abs = float(np.mean(np.abs(rhos)))
+    assert 0.4 * sigma < mean_abs < 1.2 * sigma, (mean_abs, sigma, rhos)
+    assert max(np.abs(rhos)) < 3 * sigma, (rhos, sigma)
