@@ -164,6 +164,7 @@ def _metrics(plan_dir: Path) -> dict:
 
 def test_table_has_a_column_per_plan_holding_plan_json_metrics(plans, report_run):
     lines = report_run["stdout"].splitlines()
+    lines = lines[next(i for i, line in enumerate(lines) if line.startswith("metric")):]
     assert lines[0].split() == ["metric", "balanced", "random"]
     table = {line.split()[0]: line.split()[1:] for line in lines[1:1 + len(ROWS)]}
     assert list(table) == ROWS
@@ -177,10 +178,31 @@ def test_table_has_a_column_per_plan_holding_plan_json_metrics(plans, report_run
         assert entry["metrics"] == {k: _metrics(plans[algo])[k] for k in ROWS}  # exactly
 
 
+def test_the_summary_compares_the_plan_with_random_and_isf_packings(plans, report_run,
+                                                                    tmp_path):
+    """The opening line: the plan's step_efficiency and its predicted speed over random and
+    ISF packings of the same stats, which the report packs itself: the figures equal those of
+    plans packed here with the same options."""
+    run_pack(PackConfig(stats=META, dp=4, out=str(tmp_path / "isf"), algo="isf", seed=1))
+    own = {algo: json.loads((plans[algo] / "plan.json").read_text())["metrics"]
+           ["step_efficiency"] for algo in plans}
+    isf = json.loads((tmp_path / "isf" / "plan.json").read_text())["metrics"]["step_efficiency"]
+    summary = json.loads(report_run["json"].read_text())["summary"]
+    assert summary["plan"] == "balanced" and summary["step_efficiency"] == own["balanced"]
+    assert summary["baseline_step_efficiency"] == {"random": own["random"], "isf": isf}
+    first = report_run["stdout"].splitlines()[0]
+    assert first == summary["text"]
+    assert f"{100 * own['balanced']:.1f}% of their time on useful work" in first
+    assert f"{own['balanced'] / own['random']:.2f}x that of random packing" in first
+    assert f"{own['balanced'] / isf:.2f}x that of isf packing" in first
+    assert own["balanced"] > isf > own["random"]
+
+
 def test_json_dash_prints_what_json_path_writes(plans, tmp_path):
     path = tmp_path / "r.json"
     proc = vlmshard("report", str(plans["random"]), "--json", str(path))
-    assert proc.stdout.splitlines()[0].split() == ["metric", "random"]
+    assert proc.stdout.splitlines()[0].startswith("random: the ranks spend")
+    assert proc.stdout.splitlines()[2].split() == ["metric", "random"]
     printed = vlmshard("report", str(plans["random"]), "--json", "-").stdout
     assert printed == path.read_text()
     assert sorted(json.loads(printed)["plans"][0]["metrics"]) == sorted(ROWS)
@@ -419,6 +441,13 @@ def test_chromium_shows_every_plot(report_run, tmp_path):
     try:
         browser.get(report_run["html"].as_uri())
         assert browser.title == "vlmshard report"
+        # The summary is the first thing read: on screen before any scrolling.
+        summary = browser.find_element(By.ID, "summary")
+        bottom, viewport = browser.execute_script(
+            "return [arguments[0].getBoundingClientRect().bottom, window.innerHeight]", summary)
+        assert summary.is_displayed() and 0 < bottom <= viewport
+        assert "of their time on useful work" in summary.text
+        assert _non_white(summary.screenshot_as_png) > 0.02
         images = browser.find_elements(By.TAG_NAME, "img")
         assert len(images) == FIGURES
         for image in images:

@@ -20,6 +20,8 @@ td.num { text-align: right; font-family: monospace; }
 figure { margin: 2em 0; }
 figure img { display: block; width: 100%; height: auto; }
 figcaption { color: #555; font-size: 0.9em; margin-top: 0.4em; }
+p.summary { font-size: 1.25em; background: #eef4ff; border-left: 4px solid #3366cc;
+            padding: 0.6em 0.9em; }
 """
 
 
@@ -31,10 +33,11 @@ def png_bytes(fig: Figure) -> bytes:
     return buffer.getvalue()
 
 
-def render(title: str, notes: list[str], header: list[str], rows: list[list[str]],
-           figures: list[tuple[Figure, str]]) -> str:
-    """The page: title, note paragraphs, the table (first column: row names) and the figures,
-    each with its title as alt text and its caption below."""
+def render(title: str, summary: str, notes: list[str], header: list[str],
+           rows: list[list[str]], figures: list[tuple[Figure, str]]) -> str:
+    """The page: title, the summary (first, so it shows without scrolling), note paragraphs,
+    the table (first column: row names) and the figures, each with its title as alt text and
+    its caption below."""
     esc = html.escape
     head = "".join(f"<th>{esc(h)}</th>" for h in header)
     body = "".join("<tr><th>" + esc(row[0]) + "</th>"
@@ -42,7 +45,7 @@ def render(title: str, notes: list[str], header: list[str], rows: list[list[str]
                    for row in rows)
     parts = [f"<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
              f"<title>{esc(title)}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n"
-             f"<h1>{esc(title)}</h1>\n"]
+             f"<h1>{esc(title)}</h1>\n<p class=\"summary\" id=\"summary\">{esc(summary)}</p>\n"]
     parts += [f"<p>{esc(n)}</p>\n" for n in notes]
     parts.append(f"<table>\n<tr>{head}</tr>\n{body}</table>\n")
     for fig, caption in figures:

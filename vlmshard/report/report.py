@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 
 from vlmshard.io import atomic_write, write_json_atomic
 from vlmshard.packing.batches import Lengths, Packing
 from vlmshard.packing.cost import CostModel
 from vlmshard.packing.metrics import REPORT_KEYS, format_value
-from vlmshard.packing.plan import load_plan, read_plan_json
+from vlmshard.packing.plan import load_plan, plan_stats_path, read_plan_json
 
 from vlmshard.train.train_log import read_numbered
 
@@ -42,6 +43,48 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
                      for r in table)
 
 
+BASELINES = ("random", "isf")  # what a plan's summary is compared with
+
+
+def baseline_efficiencies(plan_dir: str, info: dict) -> dict[str, float]:
+    """The step_efficiency of ``random`` and ``isf`` packings of the plan's own stats, with its
+    DP, micro-batches, seed, compute mode and cost model (each with its own caps): the packings
+    a user would otherwise train on, so one plan is always compared with something."""
+    from vlmshard.packing.config import PackConfig
+    from vlmshard.packing.plan import run_pack
+
+    params, stats = info["params"], plan_stats_path(info, plan_dir)
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="vlmshard-report-") as tmp:
+        cost = os.path.join(tmp, "cost_model.json")
+        write_json_atomic(cost, info["cost_model"])
+        for algo in BASELINES:
+            if algo == info["algorithm"]:
+                continue
+            result = run_pack(PackConfig(
+                stats=stats, dp=params["dp"], virtual_ranks=params["ranks"],
+                micro_batches=params["micro_batches"], algo=algo, seed=params["seed"],
+                epochs=params["epochs"], target_samples=params["target_samples"],
+                compute_mode=params.get("compute_mode", "padding-free"), cost_model=cost,
+                out=os.path.join(tmp, algo)))
+            out[algo] = result.metrics.step_efficiency
+    return out
+
+
+def summary_line(label: str, info: dict, baselines: dict[str, float]) -> str:
+    """The report's opening sentence, in plain words."""
+    efficiency = info["metrics"]["step_efficiency"]
+    mode = info["params"].get("compute_mode", "padding-free")
+    text = (f"{label}: the ranks spend {100 * efficiency:.1f}% of their time on useful work "
+            f"(step_efficiency {efficiency:.4f}, {mode} compute, {info['params']['dp']} DP "
+            "ranks).")
+    if baselines:
+        text += " Predicted speed: " + ", ".join(
+            f"{efficiency / e:.2f}x that of {algo} packing" for algo, e in baselines.items()) + \
+            " of the same samples."
+    return text
+
+
 def read_train_log(path: str, info: dict, packing: Packing, lengths: Lengths) -> TrainSeries:
     return train_series(read_numbered(path), path, packing, lengths, CostModel(**info["cost_model"]))
 
@@ -63,6 +106,15 @@ def make_report(plan_dirs: list[str], train_log: str | None = None, html: str | 
     result = {"plans": [{"label": label, "plan_dir": d, "algorithm": i["algorithm"],
                          "metrics": {k: i["metrics"][k] for k in ROWS}}
                         for label, d, i in zip(labels, plan_dirs, infos)]}
+    try:
+        baselines = baseline_efficiencies(plan_dirs[0], infos[0])
+    except (FileNotFoundError, ValueError) as e:  # the stats are not here
+        log.warning("no comparison with other packings: %s", e)
+        baselines = {}
+    headline = summary_line(labels[0], infos[0], baselines)
+    result["summary"] = {"plan": labels[0], "text": headline,
+                         "step_efficiency": infos[0]["metrics"]["step_efficiency"],
+                         "baseline_step_efficiency": baselines}
     notes = [f"{label}: {d}" for label, d in zip(labels, plan_dirs)]
     if train is not None:
         summary = train.summary()
@@ -77,14 +129,14 @@ def make_report(plan_dirs: list[str], train_log: str | None = None, html: str | 
 
         series: list[PlanSeries] = [plan_series(label, *loaded[d])
                                     for label, d in zip(labels, plan_dirs)]
-        page = html_report.render("vlmshard report", notes, header, rows,
+        page = html_report.render("vlmshard report", headline, notes, header, rows,
                                   plots.report_figures(series, train, labels[0]))
         atomic_write(html, lambda tmp: _write_text(tmp, page))
         log.info("report written to %s", html)
     if json:
         write_json_atomic(json, result)
         log.info("JSON written to %s", json)
-    return result, "\n".join([format_table(header, rows), *notes])
+    return result, "\n".join([headline, "", format_table(header, rows), *notes])
 
 
 def _write_text(path: str, text: str) -> None:
