@@ -1,7 +1,9 @@
 """Reject reasons: every input row that is not accepted gets exactly one of these codes.
 
 ``rejects.parquet`` holds ``source, row, reason, message``; ``preprocess.json`` counts them per
-source and per reason so that input rows = accepted + rejected can be checked.
+source and per reason so that input rows = accepted + rejected can be checked. A row with several
+faults gets the reason of the first check it fails; cheap checks (the row's fields, its text, the
+number of images) come before reading any image.
 """
 
 from __future__ import annotations
@@ -10,23 +12,46 @@ REASONS = {
     "malformed_json": "the row is not valid JSON or not a JSON object",
     "unreadable_source": "a whole annotation file could not be parsed (counted as one row)",
     "undecodable_text": "the row has bytes that are not UTF-8 or lone surrogates",
+    "nul_in_text": "a turn's text or an image path holds a NUL character (U+0000): binary or "
+                   "UTF-16 data read as text",
     "missing_field": "a required field (conversations, from, value) is absent",
     "bad_field": "a field has the wrong type (e.g. image is not a string or list of strings)",
     "bad_role": "a turn's 'from' is not human/user, gpt/assistant or system",
-    "no_assistant_turn": "nothing to supervise: no gpt/assistant turn",
+    "no_assistant_turn": "nothing to supervise: no gpt/assistant turn, or only empty ones",
     "image_count_mismatch": "the number of <image> placeholders differs from the number of images",
+    "too_many_images": "a row has more images than the stats table's n_images holds (32,767)",
     "path_outside_root": "a relative image path leads out of its image root with '..'",
-    "missing_image": "an image file or URL does not exist",
+    "missing_image": "an image file or URL does not exist, or is not a file that can be opened "
+                     "(a dangling or looping symlink, a folder, a FIFO)",
     "unreachable_image": "an image URL still failed (5xx, dropped connection, cut-off body) "
                          "after every retry",
     "empty_image": "an image file has zero bytes or a zero width/height",
     "corrupt_image": "an image header cannot be parsed",
-    "truncated_image": "an image file ends before its end-of-image marker",
+    "truncated_image": "an image file ends before its end-of-image marker or the data its "
+                       "header declares",
     "decompression_bomb": "an image has more pixels than --max-image-pixels",
-        "bad_aspect_ratio": "an image is more elongated than the tiling policy allows",
+    "bad_aspect_ratio": "an image is more elongated than the tiling policy allows",
     "template_error": "the model's chat template refuses the conversation or drops its text",
     "too_long": "the sample's sequence length exceeds --max-seq-len",
 }
+
+MAX_MESSAGE = 1000  # characters: a 1 MB bad value must not make a 1 MB reject row
+
+# Control characters and line breaks (str.splitlines breaks at all of these) shown escaped, so a
+# message is always one line, whatever a bad path or value holds.
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, 0x85)}
+_ESCAPES.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t",
+                 0x2028: "\\u2028", 0x2029: "\\u2029"})
+
+
+def one_line(message: str) -> str:
+    """``message`` as one bounded line of valid UTF-8: control characters and lone surrogates
+    (a path read with ``surrogateescape``) escaped, cut at ``MAX_MESSAGE``."""
+    message = message[: 4 * MAX_MESSAGE].translate(_ESCAPES)
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(message) > MAX_MESSAGE:
+        message = message[: MAX_MESSAGE - 1] + "…"
+    return message
 
 
 class Reject(Exception):
@@ -34,6 +59,7 @@ class Reject(Exception):
 
     def __init__(self, reason: str, message: str) -> None:
         assert reason in REASONS, reason
+        message = one_line(message)
         super().__init__(f"{reason}: {message}")
         self.reason = reason
         self.message = message

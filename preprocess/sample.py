@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from .config import DEFAULT_MAX_IMAGE_PIXELS
 from .images import read_image_header, resolve_image_path
 from .rejects import Reject
+from .schema import MAX_IMAGES_PER_SAMPLE
 from .sources import Source
 from .families import ModelSpec
 from .tiling import TilingPolicy, source_tiling, tiling_from_dict
@@ -82,9 +83,14 @@ def parse_turns(record: dict) -> list[tuple[str, str]]:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise Reject("undecodable_text", f"turn {i} has text that is not valid UTF-8: {e}")
+        if "\0" in text:
+            raise Reject("nul_in_text", f"turn {i} holds a NUL character at position "
+                                        f"{text.index(chr(0))}: binary or UTF-16 data read as text")
         turns.append((role, text))
     if not any(role == "assistant" for role, _ in turns):
         raise Reject("no_assistant_turn", "no gpt/assistant turn to supervise")
+    if not any(role == "assistant" and text.strip() for role, text in turns):
+        raise Reject("no_assistant_turn", "every gpt/assistant turn is empty or blank")
     return turns
 
 
@@ -96,6 +102,13 @@ def parse_images(record: dict) -> list[str]:
         images = [images]
     if not isinstance(images, list) or not all(isinstance(p, str) and p for p in images):
         raise Reject("bad_field", "'image' must be a path or a list of paths")
+    for k, path in enumerate(images):
+        if "\0" in path:
+            raise Reject("nul_in_text", f"image {k} path {path!r} holds a NUL character")
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise Reject("undecodable_text", f"image {k} path {path!r} is not valid UTF-8: {e}")
     return images
 
 
@@ -113,16 +126,43 @@ def match_placeholders(turns: list[tuple[str, str]], n_images: int) -> list[tupl
                  f"{count} <image> placeholder(s) for {n_images} image(s)")
 
 
+def min_seq_len(turns: list[tuple[str, str]], n_images: int, tiling: TilingPolicy,
+                encoder) -> int:
+    """A lower bound of the sample's sequence length that reads no image and tokenizes nothing:
+    every image makes at least one tile (under both policies), and the encoder's own bound on
+    its text where it has one (Tekken: no token spans more bytes than its longest)."""
+    text_bound = getattr(encoder, "min_text_tokens", None)
+    return n_images * tiling.tokens_per_tile + (text_bound(turns) if text_bound else 0)
+
+
 def process_record(record: dict, source_name: str, image_root: str, tiling: TilingPolicy,
                    encoder, limits: SampleLimits,
                    keep_tokens: bool) -> dict:
-    """One stats row (Contract 1, without ``sample_id``) for a record; raises ``Reject``."""
+    """One stats row (Contract 1, without ``sample_id``) for a record; raises ``Reject``.
+
+    Cheap checks first: a row doomed by its fields, its text or its image count (10,000 images,
+    a 10 MB turn) is rejected before any image is read or any text tokenized."""
     turns = parse_turns(record)
     images = parse_images(record)
     turns = match_placeholders(turns, len(images))
+    if len(images) > MAX_IMAGES_PER_SAMPLE:
+        raise Reject("too_many_images", f"{len(images):,} images; a sample holds at most "
+                                        f"{MAX_IMAGES_PER_SAMPLE:,}")
     paths = [resolve_image_path(p, image_root, limits.allow_outside_image_root) for p in images]
+    if limits.max_seq_len is not None:
+        bound = min_seq_len(turns, len(images), tiling, encoder)
+        if bound > limits.max_seq_len:
+            raise Reject("too_long", f"sequence length at least {bound} > --max-seq-len "
+                                     f"{limits.max_seq_len} (a bound from {len(images)} image(s) "
+                                     f"and {sum(len(t) for _, t in turns):,} characters of text, "
+                                     "before reading images or tokenizing)")
     headers = [read_image_header(p, limits.max_image_pixels) for p in paths]
-    tiles = [tiling.tiles(h.width, h.height, len(headers)) for h in headers]
+    tiles = []
+    for header in headers:
+        try:
+            tiles.append(tiling.tiles(header.width, header.height, len(headers)))
+        except Reject as e:  # bad_aspect_ratio: name the image
+            raise Reject(e.reason, f"image {header.path}: {e.message}") from None
     image_tokens = [t * tiling.tokens_per_tile for t in tiles]
     encoded = encoder.encode(turns, image_tokens, keep_tokens)
     if encoded.loss_tokens == 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 IMAGE_SIZE = pa.struct([("w", pa.int32()), ("h", pa.int32())])
+MAX_IMAGES_PER_SAMPLE = 2**15 - 1  # n_images is an int16: a row with more is a reject
 
 STATS_FIELDS = [
     pa.field("sample_id", pa.int64(), nullable=False),

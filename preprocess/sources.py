@@ -423,14 +423,22 @@ def _text_rows(path: str, part: Part, errors: str) -> Iterator[tuple[int, dict |
             span = memoryview(f.read(int(part.offsets[run.stop - 1] + part.lengths[run.stop - 1])
                                      - lo))
             for row, off, n in zip(part.rows[run], part.offsets[run], part.lengths[run]):
+                data = span[off - lo: off - lo + n]
+                if off == 0 and data[:3] == codecs.BOM_UTF8:  # a UTF-8 file's byte-order mark
+                    data = data[3:]
+                if bytes(data).count(0) * 4 >= len(data) > 0:  # ASCII as UTF-16: NUL between
+                    yield int(row), Reject("undecodable_text", "line looks like UTF-16 (NUL "
+                                                               "bytes between characters), not "
+                                                               "UTF-8")
+                    continue
                 try:
-                    text = str(span[off - lo: off - lo + n], "utf-8", errors)
+                    text = str(data, "utf-8", errors)
                 except UnicodeDecodeError as e:
                     yield int(row), Reject("undecodable_text", f"line is not UTF-8: {e}")
                     continue
                 try:
                     yield int(row), _as_record(json.loads(text))
-                except json.JSONDecodeError as e:
+                except (json.JSONDecodeError, RecursionError) as e:  # "[" * 10**5 recurses
                     yield int(row), Reject("malformed_json", f"invalid JSON: {e}")
 
 

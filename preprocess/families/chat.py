@@ -22,6 +22,7 @@ each placeholder expanded (``tests/test_families.py`` checks it per family).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -32,6 +33,9 @@ from . import ModelFolderError, ModelSpec
 _MARK = "\ue000{}\ue001"  # private-use code points: never produced by a template
 _MARKS = re.compile("\ue000(\\d+)\ue001")
 PAD_TOKENS = ("<|endoftext|>", "<pad>")  # when the tokenizer names no pad_token
+# Pre-tokenizers that pass every character on (they split, isolate or merge; a Split or
+# Punctuation whose behavior is "Removed" drops text, as Whitespace and BertPreTokenizer do).
+_KEEPS_TEXT = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
 
 
 def to_messages(turns: list[tuple[str, str]]) -> tuple[list[dict], list[tuple[str, str]]]:
@@ -85,6 +89,7 @@ class ChatTemplateEncoder:
         self._prefix = [self.special[t] for t in layout.prefix]
         self._suffix = [self.special[t] for t in layout.suffix]
         self._placeholder = layout.placeholder
+        self._max_token_chars = _max_token_chars(self.backend)
 
     @property
     def pad_token_id(self) -> int:
@@ -92,6 +97,20 @@ class ChatTemplateEncoder:
             if token is not None and (i := self.backend.token_to_id(token)) is not None:
                 return i
         return 0
+
+    def min_text_tokens(self, turns: list[tuple[str, str]]) -> int:
+        """A lower bound of ``encode``'s ``text_tokens`` that renders and tokenizes nothing (a 10
+        MB turn takes seconds), or 0 where the tokenizer may drop or fuse text: each token of a
+        BPE that keeps every character stands for at most its vocabulary entry's length in
+        normalized characters (a byte-level entry's characters are bytes)."""
+        if self._max_token_chars is None:
+            return 0
+        normalizer = self.backend.normalizer
+        chars = 0
+        for _, text in to_messages(turns)[1]:
+            # Less one per text: normalization may join its edge to the template's next character.
+            chars += len(normalizer.normalize_str(text) if normalizer else text) - 1
+        return max(0, chars) // self._max_token_chars
 
     def render(self, turns: list[tuple[str, str]]) -> tuple[list[str], list[tuple[str, str]]]:
         """The template's text between the markers (one more than texts), and the texts."""
@@ -168,6 +187,26 @@ class ChatTemplateEncoder:
         return EncodedSample(text_tokens=len(ids) - sum(image_tokens), loss_tokens=n_loss,
                              input_ids=ids if keep_tokens else None,
                              labels=labels if keep_tokens else None)
+
+
+def _max_token_chars(backend) -> int | None:
+    """The longest vocabulary entry (added tokens too), where it bounds how much text one token
+    stands for: a BPE whose pre-tokenizer keeps every character and that never fuses unknown
+    characters into one token. None otherwise."""
+    model = json.loads(backend.model.__getstate__())
+    if model.get("type") != "BPE" or (model.get("unk_token") is not None
+                                      and model.get("fuse_unk") and not model.get("byte_fallback")):
+        return None
+    pre = backend.pre_tokenizer
+
+    def keeps(config: dict) -> bool:
+        if config["type"] == "Sequence":
+            return all(keeps(c) for c in config["pretokenizers"])
+        return config["type"] in _KEEPS_TEXT and config.get("behavior") != "Removed"
+
+    if pre is not None and not keeps(json.loads(pre.__getstate__())):
+        return None
+    return max(map(len, backend.get_vocab(with_added_tokens=True)), default=0) or None
 
 
 def _tokens_starting_in(enc, lo: int, hi: int) -> tuple[int, int]:
