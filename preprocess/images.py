@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from vlmshard.io import RemoteReadError, is_url, read_bytes
+from vlmshard.io import RemoteReadError, is_url, read_bytes, resolve
 
 from .config import DEFAULT_MAX_IMAGE_PIXELS
 from .rejects import Reject
@@ -59,9 +59,7 @@ def resolve_image_path(path: str, root: str, allow_outside_root: bool = False) -
     if not allow_outside_root and (relative == ".." or relative.startswith("../")):
         raise Reject("path_outside_root", f"image {path!r} leads out of the image root {root} "
                                           "(--allow-outside-image-root reads it anyway)")
-    if is_url(root):
-        return root.rstrip("/") + "/" + relative
-    return os.path.normpath(os.path.join(root, relative))
+    return resolve(root, relative)
 
 
 def read_image_header(path: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImageHeader:
