@@ -62,15 +62,18 @@ def resample(lengths: Lengths, n: int, seed: int = 0) -> Lengths:
     return lengths.take(np.random.default_rng(seed).integers(0, len(lengths), n))
 
 
-def plan(lengths: Lengths, algo: str, ranks: int, micro: int, seed: int = 0):
-    """Caps (automatic or searched) + one epoch + metrics, timed like ``vlmshard pack``."""
-    cfg = PackConfig(stats="-", dp=ranks, out="-", micro_batches=micro, algo=algo, seed=seed)
+def plan(lengths: Lengths, algo: str, ranks: int, micro: int, seed: int = 0,
+         mode: str = "padding-free"):
+    """Caps (automatic or searched) + one epoch + metrics (the trainer computing in ``mode``),
+    timed like ``vlmshard pack``."""
+    cfg = PackConfig(stats="-", dp=ranks, out="-", micro_batches=micro, algo=algo, seed=seed,
+                     compute_mode=mode)
     t0 = time.perf_counter()
     caps, _, _ = choose_caps(cfg, lengths, COST)
     packing = pack_epoch(cfg, lengths, caps, COST, seed=seed)
     seconds = time.perf_counter() - t0
     return measure(lengths, packing, qv=caps.qv, qt=caps.qt, cost=COST,
-                   padded=algo in PADDED, dp=ranks, pack_seconds=seconds)
+                   padded=algo in PADDED, dp=ranks, pack_seconds=seconds, mode=mode)
 
 
 def quality(lengths: Lengths) -> dict:
@@ -78,7 +81,10 @@ def quality(lengths: Lengths) -> dict:
     out = {}
     for ranks, micro in SETTINGS:
         for algo in ALGORITHMS:
-            out[f"R={ranks} M={micro} {algo}"] = plan(lengths, algo, ranks, micro).to_dict()
+            out[f"R={ranks} M={micro} {algo}"] = {
+                **plan(lengths, algo, ranks, micro).to_dict(),
+                "step_efficiency_padded": plan(lengths, algo, ranks, micro,
+                                               mode="padded").step_efficiency}
     # R=64 has only 90 steps on the real rows; at 1.2M samples each step has more to match.
     big = resample(lengths, 1_200_000)
     for algo in ("balanced", "isf"):
@@ -174,6 +180,14 @@ def main() -> int:
         results["quality"] = quality(lengths)
         print(f"## Quality on the real rows ({len(lengths):,} samples)\n")
         print(markdown_quality(results["quality"]), "\n")
+        print("## step_efficiency by compute mode\n\n| setting | algo | padding-free | padded |"
+              "\n|---|---|---|---|")
+        for name, m in results["quality"].items():
+            if "step_efficiency_padded" in m:
+                setting, algo = name.rsplit(" ", 1)
+                print(f"| {setting} | {algo} | {m['step_efficiency']:.4f} | "
+                      f"{m['step_efficiency_padded']:.4f} |")
+        print()
     if not args.skip_speed:
         results["speed"] = []
         for n in args.sizes:
