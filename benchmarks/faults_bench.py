@@ -5,8 +5,10 @@
 Every fault is injected for real on this machine, on the demo dataset and the tiny InternVL
 folder, and every run is judged against a clean run of the same command:
 
-- ``kill -9`` of ``preprocess``, ``write`` and ``train`` at random moments (uniform over the clean
-  run's duration), then the same command again (``train --resume`` when a checkpoint exists):
+- ``kill -9`` of ``preprocess`` and ``write`` after a random number of their units (parts,
+  shards) is committed, and of ``train`` (launcher and stage processes together) at a random
+  moment of the clean run's duration; then the same command again (``train --resume`` when a
+  checkpoint exists):
   byte-identical outputs, or for train the same losses step by step;
 - a part file torn (truncated) behind an interrupted preprocess job's back, then a rerun;
 - two ``write`` jobs started together on one folder;
@@ -104,23 +106,29 @@ def judge_bytes(outcome: Outcome, out: str, reference: str, items) -> None:
 
 
 def kill_and_rerun(outcome: Outcome, work: str, stage: str, args: list[str], reference: str,
-                   seconds: float, kills: int, rng: random.Random, items) -> None:
+                   kills: int, rng: random.Random, items) -> None:
+    """Kill -9 at random moments of the job's progress: once a random number of its units
+    (parts, or shards) is committed, from none to all but one."""
     done = {"preprocess": "preprocess.json", "write": "manifest.json"}[stage]
+    pattern = {"preprocess": os.path.join("_work", "parts", "part-*.json"),
+               "write": os.path.join("_work", "done", "*.json")}[stage]
+    units = {"preprocess": lambda: len(json.load(open(os.path.join(reference, done)))["stats_files"]),
+             "write": lambda: len(records_of(reference))}[stage]()
     for i in range(kills):
         out = os.path.join(work, f"{stage}-kill-{i}")
-        delay = rng.uniform(0.02, 1.0) * seconds
-        start = time.monotonic()
-        kill_9_when(stage, *args, "--out", out, ready=lambda: time.monotonic() - start > delay)
+        at = rng.randrange(units)
+        kill_9_when(stage, *args, "--out", out,
+                    ready=lambda: len(glob.glob(os.path.join(out, pattern))) >= at)
         if os.path.exists(os.path.join(out, done)):
-            outcome.notes.append(f"run {i}: finished before its kill at {delay:.1f}s")
+            outcome.notes.append(f"run {i}: finished before its kill after {at} units")
         outcome.add_faults({"kill -9": 1})
         vlmshard(stage, *args, "--out", out)
         judge_bytes(outcome, out, reference, items)
         shutil.rmtree(out)
 
 
-def torn_parts(outcome: Outcome, work: str, args: list[str], reference: str, seconds: float,
-               runs: int, rng: random.Random) -> None:
+def torn_parts(outcome: Outcome, work: str, args: list[str], reference: str, runs: int,
+               rng: random.Random) -> None:
     for i in range(runs):
         out = os.path.join(work, f"torn-{i}")
         parts = os.path.join(out, "_work", "parts")
@@ -295,12 +303,12 @@ def main() -> None:
     pre_args = [data.meta, "--part-size", "16", "--workers", "1", "--max-seq-len", "8192",
                 "--keep-tokens"]
     pre = os.path.join(work, "pre")
-    pre_seconds = timed("preprocess", *pre_args, "--out", pre)
+    vlmshard("preprocess", *pre_args, "--out", pre)
     plan = os.path.join(work, "plan")
     vlmshard("pack", "--stats", pre, "--dp", "1", "--micro-batches", "2", "--out", plan)
     write_args = ["--plan", plan, "--stats", pre, "--shard-bytes", "8MB", "--workers", "1"]
     shards = os.path.join(work, "shards")
-    write_seconds = timed("write", *write_args, "--out", shards)
+    vlmshard("write", *write_args, "--out", shards)
     model_pre = os.path.join(work, "model-pre")
     vlmshard("preprocess", data.meta, "--model", model, "--keep-tokens", "--workers", "1",
              "--max-seq-len", "8192", "--out", model_pre)
@@ -317,10 +325,10 @@ def main() -> None:
         "concurrent write", "preprocess disk full", "write disk full",
         "preprocess over flaky HTTP", "loader over flaky HTTP")}
     kill_and_rerun(outcomes["preprocess kill -9"], work, "preprocess", pre_args, pre,
-                   pre_seconds, args.kills, rng, rows_of)
-    kill_and_rerun(outcomes["write kill -9"], work, "write", write_args, shards, write_seconds,
-                   args.kills, rng, records_of)
-    torn_parts(outcomes["torn part"], work, pre_args, pre, pre_seconds, args.runs, rng)
+                   args.kills, rng, rows_of)
+    kill_and_rerun(outcomes["write kill -9"], work, "write", write_args, shards, args.kills, rng,
+                   records_of)
+    torn_parts(outcomes["torn part"], work, pre_args, pre, args.runs, rng)
     concurrent_writes(outcomes["concurrent write"], work, write_args, shards, args.runs)
     full_disks(outcomes["preprocess disk full"], work, "preprocess", pre_args, pre, args.runs,
                rng, rows_of)
