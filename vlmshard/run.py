@@ -156,9 +156,10 @@ def stages(cfg: RunConfig, where: str = "run config") -> list[tuple[str, Callabl
         from vlmshard.train.train_log import LOG_NAME
 
         log_file = os.path.join(run, LOG_NAME) if cfg.train is not None else None
-        make_report([plan], train_log=log_file, html=cfg.path("report.html"),
-                    json=cfg.path("report.json"))
-        return f"-> {cfg.path('report.html')}, {cfg.path('report.json')}"
+        result, _ = make_report([plan], train_log=log_file, html=cfg.path("report.html"),
+                                json=cfg.path("report.json"))
+        return (f"{result['summary']['text']} -> {cfg.path('report.html')}, "
+                f"{cfg.path('report.json')}")
 
     chosen = [("demo-data", demo_data)] if cfg.demo_data is not None else []
     chosen += [("demo-model", demo_model)] if cfg.demo_model is not None else []

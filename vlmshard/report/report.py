@@ -55,19 +55,25 @@ def baseline_efficiencies(plan_dir: str, info: dict) -> dict[str, float]:
 
     params, stats = info["params"], plan_stats_path(info, plan_dir)
     out = {}
-    with tempfile.TemporaryDirectory(prefix="vlmshard-report-") as tmp:
-        cost = os.path.join(tmp, "cost_model.json")
-        write_json_atomic(cost, info["cost_model"])
-        for algo in BASELINES:
-            if algo == info["algorithm"]:
-                continue
-            result = run_pack(PackConfig(
-                stats=stats, dp=params["dp"], virtual_ranks=params["ranks"],
-                micro_batches=params["micro_batches"], algo=algo, seed=params["seed"],
-                epochs=params["epochs"], target_samples=params["target_samples"],
-                compute_mode=params.get("compute_mode", "padding-free"), cost_model=cost,
-                out=os.path.join(tmp, algo)))
-            out[algo] = result.metrics.step_efficiency
+    quiet = logging.getLogger("vlmshard.packing")  # these packings are the report's own
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        with tempfile.TemporaryDirectory(prefix="vlmshard-report-") as tmp:
+            cost = os.path.join(tmp, "cost_model.json")
+            write_json_atomic(cost, info["cost_model"])
+            for algo in BASELINES:
+                if algo == info["algorithm"]:
+                    continue
+                result = run_pack(PackConfig(
+                    stats=stats, dp=params["dp"], virtual_ranks=params["ranks"],
+                    micro_batches=params["micro_batches"], algo=algo, seed=params["seed"],
+                    epochs=params["epochs"], target_samples=params["target_samples"],
+                    compute_mode=params.get("compute_mode", "padding-free"), cost_model=cost,
+                    out=os.path.join(tmp, algo)))
+                out[algo] = result.metrics.step_efficiency
+    finally:
+        quiet.setLevel(level)
     return out
 
 
