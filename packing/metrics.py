@@ -148,10 +148,10 @@ def per_rank(micro: np.ndarray, packing: Packing, dp: int) -> np.ndarray:
     return micro.reshape(packing.steps, dp, per_step // dp).sum(axis=2)
 
 
-def executed_work(lengths: Lengths, packing: Packing, cost: CostModel, dp: int, *, qv: int,
-                  qt: int, padded: bool, mode: str) -> np.ndarray:
-    """[steps, dp]: the cost of what each real rank's trainer computes each step."""
-    sizes = micro_batch_sizes(lengths, packing, padded)
+def executed_work(sizes: np.ndarray, packing: Packing, cost: CostModel, dp: int, *, qv: int,
+                  qt: int, mode: str) -> np.ndarray:
+    """[steps, dp]: the cost of what each real rank's trainer computes each step, from the
+    micro-batches' ``micro_batch_sizes``."""
     tiles, tokens, squares = (per_rank(sizes[:, i], packing, dp) for i in range(3))
     micro = packing.ranks * packing.micro_batches // dp
     return cost.executed(tiles, tokens, squares, micro, qv=qv, qt=qt, mode=mode)
@@ -175,12 +175,13 @@ def measure(lengths: Lengths, packing: Packing, *, qv: int, qt: int, cost: CostM
     """Metrics of ``packing`` as ``dp`` real ranks see it (each takes ranks/dp virtual ranks),
     its trainer computing in ``mode``."""
     loads = step_loads(lengths, packing, cost, dp)
-    executed = executed_work(lengths, packing, cost, dp, qv=qv, qt=qt, padded=padded, mode=mode)
+    sizes = micro_batch_sizes(lengths, packing, padded)
+    executed = executed_work(sizes, packing, cost, dp, qv=qv, qt=qt, mode=mode)
     spent = float(executed.max(axis=1).sum()) * dp
     n_micro, steps = packing.n_micro, packing.steps
     C = loads.cost
     if padded:
-        processed = float(micro_batch_sizes(lengths, packing, padded=True)[:, 1].sum())
+        processed = float(sizes[:, 1].sum())
     else:
         processed = float(n_micro) * qt
     total_tokens = float(loads.micro_tokens.sum())
