@@ -24,8 +24,6 @@ from typing import IO, Iterator
 
 from webdataset.tariterators import group_by_keys, tar_file_iterator
 
-from vlmshard.io import open_file
-
 from .layout import Manifest, ShardEntry, join, open_url, record_key
 from .records import Record, RecordError, decode_record
 
@@ -89,9 +87,9 @@ def record_index(path: str) -> tuple[list[int], list[int], str, int]:
     return offsets, ledger.crc32, ledger.sha256.hexdigest(), ledger.bytes
 
 
-def _open(url: str, opener) -> IO[bytes]:
+def _open(url: str) -> IO[bytes]:
     try:
-        return opener(url)
+        return open_url(url)
     except Exception as e:
         raise ShardError(f"{url}: cannot open shard: {e}") from None
 
@@ -126,7 +124,7 @@ def iter_shard(root: str, entry: ShardEntry, manifest: Manifest, *,
     """Yield the records of one shard in order, streamed and checked (see the module
     docstring)."""
     url = join(root, entry.path)
-    raw = _open(url, open_url)
+    raw = _open(url)
     reader = ByteLedger(raw, entry.offsets)
     expected = (_place(entry, manifest, i) for i in range(entry.records))
     count, last = 0, "(none)"
@@ -166,7 +164,7 @@ class SeekingShard:
     def __init__(self, root: str, entry: ShardEntry, manifest: Manifest) -> None:
         self.entry, self.manifest = entry, manifest
         self.url = join(root, entry.path)
-        self.file = _open(self.url, open_file)
+        self.file = _open(self.url)
 
     def read(self, index: int) -> Record:
         """The shard's ``index``-th record."""
