@@ -221,18 +221,73 @@ class BalancedOptions:
     polish_rounds: int = 1  # swaps per rank and step (kernels.polish_steps); more rarely help
 
 
-def auto_caps(lengths: Lengths, target_samples: int, headroom: float = 0.01) -> Caps:
-    """Qv from ``target_samples`` mean samples; Qt from the data's tokens-per-tile ratio.
+def memory_bound(lengths: Lengths, target_samples: int, max_qv: int | None = None,
+                 max_qt: int | None = None) -> Caps:
+    """The largest caps automatic caps may take: the given ones, else the tiles and tokens of
+    ``target_samples`` mean samples, and never below the largest sample (automatic caps leave
+    no sample out unless the user's bound does)."""
+    def default(x: np.ndarray) -> int:
+        return max(int(round(target_samples * float(x.mean()))), int(x.max(initial=0)))
 
-    Both caps are at least the largest sample, so automatic caps never leave a sample out.
-    """
-    total_v, total_t = float(lengths.tiles.sum()), float(lengths.tokens.sum())
-    qv = max(int(round(target_samples * float(lengths.tiles.mean()))), int(lengths.tiles.max()))
-    if total_v > 0:
-        qt = int(np.ceil(qv * total_t / total_v * (1 + headroom)))
-    else:
-        qt = int(np.ceil(target_samples * float(lengths.tokens.mean())))
-    return Caps(qv, max(qt, int(lengths.tokens.max())))
+    return Caps(default(lengths.tiles) if max_qv is None else max_qv,
+                default(lengths.tokens) if max_qt is None else max_qt)
+
+
+CAPS_RATIOS = (0.9, 0.95, 1.0, 1.03, 1.06, 1.1, 1.2)  # Qt/Qv over the data's tokens per tile
+CAPS_TILE_STEPS = 4  # Qv below the bound tried, one tile apart (tile granularity)
+CAPS_SEARCH_STEPS = 30  # steps' worth of samples each candidate is packed with, at least
+
+
+def caps_candidates(lengths: Lengths, bound: Caps) -> list[Caps]:
+    """Caps inside ``bound`` worth packing: Qt/Qv near the data's tokens per tile (so neither
+    cap runs empty while the other binds), at Qv at and a few tiles below the largest the ratio
+    allows (samples of whole tiles fill some Qv better than others); never below a sample the
+    bound admits."""
+    admitted = split_over_cap(lengths, bound)[0]
+    low_v = int(lengths.tiles[admitted].max(initial=0))
+    low_t = int(lengths.tokens[admitted].max(initial=0))
+    total_v = float(lengths.tiles.sum())
+    if total_v == 0:  # text only: the token cap is the only one
+        return [bound]
+    per_tile = float(lengths.tokens.sum()) / total_v
+    found = {bound}
+    for ratio in CAPS_RATIOS:
+        top_v = min(bound.qv, int(bound.qt / (per_tile * ratio)))
+        for below in range(CAPS_TILE_STEPS):
+            qv = min(max(top_v - below, low_v, 1), bound.qv)
+            qt = min(max(int(np.ceil(qv * per_tile * ratio)), low_t), bound.qt)
+            found.add(Caps(qv, qt))
+    return sorted(found, key=lambda c: (c.qv, c.qt))
+
+
+def search_balanced_caps(lengths: Lengths, bound: Caps, *, per_step: int, seed: int,
+                         cost: CostModel, mode: str,
+                         options: BalancedOptions = BalancedOptions()) -> tuple[Caps, list[dict]]:
+    """The caps inside ``bound`` under which ``balanced`` packing has the highest
+    ``step_efficiency`` in compute ``mode``: each of ``caps_candidates`` packs the same seeded
+    subsample of the data (whole when small) into steps of ``per_step`` micro-batches, each
+    micro-batch counted as a rank of its own (so a plan for V virtual ranks and one for a DP
+    size dividing V with the same step shape get the same caps), ties going to the smaller caps
+    (less memory). Returns the caps and every candidate tried, with its figures."""
+    from .metrics import measure
+
+    rng = np.random.default_rng(seed)
+    per_micro = max(float(bound.qv) / max(float(lengths.tiles.mean()), 1e-9),
+                    float(bound.qt) / max(float(lengths.tokens.mean()), 1e-9))
+    want = max(20000, int(CAPS_SEARCH_STEPS * per_step * per_micro))
+    sample = np.sort(rng.permutation(len(lengths))[:want])
+    tried = []
+    for caps in caps_candidates(lengths, bound):
+        fit = split_over_cap(lengths, caps)[0]
+        ids = np.intersect1d(sample, fit, assume_unique=True)
+        packing = pack_balanced(lengths, ids, caps, ranks=per_step, micro_batches=1, seed=seed,
+                                cost=cost, options=options)
+        m = measure(lengths, packing, qv=caps.qv, qt=caps.qt, cost=cost, padded=False,
+                    dp=per_step, pack_seconds=0.0, mode=mode)
+        tried.append({"qv": caps.qv, "qt": caps.qt, "step_efficiency": m.step_efficiency,
+                      "vit_fill": m.vit_fill, "llm_fill": m.llm_fill})
+    best = min(tried, key=lambda t: (-t["step_efficiency"], t["qv"], t["qt"]))
+    return Caps(best["qv"], best["qt"]), tried
 
 
 def pack_balanced(lengths: Lengths, ids: np.ndarray, caps: Caps, *, ranks: int,
@@ -285,7 +340,7 @@ def _fill_stream(lengths, stream, caps, per_step, options):
                       fresh[np.argsort(-size[fresh], kind="stable")]]
         window = n_bins if pos < n else _last_window_bins(lengths, batch, caps, per_step)
         where = _fill(lengths, batch, caps, window)
-        while pos >= n and (where < 0).any() and len(batch) >= window + per_step:
+        while pos >= n and _fill_a_step(lengths, batch[where < 0], caps, per_step):
             window += per_step  # one more step rather than a remainder
             where = _fill(lengths, batch, caps, window)
         ok = where >= 0
@@ -309,12 +364,23 @@ def _fill(lengths, batch, caps, window):
     return kernels.fill_bins(lengths.tiles[batch], tokens, caps.qv, caps.qt, mean_attn, window)
 
 
+def _volume(lengths, items, caps) -> float:
+    """The micro-batches ``items`` would fill at best: their larger share of the two caps."""
+    return max(lengths.tiles[items].sum() / max(caps.qv, 1), lengths.tokens[items].sum() / caps.qt)
+
+
+def _fill_a_step(lengths, items, caps, per_step) -> bool:
+    """Whether ``items`` could fill a whole step's micro-batches, one sample each at least:
+    only then is a step added for them; less is the epoch's remainder (a step that ran mostly
+    empty would cost every rank a full step for a fraction of one)."""
+    return len(items) >= per_step and _volume(lengths, items, caps) >= per_step
+
+
 def _last_window_bins(lengths, items, caps, per_step) -> int:
-    """Whole steps' worth of micro-batches for the final samples, none of them left empty."""
+    """Whole steps' worth of micro-batches for the final samples, as many as they fill."""
     if len(items) < per_step:
         return 0
-    need = max(lengths.tiles[items].sum() / max(caps.qv, 1), lengths.tokens[items].sum() / caps.qt)
-    steps = min(int(np.ceil(need / per_step)), len(items) // per_step)
+    steps = min(int(_volume(lengths, items, caps) // per_step), len(items) // per_step)
     return max(steps, 1) * per_step
 
 

@@ -32,8 +32,17 @@ class PackConfig:
                             default_text="chosen from the data")
     qt: int | None = option(None, help="LLM tokens per micro-batch (with --qv)",
                             default_text="chosen from the data")
-    target_samples: int = option(4, help="mean samples per micro-batch that automatic caps aim "
-                                         "at; samples per micro-batch for random and lengthgroup")
+    max_qv: int | None = option(
+        None, help="memory bound: the most ViT tiles a micro-batch may hold; balanced's "
+                   "automatic caps are searched below it (e.g. the caps of the packer you "
+                   "compare with, or what the device's memory holds)",
+        default_text="--target-samples mean samples' tiles, at least the largest sample's")
+    max_qt: int | None = option(
+        None, help="memory bound: the most LLM tokens a micro-batch may hold (with --max-qv)",
+        default_text="--target-samples mean samples' tokens, at least the largest sample's")
+    target_samples: int = option(4, help="samples per micro-batch: for random and lengthgroup "
+                                         "exactly; for isf the mean its caps search aims at; for "
+                                         "balanced the default memory bound")
     compute_mode: ComputeMode = option(
         "padding-free", help="what the trainer computes on, for step_efficiency: padding-free "
                              "(vlmshard train: real tiles and tokens only) or padded (linear "
@@ -62,6 +71,12 @@ class PackConfig:
                               f"--dp {self.dp}")
         if (self.qv is None) != (self.qt is None):
             raise ConfigError("give both --qv and --qt, or neither (then they are chosen)")
+        if self.qv is not None and (self.max_qv is not None or self.max_qt is not None):
+            raise ConfigError("--qv/--qt fix the caps; --max-qv/--max-qt bound their search: "
+                              "give one pair or the other")
+        if (self.max_qv or 0) < 0 or (self.max_qt is not None and self.max_qt < 1):
+            raise ConfigError(f"the memory bound must be positive, got --max-qv {self.max_qv} "
+                              f"--max-qt {self.max_qt}")
         if self.qv is not None:
             if self.algo in PADDED:
                 raise ConfigError(f"--qv/--qt do not apply to {self.algo}: it takes "

@@ -78,14 +78,6 @@ class CostModel:
         """Cost of micro-batches (or ranks) from their Σtiles, Σtokens and Σseq_len²."""
         return self.a_v * tiles + self.a_t * tokens + self.b * squares
 
-    def executed(self, tiles, tokens, squares, micro_batches, *, qv: int, qt: int,
-                 mode: str):
-        """Cost of what the trainer computes for ranks (or micro-batches) holding these sums
-        over ``micro_batches`` micro-batches, in compute ``mode`` (see ``ComputeMode``)."""
-        if mode == "padded":
-            return self.cost(micro_batches * qv, micro_batches * qt, squares)
-        return self.cost(tiles, tokens, squares)
-
     def to_dict(self) -> dict:
         return asdict(self)
 

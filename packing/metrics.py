@@ -148,13 +148,24 @@ def per_rank(micro: np.ndarray, packing: Packing, dp: int) -> np.ndarray:
     return micro.reshape(packing.steps, dp, per_step // dp).sum(axis=2)
 
 
+def executed_sizes(sizes: np.ndarray, *, qv: int, qt: int, mode: str) -> np.ndarray:
+    """[micro-batches, 3]: the tiles, tokens and Σseq_len² the trainer computes on for each
+    micro-batch of ``micro_batch_sizes``, in compute ``mode`` (``cost.ComputeMode``): the real
+    ones (``padding-free``), or Qv tiles and Qt tokens with attention within the real samples
+    (``padded``). The metrics and the simulator both cost these."""
+    if mode == "padding-free":
+        return sizes
+    executed = sizes.copy()
+    executed[:, 0], executed[:, 1] = qv, qt
+    return executed
+
+
 def executed_work(sizes: np.ndarray, packing: Packing, cost: CostModel, dp: int, *, qv: int,
                   qt: int, mode: str) -> np.ndarray:
     """[steps, dp]: the cost of what each real rank's trainer computes each step, from the
     micro-batches' ``micro_batch_sizes``."""
-    tiles, tokens, squares = (per_rank(sizes[:, i], packing, dp) for i in range(3))
-    micro = packing.ranks * packing.micro_batches // dp
-    return cost.executed(tiles, tokens, squares, micro, qv=qv, qt=qt, mode=mode)
+    executed = executed_sizes(sizes, qv=qv, qt=qt, mode=mode)
+    return cost.cost(*(per_rank(executed[:, i], packing, dp) for i in range(3)))
 
 
 def micro_batch_sizes(lengths: Lengths, packing: Packing, padded: bool) -> np.ndarray:

@@ -122,7 +122,7 @@ def run_pack(cfg: PackConfig) -> PackResult:
         "epochs": epochs,
         "unplaced_by_reason": by_reason,
         "unplaced": unplaced,
-        "isf_search": search,
+        "caps_search": search,
     })
     log.info("plan: %d steps x %d ranks x %d micro-batches, %d samples placed, %d unplaced -> %s",
              metrics.steps, cfg.ranks, cfg.micro_batches, metrics.samples, metrics.unplaced,
@@ -143,8 +143,9 @@ def _finished_plan(out: str, fingerprint: str) -> dict | None:
 
 def choose_caps(cfg: PackConfig, lengths: Lengths,
                 cost: CostModel) -> tuple[Caps, str, list[dict] | None]:
-    """The caps and where they came from: given, automatic (balanced), OmniBal's search (isf),
-    or the padded shape (random, lengthgroup)."""
+    """The caps, where they came from and the candidates a search tried: given, searched for
+    the best step_efficiency under the memory bound (balanced), OmniBal's search (isf), or the
+    padded shape (random, lengthgroup)."""
     if cfg.algo in PADDED:
         return algorithms.padded_caps(lengths, cfg.target_samples), "padded", None
     if cfg.qv is not None:
@@ -153,7 +154,13 @@ def choose_caps(cfg: PackConfig, lengths: Lengths,
         caps, tried = algorithms.search_isf_caps(
             lengths, ranks=cfg.ranks, target_samples=cfg.target_samples, seed=cfg.seed, cost=cost)
         return caps, "isf_search", tried
-    return algorithms.auto_caps(lengths, cfg.target_samples), "auto", None
+    bound = algorithms.memory_bound(lengths, cfg.target_samples, cfg.max_qv, cfg.max_qt)
+    caps, tried = algorithms.search_balanced_caps(
+        lengths, bound, per_step=cfg.ranks * cfg.micro_batches, seed=cfg.seed, cost=cost,
+        mode=cfg.compute_mode)
+    log.info("caps Qv %d, Qt %d: the best step_efficiency (%s) of %d candidates within Qv <= "
+             "%d, Qt <= %d", caps.qv, caps.qt, cfg.compute_mode, len(tried), bound.qv, bound.qt)
+    return caps, "step_efficiency_search", tried
 
 
 def pack_epoch(cfg: PackConfig, lengths: Lengths, caps: Caps, cost: CostModel, *,

@@ -88,6 +88,7 @@ def test_help_texts_state_each_default_once():
                          capture_output=True, text=True, check=True, cwd=REPO).stdout
     flat = " ".join(out.split())
     assert flat.count("(default: 1)") == 2  # --micro-batches, --epochs
-    assert "--target-samples N mean samples per micro-batch that automatic caps aim at; " \
-           "samples per micro-batch for random and lengthgroup (default: 4)" in flat
+    assert "--target-samples N samples per micro-batch: for random and lengthgroup exactly; " \
+           "for isf the mean its caps search aims at; for balanced the default memory bound " \
+           "(default: 4)" in flat
     assert "(default: balanced)" in flat and "(default: the model folder the stats were" in flat

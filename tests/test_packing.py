@@ -144,19 +144,34 @@ def test_every_algorithm_keeps_the_contract(rows, algo, ranks, micro, seed):
        st.integers(1, 4), st.integers(0, 9))
 def test_balanced_places_all_but_less_than_a_step(rows, ranks, seed):
     lengths = _lengths(*zip(*rows))
-    caps = algorithms.auto_caps(lengths, 4)
+    caps = algorithms.memory_bound(lengths, 4)
     packing = algorithms.pack_balanced(lengths, np.arange(len(lengths)), caps, ranks=ranks,
                                        micro_batches=1, seed=seed, cost=COST)
     _check_contract(lengths, packing, caps, ranks, 1, False)
     assert set(packing.unplaced_reason) <= {"remainder"}
-    assert len(packing.unplaced) < ranks  # fewer samples than one step's micro-batches
+    # The remainder could not fill one more step: fewer samples than its micro-batches, or
+    # less than a full micro-batch's tiles or tokens for each of them.
+    left = packing.unplaced
+    assert (len(left) < ranks or lengths.tiles[left].sum() < ranks * caps.qv
+            and lengths.tokens[left].sum() < ranks * caps.qt)
 
 
-def test_auto_caps_fit_every_sample():
-    lengths = _lengths([1, 5, 2, 12], [300, 1500, 500, 4000])
-    caps = algorithms.auto_caps(lengths, 2)
-    assert caps.qv >= 12 and caps.qt >= 4000
-    assert algorithms.split_over_cap(lengths, caps)[0].tolist() == [0, 1, 2, 3]
+@pytest.mark.parametrize("mode", ["padded", "padding-free"])
+def test_searched_caps_fit_every_sample_and_stay_in_the_bound(mode):
+    lengths = _lengths([1, 5, 2, 12] * 50, [300, 1500, 500, 4000] * 50)
+    assert algorithms.memory_bound(lengths, 2) == algorithms.Caps(12, 4000)  # 2 x mean (5, 1575)
+    bound = algorithms.memory_bound(lengths, 4)  # is below the largest sample; 4 x mean is not
+    assert bound == algorithms.Caps(20, 6300)
+    caps, tried = algorithms.search_balanced_caps(lengths, bound, per_step=2, seed=0, cost=COST,
+                                                  mode=mode)
+    assert caps.qv <= 20 and caps.qt <= 6300
+    assert algorithms.split_over_cap(lengths, caps)[0].tolist() == list(range(200))
+    assert len(tried) > 1 and {"qv": caps.qv, "qt": caps.qt} in [
+        {"qv": t["qv"], "qt": t["qt"]} for t in tried]
+    # a user's bound below the largest sample is kept, and the caps stay inside it
+    caps, _ = algorithms.search_balanced_caps(lengths, algorithms.Caps(6, 2000), per_step=2,
+                                              seed=0, cost=COST, mode=mode)
+    assert caps.qv <= 6 and caps.qt <= 2000
 
 
 # --- metrics against hand-computed values -------------------------------------------------------
@@ -307,7 +322,8 @@ def test_epoch_e_uses_seed_plus_e(tmp_path):
     tail = plan_two[plan_two.step >= second["first_step"]].copy()
     tail["step"] -= second["first_step"]
     assert tail.reset_index(drop=True).equals(plan_one)
-    assert two.metrics.samples == 2 * one.metrics.samples
+    five = run_pack(PackConfig(stats=meta, dp=2, out=str(tmp_path / "five"), seed=5))
+    assert two.metrics.samples == five.metrics.samples + one.metrics.samples
 
 
 def _omnibal_lengths() -> tuple[np.ndarray, np.ndarray]:
