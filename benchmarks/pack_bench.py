@@ -9,6 +9,8 @@ Speed: ``balanced`` including automatic caps on 1.2M and 10M samples resampled f
 each size in a fresh process pinned to one core (peak RSS of that process); our ``isf`` grouping
 against OmniBal's pure-Python ISF logic on the same 1.2M samples and caps. Medians of repeats.
 Command: the whole ``vlmshard pack`` process on the real rows against its own pack_seconds.
+Caps matrix: per data mix (``tests/length_mixes.py``, 200k samples per synthetic mix) and compute
+mode, ``isf`` on OmniBal's searched caps against ``balanced`` searching its caps inside them.
 Prints Markdown for BENCHMARKS.md; ``--json`` also writes the numbers.
 """
 
@@ -40,6 +42,7 @@ from vlmshard.packing.stats import load_stats  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO, "tests"))
 from references import isf_groups_reference  # noqa: E402  (OmniBal's ISF, the speed baseline)
+from length_mixes import MIXES, mix  # noqa: E402  (the caps matrix's data mixes)
 
 DATA = os.path.join(REPO, "..", "shared", "data", "omnibal-lengths")
 FILES = ("ai2d_train_12k.json", "docvqa_train_10k.json")
@@ -63,11 +66,11 @@ def resample(lengths: Lengths, n: int, seed: int = 0) -> Lengths:
 
 
 def plan(lengths: Lengths, algo: str, ranks: int, micro: int, seed: int = 0,
-         mode: str = "padding-free"):
-    """Caps (automatic or searched) + one epoch + metrics (the trainer computing in ``mode``),
-    timed like ``vlmshard pack``."""
+         mode: str = "padding-free", **bound):
+    """Caps (automatic or searched, inside ``bound``: max_qv, max_qt) + one epoch + metrics
+    (the trainer computing in ``mode``), timed like ``vlmshard pack``."""
     cfg = PackConfig(stats="-", dp=ranks, out="-", micro_batches=micro, algo=algo, seed=seed,
-                     compute_mode=mode)
+                     compute_mode=mode, **bound)
     t0 = time.perf_counter()
     caps, _, _ = choose_caps(cfg, lengths, COST)
     packing = pack_epoch(cfg, lengths, caps, COST, seed=seed)
@@ -90,6 +93,39 @@ def quality(lengths: Lengths) -> dict:
     for algo in ("balanced", "isf"):
         out[f"R=64 M=1 1.2M-resampled {algo}"] = plan(big, algo, 64, 1).to_dict()
     return out
+
+
+MATRIX_SAMPLES = 200_000  # per synthetic mix; the real files give their own rows
+
+
+def caps_matrix() -> dict:
+    """Per data mix and compute mode, R=8 M=1: isf on OmniBal's searched caps against balanced
+    searching its caps inside those (equal memory)."""
+    out = {}
+    for name in MIXES:
+        lengths = mix(name, MATRIX_SAMPLES)
+        for mode in ("padded", "padding-free"):
+            isf = plan(lengths, "isf", 8, 1, mode=mode)
+            bal = plan(lengths, "balanced", 8, 1, mode=mode, max_qv=isf.qv, max_qt=isf.qt)
+            out[f"{name} {mode}"] = {"samples": len(lengths), "isf": isf.to_dict(),
+                                     "balanced": bal.to_dict(),
+                                     "ratio": bal.step_efficiency / isf.step_efficiency}
+    return out
+
+
+def markdown_matrix(results: dict) -> str:
+    lines = ["| mix | mode | samples | isf Qv/Qt | isf step_eff | isf fills V/L | isf unplaced | "
+             "balanced Qv/Qt | balanced step_eff | balanced fills V/L | balanced unplaced | "
+             "balanced / isf |", "|" + "---|" * 12]
+    for key, r in results.items():
+        name, mode = key.rsplit(" ", 1)
+        i, b = r["isf"], r["balanced"]
+        lines.append(
+            f"| {name} | {mode} | {r['samples']:,} | {i['qv']}/{i['qt']} | "
+            f"{i['step_efficiency']:.4f} | {i['vit_fill']:.3f}/{i['llm_fill']:.3f} | "
+            f"{i['unplaced']} | {b['qv']}/{b['qt']} | {b['step_efficiency']:.4f} | "
+            f"{b['vit_fill']:.3f}/{b['llm_fill']:.3f} | {b['unplaced']} | {r['ratio']:.3f}x |")
+    return "\n".join(lines)
 
 
 def speed_child(n: int, repeats: int, data_dir: str) -> dict:
@@ -167,6 +203,7 @@ def main() -> int:
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--skip-command", action="store_true")
+    p.add_argument("--skip-matrix", action="store_true")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -188,6 +225,10 @@ def main() -> int:
                 print(f"| {setting} | {algo} | {m['step_efficiency']:.4f} | "
                       f"{m['step_efficiency_padded']:.4f} |")
         print()
+    if not args.skip_matrix:
+        results["matrix"] = caps_matrix()
+        print("## Caps matrix: balanced inside isf's searched caps (R=8 M=1)\n")
+        print(markdown_matrix(results["matrix"]), "\n")
     if not args.skip_speed:
         results["speed"] = []
         for n in args.sizes:

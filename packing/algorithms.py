@@ -234,60 +234,62 @@ def memory_bound(lengths: Lengths, target_samples: int, max_qv: int | None = Non
 
 
 CAPS_RATIOS = (0.9, 0.95, 1.0, 1.03, 1.06, 1.1, 1.2)  # Qt/Qv over the data's tokens per tile
-CAPS_TILE_STEPS = 4  # Qv below the bound tried, one tile apart (tile granularity)
+CAPS_TILE_STEPS = 3  # Qv below the largest tried at the best ratio, one tile apart
 CAPS_SEARCH_STEPS = 30  # steps' worth of samples each candidate is packed with, at least
 
 
-def caps_candidates(lengths: Lengths, bound: Caps) -> list[Caps]:
-    """Caps inside ``bound`` worth packing: Qt/Qv near the data's tokens per tile (so neither
-    cap runs empty while the other binds), at Qv at and a few tiles below the largest the ratio
-    allows (samples of whole tiles fill some Qv better than others); never below a sample the
-    bound admits."""
+def caps_at(lengths: Lengths, bound: Caps, ratio: float, below: int = 0) -> Caps:
+    """Caps inside ``bound`` with Qt/Qv = ``ratio`` × the data's tokens per tile (so neither cap
+    runs empty while the other binds), ``below`` tiles under the largest Qv that allows; never
+    below a sample the bound admits."""
     admitted = split_over_cap(lengths, bound)[0]
     low_v = int(lengths.tiles[admitted].max(initial=0))
     low_t = int(lengths.tokens[admitted].max(initial=0))
     total_v = float(lengths.tiles.sum())
     if total_v == 0:  # text only: the token cap is the only one
-        return [bound]
-    per_tile = float(lengths.tokens.sum()) / total_v
-    found = {bound}
-    for ratio in CAPS_RATIOS:
-        top_v = min(bound.qv, int(bound.qt / (per_tile * ratio)))
-        for below in range(CAPS_TILE_STEPS):
-            qv = min(max(top_v - below, low_v, 1), bound.qv)
-            qt = min(max(int(np.ceil(qv * per_tile * ratio)), low_t), bound.qt)
-            found.add(Caps(qv, qt))
-    return sorted(found, key=lambda c: (c.qv, c.qt))
+        return bound
+    per_tile = ratio * float(lengths.tokens.sum()) / total_v
+    qv = min(max(min(bound.qv, int(bound.qt / per_tile)) - below, low_v, 1), bound.qv)
+    return Caps(qv, min(max(int(np.ceil(qv * per_tile)), low_t), bound.qt))
 
 
 def search_balanced_caps(lengths: Lengths, bound: Caps, *, per_step: int, seed: int,
                          cost: CostModel, mode: str,
                          options: BalancedOptions = BalancedOptions()) -> tuple[Caps, list[dict]]:
     """The caps inside ``bound`` under which ``balanced`` packing has the highest
-    ``step_efficiency`` in compute ``mode``: each of ``caps_candidates`` packs the same seeded
-    subsample of the data (whole when small) into steps of ``per_step`` micro-batches, each
-    micro-batch counted as a rank of its own (so a plan for V virtual ranks and one for a DP
-    size dividing V with the same step shape get the same caps), ties going to the smaller caps
-    (less memory). Returns the caps and every candidate tried, with its figures."""
+    ``step_efficiency`` in compute ``mode``: the bound itself and ``caps_at`` each of
+    ``CAPS_RATIOS``, then a few tiles below at the best ratio (whole-tile samples fill some Qv
+    better than others). Each candidate packs the same seeded subsample of the data (whole when
+    small) into steps of ``per_step`` micro-batches, each counted as a rank of its own (so a
+    plan for V virtual ranks and one for a DP size dividing V with the same step shape get the
+    same caps); ties go to the smaller caps (less memory). Returns the caps and every candidate
+    tried, with its figures."""
     from .metrics import measure
 
     rng = np.random.default_rng(seed)
     per_micro = max(float(bound.qv) / max(float(lengths.tiles.mean()), 1e-9),
                     float(bound.qt) / max(float(lengths.tokens.mean()), 1e-9))
     want = max(20000, int(CAPS_SEARCH_STEPS * per_step * per_micro))
-    sample = np.sort(rng.permutation(len(lengths))[:want])
-    tried = []
-    for caps in caps_candidates(lengths, bound):
-        fit = split_over_cap(lengths, caps)[0]
-        ids = np.intersect1d(sample, fit, assume_unique=True)
-        packing = pack_balanced(lengths, ids, caps, ranks=per_step, micro_batches=1, seed=seed,
-                                cost=cost, options=options)
-        m = measure(lengths, packing, qv=caps.qv, qt=caps.qt, cost=cost, padded=False,
-                    dp=per_step, pack_seconds=0.0, mode=mode)
-        tried.append({"qv": caps.qv, "qt": caps.qt, "step_efficiency": m.step_efficiency,
-                      "vit_fill": m.vit_fill, "llm_fill": m.llm_fill})
-    best = min(tried, key=lambda t: (-t["step_efficiency"], t["qv"], t["qt"]))
-    return Caps(best["qv"], best["qt"]), tried
+    sample = lengths.take(np.sort(rng.permutation(len(lengths))[:want]))
+    tried: dict[Caps, dict] = {}
+
+    def score(caps: Caps) -> float:
+        if caps not in tried:
+            packing = pack_balanced(sample, split_over_cap(sample, caps)[0], caps,
+                                    ranks=per_step, micro_batches=1, seed=seed, cost=cost,
+                                    options=options)
+            m = measure(sample, packing, qv=caps.qv, qt=caps.qt, cost=cost, padded=False,
+                        dp=per_step, pack_seconds=0.0, mode=mode)
+            tried[caps] = {"qv": caps.qv, "qt": caps.qt, "step_efficiency": m.step_efficiency,
+                           "vit_fill": m.vit_fill, "llm_fill": m.llm_fill}
+        return tried[caps]["step_efficiency"]
+
+    score(bound)
+    ratio = max(CAPS_RATIOS, key=lambda r: (score(caps_at(lengths, bound, r)), -r))
+    for below in range(1, CAPS_TILE_STEPS + 1):
+        score(caps_at(lengths, bound, ratio, below))
+    best = min(tried.values(), key=lambda t: (-t["step_efficiency"], t["qv"], t["qt"]))
+    return Caps(best["qv"], best["qt"]), sorted(tried.values(), key=lambda t: (t["qv"], t["qt"]))
 
 
 def pack_balanced(lengths: Lengths, ids: np.ndarray, caps: Caps, *, ranks: int,
