@@ -36,10 +36,12 @@ class PackConfig:
         None, help="memory bound: the most ViT tiles a micro-batch may hold; balanced's "
                    "automatic caps are searched below it (e.g. the caps of the packer you "
                    "compare with, or what the device's memory holds)",
-        default_text="--target-samples mean samples' tiles, at least the largest sample's")
+        default_text="the --cost-model file's max_qv (vlmshard train profile's memory model); "
+                     "else --target-samples mean samples' tiles, at least the largest sample's")
     max_qt: int | None = option(
         None, help="memory bound: the most LLM tokens a micro-batch may hold (with --max-qv)",
-        default_text="--target-samples mean samples' tokens, at least the largest sample's")
+        default_text="the --cost-model file's max_qt; else --target-samples mean samples' "
+                     "tokens, at least the largest sample's")
     target_samples: int = option(4, help="samples per micro-batch: for random and lengthgroup "
                                          "exactly; for isf the mean its caps search aims at; for "
                                          "balanced the default memory bound")

@@ -68,6 +68,7 @@ def run_pack(cfg: PackConfig) -> PackResult:
     t_loaded = time.perf_counter()
     fingerprint = job_fingerprint({
         "vlmshard_version": __version__, "stats_sha256": stats.sha256, "cost_model": cost.to_dict(),
+        "cost_model_file": read_json(cfg.cost_model) if cfg.cost_model else None,
         "options": {k: v for k, v in asdict(cfg).items() if k not in ("out", "cost_model")}})
     finished = _finished_plan(cfg.out, fingerprint)
     if finished is not None:
@@ -142,10 +143,10 @@ def _finished_plan(out: str, fingerprint: str) -> dict | None:
 
 
 def choose_caps(cfg: PackConfig, lengths: Lengths,
-                cost: CostModel) -> tuple[Caps, str, list[dict] | None]:
-    """The caps, where they came from and the candidates a search tried: given, searched for
-    the best step_efficiency under the memory bound (balanced), OmniBal's search (isf), or the
-    padded shape (random, lengthgroup)."""
+                cost: CostModel) -> tuple[Caps, str, dict | None]:
+    """The caps, where they came from and what a search tried (its candidates; for balanced
+    also the memory bound): given, searched for the best step_efficiency under the memory bound
+    (balanced), OmniBal's search (isf), or the padded shape (random, lengthgroup)."""
     if cfg.algo in PADDED:
         return algorithms.padded_caps(lengths, cfg.target_samples), "padded", None
     if cfg.qv is not None:
@@ -153,14 +154,31 @@ def choose_caps(cfg: PackConfig, lengths: Lengths,
     if cfg.algo == "isf":
         caps, tried = algorithms.search_isf_caps(
             lengths, ranks=cfg.ranks, target_samples=cfg.target_samples, seed=cfg.seed, cost=cost)
-        return caps, "isf_search", tried
-    bound = algorithms.memory_bound(lengths, cfg.target_samples, cfg.max_qv, cfg.max_qt)
+        return caps, "isf_search", {"tried": tried}
+    bound, bound_from = memory_bound(cfg, lengths)
     caps, tried = algorithms.search_balanced_caps(
         lengths, bound, per_step=cfg.ranks * cfg.micro_batches, seed=cfg.seed, cost=cost,
         mode=cfg.compute_mode)
     log.info("caps Qv %d, Qt %d: the best step_efficiency (%s) of %d candidates within Qv <= "
-             "%d, Qt <= %d", caps.qv, caps.qt, cfg.compute_mode, len(tried), bound.qv, bound.qt)
-    return caps, "step_efficiency_search", tried
+             "%d, Qt <= %d (%s)", caps.qv, caps.qt, cfg.compute_mode, len(tried), bound.qv,
+             bound.qt, bound_from)
+    return caps, "step_efficiency_search", {
+        "bound": {"qv": bound.qv, "qt": bound.qt, "from": bound_from}, "tried": tried}
+
+
+def memory_bound(cfg: PackConfig, lengths: Lengths) -> tuple[Caps, str]:
+    """The bound balanced's caps are searched under, and where it came from: ``--max-qv/--max-qt``,
+    else the ``max_qv``/``max_qt`` that ``vlmshard train profile`` wrote into the
+    ``--cost-model`` file (what the device's memory holds), else ``--target-samples``."""
+    if cfg.max_qv is not None or cfg.max_qt is not None:
+        given = algorithms.memory_bound(lengths, cfg.target_samples, cfg.max_qv, cfg.max_qt)
+        return given, "--max-qv/--max-qt"
+    profiled = read_json(cfg.cost_model) if cfg.cost_model else {}
+    if "max_qv" in profiled and "max_qt" in profiled:
+        return (algorithms.memory_bound(lengths, cfg.target_samples, int(profiled["max_qv"]),
+                                        int(profiled["max_qt"])),
+                f"the profile's memory model ({cfg.cost_model})")
+    return algorithms.memory_bound(lengths, cfg.target_samples), "--target-samples"
 
 
 def pack_epoch(cfg: PackConfig, lengths: Lengths, caps: Caps, cost: CostModel, *,

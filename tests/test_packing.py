@@ -310,6 +310,24 @@ def test_rerun_keeps_a_finished_plan_and_other_options_repack(tmp_path):
     assert pq.read_table(out / "plan.parquet").num_rows == other.metrics.samples
 
 
+def test_the_memory_bound_comes_from_the_flags_else_the_profiles_cost_model(tmp_path):
+    meta = os.path.join(OMNIBAL, "meta.json")
+    profiled = tmp_path / "cost_model.json"  # as `vlmshard train profile` writes it
+    profiled.write_text(json.dumps({"a_v": 1.0, "a_t": 0.01, "b": 1e-6, "max_qv": 9,
+                                    "max_qt": 2600}))
+    bounds = {}
+    for name, flags in (("profile", {}), ("flags", {"max_qv": 7, "max_qt": 3000})):
+        run_pack(PackConfig(stats=meta, dp=2, out=str(tmp_path / name),
+                            cost_model=str(profiled), **flags))
+        info = json.loads((tmp_path / name / "plan.json").read_text())
+        bounds[name] = info["caps_search"]["bound"]
+        assert info["params"]["qv"] <= bounds[name]["qv"]
+        assert info["params"]["qt"] <= bounds[name]["qt"]
+    assert bounds["profile"]["qv"] == 9 and bounds["profile"]["qt"] == 2600
+    assert bounds["profile"]["from"].startswith("the profile's memory model")
+    assert bounds["flags"] == {"qv": 7, "qt": 3000, "from": "--max-qv/--max-qt"}
+
+
 def test_epoch_e_uses_seed_plus_e(tmp_path):
     meta = os.path.join(OMNIBAL, "meta.json")
     two = run_pack(PackConfig(stats=meta, dp=2, out=str(tmp_path / "two"), seed=5, epochs=2))

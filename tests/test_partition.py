@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vlmshard.train.partition import (LayerCost, Machine, PartitionError, choose_recompute,
-                                      greedy_anchor, omnibal_candidates, search_partition)
+                                      greedy_anchor, largest_micro_batch_scale,
+                                      omnibal_candidates, search_partition)
 
 layer = st.builds(
     lambda f, b, act, inp, out, par: LayerCost("L", f, b, act + inp, inp, out, par),
@@ -119,6 +120,20 @@ def test_recompute_counts_the_activation_it_rebuilds():
     a = LayerCost("A", 1.0, 2.0, 800, 200, 10, 0)
     b = LayerCost("B", 1.0, 2.0, 590, 0, 10, 0)
     assert choose_recompute([a, b], 0, 2, 2, 2200) == [1]
+
+
+def test_the_largest_micro_batch_a_partition_holds_by_hand():
+    # Stage 0 of 2 holds 2 micro-batches of layer a: 1000 + 2 x 100k bytes kept, or, recomputing
+    # a, 1000 + 2 x 10k + 100k rebuilt = 1000 + 120k; stage 1 holds 1 of layer b: 1000 + 200k
+    # (recomputing b would need 1000 + 20k + 200k). With 25,000 bytes: stage 0 fits up to
+    # k = 200, stage 1 up to k = 120, so a micro-batch may be 120 times the profiled one.
+    a = LayerCost("a", 1.0, 2.0, 100, 10, 5, 1000)
+    b = LayerCost("b", 1.0, 2.0, 200, 20, 5, 1000)
+    scale = largest_micro_batch_scale([a, b], [0, 1, 2], Machine(memory_budget=25_000))
+    assert scale == pytest.approx(120, rel=1e-6)
+    assert largest_micro_batch_scale([a, b], [0, 1, 2], Machine(memory_budget=999)) == 0.0
+    free = LayerCost("free", 1.0, 2.0, 0, 0, 0, 10)
+    assert largest_micro_batch_scale([free, free], [0, 1, 2], Machine(1000)) == float("inf")
 
 
 def test_first_stages_hold_more_micro_batches_so_recompute_more():

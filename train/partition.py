@@ -20,7 +20,8 @@ stage-time variance, then boundary communication.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 
@@ -167,6 +168,32 @@ def evaluate(layers: list[LayerCost], bounds: list[int], machine: Machine) -> Pa
             return None
         stages.append(stage)
     return Partition(list(bounds), stages)
+
+
+def largest_micro_batch_scale(layers: list[LayerCost], bounds: list[int], machine: Machine,
+                              steps: int = 40) -> float:
+    """How many times the profiled micro-batch a micro-batch may hold (its activations, input
+    checkpoints and sends grow with it; parameters do not) for the partition ``bounds`` still to
+    fit ``machine``, recomputing what it must: the memory bound on the packer's caps. 0 when the
+    parameters alone do not fit."""
+    def fits(scale: float) -> bool:
+        scaled = [replace(c, activation_bytes=math.ceil(c.activation_bytes * scale),
+                          input_bytes=math.ceil(c.input_bytes * scale),
+                          output_bytes=math.ceil(c.output_bytes * scale)) for c in layers]
+        return evaluate(scaled, bounds, machine) is not None
+
+    if not fits(0.0):
+        return 0.0
+    high = 1.0
+    while fits(high):
+        if high > 2.0 ** 40:  # activations that cost nothing: no bound from memory
+            return float("inf")
+        high *= 2
+    low = high / 2 if high > 1 else 0.0
+    for _ in range(steps):
+        mid = (low + high) / 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 def search_partition(layers: list[LayerCost], stages: int, machine: Machine) -> Partition:

@@ -33,7 +33,7 @@ from .config import ProfileConfig
 from .hf_model import ModelLayers, model_layers
 from .models import unpack, wire_inputs
 from .partition import (LayerCost, Machine, Partition, deepspeed_bounds, evaluate,
-                        omnibal_candidates, search_partition)
+                        largest_micro_batch_scale, omnibal_candidates, search_partition)
 from .train_log import micro_batch_size
 from .trainer import cpu_threads_per_rank
 
@@ -67,7 +67,8 @@ def run_profile(cfg: ProfileConfig) -> dict:
         partitions["validated"] = validate_candidates(
             cfg, [partitions["search"], *partitions["omnibal"]][:cfg.validate_top])
         partitions["chosen"] = min(partitions["validated"], key=lambda p: p["measured_step_s"])
-    cost = fit_cost_model(profile.micro_batches)
+    cost = {**fit_cost_model(profile.micro_batches),
+            **memory_bound(profile, partitions["chosen"]["bounds"], machine)}
     os.makedirs(cfg.out, exist_ok=True)
     write_json_atomic(os.path.join(cfg.out, "profile.json"),
                       {**profile.to_dict(), "model": model.path, "shards": cfg.shards})
@@ -178,6 +179,17 @@ def fit_cost_model(micro_batches: list[dict]) -> dict:
     scale = llm_x.max(axis=0).clip(min=1.0)  # conditioning: tokens and squares differ by 1e4
     (a_t, b), _ = nnls(llm_x / scale, llm)
     return {"a_v": a_v, "a_t": float(a_t / scale[0]), "b": float(b / scale[1])}
+
+
+def memory_bound(profile: "Profile", bounds: list[int], machine: Machine) -> dict:
+    """``max_qv``, ``max_qt``: the largest caps whose micro-batches the partition ``bounds`` holds
+    in ``machine``'s memory (the profiled mean micro-batch scaled up as far as it fits), which
+    ``vlmshard pack --cost-model`` takes as its memory bound. Empty when memory bounds nothing."""
+    scale = largest_micro_batch_scale(profile.layers, bounds, machine)
+    if scale == float("inf"):
+        return {}
+    mean = {k: float(np.mean([m[k] for m in profile.micro_batches])) for k in ("tiles", "tokens")}
+    return {"max_qv": int(scale * mean["tiles"]), "max_qt": int(scale * mean["tokens"])}
 
 
 def compare_partitions(layers: list[LayerCost], stages: int, machine: Machine,
