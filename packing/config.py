@@ -13,6 +13,8 @@ from .cost import ComputeMode
 Algorithm = Literal["balanced", "isf", "lengthgroup", "random"]
 ALGORITHMS: tuple[str, ...] = get_args(Algorithm)
 PADDED = ("random", "lengthgroup")  # micro-batches padded per sample, not packed
+SEARCHED_CAPS = ("searched: balanced's for the best step_efficiency under --max-qv/--max-qt, "
+                 "isf's by OmniBal's search")
 
 
 @dataclass(kw_only=True)
@@ -29,9 +31,9 @@ class PackConfig:
                    "size dividing it", default_text="--dp")
     algo: Algorithm = option("balanced", help="packing algorithm")
     qv: int | None = option(None, help="ViT tiles per micro-batch (with --qt)",
-                            default_text="chosen from the data")
+                            default_text=SEARCHED_CAPS)
     qt: int | None = option(None, help="LLM tokens per micro-batch (with --qv)",
-                            default_text="chosen from the data")
+                            default_text=SEARCHED_CAPS)
     max_qv: int | None = option(
         None, help="memory bound: the most ViT tiles a micro-batch may hold; balanced's "
                    "automatic caps are searched below it (e.g. the caps of the packer you "
