@@ -236,6 +236,10 @@ def memory_bound(lengths: Lengths, target_samples: int, max_qv: int | None = Non
 CAPS_RATIOS = (0.9, 0.95, 1.0, 1.03, 1.06, 1.1, 1.2)  # Qt/Qv over the data's tokens per tile
 CAPS_TILE_STEPS = 3  # Qv below the largest tried at the best ratio, one tile apart
 CAPS_SEARCH_STEPS = 30  # steps' worth of samples each candidate is packed with, at least
+# Candidates this close to the best step_efficiency tie (a subsample's figure is no finer); the
+# larger caps win a tie: fewer, fuller micro-batches pay less of the per-micro-batch overhead
+# (launches, sends, host reads) that step_efficiency does not count.
+CAPS_TIE = 0.001
 
 
 def caps_at(lengths: Lengths, bound: Caps, ratio: float, below: int = 0) -> Caps:
@@ -262,7 +266,7 @@ def search_balanced_caps(lengths: Lengths, bound: Caps, *, per_step: int, seed: 
     better than others). Each candidate packs the same seeded subsample of the data (whole when
     small) into steps of ``per_step`` micro-batches, each counted as a rank of its own (so a
     plan for V virtual ranks and one for a DP size dividing V with the same step shape get the
-    same caps); ties go to the smaller caps (less memory). Returns the caps and every candidate
+    same caps); ties (``CAPS_TIE``) go to the larger caps. Returns the caps and every candidate
     tried, with its figures."""
     from .metrics import measure
 
@@ -288,7 +292,9 @@ def search_balanced_caps(lengths: Lengths, bound: Caps, *, per_step: int, seed: 
     ratio = max(CAPS_RATIOS, key=lambda r: (score(caps_at(lengths, bound, r)), -r))
     for below in range(1, CAPS_TILE_STEPS + 1):
         score(caps_at(lengths, bound, ratio, below))
-    best = min(tried.values(), key=lambda t: (-t["step_efficiency"], t["qv"], t["qt"]))
+    top = max(t["step_efficiency"] for t in tried.values())
+    best = max((t for t in tried.values() if t["step_efficiency"] >= top - CAPS_TIE),
+               key=lambda t: (t["qv"], t["qt"]))
     return Caps(best["qv"], best["qt"]), sorted(tried.values(), key=lambda t: (t["qv"], t["qt"]))
 
 
