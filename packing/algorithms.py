@@ -281,7 +281,7 @@ def search_balanced_caps(lengths: Lengths, bound: Caps, *, per_step: int, seed: 
         if caps not in tried:
             packing = pack_balanced(sample, split_over_cap(sample, caps)[0], caps,
                                     ranks=per_step, micro_batches=1, seed=seed, cost=cost,
-                                    options=options)
+                                    mode=mode, options=options)
             m = measure(sample, packing, qv=caps.qv, qt=caps.qt, cost=cost, padded=False,
                         dp=per_step, pack_seconds=0.0, mode=mode)
             tried[caps] = {"qv": caps.qv, "qt": caps.qt, "step_efficiency": m.step_efficiency,
@@ -299,15 +299,16 @@ def search_balanced_caps(lengths: Lengths, bound: Caps, *, per_step: int, seed: 
 
 
 def pack_balanced(lengths: Lengths, ids: np.ndarray, caps: Caps, *, ranks: int,
-                  micro_batches: int, seed: int, cost: CostModel,
+                  micro_batches: int, seed: int, cost: CostModel, mode: str = "padding-free",
                   options: BalancedOptions = BalancedOptions()) -> Packing:
     """Fill micro-batches near-full on tiles and tokens inside windows of the shuffled data, then
     deal them to steps and ranks so that each step's ranks carry equal tiles, tokens, attention
-    and cost. No global sort: windows follow the shuffled order, and the steps are shuffled."""
+    and cost. No global sort: windows follow the shuffled order, and the steps are shuffled.
+    The compute ``mode`` decides what the epoch's last samples are worth a step for."""
     rng = np.random.default_rng(seed)
     stream = ids[rng.permutation(len(ids))].astype(np.int64)
     placed, bin_of_item, n_bins = _fill_stream(lengths, stream, caps, ranks * micro_batches,
-                                               options)
+                                               mode == "padded", options)
     order = _deal_steps(lengths, placed, bin_of_item, n_bins, ranks, micro_batches, cost, rng,
                         options)
     leftover = np.setdiff1d(stream, placed, assume_unique=True)
@@ -318,12 +319,12 @@ def pack_balanced(lengths: Lengths, ids: np.ndarray, caps: Caps, *, ranks: int,
     return packing
 
 
-def _fill_stream(lengths, stream, caps, per_step, options):
+def _fill_stream(lengths, stream, caps, per_step, padded, options):
     """Fill windows of micro-batches from the shuffled stream; what does not fit is carried.
 
     Carried samples go first in the next window (so none waits more than a window); the fresh
-    ones follow, largest first. The last window gets whole steps until every sample is placed
-    or fewer samples are left than one step has micro-batches (the remainder).
+    ones follow, largest first. The last window gets whole steps until every sample is placed,
+    or what is left is not worth a step (``_worth_a_step``): the remainder.
     Returns (placed sample ids, micro-batch number of each, number of micro-batches).
     """
     n_bins = -(-options.fill_bins // per_step) * per_step
@@ -346,9 +347,9 @@ def _fill_stream(lengths, stream, caps, per_step, options):
         pos += len(fresh)
         batch = np.r_[carry[np.argsort(-size[carry], kind="stable")],
                       fresh[np.argsort(-size[fresh], kind="stable")]]
-        window = n_bins if pos < n else _last_window_bins(lengths, batch, caps, per_step)
+        window = n_bins if pos < n else _last_window_bins(lengths, batch, caps, per_step, padded)
         where = _fill(lengths, batch, caps, window)
-        while pos >= n and _fill_a_step(lengths, batch[where < 0], caps, per_step):
+        while pos >= n and _worth_a_step(lengths, batch, where, window, caps, per_step, padded):
             window += per_step  # one more step rather than a remainder
             where = _fill(lengths, batch, caps, window)
         ok = where >= 0
@@ -377,18 +378,24 @@ def _volume(lengths, items, caps) -> float:
     return max(lengths.tiles[items].sum() / max(caps.qv, 1), lengths.tokens[items].sum() / caps.qt)
 
 
-def _fill_a_step(lengths, items, caps, per_step) -> bool:
-    """Whether ``items`` could fill a whole step's micro-batches, one sample each at least:
-    only then is a step added for them; less is the epoch's remainder (a step that ran mostly
-    empty would cost every rank a full step for a fraction of one)."""
-    return len(items) >= per_step and _volume(lengths, items, caps) >= per_step
+def _worth_a_step(lengths, batch, where, window, caps, per_step, padded) -> bool:
+    """Whether the last window's unplaced samples get one more step: when some are left and
+    every micro-batch would still hold a sample; padded, only when they would fill the step too
+    (a padded micro-batch costs its caps however empty, so a mostly empty step would cost every
+    rank a full step for a fraction of one). Padding-free, a step costs only its samples."""
+    left = batch[where < 0]
+    if len(left) == 0 or len(batch) < window + per_step:
+        return False
+    return not padded or _volume(lengths, left, caps) >= per_step
 
 
-def _last_window_bins(lengths, items, caps, per_step) -> int:
-    """Whole steps' worth of micro-batches for the final samples, as many as they fill."""
+def _last_window_bins(lengths, items, caps, per_step, padded) -> int:
+    """Whole steps' worth of micro-batches for the final samples: as many as they would fill
+    (rounded down when padded, up when padding-free), and no more than they have samples."""
     if len(items) < per_step:
         return 0
-    steps = min(int(_volume(lengths, items, caps) // per_step), len(items) // per_step)
+    volume = _volume(lengths, items, caps) / per_step
+    steps = min(int(volume) if padded else int(np.ceil(volume)), len(items) // per_step)
     return max(steps, 1) * per_step
 
 

@@ -199,7 +199,8 @@ def pack_epoch(cfg: PackConfig, lengths: Lengths, caps: Caps, cost: CostModel, *
     elif cfg.algo == "isf":
         packing = algorithms.pack_isf(lengths, ids, caps, **common)
     else:
-        packing = algorithms.pack_balanced(lengths, ids, caps, cost=cost, **common)
+        packing = algorithms.pack_balanced(lengths, ids, caps, cost=cost, mode=cfg.compute_mode,
+                                           **common)
     packing.unplaced = np.r_[over, packing.unplaced].astype(np.int64)
     packing.unplaced_reason = over_reasons + packing.unplaced_reason
     return packing

@@ -141,19 +141,20 @@ def test_every_algorithm_keeps_the_contract(rows, algo, ranks, micro, seed):
 
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 5), st.integers(200, 2000)), min_size=50, max_size=400),
-       st.integers(1, 4), st.integers(0, 9))
-def test_balanced_places_all_but_less_than_a_step(rows, ranks, seed):
+       st.integers(1, 4), st.integers(0, 9), st.sampled_from(["padding-free", "padded"]))
+def test_balanced_places_all_but_less_than_a_step(rows, ranks, seed, mode):
     lengths = _lengths(*zip(*rows))
     caps = algorithms.memory_bound(lengths, 4)
     packing = algorithms.pack_balanced(lengths, np.arange(len(lengths)), caps, ranks=ranks,
-                                       micro_batches=1, seed=seed, cost=COST)
+                                       micro_batches=1, seed=seed, cost=COST, mode=mode)
     _check_contract(lengths, packing, caps, ranks, 1, False)
     assert set(packing.unplaced_reason) <= {"remainder"}
-    # The remainder could not fill one more step: fewer samples than its micro-batches, or
-    # less than a full micro-batch's tiles or tokens for each of them.
     left = packing.unplaced
-    assert (len(left) < ranks or lengths.tiles[left].sum() < ranks * caps.qv
-            and lengths.tokens[left].sum() < ranks * caps.qt)
+    if mode == "padding-free":  # fewer samples than one step's micro-batches
+        assert len(left) < ranks
+    else:  # or too few to fill one more step's micro-batches on either cap
+        assert (len(left) < ranks or lengths.tiles[left].sum() < ranks * caps.qv
+                and lengths.tokens[left].sum() < ranks * caps.qt)
 
 
 @pytest.mark.parametrize("mode", ["padded", "padding-free"])
@@ -331,8 +332,9 @@ def test_the_memory_bound_comes_from_the_flags_else_the_profiles_cost_model(tmp_
 def test_epoch_e_uses_seed_plus_e(tmp_path):
     meta = os.path.join(OMNIBAL, "meta.json")
     two = run_pack(PackConfig(stats=meta, dp=2, out=str(tmp_path / "two"), seed=5, epochs=2))
-    one = run_pack(PackConfig(stats=meta, dp=2, out=str(tmp_path / "one"), seed=6))
     info = json.load(open(tmp_path / "two" / "plan.json"))
+    caps = {"qv": info["params"]["qv"], "qt": info["params"]["qt"]}  # searched once, with seed 5
+    one = run_pack(PackConfig(stats=meta, dp=2, out=str(tmp_path / "one"), seed=6, **caps))
     second = info["epochs"][1]
     assert second["seed"] == 6
     plan_two = pq.read_table(tmp_path / "two" / "plan.parquet").to_pandas()
@@ -340,7 +342,7 @@ def test_epoch_e_uses_seed_plus_e(tmp_path):
     tail = plan_two[plan_two.step >= second["first_step"]].copy()
     tail["step"] -= second["first_step"]
     assert tail.reset_index(drop=True).equals(plan_one)
-    five = run_pack(PackConfig(stats=meta, dp=2, out=str(tmp_path / "five"), seed=5))
+    five = run_pack(PackConfig(stats=meta, dp=2, out=str(tmp_path / "five"), seed=5, **caps))
     assert two.metrics.samples == five.metrics.samples + one.metrics.samples
 
 
