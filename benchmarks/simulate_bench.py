@@ -1,13 +1,15 @@
 """What balance saves at OmniBal's scale, by ``vlmshard simulate``.
 
-    python benchmarks/simulate_bench.py                # about 5 minutes on 2 vCPUs
+    python benchmarks/simulate_bench.py                # about 4 minutes on 2 vCPUs
 
 Data: OmniBal's released InternVL-1.2M length rows (ai2d + docvqa, 22,624 samples) resampled to
 1,200,000 samples (seed 0, as ``pack_bench.py`` does), written as an OmniBal length file and
-packed ``balanced`` for 32 data-parallel ranks. The plan is then simulated with
-``configs/simulate-omnibal.yaml`` (InternVL-Chat-1.5, 6B + 20B, on 4 × 32 A100s) and
-``configs/simulate-h100.yaml``: the plan itself, the same samples packed random / lengthgroup /
-isf / balanced, and OmniBal's three levers next to the paper's A100 GPU-days.
+packed ``balanced`` for 32 data-parallel ranks, once per compute mode (``padding-free``: the
+trainer computes on the real tiles and tokens; ``padded``: on the caps). Each plan is then
+simulated in its own mode with ``configs/simulate-omnibal.yaml`` (InternVL-Chat-1.5, 6B + 20B,
+on 4 × 32 A100s) and ``configs/simulate-h100.yaml``: the plan itself, the same samples packed
+random / lengthgroup / isf / balanced, and OmniBal's three levers next to the paper's A100
+GPU-days.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ sys.path.insert(0, REPO)
 from pack_bench import DATA, real_lengths, resample  # noqa: E402
 
 from vlmshard.packing.config import PackConfig  # noqa: E402
+from vlmshard.packing.cost import COMPUTE_MODES  # noqa: E402
 from vlmshard.packing.plan import run_pack  # noqa: E402
 from vlmshard.simulate.cli import format_result  # noqa: E402
 from vlmshard.simulate.config import SimulateConfig  # noqa: E402
@@ -52,15 +55,18 @@ def main() -> None:
     os.makedirs(args.work, exist_ok=True)
     lengths = os.path.join(args.work, "lengths.json")
     write_lengths(lengths, args.samples)
-    plan = os.path.join(args.work, "plan")
-    run_pack(PackConfig(stats=lengths, dp=args.dp, out=plan, model="internvl-chat-1.5"))
     results = {}
-    for name in ("simulate-omnibal", "simulate-h100"):
-        config = os.path.join(REPO, "configs", f"{name}.yaml")
-        cfg = load_config(SimulateConfig, {"plan": plan, "config": config})
-        results[name] = run_simulate(cfg)
-        print(f"\n== vlmshard simulate {plan} --config configs/{name}.yaml")
-        print(format_result(results[name]), flush=True)
+    for mode in COMPUTE_MODES:
+        plan = os.path.join(args.work, f"plan-{mode}")
+        run_pack(PackConfig(stats=lengths, dp=args.dp, out=plan, model="internvl-chat-1.5",
+                            compute_mode=mode))
+        for name in ("simulate-omnibal", "simulate-h100"):
+            config = os.path.join(REPO, "configs", f"{name}.yaml")
+            cfg = load_config(SimulateConfig, {"plan": plan, "config": config})
+            results[f"{name} {mode}"] = result = run_simulate(cfg)
+            print(f"\n== vlmshard simulate {plan} --config configs/{name}.yaml  "
+                  f"({mode}, the plan's compute mode)")
+            print(format_result(result), flush=True)
     if args.json:
         write_json_atomic(args.json, results)
 

@@ -52,7 +52,7 @@ from vlmshard.train.launcher import train  # noqa: E402
 from vlmshard.train.tiny_models import tiny_folder  # noqa: E402
 from vlmshard.train.config import ProfileConfig  # noqa: E402
 from vlmshard.train.profile import run_profile  # noqa: E402
-from vlmshard.simulate.runs import validate_against_log  # noqa: E402
+from vlmshard.simulate.replay import validate_against_log  # noqa: E402
 from vlmshard.train.config import TrainConfig  # noqa: E402
 from vlmshard.io import read_json, write_json_atomic  # noqa: E402
 

@@ -1,6 +1,7 @@
 """vlmshard report: the table holds plan.json's metrics with a column per plan, the per-step series
-average to those metrics, a training log is checked against its plan and set against the plan's
-predicted waiting, the HTML page is self-contained and a browser shows every plot."""
+average to those metrics, a training log is checked against its plan and its measured pipeline
+bubble and DP waiting set against the simulator's replay, the HTML page is self-contained and a
+browser shows every plot."""
 
 from __future__ import annotations
 
@@ -23,14 +24,17 @@ from vlmshard.packing.cost import CostModel
 from vlmshard.packing.metrics import REPORT_KEYS, measure
 from vlmshard.packing.config import PackConfig
 from vlmshard.packing.plan import read_plan, run_pack
-from vlmshard.report.report import load_plan, plan_labels
-from vlmshard.report.series import (PlanSeries, TrainSeries, plan_series,
-                            train_series)
+from vlmshard.report.report import load_plan, make_report, plan_labels
+from vlmshard.report.series import PlanSeries, plan_series
 from vlmshard.packing.stats import load_stats
 from vlmshard.model_sizes import PRESETS, training_flops
-from vlmshard.train.train_log import parse_log, rank_data, rank_timing, step_record, write_record
+from vlmshard.simulate.model import PipelineTimes
+from vlmshard.simulate.replay import Replay, replay_run
+from vlmshard.train.train_log import (PIPELINE_NAME, pipeline_record, rank_data, rank_timing,
+                                      step_record, write_record)
 
 from helpers import vlmshard
+from pipeline_reference import makespan
 
 META = os.path.join(os.path.dirname(__file__), "data", "omnibal", "meta.json")
 ROWS = ["step_efficiency", "pad_ratio", "vit_dist_ratio", "llm_dist_ratio", "attn_dist_ratio", "vit_fill",
@@ -86,17 +90,27 @@ def _expected_waits(plan_dir: Path, dp: int) -> np.ndarray:
     return 1 - cost / cost.max(axis=1, keepdims=True)
 
 
-BUBBLE_S = 0.1  # the synthetic run's pipeline bubble: every rank waits at least this long
+BUBBLE_S = 0.1  # the synthetic run's pipelines last this longer than their busiest stage
+OTHER_S = 0.05  # and its steps this longer than their longest pipeline
+MODEL = PRESETS["internvl2-2b"]
 
 
 def _compute_seconds(plan_dir: Path, dp: int, pp: int, steps: int) -> np.ndarray:
     """[steps, pp, dp] the synthetic run's compute time of each rank: its DP rank's cost, scaled
     to at most 0.5 s, times a fixed pseudo-random factor in [0.9, 1.1] per rank and step (so
-    measured waiting is not the plan's prediction in disguise)."""
+    measured times are not the replay's prediction in disguise)."""
     cost = _rank_costs(plan_dir, dp)
     cost = cost[np.arange(steps) % len(cost)]
     jitter = np.random.default_rng(0).uniform(0.9, 1.1, (steps, pp, dp))
     return 0.5 * cost[:, None, :] / cost.max() * jitter
+
+
+def _pipeline_seconds(compute: np.ndarray) -> np.ndarray:
+    """[steps, pp, dp] each rank's pipeline_s: its replica's busiest stage plus BUBBLE_S on
+    stage 0, which ends last, 10 ms less on each later stage."""
+    stages = compute.shape[1]
+    return (compute.max(axis=1, keepdims=True) + BUBBLE_S
+            - 0.01 * np.arange(stages)[None, :, None])
 
 
 def _loader_batch(plan_step: int, ids: list[int], tiles: np.ndarray, tokens: np.ndarray) -> dict:
@@ -107,31 +121,41 @@ def _loader_batch(plan_step: int, ids: list[int], tiles: np.ndarray, tokens: np.
             "num_samples": len(ids), "cu_seqlens": np.r_[0, np.cumsum(lens)]}
 
 
+def _stage_layers() -> list[list[str]]:
+    """The trainer's InternVL layers of MODEL in two stages: vision and projector | language."""
+    return [["vit_embed", *(f"vit_block_{i}" for i in range(MODEL.vision.layers)), "projector",
+             "embed_tokens"],
+            [*(f"llm_block_{i}" for i in range(MODEL.llm.layers)), "final_norm", "head"]]
+
+
 def write_train_log(plan_dir: Path, path: Path, dp: int, pp: int = 2,
                     steps: int = TRAIN_STEPS) -> None:
-    """A train_log.jsonl for a run on ``plan_dir``'s shards with ``dp`` × ``pp`` ranks, made by
-    the trainer's own record functions (vlmshard.train.train_log). Each DP rank trains its virtual
-    ranks' micro-batches of the plan (from plan step 0 again after the last); rank (stage, d)
-    computes for ``_compute_seconds`` (forward 1/3, backward 2/3) and the step lasts the slowest
-    rank's compute plus ``BUBBLE_S``."""
+    """A train_log.jsonl (and the pipeline.json beside it) for a run of MODEL on ``plan_dir``'s
+    shards with ``dp`` × 2 ranks, made by the trainer's own record functions
+    (vlmshard.train.train_log). Each DP rank trains its virtual ranks' micro-batches of the plan
+    (from plan step 0 again after the last); rank (stage, d) computes for ``_compute_seconds``
+    (forward 1/3, backward 2/3), its pipeline ends after ``_pipeline_seconds``, and the step
+    lasts the longest pipeline plus OTHER_S."""
     info = json.loads((plan_dir / "plan.json").read_text())
     ranks, micro = info["params"]["ranks"], info["params"]["micro_batches"]
     plan_steps = info["metrics"]["steps"]
     batches = _micro_batches(plan_dir)
     tiles, tokens = _omnibal_lengths()
     compute = _compute_seconds(plan_dir, dp, pp, steps)
-    flops = training_flops(PRESETS["internvl2-2b"])
+    pipeline = _pipeline_seconds(compute)
+    flops = training_flops(MODEL)
     per_dp = ranks // dp
     with open(path, "w", encoding="utf-8") as f:
         for step in range(steps):
             s = step % plan_steps
-            seconds = compute[step].max() + BUBBLE_S
+            seconds = pipeline[step].max() + OTHER_S
             timings = []
             for stage in range(pp):
                 for d in range(dp):
                     c = float(compute[step, stage, d])
                     timing = rank_timing(rank=stage * dp + d, stage=stage, dp_rank=d,
                                          forward_s=c / 3, backward_s=2 * c / 3,
+                                         pipeline_s=float(pipeline[step, stage, d]),
                                          step_time_s=float(seconds))
                     if stage == 0:
                         timing["data"] = rank_data(
@@ -139,6 +163,45 @@ def write_train_log(plan_dir: Path, path: Path, dp: int, pp: int = 2,
                              for v in range(d * per_dp, (d + 1) * per_dp) for m in range(micro)])
                     timings.append(timing)
             write_record(f, step_record(step, 2.0, timings, flops))
+    stages = [(stage, layers, []) for stage, layers in enumerate(_stage_layers())]
+    (path.parent / PIPELINE_NAME).write_text(json.dumps(pipeline_record(MODEL.to_dict(),
+                                                                        stages)))
+
+
+def _expected_measured(plan_dir: Path, dp: int, steps: int) -> PipelineTimes:
+    """The synthetic run's replica pipelines and stage busy times, from the times the log was
+    made from (not from the log), warm-up step left out."""
+    compute = _compute_seconds(plan_dir, dp, 2, steps)[1:]
+    return PipelineTimes(_pipeline_seconds(compute).max(axis=1), compute.transpose(0, 2, 1))
+
+
+def _expected_predicted(plan_dir: Path, dp: int, steps: int) -> PipelineTimes:
+    """The replay computed here: each replica's micro-batches (plan.parquet and the OmniBal
+    files) through tests/pipeline_reference's 1F1B, stage 0 (ViT, projector) taking MODEL's
+    ViT FLOPs of its tiles, stage 1 its LLM FLOPs of tokens and squared lengths (training_flops
+    is forward + backward, 3x the forward), backward twice the forward."""
+    info = json.loads((plan_dir / "plan.json").read_text())
+    ranks, micro = info["params"]["ranks"], info["params"]["micro_batches"]
+    plan_steps = info["metrics"]["steps"]
+    batches = _micro_batches(plan_dir)
+    tiles, tokens = _omnibal_lengths()
+    flops = training_flops(MODEL)
+    per_dp = ranks // dp
+    spans, busy = np.zeros((steps - 1, dp)), np.zeros((steps - 1, dp, 2))
+    for step in range(1, steps):
+        s = step % plan_steps
+        for d in range(dp):
+            forward = []
+            for v in range(d * per_dp, (d + 1) * per_dp):
+                for m in range(micro):
+                    ids = batches[(s, v, m)]
+                    t = tokens[ids].astype(float)
+                    forward.append([flops.tiles * tiles[ids].sum() / 3,
+                                    (flops.tokens * t.sum() + flops.squares * (t ** 2).sum()) / 3])
+            backward = [[2 * f for f in row] for row in forward]
+            spans[step - 1, d] = makespan(forward, backward)
+            busy[step - 1, d] = 3 * np.array(forward).sum(axis=0)
+    return PipelineTimes(spans, busy)
 
 
 @pytest.fixture(scope="module")
@@ -260,45 +323,83 @@ def test_per_step_series_average_to_the_plan_metrics(plans):
 
 # --- the training log ---------------------------------------------------------------------------
 
-def _measured_waits(plan_dir: Path, dp: int, pp: int, steps: int) -> np.ndarray:
-    """[steps, pp·dp] each rank's waiting share of the synthetic run, from the compute times the
-    log was made from (not from the log): (step time − own compute) / step time."""
-    compute = _compute_seconds(plan_dir, dp, pp, steps)
-    step_time = compute.max(axis=(1, 2)) + BUBBLE_S
-    return (1 - compute / step_time[:, None, None]).reshape(steps, pp * dp)
+def _agreement(measured: np.ndarray, predicted: np.ndarray) -> tuple[float, float]:
+    """Per-step Pearson correlation and median absolute error, computed here."""
+    return (float(np.corrcoef(measured, predicted)[0, 1]),
+            float(np.median(np.abs(measured - predicted))))
 
 
-def test_train_log_is_set_against_the_plans_prediction(plans, report_run):
+def _shares(t: PipelineTimes) -> dict:
+    """Bubble per stage and DP waiting over the run and per step, by their definitions, written
+    out here: a stage's bubble is 1 − its busy time over its replicas' pipeline time; waiting is
+    1 − the replicas' pipeline time over D times the slowest's."""
+    steps, dp, stages = t.busy.shape
+    span = t.makespan
+    return {"stage": [1 - t.busy[:, :, s].sum() / span.sum() for s in range(stages)],
+            "waiting": 1 - span.sum() / (dp * span.max(axis=1).sum()),
+            "stage_per_step": 1 - t.busy.sum(axis=1) / span.sum(axis=1)[:, None],
+            "waiting_per_step": 1 - span.sum(axis=1) / (dp * span.max(axis=1))}
+
+
+def test_train_log_measured_bubble_and_waiting_against_the_replay(plans, report_run):
+    """The report's training figures equal those computed here from the times the synthetic
+    log was made from and from an independent 1F1B replay of its micro-batches."""
     summary = json.loads(report_run["json"].read_text())["train_log"]
-    want = _expected_waits(plans["balanced"], 4)
-    predicted = want.mean(axis=1)[np.arange(TRAIN_STEPS) % len(want)]
-    measured = _measured_waits(plans["balanced"], 4, 2, TRAIN_STEPS).mean(axis=1)
-    assert summary["plan"] == "balanced" and summary["steps"] == TRAIN_STEPS
-    assert summary["dp"] == 4
-    assert summary["predicted_wait_mean"] == pytest.approx(predicted.mean(), rel=1e-9)
-    assert summary["measured_wait_mean"] == pytest.approx(measured.mean(), rel=1e-9)
-    assert summary["correlation"] == pytest.approx(np.corrcoef(predicted, measured)[0, 1],
-                                                   rel=1e-9)
-    # the run's bubble and jitter make measured waiting more than predicted, as in a real run
-    assert summary["measured_wait_mean"] > summary["predicted_wait_mean"] + 0.05
-    assert f"correlation per step {summary['correlation']:.3f}" in report_run["stdout"]
+    measured = _shares(_expected_measured(plans["balanced"], 4, TRAIN_STEPS))
+    predicted = _shares(_expected_predicted(plans["balanced"], 4, TRAIN_STEPS))
+    assert summary["plan"] == "balanced" and summary["steps"] == TRAIN_STEPS - 1  # warm-up
+    assert summary["dp"] == 4 and summary["pp"] == 2
+    assert "analytic layer FLOPs of the trained model (internvl2-2b)" in summary["basis"]
+    for s, entry in enumerate(summary["stage_bubble"]):
+        assert entry["layers"] == _stage_layers()[s]
+        assert entry["measured"] == pytest.approx(measured["stage"][s], rel=1e-9)
+        assert entry["predicted"] == pytest.approx(predicted["stage"][s], rel=1e-9)
+        correlation, error = _agreement(measured["stage_per_step"][:, s],
+                                        predicted["stage_per_step"][:, s])
+        assert entry["correlation"] == pytest.approx(correlation, rel=1e-9)
+        assert entry["median_abs_error"] == pytest.approx(error, rel=1e-9)
+    assert summary["bubble"]["measured"] == pytest.approx(np.mean(measured["stage"]), rel=1e-9)
+    assert summary["bubble"]["predicted"] == pytest.approx(np.mean(predicted["stage"]),
+                                                           rel=1e-9)
+    waiting = summary["dp_waiting"]
+    assert waiting["measured"] == pytest.approx(measured["waiting"], rel=1e-9)
+    assert waiting["predicted"] == pytest.approx(predicted["waiting"], rel=1e-9)
+    correlation, error = _agreement(measured["waiting_per_step"], predicted["waiting_per_step"])
+    assert waiting["correlation"] == pytest.approx(correlation, rel=1e-9)
+    assert waiting["median_abs_error"] == pytest.approx(error, rel=1e-9)
+    # other: the step beyond its longest pipeline (OTHER_S of each step)
+    pipelines = _pipeline_seconds(_compute_seconds(plans["balanced"], 4, 2, TRAIN_STEPS))[1:]
+    longest = pipelines.max(axis=(1, 2))
+    assert summary["other_measured"] == pytest.approx(
+        OTHER_S * len(longest) / (longest + OTHER_S).sum(), rel=1e-9)
+    assert "step_seconds" not in summary  # no profile: no seconds predicted
+    per_step = summary["per_step"]
+    assert [p["step"] for p in per_step] == list(range(1, TRAIN_STEPS))
+    assert [p["measured"]["dp_waiting"] for p in per_step] == pytest.approx(
+        measured["waiting_per_step"], rel=1e-9)
+    # the summary and the terminal state them side by side
+    sentence = (f"pipeline bubble measured {summary['bubble']['measured']:.3f} (predicted "
+                f"{summary['bubble']['predicted']:.3f}), DP waiting measured "
+                f"{waiting['measured']:.3f} (predicted {waiting['predicted']:.3f})")
+    assert sentence in json.loads(report_run["json"].read_text())["summary"]["text"]
+    assert sentence in report_run["stdout"].splitlines()[0]
+    assert "Step time: not predicted" in report_run["stdout"]
 
 
 @pytest.mark.parametrize("dp", [4, 2])
-def test_train_series_per_step_and_rank(plans, tmp_path, dp):
-    """The random plan has 4 ranks; a run with dp=2 trains 2 virtual ranks per DP rank."""
+def test_replay_of_a_run_per_step_and_replica(plans, tmp_path, dp):
+    """The random plan has 4 ranks; a run with dp=2 trains 2 virtual ranks per DP rank, so
+    each replica's pipeline takes two micro-batches a step."""
     log = tmp_path / "train_log.jsonl"
     write_train_log(plans["random"], log, dp=dp, pp=2, steps=20)
-    info, packing, lengths = load_plan(str(plans["random"]))
-    with open(log) as f:
-        train = train_series(parse_log(f, str(log)), str(log), packing, lengths,
-                             CostModel(**info["cost_model"]))
-    waits = _expected_waits(plans["random"], dp)[:20]
-    assert train.steps.tolist() == list(range(20)) and train.dp == dp
-    assert train.predicted == pytest.approx(waits.mean(axis=1))
-    # [step, rank] by global rank: stage 0's DP ranks, then stage 1's
-    assert train.measured == pytest.approx(_measured_waits(plans["random"], dp, 2, 20))
-    assert train.ranks[dp] == f"rank {dp} (stage 1, dp 0)"
+    replay = replay_run(str(log))
+    assert replay.steps.tolist() == list(range(1, 20)) and not replay.in_seconds
+    assert replay.stage_layers == _stage_layers()
+    for got, want in ((replay.measured, _expected_measured(plans["random"], dp, 20)),
+                      (replay.predicted, _expected_predicted(plans["random"], dp, 20))):
+        assert got.makespan.shape == (19, dp)
+        assert got.makespan == pytest.approx(want.makespan, rel=1e-9)
+        assert got.busy.ravel() == pytest.approx(want.busy.ravel(), rel=1e-9)
 
 
 def _rewrite(src: Path, dst: Path, edit) -> Path:
@@ -320,6 +421,12 @@ def _no_ranks(records):
     del records[1]["ranks"]
 
 
+def _no_pipeline_s(records):
+    for record in records:
+        for rank in record["ranks"]:
+            del rank["pipeline_s"]
+
+
 @pytest.mark.parametrize("case, message", [
     ("missing plan", "no plan.json here"),
     ("unreadable line", "train_log.jsonl line 2: not JSON"),
@@ -331,6 +438,10 @@ def _no_ranks(records):
     ("dp does not divide", "trained on 3 data-parallel rank(s), which does not divide the plan's "
                            "4 ranks"),
     ("empty log", "no training steps in it"),
+    ("no pipeline_s", "train_log.jsonl: the log's ranks have no pipeline_s (a run of an older "
+                      "vlmshard train): train again"),
+    ("no pipeline.json", "has no pipeline.json (a run of an older vlmshard train): give the "
+                         "run's profile (--profile)"),
 ])
 def test_errors_are_one_line(plans, report_run, tmp_path, case, message):
     good = report_run["log"]
@@ -349,6 +460,11 @@ def test_errors_are_one_line(plans, report_run, tmp_path, case, message):
         _rewrite(good, log, _no_ranks)
     elif case == "dp does not divide":
         _rewrite(good, log, lambda records: [r["data"].pop() for r in records])
+    elif case == "no pipeline_s":  # a log of an older trainer, pipeline.json beside it
+        _rewrite(good, log, _no_pipeline_s)
+        shutil.copy(good.parent / PIPELINE_NAME, log.parent / PIPELINE_NAME)
+    elif case == "no pipeline.json":
+        shutil.copy(good, log)
     else:
         log.write_text("\n")
     proc = vlmshard("report", plan, "--train-log", str(log), check=False)
@@ -416,9 +532,16 @@ def test_html_is_self_contained_with_a_png_per_plot(plans, report_run):
         assert image.size == (int(attrs["width"]), int(attrs["height"]))
         assert attrs["alt"] and _non_white(png) > 0.02
     assert page.rows[0] == ["metric", "balanced", "random"]
-    assert [r[0] for r in page.rows[1:]] == ROWS
+    assert [r[0] for r in page.rows[1:1 + len(ROWS)]] == ROWS
     assert page.rows[1 + ROWS.index("llm_dist_ratio")][1:] == [
         format_value(_metrics(plans[a])["llm_dist_ratio"]) for a in ("balanced", "random")]
+    train = page.rows[1 + len(ROWS):]  # the training run's table
+    assert train[0][:3] == ["training run", "measured", "predicted"]
+    assert [r[0] for r in train[1:]] == [
+        "bubble, stage 0 (vit_embed .. embed_tokens)", "bubble, stage 1 (llm_block_0 .. head)",
+        "bubble, all stages", "DP waiting", "other (all-reduce, optimizer)"]
+    summary = json.loads(report_run["json"].read_text())["train_log"]
+    assert train[3][1:3] == [f"{summary['bubble'][k]:.3f}" for k in ("measured", "predicted")]
 
 
 def test_chromium_shows_every_plot(report_run, tmp_path):
@@ -447,6 +570,7 @@ def test_chromium_shows_every_plot(report_run, tmp_path):
             "return [arguments[0].getBoundingClientRect().bottom, window.innerHeight]", summary)
         assert summary.is_displayed() and 0 < bottom <= viewport
         assert "of their time on useful work" in summary.text
+        assert "pipeline bubble measured" in summary.text and "DP waiting measured" in summary.text
         assert _non_white(summary.screenshot_as_png) > 0.02
         images = browser.find_elements(By.TAG_NAME, "img")
         assert len(images) == FIGURES
@@ -464,10 +588,10 @@ def test_chromium_shows_every_plot(report_run, tmp_path):
         browser.quit()
 
 
-def test_many_sources_and_ranks_keep_the_legends_short():
-    """Twelve sources fold into the 8 largest plus "other"; 16 ranks share one legend entry."""
+def test_many_sources_and_stages_keep_the_legends_short():
+    """Twelve sources fold into the 8 largest plus "other"; 16 stages share one legend entry."""
     rng = np.random.default_rng(0)
-    steps, dp, n_sources = 30, 16, 12
+    steps, dp, n_sources, stages = 30, 16, 12, 16
     counts = rng.integers(0, 5, (steps, n_sources)) + np.arange(n_sources)  # larger ids, larger
     metrics = {key: 0.5 for key, _ in plots.COMPARED}
     series = PlanSeries("x", metrics, *rng.random((3, steps)), rng.random(80), rng.random(80),
@@ -476,7 +600,38 @@ def test_many_sources_and_ranks_keep_the_legends_short():
     legend = plots.source_mix_figure([series]).axes[0].get_legend()
     names = [t.get_text() for t in legend.get_texts()]
     assert names == [f"s{i}" for i in range(4, 12)] + ["other"]
-    train = TrainSeries(np.arange(steps), rng.random(steps), rng.random((steps, dp)),
-                        tuple(f"rank {r}" for r in range(dp)), dp)
-    for ax in plots.train_figure(train, "x").axes:
-        assert len(ax.get_legend().get_texts()) == 2  # each rank, and the reference
+    busy = rng.random((steps, 2, stages))
+    times = PipelineTimes(busy.sum(axis=2), busy)
+    replay = Replay(np.arange(steps), np.full(steps, 100.0), times, times,
+                    [[f"layer_{s}"] for s in range(stages)], "test", False)
+    bars, scatter, lines = plots.train_figure(replay).axes
+    assert [len(ax.get_legend().get_texts()) for ax in (bars, scatter, lines)] == [2, 3, 4]
+
+
+def test_a_lone_plan_is_plotted_next_to_its_baselines(plans, tmp_path):
+    """With one plan, the report's own random and ISF packings of its samples join the plots:
+    every bar panel has three bars; without them the plan-only panels are left out."""
+    page = tmp_path / "report.html"
+    stdout = vlmshard("report", str(plans["balanced"]), "--html", str(page)).stdout
+    assert "random (baseline), isf (baseline) in the plots: the report's own packing" in stdout
+    parsed = _Page()
+    parsed.feed(page.read_text(encoding="utf-8"))
+    assert len([t for t, _ in parsed.tags if t == "img"]) == FIGURES - 1  # no training run
+    own = plan_series("balanced", *load_plan(str(plans["balanced"])))
+    other = plan_series("random", *load_plan(str(plans["random"])))
+    figures = plots.report_figures([own, other])
+    for ax in figures[0][0].axes:
+        if ax.get_visible():
+            assert len(ax.patches) == 2
+    alone = [fig.get_suptitle() for fig, _ in plots.report_figures([own])]
+    assert not any("side by side" in t or "fill" in t for t in alone) and len(alone) == 3
+
+
+def test_a_log_of_the_warm_up_step_alone_is_noted_not_compared(plans, tmp_path):
+    """`vlmshard run` with max_steps 1 still gets its report: the log holds the warm-up step
+    alone, which the comparison leaves out, and the report says so."""
+    log = tmp_path / "train_log.jsonl"
+    write_train_log(plans["balanced"], log, dp=4, steps=1)
+    result, text = make_report([str(plans["balanced"])], train_log=str(log))
+    assert "train_log" not in result and "Training run" not in result["summary"]["text"]
+    assert f"{log}: only the warm-up step was logged" in text

@@ -37,7 +37,16 @@ def test_demo_config_runs_every_stage_and_reruns_to_the_same_bytes(tmp_path):
     report = read_json(out / "report.json")
     plan = read_json(out / "plan" / "plan.json")
     assert report["plans"][0]["metrics"]["cost_efficiency"] == plan["metrics"]["cost_efficiency"]
-    assert report["train_log"]["steps"] == 2
+    assert report["train_log"]["steps"] == 1  # the warm-up step is left out
+    # The report's line states the run's measured bubble and waiting next to the replay's.
+    comparison = report["train_log"]
+    assert (f"pipeline bubble measured {comparison['bubble']['measured']:.3f} (predicted "
+            f"{comparison['bubble']['predicted']:.3f}), DP waiting measured "
+            f"{comparison['dp_waiting']['measured']:.3f} (predicted "
+            f"{comparison['dp_waiting']['predicted']:.3f})") in lines[7]
+    described = read_json(out / "train" / "pipeline.json")
+    assert [s["layers"] for s in described["stages"]] == [s["layers"] for s in
+                                                           comparison["stage_bubble"]]
     with open(out / "train" / "train_log.jsonl") as f:
         log = [json.loads(line) for line in f]
     assert {r["stage"] for r in log[-1]["ranks"]} == {0, 1}

@@ -13,7 +13,7 @@ import pytest
 from helpers import vlmshard
 from vlmshard.simulate.model import (StageModel, one_f_one_b, pipeline_times, replica_micro_batches,
                             simulate)
-from vlmshard.simulate.runs import validate_against_log
+from vlmshard.simulate.replay import validate_against_log
 
 from pipeline_reference import makespan as reference_makespan
 from pipeline_reference import replay
@@ -102,6 +102,7 @@ def test_simulate_compares_strategies_and_levers(tmp_path):
                     "--pp", "2", "--micro-batches", "8", "--json", str(out)).stdout
     result = json.loads(out.read_text())
     assert result["plan"]["gpus"] == 8 and "GPU-days" in text
+    assert result["plan"]["compute_mode"] == "padding-free" and "padding-free compute" in text
     strategies = result["strategies"]
     assert set(strategies) == {"random", "lengthgroup", "isf", "balanced"}
     assert strategies["balanced"]["waiting_fraction"] < strategies["random"]["waiting_fraction"]
@@ -111,6 +112,93 @@ def test_simulate_compares_strategies_and_levers(tmp_path):
     assert all(a >= b for a, b in zip(levers, levers[1:])), levers
     for r in (*strategies.values(), *result["levers"].values()):
         assert 0 <= r["bubble_fraction"] < 1 and 0 <= r["waiting_fraction"] < 1
+
+
+H100_BF16_PEAK = 989e12
+
+
+@pytest.fixture(scope="module")
+def padded_plan(tmp_path_factory):
+    """The vendored slice packed ``balanced`` for a padded trainer: 2 ranks x 2 micro-batches."""
+    from vlmshard.packing.config import PackConfig
+    from vlmshard.packing.plan import run_pack
+
+    plan = tmp_path_factory.mktemp("padded") / "plan"
+    run_pack(PackConfig(stats=OMNIBAL_META, dp=2, micro_batches=2, out=str(plan),
+                        model="internvl2-2b", compute_mode="padded"))
+    return plan
+
+
+def _simulate(plan, **options) -> dict:
+    from vlmshard.simulate.config import SimulateConfig
+    from vlmshard.simulate.runs import run_simulate
+
+    return run_simulate(SimulateConfig(plan=str(plan), model="internvl2-2b", gpu="h100", pp=1,
+                                       mfu=0.5, compare=False, **options))
+
+
+def hand_counted_seconds(plan, padded: bool) -> float:
+    """The epoch counted from plan.parquet, the length rows and plan.json's cost model and caps.
+    One stage: a replica's step is its micro-batches' forward and backward back to back, i.e.
+    its training FLOPs (a_v·tiles + a_t·tokens + b·Σlen²) at the sustained rate; a step waits
+    for the slowest rank. Padded: every micro-batch computes Qv tiles and Qt tokens, attention
+    only over its real samples; padding-free: the real tiles and tokens."""
+    import pyarrow.parquet as pq
+
+    info = json.loads((plan / "plan.json").read_text())
+    assert info["cost_model"]["origin"] == "flops:internvl2-2b"
+    a_v, a_t, b = (info["cost_model"][k] for k in ("a_v", "a_t", "b"))
+    folder = os.path.dirname(OMNIBAL_META)
+    rows = []  # sample_id order: meta.json's files in turn
+    for name in ("ai2d_train_12k_head.json", "docvqa_train_10k_head.json"):
+        with open(os.path.join(folder, name)) as f:
+            rows += json.load(f)
+    steps = info["metrics"]["steps"]
+    flops = {(s, r): 0.0 for s in range(steps) for r in range(2)}
+    if padded:
+        per_micro = a_v * info["metrics"]["qv"] + a_t * info["metrics"]["qt"]
+        flops = {key: 2 * per_micro for key in flops}  # 2 micro-batches per rank, empty or not
+    for placed in pq.read_table(plan / "plan.parquet").to_pylist():
+        row = rows[placed["sample_id"]]
+        tiles, tokens = row["vit_num"], row["token_num"]
+        flops[placed["step"], placed["rank"]] += b * tokens ** 2 + (
+            0.0 if padded else a_v * tiles + a_t * tokens)
+    return sum(max(flops[s, 0], flops[s, 1]) for s in range(steps)) / (0.5 * H100_BF16_PEAK)
+
+
+def test_a_padded_step_is_charged_the_caps_and_padding_free_the_real_work(padded_plan):
+    padded = _simulate(padded_plan, compute_mode="padded")["plan"]
+    free = _simulate(padded_plan, compute_mode="padding-free")["plan"]
+    for result in (padded, free):
+        assert result["partition"]["recompute"] == [0]  # else backward would rerun forwards
+        assert result["steps"] == json.loads((padded_plan / "plan.json").read_text())[
+            "metrics"]["steps"]
+    assert padded["seconds"] == pytest.approx(hand_counted_seconds(padded_plan, True), rel=1e-9)
+    assert free["seconds"] == pytest.approx(hand_counted_seconds(padded_plan, False), rel=1e-9)
+    # The caps are never below a micro-batch's real sizes, and this plan does not fill them.
+    assert padded["seconds"] > free["seconds"]
+
+
+def test_the_simulated_compute_mode_defaults_to_the_plans(padded_plan, tmp_path):
+    from vlmshard.simulate.cli import format_result
+
+    result = _simulate(padded_plan)
+    assert result["plan"]["compute_mode"] == "padded"
+    assert result["plan"]["seconds"] == pytest.approx(hand_counted_seconds(padded_plan, True),
+                                                      rel=1e-9)
+    assert "padded compute" in format_result(result)
+    # A plan from before compute modes (no params.compute_mode) was made for padding-free.
+    old = tmp_path / "old"
+    old.mkdir()
+    for name in ("plan.parquet", "plan.run.json"):
+        (old / name).write_bytes((padded_plan / name).read_bytes())
+    info = json.loads((padded_plan / "plan.json").read_text())
+    del info["params"]["compute_mode"]
+    (old / "plan.json").write_text(json.dumps(info))
+    result = _simulate(old)
+    assert result["plan"]["compute_mode"] == "padding-free"
+    assert result["plan"]["seconds"] == pytest.approx(hand_counted_seconds(padded_plan, False),
+                                                      rel=1e-9)
 
 
 def test_simulate_errors_are_one_line(tmp_path):

@@ -16,6 +16,7 @@ from hf_reference import FAMILIES, hf_loss_and_grads, make_folder, make_shards
 from pipeline_reference import replay
 from vlmshard.packing.config import PackConfig
 from vlmshard.packing.plan import run_pack
+from vlmshard.packing.stats import load_stats
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
 from vlmshard.shards.loader import ShardDataset
 from vlmshard.shards.config import WriteConfig
@@ -27,7 +28,7 @@ from vlmshard.train.partition import (CUDA_CONTEXT_BYTES, FRAGMENTATION, NCCL_BU
 from vlmshard.train.tiny_models import internvl_folder
 from vlmshard.train.config import ProfileConfig
 from vlmshard.train.profile import run_profile
-from vlmshard.simulate.runs import validate_against_log
+from vlmshard.simulate.replay import compare, replay_run, validate_against_log
 from vlmshard.io import read_json
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
@@ -37,7 +38,8 @@ CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 @pytest.fixture(scope="module")
 def small_shards(demo, tmp_path_factory):
     """24 short single-tile conversations through the real stages for a tiny InternVL folder
-    (tied embedding and head), packed for 2 ranks."""
+    (tied embedding and head), packed for 2 ranks two samples a micro-batch (fixed caps: the
+    searched ones take one, which leaves ``partition`` no recompute that fits)."""
     root = tmp_path_factory.mktemp("small")
     folder = internvl_folder(str(root / "model"), max_patches=2)
     photo = next(p for p in demo.images if p.endswith(".jpg"))
@@ -50,7 +52,9 @@ def small_shards(demo, tmp_path_factory):
                 {"from": "gpt", "value": f"A photo of item {i % 4}."}]}) + "\n")
     run_preprocess(PreprocessConfig(inputs=[str(root / "small.jsonl")], out=str(root / "pre"),
                                     model=folder, keep_tokens=True, workers=1))
-    run_pack(PackConfig(stats=str(root / "pre"), dp=2, out=str(root / "plan"), target_samples=2))
+    longest = int(load_stats(str(root / "pre")).lengths.tokens.max())
+    run_pack(PackConfig(stats=str(root / "pre"), dp=2, out=str(root / "plan"), qv=2,
+                        qt=2 * longest))
     run_write(WriteConfig(plan=str(root / "plan"), stats=str(root / "pre"), out=str(root / "s"),
                           workers=1))
     return str(root / "s")
@@ -198,6 +202,15 @@ def test_profile_calibrates_and_recomputes_to_fit(partition, small_shards, tmp_p
     fitted = read_json(os.path.join(folder, "cost_model.json"))
     assert {k: info["cost_model"][k] for k in ("a_v", "a_t", "b")} == {
         k: fitted[k] for k in ("a_v", "a_t", "b")}
+    # The profile's memory model bounds the caps: the profiled micro-batches fit the budget,
+    # so the bound is at least their mean, and pack searched its caps inside it.
+    profiled = read_json(os.path.join(folder, "profile.json"))["micro_batches"]
+    assert fitted["max_qv"] >= np.mean([m["tiles"] for m in profiled]) - 1
+    assert fitted["max_qt"] >= np.mean([m["tokens"] for m in profiled]) - 1
+    bound = info["caps_search"]["bound"]
+    assert bound["from"].startswith("the profile's memory model")
+    assert (bound["qv"], bound["qt"]) == (fitted["max_qv"], fitted["max_qt"])
+    assert info["params"]["qv"] <= bound["qv"] and info["params"]["qt"] <= bound["qt"]
 
 
 @pytest.mark.slow
@@ -251,6 +264,22 @@ def test_pipeline_of_two_stages_learns_from_its_plan(small_shards, partition, tm
     stages = {r["stage"] for r in log[-1]["ranks"]}
     assert stages == {0, 1} and all(r["forward_s"] > 0 and r["backward_s"] > 0
                                     for r in log[-1]["ranks"])
+    # Each rank's pipeline time (step start to the end of its last backward) holds its own
+    # compute and lies within the step; under 1F1B stage 0 runs the step's last backward.
+    for r in log:
+        for rank in r["ranks"]:
+            assert rank["forward_s"] + rank["backward_s"] <= rank["pipeline_s"] \
+                <= rank["step_time_s"], rank
+    assert sum(max(r["ranks"], key=lambda x: x["pipeline_s"])["stage"] == 0 for r in log) >= 15
+    # pipeline.json: the layers each stage held, as the partition cut them
+    names = [lay["name"] for lay in read_json(os.path.join(os.path.dirname(partition),
+                                                            "profile.json"))["layers"]]
+    described = read_json(tmp_path / "run" / "pipeline.json")
+    bounds = config["bounds"]
+    assert [s["layers"] for s in described["stages"]] == [names[a:b] for a, b in
+                                                          zip(bounds, bounds[1:])]
+    assert sorted(n for s in described["stages"] for n in s["recompute"]) == \
+        sorted(config["recompute"])
     assert seen == [plan[i % len(plan)] for i in range(len(seen))]
     assert _shm_segments() <= segments_before
     # The simulator replays this run's logged steps with the run's own partition. Live CPU
@@ -266,6 +295,12 @@ def test_pipeline_of_two_stages_learns_from_its_plan(small_shards, partition, tm
                        config)
     assert [s["predicted_s"] for s in check["per_step"]] == pytest.approx(predicted, rel=1e-9)
     assert [s["measured_s"] for s in check["per_step"]] == [r["step_time_s"] for r in records]
+    # Without the profile: the analytic FLOPs of the model, over the same partition.
+    shares = compare(replay_run(str(tmp_path / "run" / "train_log.jsonl")))
+    assert shares["steps"] == 19 and shares["pp"] == 2 and "step_seconds" not in shares
+    for entry in (shares["bubble"], shares["dp_waiting"], *shares["stage_bubble"]):
+        assert 0 <= entry["measured"] < 1 and 0 <= entry["predicted"] < 1
+    assert 0 < shares["other_measured"] < 1
 
 
 @pytest.mark.slow

@@ -2,23 +2,36 @@
 
 DeepSpeed's timers (``wall_clock_breakdown``) trip an assertion in pipeline mode, so a stage
 times itself: forward around its layers; backward from the moment its output's gradient arrives
-to the moment the last of its parameters has its gradient. On a GPU the marks are CUDA events
-recorded on the compute stream (a host clock would time kernel launches, not kernels), and
-``take`` synchronises once to read them all.
+to the moment the last of its parameters has its gradient; and the pipeline time, from the
+step's start to the end of its last backward, which splits the step into the pipeline (where
+its bubbles are) and what follows it (gradient all-reduce, optimizer). On a GPU the marks are
+CUDA events recorded on the compute stream (a host clock would time kernel launches, not
+kernels), and ``take`` synchronises once to read them all.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 
+@dataclass(frozen=True)
+class StageTimes:
+    """One step of one stage, in seconds."""
+
+    forward_s: float
+    backward_s: float
+    pipeline_s: float  # step start to the end of the stage's last backward (0: no backward)
+
+
 class StageClock:
-    """Forward and backward intervals of this process's micro-batches since the last ``take``."""
+    """Forward and backward intervals of this process's micro-batches since ``start_step``."""
 
     def __init__(self) -> None:
         self.cuda = False
+        self._start = None
         self._forward: list[tuple] = []
         self._backward: list[tuple] = []
         self._backward_open: list | None = None  # [start, latest parameter-gradient mark]
@@ -33,6 +46,11 @@ class StageClock:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
+
+    def start_step(self) -> None:
+        """Forget earlier intervals and mark the step's start."""
+        self._forward, self._backward, self._backward_open = [], [], None
+        self._start = self.mark()
 
     def forward_done(self, start) -> None:
         self._forward.append((start, self.mark()))
@@ -63,14 +81,17 @@ class StageClock:
             self._backward.append(tuple(self._backward_open))
             self._backward_open = None
 
-    def take(self) -> tuple[float, float]:
-        """(forward, backward) seconds since the last call; one device synchronisation."""
+    def take(self) -> StageTimes:
+        """The step's times since ``start_step``; one device synchronisation, after which the
+        step's work is done on the device too."""
         self._close_backward()
         if self.cuda:
             torch.cuda.synchronize()
-        out = (sum(self._seconds(a, b) for a, b in self._forward),
-               sum(self._seconds(a, b) for a, b in self._backward))
-        self._forward, self._backward = [], []
+        out = StageTimes(sum(self._seconds(a, b) for a, b in self._forward),
+                         sum(self._seconds(a, b) for a, b in self._backward),
+                         self._seconds(self._start, self._backward[-1][1])
+                         if self._backward and self._start is not None else 0.0)
+        self._forward, self._backward, self._start = [], [], None
         return out
 
     def _seconds(self, start, end) -> float:

@@ -6,8 +6,11 @@ data-parallel rank, what its first stage trained:
 
 ``{"step", "loss", "step_time_s", "load_s", "tokens", "tokens_per_s", "end_to_end_tokens_per_s",
 "model_flops", "model_flops_per_s", "ranks": [{"rank", "stage", "dp_rank", "forward_s",
-"backward_s", "wait_s", "step_time_s", "load_s"}],
+"backward_s", "pipeline_s", "wait_s", "step_time_s", "load_s"}],
 "data": [{"dp_rank", "tokens", "plan_steps", "micro_sizes", "sample_ids"}]}``
+
+Next to it, ``pipeline.json`` says what the stages held (``pipeline_record``): what a replay of
+the run (``vlmshard.simulate.replay``) needs besides the log.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from vlmshard.model_sizes import Size
 log = logging.getLogger(__name__)
 
 LOG_NAME = "train_log.jsonl"
+PIPELINE_NAME = "pipeline.json"
 
 
 def micro_batch_size(batch: dict) -> dict:
@@ -35,11 +39,14 @@ def micro_batch_size(batch: dict) -> dict:
 
 
 def rank_timing(*, rank: int, stage: int, dp_rank: int, forward_s: float, backward_s: float,
-                step_time_s: float, load_s: float = 0.0) -> dict:
-    """One rank's timings of a step: ``wait_s`` is the step time less its own compute;
+                pipeline_s: float, step_time_s: float, load_s: float = 0.0) -> dict:
+    """One rank's timings of a step: ``pipeline_s`` from the step's start to the end of its
+    last backward (the replica's pipeline is its stages' longest; the rest of the step is the
+    gradient all-reduce and the optimizer); ``wait_s`` the step time less its own compute;
     ``load_s`` the time it waited for its loader before the step (outside the step time)."""
     return {"rank": rank, "stage": stage, "dp_rank": dp_rank, "forward_s": forward_s,
-            "backward_s": backward_s, "wait_s": max(0.0, step_time_s - forward_s - backward_s),
+            "backward_s": backward_s, "pipeline_s": pipeline_s,
+            "wait_s": max(0.0, step_time_s - forward_s - backward_s),
             "step_time_s": step_time_s, "load_s": load_s}
 
 
@@ -71,6 +78,16 @@ def step_record(step: int, loss: float, ranks: list[dict], flops: Size) -> dict:
             "model_flops_per_s": model_flops / seconds if seconds else 0.0,
             "ranks": [{k: v for k, v in r.items() if k != "data"} for r in ranks],
             "data": [{"dp_rank": r["dp_rank"], **r["data"]} for r in data]}
+
+
+def pipeline_record(model: dict, stages: list[tuple[int, list[str], list[str]]]) -> dict:
+    """``pipeline.json``: the model's analytic sizes (``ModelConfig.to_dict``) and, per stage,
+    the layers it held and those it recomputed, from every rank's ``(stage, layers,
+    recompute)`` (the replicas of a stage hold the same)."""
+    by_stage = {stage: (layers, recompute) for stage, layers, recompute in stages}
+    return {"model": model,
+            "stages": [{"stage": s, "layers": by_stage[s][0], "recompute": by_stage[s][1]}
+                       for s in sorted(by_stage)]}
 
 
 def open_log(out: str, first_step: int = 0) -> IO[str]:

@@ -9,7 +9,10 @@ summed over the world.
 
 A barrier after loading starts every rank's step clock together: a rank's ``wait_s`` (step time
 less its own forward and backward) is then the time it lost to other ranks' compute and to the
-pipeline's bubbles, not to its own data loading, which is logged apart as ``load_s``.
+pipeline's bubbles, not to its own data loading, which is logged apart as ``load_s``; its
+``pipeline_s`` (step start to the end of its last backward) tells the pipeline's bubbles from the
+data-parallel waiting and the all-reduce that follow. Rank 0 also writes ``pipeline.json``: the
+layers each stage held, so the run can be replayed by the simulator.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ import sys
 import time
 from typing import Iterator
 
-from vlmshard.io import read_json
+from vlmshard.io import read_json, write_json_atomic
 from vlmshard.model_sizes import training_flops
 
 from .config import TrainConfig
 from .distributed import init_distributed
-from .train_log import open_log, rank_data, rank_timing, step_record, write_record
+from .train_log import (PIPELINE_NAME, open_log, pipeline_record, rank_data, rank_timing,
+                        step_record, write_record)
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +167,15 @@ def run(cfg: TrainConfig) -> None:
     reads = engine.is_first_stage()
     batches = repeated(cfg, dp_rank, first_step, cuda) if reads else None
     log_file = open_log(cfg.out, first_step) if engine.global_rank == 0 else None
-    flops = training_flops(ModelConfig.from_hf_config(read_json(
-        os.path.join(model.path, "config.json")), os.path.basename(model.path)))
+    sizes = ModelConfig.from_hf_config(read_json(os.path.join(model.path, "config.json")),
+                                       os.path.basename(model.path))
+    flops = training_flops(sizes)
+    stages = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(stages, (engine.stage_id, net.stage_layer_names, [
+        n for n, again in zip(net.stage_layer_names, net.recompute) if again]))
+    if engine.global_rank == 0:
+        write_json_atomic(os.path.join(cfg.out, PIPELINE_NAME),
+                          pipeline_record(sizes.to_dict(), stages))
     vocab = model.config.get_text_config().vocab_size
     rows = model.geometry.pixel_rows_per_tile
     for step in range(first_step, steps):
@@ -179,14 +190,14 @@ def run(cfg: TrainConfig) -> None:
         loss.global_tokens = int(tokens)
         load_s = time.perf_counter() - start
         torch.distributed.barrier()  # the step's clock starts on every rank together
-        CLOCK.take()
         start = time.perf_counter()
+        CLOCK.start_step()
         value = float(engine.train_batch(iter(inputs)))
+        times = CLOCK.take()  # synchronises: the step ends when the device is done with it
         seconds = time.perf_counter() - start
-        forward, backward = CLOCK.take()
         mine = rank_timing(rank=engine.global_rank, stage=engine.stage_id, dp_rank=dp_rank,
-                           forward_s=forward, backward_s=backward, step_time_s=seconds,
-                           load_s=load_s)
+                           forward_s=times.forward_s, backward_s=times.backward_s,
+                           pipeline_s=times.pipeline_s, step_time_s=seconds, load_s=load_s)
         if reads:
             mine["data"] = rank_data(micro)
         ranks = [None] * torch.distributed.get_world_size()

@@ -31,7 +31,9 @@ Runs the whole pipeline from one YAML config (e.g. configs/demo.yaml, what `make
   train       DeepSpeed pipeline on the shards    -> OUT/train/train_log.jsonl (skipped when the
               config has no train section; the processes' output goes to
               OUT/train/launcher.log)
-  report      balance metrics, plots, measured waiting -> OUT/report.html, OUT/report.json
+  report      balance metrics and plots against random and ISF packings; the training run's
+              measured pipeline bubble and DP waiting against the simulator's replay of it
+              -> OUT/report.html, OUT/report.json
 Each section holds the options of its subcommand (see `vlmshard SUBCOMMAND --help`) except the
 paths that connect the stages. A line per stage says what it did and how long it took."""
 
@@ -204,7 +206,8 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError, RuntimeError) as e:
         raise SystemExit(f"vlmshard run: error: {e}") from None
     total = sum(r.seconds for r in results)
-    print(f"done in {total:.0f}s: open {cfg.path('report.html')} for the balance report"
-          f"{' and the measured waiting' if cfg.train is not None else ''}")
+    trained = " and the training run, measured against predicted" if cfg.train is not None \
+        else ""
+    print(f"done in {total:.0f}s: open {cfg.path('report.html')} for the balance report{trained}")
     log.debug("run config: %s", asdict(cfg))
     return 0

@@ -20,9 +20,16 @@ self-contained page (images inlined) with plots: per-step imbalance, micro-batch
 cumulative load, source mix over steps and the plans side by side. The plots read the stats the
 plan was packed from (the path plan.json names; its sha256 must still match).
 
---train-log train_log.jsonl (written by vlmshard train on the FIRST plan's shards) adds the
-measured waiting fraction of every rank (wait_s / step_time_s) against the waiting the plan's
-cost model predicts for the step trained (1 - mean C / max C over the run's DP ranks)."""
+A lone plan is compared with random and ISF packings of its own samples, which the report
+packs itself (the summary's predicted speed-ups; the plots show them as "(baseline)").
+
+--train-log RUN/train_log.jsonl (written by vlmshard train on the FIRST plan's shards) sets the
+run's measured pipeline bubble (per stage: 1 - forward + backward over its replica's pipeline
+time) and DP waiting (replicas idle until the slowest replica's pipeline ends) against the
+simulator's replay of the same run: each logged step's micro-batches through 1F1B with the
+run's stage partition (RUN/pipeline.json) and the analytic FLOPs of its model, or with
+--profile DIR the measured layer times of `vlmshard train profile` (then step times too). Per
+step: correlation and median absolute error. The first step (warm-up) is left out."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,8 +45,10 @@ def main(args: argparse.Namespace) -> int:
         cfg = load_config(ReportConfig, args)
         if not cfg.plan_dirs:
             raise ValueError("give at least one PLAN_DIR")
-        result, text = make_report(cfg.plan_dirs, train_log=cfg.train_log, html=cfg.html,
-                                   json=None if cfg.json == "-" else cfg.json)
+        if cfg.profile and not cfg.train_log:
+            raise ValueError("--profile replays a training run: give its --train-log too")
+        result, text = make_report(cfg.plan_dirs, train_log=cfg.train_log, profile=cfg.profile,
+                                   html=cfg.html, json=None if cfg.json == "-" else cfg.json)
     except (OSError, ValueError) as e:  # FileNotFoundError, StatsError and ReportError included
         raise SystemExit(f"vlmshard report: error: {e}") from None
     except KeyError as e:

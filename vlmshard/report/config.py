@@ -15,6 +15,10 @@ class ReportConfig:
                                   help="plan folder(s), one column each")
     train_log: str | None = option(None, metavar="JSONL",
                                    help="train_log.jsonl of a run on the first plan's shards")
+    profile: str | None = option(
+        None, metavar="DIR", help="with --train-log: replay the run with this `vlmshard train "
+                                  "profile` folder's measured layer times (and predict seconds)",
+        default_text="the analytic FLOPs of the run's model (shares of time only)")
     html: str | None = option(None, metavar="PATH",
                               help="write a self-contained HTML report with plots")
     json: str | None = option(None, metavar="PATH",

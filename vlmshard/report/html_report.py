@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+from dataclasses import dataclass
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -33,21 +34,30 @@ def png_bytes(fig: Figure) -> bytes:
     return buffer.getvalue()
 
 
-def render(title: str, summary: str, notes: list[str], header: list[str],
-           rows: list[list[str]], figures: list[tuple[Figure, str]]) -> str:
-    """The page: title, the summary (first, so it shows without scrolling), note paragraphs,
-    the table (first column: row names) and the figures, each with its title as alt text and
-    its caption below."""
+@dataclass(frozen=True)
+class Table:
+    """Paragraphs of notes, then a table whose first column names the rows."""
+
+    notes: list[str]
+    header: list[str]
+    rows: list[list[str]]
+
+
+def render(title: str, summary: str, tables: list[Table],
+           figures: list[tuple[Figure, str]]) -> str:
+    """The page: title, the summary (first, so it shows without scrolling), the tables with
+    their notes and the figures, each with its title as alt text and its caption below."""
     esc = html.escape
-    head = "".join(f"<th>{esc(h)}</th>" for h in header)
-    body = "".join("<tr><th>" + esc(row[0]) + "</th>"
-                   + "".join(f'<td class="num">{esc(c)}</td>' for c in row[1:]) + "</tr>\n"
-                   for row in rows)
     parts = [f"<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
              f"<title>{esc(title)}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n"
              f"<h1>{esc(title)}</h1>\n<p class=\"summary\" id=\"summary\">{esc(summary)}</p>\n"]
-    parts += [f"<p>{esc(n)}</p>\n" for n in notes]
-    parts.append(f"<table>\n<tr>{head}</tr>\n{body}</table>\n")
+    for table in tables:
+        parts += [f"<p>{esc(n)}</p>\n" for n in table.notes]
+        head = "".join(f"<th>{esc(h)}</th>" for h in table.header)
+        body = "".join("<tr><th>" + esc(row[0]) + "</th>"
+                       + "".join(f'<td class="num">{esc(c)}</td>' for c in row[1:]) + "</tr>\n"
+                       for row in table.rows)
+        parts.append(f"<table>\n<tr>{head}</tr>\n{body}</table>\n")
     for fig, caption in figures:
         data = base64.b64encode(png_bytes(fig)).decode("ascii")
         width, height = (int(round(x * DPI)) for x in fig.get_size_inches())

@@ -2,20 +2,26 @@
 
 Figures are built with ``matplotlib.figure.Figure`` (no pyplot, so no global state and no GUI
 backend); ``vlmshard.report.html_report`` renders them with Agg. Each figure has a title, labelled axes
-and a caption (``report_figures``) that says how to read it.
+and a caption (``report_figures``) that says how to read it. Every figure compares something:
+plans (the report adds its own baseline packings to a lone plan), steps, ranks, or a training
+run's measurements with their prediction; a figure that would show one plan's bars alone is left
+out.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
-from .series import PlanSeries, TrainSeries
+from vlmshard.simulate.replay import Replay
+
+from .series import PlanSeries
 
 WIDTH = 10.0  # inches; at 100 dpi a figure is 1000 px wide
 ROW_HEIGHT = 2.6
 MAX_SOURCES = 9  # the source-mix plot folds smaller sources into "other"
-MAX_RANK_LEGEND = 8  # more ranks than this share one legend entry
+MAX_STAGE_LEGEND = 8  # more pipeline stages than this share one legend entry
 
 # The metrics the comparison plot shows, with which way is better.
 COMPARED = (("pad_ratio", "lower is better"), ("vit_dist_ratio", "lower is better"),
@@ -117,7 +123,7 @@ def comparison_figure(plans: list[PlanSeries]) -> Figure:
     fig.suptitle("Plans side by side: one bar per plan for each metric")
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
     colors = [f"C{i}" for i in range(len(plans))]
-    labels = [p.label for p in plans]
+    labels = [p.label.replace(" (", "\n(") for p in plans]  # "isf\n(baseline)": short ticks
     for ax, (key, better) in zip(axes, COMPARED):
         values = [p.metrics[key] for p in plans]
         bars = ax.bar(labels, values, color=colors)
@@ -132,46 +138,81 @@ def comparison_figure(plans: list[PlanSeries]) -> Figure:
     return fig
 
 
-def train_figure(train: TrainSeries, plan_label: str) -> Figure:
-    fig = Figure(figsize=(WIDTH, 4.0), layout="constrained")
-    fig.suptitle(f"Measured waiting vs the plan's predicted imbalance ({plan_label}, "
-                 f"{train.dp} DP rank(s))")
-    scatter, lines = fig.subplots(1, 2)
-    names = (list(train.ranks) if len(train.ranks) <= MAX_RANK_LEGEND
-             else ["each rank"] + [None] * (len(train.ranks) - 1))
-    for r, name in enumerate(names):
-        scatter.scatter(train.predicted, train.measured[:, r], s=12, alpha=0.7, label=name)
-    top = max(float(train.predicted.max()), float(train.measured.max()), 1e-3) * 1.05
-    scatter.plot([0, top], [0, top], "k:", lw=1, label="measured = predicted")
-    scatter.set_xlabel("predicted waiting fraction (1 − mean C / max C)")
-    scatter.set_ylabel("measured wait_s / step_time_s")
-    scatter.set_title("one point per rank per step", fontsize="medium")
-    scatter.legend(fontsize="x-small", loc="upper left")
-    for r, name in enumerate(names):
-        lines.plot(train.steps, train.measured[:, r], lw=0.8, alpha=0.8, label=name)
-    lines.plot(train.steps, train.predicted, "k-", lw=2, label="predicted (plan)")
+def train_figure(replay: Replay) -> Figure:
+    """A training run's measured pipeline bubble per stage and DP waiting against the replay's:
+    over the run, step by step, and the one against the other."""
+    m, p = replay.measured, replay.predicted
+    stages, dp = m.busy.shape[2], m.busy.shape[1]
+    fig = Figure(figsize=(WIDTH, 4.2), layout="constrained")
+    fig.suptitle(f"Training run, measured vs replayed: pipeline bubble and DP waiting "
+                 f"({len(replay.steps)} steps, PP {stages}, DP {dp})")
+    bars, scatter, lines = fig.subplots(1, 3, width_ratios=[1.2, 1, 1.2])
+
+    names = [f"stage {s}" for s in range(stages)] + ["DP wait"]
+    x = np.arange(len(names))
+    for offset, (label, times), color in zip((-0.2, 0.2), (("measured", m), ("predicted", p)),
+                                             ("0.25", "0.7")):
+        values = [*times.stage_bubble(), times.waiting()]
+        drawn = bars.bar(x + offset, values, 0.4, label=label, color=color)
+        if len(names) <= MAX_STAGE_LEGEND:
+            bars.bar_label(drawn, fmt="%.2f", fontsize="x-small")
+    bars.set_xticks(x, names, rotation=0 if len(names) <= 5 else 60, fontsize="small")
+    bars.set_ylabel("share of the pipeline's time")
+    bars.set_title("over the run: bubble per stage, DP waiting", fontsize="medium")
+    bars.set_ylim(0, 1)
+    bars.legend(fontsize="x-small", loc="upper right")
+
+    m_stage, p_stage = m.stage_bubble_per_step(), p.stage_bubble_per_step()
+    for s in range(stages):
+        label = (f"stage {s} bubble" if stages <= MAX_STAGE_LEGEND
+                 else "each stage's bubble" if s == 0 else None)
+        scatter.scatter(p_stage[:, s], m_stage[:, s], s=14, alpha=0.75, label=label)
+    scatter.scatter(p.waiting_per_step(), m.waiting_per_step(), s=22, marker="x", color="k",
+                    label="DP waiting")
+    scatter.plot([0, 1], [0, 1], "k:", lw=1, label="measured = predicted")
+    scatter.set_xlim(0, 1)
+    scatter.set_ylim(0, 1)
+    scatter.set_xlabel("predicted (replay)")
+    scatter.set_ylabel("measured")
+    scatter.set_title("one point per stage per step", fontsize="medium")
+    scatter.legend(fontsize="x-small", loc="best")
+
+    for series, color, name in ((lambda t: t.stage_bubble_per_step().mean(axis=1), "C0",
+                                 "bubble (all stages)"),
+                                (lambda t: t.waiting_per_step(), "C3", "DP waiting")):
+        lines.plot(replay.steps, series(m), "-o", color=color, ms=3, lw=1.2,
+                   label=f"{name}, measured")
+        lines.plot(replay.steps, series(p), "--", color=color, lw=1.2,
+                   label=f"{name}, predicted")
     lines.set_xlabel("training step")
-    lines.set_ylabel("waiting fraction of the step")
+    lines.xaxis.set_major_locator(MaxNLocator(integer=True))
+    lines.set_ylabel("share of the pipeline's time")
     lines.set_title("per step", fontsize="medium")
-    lines.set_ylim(bottom=0)
-    lines.legend(fontsize="x-small", loc="upper right")
+    lines.set_ylim(0, 1)
+    lines.legend(fontsize="x-small", loc="best")
     return fig
 
 
-def report_figures(plans: list[PlanSeries], train: TrainSeries | None = None,
-                   train_plan: str = "") -> list[tuple[Figure, str]]:
-    """Every figure of the report with its caption, in page order."""
-    figures = [
-        (comparison_figure(plans),
-         "Each panel is one metric of DESIGN.md with one bar per plan; the panel title says "
-         "which way is better."),
-        (imbalance_figure(plans),
-         "For each step, the share of the step that ranks would wait on the busiest rank's "
-         "tiles, tokens or attention work; the means are the plan's dist ratios. Flat near 0 is "
-         "balanced; spikes are unbalanced steps."),
-        (fill_figure(plans),
-         "Histograms over micro-batches of Σtiles / Qv and Σseq_len / Qt: mass near 1 means "
-         "full micro-batches; mass to the left is padding paid for by every micro-batch."),
+def report_figures(plans: list[PlanSeries], train: Replay | None = None
+                   ) -> list[tuple[Figure, str]]:
+    """Every figure of the report with its caption, in page order. With a single plan (its
+    baselines could not be packed) the figures that only compare plans are left out."""
+    figures = []
+    if len(plans) > 1:
+        figures.append((comparison_figure(plans),
+                        "Each panel is one metric of DESIGN.md with one bar per plan (the report's "
+                        "own baseline packings of the same samples included); the panel title "
+                        "says which way is better."))
+    figures.append((imbalance_figure(plans),
+                    "For each step, the share of the step that ranks would wait on the busiest "
+                    "rank's tiles, tokens or attention work; the means are the plan's dist ratios. "
+                    "Flat near 0 is balanced; spikes are unbalanced steps."))
+    if len(plans) > 1:
+        figures.append((fill_figure(plans),
+                        "Histograms over micro-batches of Σtiles / Qv and Σseq_len / Qt, one line "
+                        "per plan: mass near 1 means full micro-batches; mass to the left is "
+                        "padding paid for by every micro-batch."))
+    figures += [
         (cumulative_load_figure(plans),
          "Each rank's cost summed over the steps; the dashed line sums the slowest rank of each "
          "step, which is the time a step-synchronous run takes. The gap between a rank's line "
@@ -182,9 +223,12 @@ def report_figures(plans: list[PlanSeries], train: TrainSeries | None = None,
          "the plan reorders the data by source."),
     ]
     if train is not None:
-        figures.append((train_figure(train, train_plan),
-                        "Left: each rank's measured waiting fraction (wait_s / step_time_s) "
-                        "against the waiting the plan's cost model predicts for that step; points "
-                        "on the dotted line mean the plan's prediction held. Right: the same over "
-                        "training steps, the plan's prediction in black."))
+        figures.append((train_figure(train),
+                        "Left: over the training run (warm-up step left out), each stage's "
+                        "pipeline bubble (1 − its forward + backward over its replica's pipeline "
+                        "time) and the DP waiting (replicas idle until the slowest replica's "
+                        "pipeline ends), measured and as the simulator's 1F1B replay of the "
+                        "same micro-batches predicts. Middle: the same per step, points on the "
+                        "dotted line mean the prediction held. Right: over the steps. The "
+                        "all-reduce and optimizer after the pipeline are in neither."))
     return figures

@@ -1,7 +1,8 @@
 """``vlmshard report``: the balance metrics of one or more plans side by side (DESIGN.md's
-definitions), as a terminal table, JSON and a self-contained HTML page of plots, optionally set
-against a training run's measured waiting times. The IO of the report lives here; the
-series (``series``), figures (``plots``) and page (``html_report``) are pure."""
+definitions), as a terminal table, JSON and a self-contained HTML page of plots, next to random
+and ISF packings of the same samples, optionally with a training run's measured pipeline bubble
+and data-parallel waiting set against the simulator's replay of that run. The IO of the report
+lives here; the series (``series``), figures (``plots``) and page (``html_report``) are pure."""
 
 from __future__ import annotations
 
@@ -11,19 +12,19 @@ import tempfile
 
 from vlmshard.io import atomic_write, write_json_atomic
 from vlmshard.packing.batches import Lengths, Packing
-from vlmshard.packing.cost import CostModel
 from vlmshard.packing.metrics import REPORT_KEYS, format_value
-from vlmshard.packing.plan import load_plan, plan_stats_path, read_plan_json
+from vlmshard.packing.plan import load_plan, plan_stats_path, read_plan, read_plan_json
+from vlmshard.simulate.replay import Replay, compare, replay_run
+from vlmshard.train.train_log import PIPELINE_NAME, read_numbered
 
-from vlmshard.train.train_log import read_numbered
-
-from .series import PlanSeries, TrainSeries, plan_series, train_series
+from .series import PlanSeries, ReportError, check_train_log, plan_series
 
 log = logging.getLogger(__name__)
 
 # The table's rows: the metrics pack prints, and the source-mix distance next to order_spearman.
 _AFTER = REPORT_KEYS.index("order_spearman") + 1
 ROWS = REPORT_KEYS[:_AFTER] + ("source_mix_tv",) + REPORT_KEYS[_AFTER:]
+
 
 def plan_labels(plan_dirs: list[str], infos: list[dict]) -> list[str]:
     """Column headers: the algorithms when they differ, else folder names, else the paths."""
@@ -43,11 +44,11 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
                      for r in table)
 
 
-BASELINES = ("random", "isf")  # what a plan's summary is compared with
+BASELINES = ("random", "isf")  # what a plan is compared with
 
 
-def baseline_efficiencies(plan_dir: str, info: dict) -> dict[str, float]:
-    """The step_efficiency of ``random`` and ``isf`` packings of the plan's own stats, with its
+def baseline_plans(plan_dir: str, info: dict) -> dict[str, tuple[dict, Packing]]:
+    """``random`` and ``isf`` packings of the plan's own stats (plan.json and packing), with its
     DP, micro-batches, seed, compute mode and cost model (each with its own caps): the packings
     a user would otherwise train on, so one plan is always compared with something."""
     from vlmshard.packing.config import PackConfig
@@ -65,13 +66,13 @@ def baseline_efficiencies(plan_dir: str, info: dict) -> dict[str, float]:
             for algo in BASELINES:
                 if algo == info["algorithm"]:
                     continue
-                result = run_pack(PackConfig(
+                run_pack(PackConfig(
                     stats=stats, dp=params["dp"], virtual_ranks=params["ranks"],
                     micro_batches=params["micro_batches"], algo=algo, seed=params["seed"],
                     epochs=params["epochs"], target_samples=params["target_samples"],
                     compute_mode=params.get("compute_mode", "padding-free"), cost_model=cost,
                     out=os.path.join(tmp, algo)))
-                out[algo] = result.metrics.step_efficiency
+                out[algo] = read_plan(os.path.join(tmp, algo))
     finally:
         quiet.setLevel(level)
     return out
@@ -91,58 +92,134 @@ def summary_line(label: str, info: dict, baselines: dict[str, float]) -> str:
     return text
 
 
-def read_train_log(path: str, info: dict, packing: Packing, lengths: Lengths) -> TrainSeries:
-    return train_series(read_numbered(path), path, packing, lengths, CostModel(**info["cost_model"]))
+def train_sentence(c: dict) -> str:
+    """The training run in the summary: measured against predicted, the two that matter."""
+    return (f"Training run ({c['steps']} steps after warm-up, PP {c['pp']}, DP {c['dp']}; "
+            f"predicted by the simulator's replay of its micro-batches): pipeline bubble "
+            f"measured {c['bubble']['measured']:.3f} (predicted {c['bubble']['predicted']:.3f}), "
+            f"DP waiting measured {c['dp_waiting']['measured']:.3f} (predicted "
+            f"{c['dp_waiting']['predicted']:.3f}).")
 
 
-def make_report(plan_dirs: list[str], train_log: str | None = None, html: str | None = None,
-                json: str | None = None) -> tuple[dict, str]:
+TRAIN_HEADER = ["training run", "measured", "predicted", "per-step correlation",
+                "per-step median abs error"]
+
+
+def train_table(path: str, plan: str, c: dict) -> tuple[list[str], list[str], list[list[str]]]:
+    """The training run in full, as notes and a table: where the prediction comes from, each
+    stage's bubble, all stages', DP waiting, the unmodelled rest of the step and, with a
+    profile, the step times."""
+    notes = [f"{path}: {c['steps']} steps on {plan} (the first, warm-up, left out), PP {c['pp']}, "
+             f"DP {c['dp']}. Measured: each rank's forward and backward time and its pipeline "
+             "time (step start to the end of its last backward); a stage's bubble is 1 − its "
+             "forward + backward over its replica's pipeline time, DP waiting the replicas' "
+             "idle share until the slowest replica's pipeline ends. Predicted: each step's "
+             "logged micro-batches replayed through 1F1B with the run's own stage partition and "
+             f"{c['basis']}."]
+    if "step_seconds" in c:
+        t = c["step_seconds"]
+        notes.append(f"Step time: predicted {t['predicted_s']:.2f} s, measured "
+                     f"{t['measured_s']:.2f} s ({t['total_error']:+.1%}); median per-step error "
+                     f"{t['median_step_error']:.1%}.")
+    else:
+        notes.append("Step time: not predicted (analytic FLOPs give shares of time, not seconds, "
+                     "and no rate is fitted; --profile replays with measured layer times).")
+
+    def row(name: str, entry: dict) -> list[str]:
+        correlation = entry["correlation"]
+        return [name, f"{entry['measured']:.3f}", f"{entry['predicted']:.3f}",
+                "n/a" if correlation is None else f"{correlation:.3f}",
+                f"{entry['median_abs_error']:.3f}"]
+
+    rows = [row(f"bubble, stage {s['stage']} ({s['layers'][0]} .. {s['layers'][-1]})", s)
+            for s in c["stage_bubble"]]
+    rows += [row("bubble, all stages", c["bubble"]), row("DP waiting", c["dp_waiting"]),
+             ["other (all-reduce, optimizer)", f"{c['other_measured']:.3f}", "not modelled",
+              "", ""]]
+    return notes, TRAIN_HEADER, rows
+
+
+def read_train_run(path: str, profile: str | None,
+                   packing: Packing) -> tuple[Replay, dict] | None:
+    """The training log checked against its plan, replayed, and compared; None when it holds
+    the warm-up step alone."""
+    records = read_numbered(path)
+    check_train_log(records, path, packing)
+    if len(records) < 2:
+        log.warning("%s: only the warm-up step: nothing to compare", path)
+        return None
+    try:
+        replay = replay_run(path, profile)
+    except KeyError as e:
+        raise ReportError(f"{path}: a step, or the run's {PIPELINE_NAME}, lacks {e}") from None
+    try:
+        return replay, compare(replay)
+    except ValueError as e:
+        raise ReportError(f"{path}: {e}") from None
+
+
+def make_report(plan_dirs: list[str], train_log: str | None = None, profile: str | None = None,
+                html: str | None = None, json: str | None = None) -> tuple[dict, str]:
     """The report as JSON and as the terminal table; writes the ``html`` and ``json`` files
     when asked."""
     infos = [read_plan_json(d) for d in plan_dirs]
     labels = plan_labels(plan_dirs, infos)
     header = ["metric", *labels]
     rows = [[k, *(format_value(i["metrics"][k]) for i in infos)] for k in ROWS]
-    loaded = {}  # plan dir -> (info, packing, lengths), read only when a plot or the log needs it
+    loaded: dict[str, tuple[dict, Packing, Lengths]] = {}  # read when a plot or the log needs it
     if html or train_log:
         for d in plan_dirs if html else plan_dirs[:1]:
             loaded[d] = load_plan(d)
-    train = (read_train_log(train_log, *loaded[plan_dirs[0]])
-             if train_log else None)
+    train = read_train_run(train_log, profile, loaded[plan_dirs[0]][1]) if train_log else None
     result = {"plans": [{"label": label, "plan_dir": d, "algorithm": i["algorithm"],
                          "metrics": {k: i["metrics"][k] for k in ROWS}}
                         for label, d, i in zip(labels, plan_dirs, infos)]}
     try:
-        baselines = baseline_efficiencies(plan_dirs[0], infos[0])
+        baselines = baseline_plans(plan_dirs[0], infos[0])
     except (FileNotFoundError, ValueError) as e:  # the stats are not here
         log.warning("no comparison with other packings: %s", e)
         baselines = {}
-    headline = summary_line(labels[0], infos[0], baselines)
+    efficiencies = {algo: i["metrics"]["step_efficiency"] for algo, (i, _) in baselines.items()}
+    headline = summary_line(labels[0], infos[0], efficiencies)
+    notes = [f"{label}: {d}" for label, d in zip(labels, plan_dirs)]
+    tables = [(notes, header, rows)]
+    if train_log and train is None:
+        notes.append(f"{train_log}: only the warm-up step was logged, which the comparison "
+                     "with the simulator leaves out: train two steps or more")
+    if train is not None:
+        comparison = train[1]
+        headline += " " + train_sentence(comparison)
+        result["train_log"] = {"path": train_log, "plan": labels[0], **comparison}
+        tables.append(train_table(train_log, labels[0], comparison))
     result["summary"] = {"plan": labels[0], "text": headline,
                          "step_efficiency": infos[0]["metrics"]["step_efficiency"],
-                         "baseline_step_efficiency": baselines}
-    notes = [f"{label}: {d}" for label, d in zip(labels, plan_dirs)]
-    if train is not None:
-        summary = train.summary()
-        result["train_log"] = {"path": train_log, "plan": labels[0], **summary}
-        notes.append(
-            f"{train_log} ({summary['steps']} steps on {labels[0]}, dp {summary['dp']}): "
-            f"waiting fraction predicted by the plan {summary['predicted_wait_mean']:.4f}, "
-            f"measured {summary['measured_wait_mean']:.4f} (mean over ranks and steps), "
-            f"correlation per step {summary['correlation']:.3f}")
+                         "baseline_step_efficiency": efficiencies}
     if html:
         from . import html_report, plots  # matplotlib only when a page is asked for
 
         series: list[PlanSeries] = [plan_series(label, *loaded[d])
                                     for label, d in zip(labels, plan_dirs)]
-        page = html_report.render("vlmshard report", headline, notes, header, rows,
-                                  plots.report_figures(series, train, labels[0]))
+        given = {i["algorithm"] for i in infos}
+        shown = [(f"{algo} (baseline)", *plan) for algo, plan in baselines.items()
+                 if algo not in given]
+        series += [plan_series(label, info, packing, loaded[plan_dirs[0]][2])
+                   for label, info, packing in shown]
+        if shown:
+            notes.append(f"{', '.join(label for label, _, _ in shown)} in the plots: the "
+                         f"report's own packing of {labels[0]}'s samples with its DP size, "
+                         "micro-batches, seed and cost model")
+        page = html_report.render("vlmshard report", headline,
+                                  [html_report.Table(*t) for t in tables],
+                                  plots.report_figures(series, train[0] if train else None))
         atomic_write(html, lambda tmp: _write_text(tmp, page))
         log.info("report written to %s", html)
     if json:
         write_json_atomic(json, result)
         log.info("JSON written to %s", json)
-    return result, "\n".join([headline, "", format_table(header, rows), *notes])
+    text = [headline]
+    for table_notes, table_header, table_rows in tables:
+        text += ["", format_table(table_header, table_rows), *table_notes]
+    return result, "\n".join(text)
 
 
 def _write_text(path: str, text: str) -> None:

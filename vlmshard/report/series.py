@@ -1,5 +1,6 @@
-"""What ``vlmshard report`` shows, as arrays: a plan's per-step series and a training log set
-against its plan. Pure functions of data already read; ``vlmshard.report.report`` does the IO.
+"""What ``vlmshard report`` shows, as arrays: a plan's per-step series, and the check that a
+training log trained that plan. Pure functions of data already read; ``vlmshard.report.report``
+does the IO.
 
 Every series comes from ``metrics.step_loads`` and ``metrics.dist_ratio_per_step``, the same
 functions that compute plan.json's metrics, so a plot's mean is the metric next to it.
@@ -48,31 +49,9 @@ def plan_series(label: str, info: dict, packing: Packing, lengths: Lengths) -> P
                       source_shares(loads.sources), lengths.sources)
 
 
-@dataclass(frozen=True)
-class TrainSeries:
-    """A training run against its plan: per training step, the waiting fraction the plan's cost
-    model predicts and the one each rank measured."""
-
-    steps: np.ndarray  # [n] training step
-    predicted: np.ndarray  # [n] 1 − mean_r C / max_r C of the plan step(s) trained
-    measured: np.ndarray  # [n, world] wait_s / step_time_s of each global rank
-    ranks: tuple[str, ...]  # a label per global rank
-    dp: int
-
-    def summary(self) -> dict:
-        measured = self.measured.mean(axis=1)
-        both_vary = len(measured) > 1 and measured.std() > 0 and self.predicted.std() > 0
-        return {"steps": len(self.steps), "dp": self.dp,
-                "predicted_wait_mean": float(self.predicted.mean()),
-                "measured_wait_mean": float(measured.mean()),
-                "correlation": float(np.corrcoef(self.predicted, measured)[0, 1])
-                if both_vary else 0.0}
-
-
-def train_series(records: list[tuple[int, dict]], name: str, packing: Packing,
-                 lengths: Lengths, cost: CostModel) -> TrainSeries:
-    """Check that every record trained the plan's own micro-batches and set the measured
-    waiting fractions against the plan's predicted imbalance at the run's DP size."""
+def check_train_log(records: list[tuple[int, dict]], name: str, packing: Packing) -> None:
+    """Check that every record of a train log (line number, record) trained the plan's own
+    micro-batches at a data-parallel size dividing the plan's ranks."""
     first_line, first = records[0]
     try:
         dp = len(first["data"])
@@ -83,39 +62,30 @@ def train_series(records: list[tuple[int, dict]], name: str, packing: Packing,
     if dp == 0 or packing.ranks % dp:
         raise ReportError(f"{name}: trained on {dp} data-parallel rank(s), which does not divide "
                           f"the plan's {packing.ranks} ranks: this log is not from this plan")
-    predicted_of_step = dist_ratio_per_step(step_loads(lengths, packing, cost, dp).cost)
-    steps, predicted, measured, labels = [], [], [], ()
     for number, record in records:
         try:
-            plan_steps = _check_data(record["data"], dp, packing)
-            ranks = sorted(record["ranks"], key=lambda r: r["rank"])
-            waits = [r["wait_s"] / r["step_time_s"] if r["step_time_s"] > 0 else 0.0
-                     for r in ranks]
-            labels = labels or tuple(f"rank {r['rank']} (stage {r['stage']}, dp {r['dp_rank']})"
-                                     for r in ranks)
-            steps.append(int(record["step"]))
+            _check_data(record["data"], dp, packing)
+            ranks = len(record["ranks"])
         except ReportError as e:
             raise ReportError(f"{name} line {number}: {e}: this log is not from this plan") \
                 from None
         except (KeyError, TypeError, ValueError) as e:
             detail = f"missing {e}" if isinstance(e, KeyError) else str(e)
             raise ReportError(f"{name} line {number}: not a train_log record ({detail})") from None
-        if len(waits) != world:
-            raise ReportError(f"{name} line {number}: {len(waits)} ranks, line {first_line} "
+        if ranks != world:
+            raise ReportError(f"{name} line {number}: {ranks} ranks, line {first_line} "
                               f"has {world}")
-        predicted.append(predicted_of_step[plan_steps].mean())
-        measured.append(waits)
-    return TrainSeries(np.array(steps), np.array(predicted), np.array(measured), labels, dp)
 
 
-def _check_data(data: list[dict], dp: int, packing: Packing) -> np.ndarray:
-    """The plan steps a record trained, after checking each DP rank trained exactly the
-    micro-batches the plan gives its virtual ranks at those steps."""
+def _check_data(data: list[dict], dp: int, packing: Packing) -> None:
+    """Check that each DP rank of a record trained exactly the micro-batches the plan gives its
+    virtual ranks at the plan steps it names."""
     if sorted(d["dp_rank"] for d in data) != list(range(dp)):
         raise ReportError(f"data of dp ranks {sorted(d['dp_rank'] for d in data)}, expected "
                           f"0..{dp - 1}")
+    if not any(d["plan_steps"] for d in data):
+        raise ReportError("no plan_steps: the record names no plan step it trained")
     per_dp = packing.ranks // dp
-    trained = set()
     for d in data:
         plan_steps = sorted(set(d["plan_steps"]))
         bad = [s for s in plan_steps if not 0 <= s < packing.steps]
@@ -130,7 +100,3 @@ def _check_data(data: list[dict], dp: int, packing: Packing) -> np.ndarray:
         if sorted(tuple(ids) for ids in d["sample_ids"]) != want:
             raise ReportError(f"dp rank {d['dp_rank']} trained other samples than the plan "
                               f"places at step(s) {plan_steps}")
-        trained.update(plan_steps)
-    if not trained:
-        raise ReportError("no plan_steps: the record names no plan step it trained")
-    return np.array(sorted(trained), np.int64)

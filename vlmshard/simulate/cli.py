@@ -13,8 +13,11 @@ Simulates one epoch of PLAN_DIR on PP x DP GPUs: every data-parallel replica run
 micro-batches of each step through a 1F1B pipeline whose stage times come from the model's
 per-layer FLOPs for that micro-batch (tiles, tokens, squared lengths) at --mfu of the GPU's peak,
 with the searched stage partition and per-stage recompute that fit the GPU's memory (ZeRO-1
-optimizer states). The step waits for the slowest replica. Reports time, GPU-days, the pipeline
-bubble fraction and the data-parallel waiting fraction, then:
+optimizer states). The step waits for the slowest replica. Micro-batches are costed as the
+trainer executes them in --compute-mode (default: the plan's): padding-free on their real tiles
+and tokens, padded on all Qv tiles and Qt tokens (each packing's own caps) with attention over
+the real samples. Reports time, GPU-days, the pipeline bubble fraction and the data-parallel
+waiting fraction, then:
 
   strategies  the same samples packed random / lengthgroup / isf / balanced, each simulated
   levers      OmniBal's ablation: baseline (random data, DeepSpeed 'parameters' partition, full
@@ -55,16 +58,19 @@ def format_result(result: dict) -> str:
     if "plan" in result:
         p = result["plan"]
         lines.append(f"{p['algorithm']} plan on {p['gpus']} x {p['gpu']} (pp {p['pp']}, dp "
-                     f"{p['dp']}), {p['model']}: {_row(p)}")
+                     f"{p['dp']}), {p['model']}, {p['compute_mode']} compute (Qv {p['qv']}, Qt "
+                     f"{p['qt']}): {_row(p)}")
         lines.append(f"  partition {p['partition']['bounds']}, recomputed layers per stage "
                      f"{p['partition']['recompute']}, memory GiB {p['partition']['memory_gib']}")
     if "strategies" in result:
         base = result["strategies"]["random"].get("seconds")
-        lines.append(f"\n{'strategy':<18} {'GPU-days':>9} {'bubble':>7} {'waiting':>8} "
+        lines.append(f"\n{result['plan']['compute_mode']} compute, each packing at its own "
+                     "caps Qv/Qt")
+        lines.append(f"{'strategy (Qv/Qt)':<22} {'GPU-days':>9} {'bubble':>7} {'waiting':>8} "
                      f"{'speedup':>8}")
         for name, r in result["strategies"].items():
-            lines.append(_table_row(name, r, base))
-        lines.append(f"\n{'lever':<18} {'GPU-days':>9} {'bubble':>7} {'waiting':>8} "
+            lines.append(_table_row(f"{name} ({r['qv']}/{r['qt']})", r, base))
+        lines.append(f"\n{'lever':<22} {'GPU-days':>9} {'bubble':>7} {'waiting':>8} "
                      f"{'speedup':>8}   OmniBal (A100 GPU-days, speedup)")
         base = result["levers"]["baseline"].get("seconds")
         for name, r in result["levers"].items():
@@ -86,8 +92,8 @@ def _row(r: dict) -> str:
 
 def _table_row(name: str, r: dict, base: float | None) -> str:
     if "error" in r:
-        return f"{name:<18} does not fit: {r['error']}"
+        return f"{name:<22} does not fit: {r['error']}"
     speedup = f"{base / r['seconds']:.2f}x" if base else "-"
-    return (f"{name:<18} {r['gpu_days']:>9.4g} {r['bubble_fraction']:>7.1%} "
+    return (f"{name:<22} {r['gpu_days']:>9.4g} {r['bubble_fraction']:>7.1%} "
             f"{r['waiting_fraction']:>8.1%} {speedup:>8}")
 

@@ -7,6 +7,7 @@ from typing import Literal
 
 from vlmshard.config import ConfigError, option
 from vlmshard.model_sizes import PRESETS
+from vlmshard.packing.cost import ComputeMode
 
 ModelName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
 
@@ -25,6 +26,12 @@ class SimulateConfig:
     micro_batches: int | None = option(None, help="micro-batches per replica per step",
                                        default_text="the plan's")
     mfu: float = option(0.45, help="sustained fraction of peak FLOPs")
+    compute_mode: ComputeMode | None = option(
+        None, help="what the simulated trainer computes on: padding-free (real tiles and tokens "
+                   "only, as vlmshard train) or padded (linear layers on all Qv tiles and Qt "
+                   "tokens of every micro-batch, attention within the real samples; each "
+                   "packing at its own caps)",
+        default_text="the plan's, as vlmshard pack --compute-mode recorded it")
     zero: int = option(1, help="ZeRO stage 0 or 1 (DeepSpeed pipelines support no more)")
     grad_accum: Literal["fp32", "bf16"] = option(
         "fp32", help="gradient accumulation dtype, as `vlmshard train --grad-accum` (bf16: 4 "

@@ -5,13 +5,15 @@ stages. A stage's forward time for a micro-batch is its layers' FLOPs for that m
 (Σtiles, Σtokens, Σseq_len²) over the GPU's sustained FLOP rate, plus sending its output
 activation; backward is twice the forward plus the forward of its recomputed layers. ViT stages
 and LLM stages therefore differ per micro-batch, exactly as on the cluster. The step takes the
-slowest replica; the epoch is the sum of its steps.
+slowest replica; the epoch is the sum of its steps. The sizes are what the trainer executes
+(``packing.metrics.executed_sizes``): in ``padded`` compute mode Qv tiles and Qt tokens with the
+real samples' squares, so step times, activation memory and the partition search see the caps.
 
 - bubble fraction: the share of stage-time the pipeline leaves idle, within each replica;
 - waiting fraction: the share of replica-time spent waiting for the slowest replica of the step.
 
 The same 1F1B recurrence, fed with measured per-layer times from ``vlmshard train profile``,
-predicts a real run's step times (``validate_against_log``).
+predicts a real run's step times (``vlmshard.simulate.replay``).
 """
 
 from __future__ import annotations
@@ -191,6 +193,42 @@ def layer_costs(work: list[LayerWork], *, time_size: Size, memory_size: Size,
 # A plan on a cluster
 
 
+def share(part: np.ndarray, whole: np.ndarray) -> np.ndarray:
+    """1 − part / whole, and 0 where whole is 0 (nothing ran, nothing idled)."""
+    safe = np.where(whole > 0, whole, 1.0)
+    return np.where(whole > 0, 1 - part / safe, 0.0)
+
+
+@dataclass(frozen=True)
+class PipelineTimes:
+    """Per step, each replica's pipeline makespan and each of its stages' busy time (forward +
+    backward), in one unit (seconds, or FLOPs for an analytic replay)."""
+
+    makespan: np.ndarray  # [steps, D]
+    busy: np.ndarray  # [steps, D, P]
+
+    def stage_bubble_per_step(self) -> np.ndarray:
+        """[steps, P] each stage's idle share of its replicas' pipelines."""
+        return share(self.busy.sum(axis=1), self.makespan.sum(axis=1)[:, None])
+
+    def waiting_per_step(self) -> np.ndarray:
+        """[steps] the replicas' share of the step spent waiting for the slowest one."""
+        dp = self.makespan.shape[1]
+        return share(self.makespan.sum(axis=1), dp * self.makespan.max(axis=1))
+
+    def stage_bubble(self) -> np.ndarray:
+        """[P] over the run: each stage's idle share (the mean is ``simulate``'s bubble)."""
+        return share(self.busy.sum(axis=(0, 1)), np.full(self.busy.shape[2],
+                                                          self.makespan.sum()))
+
+    def waiting(self) -> float:
+        """Over the run, as ``simulate``'s ``waiting_fraction``."""
+        dp = self.makespan.shape[1]
+        return float(share(self.makespan.sum(), dp * self.makespan.max(axis=1).sum()))
+
+
+
+
 @dataclass
 class Simulation:
     """One epoch of a plan on P × D GPUs."""
@@ -234,15 +272,13 @@ def simulate(batches: np.ndarray, model: StageModel) -> Simulation:
     steps, dp, micro, _ = batches.shape
     forward, backward = model.times(batches.reshape(steps * dp, micro, 3))
     makespan, busy = pipeline_times(forward, backward)
-    makespan, busy = makespan.reshape(steps, dp), busy.reshape(steps, dp, -1)
-    step = makespan.max(axis=1)
-    stages = busy.shape[-1]
+    times = PipelineTimes(makespan.reshape(steps, dp), busy.reshape(steps, dp, -1))
+    step = times.makespan.max(axis=1)
     total = float(step.sum())
     return Simulation(
-        steps=steps, seconds=total, gpu_days=total * stages * dp / 86400,
-        bubble_fraction=float(1 - busy.sum() / (stages * makespan.sum())) if total else 0.0,
-        waiting_fraction=float(1 - makespan.sum() / (dp * total)) if total else 0.0,
-        step_seconds=step)
+        steps=steps, seconds=total, gpu_days=total * times.busy.shape[-1] * dp / 86400,
+        bubble_fraction=float(times.stage_bubble().mean()) if total else 0.0,
+        waiting_fraction=times.waiting(), step_seconds=step)
 
 
 def search_for(work: list[LayerWork], sizes: np.ndarray, stages: int, gpu: GPU, *,

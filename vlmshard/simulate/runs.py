@@ -4,7 +4,6 @@ measured run."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict
 
 import numpy as np
@@ -13,8 +12,9 @@ from vlmshard.model_sizes import PRESETS, bytes_per_param, layer_work
 from vlmshard.train.partition import Partition, PartitionError
 
 from .config import SimulateConfig
-from .model import (GPUS, LayerRates, StageModel, pipeline_times, replica_micro_batches,
+from .model import (GPUS, LayerRates, StageModel, replica_micro_batches,
                     search_for, simulate)
+from .replay import validate_against_log
 
 # OmniBal (ICML 2025), Table "ablation", InternVL-Chat-1.5 (6B + 20B), A100 GPU-days.
 OMNIBAL_GPU_DAYS = {"baseline": 61.8, "+ data balance": 51.9, "+ model balance": 29.0,
@@ -65,21 +65,27 @@ class _Cluster:
 
 
 def simulate_plan(cfg: SimulateConfig) -> dict:
-    from vlmshard.packing.config import PADDED
-    from vlmshard.packing.metrics import micro_batch_sizes
+    """The plan, and (``cfg.compare``) the strategies and levers, each costed on what the
+    trainer executes in the compute mode: a padded trainer's work and activations are at the
+    packing's own caps, so low-fill packings pay for their padding."""
     from vlmshard.packing.plan import load_plan
 
     info, packing, lengths = load_plan(cfg.plan)
+    mode = cfg.compute_mode or info["params"].get("compute_mode", "padding-free")
     cluster = _Cluster(cfg, packing.ranks, packing.micro_batches)
-    padded = info["algorithm"] in PADDED
-    out = {"plan": {"algorithm": info["algorithm"], "dp": cluster.dp, "pp": cfg.pp,
-                    "gpus": cluster.dp * cfg.pp, "gpu": cluster.gpu.name, "model": cfg.model,
-                    **cluster.run(micro_batch_sizes(lengths, packing, padded))}}
+    plan_caps = {"qv": info["metrics"]["qv"], "qt": info["metrics"]["qt"]}
+    own = _executed(lengths, packing, info["algorithm"], mode, **plan_caps)
+    out = {"plan": {"algorithm": info["algorithm"], "compute_mode": mode, "dp": cluster.dp,
+                    "pp": cfg.pp, "gpus": cluster.dp * cfg.pp, "gpu": cluster.gpu.name,
+                    "model": cfg.model, **plan_caps, **cluster.run(own)}}
     if not cfg.compare:
         return out
-    sizes = {algo: micro_batch_sizes(lengths, repack(info, lengths, algo), algo in PADDED)
-             for algo in STRATEGIES}
-    out["strategies"] = {algo: cluster.try_run(s) for algo, s in sizes.items()}
+    sizes, out["strategies"] = {}, {}
+    for algo in STRATEGIES:
+        repacked, caps = repack(info, lengths, algo, mode)
+        sizes[algo] = _executed(lengths, repacked, algo, mode, qv=caps.qv, qt=caps.qt)
+        out["strategies"][algo] = {"qv": caps.qv, "qt": caps.qt,
+                                   **cluster.try_run(sizes[algo])}
     out["levers"] = {
         "baseline": cluster.try_run(sizes["random"], method="parameters", full_recompute=True),
         "+ data balance": cluster.try_run(sizes["balanced"], method="parameters",
@@ -90,66 +96,35 @@ def simulate_plan(cfg: SimulateConfig) -> dict:
     return out
 
 
-def repack(info: dict, lengths, algo: str):
-    """The plan's samples packed again with ``algo`` (same ranks, micro-batches, seed, cost
-    model; the caps each algorithm chooses for itself)."""
+def _executed(lengths, packing, algo: str, mode: str, *, qv: int, qt: int) -> np.ndarray:
+    """[micro-batches, 3]: the tiles, tokens and Σseq_len² the trainer computes on for each
+    micro-batch of ``packing`` (made by ``algo``, under caps ``qv``, ``qt``) in ``mode``."""
+    from vlmshard.packing.config import PADDED
+    from vlmshard.packing.metrics import executed_sizes, micro_batch_sizes
+
+    return executed_sizes(micro_batch_sizes(lengths, packing, algo in PADDED), qv=qv, qt=qt,
+                          mode=mode)
+
+
+def repack(info: dict, lengths, algo: str, mode: str):
+    """The plan's samples packed again with ``algo`` for a trainer computing in ``mode`` (same
+    ranks, micro-batches, epochs, seed, cost model and memory bound), and the caps ``algo``
+    chose for itself."""
     from vlmshard.packing.cost import CostModel
     from vlmshard.packing.config import PackConfig
-    from vlmshard.packing.plan import choose_caps, pack_epoch
+    from vlmshard.packing.plan import choose_caps, concat_epochs, pack_epoch
 
     params = info["params"]
+    bound = (info.get("caps_search") or {}).get("bound") or {}  # the plan's memory bound
     cfg = PackConfig(stats=info["run"].get("stats", ""), dp=params["dp"], out="", algo=algo,
                      micro_batches=params["micro_batches"],
-                     virtual_ranks=params["virtual_ranks"],
-                     target_samples=params["target_samples"], seed=params["seed"])
+                     virtual_ranks=params["virtual_ranks"], epochs=params["epochs"],
+                     target_samples=params["target_samples"], seed=params["seed"],
+                     compute_mode=mode, max_qv=bound.get("qv"), max_qt=bound.get("qt"))
     cost = CostModel(**info["cost_model"])
     caps, _, _ = choose_caps(cfg, lengths, cost)
-    return pack_epoch(cfg, lengths, caps, cost, seed=cfg.seed)
-
-
-def validate_against_log(train_log: str, profile_dir: str) -> dict:
-    """Each logged step re-simulated with the profile's measured layer times and the run's
-    partition (its ``train_config.json``), against the measured step time. The first step
-    (warm-up) is left out."""
-    from vlmshard.io import read_json
-
-    from vlmshard.train.train_log import read_log
-
-    records = read_log(train_log)[1:]
-    if not records:
-        raise ValueError(f"{train_log}: needs at least two steps (the first is warm-up)")
-    config = read_json(os.path.join(os.path.dirname(train_log), "train_config.json"))
-    profile = read_json(os.path.join(profile_dir, "profile.json"))
-    rates = LayerRates.from_profile(profile, read_json(os.path.join(profile_dir,
-                                                                    "cost_model.json")))
-    partition = _run_partition(config, profile)
-    stages = StageModel.build(rates, partition, float("inf"))  # one machine: no link to cross
-    batches = np.array([[[[m["tiles"], m["tokens"], m["squares"]] for m in d["micro_sizes"]]
-                         for d in r["data"]] for r in records], dtype=np.float64)
-    steps, dp, micro, _ = batches.shape
-    forward, backward = stages.times(batches.reshape(steps * dp, micro, 3))
-    predicted = pipeline_times(forward, backward)[0].reshape(steps, dp).max(axis=1)
-    measured = np.array([r["step_time_s"] for r in records])
-    error = np.abs(predicted - measured) / measured
-    return {"steps": int(steps), "predicted_s": float(predicted.sum()),
-            "measured_s": float(measured.sum()),
-            "total_error": float(predicted.sum() / measured.sum() - 1),
-            "median_step_error": float(np.median(error)),
-            "per_step": [{"step": r["step"], "predicted_s": float(p), "measured_s": float(m)}
-                         for r, p, m in zip(records, predicted, measured)]}
-
-
-def _run_partition(config: dict, profile: dict) -> Partition:
-    """The stage bounds and recompute the run trained with (DeepSpeed's 'parameters' when it
-    was given none, as the trainer does)."""
-    from vlmshard.train.partition import LayerCost, Stage, deepspeed_bounds
-
-    names = [lay["name"] for lay in profile["layers"]]
-    bounds = config.get("bounds") or deepspeed_bounds(
-        [LayerCost(**lay) for lay in profile["layers"]], config["pp"], "parameters")
-    recompute = {names.index(n) for n in config.get("recompute") or []}
-    return Partition(list(bounds), [Stage(a, b, sorted(i for i in recompute if a <= i < b))
-                                    for a, b in zip(bounds[:-1], bounds[1:])])
+    return concat_epochs([pack_epoch(cfg, lengths, caps, cost, seed=cfg.seed + epoch)
+                          for epoch in range(cfg.epochs)]), caps
 
 
 def _describe(partition: Partition, work) -> dict:
