@@ -11,14 +11,35 @@ import numpy as np
 import pytest
 
 from helpers import vlmshard
-from vlmshard.simulate.model import (StageModel, one_f_one_b, pipeline_times, replica_micro_batches,
-                            simulate)
+from vlmshard.simulate.model import (LayerRates, StageModel, one_f_one_b, pipeline_times,
+                                    replica_micro_batches, simulate)
+from vlmshard.train.partition import Partition, Stage
 from vlmshard.simulate.replay import validate_against_log
 
 from pipeline_reference import makespan as reference_makespan
 from pipeline_reference import replay
 
 OMNIBAL_META = os.path.join(os.path.dirname(__file__), "data", "omnibal", "meta.json")
+
+
+def test_stages_compute_the_real_sizes_and_send_the_caps():
+    """Two layers, one per stage: layer 0 costs 1 s per tile forward and sends 10 bytes per
+    tile; layer 1 costs 1 s per token; backward is twice the forward; the link moves 10 bytes/s.
+    A micro-batch of 2 tiles and 3 tokens under caps of 4 tiles and 6 tokens: stage 0 computes
+    2 s and sends its 4-tile output (4 s) forward; stage 1 computes 3 s forward, 6 s backward and
+    sends the 4-tile gradient back (4 s); stage 0's backward is 4 s."""
+    rates = LayerRates(forward=np.array([[1.0, 0, 0], [0, 1.0, 0]]),
+                       backward=np.array([[2.0, 0, 0], [0, 2.0, 0]]),
+                       output_bytes=np.array([[10.0, 0, 0], [0, 5.0, 0]]))
+    partition = Partition([0, 1, 2], [Stage(0, 1, []), Stage(1, 2, [])])
+    model = StageModel.build(rates, partition, link_bytes_per_s=10.0)
+    forward, backward = model.times(np.array([[2.0, 3.0, 0.0]]), np.array([4.0, 6.0, 0.0]))
+    np.testing.assert_allclose(forward, [[2 + 4, 3]])
+    np.testing.assert_allclose(backward, [[4, 6 + 4]])
+    # Without caps the sends follow the sizes (a log replay on one machine sends nothing).
+    forward, backward = model.times(np.array([[2.0, 3.0, 0.0]]))
+    np.testing.assert_allclose(forward, [[2 + 2, 3]])
+    np.testing.assert_allclose(backward, [[4, 6 + 2]])
 
 
 @pytest.mark.parametrize("stages,micro", [(1, 1), (1, 5), (2, 1), (3, 4), (4, 8), (8, 3)])

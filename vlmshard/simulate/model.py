@@ -143,31 +143,44 @@ def _last_vision_layer(profile: dict) -> int:
 
 @dataclass(frozen=True)
 class StageModel:
-    """Per stage, seconds per unit of (tiles, tokens, squares): forward and backward, sends
-    included. A micro-batch's stage times are its sizes times these rows."""
+    """Per stage, seconds per unit of (tiles, tokens, squares): compute forward and backward, and
+    the sends between stages (forward: the stage's output; backward: its input's gradient). A
+    micro-batch's compute follows its sizes; its sends follow the shapes the stages exchange,
+    the caps (a pipeline sends static shapes)."""
 
-    forward: np.ndarray  # [P, 3]
-    backward: np.ndarray  # [P, 3]
+    forward: np.ndarray  # [P, 3] compute
+    backward: np.ndarray  # [P, 3] compute, recomputed forwards included
+    send_forward: np.ndarray | None = None  # [P, 3] output sent to the next stage
+    send_backward: np.ndarray | None = None  # [P, 3] gradient sent back to the stage before
 
     @classmethod
     def build(cls, rates: LayerRates, partition: Partition,
               link_bytes_per_s: float) -> "StageModel":
-        """Stage sums of layer rates; a stage sends its output forward and receives its
-        gradient back over the link; recomputed layers run their forward again in backward."""
-        forward, backward = [], []
+        """Stage sums of layer rates; a stage sends its output forward and its input's gradient
+        back over the link; recomputed layers run their forward again in backward."""
+        forward, backward, send_forward, send_backward = [], [], [], []
         last = len(partition.stages) - 1
         for index, stage in enumerate(partition.stages):
             layers = slice(stage.first, stage.end)
-            send = rates.output_bytes[stage.end - 1] / link_bytes_per_s if index < last else 0
-            receive = rates.output_bytes[stage.first - 1] / link_bytes_per_s if index else 0
-            recomputed = rates.forward[stage.recompute].sum(axis=0)
-            forward.append(rates.forward[layers].sum(axis=0) + send)
-            backward.append(rates.backward[layers].sum(axis=0) + recomputed + receive)
-        return cls(np.array(forward), np.array(backward))
+            forward.append(rates.forward[layers].sum(axis=0))
+            backward.append(rates.backward[layers].sum(axis=0)
+                            + rates.forward[stage.recompute].sum(axis=0))
+            send_forward.append(rates.output_bytes[stage.end - 1] / link_bytes_per_s
+                                if index < last else np.zeros(3))
+            send_backward.append(rates.output_bytes[stage.first - 1] / link_bytes_per_s
+                                 if index else np.zeros(3))
+        return cls(*(np.array(x) for x in (forward, backward, send_forward, send_backward)))
 
-    def times(self, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Forward and backward seconds [..., P] of micro-batches with sizes [..., 3]."""
-        return sizes @ self.forward.T, sizes @ self.backward.T
+    def times(self, sizes: np.ndarray,
+              wire: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Forward and backward seconds [..., P] of micro-batches with sizes [..., 3] whose
+        stages exchange tensors of ``wire`` sizes (the caps; by default the sizes)."""
+        forward, backward = sizes @ self.forward.T, sizes @ self.backward.T
+        if self.send_forward is not None:
+            wire = sizes if wire is None else np.broadcast_to(wire, sizes.shape)
+            forward = forward + wire @ self.send_forward.T
+            backward = backward + wire @ self.send_backward.T
+        return forward, backward
 
 
 def _vector(size: Size) -> np.ndarray:
@@ -267,10 +280,12 @@ def replica_micro_batches(sizes: np.ndarray, ranks: int, micro: int, dp: int,
     return streams[:, :whole * m].reshape(dp, whole, m, 3).transpose(1, 0, 2, 3)
 
 
-def simulate(batches: np.ndarray, model: StageModel) -> Simulation:
-    """One epoch of ``batches`` [steps, D, M, 3] through the stage model."""
+def simulate(batches: np.ndarray, model: StageModel,
+             wire: np.ndarray | None = None) -> Simulation:
+    """One epoch of ``batches`` [steps, D, M, 3] through the stage model, the stages exchanging
+    ``wire``-sized tensors (the caps)."""
     steps, dp, micro, _ = batches.shape
-    forward, backward = model.times(batches.reshape(steps * dp, micro, 3))
+    forward, backward = model.times(batches.reshape(steps * dp, micro, 3), wire)
     makespan, busy = pipeline_times(forward, backward)
     times = PipelineTimes(makespan.reshape(steps, dp), busy.reshape(steps, dp, -1))
     step = times.makespan.max(axis=1)

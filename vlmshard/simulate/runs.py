@@ -44,8 +44,10 @@ class _Cluster:
         self.flops_per_s = self.gpu.peak_flops * cfg.mfu
         self.rates = LayerRates.from_work(self.work, self.flops_per_s)
 
-    def run(self, sizes: np.ndarray, method: str = "search",
+    def run(self, sizes: np.ndarray, wire: np.ndarray, method: str = "search",
             full_recompute: bool = False) -> dict:
+        """A packing's executed micro-batch ``sizes`` [micro-batches, 3] whose stages exchange
+        ``wire``-sized tensors (``_wire``), on the cluster."""
         partition = search_for(self.work, sizes, self.cfg.pp, self.gpu,
                                flops_per_s=self.flops_per_s,
                                bytes_per_param=bytes_per_param(
@@ -54,12 +56,12 @@ class _Cluster:
         batches = replica_micro_batches(sizes, self.ranks, self.micro, self.dp,
                                         self.cfg.micro_batches)
         sim = simulate(batches, StageModel.build(self.rates, partition,
-                                                 self.gpu.link_bytes_per_s))
+                                                 self.gpu.link_bytes_per_s), wire)
         return {**sim.summary(), "partition": _describe(partition, self.work)}
 
-    def try_run(self, sizes: np.ndarray, **kwargs) -> dict:
+    def try_run(self, sizes: np.ndarray, wire: np.ndarray, **kwargs) -> dict:
         try:
-            return self.run(sizes, **kwargs)
+            return self.run(sizes, wire, **kwargs)
         except PartitionError as e:
             return {"error": str(e)}
 
@@ -77,23 +79,30 @@ def simulate_plan(cfg: SimulateConfig) -> dict:
     own = _executed(lengths, packing, info["algorithm"], mode, **plan_caps)
     out = {"plan": {"algorithm": info["algorithm"], "compute_mode": mode, "dp": cluster.dp,
                     "pp": cfg.pp, "gpus": cluster.dp * cfg.pp, "gpu": cluster.gpu.name,
-                    "model": cfg.model, **plan_caps, **cluster.run(own)}}
+                    "model": cfg.model, **plan_caps,
+                    **cluster.run(own, _wire(**plan_caps))}}
     if not cfg.compare:
         return out
-    sizes, out["strategies"] = {}, {}
+    runs, out["strategies"] = {}, {}  # algo -> (executed sizes, wire)
     for algo in STRATEGIES:
         repacked, caps = repack(info, lengths, algo, mode)
-        sizes[algo] = _executed(lengths, repacked, algo, mode, qv=caps.qv, qt=caps.qt)
-        out["strategies"][algo] = {"qv": caps.qv, "qt": caps.qt,
-                                   **cluster.try_run(sizes[algo])}
+        runs[algo] = (_executed(lengths, repacked, algo, mode, qv=caps.qv, qt=caps.qt),
+                      _wire(caps.qv, caps.qt))
+        out["strategies"][algo] = {"qv": caps.qv, "qt": caps.qt, **cluster.try_run(*runs[algo])}
     out["levers"] = {
-        "baseline": cluster.try_run(sizes["random"], method="parameters", full_recompute=True),
-        "+ data balance": cluster.try_run(sizes["balanced"], method="parameters",
+        "baseline": cluster.try_run(*runs["random"], method="parameters", full_recompute=True),
+        "+ data balance": cluster.try_run(*runs["balanced"], method="parameters",
                                           full_recompute=True),
-        "+ model balance": cluster.try_run(sizes["balanced"], full_recompute=True),
-        "+ memory balance": cluster.try_run(sizes["balanced"]),
+        "+ model balance": cluster.try_run(*runs["balanced"], full_recompute=True),
+        "+ memory balance": cluster.try_run(*runs["balanced"]),
     }
     return out
+
+
+def _wire(qv: int, qt: int) -> np.ndarray:
+    """What the stages exchange for every micro-batch in either mode: tensors of the caps'
+    shapes (a pipeline sends static shapes; only the layers inside a stage skip padding)."""
+    return np.array([qv, qt, 0.0])
 
 
 def _executed(lengths, packing, algo: str, mode: str, *, qv: int, qt: int) -> np.ndarray:
