@@ -242,19 +242,13 @@ CAPS_SEARCH_STEPS = 30  # steps' worth of samples each candidate is packed with,
 CAPS_TIE = 0.001
 
 
-def caps_at(lengths: Lengths, bound: Caps, ratio: float, below: int = 0) -> Caps:
-    """Caps inside ``bound`` with Qt/Qv = ``ratio`` × the data's tokens per tile (so neither cap
-    runs empty while the other binds), ``below`` tiles under the largest Qv that allows; never
-    below a sample the bound admits."""
-    admitted = split_over_cap(lengths, bound)[0]
-    low_v = int(lengths.tiles[admitted].max(initial=0))
-    low_t = int(lengths.tokens[admitted].max(initial=0))
-    total_v = float(lengths.tiles.sum())
-    if total_v == 0:  # text only: the token cap is the only one
-        return bound
-    per_tile = ratio * float(lengths.tokens.sum()) / total_v
-    qv = min(max(min(bound.qv, int(bound.qt / per_tile)) - below, low_v, 1), bound.qv)
-    return Caps(qv, min(max(int(np.ceil(qv * per_tile)), low_t), bound.qt))
+def caps_at(bound: Caps, low: Caps, per_tile: float, ratio: float, below: int = 0) -> Caps:
+    """Caps inside ``bound`` with Qt/Qv = ``ratio`` × ``per_tile`` (the data's tokens per tile,
+    so neither cap runs empty while the other binds), ``below`` tiles under the largest Qv that
+    allows; never below ``low``, the largest tiles and tokens of a sample the bound admits."""
+    tokens_per_tile = ratio * per_tile
+    qv = min(max(min(bound.qv, int(bound.qt / tokens_per_tile)) - below, low.qv, 1), bound.qv)
+    return Caps(qv, min(max(int(np.ceil(qv * tokens_per_tile)), low.qt), bound.qt))
 
 
 def search_balanced_caps(lengths: Lengths, bound: Caps, *, per_step: int, seed: int,
@@ -289,9 +283,15 @@ def search_balanced_caps(lengths: Lengths, bound: Caps, *, per_step: int, seed: 
         return tried[caps]["step_efficiency"]
 
     score(bound)
-    ratio = max(CAPS_RATIOS, key=lambda r: (score(caps_at(lengths, bound, r)), -r))
-    for below in range(1, CAPS_TILE_STEPS + 1):
-        score(caps_at(lengths, bound, ratio, below))
+    total_v = float(lengths.tiles.sum())
+    if total_v > 0:  # else text only: the token cap is the only one, and the bound holds it
+        admitted = (lengths.tiles <= bound.qv) & (lengths.tokens <= bound.qt)
+        low = Caps(int(lengths.tiles[admitted].max(initial=0)),
+                   int(lengths.tokens[admitted].max(initial=0)))
+        per_tile = float(lengths.tokens.sum()) / total_v
+        ratio = max(CAPS_RATIOS, key=lambda r: (score(caps_at(bound, low, per_tile, r)), -r))
+        for below in range(1, CAPS_TILE_STEPS + 1):
+            score(caps_at(bound, low, per_tile, ratio, below))
     top = max(t["step_efficiency"] for t in tried.values())
     best = max((t for t in tried.values() if t["step_efficiency"] >= top - CAPS_TIE),
                key=lambda t: (t["qv"], t["qt"]))

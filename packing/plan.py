@@ -155,7 +155,7 @@ def choose_caps(cfg: PackConfig, lengths: Lengths,
         caps, tried = algorithms.search_isf_caps(
             lengths, ranks=cfg.ranks, target_samples=cfg.target_samples, seed=cfg.seed, cost=cost)
         return caps, "isf_search", {"tried": tried}
-    bound, bound_from = memory_bound(cfg, lengths)
+    bound, bound_from = caps_bound(cfg, lengths)
     caps, tried = algorithms.search_balanced_caps(
         lengths, bound, per_step=cfg.ranks * cfg.micro_batches, seed=cfg.seed, cost=cost,
         mode=cfg.compute_mode)
@@ -166,19 +166,19 @@ def choose_caps(cfg: PackConfig, lengths: Lengths,
         "bound": {"qv": bound.qv, "qt": bound.qt, "from": bound_from}, "tried": tried}
 
 
-def memory_bound(cfg: PackConfig, lengths: Lengths) -> tuple[Caps, str]:
-    """The bound balanced's caps are searched under, and where it came from: ``--max-qv/--max-qt``,
-    else the ``max_qv``/``max_qt`` that ``vlmshard train profile`` wrote into the
-    ``--cost-model`` file (what the device's memory holds), else ``--target-samples``."""
-    if cfg.max_qv is not None or cfg.max_qt is not None:
-        given = algorithms.memory_bound(lengths, cfg.target_samples, cfg.max_qv, cfg.max_qt)
-        return given, "--max-qv/--max-qt"
+def caps_bound(cfg: PackConfig, lengths: Lengths) -> tuple[Caps, str]:
+    """The memory bound balanced's caps are searched under, and where it came from:
+    ``--max-qv/--max-qt``, else the ``max_qv``/``max_qt`` that ``vlmshard train profile`` wrote
+    into the ``--cost-model`` file (what the device's memory holds), else ``--target-samples``."""
     profiled = read_json(cfg.cost_model) if cfg.cost_model else {}
-    if "max_qv" in profiled and "max_qt" in profiled:
-        return (algorithms.memory_bound(lengths, cfg.target_samples, int(profiled["max_qv"]),
-                                        int(profiled["max_qt"])),
-                f"the profile's memory model ({cfg.cost_model})")
-    return algorithms.memory_bound(lengths, cfg.target_samples), "--target-samples"
+    if cfg.max_qv is not None or cfg.max_qt is not None:
+        given, origin = (cfg.max_qv, cfg.max_qt), "--max-qv/--max-qt"
+    elif "max_qv" in profiled and "max_qt" in profiled:
+        given = (int(profiled["max_qv"]), int(profiled["max_qt"]))
+        origin = f"the profile's memory model ({cfg.cost_model})"
+    else:
+        given, origin = (None, None), "--target-samples"
+    return algorithms.memory_bound(lengths, cfg.target_samples, *given), origin
 
 
 def pack_epoch(cfg: PackConfig, lengths: Lengths, caps: Caps, cost: CostModel, *,

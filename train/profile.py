@@ -68,7 +68,7 @@ def run_profile(cfg: ProfileConfig) -> dict:
             cfg, [partitions["search"], *partitions["omnibal"]][:cfg.validate_top])
         partitions["chosen"] = min(partitions["validated"], key=lambda p: p["measured_step_s"])
     cost = {**fit_cost_model(profile.micro_batches),
-            **memory_bound(profile, partitions["chosen"]["bounds"], machine)}
+            **memory_caps(profile, partitions["chosen"]["bounds"], machine)}
     os.makedirs(cfg.out, exist_ok=True)
     write_json_atomic(os.path.join(cfg.out, "profile.json"),
                       {**profile.to_dict(), "model": model.path, "shards": cfg.shards})
@@ -181,7 +181,7 @@ def fit_cost_model(micro_batches: list[dict]) -> dict:
     return {"a_v": a_v, "a_t": float(a_t / scale[0]), "b": float(b / scale[1])}
 
 
-def memory_bound(profile: "Profile", bounds: list[int], machine: Machine) -> dict:
+def memory_caps(profile: "Profile", bounds: list[int], machine: Machine) -> dict:
     """``max_qv``, ``max_qt``: the largest caps whose micro-batches the partition ``bounds`` holds
     in ``machine``'s memory (the profiled mean micro-batch scaled up as far as it fits), which
     ``vlmshard pack --cost-model`` takes as its memory bound. Empty when memory bounds nothing."""
