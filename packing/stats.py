@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vlmshard.errors import InputError
 from vlmshard.io import sha256_file
 
 from .batches import Lengths
@@ -28,7 +29,7 @@ from .batches import Lengths
 log = logging.getLogger(__name__)
 
 
-class StatsError(ValueError):
+class StatsError(InputError):
     """The stats input cannot be read; the message names the file and what is wrong."""
 
 

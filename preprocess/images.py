@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from PIL import Image
 
 from vlmshard.io import RemoteReadError, is_url, read_bytes, resolve
+from vlmshard.rejects import Reject
 
 from .config import DEFAULT_MAX_IMAGE_PIXELS
-from .rejects import Reject
 
 # Pillow's own default limit: larger images are treated as decompression bombs.
 _TAIL_BYTES = 1024

@@ -27,12 +27,13 @@ import pyarrow.parquet as pq
 from vlmshard import __version__
 from vlmshard.config import ConfigError
 from vlmshard.engines import resolve_workers, run_units
+from vlmshard.errors import JobError
 from vlmshard.io import atomic_write, is_url, write_json_atomic, write_parquet
 from vlmshard.jobs import WORK, claim_output, locked_output
 from vlmshard.progress import Progress
+from vlmshard.rejects import REASONS
 
 from .config import PreprocessConfig
-from .rejects import REASONS
 from .families import ModelFolderError, ModelSpec, load_model
 from .sample import SampleLimits, SampleSpec, make_encoder
 from .schema import REJECTS_SCHEMA, stats_schema
@@ -43,8 +44,10 @@ from .worker import JobSpec, PartWorker, committed_summary, part_paths
 
 log = logging.getLogger(__name__)
 
-class RejectRatioExceeded(RuntimeError):
-    """More rows were rejected than ``max_reject_ratio`` allows."""
+class RejectRatioExceeded(JobError):
+    """More rows were rejected than ``max_reject_ratio`` allows (exit status 3)."""
+
+    exit_status = 3
 
 
 @dataclass

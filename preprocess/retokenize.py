@@ -20,17 +20,18 @@ from dataclasses import fields
 
 import numpy as np
 
+from vlmshard.errors import JobError
 from vlmshard.io import sha256_file
+from vlmshard.rejects import Reject
 
 from .families import ModelSpec
-from .rejects import Reject
 from .sample import SampleLimits, SampleProcessor, SampleSpec, make_encoder
 from .sources import Part, Source, index_source, read_part_rows
 from .tiling import source_tiling, tiling_from_dict
 from .tokenize import TokenizerConfig
 
 
-class RetokenizeError(RuntimeError):
+class RetokenizeError(JobError):
     """A sample that no longer re-tokenizes to what the stats say; the message names it."""
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vlmshard.rejects import Reject
+
 from .config import DEFAULT_MAX_IMAGE_PIXELS
+from .families import ModelSpec
 from .images import read_image_header, resolve_image_path
-from .rejects import Reject
 from .schema import MAX_IMAGES_PER_SAMPLE
 from .sources import Source
-from .families import ModelSpec
 from .tiling import TilingPolicy, source_tiling, tiling_from_dict
 from .tokenize import IMAGE_PLACEHOLDER, ROLES, TekkenEncoder, TokenizerConfig
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from vlmshard.errors import InputError
 from vlmshard.io import file_exists, is_url, open_file, resolve
-
-from .rejects import Reject
+from vlmshard.rejects import Reject
 
 
 @dataclass(frozen=True)
@@ -69,10 +69,6 @@ class SourceIndex:
         if self.offsets is None:
             return replace(part, unreadable=self.unreadable)
         return replace(part, offsets=self.offsets[part.rows], lengths=self.lengths[part.rows])
-
-
-class InputError(ValueError):
-    """An input that cannot be used at all (missing path, unknown format)."""
 
 
 def _stem(path: str) -> str:

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import numpy as np
 
+from vlmshard.rejects import Reject
+
 from .config import TileBudget
-from .rejects import Reject
 
 if TYPE_CHECKING:
     from PIL import Image

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from vlmshard.io import atomic_write, read_json, sha256_file, write_json_atomic, write_parquet
+from vlmshard.rejects import Reject
 
-from .rejects import Reject
 from .sample import SampleProcessor, SampleSpec
 from .schema import REJECTS_SCHEMA, stats_schema
 from .sources import Part, read_part_rows

@@ -24,13 +24,15 @@ from typing import IO, Iterator
 
 from webdataset.tariterators import group_by_keys, tar_file_iterator
 
+from vlmshard.errors import InputError
+
 from .layout import Manifest, ShardEntry, join, open_url, record_key
 from .records import Record, RecordError, decode_record
 
 _BLOCK = tarfile.BLOCKSIZE
 
 
-class ShardError(RuntimeError):
+class ShardError(InputError, RuntimeError):
     """A shard that is missing, truncated, corrupt or out of order."""
 
 

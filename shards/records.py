@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from .layout import parse_key, record_key
+from vlmshard.errors import InputError
+from vlmshard.rejects import Reject
 
-from vlmshard.preprocess.rejects import Reject
+from .layout import parse_key, record_key
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -39,7 +40,7 @@ IMAGES = "images.mp"
 MEMBERS = (IMAGES, INPUT_IDS, JSON, LABELS)
 
 
-class RecordError(ValueError):
+class RecordError(InputError):
     """A record that does not decode or does not agree with itself; names shard and record."""
 
 

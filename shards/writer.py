@@ -32,15 +32,27 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from vlmshard.packing.plan import read_plan, read_plan_json
-from vlmshard.packing.stats import files_sha256, read_preprocess_json, stats_files
-from vlmshard.preprocess import (RecordedPreprocess, RetokenizeError, Retokenizer, SampleSpec,
-                                 sample_where)
 from vlmshard import __version__
 from vlmshard.engines import resolve_workers, run_units
-from vlmshard.io import (atomic_write, file_size, read_bytes, read_json, sha256_file,
-                         write_json_atomic)
+from vlmshard.errors import JobError
+from vlmshard.io import (
+    atomic_write,
+    file_size,
+    read_bytes,
+    read_json,
+    sha256_file,
+    write_json_atomic,
+)
 from vlmshard.jobs import WORK, claim_output, locked_output
+from vlmshard.packing.plan import read_plan, read_plan_json
+from vlmshard.packing.stats import files_sha256, read_preprocess_json, stats_files
+from vlmshard.preprocess import (
+    RecordedPreprocess,
+    RetokenizeError,
+    Retokenizer,
+    SampleSpec,
+    sample_where,
+)
 from vlmshard.progress import Progress
 
 from .config import WriteConfig
@@ -55,7 +67,7 @@ SAMPLE_COLUMNS = ["sample_id", "source", "row", "image_tiles", "seq_len", "loss_
 TOKEN_COLUMNS = ["input_ids", "labels"]
 
 
-class WriteError(RuntimeError):
+class WriteError(JobError):
     """The shards cannot be written as planned; the message names the sample, image or file."""
 
 

@@ -40,8 +40,8 @@ import pytest
 from PIL import Image, features
 
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
-from vlmshard.preprocess.rejects import REASONS
 from vlmshard.preprocess.tiling import tiling_from_dict
+from vlmshard.rejects import REASONS
 
 # Pillow here reads and writes AVIF (Pillow >= 11.2 wheels bundle libavif); where it does not, the
 # AVIF kinds are left out rather than expected to fail.
@@ -356,9 +356,9 @@ def test_exif_orientation_tiles_follow_the_pixels_the_loader_decodes(tmp_path):
 
 def test_doomed_rows_are_rejected_before_any_image_is_read_or_text_tokenized(monkeypatch):
     from vlmshard.preprocess import sample
-    from vlmshard.preprocess.rejects import Reject
     from vlmshard.preprocess.tiling import InternVLTiling, Qwen2VLTiling
     from vlmshard.preprocess.tokenize import TekkenEncoder, tekken_tokenizer
+    from vlmshard.rejects import Reject
 
     def no_read(*args, **kwargs):
         raise AssertionError("an image header was read")
@@ -405,7 +405,7 @@ def test_a_row_with_too_many_images_does_not_stop_the_job(tmp_path):
 
 
 def test_reject_messages_are_one_bounded_line():
-    from vlmshard.preprocess.rejects import Reject
+    from vlmshard.rejects import Reject
 
     r = Reject("missing_image", "image not found: images/a\nb\u2028c\x00.png " + "x" * 5000)
     assert len(r.message.splitlines()) == 1 and "\x00" not in r.message
@@ -450,7 +450,7 @@ def test_a_model_tokenizer_bounds_a_10mb_turn_without_tokenizing_it(qwen_folder)
     from vlmshard.preprocess import sample
     from vlmshard.preprocess.families import load_model
     from vlmshard.preprocess.families.chat import ChatTemplateEncoder
-    from vlmshard.preprocess.rejects import Reject
+    from vlmshard.rejects import Reject
 
     model, tiling = load_model(qwen_folder)
     encoder = ChatTemplateEncoder(model)

@@ -10,10 +10,9 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import tree_bytes, vlmshard
 
 from vlmshard.preprocess import ConfigError, PreprocessConfig, RejectRatioExceeded, run_preprocess
-
-from helpers import tree_bytes, vlmshard
 
 
 def _run(demo, out, **kw):
@@ -233,7 +232,7 @@ def test_jpegs_with_data_after_their_end_are_complete_and_cut_ones_are_not(tmp_p
     from PIL import Image
 
     from vlmshard.preprocess.images import read_image_header
-    from vlmshard.preprocess.rejects import Reject
+    from vlmshard.rejects import Reject
 
     rng = np.random.default_rng(0)
     buf = io.BytesIO()

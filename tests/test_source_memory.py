@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from vlmshard.preprocess.rejects import Reject
+
 from vlmshard.preprocess.sources import (
     Part,
     Source,
@@ -30,6 +30,7 @@ from vlmshard.preprocess.sources import (
     plan_parts,
     read_part_rows,
 )
+from vlmshard.rejects import Reject
 
 log = logging.getLogger(__name__)
 

@@ -5,14 +5,19 @@ Counts: golden values checked by hand against the published rules (``transformer
 float rounding, to the independent references in ``image_references`` and to ``transformers``'
 own (PIL) image processors."""
 
+import image_references as ref
 import numpy as np
 import pytest
 from PIL import Image
 
-import image_references as ref
-from vlmshard.preprocess.rejects import Reject
-from vlmshard.preprocess.tiling import (InternVLTiling, Qwen2VLTiling, source_tiling,
-                                        tiling_from_dict, to_rgb)
+from vlmshard.preprocess.tiling import (
+    InternVLTiling,
+    Qwen2VLTiling,
+    source_tiling,
+    tiling_from_dict,
+    to_rgb,
+)
+from vlmshard.rejects import Reject
 
 # (width, height) -> tiles of one image of a sample with 1, 2 and 3 images when the images share
 # max_patches 12 (per-sample: 12, 6, 4 each)
@@ -120,10 +125,8 @@ def test_qwen2vl_pixels_match_the_reference(size):
 @pytest.mark.parametrize("size", [(900, 500), (31, 29), (200, 1500)])
 def test_pixels_match_transformers_own_image_processors(size):
     """transformers' PIL image processors run without torchvision: a second, official oracle."""
-    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (
-        GotOcr2ImageProcessorPil)
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil)
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     image = _image(size)
     hf = GotOcr2ImageProcessorPil(crop_to_patches=True, max_patches=6,

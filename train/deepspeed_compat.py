@@ -12,6 +12,8 @@ import inspect
 
 from torch import nn
 
+from vlmshard.errors import JobError
+
 # The DeepSpeed releases this adapter is tested with: [low, high).
 TESTED_RANGE = ((0, 19), (0, 20))
 
@@ -19,8 +21,8 @@ TESTED_RANGE = ((0, 19), (0, 20))
 _METHODS = {"_partition_layers": ("method",), "_set_bounds": ("start", "stop")}
 
 
-class DeepSpeedCompatError(RuntimeError):
-    pass
+class DeepSpeedCompatError(JobError):
+    """The installed DeepSpeed lacks what the trainer relies on; the message says what."""
 
 
 def _release(version: str) -> tuple[int, int]:

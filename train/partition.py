@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from vlmshard.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class LayerCost:
@@ -91,7 +93,7 @@ class Partition:
         return [i for s in self.stages for i in s.recompute]
 
 
-class PartitionError(ValueError):
+class PartitionError(ConfigError):
     """No partition fits: the message says which stage and by how much."""
 
 

@@ -20,6 +20,7 @@ import logging
 import os
 from typing import IO, Iterable
 
+from vlmshard.errors import InputError
 from vlmshard.io import atomic_write
 from vlmshard.model_sizes import Size
 
@@ -126,7 +127,7 @@ def write_record(f: IO[str], record: dict) -> None:
     f.flush()
 
 
-class TrainLogError(ValueError):
+class TrainLogError(InputError):
     """A train log that cannot be read; the message names the file and line."""
 
 

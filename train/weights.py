@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from vlmshard.errors import InputError
 from vlmshard.io import fsync_path
 
 INDEX = "model.safetensors.index.json"
@@ -31,7 +32,7 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "BF16": torch.bfloat16}
 
 
-class WeightsError(ValueError):
+class WeightsError(InputError):
     """A model folder whose weights cannot be read: the message names the file or tensor."""
 
 

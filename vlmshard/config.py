@@ -24,11 +24,9 @@ import types
 import typing
 from typing import Any, Literal, TypeVar, Union
 
+from .errors import ConfigError
+
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A config value or file is wrong; the message is one line naming key, type and source."""
 
 
 def option(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None,

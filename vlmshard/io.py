@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, TypeVar
 
+from .errors import InputError
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -131,7 +133,7 @@ class RetryPolicy:
                    stall_s=float(env("VLMSHARD_REMOTE_STALL_S", cls.stall_s)))
 
 
-class RemoteReadError(OSError):
+class RemoteReadError(InputError, OSError):
     """A remote read that still failed transiently after every retry (names URL and error)."""
 
 

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from vlmshard.errors import InputError
 from vlmshard.io import read_json, sha256_file
 
 from ..tiling import TilingPolicy
@@ -29,7 +30,7 @@ REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
-class ModelFolderError(ValueError):
+class ModelFolderError(InputError):
     """A model folder that cannot be used; the message is one line naming the file."""
 
 

@@ -26,7 +26,8 @@ import json
 import os
 import re
 
-from ..rejects import Reject
+from vlmshard.rejects import Reject
+
 from ..tokenize import IGNORE_INDEX, IMAGE_PLACEHOLDER, EncodedSample
 from . import ModelFolderError, ModelSpec
 

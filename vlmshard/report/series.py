@@ -16,8 +16,10 @@ from vlmshard.packing.batches import Lengths, Packing
 from vlmshard.packing.cost import CostModel
 from vlmshard.packing.metrics import dist_ratio_per_step, source_shares, step_loads
 
+from ..errors import InputError
 
-class ReportError(ValueError):
+
+class ReportError(InputError):
     """An input the report cannot use; the message names it and what is wrong."""
 
 

@@ -8,6 +8,8 @@ number of images) come before reading any image.
 
 from __future__ import annotations
 
+from .errors import InputError
+
 REASONS = {
     "malformed_json": "the row is not valid JSON or not a JSON object",
     "unreadable_source": "a whole annotation file could not be parsed (counted as one row)",
@@ -54,8 +56,9 @@ def one_line(message: str) -> str:
     return message
 
 
-class Reject(Exception):
-    """Raised by per-sample code; the job catches it and records a reject row."""
+class Reject(InputError):
+    """Raised by per-sample code (a family's tiling rule included); preprocess catches it and
+    records a reject row."""
 
     def __init__(self, reason: str, message: str) -> None:
         assert reason in REASONS, reason
