@@ -294,12 +294,12 @@ def main() -> None:
     rng = random.Random(args.seed)
 
     from vlmshard.preprocess.demo_data import generate
-    from vlmshard.train.tiny_models import tiny_folder
+    from vlmshard.preprocess.demo_data import demo_model
 
     work = args.work
     shutil.rmtree(work, ignore_errors=True)
     data = generate(os.path.join(work, "data"), seed=0, scale=args.scale)
-    model = tiny_folder("internvl", os.path.join(work, "model"))
+    model = demo_model("internvl", os.path.join(work, "model"))
     pre_args = [data.meta, "--part-size", "16", "--workers", "1", "--max-seq-len", "8192",
                 "--keep-tokens"]
     pre = os.path.join(work, "pre")

@@ -32,12 +32,9 @@ import numpy as np
 from PIL import Image
 
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
+from vlmshard.families import tiny_folder
 from vlmshard.preprocess.demo_data import WORDS, generate
 from vlmshard.preprocess.tokenize import TekkenTokenizer, default_tekken_path
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tests"))
-from model_folders import qwen2vl_folder  # noqa: E402
 
 
 def make_dataset(root: str, n: int, seed: int = 0) -> str:
@@ -79,7 +76,8 @@ def make_model(root: str, data: str) -> str:
     if not os.path.exists(os.path.join(path, "config.json")):
         corpus = [turn["value"] for i, line in enumerate(open(data)) if i < 5000
                   for turn in json.loads(line)["conversations"]]
-        qwen2vl_folder(path, corpus=corpus, vocab_size=32000, max_pixels=28 * 28 * 1280)
+        tiny_folder("qwen2_vl", path, corpus=corpus, vocab_size=32000,
+                    max_pixels=28 * 28 * 1280)
     return path
 
 

@@ -45,7 +45,7 @@ from vlmshard.preprocess import PreprocessConfig, run_preprocess  # noqa: E402
 from vlmshard.preprocess.demo_data import generate  # noqa: E402
 from vlmshard.preprocess.tokenize import IGNORE_INDEX  # noqa: E402
 from vlmshard.shards.layout import join, read_manifest  # noqa: E402
-from vlmshard.preprocess.tiling import to_rgb  # noqa: E402
+from vlmshard.families import to_rgb  # noqa: E402
 from vlmshard.shards.loader import ShardDataset, make_loader  # noqa: E402
 from vlmshard.shards.config import WriteConfig  # noqa: E402
 from vlmshard.shards.writer import run_write  # noqa: E402

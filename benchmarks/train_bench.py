@@ -49,7 +49,7 @@ from vlmshard.preprocess.demo_data import generate  # noqa: E402
 from vlmshard.shards.config import WriteConfig  # noqa: E402
 from vlmshard.shards.writer import run_write  # noqa: E402
 from vlmshard.train.launcher import train  # noqa: E402
-from vlmshard.train.tiny_models import tiny_folder  # noqa: E402
+from vlmshard.preprocess.demo_data import demo_model  # noqa: E402
 from vlmshard.train.config import ProfileConfig  # noqa: E402
 from vlmshard.train.profile import run_profile  # noqa: E402
 from vlmshard.simulate.replay import validate_against_log  # noqa: E402
@@ -61,7 +61,7 @@ def prepare(work: str, scale: int) -> dict:
     with the measured costs."""
     shutil.rmtree(work, ignore_errors=True)
     data = generate(os.path.join(work, "data"), seed=0, scale=scale)
-    model = tiny_folder("internvl", os.path.join(work, "model"))
+    model = demo_model("internvl", os.path.join(work, "model"))
     pre = os.path.join(work, "preprocess")
     run_preprocess(PreprocessConfig(inputs=[data.meta], out=pre, model=model, keep_tokens=True,
                                     tile_budget="per-sample", max_seq_len=8192, part_size=256))

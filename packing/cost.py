@@ -46,21 +46,23 @@ class CostModel:
         """The FLOPs of ``name`` (a model folder or a preset; default: the folder the stats were
         made for, else the family's preset), checked to count the ViT in the unit the stats do:
         a model of other units would weigh tiles against tokens wrongly."""
-        from vlmshard.model_sizes import DEFAULT_PRESETS, PRESETS
-
         import os
 
+        from vlmshard.families import family as family_named
+        from vlmshard.model_sizes import PRESETS
+
+        preset = family_named(family).default_preset
         if not name and model_folder and not os.path.isdir(model_folder):
             log.warning("the stats' model folder %s is not here; costing with the %s preset",
-                        model_folder, DEFAULT_PRESETS[family])
+                        model_folder, preset)
             model_folder = None
-        name = name or model_folder or DEFAULT_PRESETS[family]
+        name = name or model_folder or preset
         model = _model_sizes(name, PRESETS)
-        default = PRESETS[DEFAULT_PRESETS[family]]
+        default = PRESETS[preset]
         if model.vision.image_size != default.vision.image_size:
             raise ValueError(f"model {name!r} counts {model.vision.image_size}-px ViT units, but "
                              f"the stats count {family}'s {default.vision.image_size}-px units: "
-                             f"pass --model {DEFAULT_PRESETS[family]} or a --cost-model file")
+                             f"pass --model {preset} or a --cost-model file")
         return cls.from_sizes(model)
 
     @classmethod
@@ -86,7 +88,7 @@ def _model_sizes(name: str, presets: dict):
     """A preset's sizes, or those a model folder's ``config.json`` states."""
     import os
 
-    from vlmshard.model_sizes import ModelConfig
+    from vlmshard.families import model_sizes
 
     if name in presets:
         return presets[name]
@@ -94,4 +96,4 @@ def _model_sizes(name: str, presets: dict):
     if not os.path.isfile(config):
         raise ValueError(f"unknown model {name!r}: neither a preset ({', '.join(sorted(presets))}) "
                          "nor a model folder with a config.json")
-    return ModelConfig.from_hf_config(read_json(config), os.path.basename(os.path.abspath(name)))
+    return model_sizes(read_json(config), name)

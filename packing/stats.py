@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vlmshard.errors import InputError
+from vlmshard.families import DEMO_FAMILY
 from vlmshard.io import sha256_file
 
 from .batches import Lengths
@@ -44,9 +45,9 @@ class LoadedStats:
 
     @property
     def family(self) -> str:
-        """The family whose ViT unit ``vit_tiles`` counts: its tiling policy's name (OmniBal
-        lengths: InternVL tiles)."""
-        return self.preprocess["config"]["tiling"]["name"] if self.preprocess else "internvl"
+        """The model family the stats were preprocessed for, whose ViT unit ``vit_tiles``
+        counts (OmniBal lengths count InternVL tiles, the demo's family)."""
+        return self.preprocess["config"]["model"]["family"] if self.preprocess else DEMO_FAMILY
 
     @property
     def model_folder(self) -> str | None:

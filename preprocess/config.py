@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from vlmshard.config import ConfigError, option
 from vlmshard.engines import EngineOptions
+from vlmshard.families import DEMO_FAMILY, TileBudget, families, model_types
 
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485  # Pillow's decompression-bomb limit
-TileBudget = Literal["per-image", "per-sample"]
 
 
 @dataclass(kw_only=True)
@@ -26,15 +25,17 @@ class PreprocessConfig(EngineOptions):
         default_text="the annotation file's folder; meta files give 'root'")
     model: str | None = option(
         None, metavar="PATH",
-        help="a local Hugging Face model folder (InternVL, Qwen2-VL, Qwen2.5-VL): its tokenizer, "
-             "chat template, image tokens and image processor limits define the samples",
+        help="a local Hugging Face model folder (its config.json's model_type picks the family: "
+             f"{', '.join(model_types())}): its tokenizer, chat template, image tokens and "
+             "image processor limits define the samples",
         default_text="the offline demo: Tekken with the mistral template")
-    tiling: Literal["internvl", "qwen2vl"] | None = option(
-        None, help="demo only (a --model sets its own): whose image processing to count with, "
-                   "at transformers' defaults", default_text="internvl")
+    tiling: str | None = option(
+        None, metavar="FAMILY",
+        help="demo only (a --model sets its own): the model family whose image processing to "
+             f"count with, at transformers' defaults ({', '.join(families())})", default_text=DEMO_FAMILY)
     max_patches: int | None = option(
-        None, help="internvl: most tiles per image (an InternVL meta file's max_dynamic_patch "
-                   "sets it per source)", default_text="the model's preprocessor_config.json")
+        None, help="most tiles per image, in families with such a limit (InternVL; an "
+                   "InternVL meta file's max_dynamic_patch sets it per source)", default_text="the model's preprocessor_config.json")
     tile_budget: TileBudget = option(
         "per-image", help="internvl multi-image rows: per-image (each image may use "
                           "max_patches, as transformers does) or per-sample (the images share it, "

@@ -67,6 +67,18 @@ class DemoDataset:
     sources: dict[str, str]
 
 
+def demo_model(model_type: str, path: str) -> str:
+    """The demo's tiny model folder of ``model_type`` (random weights) at ``path``: a tokenizer
+    that has seen the demo's words, the family's demo image limits. The same bytes every time,
+    so rerunning the demo redoes nothing it need not."""
+    from vlmshard.families import family_for_model_type, tiny_folder
+    from vlmshard.families.tiny import CORPUS
+
+    corpus = CORPUS + [" ".join(WORDS[i:] + WORDS[:i]) for i in range(0, len(WORDS), 7)]
+    limits = family_for_model_type(model_type, path).demo_limits
+    return tiny_folder(model_type, path, corpus=corpus, vocab_size=1000, **limits)
+
+
 def skimage_photo_dir() -> str:
     spec = importlib.util.find_spec("skimage")
     if spec is None or not spec.submodule_search_locations:

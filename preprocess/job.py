@@ -19,7 +19,7 @@ import os
 import shutil
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -28,17 +28,24 @@ from vlmshard import __version__
 from vlmshard.config import ConfigError
 from vlmshard.engines import resolve_workers, run_units
 from vlmshard.errors import JobError
+from vlmshard.families import (
+    DEMO_FAMILY,
+    ModelFolderError,
+    ModelSpec,
+    TilingPolicy,
+    families,
+    family,
+    load_model,
+)
 from vlmshard.io import atomic_write, is_url, write_json_atomic, write_parquet
 from vlmshard.jobs import WORK, claim_output, locked_output
 from vlmshard.progress import Progress
 from vlmshard.rejects import REASONS
 
 from .config import PreprocessConfig
-from .families import ModelFolderError, ModelSpec, load_model
 from .sample import SampleLimits, SampleSpec, make_encoder
 from .schema import REJECTS_SCHEMA, stats_schema
 from .sources import Source, discover_sources, index_source, plan_parts
-from .tiling import POLICIES, InternVLTiling, TilingPolicy
 from .tokenize import TokenizerConfig, tekken_tokenizer
 from .worker import JobSpec, PartWorker, committed_summary, part_paths
 
@@ -161,14 +168,21 @@ def resolve_model(cfg: PreprocessConfig) -> tuple[ModelSpec, TokenizerConfig, Ti
             raise ConfigError(str(e)) from None
         tokenizer = TokenizerConfig(kind="model", path=model.path)
     else:
+        name = cfg.tiling or DEMO_FAMILY
+        if name not in families():
+            raise ConfigError(f"--tiling {name}: not a model family (known: "
+                              f"{', '.join(sorted(families()))})")
         tokenizer = tekken_tokenizer()
-        tiling = POLICIES[cfg.tiling or "internvl"]()
-        model = ModelSpec(family=tiling.name, path=None)
-    if isinstance(tiling, InternVLTiling):
-        tiling = replace(tiling, budget=cfg.tile_budget,
-                         max_patches=cfg.max_patches or tiling.max_patches)
+        tiling = family(name).default_tiling()
+        model = ModelSpec(family=name, path=None)
+    limited = tiling.with_limits(max_patches=cfg.max_patches, budget=cfg.tile_budget)
+    if limited is not None:
+        tiling = limited
     elif cfg.max_patches is not None:
-        raise ConfigError(f"--max-patches applies to InternVL tiling, not {tiling.name}")
+        limits = [f.description for f in families().values()
+                  if f.default_tiling().with_limits() is not None]
+        raise ConfigError(f"--max-patches applies to {' or '.join(limits)} tiling, not "
+                          f"{model.family}")
     make_encoder(tokenizer, model)
     return model, tokenizer, tiling
 

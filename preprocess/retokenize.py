@@ -21,13 +21,12 @@ from dataclasses import fields
 import numpy as np
 
 from vlmshard.errors import JobError
+from vlmshard.families import ModelSpec, policy_from_dict, source_tiling
 from vlmshard.io import sha256_file
 from vlmshard.rejects import Reject
 
-from .families import ModelSpec
 from .sample import SampleLimits, SampleProcessor, SampleSpec, make_encoder
 from .sources import Part, Source, index_source, read_part_rows
-from .tiling import source_tiling, tiling_from_dict
 from .tokenize import TokenizerConfig
 
 
@@ -67,7 +66,7 @@ class RecordedPreprocess:
 
     def source_tilings(self) -> dict[str, dict]:
         """Source name -> the tiling policy (as a dict) its images were counted with."""
-        base = tiling_from_dict(self.config["tiling"])
+        base = policy_from_dict(self.config["tiling"])
         return {s["name"]: source_tiling(base, s["max_num"]).to_dict()
                 for s in self.config["sources"]}
 

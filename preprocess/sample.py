@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vlmshard.families import ModelSpec, TilingPolicy, policy_from_dict, source_tiling
 from vlmshard.rejects import Reject
 
 from .config import DEFAULT_MAX_IMAGE_PIXELS
-from .families import ModelSpec
 from .images import read_image_header, resolve_image_path
 from .schema import MAX_IMAGES_PER_SAMPLE
 from .sources import Source
-from .tiling import TilingPolicy, source_tiling, tiling_from_dict
 from .tokenize import IMAGE_PLACEHOLDER, ROLES, TekkenEncoder, TokenizerConfig
 
 
@@ -38,7 +37,7 @@ def make_encoder(tokenizer: TokenizerConfig, model: ModelSpec):
     """The conversation encoder: the demo's Tekken, or the model folder's chat template."""
     if tokenizer.kind == "tekken":
         return TekkenEncoder(tokenizer)
-    from .families.chat import ChatTemplateEncoder
+    from .chat import ChatTemplateEncoder
 
     return ChatTemplateEncoder(model)
 
@@ -49,7 +48,7 @@ class SampleProcessor:
     def __init__(self, spec: SampleSpec) -> None:
         self.spec = spec
         self.encoder = make_encoder(spec.tokenizer, spec.model)
-        base = tiling_from_dict(spec.tiling)
+        base = policy_from_dict(spec.tiling)
         self.tilings: list[TilingPolicy] = [source_tiling(base, s.max_num) for s in spec.sources]
 
     def process(self, source_index: int, record: dict | Reject, keep_tokens: bool) -> dict:

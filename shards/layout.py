@@ -98,15 +98,15 @@ class Manifest:
 
     def model_spec(self):
         """The recorded ``ModelSpec`` (family, image layout, dtype)."""
-        from vlmshard.preprocess.families import ModelSpec
+        from vlmshard.families import ModelSpec
 
         return ModelSpec.from_dict(self.model)
 
     def policies(self) -> dict:
         """Source name -> the tiling policy its images were counted (and must be cut) with."""
-        from vlmshard.preprocess.tiling import tiling_from_dict
+        from vlmshard.families import policy_from_dict
 
-        return {name: tiling_from_dict(d) for name, d in self.tiling.items()}
+        return {name: policy_from_dict(d) for name, d in self.tiling.items()}
 
     def coverage_problem(self, rank: int) -> str | None:
         """Why ``rank``'s shards do not hold steps 0..steps-1 back to back, or None."""

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from vlmshard.preprocess.families import family
+from vlmshard.families import family
 from vlmshard.preprocess.tokenize import IGNORE_INDEX
 
 from .layout import Manifest, ShardEntry, read_manifest

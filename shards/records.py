@@ -31,7 +31,7 @@ from .layout import parse_key, record_key
 if TYPE_CHECKING:
     from PIL import Image
 
-    from vlmshard.preprocess.tiling import TilingPolicy
+    from vlmshard.families import TilingPolicy
 
 JSON = "json"
 INPUT_IDS = "input_ids.npy"
@@ -182,7 +182,7 @@ def decoded_images(record: Record, policies: dict[str, "TilingPolicy"], *,
     loader and ``verify``."""
     from PIL import Image
 
-    from vlmshard.preprocess.tiling import to_rgb
+    from vlmshard.families import to_rgb
 
     images = iter(record.images)
     for sample in record.samples:

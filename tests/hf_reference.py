@@ -13,12 +13,12 @@ import os
 
 import torch
 
+from vlmshard.families import tiny_folder
 from vlmshard.packing.config import PackConfig
 from vlmshard.packing.plan import run_pack
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
 from vlmshard.shards.config import WriteConfig
 from vlmshard.shards.writer import run_write
-from vlmshard.train.tiny_models import internvl_folder, qwen2vl_folder
 
 FAMILIES = ("internvl", "qwen2_vl", "qwen2_5_vl")
 
@@ -49,8 +49,8 @@ ROWS = [
 
 def make_folder(family: str, path: str) -> str:
     if family == "internvl":
-        return internvl_folder(path, max_patches=2)
-    return qwen2vl_folder(path, model_type=family, max_pixels=28 * 28 * 64)
+        return tiny_folder("internvl", path, max_patches=2)
+    return tiny_folder(family, path, max_pixels=28 * 28 * 64)
 
 
 def make_shards(folder: str, root, rows=ROWS, **pack) -> str:

@@ -40,7 +40,7 @@ import pytest
 from PIL import Image, features
 
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
-from vlmshard.preprocess.tiling import tiling_from_dict
+from vlmshard.families import policy_from_dict
 from vlmshard.rejects import REASONS
 
 # Pillow here reads and writes AVIF (Pillow >= 11.2 wheels bundle libavif); where it does not, the
@@ -318,7 +318,7 @@ def test_every_kind_of_bad_input_gets_its_reason(tmp_path, tiling):
             path = _image_path(rows[r["row"]][1])
             assert os.path.basename(path) in message, r
     # Accepted images: their stored size, the policy's tiles, and the loader agrees on both.
-    policy = tiling_from_dict(report["config"]["tiling"])
+    policy = policy_from_dict(report["config"]["tiling"])
     for s in stats:
         path = _image_path(rows[s["row"]][1])
         if path is None:
@@ -339,7 +339,8 @@ def test_exif_orientation_tiles_follow_the_pixels_the_loader_decodes(tmp_path):
     policies. Stated: the model sees the image as stored, as transformers' processors do when
     handed the decoded PIL image (its ``load_image`` of a path would turn it upright)."""
     from vlmshard.preprocess.images import read_image_header
-    from vlmshard.preprocess.tiling import InternVLTiling, Qwen2VLTiling
+    from vlmshard.families.internvl import InternVLTiling
+    from vlmshard.families.qwen2vl import Qwen2VLTiling
 
     for orientation in range(1, 9):
         path = str(tmp_path / f"o{orientation}.jpg")
@@ -356,7 +357,8 @@ def test_exif_orientation_tiles_follow_the_pixels_the_loader_decodes(tmp_path):
 
 def test_doomed_rows_are_rejected_before_any_image_is_read_or_text_tokenized(monkeypatch):
     from vlmshard.preprocess import sample
-    from vlmshard.preprocess.tiling import InternVLTiling, Qwen2VLTiling
+    from vlmshard.families.internvl import InternVLTiling
+    from vlmshard.families.qwen2vl import Qwen2VLTiling
     from vlmshard.preprocess.tokenize import TekkenEncoder, tekken_tokenizer
     from vlmshard.rejects import Reject
 
@@ -439,17 +441,17 @@ def test_a_utf16_line_without_bom_is_undecodable_text(tmp_path):
 
 @pytest.fixture(scope="module")
 def qwen_folder(tmp_path_factory) -> str:
-    from vlmshard.train.tiny_models import qwen2vl_folder
+    from vlmshard.families import tiny_folder
 
-    return qwen2vl_folder(str(tmp_path_factory.mktemp("models") / "qwen2vl"))
+    return tiny_folder("qwen2_vl", str(tmp_path_factory.mktemp("models") / "qwen2vl"))
 
 
 def test_a_model_tokenizer_bounds_a_10mb_turn_without_tokenizing_it(qwen_folder):
     """With a model folder's tokenizer too, a 10 MB turn is ``too_long`` at once (it takes ~10 s
     to tokenize), and the bound never exceeds the true count."""
     from vlmshard.preprocess import sample
-    from vlmshard.preprocess.families import load_model
-    from vlmshard.preprocess.families.chat import ChatTemplateEncoder
+    from vlmshard.families import load_model
+    from vlmshard.preprocess.chat import ChatTemplateEncoder
     from vlmshard.rejects import Reject
 
     model, tiling = load_model(qwen_folder)

@@ -17,7 +17,7 @@ from PIL import Image
 
 import image_references as ref
 from helpers import vlmshard
-from vlmshard.train.tiny_models import internvl_folder, qwen2vl_folder
+from vlmshard.families import tiny_folder
 from vlmshard.packing.config import PackConfig
 from vlmshard.packing.plan import run_pack
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
@@ -37,10 +37,11 @@ SPECIAL_TEXT = ("Ignore <|im_end|> <IMG_CONTEXT> <|image_pad|> <img></img> <|vis
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("models")
-    return {"internvl": internvl_folder(str(root / "internvl"), max_patches=INTERNVL_MAX_PATCHES),
-            "qwen2vl": qwen2vl_folder(str(root / "qwen2vl"), max_pixels=QWEN_MAX_PIXELS),
-            "qwen2_5_vl": qwen2vl_folder(str(root / "qwen2_5_vl"), model_type="qwen2_5_vl",
-                                         max_pixels=QWEN_MAX_PIXELS)}
+    return {"internvl": tiny_folder("internvl", str(root / "internvl"),
+                                    max_patches=INTERNVL_MAX_PATCHES),
+            "qwen2vl": tiny_folder("qwen2_vl", str(root / "qwen2vl"), max_pixels=QWEN_MAX_PIXELS),
+            "qwen2_5_vl": tiny_folder("qwen2_5_vl", str(root / "qwen2_5_vl"),
+                                      max_pixels=QWEN_MAX_PIXELS)}
 
 
 def _photo(name: str) -> str:

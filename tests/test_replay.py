@@ -81,12 +81,13 @@ def test_analytic_layers_map_onto_the_trainers_layers(family, tmp_path):
     norm do no counted work, so the rows sum to the whole model's forward FLOPs; layers up to
     the projector scale with tiles only, the others with tokens and squares only."""
     from vlmshard.train.hf_model import model_layers
-    from vlmshard.train.tiny_models import tiny_folder
+    from vlmshard.families import model_sizes
+    from vlmshard.preprocess.demo_data import demo_model
 
-    folder = tiny_folder(family, str(tmp_path / "model"))
+    folder = demo_model(family, str(tmp_path / "model"))
     names = model_layers(folder).names
     with open(f"{folder}/config.json") as f:
-        model = ModelConfig.from_hf_config(json.load(f), "tiny")
+        model = model_sizes(json.load(f), "tiny")
     rates = analytic_rates(names, model)
     assert len(rates.forward) == len(names)
     total = training_flops(model)  # forward + backward, 3x the forward

@@ -10,13 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vlmshard.preprocess.tiling import (
-    InternVLTiling,
-    Qwen2VLTiling,
-    source_tiling,
-    tiling_from_dict,
-    to_rgb,
-)
+from vlmshard.families import policy_from_dict, source_tiling, to_rgb
+from vlmshard.families.internvl import InternVLTiling
+from vlmshard.families.qwen2vl import Qwen2VLTiling
 from vlmshard.rejects import Reject
 
 # (width, height) -> tiles of one image of a sample with 1, 2 and 3 images when the images share
@@ -85,7 +81,7 @@ def test_qwen2vl_rejects_only_extreme_aspect_ratios():
 def test_policy_round_trip():
     for policy in (InternVLTiling(max_patches=6, budget="per-sample", mean=(0.5, 0.5, 0.5)),
                    Qwen2VLTiling(min_pixels=100, max_pixels=10_000)):
-        assert tiling_from_dict(policy.to_dict()) == policy
+        assert policy_from_dict(policy.to_dict()) == policy
 
 
 SIZES = [(900, 500), (448, 448), (200, 1500), (3000, 800), (31, 29), (1000, 1000), (20, 100),

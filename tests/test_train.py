@@ -22,10 +22,10 @@ from vlmshard.shards.loader import ShardDataset
 from vlmshard.shards.config import WriteConfig
 from vlmshard.shards.writer import run_write
 from vlmshard.train.hf_model import model_layers
-from vlmshard.train.models import unpack, wire_inputs
+from vlmshard.train.micro import unpack, wire_inputs
 from vlmshard.train.partition import (CUDA_CONTEXT_BYTES, FRAGMENTATION, NCCL_BUFFER_BYTES,
                                       LayerCost, stage_memory)
-from vlmshard.train.tiny_models import internvl_folder
+from vlmshard.families import tiny_folder
 from vlmshard.train.config import ProfileConfig
 from vlmshard.train.profile import run_profile
 from vlmshard.simulate.replay import compare, replay_run, validate_against_log
@@ -41,7 +41,7 @@ def small_shards(demo, tmp_path_factory):
     (tied embedding and head), packed for 2 ranks two samples a micro-batch (fixed caps: the
     searched ones take one, which leaves ``partition`` no recompute that fits)."""
     root = tmp_path_factory.mktemp("small")
-    folder = internvl_folder(str(root / "model"), max_patches=2)
+    folder = tiny_folder("internvl", str(root / "model"), max_patches=2)
     photo = next(p for p in demo.images if p.endswith(".jpg"))
     with Image.open(os.path.join(demo.root, photo)) as im:
         im.convert("RGB").resize((448, 448)).save(root / "photo.jpg")
@@ -500,7 +500,7 @@ def test_first_pipeline_step_equals_the_hf_model(family, tmp_path):
 
 
 def test_a_model_folder_without_weights_is_one_line(tmp_path):
-    folder = internvl_folder(str(tmp_path / "model"))
+    folder = tiny_folder("internvl", str(tmp_path / "model"))
     os.unlink(tmp_path / "model" / "model.safetensors")
     proc = vlmshard("train", "--shards", str(tmp_path / "s"), "--model", folder, "--out",
                     str(tmp_path / "run"), check=False)

@@ -94,7 +94,7 @@ class TrainConfig:
 
     def model_path(self) -> str:
         """``model``, or the folder the shards were preprocessed with."""
-        from vlmshard.preprocess.families import read_model_folder
+        from vlmshard.families import read_model_folder
 
         path = self.model
         if path is None:

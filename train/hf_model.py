@@ -1,7 +1,7 @@
 """A Hugging Face model folder as the trainer's layer list: read, built on ``meta``, loaded per layer.
 
 ``model_layers(path, backend)`` reads the folder's config, picks the family from its
-``model_type`` (the families of ``vlmshard.preprocess.families``), builds the whole
+``model_type`` (``vlmshard.families``), builds the whole
 ``transformers`` model on the ``meta`` device (free, whatever its size) with the chosen attention
 backend, and lists its pipeline layers (``train.models``). ``build_layer`` then materializes one
 layer with its own tensors only.
@@ -10,22 +10,18 @@ layer with its own tensors only.
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from vlmshard.preprocess.families import family_for_model_type, read_model_folder
+from vlmshard.families import family_for_model_type, read_model_folder
 
 from .attention import implementation
-from .models import Geometry, LayerDef, Phase
+from .micro import Phase
+from .models.layers import Geometry, LayerDef
 from .weights import Checkpoint, load_layer
-
-
-def _family_layers():
-    from .models import internvl, qwen2vl
-
-    return {"internvl": internvl.layers, "qwen2vl": qwen2vl.layers}
 
 
 @dataclass
@@ -88,10 +84,12 @@ def model_layers(path: str, backend: str = "sdpa") -> ModelLayers:
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     folder = read_model_folder(path)
-    family = family_for_model_type(folder.config.get("model_type", ""), path).name
+    family = family_for_model_type(folder.config.get("model_type", ""), path)
+    module, _, function = family.trainer_layers.partition(":")
+    layers = getattr(importlib.import_module(module), function)  # may register with transformers
     config = AutoConfig.from_pretrained(folder.path, local_files_only=True)
     with torch.device("meta"):
         meta = AutoModelForImageTextToText.from_config(
             config, attn_implementation=implementation(backend))
-    defs, geometry = _family_layers()[family](meta)  # outside meta: rotary tables are real
-    return ModelLayers(folder.path, family, backend, meta.config, meta, defs, geometry)
+    defs, geometry = layers(meta)  # outside meta: rotary tables are real
+    return ModelLayers(folder.path, family.name, backend, meta.config, meta, defs, geometry)

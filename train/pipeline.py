@@ -25,7 +25,8 @@ from torch.utils.checkpoint import checkpoint
 from . import deepspeed_compat as ds
 from .clock import CLOCK
 from .hf_model import ModelLayers, model_layers
-from .models import LayerDef, Micro, pack, unpack, wire_inputs
+from .micro import Micro, pack, unpack, wire_inputs
+from .models.layers import LayerDef
 
 
 class PipeLayer(nn.Module):

@@ -31,7 +31,7 @@ from vlmshard.model_sizes import bytes_per_param
 from .attention import choose_backend
 from .config import ProfileConfig
 from .hf_model import ModelLayers, model_layers
-from .models import unpack, wire_inputs
+from .micro import unpack, wire_inputs
 from .partition import (LayerCost, Machine, Partition, deepspeed_bounds, evaluate,
                         largest_micro_batch_scale, omnibal_candidates, search_partition)
 from .train_log import micro_batch_size

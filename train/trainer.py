@@ -29,8 +29,15 @@ from vlmshard.model_sizes import training_flops
 
 from .config import TrainConfig
 from .distributed import init_distributed
-from .train_log import (PIPELINE_NAME, open_log, pipeline_record, rank_data, rank_timing,
-                        step_record, write_record)
+from .train_log import (
+    PIPELINE_NAME,
+    open_log,
+    pipeline_record,
+    rank_data,
+    rank_timing,
+    step_record,
+    write_record,
+)
 
 log = logging.getLogger(__name__)
 
@@ -113,13 +120,13 @@ def run(cfg: TrainConfig) -> None:
     import torch
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
-    from vlmshard.model_sizes import ModelConfig
+    from vlmshard.families import model_sizes
     from vlmshard.shards.loader import ShardDataset
 
     from .attention import choose_backend
     from .clock import CLOCK
     from .hf_model import model_layers
-    from .models import supervised_tokens
+    from .micro import supervised_tokens
     from .pipeline import AveTokenLoss, VLMPipeline, no_inputs, pipeline_inputs
     from .save import save_hf
 
@@ -167,8 +174,7 @@ def run(cfg: TrainConfig) -> None:
     reads = engine.is_first_stage()
     batches = repeated(cfg, dp_rank, first_step, cuda) if reads else None
     log_file = open_log(cfg.out, first_step) if engine.global_rank == 0 else None
-    sizes = ModelConfig.from_hf_config(read_json(os.path.join(model.path, "config.json")),
-                                       os.path.basename(model.path))
+    sizes = model_sizes(read_json(os.path.join(model.path, "config.json")), model.path)
     flops = training_flops(sizes)
     stages = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(stages, (engine.stage_id, net.stage_layer_names, [

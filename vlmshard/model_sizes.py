@@ -2,9 +2,10 @@
 packing (its default cost model), train (model shapes, FLOPs per step) and simulate.
 
 Presets: ``tiny`` for CPU tests, real sizes (``internvl2-2b``, ``internvl-chat-1.5``,
-``qwen2-vl-2b``) for profiling, the packer's FLOPs cost model and simulation. A preset's ViT unit
-(``image_size``) must be the one the stats count: a 448-px InternVL tile, or a 28-px Qwen2-VL
-merged patch (``DEFAULT_PRESETS`` maps each to its default). The vision side must turn one tile into
+``qwen2-vl-2b``) for profiling, the packer's FLOPs cost model and simulation; a model folder's
+sizes come from its family (``vlmshard.families``). A preset's ViT unit (``image_size``) must be
+the one the stats count: a 448-px InternVL tile, or a 28-px Qwen2-VL merged patch (each family
+names its ``default_preset``). The vision side must turn one tile into
 exactly the ``tokens_per_tile`` image tokens the shards were tokenized with:
 (image_size / patch_size x downsample_ratio)^2.
 
@@ -41,6 +42,20 @@ class LLMConfig:
     intermediate: int = 128
     rope_theta: float = 1e6
     rms_eps: float = 1e-6
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> "LLMConfig":
+        """The LLM sizes of a Hugging Face VLM ``config.json``: its ``text_config`` (older
+        Qwen2-VL files keep them at the top level)."""
+        text = {**{k: v for k, v in config.items() if k not in ("vision_config", "text_config")},
+                **(config.get("text_config") or {})}
+        heads = text["num_attention_heads"]
+        rope = text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta")
+        return cls(vocab_size=text["vocab_size"], hidden=text["hidden_size"],
+                   layers=text["num_hidden_layers"], heads=heads,
+                   kv_heads=text.get("num_key_value_heads") or heads,
+                   intermediate=text["intermediate_size"], rope_theta=float(rope or 1e6),
+                   rms_eps=float(text.get("rms_norm_eps", 1e-6)))
 
 
 @dataclass(frozen=True)
@@ -93,48 +108,6 @@ class ModelConfig:
         config.validate()
         return config
 
-    @classmethod
-    def from_hf_config(cls, config: dict, name: str) -> "ModelConfig":
-        """The sizes a Hugging Face ``config.json`` of a supported family states (InternVL,
-        Qwen2-VL, Qwen2.5-VL; older Qwen2-VL files keep the LLM's sizes at the top level)."""
-        model_type = config.get("model_type")
-        vision = config.get("vision_config") or {}
-        text = {**{k: v for k, v in config.items() if k not in ("vision_config", "text_config")},
-                **(config.get("text_config") or {})}
-        heads = text["num_attention_heads"]
-        rope = text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta")
-        llm = LLMConfig(vocab_size=text["vocab_size"], hidden=text["hidden_size"],
-                        layers=text["num_hidden_layers"], heads=heads,
-                        kv_heads=text.get("num_key_value_heads") or heads,
-                        intermediate=text["intermediate_size"], rope_theta=float(rope or 1e6),
-                        rms_eps=float(text.get("rms_norm_eps", 1e-6)))
-        if model_type == "internvl":
-            def first(v):
-                return v[0] if isinstance(v, list) else v
-            hidden = vision["hidden_size"]
-            vit = VisionConfig(image_size=first(vision["image_size"]),
-                               patch_size=first(vision["patch_size"]), hidden=hidden,
-                               layers=vision["num_hidden_layers"],
-                               heads=vision["num_attention_heads"],
-                               mlp_ratio=vision["intermediate_size"] / hidden)
-            ratio = float(config.get("downsample_ratio", 0.5))
-        elif model_type in ("qwen2_vl", "qwen2_5_vl"):  # the unit: one merged patch
-            hidden = vision["embed_dim"] if model_type == "qwen2_vl" else vision["hidden_size"]
-            mlp = vision.get("mlp_ratio") or vision["intermediate_size"] / hidden
-            merge = vision.get("spatial_merge_size", 2)
-            vit = VisionConfig(image_size=vision["patch_size"] * merge,
-                               patch_size=vision["patch_size"], hidden=hidden,
-                               layers=vision["depth"], heads=vision["num_heads"], mlp_ratio=mlp)
-            ratio = 1 / merge
-        else:
-            raise ValueError(f"model_type {model_type!r}: sizes are read for internvl, qwen2_vl "
-                             "and qwen2_5_vl")
-        model = cls(name=name, vision=vit, llm=llm, downsample_ratio=ratio)
-        model.validate()
-        return model
-
-
-DEFAULT_PRESETS = {"internvl": "internvl2-2b", "qwen2vl": "qwen2-vl-2b"}  # by family
 
 PRESETS = {
     # CPU tests: every code path, seconds per step.

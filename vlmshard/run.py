@@ -50,9 +50,9 @@ class RunConfig:
     demo_data: Section | None = option(None, cli=False, help="{seed, scale}: make the demo "
                                                              "dataset and preprocess it")
     demo_model: str | None = option(
-        None, cli=False, help="make a tiny model folder of this family under OUT/model (random "
-                              "weights; internvl, qwen2_vl or qwen2_5_vl): preprocess tokenizes "
-                              "for it and train fine-tunes it")
+        None, cli=False, help="make a tiny model folder of this model_type (config.json's) under "
+                              "OUT/model (random weights; internvl, qwen2_vl, qwen2_5_vl, ...): "
+                              "preprocess tokenizes for it and train fine-tunes it")
     preprocess: Section = option(factory=dict, cli=False,
                                  help="needs `inputs` unless demo_data is given")
     pack: Section = option(factory=dict, cli=False, help="needs `dp`")
@@ -82,11 +82,11 @@ def stages(cfg: RunConfig, where: str = "run config") -> list[tuple[str, Callabl
     pre, plan, shards, run = (cfg.path(n) for n in ("preprocess", "plan", "shards", "train"))
     inputs = {"inputs": [os.path.join(cfg.path("data"), "meta.json")]} if cfg.demo_data else {}
     if cfg.demo_model is not None:
-        from vlmshard.train.tiny_models import TINY_FAMILIES
+        from vlmshard.families import model_types
 
-        if cfg.demo_model not in TINY_FAMILIES:
-            raise ValueError(f"{where}: demo_model {cfg.demo_model!r}: known families are "
-                             f"{', '.join(TINY_FAMILIES)}")
+        if cfg.demo_model not in model_types():
+            raise ValueError(f"{where}: demo_model {cfg.demo_model!r}: known model types are "
+                             f"{', '.join(model_types())}")
         inputs["model"] = cfg.path("model")
 
     def section(cls, values: dict, name: str, **connected):
@@ -111,9 +111,9 @@ def stages(cfg: RunConfig, where: str = "run config") -> list[tuple[str, Callabl
         return f"demo dataset -> {generate(demo_cfg.out, demo_cfg.seed, demo_cfg.scale).meta}"
 
     def demo_model() -> str:
-        from vlmshard.train.tiny_models import tiny_folder
+        from vlmshard.preprocess.demo_data import demo_model as make
 
-        return f"tiny {cfg.demo_model} -> {tiny_folder(cfg.demo_model, cfg.path('model'))}"
+        return f"tiny {cfg.demo_model} -> {make(cfg.demo_model, cfg.path('model'))}"
 
     def preprocess() -> str:
         from vlmshard.preprocess.job import run_preprocess

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from transformers.models.internvl.modeling_internvl import InternVLModel
 
-from . import Detached, Geometry, HFLayer, LayerDef, Micro, Phase, language_layers
+from ..micro import Micro, Phase
+from .layers import Detached, Geometry, HFLayer, LayerDef, language_layers
 
 VISION = "model.vision_tower"
 

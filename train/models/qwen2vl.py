@@ -16,11 +16,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.vision_utils import (get_vision_cu_seqlens, get_vision_position_ids,
-                                       get_vision_window_index)
+from transformers.vision_utils import (
+    get_vision_cu_seqlens,
+    get_vision_position_ids,
+    get_vision_window_index,
+)
 
 from ..attention import Spans
-from . import Detached, Geometry, HFLayer, LayerDef, Micro, Phase, language_layers
+from ..micro import Micro, Phase
+from .layers import Detached, Geometry, HFLayer, LayerDef, language_layers
 
 VISION = "model.visual"
 

@@ -26,10 +26,10 @@ import json
 import os
 import re
 
+from vlmshard.families import ModelFolderError, ModelSpec
 from vlmshard.rejects import Reject
 
-from ..tokenize import IGNORE_INDEX, IMAGE_PLACEHOLDER, EncodedSample
-from . import ModelFolderError, ModelSpec
+from .tokenize import IGNORE_INDEX, IMAGE_PLACEHOLDER, EncodedSample
 
 _MARK = "\ue000{}\ue001"  # private-use code points: never produced by a template
 _MARKS = re.compile("\ue000(\\d+)\ue001")

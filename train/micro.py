@@ -1,0 +1,157 @@
+"""A packed micro-batch between pipeline stages and within one.
+
+Between stages a micro-batch travels as a tuple of static shapes: the activation padded to the
+plan's caps, then input_ids, position_ids, ``HostMeta`` as one int64 tensor, and labels. Inside a
+stage it is a ``Micro``: the metadata read to the host in one transfer (the stage's only host
+synchronisation for that micro-batch), every tensor sliced to the real tiles and tokens, so every
+layer computes on real data only, with the attention segments and rotary tables computed once and
+shared by the stage's layers (``Micro.cache``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from vlmshard.preprocess.tokenize import IGNORE_INDEX
+
+from .attention import Spans
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What a layer's activation rows are: ``per_tile`` rows per tile, or one per token (0)."""
+
+    name: str
+    per_tile: int = 0
+
+    def rows(self, tiles: int, tokens: int) -> int:
+        return self.per_tile * tiles if self.per_tile else tokens
+
+
+TOKENS = Phase("tokens")
+
+
+@dataclass(frozen=True)
+class HostMeta:
+    """What a stage needs to know on the host about a micro-batch. It is computed by the first
+    stage from the loader's CPU-side batch and travels as one tensor, so a stage's layers never
+    read a device tensor back (each read would stall the GPU's queue)."""
+
+    qv: int  # the caps: the wire's static sizes
+    qt: int
+    tiles: int
+    tokens: int
+    image_tokens: int
+    supervised: int  # tokens with a next-token target
+    grids: list[tuple[int, int, int]]  # (t, h, w) patches of each image; none for InternVL
+    sample_lengths: list[int]
+
+    _HEADER = 8  # qv, qt, tiles, tokens, image_tokens, supervised, images, samples
+
+    @staticmethod
+    def size(qv: int, qt: int) -> int:
+        """The tensor's length for these caps: a header, Qv grids, Qt sample lengths."""
+        return HostMeta._HEADER + 3 * qv + qt
+
+    def encode(self) -> torch.Tensor:
+        values = [self.qv, self.qt, self.tiles, self.tokens, self.image_tokens, self.supervised,
+                  len(self.grids), len(self.sample_lengths)]
+        values += [v for grid in self.grids for v in grid]
+        values += [0] * (HostMeta._HEADER + 3 * self.qv - len(values)) + self.sample_lengths
+        values += [0] * (self.size(self.qv, self.qt) - len(values))
+        return torch.tensor(values, dtype=torch.long)
+
+    @classmethod
+    def decode(cls, values: list[int]) -> "HostMeta":
+        qv, qt, tiles, tokens, image_tokens, supervised, images, samples = values[:cls._HEADER]
+        grids = values[cls._HEADER:cls._HEADER + 3 * images]
+        start = cls._HEADER + 3 * qv
+        return cls(qv, qt, tiles, tokens, image_tokens, supervised,
+                   [tuple(grids[i:i + 3]) for i in range(0, len(grids), 3)],
+                   values[start:start + samples])
+
+
+@dataclass
+class Micro:
+    """One packed micro-batch inside a stage: real rows only, plus the stage's shared metadata."""
+
+    x: torch.Tensor  # the activation: pixels, vision hidden states, image features or hidden
+    input_ids: torch.Tensor  # [n]
+    position_ids: torch.Tensor  # [n], or [3, n] for mRoPE
+    labels: torch.Tensor  # [n]
+    host: HostMeta
+    backend: str  # attention backend, see train.attention
+    phase: Phase  # what ``x`` holds
+    wire: tuple  # the padded tuple this stage received
+    cache: dict = field(default_factory=dict)  # computed once per micro-batch per stage
+
+    @property
+    def num_tiles(self) -> int:
+        return self.host.tiles
+
+    @property
+    def num_tokens(self) -> int:
+        return self.host.tokens
+
+    def with_x(self, x: torch.Tensor, phase: Phase | None = None) -> "Micro":
+        return replace(self, x=x, phase=phase or self.phase)
+
+    def cached(self, key: str, compute: Callable[[], object]):
+        if key not in self.cache:
+            self.cache[key] = compute()
+        return self.cache[key]
+
+    def text_spans(self) -> Spans:
+        """The packed samples, each attending within itself."""
+        return self.cached("text_spans", lambda: Spans.from_lengths(
+            self.host.sample_lengths, True, self.backend, self.x.device))
+
+
+def unpack(wire: tuple, phase: Phase, backend: str) -> Micro:
+    """The padded tuple a stage receives, sliced to its real rows (one host read)."""
+    x, input_ids, position_ids, meta, labels = wire
+    host = HostMeta.decode(meta.tolist())
+    tokens = host.tokens
+    return Micro(x=x[:phase.rows(host.tiles, tokens)], input_ids=input_ids[:tokens],
+                 position_ids=position_ids[..., :tokens], labels=labels[:tokens], host=host,
+                 backend=backend, phase=phase, wire=wire)
+
+
+def pack(micro: Micro, phase: Phase) -> tuple:
+    """The tuple a stage sends: the activation padded back to the caps, the rest as received."""
+    capacity = phase.rows(micro.host.qv, micro.host.qt)
+    x = micro.x
+    if x.shape[0] < capacity:
+        x = torch.cat([x, x.new_zeros((capacity - x.shape[0], *x.shape[1:]))])
+    return (x, *micro.wire[1:])
+
+
+def supervised_tokens(batch: dict) -> int:
+    """Tokens of a collated micro-batch with a next-token target (the Ave-Token count)."""
+    return int((next_token_targets(batch["labels"], batch["cu_seqlens"]) != IGNORE_INDEX).sum())
+
+
+def wire_inputs(batch: dict, pixel_rows_per_tile: int) -> tuple:
+    """A collated micro-batch (``shards.loader``, padded to the caps) as the first stage's tuple,
+    its host metadata computed here from the CPU-side batch."""
+    samples = batch["num_samples"]
+    cu = batch["cu_seqlens"][:samples + 1].tolist()
+    host = HostMeta(
+        qv=batch["pixel_values"].shape[0] // pixel_rows_per_tile, qt=batch["input_ids"].shape[0],
+        tiles=batch["num_tiles"], tokens=batch["num_tokens"],
+        image_tokens=int(batch["image_token_mask"].sum()), supervised=supervised_tokens(batch),
+        grids=[tuple(g) for g in batch.get("image_grid_thw", torch.zeros(0, 3)).tolist()],
+        sample_lengths=[b - a for a, b in zip(cu, cu[1:])])
+    return (batch["pixel_values"], batch["input_ids"], batch["position_ids"], host.encode(),
+            batch["labels"])
+
+
+def next_token_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``labels`` shifted left by one, never across a sample boundary (``cu_seqlens``)."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:-1] = labels[1:]
+    targets[cu_seqlens[1:].long() - 1] = IGNORE_INDEX  # each sample's last token
+    return targets

@@ -1,0 +1,195 @@
+"""The pipeline layers every family shares: ``HFLayer`` (submodules of the ``transformers``
+model under their checkpoint names), the LLM's layers (token embedding with the image features
+scattered in, decoder layers, final norm, LM head with the summed next-token loss) and
+``LayerDef``, one entry of a family's layer list.
+
+A layer is built from a ``meta``-device copy of the model, so building one costs no memory; the
+caller then loads its tensors (``vlmshard.train.weights``).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from vlmshard.preprocess.tokenize import IGNORE_INDEX
+
+from ..micro import TOKENS, Micro, Phase, next_token_targets
+
+
+class HFLayer(nn.Module):
+    """A pipeline layer made of submodules of the ``transformers`` model: each is kept under an
+    attribute of this layer, and ``paths`` maps the attribute to the model's module path, which
+    names its tensors in the checkpoint."""
+
+    def __init__(self, model: nn.Module, paths: dict[str, str]) -> None:
+        super().__init__()
+        self.paths = dict(paths)
+        for attr, path in self.paths.items():
+            setattr(self, attr, copy.deepcopy(model.get_submodule(path)))
+
+    def hf_name(self, local: str) -> str:
+        """The checkpoint name of this layer's tensor ``local``."""
+        attr, _, rest = local.partition(".")
+        return f"{self.paths[attr]}.{rest}"
+
+    def forward(self, micro: Micro) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TokenEmbedding(HFLayer):
+    """The token embedding: the LLM's first layer, given image features, and, when the model ties
+    its weights, also its LM head, given the final hidden states (DeepSpeed then keeps the first
+    and last stages' copies equal)."""
+
+    def __init__(self, model: nn.Module, path: str, image_token_id: int) -> None:
+        super().__init__(model, {"embed": path})
+        self.image_token_id = image_token_id
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.embed.weight
+
+    def forward(self, micro: Micro) -> torch.Tensor:
+        if micro.phase.name == "features":
+            return embed_tokens(self, micro)
+        return lm_loss(self, micro)
+
+
+def embed_tokens(module: TokenEmbedding, micro: Micro) -> torch.Tensor:
+    """Token embeddings with each image's features written over its image tokens, in order."""
+    hidden = module.embed(micro.input_ids)
+    image = micro.input_ids == module.image_token_id
+    features = micro.x.to(hidden.dtype)
+    if features.shape[0] != micro.host.image_tokens:
+        raise ValueError(f"{micro.num_tiles} tiles give {features.shape[0]} image features for "
+                         f"{micro.host.image_tokens} image tokens")
+    return hidden.masked_scatter(image[:, None], features)
+
+
+class DecoderLayer(HFLayer):
+    """One decoder layer of the LLM on the packed tokens: rotary tables from the model's own
+    rotary embedding at each sample's position ids, attention within each sample."""
+
+    def __init__(self, model: nn.Module, path: str, rotary: Callable) -> None:
+        super().__init__(model, {"layer": path})
+        self.rotary = rotary
+
+    def forward(self, micro: Micro) -> torch.Tensor:
+        positions = micro.position_ids[..., None, :]  # a batch of one: [1, n] or [3, 1, n]
+        rope = micro.cached("text_rope", lambda: self.rotary(micro.x[None], positions))
+        out = self.layer(micro.x[None], attention_mask=None, position_embeddings=rope,
+                         use_cache=False, **micro.text_spans().kwargs())
+        return (out[0] if isinstance(out, tuple) else out)[0]
+
+
+class FinalNorm(HFLayer):
+    def __init__(self, model: nn.Module, path: str) -> None:
+        super().__init__(model, {"norm": path})
+
+    def forward(self, micro: Micro) -> torch.Tensor:
+        return self.norm(micro.x)
+
+
+class LMHead(HFLayer):
+    """An LM head with weights of its own (a model that does not tie it to the embedding)."""
+
+    def __init__(self, model: nn.Module, path: str) -> None:
+        super().__init__(model, {"head": path})
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    def forward(self, micro: Micro) -> torch.Tensor:
+        return lm_loss(self, micro)
+
+
+def lm_loss(module: nn.Module, micro: Micro, chunk: int = 1024) -> torch.Tensor:
+    """Next-token cross entropy summed over the supervised tokens (the target of token t is label
+    t + 1 of the same sample). Logits exist only for supervised tokens, ``chunk`` rows at a time,
+    recomputed in backward: a [tokens, vocab] tensor would not fit."""
+    targets = next_token_targets(micro.labels, micro.text_spans().cu_seqlens)
+    # the supervised rows, their count known on the host: no read back of the mask
+    keep = torch.nonzero_static(targets != IGNORE_INDEX, size=micro.host.supervised).flatten()
+    hidden, targets = micro.x.index_select(0, keep), targets.index_select(0, keep)
+    total = micro.x.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.shape[0], chunk):
+        total = total + checkpoint(_chunk_loss, hidden[start:start + chunk], module.weight,
+                                   targets[start:start + chunk], use_reentrant=False)
+    return total
+
+
+def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+    return F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum")
+
+
+# ---------------------------------------------------------------------------------------------
+# A family's layer list
+
+
+@dataclass(frozen=True)
+class LayerDef:
+    """One pipeline layer: its name (the unit a partition cuts between and recompute names), how
+    to build it from the meta model, the phase of its output, and for a layer whose weights are
+    one with another layer's, their common key."""
+
+    name: str
+    build: Callable[[nn.Module], nn.Module]
+    output: Phase
+    tied_key: str | None = None
+    variant: str = ""  # layers of one kind that cost differently (Qwen2.5's full-attention blocks)
+
+    @property
+    def kind(self) -> str:
+        """Layers of one kind have the same shapes and cost: ``llm_block_3`` → ``llm_block``."""
+        return re.sub(r"_\d+$", "", self.name) + (f"_{self.variant}" if self.variant else "")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the wire's layout depends on: rows per tile of pixels, ViT states and features."""
+
+    pixel_rows_per_tile: int
+    tokens_per_tile: int
+
+
+def language_layers(model: nn.Module, lm: str, image_token_id: int,
+                    rotary: Callable) -> list[LayerDef]:
+    """The LLM's layers (token embedding to LM head) of a model whose language model sits at
+    ``lm`` (``embed_tokens``, ``layers``, ``norm``) with its head at ``lm_head``."""
+    embed_path = f"{lm}.embed_tokens"
+    tied = model.lm_head.weight is model.get_submodule(embed_path).weight
+    make_embedding = functools.partial(TokenEmbedding, path=embed_path,
+                                       image_token_id=image_token_id)
+    tied_key = "embed" if tied else None
+    layers = [LayerDef("embed_tokens", make_embedding, TOKENS, tied_key)]
+    layers += [LayerDef(f"llm_block_{i}",
+                        functools.partial(DecoderLayer, path=f"{lm}.layers.{i}", rotary=rotary),
+                        TOKENS)
+               for i in range(len(model.get_submodule(f"{lm}.layers")))]
+    layers.append(LayerDef("final_norm", functools.partial(FinalNorm, path=f"{lm}.norm"), TOKENS))
+    if tied:
+        layers.append(LayerDef("head", make_embedding, Phase("loss"), tied_key))
+    else:
+        layers.append(LayerDef("head", functools.partial(LMHead, path="lm_head"), Phase("loss")))
+    return layers
+
+
+class Detached:
+    """Holds a module that must not become a submodule (no parameters, not saved, not moved):
+    the rotary tables, computed on the device of their input."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args):
+        return self.module(*args)

@@ -1,0 +1,28 @@
+"""Model families: one module per family (``internvl``, ``qwen2vl``) holding everything the stages
+need to know about it, and one registry (``registry``) the stages ask. Torch-free.
+
+Adding a family: write a ``Family`` subclass (``base``) in a module of its own, its trainer layer
+map under ``vlmshard.train.models``, and register it: in ``registry._load`` for a built-in
+family, or from any importable module named in ``VLMSHARD_FAMILIES``.
+"""
+
+from .base import Family, ImageLayout, ModelSpec, TileBudget, TilingPolicy, to_rgb
+from .folder import ModelFolder, ModelFolderError, processor_value, read_model_folder
+from .registry import (
+                       DEMO_FAMILY,
+                       families,
+                       family,
+                       family_for_model_type,
+                       load_model,
+                       model_sizes,
+                       model_types,
+                       policy_from_dict,
+                       register,
+                       source_tiling,
+                       tiny_folder,
+)
+
+__all__ = ["DEMO_FAMILY", "Family", "ImageLayout", "ModelFolder", "ModelFolderError", "ModelSpec",
+           "TileBudget", "TilingPolicy", "families", "family", "family_for_model_type", "load_model",
+           "model_sizes", "model_types", "policy_from_dict", "processor_value",
+           "read_model_folder", "register", "source_tiling", "tiny_folder", "to_rgb"]

@@ -1,0 +1,188 @@
+"""What every model family provides, and the pieces their image processors share.
+
+A family (``Family``) is everything the stages need to know about one kind of model: the
+``model_type`` values of ``config.json`` it serves, how its chat template's image placeholder
+becomes tokens (``ImageLayout``), how an image becomes ViT units, LLM tokens and pixels (its
+``TilingPolicy``, with the limits the folder's processor config sets), how position ids run,
+the model's sizes for the analytic cost model, the tiny offline folders tests and the demo use,
+and where the trainer's layer map lives. ``vlmshard.families.registry`` holds one instance per
+family; the stages ask it and name no family.
+
+Counting needs only an image's size, so preprocessing reads headers and never decodes pixels; the
+same policy objects are recorded in ``preprocess.json`` and the shards' manifest, and the loader
+makes the model's ``pixel_values`` with ``pixels``, so the pixels always match the plan.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+
+import numpy as np
+
+from vlmshard.io import sha256_file
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from vlmshard.model_sizes import ModelConfig
+
+    from .folder import ModelFolder
+
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+BICUBIC = 3  # PIL's filter number, as preprocessor_config.json writes ``resample``
+
+# per-image: every image may use the family's tile limit, as transformers applies it.
+# per-sample: the images of a sample share it, as InternVL's own training code divides it.
+TileBudget = Literal["per-image", "per-sample"]
+
+
+class TilingPolicy(Protocol):
+    """How one family's image processor turns an image into ViT units ("tiles"), LLM tokens and
+    pixel rows. ``name`` is the policy's kind, recorded with it (``policy_from_dict``)."""
+
+    name: str
+    tokens_per_tile: int
+    tile_size: int  # side of a tile's square of the resized image, in pixels
+    rows_per_tile: int  # rows of pixel_values per tile (1 tile, or merge² ViT patches)
+    pixel_shape: tuple[int, ...]  # the shape of one row of pixel_values
+    takes_grid: bool  # whether the model's forward takes image_grid_thw
+
+    def tiles(self, width: int, height: int, n_images: int) -> int:
+        """Tiles for one image of a sample holding ``n_images`` images; raises ``Reject``."""
+
+    def grid_thw(self, width: int, height: int) -> tuple[int, int, int] | None:
+        """The image's ViT patch grid, where the model takes one (``image_grid_thw``)."""
+
+    def pixels(self, image: "Image.Image", n_images: int) -> np.ndarray:
+        """The model's float32 ``pixel_values`` rows for a decoded RGB image (one per tile for
+        InternVL, one per ViT patch for Qwen2-VL), normalized as its processor does."""
+
+    def with_limits(self, max_patches: int | None = None,
+                    budget: TileBudget | None = None) -> "TilingPolicy | None":
+        """This policy with a per-image tile limit and budget (``--max-patches``, an InternVL
+        meta file's ``max_dynamic_patch``), or None if the family has no such limit."""
+
+    def to_dict(self) -> dict: ...
+
+
+@dataclass(frozen=True)
+class Normalized:
+    """What every processor does after resizing: ``x · rescale_factor``, minus mean, over std."""
+
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    resample: int = BICUBIC
+    rescale_factor: float = 1 / 255
+
+    def normalize(self, pixels: np.ndarray) -> np.ndarray:
+        """uint8 [..., H, W, 3] → float32 [..., 3, H, W]."""
+        x = pixels.astype(np.float32) * np.float32(self.rescale_factor)
+        x = (x - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+        return np.moveaxis(x, -1, -3)
+
+    def resize(self, image: "Image.Image", width: int, height: int) -> np.ndarray:
+        from PIL import Image
+
+        return np.asarray(image.resize((width, height), Image.Resampling(self.resample)))
+
+    def with_limits(self, max_patches: int | None = None,
+                    budget: TileBudget | None = None) -> None:
+        return None  # no per-image tile limit unless the family's policy has one
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, **asdict(self)}
+
+
+def to_rgb(image: "Image.Image") -> "Image.Image":
+    """RGB as ``transformers`` converts: transparency composited onto white."""
+    from PIL import Image
+
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """An image's tokens: the chat template renders ``placeholder`` once per image, and it
+    becomes ``prefix`` + ``token`` × (the image's tokens) + ``suffix``."""
+
+    placeholder: str
+    token: str
+    prefix: tuple[str, ...] = ()
+    suffix: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What preprocessing recorded about the model: the family, its image layout, and the
+    folder's files by sha256 (a later stage that re-tokenizes checks they did not change)."""
+
+    family: str
+    path: str | None  # None: the offline Tekken demo
+    model_type: str = ""
+    layout: ImageLayout = field(default_factory=lambda: ImageLayout("[IMG]", "[IMG]"))
+    dtype: str = "float32"
+    files: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelSpec":
+        layout = d["layout"]
+        return cls(**{**d, "layout": ImageLayout(
+            layout["placeholder"], layout["token"], tuple(layout["prefix"]),
+            tuple(layout["suffix"]))})
+
+    def unchanged(self) -> bool:
+        """Whether the folder's files are still there with the same sha256."""
+        return all(os.path.isfile(p := os.path.join(self.path, name)) and sha256_file(p) == digest
+                   for name, digest in self.files.items())
+
+
+class Family:
+    """A model family. A subclass sets the class attributes and implements the methods; one
+    instance of it goes into the registry (``vlmshard.families.registry.register``)."""
+
+    name: ClassVar[str]  # the one name of the family everywhere (stats, plans, shards, CLI)
+    model_types: ClassVar[tuple[str, ...]]  # config.json ``model_type`` values it serves
+    policies: ClassVar[tuple[type, ...]]  # its TilingPolicy classes (the first: the default)
+    default_preset: ClassVar[str]  # the ``model_sizes.PRESETS`` entry costing its stats
+    trainer_layers: ClassVar[str]  # "module:function" giving the trainer's layer list
+    description: ClassVar[str]  # a few words for help texts ("Qwen2-VL, Qwen2.5-VL")
+    demo_limits: ClassVar[dict] = {}  # ``tiny_folder`` sizes of the demo's model
+
+    def tiling(self, folder: "ModelFolder") -> TilingPolicy:
+        """The tiling policy with the limits of the folder's processor config."""
+        raise NotImplementedError
+
+    def default_tiling(self) -> TilingPolicy:
+        """The tiling at ``transformers``' defaults (the demo tokenizer has no folder)."""
+        return self.policies[0]()
+
+    def layout(self, folder: "ModelFolder") -> ImageLayout:
+        raise NotImplementedError
+
+    def position_ids(self, input_ids: np.ndarray, image_token_id: int,
+                     grids: list[tuple[int, int, int]], policy: TilingPolicy) -> np.ndarray:
+        """Position ids of one sample alone, [n] or [3, n]; ``grids`` are its images'
+        (t, h, w) ViT patch grids in token order."""
+        return np.arange(len(input_ids), dtype=np.int64)
+
+    def model_sizes(self, config: dict, name: str) -> "ModelConfig":
+        """The sizes a ``config.json`` of this family states, in the ViT unit its stats count."""
+        raise NotImplementedError
+
+    def tiny_folder(self, path: str, model_type: str, **sizes) -> str:
+        """A tiny offline folder of ``model_type`` (random weights) at ``path``: the tests'
+        and the demo's models. ``sizes`` override the family's small defaults."""
+        raise NotImplementedError

@@ -1,0 +1,222 @@
+"""Qwen2-VL and Qwen2.5-VL, as ``transformers`` models them (``Qwen2VLProcessor`` and
+``Qwen2VLImageProcessor``; Qwen2.5-VL shares both for images).
+
+Each image: the chat template renders ``<|vision_start|><|image_pad|><|vision_end|>`` and the
+``<|image_pad|>`` becomes grid_h·grid_w / merge² of itself; ``smart_resize`` with the folder's
+min/max pixels. A *tile* is one merged patch of 28×28 px: the merge² (4) ViT patches that become
+one LLM token; the ViT itself runs on ``merge_size²`` patches per tile. Position ids are 3-D
+(mRoPE), computed per sample as ``get_rope_index`` does.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+
+from vlmshard.model_sizes import LLMConfig, ModelConfig, VisionConfig
+from vlmshard.rejects import Reject
+
+from .base import BICUBIC, CLIP_MEAN, CLIP_STD, Family, ImageLayout, Normalized
+from .folder import ModelFolder, processor_value
+from .tiny import CHAT_TOKENS, CORPUS, save_random_weights, save_tokenizer
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+
+@dataclass(frozen=True)
+class Qwen2VLTiling(Normalized):
+    """``transformers``' Qwen2-VL processing: ``smart_resize`` to multiples of patch·merge pixels
+    with the pixel count in [min_pixels, max_pixels], then flattened ViT patches."""
+
+    mean: tuple[float, float, float] = CLIP_MEAN
+    std: tuple[float, float, float] = CLIP_STD
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    tokens_per_tile: ClassVar[int] = 1
+    takes_grid: ClassVar[bool] = True
+    name: ClassVar[str] = "qwen2vl"
+
+    @property
+    def tile_size(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @property
+    def rows_per_tile(self) -> int:
+        return self.merge_size ** 2
+
+    @property
+    def pixel_shape(self) -> tuple[int, ...]:
+        return (3 * self.temporal_patch_size * self.patch_size ** 2,)
+
+    def tiles(self, width: int, height: int, n_images: int) -> int:
+        h, w = self.resized(width, height)
+        return (h // self.tile_size) * (w // self.tile_size)
+
+    def grid_thw(self, width: int, height: int) -> tuple[int, int, int]:
+        """``image_grid_thw`` of an image: (1, ViT patch rows, ViT patch columns)."""
+        h, w = self.resized(width, height)
+        return 1, h // self.patch_size, w // self.patch_size
+
+    def resized(self, width: int, height: int) -> tuple[int, int]:
+        """(height, width) after ``smart_resize``. Tiny images are scaled up to ``min_pixels``,
+        as current ``transformers`` does; only an aspect ratio over 200 is refused."""
+        f = self.tile_size
+        if max(height, width) / min(height, width) > 200:
+            raise Reject("bad_aspect_ratio", f"{width}x{height} exceeds the 200:1 aspect ratio "
+                                             "Qwen2-VL's processor accepts")
+        h_bar, w_bar = round(height / f) * f, round(width / f) * f
+        if h_bar * w_bar > self.max_pixels:
+            beta = math.sqrt(height * width / self.max_pixels)
+            h_bar = max(f, math.floor(height / beta / f) * f)
+            w_bar = max(f, math.floor(width / beta / f) * f)
+        elif h_bar * w_bar < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            h_bar = math.ceil(height * beta / f) * f
+            w_bar = math.ceil(width * beta / f) * f
+        return h_bar, w_bar
+
+    def pixels(self, image: "Image.Image", n_images: int) -> np.ndarray:
+        """[patches, 3·T·P·P]: ``Qwen2VLImageProcessor``'s layout, patches ordered by merged
+        patch (row-major), then row and column inside it; the frame repeated T times."""
+        h, w = self.resized(image.width, image.height)
+        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        x = self.normalize(self.resize(image, w, h))  # [3, H, W]
+        x = x.reshape(3, h // (p * m), m, p, w // (p * m), m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+        x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], t, p, p))
+        return np.ascontiguousarray(x).reshape(-1, 3 * t * p * p)
+
+
+# Qwen2-VL-Instruct's template (images and text items, default system prompt), without video.
+TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+class Qwen2VL(Family):
+    name = "qwen2vl"
+    model_types = ("qwen2_vl", "qwen2_5_vl")
+    policies = (Qwen2VLTiling,)
+    default_preset = "qwen2-vl-2b"
+    trainer_layers = "vlmshard.train.models.qwen2vl:layers"
+    description = "Qwen2-VL, Qwen2.5-VL"
+    demo_limits = {"max_pixels": 28 * 28 * 256}  # up to 256 merged patches an image
+
+    def tiling(self, folder: ModelFolder) -> Qwen2VLTiling:
+        size = processor_value(folder, "size", None) or {}
+        # transformers: min_pixels / max_pixels, when given, override size's edges
+        min_pixels = processor_value(folder, "min_pixels", size.get("shortest_edge", 56 * 56))
+        max_pixels = processor_value(folder, "max_pixels",
+                                     size.get("longest_edge", 28 * 28 * 1280))
+        return Qwen2VLTiling(
+            patch_size=int(processor_value(folder, "patch_size", 14)),
+            merge_size=int(processor_value(folder, "merge_size", 2)),
+            temporal_patch_size=int(processor_value(folder, "temporal_patch_size", 2)),
+            min_pixels=int(min_pixels), max_pixels=int(max_pixels),
+            mean=tuple(processor_value(folder, "image_mean", CLIP_MEAN)),
+            std=tuple(processor_value(folder, "image_std", CLIP_STD)),
+            resample=int(processor_value(folder, "resample", BICUBIC)),
+            rescale_factor=float(processor_value(folder, "rescale_factor", 1 / 255)))
+
+    def layout(self, folder: ModelFolder) -> ImageLayout:
+        token = folder.special_tokens().get("image_token", "<|image_pad|>")
+        return ImageLayout(placeholder=token, token=token)
+
+    def model_sizes(self, config: dict, name: str) -> ModelConfig:
+        """The unit: one merged patch (``spatial_merge_size``² ViT patches, one LLM token)."""
+        vision = config["vision_config"]
+        hidden = vision["embed_dim"] if config["model_type"] == "qwen2_vl" \
+            else vision["hidden_size"]
+        mlp = vision.get("mlp_ratio") or vision["intermediate_size"] / hidden
+        merge = vision.get("spatial_merge_size", 2)
+        vit = VisionConfig(image_size=vision["patch_size"] * merge,
+                           patch_size=vision["patch_size"], hidden=hidden, layers=vision["depth"],
+                           heads=vision["num_heads"], mlp_ratio=mlp)
+        model = ModelConfig(name=name, vision=vit, llm=LLMConfig.from_hf_config(config),
+                            downsample_ratio=1 / merge)
+        model.validate()
+        return model
+
+    def tiny_folder(self, path: str, model_type: str = "qwen2_vl", *,
+                    min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 64,
+                    corpus: list[str] = CORPUS, vocab_size: int = 420, seed: int = 0,
+                    init_std: float = 0.2) -> str:
+        from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
+
+        os.makedirs(path, exist_ok=True)
+        vocab = save_tokenizer(path, TOKENS, TEMPLATE, {"image_token": "<|image_pad|>"}, corpus,
+                               vocab_size)
+        ids = {t: i for i, t in enumerate(CHAT_TOKENS)}
+        if model_type == "qwen2_vl":
+            config_class = Qwen2VLConfig
+            vision = dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2)
+        else:  # qwen2_5_vl: a windowed ViT, 4x4 merged patches a window, block 1 full
+            config_class = Qwen2_5_VLConfig
+            vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                          out_hidden_size=32, window_size=112, fullatt_block_indexes=[1])
+        config = config_class(
+            text_config=dict(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
+                             bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"]),
+            vision_config=dict(vision, spatial_merge_size=2, patch_size=14, temporal_patch_size=2),
+            image_token_id=vocab - 2, video_token_id=vocab - 1,
+            vision_start_token_id=vocab - 4, vision_end_token_id=vocab - 3,
+            bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
+        config.save_pretrained(path)
+        Qwen2VLImageProcessorPil(min_pixels=min_pixels,
+                                 max_pixels=max_pixels).save_pretrained(path)
+        save_random_weights(path, seed, init_std)
+        return path
+
+    def position_ids(self, input_ids: np.ndarray, image_token_id: int,
+                     grids: list[tuple[int, int, int]], policy: Qwen2VLTiling) -> np.ndarray:
+        """[3, n] mRoPE ids: text runs count up on all three axes; an image's tokens take
+        (t, row, column) of its merged grid offset by the position it starts at, and the text
+        after it resumes at that offset + max(rows, columns)."""
+        n, merge = len(input_ids), policy.merge_size
+        out = np.empty((3, n), dtype=np.int64)
+        is_image = input_ids == image_token_id
+        i = pos = 0
+        images = iter(grids)
+        while i < n:
+            if not is_image[i]:
+                later = np.flatnonzero(is_image[i:])
+                j = i + int(later[0]) if len(later) else n
+                out[:, i:j] = pos + np.arange(j - i)
+                pos += j - i
+                i = j
+                continue
+            t, h, w = next(images)
+            rows, cols = h // merge, w // merge
+            count = t * rows * cols
+            if i + count > n or not is_image[i:i + count].all():
+                raise ValueError(f"image tokens at {i} do not hold the {count} of grid {t}x{h}x{w}")
+            tt, hh, ww = np.meshgrid(np.arange(t), np.arange(rows), np.arange(cols),
+                                     indexing="ij")
+            out[:, i:i + count] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + pos
+            pos += max(rows, cols)
+            i += count
+        return out

@@ -1,0 +1,148 @@
+"""The model families by name: the one place the stages ask about a model.
+
+Built in: ``internvl`` and ``qwen2vl``. More come from the modules that the environment variable
+``VLMSHARD_FAMILIES`` names (comma-separated, importable), each calling ``register`` when
+imported: a family defined outside this package then goes through every stage, in every process
+a job starts (they inherit the environment). A registered family takes over the ``model_type``
+values it lists from a built-in one.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+from dataclasses import fields
+
+from vlmshard.errors import ConfigError, InputError
+from vlmshard.io import sha256_file
+
+from .base import Family, ModelSpec, TilingPolicy
+from .folder import ModelFolderError, read_model_folder
+
+log = logging.getLogger(__name__)
+
+PLUGINS_VARIABLE = "VLMSHARD_FAMILIES"
+DEMO_FAMILY = "internvl"  # whose image processing the demo tokenizer (no model folder) counts with
+
+_FAMILIES: dict[str, Family] = {}
+_BY_MODEL_TYPE: dict[str, str] = {}
+_BUILT_IN: set[str] = set()
+
+
+def register(family: Family, *, built_in: bool = False) -> Family:
+    """Add ``family`` (an instance) under its name; it serves its ``model_types`` unless it is
+    built in and another registered family serves one of them already."""
+    _FAMILIES[family.name] = family
+    for model_type in family.model_types:
+        holder = _BY_MODEL_TYPE.get(model_type)
+        if built_in and holder is not None and holder not in _BUILT_IN:
+            continue
+        if holder is not None and holder != family.name:
+            log.info("model_type %r: family %s takes over from %s", model_type, family.name,
+                     holder)
+        _BY_MODEL_TYPE[model_type] = family.name
+    if built_in:
+        _BUILT_IN.add(family.name)
+    return family
+
+
+@functools.cache
+def _load() -> None:
+    """Register the built-in families, then import the modules ``VLMSHARD_FAMILIES`` names."""
+    from .internvl import InternVL
+    from .qwen2vl import Qwen2VL
+
+    for family in (InternVL(), Qwen2VL()):
+        register(family, built_in=True)
+    for module in filter(None, os.environ.get(PLUGINS_VARIABLE, "").split(",")):
+        try:
+            importlib.import_module(module.strip())
+        except ImportError as e:
+            raise ConfigError(f"{PLUGINS_VARIABLE}: cannot import family module "
+                              f"{module.strip()!r}: {e}") from None
+
+
+def families() -> dict[str, Family]:
+    """Every registered family by name."""
+    _load()
+    return dict(_FAMILIES)
+
+
+def family(name: str) -> Family:
+    """The family ``name`` (as stats, plans and shards record it)."""
+    _load()
+    if name not in _FAMILIES:
+        raise InputError(f"unknown model family {name!r}; known: {', '.join(sorted(_FAMILIES))} "
+                         f"(a family of your own: name its module in {PLUGINS_VARIABLE})")
+    return _FAMILIES[name]
+
+
+def model_types() -> list[str]:
+    """Every ``model_type`` a registered family serves."""
+    _load()
+    return sorted(_BY_MODEL_TYPE)
+
+
+def family_for_model_type(model_type: str, path: str) -> Family:
+    """The family serving ``model_type``; ``path`` (the folder) names the error."""
+    _load()
+    if model_type not in _BY_MODEL_TYPE:
+        raise ModelFolderError(f"{os.path.join(path, 'config.json')}: model_type {model_type!r} "
+                               f"is not a supported family (supported: "
+                               f"{', '.join(model_types())})")
+    return _FAMILIES[_BY_MODEL_TYPE[model_type]]
+
+
+def load_model(path: str) -> tuple[ModelSpec, TilingPolicy]:
+    """The family, image layout and tiling policy a model folder defines."""
+    folder = read_model_folder(path)
+    model_type = folder.config.get("model_type", "")
+    fam = family_for_model_type(model_type, path)
+    names = [n for n in sorted(os.listdir(folder.path))
+             if n.endswith((".json", ".jinja")) and not n.endswith(".index.json")]
+    dtype = folder.config.get("dtype") or folder.config.get("torch_dtype") or "float32"
+    spec = ModelSpec(family=fam.name, path=folder.path, model_type=model_type,
+                     layout=fam.layout(folder), dtype=str(dtype),
+                     files={n: sha256_file(os.path.join(folder.path, n)) for n in names})
+    return spec, fam.tiling(folder)
+
+
+def model_sizes(config: dict, folder: str):
+    """The ``vlmshard.model_sizes.ModelConfig`` a ``config.json`` states (of the model folder
+    ``folder``, which names it), in the ViT unit its family's stats count."""
+    fam = family_for_model_type(config.get("model_type", ""), folder)
+    return fam.model_sizes(config, os.path.basename(os.path.abspath(folder)))
+
+
+def policy_from_dict(d: dict) -> TilingPolicy:
+    """Inverse of ``policy.to_dict()``, for stages that read the recorded policy."""
+    _load()
+    d = dict(d)
+    kind = d.pop("name")
+    classes = {cls.name: cls for fam in _FAMILIES.values() for cls in fam.policies}
+    if kind not in classes:
+        raise InputError(f"tiling policy {kind!r} is none of the registered families' "
+                         f"({', '.join(sorted(classes))})")
+    cls = classes[kind]
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names})
+
+
+def source_tiling(base: TilingPolicy, max_patches: int | None) -> TilingPolicy:
+    """The policy for one source: an InternVL-style meta file's ``max_dynamic_patch`` overrides
+    the model's tile limit, where the family has one (other families ignore it)."""
+    if max_patches is None:
+        return base
+    return base.with_limits(max_patches=max_patches) or base
+
+
+def tiny_folder(model_type: str, path: str, **sizes) -> str:
+    """A tiny offline model folder of ``model_type`` (random weights) at ``path``."""
+    _load()
+    if model_type not in _BY_MODEL_TYPE:
+        raise ConfigError(f"no tiny model of model_type {model_type!r}; known: "
+                          f"{', '.join(model_types())}")
+    return _FAMILIES[_BY_MODEL_TYPE[model_type]].tiny_folder(path, model_type, **sizes)
+

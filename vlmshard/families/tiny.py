@@ -1,0 +1,76 @@
+"""What the families' tiny offline model folders share (the demo's model and the tests'), each
+built the way the hub's are.
+
+A byte-level BPE trained here on a few sentences (so any text encodes) with the family's special
+tokens, saved by ``transformers``; the family's chat template (its ``tiny_folder``); a
+``transformers`` config with small sizes; the image processor config saved by ``transformers``'
+own (PIL) image processor class, with small limits so test images make several tiles; and random
+weights saved with ``save_pretrained`` (``init_std``: a larger spread than the default 0.02 makes
+the output depend visibly on every input, so a wrong position or a missing image changes the
+loss). Building one needs ``transformers`` and torch; importing this module does not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+CORPUS = ["What is in the image? A photo of a cat sitting on the mat.",
+          "Describe both pictures. The first shows a rocket, the second an astronaut.",
+          "You are a helpful assistant. Answer briefly and precisely, please."] * 20
+
+CHAT_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _tokenizer(special: list[str], corpus: list[str], vocab_size: int):
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHAT_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    return tok
+
+
+def save_tokenizer(path: str, special: list[str], template: str, named: dict[str, str],
+                    corpus: list[str], vocab_size: int) -> int:
+    """Save tokenizer.json + tokenizer_config.json (the template inside it, as hub folders
+    have it) + special_tokens_map.json; returns the vocabulary size."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _tokenizer(special, corpus, vocab_size)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                 pad_token="<|endoftext|>", **named)
+    hf.save_pretrained(path)
+    config_path = os.path.join(path, "tokenizer_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["chat_template"] = template
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=1)
+    jinja = os.path.join(path, "chat_template.jinja")
+    if os.path.exists(jinja):
+        os.unlink(jinja)
+    with open(os.path.join(path, "special_tokens_map.json"), "w") as f:
+        json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, f)
+    return tok.get_vocab_size()
+
+
+def save_random_weights(path: str, seed: int, init_std: float) -> None:
+    """Random weights for the folder's config, saved as safetensors with ``save_pretrained``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    for sub in (config, config.get_text_config(), getattr(config, "vision_config", None)):
+        if sub is not None and hasattr(sub, "initializer_range"):
+            sub.initializer_range = init_std
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config)
+    model.save_pretrained(path)
+
+
