@@ -32,12 +32,14 @@ class PreprocessConfig(EngineOptions):
     tiling: str | None = option(
         None, metavar="FAMILY",
         help="demo only (a --model sets its own): the model family whose image processing to "
-             f"count with, at transformers' defaults ({', '.join(families())})", default_text=DEMO_FAMILY)
+             f"count with, at transformers' defaults ({', '.join(families())})",
+        default_text=DEMO_FAMILY)
     max_patches: int | None = option(
         None, help="most tiles per image, in families with such a limit (InternVL; an "
-                   "InternVL meta file's max_dynamic_patch sets it per source)", default_text="the model's preprocessor_config.json")
+                   "InternVL meta file's max_dynamic_patch sets it per source)",
+        default_text="the model's preprocessor_config.json")
     tile_budget: TileBudget = option(
-        "per-image", help="internvl multi-image rows: per-image (each image may use "
+        "per-image", help="multi-image rows, in families with a tile limit: per-image (each image may use "
                           "max_patches, as transformers does) or per-sample (the images share it, "
                           "as InternVL's training code divides it)")
     keep_tokens: bool = option(False, help="store input_ids and labels in the stats table, so "
