@@ -39,9 +39,9 @@ class PreprocessConfig(EngineOptions):
                    "InternVL meta file's max_dynamic_patch sets it per source)",
         default_text="the model's preprocessor_config.json")
     tile_budget: TileBudget = option(
-        "per-image", help="multi-image rows, in families with a tile limit: per-image (each image may use "
-                          "max_patches, as transformers does) or per-sample (the images share it, "
-                          "as InternVL's training code divides it)")
+        "per-image", help="multi-image rows, in families with a tile limit: per-image (each "
+                          "image may use max_patches, as transformers does) or per-sample (the "
+                          "images share it, as InternVL's training code divides it)")
     keep_tokens: bool = option(False, help="store input_ids and labels in the stats table, so "
                                            "writing shards needs no re-tokenizing")
     max_seq_len: int | None = option(None, help="reject samples longer than this",
