@@ -12,10 +12,10 @@ import sys
 from dataclasses import asdict
 
 from vlmshard.io import write_json_atomic
+from vlmshard.run_log import LOG_NAME, read_log
 
 from .cluster import Cluster
 from .config import TrainConfig
-from .train_log import LOG_NAME, read_log
 
 
 def launch(cfg: TrainConfig, output: str | None = None) -> int:

@@ -26,11 +26,12 @@ from typing import Iterator
 
 from vlmshard.io import read_json, write_json_atomic
 from vlmshard.model_sizes import training_flops
+from vlmshard.run_log import PIPELINE_NAME
 
 from .config import TrainConfig
 from .distributed import init_distributed
-from .train_log import (PIPELINE_NAME, open_log, pipeline_record, rank_data, rank_timing,
-                        step_record, write_record)
+from .train_log import (open_log, pipeline_record, rank_data, rank_timing, step_record,
+                        write_record)
 
 log = logging.getLogger(__name__)
 

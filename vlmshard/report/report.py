@@ -15,7 +15,7 @@ from vlmshard.packing.batches import Lengths, Packing
 from vlmshard.packing.metrics import REPORT_KEYS, format_value
 from vlmshard.packing.plan import load_plan, plan_stats_path, read_plan, read_plan_json
 from vlmshard.simulate.replay import Replay, compare, replay_run
-from vlmshard.train.train_log import PIPELINE_NAME, read_numbered
+from vlmshard.run_log import PIPELINE_NAME, read_numbered
 
 from .series import PlanSeries, ReportError, check_train_log, plan_series
 

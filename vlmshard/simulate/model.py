@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vlmshard.model_sizes import ACTIVATION_BYTES, LayerWork, Size
-from vlmshard.train.partition import LayerCost, Machine, Partition, deepspeed_bounds
+from vlmshard.partition import LayerCost, Machine, Partition, deepspeed_bounds
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ def search_for(work: list[LayerWork], sizes: np.ndarray, stages: int, gpu: GPU, 
                method: str = "search") -> Partition:
     """The stage partition for these micro-batch sizes: the exact search (``method="search"``)
     or DeepSpeed's ``parameters``/``uniform``, with adaptive (or full) recompute."""
-    from vlmshard.train.partition import PartitionError, evaluate, search_partition
+    from vlmshard.partition import PartitionError, evaluate, search_partition
 
     mean, peak = sizes.mean(axis=0), sizes.max(axis=0)
     layers = layer_costs(work, time_size=Size(*mean), memory_size=Size(*peak),
