@@ -8,7 +8,7 @@ the engine) is overhead. Two tokenizers, each against its own limit:
 - Tekken (the demo default): tiktoken's ``encode_ordinary``;
 - ``--model`` with a Qwen2-VL folder (ChatML template rendered by ``transformers``, a byte-level
   BPE through ``tokenizers``): ``Tokenizer.encode``. No real checkpoint is downloaded: the folder
-  is built here (``tests/model_folders.py``) with a 32k-token BPE trained on the bench's text.
+  is built here (``vlmshard.train.tiny_models``) with a 32k-token BPE trained on the bench's text.
 
     python benchmarks/preprocess_bench.py --samples 100000 --out build/bench/preprocess
 
@@ -34,10 +34,7 @@ from PIL import Image
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
 from vlmshard.preprocess.demo_data import WORDS, generate
 from vlmshard.preprocess.tokenize import TekkenTokenizer, default_tekken_path
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tests"))
-from model_folders import qwen2vl_folder  # noqa: E402
+from vlmshard.train.tiny_models import qwen2vl_folder
 
 
 def make_dataset(root: str, n: int, seed: int = 0) -> str:
