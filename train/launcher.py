@@ -1,6 +1,6 @@
-"""Start the training processes: ``train.trainer`` on PP × DP processes through DeepSpeed's
-launchers, on one node or many (``train.cluster``); gloo on CPU, where DeepSpeed's CPU accelerator
-takes the processes per node from ``LOCAL_SIZE``."""
+"""Start the training processes: ``vlmshard.train.trainer`` on PP × DP processes through
+DeepSpeed's launchers, on one node or many (``vlmshard.train.cluster``); gloo on CPU, where
+DeepSpeed's CPU accelerator takes the processes per node from ``LOCAL_SIZE``."""
 
 from __future__ import annotations
 

@@ -223,8 +223,9 @@ def run(cfg: TrainConfig) -> None:
 
 
 def main() -> None:
-    """Entry point under the DeepSpeed launcher: ``python -m train.trainer [--local_rank=N]
-    CONFIG_JSON`` (the launcher adds ``--local_rank``; the rank comes from the environment)."""
+    """Entry point under the DeepSpeed launcher: ``python -m vlmshard.train.trainer
+    [--local_rank=N] CONFIG_JSON`` (the launcher adds ``--local_rank``; the rank comes from the
+    environment)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                                                     "%(message)s")
     config_path = [a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]

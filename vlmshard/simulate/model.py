@@ -6,8 +6,9 @@ stages. A stage's forward time for a micro-batch is its layers' FLOPs for that m
 activation; backward is twice the forward plus the forward of its recomputed layers. ViT stages
 and LLM stages therefore differ per micro-batch, exactly as on the cluster. The step takes the
 slowest replica; the epoch is the sum of its steps. The sizes are what the trainer executes
-(``packing.metrics.executed_sizes``): in ``padded`` compute mode Qv tiles and Qt tokens with the
-real samples' squares, so step times, activation memory and the partition search see the caps.
+(``vlmshard.packing.metrics.executed_sizes``): in ``padded`` compute mode Qv tiles and Qt
+tokens with the real samples' squares, so step times, activation memory and the partition
+search see the caps.
 
 - bubble fraction: the share of stage-time the pipeline leaves idle, within each replica;
 - waiting fraction: the share of replica-time spent waiting for the slowest replica of the step.
