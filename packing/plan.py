@@ -1,4 +1,4 @@
-"""The pack job: stats in, ``plan.parquet`` + ``plan.json`` out (Contract 2).
+"""The pack job: stats in, ``plan.parquet`` + ``plan.json`` out (Contract 2 of ``docs/design.md``).
 
 ``plan.parquet`` has one row per placed sample, ``step, rank, micro, slot, sample_id``, sorted in
 that order; the same stats, options and seed give the same bytes. Epoch e is packed with seed + e

@@ -107,6 +107,17 @@ def test_simulate_and_report_need_no_trainer(unit):
     assert not found, "\n".join(sorted(set(found)))
 
 
+def test_modules_cite_only_documents_a_clone_has():
+    """The design is ``docs/design.md`` in the repository, not a file beside the clone."""
+    found = []
+    for module, path in _modules():
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        found += [f"{module} cites {name}" for name in ("../shared", "DESIGN.md") if name in text]
+    assert not found, "\n".join(found)
+    assert os.path.isfile(os.path.join(REPO, "docs", "design.md"))
+
+
 def test_the_distribution_owns_only_the_vlmshard_name():
     dist = importlib.metadata.distribution("vlmshard")
     top = (dist.read_text("top_level.txt") or "").split()

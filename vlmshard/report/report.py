@@ -1,5 +1,5 @@
-"""``vlmshard report``: the balance metrics of one or more plans side by side (DESIGN.md's
-definitions), as a terminal table, JSON and a self-contained HTML page of plots, next to random
+"""``vlmshard report``: the balance metrics of one or more plans side by side (``docs/design.md``,
+"Metrics"), as a terminal table, JSON and a self-contained HTML page of plots, next to random
 and ISF packings of the same samples, optionally with a training run's measured pipeline bubble
 and data-parallel waiting set against the simulator's replay of that run. The IO of the report
 lives here; the series (``series``), figures (``plots``) and page (``html_report``) are pure."""
