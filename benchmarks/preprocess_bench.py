@@ -8,7 +8,7 @@ the engine) is overhead. Two tokenizers, each against its own limit:
 - Tekken (the demo default): tiktoken's ``encode_ordinary``;
 - ``--model`` with a Qwen2-VL folder (ChatML template rendered by ``transformers``, a byte-level
   BPE through ``tokenizers``): ``Tokenizer.encode``. No real checkpoint is downloaded: the folder
-  is built here (``tests/model_folders.py``) with a 32k-token BPE trained on the bench's text.
+  is built here (``vlmshard.families``) with a 32k-token BPE trained on the bench's text.
 
     python benchmarks/preprocess_bench.py --samples 100000 --out build/bench/preprocess
 

@@ -1,1 +1,1 @@
-"""The packing stage: stats table in, a balanced plan out (Contract 2 of ../shared/DESIGN.md)."""
+"""The packing stage: stats table in, a balanced plan out (Contract 2 of ``docs/design.md``)."""

@@ -1,4 +1,4 @@
-"""The cost model of ``../shared/DESIGN.md``: what one micro-batch costs on each resource.
+"""The cost model of ``docs/design.md``: what one micro-batch costs on each resource.
 
 ``vit_cost = a_v·Σtiles`` and ``llm_cost = a_t·Σseq_len + b·Σseq_len²`` (packed samples attend
 only within themselves, so attention is quadratic per sample). Defaults are the training FLOPs

@@ -1,4 +1,4 @@
-"""The balance metrics of ``../shared/DESIGN.md`` ("Cost model and metrics"), computed from a plan.
+"""The balance metrics of ``docs/design.md`` ("Metrics"), computed from a plan.
 
 For step s and rank r let V, L, A be the rank's Σtiles, Σtokens and Σseq_len², C its cost:
 
@@ -12,7 +12,7 @@ For step s and rank r let V, L, A be the rank's Σtiles, Σtokens and Σseq_len�
 - ``step_efficiency = Σ_s Σ_r C / Σ_s (R · max_r E)``, the headline figure: useful work (the cost
   of the real tiles, tokens and per-sample attention) over what the ranks spend, each step
   lasting as long as its busiest rank's executed work E. E is what the trainer computes in the
-  plan's compute mode (``CostModel.executed``; padded baselines pad each sample to the longest
+  plan's compute mode (``executed_sizes``; padded baselines pad each sample to the longest
   in its micro-batch), so throughput is proportional to it. In ``padding-free`` mode a packed
   plan's E is C, and step_efficiency equals cost_efficiency.
 - ``order_spearman``: Spearman ρ between step index and the step's mean seq_len (balance must

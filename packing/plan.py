@@ -1,4 +1,4 @@
-"""The pack job: stats in, ``plan.parquet`` + ``plan.json`` out (Contract 2).
+"""The pack job: stats in, ``plan.parquet`` + ``plan.json`` out (Contract 2 of ``docs/design.md``).
 
 ``plan.parquet`` has one row per placed sample, ``step, rank, micro, slot, sample_id``, sorted in
 that order; the same stats, options and seed give the same bytes. Epoch e is packed with seed + e
@@ -9,7 +9,7 @@ facts (where the stats and the plan were, the host, the timings) go to ``plan.ru
 
 A rerun with the same stats, options and cost model finds the finished plan (its fingerprint in
 ``plan.json``, ``plan.parquet``'s sha256 intact) and leaves the files as they are; anything else
-packs again and replaces them.
+packs again and replaces them. One pack at a time per folder (``vlmshard.jobs.locked_output``).
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ import numpy as np
 import pyarrow as pa
 
 from vlmshard import __version__
+from vlmshard.errors import ConfigError
 from vlmshard.io import (arrow_column, atomic_write, read_json, sha256_file, write_json_atomic,
                          write_parquet)
 from vlmshard.jobs import fingerprint as job_fingerprint
+from vlmshard.jobs import locked_output
 
 from . import algorithms
 from .algorithms import BalancedOptions, Caps
@@ -59,7 +61,14 @@ class PackResult:
 
 
 def run_pack(cfg: PackConfig) -> PackResult:
+    """Pack (or find already packed) the plan of ``cfg``; see the module docstring. A second job
+    on the same ``out`` while this one runs is refused (``ConfigError``)."""
     cfg.validate()
+    with locked_output(cfg.out, ConfigError):
+        return _pack(cfg)
+
+
+def _pack(cfg: PackConfig) -> PackResult:
     t0 = time.perf_counter()
     stats = load_stats(cfg.stats)
     lengths = stats.lengths

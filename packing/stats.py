@@ -3,7 +3,7 @@
 Accepted inputs:
 
 - the preprocess output folder (``OUT`` with ``stats/part-*.parquet``), its ``stats/`` folder, or
-  one Parquet file of Contract 1;
+  one Parquet file of Contract 1 (``docs/design.md``);
 - an OmniBal length file: a JSON list of ``{"vit_num", "token_num", ...}``;
 - an OmniBal meta file: ``{name: {"token_lengths": path, ...}, ...}``. ``sample_id`` follows the
   order of the names in the file, then the rows of each length file (OmniBal's own order).
@@ -120,7 +120,7 @@ def _read_parquet_stats(path: str) -> Lengths:
     try:
         table = pa.concat_tables(pq.read_table(f, columns=columns) for f in stats_files(path))
     except (pa.ArrowInvalid, KeyError) as e:
-        raise StatsError(f"{path}: not a stats table of Contract 1 ({e})") from None
+        raise StatsError(f"{path}: not a vlmshard stats table ({e})") from None
     sample_id = table["sample_id"].to_numpy()
     if not np.array_equal(sample_id, np.arange(len(sample_id))):
         raise StatsError(f"{path}: sample_id is not dense 0..N-1 in file order")

@@ -1,4 +1,5 @@
-"""Preprocess stage: conversations and images → the stats table (Contract 1 of DESIGN.md).
+"""Preprocess stage: conversations and images → the stats table (Contract 1 of
+``docs/design.md``).
 
 Public API::
 

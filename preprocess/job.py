@@ -1,6 +1,6 @@
 """The preprocess job: plan parts, run them on an engine, then finalize the stats table.
 
-Output folder (Contract 1)::
+Output folder (Contract 1 of ``docs/design.md``)::
 
     OUT/stats/part-00000.parquet ...   accepted samples, dense sample_id in (source, row) order
     OUT/rejects.parquet                source, row, reason, message

@@ -138,7 +138,8 @@ def min_seq_len(turns: list[tuple[str, str]], n_images: int, tiling: TilingPolic
 def process_record(record: dict, source_name: str, image_root: str, tiling: TilingPolicy,
                    encoder, limits: SampleLimits,
                    keep_tokens: bool) -> dict:
-    """One stats row (Contract 1, without ``sample_id``) for a record; raises ``Reject``.
+    """One stats row (Contract 1 of ``docs/design.md``, without ``sample_id``) for a record;
+    raises ``Reject``.
 
     Cheap checks first: a row doomed by its fields, its text or its image count (10,000 images,
     a 10 MB turn) is rejected before any image is read or any text tokenized."""

@@ -1,4 +1,4 @@
-"""Arrow schemas of Contract 1 (``../shared/DESIGN.md``): the stats table and the rejects table."""
+"""Arrow schemas of Contract 1 (``docs/design.md``): the stats table and the rejects table."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 A template names the special tokens around each turn; ``<image>`` placeholders expand to the
 image's token count of ``[IMG]``. Only assistant turns (and their end marker) are supervised. Data
 text is encoded without special-token parsing, so a literal ``[INST]`` in a turn stays text.
-A model folder's tokenizer and chat template are in ``families.chat``.
+A model folder's tokenizer and chat template are in ``vlmshard.preprocess.chat``.
 """
 
 from __future__ import annotations

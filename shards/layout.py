@@ -1,6 +1,6 @@
 """Where things live in a shard folder, the manifest, and opening any of it by URL.
 
-A shard folder (Contract 3 of ``../shared/DESIGN.md``)::
+A shard folder (Contract 3 of ``docs/design.md``)::
 
     SHARDS/manifest.json                      written last: its presence means the write finished
     SHARDS/rank-00000/shard-000000.tar ...    one folder per (virtual) rank, tars in step order

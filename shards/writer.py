@@ -1,4 +1,5 @@
-"""The write job: a plan and its stats table in, pre-balanced WebDataset shards out (Contract 3).
+"""The write job: a plan and its stats table in, pre-balanced WebDataset shards out (Contract 3 of
+``docs/design.md``).
 
 Steps, each restartable:
 
@@ -200,7 +201,7 @@ def _plan_records(plan: str) -> list[tuple[int, ...]]:
         empty, micro = int(np.flatnonzero(sizes == 0)[0]), packing.micro_batches
         raise WriteError(f"{plan}: step {empty // (packing.ranks * micro)} rank "
                          f"{empty // micro % packing.ranks} micro {empty % micro} has no "
-                         "samples: every step needs all ranks x micro-batches (Contract 2)")
+                         "samples: every step needs all ranks x micro-batches")
     return [tuple(map(int, chunk)) for chunk in np.split(packing.items, packing.offsets[1:-1])]
 
 

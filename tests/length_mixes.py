@@ -1,5 +1,6 @@
-"""Synthetic length distributions for the caps matrix (issue 17): shapes of real VLM data mixes
-that stress a packer differently, plus OmniBal's two real files (``tests/data/omnibal``).
+"""Synthetic length distributions for the caps matrix (``test_caps_matrix.py``): shapes of real
+VLM data mixes that stress a packer differently, plus OmniBal's two real files
+(``tests/data/omnibal``).
 
 The real ones are the whole of OmniBal's ai2d (12,413 rows) and docvqa (10,211 rows) length files
 (``tests/data/omnibal/full_lengths.npz``: their ``vit_num`` and ``token_num`` columns). Sizes of

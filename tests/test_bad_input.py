@@ -1,6 +1,6 @@
-"""Bad input (issue 16): every kind of bad row becomes exactly one reject with its reason, or is
-accepted with the image sizes and tiles the model sees; input rows = accepted + rejected; the job
-never stops.
+"""Bad input: every kind of bad row becomes exactly one reject with its reason, or is accepted
+with the image sizes and tiles the model sees; input rows = accepted + rejected; the job never
+stops.
 
 One data-driven test writes a JSONL file (and a broken JSON list) with one row per kind, each
 row's ``id`` naming its expected outcome: a reject reason, or ``accepted-...``. The policies it

@@ -1,4 +1,4 @@
-"""Caps chosen by step_efficiency hold on any data mix (issue 17).
+"""Caps chosen by step_efficiency hold on any data mix.
 
 For each mix of ``tests/length_mixes.py`` (five synthetic shapes and OmniBal's two real files),
 at equal memory: ``balanced`` may choose its caps only inside the caps OmniBal's own search gives

@@ -16,16 +16,21 @@ import pytest
 from helpers import REPO
 
 # Lower layers never import higher ones, nor a sibling of their own layer: the shared helpers
-# (layer 0) are below every stage, the model families (torch-free) below the stages that ask them, simulate sits on top of train, report on top of simulate (it
-# sets a training run against the simulator's replay of it), and the command line (cli, run) on
-# top of everything.
+# (layer 0, the torch-free cost code and the train-log reader among them) are below every stage;
+# the model families (torch-free) sit below the stages that ask them; shards and simulate both
+# read plans; train reads shards, and report sets a training run against the simulator's replay
+# of it (reading the run's log, not the trainer); the command line (cli, run) sits on top of
+# everything.
+TOP = 6
 LAYERS = {
     "vlmshard.io": 0, "vlmshard.jobs": 0, "vlmshard.engines": 0, "vlmshard.progress": 0,
     "vlmshard.config": 0, "vlmshard.model_sizes": 0, "vlmshard.errors": 0, "vlmshard.rejects": 0,
+    "vlmshard.partition": 0, "vlmshard.run_log": 0,
     "vlmshard.families": 1,
-    "vlmshard.preprocess": 2, "vlmshard.packing": 3, "vlmshard.shards": 4, "vlmshard.train": 5,
-    "vlmshard.simulate": 6, "vlmshard.report": 7,
-    "vlmshard.run": 8, "vlmshard.cli": 8,
+    "vlmshard.preprocess": 2, "vlmshard.packing": 3,
+    "vlmshard.shards": 4, "vlmshard.simulate": 4,
+    "vlmshard.train": 5, "vlmshard.report": 5,
+    "vlmshard.run": TOP, "vlmshard.cli": TOP,
 }
 FOLDERS = {"preprocess": "vlmshard.preprocess", "packing": "vlmshard.packing",
            "shards": "vlmshard.shards", "train": "vlmshard.train", "vlmshard": "vlmshard"}
@@ -88,9 +93,31 @@ def test_imports_flow_one_way():
             theirs = _unit(target)
             if theirs is None or theirs == mine:
                 continue
-            if LAYERS[theirs] > LAYERS[mine] or (LAYERS[theirs] == LAYERS[mine] not in (0, 8)):
+            if LAYERS[theirs] > LAYERS[mine] or (LAYERS[theirs] == LAYERS[mine] not in (0, TOP)):
                 problems.append(f"{module} ({mine}) imports {target} ({theirs})")
     assert not problems, "\n".join(sorted(set(problems)))
+
+
+@pytest.mark.parametrize("unit", ["vlmshard.simulate", "vlmshard.report"])
+def test_simulate_and_report_need_no_trainer(unit):
+    """They read a run through vlmshard.run_log and cost it with vlmshard.partition, never
+    through the trainer's modules, which import torch."""
+    found = [f"{module} imports {target}" for module, path in _modules()
+             if _unit(module) == unit
+             for target in _imports(module, path, path.endswith("__init__.py"))
+             if target == "vlmshard.train" or target.startswith("vlmshard.train.")]
+    assert not found, "\n".join(sorted(set(found)))
+
+
+def test_modules_cite_only_documents_a_clone_has():
+    """The design is ``docs/design.md`` in the repository, not a file beside the clone."""
+    found = []
+    for module, path in _modules():
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        found += [f"{module} cites {name}" for name in ("../shared", "DESIGN.md") if name in text]
+    assert not found, "\n".join(found)
+    assert os.path.isfile(os.path.join(REPO, "docs", "design.md"))
 
 
 def test_the_distribution_owns_only_the_vlmshard_name():

@@ -6,7 +6,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
+import subprocess
+import sys
 
 import numpy as np
 import pandas as pd
@@ -420,6 +424,28 @@ def test_balanced_beats_isf_on_real_lengths(tmp_path):
     assert bal.attn_dist_ratio < isf.attn_dist_ratio
     assert min(bal.vit_fill, bal.llm_fill) > min(isf.vit_fill, isf.llm_fill)
     assert bal.cost_efficiency > isf.cost_efficiency
+
+
+def test_a_second_pack_into_a_folder_in_use_is_refused_naming_the_holder(tmp_path):
+    out = tmp_path / "plan"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom vlmshard.jobs import locked_output\n"
+         "with locked_output(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(300)\n",
+         str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        proc = vlmshard("pack", "--stats", os.path.join(OMNIBAL, "meta.json"), "--dp", "2",
+                        "--out", str(out), check=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode != 0
+    assert re.fullmatch(rf"vlmshard pack: error: {re.escape(str(out))} is in use by another "
+                        rf"vlmshard job \(pid {holder.pid} on {re.escape(socket.gethostname())}, "
+                        r"started [-\d: ]+\); wait for it to end or pass another --out\n",
+                        proc.stderr), proc.stderr
+    assert not (out / "plan.parquet").exists() and not (out / "plan.json").exists()
+    run_pack(PackConfig(stats=os.path.join(OMNIBAL, "meta.json"), dp=2, out=str(out)))
 
 
 @pytest.mark.parametrize("args, message", [

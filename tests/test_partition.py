@@ -1,5 +1,5 @@
 """Pipeline partition search and per-stage recompute against an exhaustive search written here
-from the stage model (train/partition.py's docstring), not from its functions."""
+from the stage model (vlmshard/partition.py's docstring), not from its functions."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vlmshard.train.partition import (LayerCost, Machine, PartitionError, choose_recompute,
+from vlmshard.partition import (LayerCost, Machine, PartitionError, choose_recompute,
                                       greedy_anchor, largest_micro_batch_scale,
                                       omnibal_candidates, search_partition)
 

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from vlmshard.model_sizes import PRESETS, ModelConfig, layer_work, training_flops
+from vlmshard.run_log import PIPELINE_NAME
 from vlmshard.simulate.model import PipelineTimes, StageModel
 from vlmshard.simulate.replay import (NO_ANALYTIC_WORK, analytic_rates, compare, measured_times,
                                       replay_batches, replay_run)
-from vlmshard.train.train_log import PIPELINE_NAME, pipeline_record
+from vlmshard.train.train_log import pipeline_record
 
 
 def _micro(tiles: int, tokens: int) -> dict:

@@ -29,9 +29,10 @@ from vlmshard.report.series import PlanSeries, plan_series
 from vlmshard.packing.stats import load_stats
 from vlmshard.model_sizes import PRESETS, training_flops
 from vlmshard.simulate.model import PipelineTimes
+from vlmshard.run_log import PIPELINE_NAME
 from vlmshard.simulate.replay import Replay, replay_run
-from vlmshard.train.train_log import (PIPELINE_NAME, pipeline_record, rank_data, rank_timing,
-                                      step_record, write_record)
+from vlmshard.train.train_log import (pipeline_record, rank_data, rank_timing, step_record,
+                                      write_record)
 
 from helpers import vlmshard
 from pipeline_reference import makespan

@@ -13,7 +13,7 @@ import pytest
 from helpers import vlmshard
 from vlmshard.simulate.model import (LayerRates, StageModel, one_f_one_b, pipeline_times,
                                     replica_micro_batches, simulate)
-from vlmshard.train.partition import Partition, Stage
+from vlmshard.partition import Partition, Stage
 from vlmshard.simulate.replay import validate_against_log
 
 from pipeline_reference import makespan as reference_makespan

@@ -1,4 +1,4 @@
-"""A worker's memory is bounded by its part, not by its source (issue 16).
+"""A worker's memory is bounded by its part, not by its source.
 
 Parquet parts decode only the row groups holding their rows; JSON lists are indexed once by the
 planner and each part parses only its own rows' bytes. Every test checks the rows against an

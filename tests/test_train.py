@@ -23,7 +23,7 @@ from vlmshard.shards.config import WriteConfig
 from vlmshard.shards.writer import run_write
 from vlmshard.train.hf_model import model_layers
 from vlmshard.train.micro import unpack, wire_inputs
-from vlmshard.train.partition import (CUDA_CONTEXT_BYTES, FRAGMENTATION, NCCL_BUFFER_BYTES,
+from vlmshard.partition import (CUDA_CONTEXT_BYTES, FRAGMENTATION, NCCL_BUFFER_BYTES,
                                       LayerCost, stage_memory)
 from vlmshard.families import tiny_folder
 from vlmshard.train.config import ProfileConfig
@@ -378,7 +378,8 @@ def test_two_nodes_on_localhost_train_as_one_node_does(small_shards, tmp_path):
 
 
 def test_a_resumed_log_keeps_the_steps_before_the_checkpoint(tmp_path):
-    from vlmshard.train.train_log import open_log, read_log, write_record
+    from vlmshard.run_log import read_log
+    from vlmshard.train.train_log import open_log, write_record
 
     with open_log(str(tmp_path)) as f:
         for step in range(5):

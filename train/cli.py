@@ -71,7 +71,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from .partition import PartitionError
+    from vlmshard.partition import PartitionError
     from .profile import run_profile
 
     try:

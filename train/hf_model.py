@@ -3,7 +3,7 @@
 ``model_layers(path, backend)`` reads the folder's config, picks the family from its
 ``model_type`` (``vlmshard.families``), builds the whole
 ``transformers`` model on the ``meta`` device (free, whatever its size) with the chosen attention
-backend, and lists its pipeline layers (``train.models``). ``build_layer`` then materializes one
+backend, and lists its pipeline layers (its family's map in ``vlmshard.train.models``). ``build_layer`` then materializes one
 layer with its own tensors only.
 """
 

@@ -1,6 +1,6 @@
-"""Start the training processes: ``train.trainer`` on PP × DP processes through DeepSpeed's
-launchers, on one node or many (``train.cluster``); gloo on CPU, where DeepSpeed's CPU accelerator
-takes the processes per node from ``LOCAL_SIZE``."""
+"""Start the training processes: ``vlmshard.train.trainer`` on PP × DP processes through
+DeepSpeed's launchers, on one node or many (``vlmshard.train.cluster``); gloo on CPU, where
+DeepSpeed's CPU accelerator takes the processes per node from ``LOCAL_SIZE``."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import sys
 from dataclasses import asdict
 
 from vlmshard.io import write_json_atomic
+from vlmshard.run_log import LOG_NAME, read_log
 
 from .cluster import Cluster
 from .config import TrainConfig
-from .train_log import LOG_NAME, read_log
 
 
 def launch(cfg: TrainConfig, output: str | None = None) -> int:

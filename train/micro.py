@@ -135,7 +135,7 @@ def supervised_tokens(batch: dict) -> int:
 
 
 def wire_inputs(batch: dict, pixel_rows_per_tile: int) -> tuple:
-    """A collated micro-batch (``shards.loader``, padded to the caps) as the first stage's tuple,
+    """A collated micro-batch (``vlmshard.shards.loader``, padded to the caps) as the first stage's tuple,
     its host metadata computed here from the CPU-side batch."""
     samples = batch["num_samples"]
     cu = batch["cu_seqlens"][:samples + 1].tolist()

@@ -11,8 +11,9 @@ token embedding / LM head is a ``TiedLayerSpec``: the first and last stages each
 DeepSpeed all-reduces their gradients, so they stay one weight.
 
 A stage's ``forward`` slices the padded tuple it receives to the real tiles and tokens once
-(``train.models.unpack``), runs its layers on the real rows only, and pads its output back to the
-static shapes the next stage expects. The last stage returns the micro-batch's summed loss.
+(``vlmshard.train.models.unpack``), runs its layers on the real rows only, and pads its output
+back to the static shapes the next stage expects. The last stage returns the micro-batch's
+summed loss.
 """
 
 from __future__ import annotations
@@ -139,8 +140,8 @@ class AveTokenLoss:
 
 def pipeline_inputs(batch: dict, pixel_rows_per_tile: int,
                     device: torch.device | str = "cpu") -> tuple[tuple, torch.Tensor]:
-    """A collated micro-batch (``shards.loader``) as DeepSpeed's (inputs, labels) pair on the
-    stage's device (an asynchronous copy from the loader's pinned memory on GPU)."""
+    """A collated micro-batch (``vlmshard.shards.loader``) as DeepSpeed's (inputs, labels) pair
+    on the stage's device (an asynchronous copy from the loader's pinned memory on GPU)."""
     wire = tuple(t.to(device, non_blocking=True) for t in wire_inputs(batch, pixel_rows_per_tile))
     return wire, wire[-1]
 

@@ -28,12 +28,13 @@ import numpy as np
 import torch
 
 from vlmshard.model_sizes import bytes_per_param
+from vlmshard.partition import (LayerCost, Machine, Partition, deepspeed_bounds, evaluate,
+                                largest_micro_batch_scale, omnibal_candidates, search_partition)
+
 from .attention import choose_backend
 from .config import ProfileConfig
 from .hf_model import ModelLayers, model_layers
 from .micro import unpack, wire_inputs
-from .partition import (LayerCost, Machine, Partition, deepspeed_bounds, evaluate,
-                        largest_micro_batch_scale, omnibal_candidates, search_partition)
 from .train_log import micro_batch_size
 from .trainer import cpu_threads_per_rank
 

@@ -1,16 +1,8 @@
-"""``train_log.jsonl``: one JSON line per optimizer step, written by global rank 0.
+"""Writing ``train_log.jsonl`` (one JSON line per optimizer step, by global rank 0) and
+``pipeline.json``: the records ``vlmshard.run_log`` describes and reads.
 
-Torch-free, so that anything that writes or checks a train log (the trainer, tests, tools)
-makes the records with the same code. A record holds every rank's timings and, for each
-data-parallel rank, what its first stage trained:
-
-``{"step", "loss", "step_time_s", "load_s", "tokens", "tokens_per_s", "end_to_end_tokens_per_s",
-"model_flops", "model_flops_per_s", "ranks": [{"rank", "stage", "dp_rank", "forward_s",
-"backward_s", "pipeline_s", "wait_s", "step_time_s", "load_s"}],
-"data": [{"dp_rank", "tokens", "plan_steps", "micro_sizes", "sample_ids"}]}``
-
-Next to it, ``pipeline.json`` says what the stages held (``pipeline_record``): what a replay of
-the run (``vlmshard.simulate.replay``) needs besides the log.
+Torch-free, so that anything that writes a train log (the trainer, tests, tools) makes the
+records with the same code.
 """
 
 from __future__ import annotations
@@ -18,16 +10,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import IO, Iterable
+from typing import IO
 
-from vlmshard.errors import InputError
 from vlmshard.io import atomic_write
 from vlmshard.model_sizes import Size
+from vlmshard.run_log import LOG_NAME
 
 log = logging.getLogger(__name__)
-
-LOG_NAME = "train_log.jsonl"
-PIPELINE_NAME = "pipeline.json"
 
 
 def micro_batch_size(batch: dict) -> dict:
@@ -125,40 +114,3 @@ def write_record(f: IO[str], record: dict) -> None:
     """One record as one line, flushed (a crashed run keeps every finished step)."""
     f.write(json.dumps(record) + "\n")
     f.flush()
-
-
-class TrainLogError(InputError):
-    """A train log that cannot be read; the message names the file and line."""
-
-
-def parse_log(lines: Iterable[str], name: str) -> list[tuple[int, dict]]:
-    """(line number, record) of each non-blank line of a train log; ``name`` is its path in
-    errors."""
-    records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TrainLogError(f"{name} line {number}: not JSON ({e.msg})") from None
-        if not isinstance(record, dict):
-            raise TrainLogError(f"{name} line {number}: not a train_log record (a JSON object)")
-        records.append((number, record))
-    if not records:
-        raise TrainLogError(f"{name}: no training steps in it")
-    return records
-
-
-def read_numbered(path: str) -> list[tuple[int, dict]]:
-    """(line number, record) of each step in the train log file ``path``."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return parse_log(f, path)
-    except UnicodeDecodeError as e:
-        raise TrainLogError(f"{path}: not UTF-8 text ({e.reason})") from None
-
-
-def read_log(path: str) -> list[dict]:
-    """The records of a ``train_log.jsonl``, one per step."""
-    return [record for _, record in read_numbered(path)]

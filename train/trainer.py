@@ -26,18 +26,12 @@ from typing import Iterator
 
 from vlmshard.io import read_json, write_json_atomic
 from vlmshard.model_sizes import training_flops
+from vlmshard.run_log import PIPELINE_NAME
 
 from .config import TrainConfig
 from .distributed import init_distributed
-from .train_log import (
-    PIPELINE_NAME,
-    open_log,
-    pipeline_record,
-    rank_data,
-    rank_timing,
-    step_record,
-    write_record,
-)
+from .train_log import (open_log, pipeline_record, rank_data, rank_timing, step_record,
+                        write_record)
 
 log = logging.getLogger(__name__)
 
@@ -228,8 +222,9 @@ def run(cfg: TrainConfig) -> None:
 
 
 def main() -> None:
-    """Entry point under the DeepSpeed launcher: ``python -m train.trainer [--local_rank=N]
-    CONFIG_JSON`` (the launcher adds ``--local_rank``; the rank comes from the environment)."""
+    """Entry point under the DeepSpeed launcher: ``python -m vlmshard.train.trainer
+    [--local_rank=N] CONFIG_JSON`` (the launcher adds ``--local_rank``; the rank comes from the
+    environment)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                                                     "%(message)s")
     config_path = [a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]

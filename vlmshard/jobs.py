@@ -1,9 +1,13 @@
-"""Resumable output folders, shared by the stages that write them (preprocess, write; pack
-uses the fingerprint alone: its two files are rewritten whole).
+"""Output folders, shared by the stages that write them: one job at a time in each (preprocess,
+pack, write), and resumable (preprocess, write; pack uses the fingerprint alone: its two files
+are rewritten whole).
 
 One job at a time per folder: ``locked_output`` holds an exclusive ``flock`` on the folder for
 the job's lifetime (released by the kernel if the process dies), and a second job is refused
-naming the holder, whose pid and host ``OUT/_work/job.json`` records.
+naming the holder. The holder writes its owner record (pid, host, start time) to
+``OUT/_lock.json`` as soon as it holds the lock, and removes it before letting go; a refused job
+waits up to ``OWNER_WAIT_S`` for that record, since the holder may have taken the lock an instant
+before it, and ignores a record left by a holder on this host that is gone (killed).
 
 A finished job is marked by one file written last (``preprocess.json``, ``manifest.json``)
 holding the job's fingerprint; an unfinished one by ``OUT/_work/job.json``. The fingerprint is a
@@ -23,6 +27,8 @@ from typing import Iterator
 from .io import canonical_json, read_json, sha256_text, write_json_atomic
 
 WORK = "_work"
+OWNER = "_lock.json"  # the lock holder's pid, host and start time
+OWNER_WAIT_S = 2.0  # how long a refused job waits for the holder to write it
 
 
 def fingerprint(identity: dict) -> str:
@@ -33,23 +39,68 @@ def fingerprint(identity: dict) -> str:
 @contextlib.contextmanager
 def locked_output(out: str, error: type[Exception] = ValueError) -> Iterator[None]:
     """Hold an exclusive lock on the folder ``out`` (created if missing) while the block runs;
-    raise ``error`` at once if another job holds it."""
+    raise ``error`` naming the holder if another job holds it."""
     os.makedirs(out, exist_ok=True)
     fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    record = os.path.join(out, OWNER)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        if not _try_lock(fd):
+            holder = _wait_for_holder(fd, record)
+            if holder is not None:
+                raise error(f"{out} is in use by another vlmshard job ({holder}); wait for it to "
+                            "end or pass another --out")
+        write_json_atomic(record, {"pid": os.getpid(), "host": socket.gethostname(),
+                                   "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+    except BaseException:
         os.close(fd)
-        job = os.path.join(out, WORK, "job.json")
-        owner = read_json(job).get("owner", {}) if os.path.exists(job) else {}
-        holder = (f"pid {owner['pid']} on {owner['host']}, started {owner['started']}"
-                  if owner else "a job that is starting")
-        raise error(f"{out} is in use by another vlmshard job ({holder}); wait for it to end "
-                    "or pass another --out") from None
+        raise
     try:
         yield
     finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(record)  # before the lock goes: a record present is a holder's
         os.close(fd)  # releases the lock
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _wait_for_holder(fd: int, record: str) -> str | None:
+    """Who holds the lock, from its owner record once it is there; None if the lock came free
+    meanwhile and is now ours."""
+    deadline = time.monotonic() + OWNER_WAIT_S
+    while True:
+        owner = _live_owner(record)
+        if owner is not None:
+            return f"pid {owner['pid']} on {owner['host']}, started {owner['started']}"
+        if _try_lock(fd):
+            return None
+        if time.monotonic() > deadline:
+            return f"which wrote no {OWNER} within {OWNER_WAIT_S:g} s of taking the lock"
+        time.sleep(0.01)
+
+
+def _live_owner(record: str) -> dict | None:
+    """The owner record at ``record``, unless missing, unreadable or left by a process on this
+    host that is gone (killed before it could remove it)."""
+    try:
+        owner = read_json(record)
+        pid, host, _ = int(owner["pid"]), owner["host"], owner["started"]
+    except (OSError, ValueError, KeyError, TypeError):  # JSONDecodeError is a ValueError
+        return None
+    if host == socket.gethostname():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass  # alive, another user's
+    return owner
 
 
 def claim_output(out: str, final_name: str, identity: dict,
@@ -71,7 +122,5 @@ def claim_output(out: str, final_name: str, identity: dict,
         raise error(f"{out} holds an interrupted job with other inputs or config; delete {work} "
                     "to start over, or rerun with the original options")
     os.makedirs(work, exist_ok=True)
-    owner = {"pid": os.getpid(), "host": socket.gethostname(),
-             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    write_json_atomic(job, {"fingerprint": key, "identity": identity, "owner": owner})
+    write_json_atomic(job, {"fingerprint": key, "identity": identity})
     return key, None

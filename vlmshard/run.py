@@ -155,7 +155,7 @@ def stages(cfg: RunConfig, where: str = "run config") -> list[tuple[str, Callabl
 
     def report() -> str:
         from vlmshard.report.report import make_report
-        from vlmshard.train.train_log import LOG_NAME
+        from vlmshard.run_log import LOG_NAME
 
         log_file = os.path.join(run, LOG_NAME) if cfg.train is not None else None
         result, _ = make_report([plan], train_log=log_file, html=cfg.path("report.html"),

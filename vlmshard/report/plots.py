@@ -200,7 +200,7 @@ def report_figures(plans: list[PlanSeries], train: Replay | None = None
     figures = []
     if len(plans) > 1:
         figures.append((comparison_figure(plans),
-                        "Each panel is one metric of DESIGN.md with one bar per plan (the report's "
+                        "Each panel is one balance metric with one bar per plan (the report's "
                         "own baseline packings of the same samples included); the panel title "
                         "says which way is better."))
     figures.append((imbalance_figure(plans),

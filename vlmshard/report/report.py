@@ -1,5 +1,5 @@
-"""``vlmshard report``: the balance metrics of one or more plans side by side (DESIGN.md's
-definitions), as a terminal table, JSON and a self-contained HTML page of plots, next to random
+"""``vlmshard report``: the balance metrics of one or more plans side by side (``docs/design.md``,
+"Metrics"), as a terminal table, JSON and a self-contained HTML page of plots, next to random
 and ISF packings of the same samples, optionally with a training run's measured pipeline bubble
 and data-parallel waiting set against the simulator's replay of that run. The IO of the report
 lives here; the series (``series``), figures (``plots``) and page (``html_report``) are pure."""
@@ -15,7 +15,7 @@ from vlmshard.packing.batches import Lengths, Packing
 from vlmshard.packing.metrics import REPORT_KEYS, format_value
 from vlmshard.packing.plan import load_plan, plan_stats_path, read_plan, read_plan_json
 from vlmshard.simulate.replay import Replay, compare, replay_run
-from vlmshard.train.train_log import PIPELINE_NAME, read_numbered
+from vlmshard.run_log import PIPELINE_NAME, read_numbered
 
 from .series import PlanSeries, ReportError, check_train_log, plan_series
 

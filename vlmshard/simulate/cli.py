@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from vlmshard.io import write_json_atomic
-    from vlmshard.train.partition import PartitionError
+    from vlmshard.partition import PartitionError
 
     from .runs import run_simulate
 

@@ -6,8 +6,9 @@ stages. A stage's forward time for a micro-batch is its layers' FLOPs for that m
 activation; backward is twice the forward plus the forward of its recomputed layers. ViT stages
 and LLM stages therefore differ per micro-batch, exactly as on the cluster. The step takes the
 slowest replica; the epoch is the sum of its steps. The sizes are what the trainer executes
-(``packing.metrics.executed_sizes``): in ``padded`` compute mode Qv tiles and Qt tokens with the
-real samples' squares, so step times, activation memory and the partition search see the caps.
+(``vlmshard.packing.metrics.executed_sizes``): in ``padded`` compute mode Qv tiles and Qt
+tokens with the real samples' squares, so step times, activation memory and the partition
+search see the caps.
 
 - bubble fraction: the share of stage-time the pipeline leaves idle, within each replica;
 - waiting fraction: the share of replica-time spent waiting for the slowest replica of the step.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vlmshard.model_sizes import ACTIVATION_BYTES, LayerWork, Size
-from vlmshard.train.partition import LayerCost, Machine, Partition, deepspeed_bounds
+from vlmshard.partition import LayerCost, Machine, Partition, deepspeed_bounds
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +302,7 @@ def search_for(work: list[LayerWork], sizes: np.ndarray, stages: int, gpu: GPU, 
                method: str = "search") -> Partition:
     """The stage partition for these micro-batch sizes: the exact search (``method="search"``)
     or DeepSpeed's ``parameters``/``uniform``, with adaptive (or full) recompute."""
-    from vlmshard.train.partition import PartitionError, evaluate, search_partition
+    from vlmshard.partition import PartitionError, evaluate, search_partition
 
     mean, peak = sizes.mean(axis=0), sizes.max(axis=0)
     layers = layer_costs(work, time_size=Size(*mean), memory_size=Size(*peak),

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from vlmshard.model_sizes import ModelConfig, layer_work
-from vlmshard.train.partition import Partition, Stage
-from vlmshard.train.train_log import PIPELINE_NAME, read_log
+from vlmshard.partition import Partition, Stage
+from vlmshard.run_log import PIPELINE_NAME, read_log
 
 from .model import LayerRates, PipelineTimes, StageModel, pipeline_times, share
 
@@ -122,7 +122,7 @@ def _configured_partition(config: dict, profile: dict) -> Partition:
     """For a run without ``pipeline.json``: the stage bounds and recompute its
     ``train_config.json`` asked for (DeepSpeed's 'parameters' when it gave none, as the
     trainer does), over the profile's layers."""
-    from vlmshard.train.partition import LayerCost, deepspeed_bounds
+    from vlmshard.partition import LayerCost, deepspeed_bounds
 
     bounds = config.get("bounds") or deepspeed_bounds(
         [LayerCost(**lay) for lay in profile["layers"]], config["pp"], "parameters")

@@ -9,7 +9,7 @@ from dataclasses import asdict
 import numpy as np
 
 from vlmshard.model_sizes import PRESETS, bytes_per_param, layer_work
-from vlmshard.train.partition import Partition, PartitionError
+from vlmshard.partition import Partition, PartitionError
 
 from .config import SimulateConfig
 from .model import (GPUS, LayerRates, StageModel, replica_micro_batches,

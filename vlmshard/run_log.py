@@ -1,0 +1,62 @@
+"""Reading a training run's log: ``train_log.jsonl``, one JSON line per optimizer step (written
+by global rank 0 through ``vlmshard.train.train_log``), and ``pipeline.json`` beside it.
+
+Kept below the stages and free of torch, so that the simulator and the report read a run
+without importing the trainer. A record holds every rank's timings and, for each data-parallel
+rank, what its first stage trained:
+
+``{"step", "loss", "step_time_s", "load_s", "tokens", "tokens_per_s", "end_to_end_tokens_per_s",
+"model_flops", "model_flops_per_s", "ranks": [{"rank", "stage", "dp_rank", "forward_s",
+"backward_s", "pipeline_s", "wait_s", "step_time_s", "load_s"}],
+"data": [{"dp_rank", "tokens", "plan_steps", "micro_sizes", "sample_ids"}]}``
+
+``pipeline.json`` says what the stages held (``{"model", "stages": [{"stage", "layers",
+"recompute"}]}``): what a replay of the run (``vlmshard.simulate.replay``) needs besides the log.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Iterable
+
+from vlmshard.errors import InputError
+
+LOG_NAME = "train_log.jsonl"
+PIPELINE_NAME = "pipeline.json"
+
+
+class TrainLogError(InputError):
+    """A train log that cannot be read; the message names the file and line."""
+
+
+def parse_log(lines: Iterable[str], name: str) -> list[tuple[int, dict]]:
+    """(line number, record) of each non-blank line of a train log; ``name`` is its path in
+    errors."""
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TrainLogError(f"{name} line {number}: not JSON ({e.msg})") from None
+        if not isinstance(record, dict):
+            raise TrainLogError(f"{name} line {number}: not a train_log record (a JSON object)")
+        records.append((number, record))
+    if not records:
+        raise TrainLogError(f"{name}: no training steps in it")
+    return records
+
+
+def read_numbered(path: str) -> list[tuple[int, dict]]:
+    """(line number, record) of each step in the train log file ``path``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return parse_log(f, path)
+    except UnicodeDecodeError as e:
+        raise TrainLogError(f"{path}: not UTF-8 text ({e.reason})") from None
+
+
+def read_log(path: str) -> list[dict]:
+    """The records of a ``train_log.jsonl``, one per step."""
+    return [record for _, record in read_numbered(path)]
