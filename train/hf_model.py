@@ -28,7 +28,7 @@ from .weights import Checkpoint, load_layer
 class ModelLayers:
     path: str
     family: str
-    backend: str  # attention backend (train.attention)
+    backend: str  # attention backend (vlmshard.train.attention)
     config: object  # the transformers config
     meta: nn.Module  # the whole model on the meta device
     defs: list[LayerDef]

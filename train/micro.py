@@ -83,7 +83,7 @@ class Micro:
     position_ids: torch.Tensor  # [n], or [3, n] for mRoPE
     labels: torch.Tensor  # [n]
     host: HostMeta
-    backend: str  # attention backend, see train.attention
+    backend: str  # attention backend, see vlmshard.train.attention
     phase: Phase  # what ``x`` holds
     wire: tuple  # the padded tuple this stage received
     cache: dict = field(default_factory=dict)  # computed once per micro-batch per stage
