@@ -95,4 +95,10 @@ def _model_sizes(name: str, presets: dict):
     if not os.path.isfile(config):
         raise ConfigError(f"unknown model {name!r}: neither a preset "
                           f"({', '.join(sorted(presets))}) nor a model folder with a config.json")
-    return ModelConfig.from_hf_config(read_json(config), os.path.basename(os.path.abspath(name)))
+    try:
+        return ModelConfig.from_hf_config(read_json(config),
+                                          os.path.basename(os.path.abspath(name)))
+    except InputError:
+        raise
+    except ValueError as e:  # sizes this model's config.json does not allow
+        raise InputError(f"{config}: {e}") from None
