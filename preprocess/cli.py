@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
-from dataclasses import asdict
-
-from vlmshard.config import add_options, load_config
+from vlmshard.stage import stage_command
 
 from .config import PreprocessConfig
-
-log = logging.getLogger(__name__)
 
 DESCRIPTION = """\
 Reads conversation data and writes OUT/stats/part-*.parquet (one row per accepted sample:
@@ -30,26 +23,5 @@ in the data never becomes control tokens), its image tokens, and its image proce
 limits. Without it, the offline demo tokenizer (Tekken, mistral template) is used."""
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_options(p, PreprocessConfig)
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-
-
-def main(args: argparse.Namespace) -> int:
-    from .job import RejectRatioExceeded, run_preprocess
-
-    as_json = args.__dict__.pop("json")
-    try:
-        result = run_preprocess(load_config(PreprocessConfig, args))
-    except (ValueError, OSError) as e:  # ConfigError, unreadable sources, a full disk, ...
-        raise SystemExit(f"vlmshard preprocess: error: {e}") from None
-    except RejectRatioExceeded as e:
-        log.error("%s", e)
-        return 3
-    if as_json:
-        print(json.dumps(asdict(result), indent=1))
-    else:
-        print(f"{result.accepted} samples accepted, {result.rejected} rejected "
-              f"of {result.input_rows} rows -> {result.out}/stats "
-              f"({'already complete' if result.already_complete else f'{result.seconds:.1f}s'})")
-    return 0
+add_arguments, main = stage_command("preprocess", PreprocessConfig,
+                                    "vlmshard.preprocess.job:run_preprocess")

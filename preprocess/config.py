@@ -55,8 +55,8 @@ class PreprocessConfig(EngineOptions):
     part_size: int = option(2048, help="rows per committed part, the unit of resume")
     seed: int = option(0, help="seed for repeat_time < 1 subsampling")
 
-    def validate(self) -> None:
-        super().validate()
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.inputs:
             raise ConfigError("no input given: pass conversation files, meta files, Parquet files "
                               "or saved dataset folders")

@@ -22,6 +22,7 @@ from helpers import REPO
 LAYERS = {
     "vlmshard.io": 0, "vlmshard.jobs": 0, "vlmshard.engines": 0, "vlmshard.progress": 0,
     "vlmshard.config": 0, "vlmshard.model_sizes": 0, "vlmshard.errors": 0, "vlmshard.rejects": 0,
+    "vlmshard.stage": 0,
     "vlmshard.preprocess": 1, "vlmshard.packing": 2, "vlmshard.shards": 3, "vlmshard.train": 4,
     "vlmshard.simulate": 5, "vlmshard.report": 6,
     "vlmshard.run": 7, "vlmshard.cli": 7,
