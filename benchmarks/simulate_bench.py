@@ -28,9 +28,8 @@ from pack_bench import DATA, real_lengths, resample  # noqa: E402
 from vlmshard.packing.config import PackConfig  # noqa: E402
 from vlmshard.packing.cost import COMPUTE_MODES  # noqa: E402
 from vlmshard.packing.plan import run_pack  # noqa: E402
-from vlmshard.simulate.cli import format_result  # noqa: E402
 from vlmshard.simulate.config import SimulateConfig  # noqa: E402
-from vlmshard.simulate.runs import run_simulate  # noqa: E402
+from vlmshard.simulate.runs import format_result, run_simulate  # noqa: E402
 from vlmshard.config import load_config  # noqa: E402
 from vlmshard.io import write_json_atomic  # noqa: E402
 

@@ -64,7 +64,7 @@ class PackConfig:
         default_text="the model folder the stats were preprocessed for; else internvl2-2b, or "
                      "qwen2-vl-2b for Qwen2-VL stats")
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         for name in ("dp", "micro_batches", "epochs", "target_samples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, "

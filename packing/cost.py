@@ -14,6 +14,7 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Literal, get_args
 
+from vlmshard.errors import ConfigError, InputError
 from vlmshard.io import read_json
 
 log = logging.getLogger(__name__)
@@ -60,9 +61,9 @@ class CostModel:
         model = _model_sizes(name, PRESETS)
         default = PRESETS[preset]
         if model.vision.image_size != default.vision.image_size:
-            raise ValueError(f"model {name!r} counts {model.vision.image_size}-px ViT units, but "
-                             f"the stats count {family}'s {default.vision.image_size}-px units: "
-                             f"pass --model {preset} or a --cost-model file")
+            raise ConfigError(f"model {name!r} counts {model.vision.image_size}-px ViT units, but "
+                              f"the stats count {family}'s {default.vision.image_size}-px units: "
+                              f"pass --model {preset} or a --cost-model file")
         return cls.from_sizes(model)
 
     @classmethod
@@ -71,9 +72,9 @@ class CostModel:
         try:
             a_v, a_t, b = (float(data[k]) for k in ("a_v", "a_t", "b"))
         except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{path}: a cost model needs numbers a_v, a_t and b") from None
+            raise InputError(f"{path}: a cost model needs numbers a_v, a_t and b") from None
         if min(a_v, a_t, b) < 0 or a_v + a_t + b <= 0:
-            raise ValueError(f"{path}: cost coefficients must be non-negative and not all zero")
+            raise InputError(f"{path}: cost coefficients must be non-negative and not all zero")
         return cls(a_v, a_t, b, f"file:{path}")
 
     def cost(self, tiles, tokens, squares):
@@ -94,6 +95,11 @@ def _model_sizes(name: str, presets: dict):
         return presets[name]
     config = os.path.join(name, "config.json")
     if not os.path.isfile(config):
-        raise ValueError(f"unknown model {name!r}: neither a preset ({', '.join(sorted(presets))}) "
-                         "nor a model folder with a config.json")
-    return model_sizes(read_json(config), name)
+        raise ConfigError(f"unknown model {name!r}: neither a preset "
+                          f"({', '.join(sorted(presets))}) nor a model folder with a config.json")
+    try:
+        return model_sizes(read_json(config), name)
+    except InputError:
+        raise
+    except ValueError as e:  # sizes this model's config.json does not allow
+        raise InputError(f"{config}: {e}") from None

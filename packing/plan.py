@@ -25,18 +25,19 @@ import numpy as np
 import pyarrow as pa
 
 from vlmshard import __version__
-from vlmshard.errors import ConfigError
+from vlmshard.errors import ConfigError, InputError
 from vlmshard.io import (arrow_column, atomic_write, read_json, sha256_file, write_json_atomic,
                          write_parquet)
 from vlmshard.jobs import fingerprint as job_fingerprint
 from vlmshard.jobs import locked_output
+from vlmshard.stage import Result
 
 from . import algorithms
 from .algorithms import BalancedOptions, Caps
 from .batches import Lengths, Packing
 from .config import PADDED, PackConfig
 from .cost import CostModel
-from .metrics import Metrics, measure
+from .metrics import Metrics, format_metrics, measure
 from .stats import StatsError, load_stats
 
 log = logging.getLogger(__name__)
@@ -54,16 +55,30 @@ PLAN_SCHEMA = pa.schema([
 
 
 @dataclass
-class PackResult:
+class PackResult(Result):
     out: str
     metrics: Metrics
     unplaced_by_reason: dict[str, int]
+
+    def summary(self) -> str:
+        m = self.metrics
+        return (f"{m.samples} samples in {m.steps} steps, cost efficiency "
+                f"{m.cost_efficiency:.3f}, LLM dist ratio {m.llm_dist_ratio:.4f} -> {self.out}")
+
+    def text(self) -> str:
+        lines = [format_metrics(self.metrics.report())]
+        if self.unplaced_by_reason:
+            lines.append("unplaced: " + ", ".join(f"{n} {r}" for r, n in
+                                                  self.unplaced_by_reason.items()))
+        return "\n".join(lines + [f"plan written to {self.out}/plan.parquet"])
+
+    def to_json(self) -> dict:
+        return self.metrics.report()
 
 
 def run_pack(cfg: PackConfig) -> PackResult:
     """Pack (or find already packed) the plan of ``cfg``; see the module docstring. A second job
     on the same ``out`` while this one runs is refused (``ConfigError``)."""
-    cfg.validate()
     with locked_output(cfg.out, ConfigError):
         return _pack(cfg)
 
@@ -195,9 +210,9 @@ def pack_epoch(cfg: PackConfig, lengths: Lengths, caps: Caps, cost: CostModel, *
     """One epoch of ``cfg.algo``; samples over a cap on their own come first among the unplaced."""
     ids, over, over_reasons = algorithms.split_over_cap(lengths, caps)
     if len(ids) == 0:
-        raise ValueError(f"--qv {caps.qv} --qt {caps.qt} leave out every sample: the smallest "
-                         f"has {int(lengths.tiles.min())} tiles and "
-                         f"{int(lengths.tokens.min())} tokens")
+        raise ConfigError(f"--qv {caps.qv} --qt {caps.qt} leave out every sample: the smallest "
+                          f"has {int(lengths.tiles.min())} tiles and "
+                          f"{int(lengths.tokens.min())} tokens")
     common = {"ranks": cfg.ranks, "micro_batches": cfg.micro_batches, "seed": seed}
     if cfg.algo == "random":
         packing = algorithms.pack_random(lengths, ids, samples_per_micro=cfg.target_samples,
@@ -246,6 +261,8 @@ def read_plan_json(plan_dir: str) -> dict:
     if not os.path.exists(path):
         raise FileNotFoundError(f"{plan_dir}: no plan.json here (write one with vlmshard pack)")
     info = read_json(path)
+    if not isinstance(info.get("metrics"), dict):
+        raise InputError(f"{path} has no metrics: pack it again with this vlmshard")
     facts = os.path.join(plan_dir, RUN_FACTS)
     info["run"] = read_json(facts) if os.path.exists(facts) else {}
     info["metrics"]["pack_seconds"] = info["run"].get("timings", {}).get("pack_seconds", 0.0)
@@ -275,7 +292,7 @@ def read_plan(plan_dir: str) -> tuple[dict, Packing]:
     mb = ((table["step"].to_numpy().astype(np.int64) * ranks + table["rank"].to_numpy()) * micro
           + table["micro"].to_numpy())
     if np.any(np.diff(mb) < 0) or (len(mb) and not 0 <= mb[0] <= mb[-1] < n_micro):
-        raise ValueError(f"{path}: rows are not in (step, rank, micro, slot) order within the "
+        raise InputError(f"{path}: rows are not in (step, rank, micro, slot) order within the "
                          f"{n_micro} micro-batches plan.json records")
     offsets = np.zeros(n_micro + 1, np.int64)
     np.cumsum(np.bincount(mb, minlength=n_micro), out=offsets[1:])
@@ -294,6 +311,6 @@ def load_plan(plan_dir: str) -> tuple[dict, Packing, Lengths]:
     except StatsError as e:
         raise StatsError(f"{plan_dir}: cannot read the stats it was packed from: {e}") from None
     if stats.sha256 != info["stats"]["sha256"]:
-        raise ValueError(f"{path} is no longer the stats {plan_dir} was packed from (sha256 "
+        raise InputError(f"{path} is no longer the stats {plan_dir} was packed from (sha256 "
                          "differs): pack again")
     return info, packing, stats.lengths

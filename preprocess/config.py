@@ -58,8 +58,8 @@ class PreprocessConfig(EngineOptions):
     part_size: int = option(2048, help="rows per committed part, the unit of resume")
     seed: int = option(0, help="seed for repeat_time < 1 subsampling")
 
-    def validate(self) -> None:
-        super().validate()
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.inputs:
             raise ConfigError("no input given: pass conversation files, meta files, Parquet files "
                               "or saved dataset folders")
@@ -83,3 +83,16 @@ class DemoDataConfig:
     out: str = option(help="folder to write the dataset into")
     seed: int = option(0, help="seed of the generated conversations and bad rows")
     scale: int = option(1, help="multiply the number of samples")
+
+
+@dataclass(kw_only=True)
+class DemoModelConfig:
+    """The ``demo_model`` option of ``vlmshard run``: which tiny model folder to make, where."""
+
+    model_type: str = option(help="the tiny model's config.json model_type")
+    out: str = option(help="model folder to write")
+
+    def __post_init__(self) -> None:
+        if self.model_type not in model_types():
+            raise ConfigError(f"demo_model {self.model_type!r}: known model types are "
+                              f"{', '.join(model_types())}")

@@ -15,7 +15,6 @@ five sources in every supported input format:
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import io
 import json
@@ -28,9 +27,10 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from vlmshard.config import ConfigError, add_options, load_config
+from vlmshard.errors import JobError
+from vlmshard.stage import Result, stage_command
 
-from .config import DemoDataConfig
+from .config import DemoDataConfig, DemoModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +60,27 @@ QUESTIONS = ["Describe the image.", "What is shown here?", "What color dominates
 
 
 @dataclass(frozen=True)
-class DemoDataset:
+class DemoDataset(Result):
     root: str
     meta: str
     images: list[str]
     sources: dict[str, str]
+
+    def summary(self) -> str:
+        return f"demo dataset -> {self.meta}"
+
+
+@dataclass
+class DemoModel(Result):
+    model_type: str
+    folder: str
+
+    def summary(self) -> str:
+        return f"tiny {self.model_type} -> {self.folder}"
+
+
+def run_demo_model(cfg: DemoModelConfig) -> DemoModel:
+    return DemoModel(cfg.model_type, demo_model(cfg.model_type, cfg.out))
 
 
 def demo_model(model_type: str, path: str) -> str:
@@ -82,7 +98,7 @@ def demo_model(model_type: str, path: str) -> str:
 def skimage_photo_dir() -> str:
     spec = importlib.util.find_spec("skimage")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("scikit-image is not installed; it ships the demo photos")
+        raise JobError("scikit-image is not installed; it ships the demo photos")
     return os.path.join(list(spec.submodule_search_locations)[0], "data")
 
 
@@ -264,15 +280,10 @@ def generate(out: str, seed: int = 0, scale: int = 1) -> DemoDataset:
     return DemoDataset(root=out, meta=meta_path, images=images, sources=sources)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_options(p, DemoDataConfig)
+def run_demo_data(cfg: DemoDataConfig) -> DemoDataset:
+    """``vlmshard demo-data``: :func:`generate` with the command's options."""
+    return generate(cfg.out, cfg.seed, cfg.scale)
 
 
-def main(args: argparse.Namespace) -> int:
-    try:
-        cfg = load_config(DemoDataConfig, args)
-    except ConfigError as e:
-        raise SystemExit(f"vlmshard demo-data: error: {e}") from None
-    ds = generate(cfg.out, cfg.seed, cfg.scale)
-    print(f"demo dataset written: {ds.meta}")
-    return 0
+add_arguments, main = stage_command("demo-data", DemoDataConfig,
+                                    "vlmshard.preprocess.demo_data:run_demo_data")

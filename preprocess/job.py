@@ -41,6 +41,7 @@ from vlmshard.io import atomic_write, is_url, write_json_atomic, write_parquet
 from vlmshard.jobs import WORK, claim_output, locked_output
 from vlmshard.progress import Progress
 from vlmshard.rejects import REASONS
+from vlmshard.stage import Result
 
 from .config import PreprocessConfig
 from .sample import SampleLimits, SampleSpec, make_encoder
@@ -58,7 +59,7 @@ class RejectRatioExceeded(JobError):
 
 
 @dataclass
-class PreprocessResult:
+class PreprocessResult(Result):
     out: str
     input_rows: int
     accepted: int
@@ -69,12 +70,15 @@ class PreprocessResult:
     already_complete: bool = False
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
 
+    def summary(self) -> str:
+        return (f"{self.accepted} accepted, {self.rejected} rejected of {self.input_rows} rows "
+                f"-> {self.out}{' (already complete)' if self.already_complete else ''}")
+
 
 def run_preprocess(cfg: PreprocessConfig) -> PreprocessResult:
     """Run (or resume, or skip) a preprocess job; see the module docstring for the outputs. A
     second job on the same ``out`` while this one runs is refused (``ConfigError``)."""
     start = time.monotonic()
-    cfg.validate()
     with locked_output(cfg.out, ConfigError):
         return _preprocess(cfg, start)
 

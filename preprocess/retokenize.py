@@ -20,7 +20,7 @@ from dataclasses import fields
 
 import numpy as np
 
-from vlmshard.errors import JobError
+from vlmshard.errors import InputError, JobError
 from vlmshard.families import ModelSpec, policy_from_dict, source_tiling
 from vlmshard.io import sha256_file
 from vlmshard.rejects import Reject
@@ -41,7 +41,7 @@ class RecordedPreprocess:
     def __init__(self, preprocess: dict) -> None:
         self.config = preprocess["config"]
         if "model" not in self.config:
-            raise ValueError(f"this preprocess output was written by vlmshard "
+            raise InputError(f"this preprocess output was written by vlmshard "
                              f"{preprocess.get('vlmshard_version', '?')}, before model folders "
                              "were recorded: preprocess it again")
         self.tokenizer = TokenizerConfig(**self.config["tokenizer"])

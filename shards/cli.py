@@ -1,12 +1,8 @@
-"""``vlmshard write``: the command-line face of ``shards.writer.run_write``."""
+"""``vlmshard write``: the command-line face of ``vlmshard.shards.writer.run_write``."""
 
 from __future__ import annotations
 
-import argparse
-import json
-from dataclasses import asdict
-
-from vlmshard.config import add_options, load_config
+from vlmshard.stage import stage_command
 
 from .config import WriteConfig
 
@@ -24,23 +20,4 @@ crash and it finishes the rest with byte-identical output; rerun a finished writ
 nothing. Check the result with `vlmshard verify OUT --plan PLAN`."""
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_options(p, WriteConfig)
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-
-
-def main(args: argparse.Namespace) -> int:
-    from .writer import WriteError, run_write
-
-    as_json = args.__dict__.pop("json")
-    try:
-        result = run_write(load_config(WriteConfig, args))
-    except (WriteError, OSError, ValueError) as e:  # StatsError is a ValueError; a full disk
-        raise SystemExit(f"vlmshard write: error: {e}") from None
-    if as_json:
-        print(json.dumps(asdict(result), indent=1))
-    else:
-        print(f"{result.shards} shard(s), {result.records} record(s), "
-              f"{result.bytes / 1e6:.1f} MB -> {result.out} "
-              f"({'already complete' if result.already_complete else f'{result.seconds:.1f}s'})")
-    return 0
+add_arguments, main = stage_command("write", WriteConfig, "vlmshard.shards.writer:run_write")

@@ -19,9 +19,13 @@ class WriteConfig(EngineOptions):
         "1GB", help="target shard size, e.g. 1GB or 256MiB; shards hold whole steps, so one step "
                     "larger than this makes a larger shard")
 
-    def validate(self) -> int:
-        """Check the options; returns ``shard_bytes`` in bytes."""
-        super().validate()
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        parse_size(self.shard_bytes)  # a bad size fails when the config is made
+
+    @property
+    def shard_size(self) -> int:
+        """``shard_bytes`` in bytes."""
         return parse_size(self.shard_bytes)
 
 

@@ -23,6 +23,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import IO
 
+from vlmshard.errors import InputError
 from vlmshard.io import is_url, open_file
 from vlmshard.jobs import WORK
 
@@ -137,12 +138,12 @@ class Manifest:
     def from_dict(cls, d: dict, where: str) -> "Manifest":
         found = d.get("format")
         if isinstance(found, str) and found.startswith("vlmshard-shards/") and found != FORMAT:
-            raise ValueError(f"{where}: shards in format {found!r}, but this vlmshard reads "
+            raise InputError(f"{where}: shards in format {found!r}, but this vlmshard reads "
                              f"{FORMAT!r} (format 1 kept each image as its own member, which "
                              "generic WebDataset readers refuse): write them again with "
                              "vlmshard write")
         if found != FORMAT:
-            raise ValueError(f"{where}: not a vlmshard shard manifest (format {found!r}, "
+            raise InputError(f"{where}: not a vlmshard shard manifest (format {found!r}, "
                              f"expected {FORMAT!r})")
         d = dict(d)
         d["shards"] = [ShardEntry(**s) for s in d["shards"]]
@@ -158,7 +159,7 @@ def join(root: str, path: str) -> str:
     """The URL or local path of ``path`` below ``root``."""
     if root.startswith("pipe:"):
         if "{path}" not in root:
-            raise ValueError(f"{root!r}: a pipe: root needs a {{path}} placeholder for the file "
+            raise InputError(f"{root!r}: a pipe: root needs a {{path}} placeholder for the file "
                              "below it, e.g. 'pipe:curl -s http://host/shards/{path}'")
         return root.replace("{path}", path)
     if is_url(root):
@@ -192,4 +193,4 @@ def read_manifest(root: str) -> Manifest:
     try:
         return Manifest.from_dict(json.loads(data), url)
     except (json.JSONDecodeError, TypeError) as e:
-        raise ValueError(f"{url}: unreadable manifest: {e}") from None
+        raise InputError(f"{url}: unreadable manifest: {e}") from None

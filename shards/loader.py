@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from vlmshard.errors import ConfigError, InputError
 from vlmshard.families import family
 from vlmshard.preprocess.tokenize import IGNORE_INDEX
 
@@ -58,9 +59,9 @@ class ShardDataset(IterableDataset):
         virtual = self.manifest.ranks
         if world_size < 1 or virtual % world_size:
             divisors = [w for w in range(1, virtual + 1) if virtual % w == 0]
-            raise ValueError(f"{root} was planned for {virtual} virtual rank(s); world size "
-                             f"{world_size} does not divide it (use one of {divisors}, or pack "
-                             "with --virtual-ranks a multiple of your DP size)")
+            raise ConfigError(f"{root} was planned for {virtual} virtual rank(s); world size "
+                              f"{world_size} does not divide it (use one of {divisors}, or pack "
+                              "with --virtual-ranks a multiple of your DP size)")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         if not 0 <= start_step <= self.manifest.steps:
@@ -78,7 +79,7 @@ class ShardDataset(IterableDataset):
         self.policies = self.manifest.policies()
         shapes = {(p.rows_per_tile, p.pixel_shape, p.takes_grid) for p in self.policies.values()}
         if len(shapes) != 1:
-            raise ValueError(f"{root}: sources make pixel rows of different shapes {shapes}")
+            raise InputError(f"{root}: sources make pixel rows of different shapes {shapes}")
         self.rows_per_tile, self.pixel_shape, self.takes_grids = shapes.pop()
 
     @property

@@ -24,7 +24,9 @@ import numpy as np
 
 from vlmshard.io import available_cpus, sha256_file
 from vlmshard.progress import Progress
+from vlmshard.stage import Result
 
+from .config import VerifyConfig
 from .layout import Manifest, ShardEntry, is_remote, join, read_manifest
 from .reader import ShardError, iter_shard
 from .records import RecordError, check_image_tokens, decoded_images
@@ -36,11 +38,11 @@ MAX_SHOWN = 20  # problems printed; all are in the --json output
 
 
 @dataclass
-class VerifyResult:
+class VerifyResult(Result):
     root: str
     ok: bool
     quick: bool
-    ranks: int = 0
+    plan: str | None = None  # the plan the samples were checked against    ranks: int = 0
     steps: int = 0
     shards: int = 0
     records: int = 0
@@ -49,12 +51,37 @@ class VerifyResult:
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
 
+    def summary(self) -> str:
+        if not self.ok:
+            return (f"{self.root}: {len(self.problems)} problem(s), the first: "
+                    f"{self.problems[0] if self.problems else '?'}")
+        return (f"OK{' (quick)' if self.quick else ''}: {self.records} records, {self.samples} "
+                f"samples{', every one as planned' if self.plan else ''} ({self.shards} shards, "
+                f"{self.ranks} ranks x {self.steps} steps, {self.bytes / 1e6:.1f} MB)")
+
+    def text(self) -> str:
+        if self.ok:
+            return self.summary()
+        more = len(self.problems) - MAX_SHOWN
+        return "\n".join([f"FAIL {problem}" for problem in self.problems[:MAX_SHOWN]]
+                         + [f"{self.root}: {len(self.problems)} problem(s)"
+                            + (f" ({more} more with --json)" if more > 0 else "")])
+
+    @property
+    def exit_status(self) -> int:
+        return 0 if self.ok else 1
+
+
+def run_verify(cfg: VerifyConfig) -> VerifyResult:
+    """``vlmshard verify``: :func:`verify_shards` with the command's options."""
+    return verify_shards(cfg.shards, plan=cfg.plan, quick=cfg.quick, workers=cfg.workers)
+
 
 def verify_shards(root: str, plan: str | None = None, quick: bool = False,
                   workers: int | None = None) -> VerifyResult:
     """Check ``root`` (a folder or URL); ``problems`` is empty exactly when all holds."""
     start = time.monotonic()
-    result = VerifyResult(root=root, ok=False, quick=quick)
+    result = VerifyResult(root=root, ok=False, quick=quick, plan=plan)
     try:
         manifest = read_manifest(root)
     except (FileNotFoundError, ValueError) as e:

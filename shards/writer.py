@@ -55,6 +55,7 @@ from vlmshard.preprocess import (
     sample_where,
 )
 from vlmshard.progress import Progress
+from vlmshard.stage import Result
 
 from .config import WriteConfig
 from .layout import FORMAT, MANIFEST, Manifest, ShardEntry, shard_path
@@ -73,7 +74,7 @@ class WriteError(JobError):
 
 
 @dataclass
-class WriteResult:
+class WriteResult(Result):
     out: str
     ranks: int
     steps: int
@@ -83,6 +84,10 @@ class WriteResult:
     seconds: float
     shards_resumed: int = 0
     already_complete: bool = False
+
+    def summary(self) -> str:
+        return (f"{self.shards} shards, {self.records} records, {self.bytes / 1e6:.1f} MB -> "
+                f"{self.out}{' (already complete)' if self.already_complete else ''}")
 
 
 @dataclass(frozen=True)
@@ -113,9 +118,8 @@ def run_write(cfg: WriteConfig) -> WriteResult:
     """Write (or resume, or skip) the shards of ``cfg.plan``; see the module docstring. A second
     job on the same ``out`` while this one runs is refused (``WriteError``)."""
     start = time.monotonic()
-    shard_bytes = cfg.validate()
     with locked_output(cfg.out, WriteError):
-        return _write(cfg, shard_bytes, start)
+        return _write(cfg, cfg.shard_size, start)
 
 
 def _write(cfg: WriteConfig, shard_bytes: int, start: float) -> WriteResult:

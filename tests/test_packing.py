@@ -7,7 +7,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -293,7 +292,7 @@ def test_report_prints_the_keys(tmp_path):
     out = tmp_path / "plan"
     vlmshard("pack", "--stats", os.path.join(OMNIBAL, "meta.json"), "--dp", "4", "--out",
              str(out), "--seed", "3")
-    report = json.loads(vlmshard("report", str(out), "--json", "-").stdout)["plans"][0]["metrics"]
+    report = json.loads(vlmshard("report", str(out), "--json").stdout)["plans"][0]["metrics"]
     assert set(report) == {*REPORT_KEYS, "source_mix_tv"}
     plan = pq.read_table(out / "plan.parquet")
     assert plan.column_names == ["step", "rank", "micro", "slot", "sample_id"]

@@ -207,11 +207,11 @@ def _expected_predicted(plan_dir: Path, dp: int, steps: int) -> PipelineTimes:
 
 @pytest.fixture(scope="module")
 def report_run(plans, tmp_path_factory) -> dict:
-    """One ``vlmshard report balanced random --train-log --html --json``, as a user runs it."""
+    """One ``vlmshard report balanced random --train-log --html --out-json``, as a user runs it."""
     out = tmp_path_factory.mktemp("report")
     write_train_log(plans["balanced"], out / "train_log.jsonl", dp=4)
     proc = vlmshard("report", str(plans["balanced"]), str(plans["random"]), "--train-log",
-                    str(out / "train_log.jsonl"), "--html", str(out / "report.html"), "--json",
+                    str(out / "train_log.jsonl"), "--html", str(out / "report.html"), "--out-json",
                     str(out / "report.json"))
     return {"stdout": proc.stdout, "html": out / "report.html", "json": out / "report.json",
             "log": out / "train_log.jsonl"}
@@ -264,10 +264,10 @@ def test_the_summary_compares_the_plan_with_random_and_isf_packings(plans, repor
 
 def test_json_dash_prints_what_json_path_writes(plans, tmp_path):
     path = tmp_path / "r.json"
-    proc = vlmshard("report", str(plans["random"]), "--json", str(path))
+    proc = vlmshard("report", str(plans["random"]), "--out-json", str(path))
     assert proc.stdout.splitlines()[0].startswith("random: the ranks spend")
     assert proc.stdout.splitlines()[2].split() == ["metric", "random"]
-    printed = vlmshard("report", str(plans["random"]), "--json", "-").stdout
+    printed = vlmshard("report", str(plans["random"]), "--json").stdout
     assert printed == path.read_text()
     assert sorted(json.loads(printed)["plans"][0]["metrics"]) == sorted(ROWS)
     assert set(ROWS) == {*REPORT_KEYS, "source_mix_tv"}

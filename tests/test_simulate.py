@@ -120,7 +120,7 @@ def test_simulate_compares_strategies_and_levers(tmp_path):
              "--out", str(plan))
     out = tmp_path / "sim.json"
     text = vlmshard("simulate", str(plan), "--model", "internvl2-2b", "--gpu", "h100",
-                    "--pp", "2", "--micro-batches", "8", "--json", str(out)).stdout
+                    "--pp", "2", "--micro-batches", "8", "--out-json", str(out)).stdout
     result = json.loads(out.read_text())
     assert result["plan"]["gpus"] == 8 and "GPU-days" in text
     assert result["plan"]["compute_mode"] == "padding-free" and "padding-free compute" in text
@@ -201,7 +201,7 @@ def test_a_padded_step_is_charged_the_caps_and_padding_free_the_real_work(padded
 
 
 def test_the_simulated_compute_mode_defaults_to_the_plans(padded_plan, tmp_path):
-    from vlmshard.simulate.cli import format_result
+    from vlmshard.simulate.runs import format_result
 
     result = _simulate(padded_plan)
     assert result["plan"]["compute_mode"] == "padded"

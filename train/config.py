@@ -6,7 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from vlmshard.config import ConfigError, option
+from vlmshard.config import ConfigError, option, parse_size
+from vlmshard.families import model_types
 
 Precision = Literal["bf16", "fp32"]
 
@@ -19,7 +20,8 @@ class TrainConfig:
     out: str = option(help="run folder: train_log.jsonl, checkpoints/, train_config.json")
     model: str | None = option(
         None, help="Hugging Face model folder to fine-tune (config.json, safetensors weights, "
-                   "tokenizer and processor files); InternVL, Qwen2-VL or Qwen2.5-VL",
+                   "tokenizer and processor files) whose model_type a family serves: "
+                   f"{', '.join(model_types())}",
         default_text="the folder the shards were preprocessed with (--model of preprocess)")
     pp: int = option(1, help="pipeline stages")
     dp: int = option(1, help="data-parallel replicas (shards planned for V virtual ranks serve "
@@ -67,7 +69,7 @@ class TrainConfig:
         None, help="run folder to continue from its latest checkpoint; the data position follows "
                    "from the step", default_text="start afresh")
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         for name in ("pp", "dp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
@@ -92,44 +94,14 @@ class TrainConfig:
 
         return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.precision or "fp32"]
 
-    def model_path(self) -> str:
-        """``model``, or the folder the shards were preprocessed with."""
-        from vlmshard.families import read_model_folder
-
-        path = self.model
-        if path is None:
-            from vlmshard.shards.layout import read_manifest
-
-            path = read_manifest(self.shards).model_spec().path
-            if not path:
-                raise ConfigError(f"{self.shards} were preprocessed without a model folder "
-                                  "(the default tokenizer); name the model to train with --model")
-        folder = read_model_folder(path).path
-        from .weights import weight_files
-
-        weight_files(folder)  # no weights: one line now, not a traceback in every process
-        return folder
-
     def training_options(self) -> "TrainConfig":
         """The training options alone: what the training processes read (a ProfileConfig is a
         TrainConfig plus the profiling options)."""
         return TrainConfig(**{f.name: getattr(self, f.name)
                               for f in dataclasses.fields(TrainConfig)})
 
-    def resolve_partition(self) -> None:
-        """Take ``bounds`` and ``recompute`` from ``partition`` (the profile's chosen one)."""
-        if not self.partition:
-            return
-        from vlmshard.io import read_json
-
-        chosen = read_json(self.partition)["chosen"]
-        if len(chosen["bounds"]) != self.pp + 1:
-            raise ConfigError(f"{self.partition} splits the model into "
-                              f"{len(chosen['bounds']) - 1} stages, not --pp {self.pp}")
-        self.use_partition(chosen)
-
     def use_partition(self, described: dict) -> None:
-        """Bounds and recompute from a partition as ``train.profile.describe`` writes it."""
+        """Bounds and recompute from a partition as ``vlmshard.train.profile.describe`` writes it."""
         self.bounds = described["bounds"]
         self.recompute = [name for stage in described["stages"] for name in stage["recompute"]]
 
@@ -147,8 +119,9 @@ class ProfileConfig(TrainConfig):
                                        "the fastest measured (0: choose the search's)")
     validate_steps: int = option(4, help="steps per validated candidate, the first untimed")
 
-    def validate(self) -> None:
-        super().validate()
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        parse_size(self.memory_budget)
         if self.validate_top < 0 or self.validate_steps < 2:
             raise ConfigError("--validate-top must be >= 0 and --validate-steps >= 2 (the first "
                               "step is warm-up)")

@@ -6,16 +6,80 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
-from vlmshard.io import write_json_atomic
+from vlmshard.errors import ConfigError, InputError, JobError
+from vlmshard.io import read_json, write_json_atomic
 from vlmshard.run_log import LOG_NAME, read_log
+from vlmshard.stage import Result
 
 from .cluster import Cluster
 from .config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult(Result):
+    out: str
+    steps: int  # the steps train_log.jsonl holds (a resumed run's earlier ones included)
+    first_loss: float | None
+    last_loss: float | None
+    output: str | None = None  # the file the processes wrote to (None: this terminal)
+
+    def summary(self) -> str:
+        loss = f", loss {self.first_loss:.3f} -> {self.last_loss:.3f}" if self.steps else ""
+        where = f" (DeepSpeed's output: {self.output})" if self.output else ""
+        return f"{self.steps} steps{loss} -> {self.out}{where}"
+
+
+def run_train(cfg: TrainConfig, output: str | None = None) -> TrainResult:
+    """``vlmshard train``: train to completion; ``output`` as in :func:`launch`."""
+    if output:
+        os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
+    records = train(cfg, output)
+    return TrainResult(cfg.out, len(records), records[0]["loss"] if records else None,
+                       records[-1]["loss"] if records else None, output)
+
+
+def model_folder(cfg: TrainConfig) -> str:
+    """``cfg.model``, or the folder the shards were preprocessed with; checked here to hold
+    weights, so a wrong folder is one line, not a traceback in every process."""
+    from vlmshard.families import read_model_folder
+
+    from .weights import weight_files
+
+    path = cfg.model
+    if path is None:
+        from vlmshard.shards.layout import read_manifest
+
+        path = read_manifest(cfg.shards).model_spec().path
+        if not path:
+            raise ConfigError(f"{cfg.shards} were preprocessed without a model folder "
+                              "(the default tokenizer); name the model to train with --model")
+    folder = read_model_folder(path).path
+    weight_files(folder)
+    return folder
+
+
+def resolve_partition(cfg: TrainConfig) -> None:
+    """Take ``bounds`` and ``recompute`` from ``cfg.partition`` (the profile's chosen one)."""
+    if not cfg.partition:
+        return
+    try:
+        chosen = read_json(cfg.partition)["chosen"]
+        bounds = chosen["bounds"]
+    except (KeyError, TypeError):
+        raise InputError(f"{cfg.partition}: no chosen partition (write it with vlmshard train "
+                         "profile)") from None
+    if len(bounds) != cfg.pp + 1:
+        raise ConfigError(f"{cfg.partition} splits the model into {len(bounds) - 1} stages, "
+                          f"not --pp {cfg.pp}")
+    cfg.use_partition(chosen)
 
 
 def launch(cfg: TrainConfig, output: str | None = None) -> int:
@@ -24,12 +88,12 @@ def launch(cfg: TrainConfig, output: str | None = None) -> int:
 
     The processes print to this process's stdout and stderr, or append to the file ``output``
     (``vlmshard run`` keeps DeepSpeed's chatter out of its one line per stage)."""
+    resolve_partition(cfg)
+    cfg.model = model_folder(cfg)  # a missing folder fails here, not in every process
     import torch
 
-    cfg.validate()
     cuda = torch.cuda.is_available()
     cfg.resolve_device_defaults(cuda)
-    cfg.model = cfg.model_path()  # a missing folder fails here, not in every process
     cluster = Cluster.resolve(cfg.pp * cfg.dp, os.environ, hostfile=cfg.hostfile,
                               master_port=cfg.master_port)
     cluster.check_port()
@@ -62,18 +126,20 @@ def launcher_command(cluster: Cluster) -> list[str]:
 def train(cfg: TrainConfig, output: str | None = None) -> list[dict]:
     """Train to completion and return ``train_log.jsonl``'s records; raises if a process fails.
 
-    ``output``: as in :func:`launch`; a failure then quotes the file's last lines."""
+    ``output``: as in :func:`launch`; a failure then logs the file's last lines."""
     status = launch(cfg, output)
     if status:
-        raise RuntimeError(f"the training processes exited with status {status} "
-                           f"(run folder {cfg.out}){_tail(output)}")
+        where = f"; the last lines of {output} are logged above" if _log_tail(output) else ""
+        raise JobError(f"the training processes exited with status {status} (run folder "
+                       f"{cfg.out}){where}")
     return read_log(os.path.join(cfg.out, LOG_NAME))
 
 
-def _tail(path: str | None, lines: int = 20) -> str:
-    """The last lines of the processes' output file, to quote in an error."""
+def _log_tail(path: str | None, lines: int = 20) -> bool:
+    """Log the last lines of the processes' output file (the error is one line); whether any."""
     if path is None or not os.path.exists(path):
-        return ""
+        return False
     with open(path, encoding="utf-8", errors="replace") as f:
         last = f.read().splitlines()[-lines:]
-    return f"; the last lines of {path}:\n" + "\n".join(last)
+    log.error("the last lines of %s:\n%s", path, "\n".join(last))
+    return bool(last)

@@ -23,6 +23,8 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from vlmshard.errors import ConfigError
+
 from . import deepspeed_compat as ds
 from .clock import CLOCK
 from .hf_model import ModelLayers, model_layers
@@ -69,8 +71,8 @@ class VLMPipeline(PipelineModule):
                  recompute: set[str] = frozenset(), **kwargs) -> None:
         unknown = set(recompute) - set(model.names)
         if unknown:
-            raise ValueError(f"recompute names {sorted(unknown)} are not layers of {model.path} "
-                             f"({', '.join(model.names)})")
+            raise ConfigError(f"recompute names {sorted(unknown)} are not layers of {model.path} "
+                              f"({', '.join(model.names)})")
         ds.check_compatible()
         self._vlmshard_bounds = bounds
         self.model = model
@@ -93,8 +95,8 @@ class VLMPipeline(PipelineModule):
         bounds, layers = list(self._vlmshard_bounds), ds.layer_count(self)
         if len(bounds) != self.num_stages + 1 or bounds[0] != 0 or bounds[-1] != layers or any(
                 a >= b for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"stage bounds {bounds} do not split {layers} layers into "
-                             f"{self.num_stages} non-empty stages")
+            raise ConfigError(f"stage bounds {bounds} do not split {layers} layers into "
+                              f"{self.num_stages} non-empty stages")
         ds.set_stage_bounds(self, bounds)
 
     @property

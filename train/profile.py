@@ -27,13 +27,16 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from vlmshard.errors import ConfigError, InputError, VlmshardError
 from vlmshard.model_sizes import bytes_per_param
 from vlmshard.partition import (LayerCost, Machine, Partition, deepspeed_bounds, evaluate,
                                 largest_micro_batch_scale, omnibal_candidates, search_partition)
+from vlmshard.stage import Result
 
 from .attention import choose_backend
 from .config import ProfileConfig
 from .hf_model import ModelLayers, model_layers
+from .launcher import model_folder
 from .micro import unpack, wire_inputs
 from .train_log import micro_batch_size
 from .trainer import cpu_threads_per_rank
@@ -41,7 +44,39 @@ from .trainer import cpu_threads_per_rank
 log = logging.getLogger(__name__)
 
 
-def run_profile(cfg: ProfileConfig) -> dict:
+@dataclass
+class ProfileResult(Result):
+    """The partitions compared (partition.json's content) and the folder written."""
+
+    partitions: dict
+    out: str
+
+    def summary(self) -> str:
+        chosen = self.partitions["chosen"]
+        return (f"chosen partition {chosen['name']}: bounds {chosen['bounds']}, max stage "
+                f"{chosen['max_stage_s']:.4f} s -> {self.out}/profile.json, cost_model.json, "
+                "partition.json")
+
+    def text(self) -> str:
+        measured = {p["name"]: p["measured_step_s"] for p in self.partitions.get("validated", [])}
+        lines = [f"{'partition':<11} {'max stage s':>11} {'measured s':>10}  stage times (s) / "
+                 "recomputed layers"]
+        rows = [(name, self.partitions[name]) for name in ("parameters", "uniform", "search")]
+        for name, p in rows + [(p["name"], p) for p in self.partitions["omnibal"]]:
+            if p is None:
+                lines.append(f"{name:<11} {'does not fit':>11}")
+                continue
+            times = " ".join(f"{s['time_s']:.4f}/{len(s['recompute'])}" for s in p["stages"])
+            real = f"{measured[name]:.4f}" if name in measured else "-"
+            lines.append(f"{name:<11} {p['max_stage_s']:>11.4f} {real:>10}  {times}   bounds "
+                         f"{p['bounds']}")
+        return "\n".join(lines + [self.summary()])
+
+    def to_json(self) -> dict:
+        return self.partitions
+
+
+def run_profile(cfg: ProfileConfig) -> ProfileResult:
     """Profile, calibrate, search (and validate); writes profile.json, cost_model.json and
     partition.json, whose ``chosen`` partition ``vlmshard train --partition`` uses."""
     from itertools import islice
@@ -50,19 +85,27 @@ def run_profile(cfg: ProfileConfig) -> dict:
     from vlmshard.config import parse_size
     from vlmshard.io import write_json_atomic
 
-    cfg.validate()
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg.resolve_device_defaults(device.startswith("cuda"))
     if device == "cpu":  # a rank's device is its share of the cores, as in training
         torch.set_num_threads(cpu_threads_per_rank(cfg.pp * cfg.dp))
     torch.manual_seed(cfg.seed)
-    model = model_layers(cfg.model_path(), choose_backend(device, cfg.dtype))
+    folder = model_folder(cfg)
+    try:
+        model = model_layers(folder, choose_backend(device, cfg.dtype))
+    except VlmshardError:
+        raise
+    except ValueError as e:  # a config.json the layer maps cannot build
+        raise InputError(f"{folder}: {e}") from None
     batches = list(islice(ShardDataset(cfg.shards, 0, 1, pixel_dtype=cfg.dtype),
                           cfg.micro_batches))
     profile = profile_layers(model, batches, device, cfg.dtype,
                              param_bytes=bytes_per_param(cfg.precision, cfg.dp,
                                                          cfg.grad_accum))
-    machine = Machine.for_device(parse_size(cfg.memory_budget), cfg.link_bytes_per_s)
+    try:
+        machine = Machine.for_device(parse_size(cfg.memory_budget), cfg.link_bytes_per_s)
+    except ValueError as e:  # a budget the CUDA context and buffers take whole
+        raise ConfigError(f"--memory-budget {cfg.memory_budget}: {e}") from None
     partitions = compare_partitions(profile.layers, cfg.pp, machine)
     if cfg.validate_top:
         partitions["validated"] = validate_candidates(
@@ -78,7 +121,7 @@ def run_profile(cfg: ProfileConfig) -> dict:
                        "model": os.path.basename(model.path)})
     write_json_atomic(os.path.join(cfg.out, "partition.json"),
                       {**partitions, "machine": asdict(machine), "pp": cfg.pp})
-    return partitions
+    return ProfileResult(partitions, cfg.out)
 
 
 @dataclass

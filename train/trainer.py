@@ -24,6 +24,7 @@ import sys
 import time
 from typing import Iterator
 
+from vlmshard.errors import InputError
 from vlmshard.io import read_json, write_json_atomic
 from vlmshard.model_sizes import training_flops
 from vlmshard.run_log import PIPELINE_NAME
@@ -64,7 +65,7 @@ def check_shards_fit(dataset, model) -> None:
         problems.append(f"their pad token {m.pad_token_id} is outside the model's vocabulary "
                         f"of {vocab}")
     if problems:
-        raise ValueError(f"{dataset.root} do not fit {model.path}: " + "; ".join(problems)
+        raise InputError(f"{dataset.root} do not fit {model.path}: " + "; ".join(problems)
                          + " (preprocess with --model the folder you train)")
 
 
@@ -72,7 +73,7 @@ def check_vocabulary(batch: dict, vocab_size: int) -> dict:
     """The batch, if every token id has an embedding."""
     largest = int(batch["input_ids"].max())
     if largest >= vocab_size:
-        raise ValueError(f"the shards hold token id {largest}, but the model's vocabulary has "
+        raise InputError(f"the shards hold token id {largest}, but the model's vocabulary has "
                          f"{vocab_size} entries")
     return batch
 
@@ -120,11 +121,11 @@ def run(cfg: TrainConfig) -> None:
     from .attention import choose_backend
     from .clock import CLOCK
     from .hf_model import model_layers
+    from .launcher import model_folder
     from .micro import supervised_tokens
     from .pipeline import AveTokenLoss, VLMPipeline, no_inputs, pipeline_inputs
     from .save import save_hf
 
-    cfg.validate()
     cuda = torch.cuda.is_available()
     cfg.resolve_device_defaults(cuda)
     init_distributed(cuda)
@@ -136,7 +137,7 @@ def run(cfg: TrainConfig) -> None:
     CLOCK.use_cuda(cuda)
     torch.manual_seed(cfg.seed)
     probe = ShardDataset(cfg.shards, 0, cfg.dp)
-    model = model_layers(cfg.model_path(), choose_backend("cuda" if cuda else "cpu",
+    model = model_layers(model_folder(cfg), choose_backend("cuda" if cuda else "cpu",
                                                           cfg.dtype))
     check_shards_fit(probe, model)
     gas = probe.micro_batches_per_step

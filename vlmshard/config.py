@@ -140,7 +140,12 @@ def load_section(cls: type[T], values: dict[str, Any], where: str, **given: Any)
     if clash:
         raise ConfigError(f"{where}: {', '.join(clash)} cannot be set here (it is connected "
                           "for you)")
-    return build(cls, {**_checked(cls, values, where, hidden=set(given)), **given}, where)
+    values = {**_checked(cls, values, where, hidden=set(given)), **given}
+    _require(cls, values, where)
+    try:
+        return cls(**values)
+    except ConfigError as e:  # the config's own check (__post_init__): name the section
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def load_config(cls: type[T], args: argparse.Namespace | dict[str, Any]) -> T:
@@ -158,12 +163,17 @@ def load_config(cls: type[T], args: argparse.Namespace | dict[str, Any]) -> T:
 
 
 def build(cls: type[T], values: dict[str, Any], where: str) -> T:
-    """``cls(**values)`` once every required field is there."""
+    """``cls(**values)`` once every required field is there; the dataclass then checks its
+    values together in ``__post_init__`` (a ``ConfigError``), so a config that exists is valid."""
+    _require(cls, values, where)
+    return cls(**values)
+
+
+def _require(cls: type, values: dict[str, Any], where: str) -> None:
     missing = [f.name for f in dataclasses.fields(cls) if f.name not in values
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
         raise ConfigError(f"missing required option(s) {', '.join(missing)}: {where}")
-    return cls(**values)
 
 
 def _checked(cls: type, values: dict[str, Any], where: str, hidden: set[str] = frozenset()

@@ -37,7 +37,7 @@ class EngineOptions:
         None, help="join this Ray cluster (e.g. 10.0.0.1:6379) instead of starting one; OUT "
                    "must be on storage every node can write")
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         if self.workers is not None and self.workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {self.workers}")
 

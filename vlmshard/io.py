@@ -266,8 +266,12 @@ def arrow_column(values: "numpy.ndarray") -> "pyarrow.Array":
 
 
 def read_json(path: str | Path) -> Any:
+    """A JSON file's content; a file that is not JSON is an :class:`InputError` naming it."""
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path} is not valid JSON: {e}") from None
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:

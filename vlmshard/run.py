@@ -13,10 +13,13 @@ import argparse
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable
 
-from vlmshard.config import add_options, load_config, load_section, option
+from vlmshard.config import load_section, option
+from vlmshard.errors import JobError, VlmshardError
+from vlmshard.stage import Result, add_stage_arguments, resolve, run_command
+from vlmshard.run_log import LOG_NAME
 
 log = logging.getLogger(__name__)
 
@@ -63,151 +66,142 @@ class RunConfig:
     def path(self, name: str) -> str:
         return os.path.join(self.out, name)
 
+    def section(self, name: str) -> Section | None:
+        """The options section ``name`` gives its stage; None: the stage does not run."""
+        value = getattr(self, name)
+        return {"model_type": value} if name == "demo_model" and value is not None else value
+
+
+# --- the table of stages -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Link:
+    """A path ``run`` connects: option ``name`` of a stage is ``OUT/path``."""
+
+    name: str
+    path: str
+    when: str | None = None  # only when the run config has this section
+    many: bool = False  # the option is a list: [OUT/path]
+    argument: bool = False  # a keyword of the stage function, not one of its options
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One row of :data:`STAGES`; ``config`` and ``run`` are ``"module:name"``, imported when
+    the stage runs (``vlmshard run --help`` stays light)."""
+
+    name: str
+    config: str  # the options class
+    section: str | None  # the RunConfig field holding its options; None: it has none, it runs
+    links: tuple[Link, ...]
+    run: str  # run_<stage>(cfg, **arguments) -> Result
+
+
+STAGES = (
+    Stage("demo-data", "vlmshard.preprocess.config:DemoDataConfig", "demo_data",
+          (Link("out", "data"),), "vlmshard.preprocess.demo_data:run_demo_data"),
+    Stage("demo-model", "vlmshard.preprocess.config:DemoModelConfig", "demo_model",
+          (Link("out", "model"),), "vlmshard.preprocess.demo_data:run_demo_model"),
+    Stage("preprocess", "vlmshard.preprocess.config:PreprocessConfig", "preprocess",
+          (Link("out", "preprocess"), Link("inputs", "data/meta.json", "demo_data", many=True),
+           Link("model", "model", "demo_model")), "vlmshard.preprocess.job:run_preprocess"),
+    Stage("pack", "vlmshard.packing.config:PackConfig", "pack",
+          (Link("stats", "preprocess"), Link("out", "plan")), "vlmshard.packing.plan:run_pack"),
+    Stage("write", "vlmshard.shards.config:WriteConfig", "write",
+          (Link("plan", "plan"), Link("stats", "preprocess"), Link("out", "shards")),
+          "vlmshard.shards.writer:run_write"),
+    Stage("verify", "vlmshard.shards.config:VerifyConfig", "verify",
+          (Link("shards", "shards"), Link("plan", "plan")), "vlmshard.shards.verify:run_verify"),
+    Stage("train", "vlmshard.train.config:TrainConfig", "train",
+          (Link("shards", "shards"), Link("out", "train"),
+           Link("output", "train/launcher.log", argument=True)),
+          "vlmshard.train.launcher:run_train"),
+    Stage("report", "vlmshard.report.config:ReportConfig", None,
+          (Link("plan_dirs", "plan", many=True), Link("train_log", f"train/{LOG_NAME}", "train"),
+           Link("html", "report.html"), Link("out_json", "report.json")),
+          "vlmshard.report.report:run_report"),
+)
+
+
+def stages(cfg: RunConfig, where: str = "run config") -> list[tuple[Stage, Any, dict]]:
+    """(stage, its checked options, its function's keywords) of every stage the config asks
+    for, in order. Every section is checked here, before any stage runs: a typo must not cost a
+    preprocess. ``where`` names the config in errors."""
+    chosen = []
+    for stage in STAGES:
+        values = cfg.section(stage.section) if stage.section else {}
+        if values is None:
+            continue
+        links = [link for link in stage.links if link.when is None
+                 or cfg.section(link.when) is not None]
+        paths = {link.name: [cfg.path(link.path)] if link.many else cfg.path(link.path)
+                 for link in links}
+        arguments = {link.name: paths.pop(link.name) for link in links if link.argument}
+        options = load_section(resolve(stage.config), values,
+                               f"{where}, section '{stage.section or stage.name}'", **paths)
+        chosen.append((stage, options, arguments))
+    return chosen
+
 
 @dataclass
-class StageResult:
+class StageRun:
     name: str
     seconds: float
     summary: str
 
 
-def stages(cfg: RunConfig, where: str = "run config") -> list[tuple[str, Callable[[], str]]]:
-    """(name, action) of every stage the config asks for; each action returns a summary line.
-    ``where`` names the config in errors."""
-    from vlmshard.packing.config import PackConfig
-    from vlmshard.preprocess.config import DemoDataConfig, PreprocessConfig
-    from vlmshard.shards.config import VerifyConfig, WriteConfig
-    from vlmshard.train.config import TrainConfig
+class StageFailed(JobError):
+    """A stage of ``run`` failed; the stage's own exit status is kept."""
 
-    pre, plan, shards, run = (cfg.path(n) for n in ("preprocess", "plan", "shards", "train"))
-    inputs = {"inputs": [os.path.join(cfg.path("data"), "meta.json")]} if cfg.demo_data else {}
-    if cfg.demo_model is not None:
-        from vlmshard.families import model_types
-
-        if cfg.demo_model not in model_types():
-            raise ValueError(f"{where}: demo_model {cfg.demo_model!r}: known model types are "
-                             f"{', '.join(model_types())}")
-        inputs["model"] = cfg.path("model")
-
-    def section(cls, values: dict, name: str, **connected):
-        return load_section(cls, values, f"{where}, section '{name}'", **connected)
-
-    # Every section is checked before any stage runs: a typo must not cost a preprocess.
-    demo_cfg = section(DemoDataConfig, cfg.demo_data, "demo_data", out=cfg.path("data")) \
-        if cfg.demo_data is not None else None
-    pre_cfg = section(PreprocessConfig, cfg.preprocess, "preprocess", out=pre, **inputs)
-    pack_cfg = section(PackConfig, cfg.pack, "pack", stats=pre, out=plan)
-    write_cfg = section(WriteConfig, cfg.write, "write", plan=plan, stats=pre, out=shards)
-    verify_cfg = section(VerifyConfig, cfg.verify, "verify", shards=shards, plan=plan)
-    train_cfg = section(TrainConfig, cfg.train, "train", shards=shards, out=run) \
-        if cfg.train is not None else None
-    for checked in (pre_cfg, pack_cfg, write_cfg, train_cfg):
-        if checked is not None:
-            checked.validate()
-
-    def demo_data() -> str:
-        from vlmshard.preprocess.demo_data import generate
-
-        return f"demo dataset -> {generate(demo_cfg.out, demo_cfg.seed, demo_cfg.scale).meta}"
-
-    def demo_model() -> str:
-        from vlmshard.preprocess.demo_data import demo_model as make
-
-        return f"tiny {cfg.demo_model} -> {make(cfg.demo_model, cfg.path('model'))}"
-
-    def preprocess() -> str:
-        from vlmshard.preprocess.job import run_preprocess
-
-        result = run_preprocess(pre_cfg)
-        return f"{result.accepted} accepted, {result.rejected} rejected -> {pre}"
-
-    def pack() -> str:
-        from vlmshard.packing.plan import run_pack
-
-        m = run_pack(pack_cfg).metrics
-        return (f"{m.samples} samples in {m.steps} steps, cost efficiency "
-                f"{m.cost_efficiency:.3f}, LLM dist ratio {m.llm_dist_ratio:.4f} -> {plan}")
-
-    def write() -> str:
-        from vlmshard.shards.writer import run_write
-
-        result = run_write(write_cfg)
-        return f"{result.shards} shards, {result.bytes / 1e6:.1f} MB -> {shards}"
-
-    def verify() -> str:
-        from vlmshard.shards.verify import verify_shards
-
-        result = verify_shards(verify_cfg.shards, plan=verify_cfg.plan, quick=verify_cfg.quick,
-                               workers=verify_cfg.workers)
-        if not result.ok:
-            raise RuntimeError(f"verify found {len(result.problems)} problem(s), the first: "
-                               f"{result.problems[0]}")
-        return f"OK: {result.records} records, {result.samples} samples, every one as planned"
-
-    def train_stage() -> str:
-        from vlmshard.train.launcher import train
-
-        os.makedirs(run, exist_ok=True)
-        output = os.path.join(run, "launcher.log")
-        records = train(train_cfg, output=output)
-        return (f"{len(records)} steps, loss {records[0]['loss']:.3f} -> "
-                f"{records[-1]['loss']:.3f} -> {run} (DeepSpeed's output: {output})")
-
-    def report() -> str:
-        from vlmshard.report.report import make_report
-        from vlmshard.run_log import LOG_NAME
-
-        log_file = os.path.join(run, LOG_NAME) if cfg.train is not None else None
-        result, _ = make_report([plan], train_log=log_file, html=cfg.path("report.html"),
-                                json=cfg.path("report.json"))
-        return (f"{result['summary']['text']} -> {cfg.path('report.html')}, "
-                f"{cfg.path('report.json')}")
-
-    chosen = [("demo-data", demo_data)] if cfg.demo_data is not None else []
-    chosen += [("demo-model", demo_model)] if cfg.demo_model is not None else []
-    chosen += [("preprocess", preprocess), ("pack", pack), ("write", write), ("verify", verify)]
-    chosen += [("train", train_stage)] if cfg.train is not None else []
-    return chosen + [("report", report)]
+    def __init__(self, name: str, error: BaseException) -> None:
+        super().__init__(f"stage {name} failed: {error}")
+        self.exit_status = getattr(error, "exit_status", 1)
 
 
-def run_all(cfg: RunConfig, on_stage: Callable[[int, int, StageResult], None] | None = None,
-            where: str = "run config") -> list[StageResult]:
-    """Run the stages in order; ``on_stage(index, count, result)`` after each one."""
+@dataclass
+class RunResult(Result):
+    stages: list[StageRun]
+    report: str  # the HTML report
+    trained: bool
+
+    def summary(self) -> str:
+        total = sum(s.seconds for s in self.stages)
+        trained = " and the training run, measured against predicted" if self.trained else ""
+        return f"done in {total:.0f}s: open {self.report} for the balance report{trained}"
+
+
+def run_all(cfg: RunConfig, on_stage: Callable[[int, int, StageRun], None] | None = None,
+            where: str = "run config") -> RunResult:
+    """Run the stages in order; ``on_stage(index, count, stage_run)`` after each one."""
     todo = stages(cfg, where)
-    results = []
-    for index, (name, action) in enumerate(todo):
-        log.info("stage %d/%d: %s", index + 1, len(todo), name)
+    done = []
+    for index, (stage, options, arguments) in enumerate(todo):
+        log.info("stage %d/%d: %s", index + 1, len(todo), stage.name)
         start = time.monotonic()
         try:
-            summary = action()
-        except Exception as e:
-            raise RuntimeError(f"stage {name} failed: {e}") from e
-        results.append(StageResult(name, time.monotonic() - start, summary))
+            result = resolve(stage.run)(options, **arguments)
+        except (VlmshardError, OSError) as e:
+            raise StageFailed(stage.name, e) from e
+        if result.exit_status:
+            raise StageFailed(stage.name, JobError(result.summary()))
+        done.append(StageRun(stage.name, time.monotonic() - start, result.summary()))
         if on_stage:
-            on_stage(index, len(todo), results[-1])
-    return results
+            on_stage(index, len(todo), done[-1])
+    return RunResult(done, cfg.path("report.html"), cfg.train is not None)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_options(p, RunConfig)
+    add_stage_arguments(p, RunConfig)
 
 
 def main(args: argparse.Namespace) -> int:
-    def show(index: int, count: int, result: StageResult) -> None:
-        print(f"[{index + 1}/{count}] {result.name:<10} {result.seconds:6.1f}s  {result.summary}",
+    def show(index: int, count: int, done: StageRun) -> None:
+        print(f"[{index + 1}/{count}] {done.name:<10} {done.seconds:6.1f}s  {done.summary}",
               flush=True)
 
     if not getattr(args, "config", None):
         raise SystemExit("vlmshard run: error: --config is required (e.g. configs/demo.yaml)")
-    try:
-        where = f"config {args.config}"
-        cfg = load_config(RunConfig, args)
-        results = run_all(cfg, show, where)
-    except (ValueError, OSError, RuntimeError) as e:
-        raise SystemExit(f"vlmshard run: error: {e}") from None
-    total = sum(r.seconds for r in results)
-    trained = " and the training run, measured against predicted" if cfg.train is not None \
-        else ""
-    print(f"done in {total:.0f}s: open {cfg.path('report.html')} for the balance report{trained}")
-    log.debug("run config: %s", asdict(cfg))
-    return 0
+    where = f"config {args.config}"
+    progress = None if args.json else show  # --json: stdout holds the JSON alone
+    return run_command("run", RunConfig, lambda cfg: run_all(cfg, progress, where), args)

@@ -1,11 +1,8 @@
-"""``vlmshard report``: the command-line face of ``report.report.make_report``."""
+"""``vlmshard report``: the command-line face of ``vlmshard.report.report.run_report``."""
 
 from __future__ import annotations
 
-import argparse
-import sys
-
-from vlmshard.config import add_options, load_config
+from vlmshard.stage import stage_command
 
 from .config import ReportConfig
 
@@ -15,10 +12,10 @@ plans share an algorithm) and a row per metric: pad ratio, ViT / LLM / attention
 (OmniBal's Dist Ratio; 0 is perfect), fills of Qv and Qt, cost efficiency (1: no rank ever
 waits), Spearman rho between step index and step mean length, source-mix distance, and counts.
 
---json PATH writes the same as JSON ('-': print it instead of the table). --html PATH writes one
-self-contained page (images inlined) with plots: per-step imbalance, micro-batch fill, per-rank
-cumulative load, source mix over steps and the plans side by side. The plots read the stats the
-plan was packed from (the path plan.json names; its sha256 must still match).
+--out-json PATH writes the same as JSON (--json prints it instead of the table). --html PATH
+writes one self-contained page (images inlined) with plots: per-step imbalance, micro-batch
+fill, per-rank cumulative load, source mix over steps and the plans side by side. The plots read
+the stats the plan was packed from (the path plan.json names; its sha256 must still match).
 
 A lone plan is compared with random and ISF packings of its own samples, which the report
 packs itself (the summary's predicted speed-ups; the plots show them as "(baseline)").
@@ -32,30 +29,4 @@ run's stage partition (RUN/pipeline.json) and the analytic FLOPs of its model, o
 step: correlation and median absolute error. The first step (warm-up) is left out."""
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_options(p, ReportConfig)
-
-
-def main(args: argparse.Namespace) -> int:
-    from vlmshard.io import canonical_json
-
-    from .report import make_report
-
-    try:
-        cfg = load_config(ReportConfig, args)
-        if not cfg.plan_dirs:
-            raise ValueError("give at least one PLAN_DIR")
-        if cfg.profile and not cfg.train_log:
-            raise ValueError("--profile replays a training run: give its --train-log too")
-        result, text = make_report(cfg.plan_dirs, train_log=cfg.train_log, profile=cfg.profile,
-                                   html=cfg.html, json=None if cfg.json == "-" else cfg.json)
-    except (OSError, ValueError) as e:  # FileNotFoundError, StatsError and ReportError included
-        raise SystemExit(f"vlmshard report: error: {e}") from None
-    except KeyError as e:
-        raise SystemExit(f"vlmshard report: error: a plan.json lacks {e}: pack it again with "
-                         "this vlmshard") from None
-    if cfg.json == "-":
-        sys.stdout.write(canonical_json(result))
-    else:
-        print(text)
-    return 0
+add_arguments, main = stage_command("report", ReportConfig, "vlmshard.report.report:run_report")

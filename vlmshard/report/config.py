@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vlmshard.config import option
+from vlmshard.config import ConfigError, option
 
 
 @dataclass(kw_only=True)
@@ -21,5 +21,12 @@ class ReportConfig:
         default_text="the analytic FLOPs of the run's model (shares of time only)")
     html: str | None = option(None, metavar="PATH",
                               help="write a self-contained HTML report with plots")
-    json: str | None = option(None, metavar="PATH",
-                              help="write the table as JSON to PATH ('-': stdout)")
+    out_json: str | None = option(None, metavar="PATH",
+                                  help="write the report as JSON to PATH (--json prints it "
+                                       "instead of the table)")
+
+    def __post_init__(self) -> None:
+        if not self.plan_dirs:
+            raise ConfigError("give at least one PLAN_DIR")
+        if self.profile and not self.train_log:
+            raise ConfigError("--profile replays a training run: give its --train-log too")

@@ -9,14 +9,17 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from dataclasses import dataclass
 
 from vlmshard.io import atomic_write, write_json_atomic
 from vlmshard.packing.batches import Lengths, Packing
 from vlmshard.packing.metrics import REPORT_KEYS, format_value
 from vlmshard.packing.plan import load_plan, plan_stats_path, read_plan, read_plan_json
+from vlmshard.stage import Result
 from vlmshard.simulate.replay import Replay, compare, replay_run
 from vlmshard.run_log import PIPELINE_NAME, read_numbered
 
+from .config import ReportConfig
 from .series import PlanSeries, ReportError, check_train_log, plan_series
 
 log = logging.getLogger(__name__)
@@ -158,11 +161,44 @@ def read_train_run(path: str, profile: str | None,
         raise ReportError(f"{path}: {e}") from None
 
 
+@dataclass
+class ReportResult(Result):
+    """The report: its JSON form, its terminal text (headline, tables) and the files written."""
+
+    report: dict
+    table: str
+    html: str | None = None
+    out_json: str | None = None
+
+    def summary(self) -> str:
+        written = ", ".join(p for p in (self.html, self.out_json) if p)
+        return self.report["summary"]["text"] + (f" -> {written}" if written else "")
+
+    def text(self) -> str:
+        return self.table
+
+    def to_json(self) -> dict:
+        return self.report
+
+
+def run_report(cfg: ReportConfig) -> ReportResult:
+    """``vlmshard report``: the report of ``cfg.plan_dirs``, with the files it asks for."""
+    report, table = make_report(cfg.plan_dirs, train_log=cfg.train_log, profile=cfg.profile,
+                                html=cfg.html, out_json=cfg.out_json)
+    return ReportResult(report, table, cfg.html, cfg.out_json)
+
+
 def make_report(plan_dirs: list[str], train_log: str | None = None, profile: str | None = None,
-                html: str | None = None, json: str | None = None) -> tuple[dict, str]:
-    """The report as JSON and as the terminal table; writes the ``html`` and ``json`` files
-    when asked."""
+                html: str | None = None, out_json: str | None = None) -> tuple[dict, str]:
+    """The report as JSON and as the terminal table; writes the ``html`` and ``out_json``
+    files when asked."""
     infos = [read_plan_json(d) for d in plan_dirs]
+    for d, info in zip(plan_dirs, infos):
+        lacking = [k for k in ("algorithm", "params") if k not in info] + \
+            [k for k in ROWS if k not in info["metrics"]]
+        if lacking:
+            raise ReportError(f"{d}/plan.json lacks {', '.join(lacking)}: pack it again with "
+                              "this vlmshard")
     labels = plan_labels(plan_dirs, infos)
     header = ["metric", *labels]
     rows = [[k, *(format_value(i["metrics"][k]) for i in infos)] for k in ROWS]
@@ -213,9 +249,9 @@ def make_report(plan_dirs: list[str], train_log: str | None = None, profile: str
                                   plots.report_figures(series, train[0] if train else None))
         atomic_write(html, lambda tmp: _write_text(tmp, page))
         log.info("report written to %s", html)
-    if json:
-        write_json_atomic(json, result)
-        log.info("JSON written to %s", json)
+    if out_json:
+        write_json_atomic(out_json, result)
+        log.info("JSON written to %s", out_json)
     text = [headline]
     for table_notes, table_header, table_rows in tables:
         text += ["", format_table(table_header, table_rows), *table_notes]

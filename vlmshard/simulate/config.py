@@ -41,9 +41,11 @@ class SimulateConfig:
     train_log: str | None = option(None, help="train_log.jsonl of a run to check the simulator "
                                               "against (with --profile)")
     profile: str | None = option(None, help="the run's `vlmshard train profile` folder")
-    json: str | None = option(None, help="also write the results as JSON here")
+    out_json: str | None = option(None, metavar="PATH",
+                                  help="also write the results as JSON to PATH (--json prints "
+                                       "them instead of the tables)")
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         if self.pp < 1 or (self.dp is not None and self.dp < 1):
             raise ConfigError("--pp and --dp must be at least 1")
         if not 0 < self.mfu <= 1:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vlmshard.errors import ConfigError
 from vlmshard.model_sizes import ACTIVATION_BYTES, LayerWork, Size
 from vlmshard.partition import LayerCost, Machine, Partition, deepspeed_bounds
 
@@ -266,15 +267,15 @@ def replica_micro_batches(sizes: np.ndarray, ranks: int, micro: int, dp: int,
     micro-batches [steps, ranks, micro] go to replicas by virtual rank (replica d takes ranks
     d·V/D … (d+1)·V/D − 1); ``per_step`` regroups each replica's stream into steps of M."""
     if ranks % dp:
-        raise ValueError(f"dp={dp} does not divide the plan's {ranks} virtual ranks")
+        raise ConfigError(f"dp={dp} does not divide the plan's {ranks} virtual ranks")
     steps = len(sizes) // (ranks * micro)
     streams = sizes[:steps * ranks * micro].reshape(steps, dp, ranks // dp * micro, 3)
     streams = streams.transpose(1, 0, 2, 3).reshape(dp, -1, 3)  # each replica's micro-batches
     m = per_step or ranks // dp * micro
     whole = streams.shape[1] // m
     if whole == 0:
-        raise ValueError(f"--micro-batches {m} is more than a replica's "
-                         f"{streams.shape[1]} micro-batches in the whole plan")
+        raise ConfigError(f"--micro-batches {m} is more than a replica's "
+                          f"{streams.shape[1]} micro-batches in the whole plan")
     if whole * m < streams.shape[1]:
         log.warning("%d micro-batches per replica do not fill a last step of %d; left out",
                     streams.shape[1] - whole * m, m)

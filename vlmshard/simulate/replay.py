@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vlmshard.errors import InputError
 from vlmshard.model_sizes import ModelConfig, layer_work
 from vlmshard.partition import Partition, Stage
 from vlmshard.run_log import PIPELINE_NAME, read_log
@@ -90,11 +91,11 @@ def analytic_rates(names: list[str], model: ModelConfig) -> LayerRates:
             continue
         row = index.get(ANALYTIC_NAMES.get(name, name))
         if row is None:
-            raise ValueError(f"layer {name!r} of the run has no counterpart in the analytic "
+            raise InputError(f"layer {name!r} of the run has no counterpart in the analytic "
                              f"model of {model.name} ({', '.join(index)})")
         rows.append(row)
     if sorted(r for r in rows if r is not None) != list(range(len(index))):
-        raise ValueError(f"the run's layers ({', '.join(names)}) do not cover {model.name}'s "
+        raise InputError(f"the run's layers ({', '.join(names)}) do not cover {model.name}'s "
                          f"analytic layers once each ({', '.join(index)})")
 
     def pick(table: np.ndarray) -> np.ndarray:
@@ -138,7 +139,7 @@ def replay_run(train_log: str, profile_dir: str | None = None) -> Replay:
 
     records = read_log(train_log)[1:]
     if not records:
-        raise ValueError(f"{train_log}: needs at least two steps (the first is warm-up)")
+        raise InputError(f"{train_log}: needs at least two steps (the first is warm-up)")
     run = os.path.dirname(train_log)
     pipeline_path = os.path.join(run, PIPELINE_NAME)
     pipeline = read_json(pipeline_path) if os.path.exists(pipeline_path) else None
@@ -153,12 +154,12 @@ def replay_run(train_log: str, profile_dir: str | None = None) -> Replay:
         else:
             names, partition = described_partition(pipeline["stages"])
             if names != profiled:
-                raise ValueError(f"{profile_dir} profiles other layers ({', '.join(profiled)}) "
+                raise InputError(f"{profile_dir} profiles other layers ({', '.join(profiled)}) "
                                  f"than the run's ({', '.join(names)})")
         basis = f"the measured layer times of {profile_dir}"
     else:
         if pipeline is None:
-            raise ValueError(f"{run} has no {PIPELINE_NAME} (a run of an older vlmshard "
+            raise InputError(f"{run} has no {PIPELINE_NAME} (a run of an older vlmshard "
                              "train): give the run's profile (--profile) to replay it")
         names, partition = described_partition(pipeline["stages"])
         model = ModelConfig.from_dict(pipeline["model"])
@@ -185,7 +186,7 @@ def compare(replay: Replay) -> dict:
     replay's, over the run and step by step, and the measured rest of the step ("other")."""
     m, p = replay.measured, replay.predicted
     if m is None:
-        raise ValueError("the log's ranks have no pipeline_s (a run of an older vlmshard "
+        raise InputError("the log's ranks have no pipeline_s (a run of an older vlmshard "
                          "train): train again to tell the pipeline bubble from DP waiting")
     m_stage, p_stage = m.stage_bubble_per_step(), p.stage_bubble_per_step()
     m_bubble, p_bubble = m_stage.mean(axis=1), p_stage.mean(axis=1)

@@ -5,11 +5,15 @@ measured run."""
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import Any
 
 import numpy as np
 
+from vlmshard.errors import InputError
+from vlmshard.io import write_json_atomic
 from vlmshard.model_sizes import PRESETS, bytes_per_param, layer_work
 from vlmshard.partition import Partition, PartitionError
+from vlmshard.stage import Result
 
 from .config import SimulateConfig
 from .model import (GPUS, LayerRates, StageModel, replica_micro_batches,
@@ -22,14 +26,34 @@ OMNIBAL_GPU_DAYS = {"baseline": 61.8, "+ data balance": 51.9, "+ model balance":
 STRATEGIES = ("random", "lengthgroup", "isf", "balanced")
 
 
-def run_simulate(cfg: SimulateConfig) -> dict:
-    """The simulation of ``cfg.plan`` (with its comparisons) and/or the check against a run."""
-    cfg.validate()
-    result: dict = {"config": asdict(cfg)}
-    if cfg.plan:
-        result.update(simulate_plan(cfg))
-    if cfg.train_log:
-        result["validation"] = validate_against_log(cfg.train_log, cfg.profile)
+class SimulateResult(dict, Result):
+    """The simulation as a JSON mapping (``config``, ``plan``, ``strategies``, ``levers``,
+    ``validation``), which is also how its callers read it."""
+
+    def summary(self) -> str:
+        return self.text().lstrip("\n").splitlines()[0]
+
+    def text(self) -> str:
+        return format_result(self)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self)
+
+
+def run_simulate(cfg: SimulateConfig) -> SimulateResult:
+    """The simulation of ``cfg.plan`` (with its comparisons) and/or the check against a run;
+    also written to ``cfg.out_json`` when given."""
+    result = SimulateResult(config=asdict(cfg))
+    try:
+        if cfg.plan:
+            result.update(simulate_plan(cfg))
+        if cfg.train_log:
+            result["validation"] = validate_against_log(cfg.train_log, cfg.profile)
+    except KeyError as e:  # a plan.json or run files of an older vlmshard
+        raise InputError(f"{cfg.plan or cfg.train_log} lacks {e}: make it again with this "
+                         "vlmshard") from None
+    if cfg.out_json:
+        write_json_atomic(cfg.out_json, result)
     return result
 
 
@@ -144,4 +168,51 @@ def _describe(partition: Partition, work) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# Command line
+# As the terminal shows it
+
+
+def format_result(result: dict) -> str:
+    """The simulation as the terminal shows it: the plan's line, then the tables."""
+    lines = []
+    if "plan" in result:
+        p = result["plan"]
+        lines.append(f"{p['algorithm']} plan on {p['gpus']} x {p['gpu']} (pp {p['pp']}, dp "
+                     f"{p['dp']}), {p['model']}, {p['compute_mode']} compute (Qv {p['qv']}, Qt "
+                     f"{p['qt']}): {_row(p)}")
+        lines.append(f"  partition {p['partition']['bounds']}, recomputed layers per stage "
+                     f"{p['partition']['recompute']}, memory GiB {p['partition']['memory_gib']}")
+    if "strategies" in result:
+        base = result["strategies"]["random"].get("seconds")
+        lines.append(f"\n{result['plan']['compute_mode']} compute, each packing at its own "
+                     "caps Qv/Qt")
+        lines.append(f"{'strategy (Qv/Qt)':<22} {'GPU-days':>9} {'bubble':>7} {'waiting':>8} "
+                     f"{'speedup':>8}")
+        for name, r in result["strategies"].items():
+            lines.append(_table_row(f"{name} ({r['qv']}/{r['qt']})", r, base))
+        lines.append(f"\n{'lever':<22} {'GPU-days':>9} {'bubble':>7} {'waiting':>8} "
+                     f"{'speedup':>8}   OmniBal (A100 GPU-days, speedup)")
+        base = result["levers"]["baseline"].get("seconds")
+        for name, r in result["levers"].items():
+            paper = OMNIBAL_GPU_DAYS[name]
+            lines.append(f"{_table_row(name, r, base)}   {paper:>5.1f} "
+                         f"{OMNIBAL_GPU_DAYS['baseline'] / paper:>5.2f}x")
+    if "validation" in result:
+        v = result["validation"]
+        lines.append(f"\nsimulated against {v['steps']} measured steps: {v['predicted_s']:.2f} s "
+                     f"predicted vs {v['measured_s']:.2f} s measured ({v['total_error']:+.1%}); "
+                     f"median per-step error {v['median_step_error']:.1%}")
+    return "\n".join(lines)
+
+
+def _row(r: dict) -> str:
+    return (f"{r['seconds'] / 3600:.2f} h, {r['gpu_days']:.4g} GPU-days, bubble "
+            f"{r['bubble_fraction']:.1%}, waiting {r['waiting_fraction']:.1%}")
+
+
+def _table_row(name: str, r: dict, base: float | None) -> str:
+    if "error" in r:
+        return f"{name:<22} does not fit: {r['error']}"
+    speedup = f"{base / r['seconds']:.2f}x" if base else "-"
+    return (f"{name:<22} {r['gpu_days']:>9.4g} {r['bubble_fraction']:>7.1%} "
+            f"{r['waiting_fraction']:>8.1%} {speedup:>8}")
+
