@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .errors import ConfigError
+
 
 @dataclass(frozen=True)
 class VisionConfig:
@@ -73,12 +75,12 @@ class ModelConfig:
     def validate(self) -> None:
         v, t = self.vision, self.llm
         if v.image_size % v.patch_size:
-            raise ValueError(f"image_size {v.image_size} is not a multiple of patch_size "
+            raise ConfigError(f"image_size {v.image_size} is not a multiple of patch_size "
                              f"{v.patch_size}")
         if v.hidden % v.heads or t.hidden % t.heads or t.heads % t.kv_heads:
-            raise ValueError("hidden sizes must divide by heads, and heads by kv_heads")
+            raise ConfigError("hidden sizes must divide by heads, and heads by kv_heads")
         if (t.hidden // t.heads) % 2:
-            raise ValueError("the LLM head size must be even for rotary embeddings")
+            raise ConfigError("the LLM head size must be even for rotary embeddings")
 
     def layer_names(self) -> list[str]:
         """The pipeline's layers in order: the units a stage partition cuts between."""
@@ -96,7 +98,7 @@ class ModelConfig:
             d = {"preset": d}
         d = dict(d)
         if d.get("preset", "tiny") not in PRESETS:
-            raise ValueError(f"unknown model preset {d['preset']!r}; known: {', '.join(PRESETS)}")
+            raise ConfigError(f"unknown model preset {d['preset']!r}; known: {', '.join(PRESETS)}")
         from .config import load_section  # every size type-checked, as the other options
 
         base = PRESETS[d.pop("preset")] if "preset" in d else cls()
@@ -146,7 +148,7 @@ def bytes_per_param(precision: str = "bf16", dp: int = 1, grad_accum: str = "fp3
     if precision == "fp32":
         return 16.0
     if precision != "bf16" or grad_accum not in ("fp32", "bf16"):
-        raise ValueError(f"unknown precision {precision!r} or gradient accumulation "
+        raise ConfigError(f"unknown precision {precision!r} or gradient accumulation "
                          f"{grad_accum!r} (bf16 or fp32)")
     return 4 + (4 if grad_accum == "fp32" else 0) + 12 / dp
 

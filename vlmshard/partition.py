@@ -63,8 +63,8 @@ class Machine:
         usable = int((device_bytes - CUDA_CONTEXT_BYTES - NCCL_BUFFER_BYTES)
                      * (1 - FRAGMENTATION))
         if usable <= 0:
-            raise ValueError(f"{device_bytes / 2**30:.2f} GiB leaves nothing once the CUDA "
-                             "context and NCCL buffers (1.25 GiB) are counted")
+            raise ConfigError(f"{device_bytes / 2**30:.2f} GiB leaves nothing once the CUDA "
+                              "context and NCCL buffers (1.25 GiB) are counted")
         return cls(usable, link_bytes_per_s, full_recompute)
 
 

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from transformers.models.internvl.modeling_internvl import InternVLModel
 
+from vlmshard.errors import InputError
+
 from ..micro import Micro, Phase
 from .layers import Detached, Geometry, HFLayer, LayerDef, language_layers
 
@@ -62,7 +64,7 @@ class Projector(HFLayer):
 def layers(model: nn.Module) -> tuple[list[LayerDef], Geometry]:
     config = model.config
     if config.vision_feature_layer != -1:
-        raise ValueError(f"vision_feature_layer {config.vision_feature_layer}: only the last "
+        raise InputError(f"vision_feature_layer {config.vision_feature_layer}: only the last "
                          "ViT layer's features (-1) are supported")
     vision = config.vision_config
     side = vision.image_size[0] // vision.patch_size[0]
