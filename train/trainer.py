@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Iterator
 
-from vlmshard.errors import InputError
+from vlmshard.errors import ConfigError, InputError
 from vlmshard.io import read_json, write_json_atomic
 from vlmshard.model_sizes import training_flops
 from vlmshard.run_log import PIPELINE_NAME
@@ -121,7 +121,6 @@ def run(cfg: TrainConfig) -> None:
     from .attention import choose_backend
     from .clock import CLOCK
     from .hf_model import model_layers
-    from .launcher import model_folder
     from .micro import supervised_tokens
     from .pipeline import AveTokenLoss, VLMPipeline, no_inputs, pipeline_inputs
     from .save import save_hf
@@ -137,8 +136,10 @@ def run(cfg: TrainConfig) -> None:
     CLOCK.use_cuda(cuda)
     torch.manual_seed(cfg.seed)
     probe = ShardDataset(cfg.shards, 0, cfg.dp)
-    model = model_layers(model_folder(cfg), choose_backend("cuda" if cuda else "cpu",
-                                                          cfg.dtype))
+    if not cfg.model:  # the launcher resolves and checks it once, before starting the processes
+        raise ConfigError("the training config names no model folder: start training with "
+                          "`vlmshard train`")
+    model = model_layers(cfg.model, choose_backend("cuda" if cuda else "cpu", cfg.dtype))
     check_shards_fit(probe, model)
     gas = probe.micro_batches_per_step
     steps = cfg.max_steps or probe.steps
