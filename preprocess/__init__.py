@@ -16,9 +16,11 @@ The names load on first use, so importing the command line's option definitions 
 from importlib import import_module
 
 _PUBLIC = {"ConfigError": "vlmshard.config", "PreprocessConfig": ".config",
-           "PreprocessResult": ".job", "RejectRatioExceeded": ".job", "run_preprocess": ".job",
+           "PreprocessResult": ".job", "RejectRatioExceeded": ".job",
+           "NothingAccepted": ".job", "run_preprocess": ".job",
            "RecordedPreprocess": ".retokenize", "RetokenizeError": ".retokenize",
-           "Retokenizer": ".retokenize", "SampleSpec": ".sample",
+           "Retokenizer": ".retokenize", "SampleSpec": ".sample", "SourceRows": ".retokenize",
+           "EMBEDDED": ".conversation",
            "sample_where": ".retokenize"}
 __all__ = sorted(_PUBLIC)
 

@@ -3,10 +3,11 @@
 
 How, per conversation:
 
-1. Messages in ``transformers``' multimodal form: each turn's text is cut at its ``<image>``
-   placeholders into text and ``{"type": "image"}`` items. The line break right after a
-   placeholder belongs to it (LLaVA data writes ``<image>\\n``; the templates put their own
-   separator after an image).
+1. Messages in ``transformers``' multimodal form: a turn of text items and ``{"type": "image"}``
+   items (``vlmshard.preprocess.conversation``), a plain string where the source gave one. Text
+   is kept as written, with one exception: where the template itself puts whitespace right
+   after an image item (InternVL's ``<IMG_CONTEXT>\\n``), the line break that data writes after
+   an ``<image>`` placeholder is dropped, as the family's own training code renders it once.
 2. The template is rendered by ``tokenizer.apply_chat_template`` with a marker in place of each
    text item, so the template's own text and the data text are told apart by position.
 3. The template text is split at the vocabulary's special tokens (as ``tokenizers`` does for the
@@ -29,7 +30,8 @@ import re
 from vlmshard.families import ModelFolderError, ModelSpec
 from vlmshard.rejects import Reject
 
-from .tokenize import IGNORE_INDEX, IMAGE_PLACEHOLDER, EncodedSample
+from .conversation import ImageItem, Turn
+from .tokenize import IGNORE_INDEX, EncodedSample
 
 _MARK = "\ue000{}\ue001"  # private-use code points: never produced by a template
 _MARKS = re.compile("\ue000(\\d+)\ue001")
@@ -39,24 +41,29 @@ PAD_TOKENS = ("<|endoftext|>", "<pad>")  # when the tokenizer names no pad_token
 _KEEPS_TEXT = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
 
 
-def to_messages(turns: list[tuple[str, str]]) -> tuple[list[dict], list[tuple[str, str]]]:
-    """(messages with a marker per text item, the (role, text) of each marker in order)."""
+def to_messages(turns: list[Turn], break_after_image: bool = False
+                ) -> tuple[list[dict], list[tuple[str, str]]]:
+    """(messages with a marker per text item, the (role, text) of each marker in order).
+    ``break_after_image``: the template puts whitespace after an image item, so the line break
+    data writes after an ``<image>`` placeholder is dropped."""
     messages, texts = [], []
-    for role, text in turns:
-        chunks = text.split(IMAGE_PLACEHOLDER)
-        if len(chunks) == 1:
-            messages.append({"role": role, "content": _MARK.format(len(texts))})
-            texts.append((role, text))
-            continue
-        content = []
-        for k, chunk in enumerate(chunks):
-            if k:
+    for turn in turns:
+        content: list[dict] = []
+        after_placeholder = False
+        for part in turn.content:
+            if isinstance(part, ImageItem):
                 content.append({"type": "image"})
-                chunk = chunk[1:] if chunk.startswith("\n") else chunk
-            if chunk:
+                after_placeholder = part.placeholder
+                continue
+            if after_placeholder and break_after_image and part.startswith("\n"):
+                part = part[1:]
+            after_placeholder = False
+            if part:
                 content.append({"type": "text", "text": _MARK.format(len(texts))})
-                texts.append((role, chunk))
-        messages.append({"role": role, "content": content})
+                texts.append((turn.role, part))
+        if not turn.typed:
+            content = content[0]["text"] if content else ""
+        messages.append({"role": turn.role, "content": content})
     return messages, texts
 
 
@@ -91,6 +98,7 @@ class ChatTemplateEncoder:
         self._suffix = [self.special[t] for t in layout.suffix]
         self._placeholder = layout.placeholder
         self._max_token_chars = _max_token_chars(self.backend)
+        self._break_after_image = self._template_breaks_after_image()
 
     @property
     def pad_token_id(self) -> int:
@@ -99,7 +107,22 @@ class ChatTemplateEncoder:
                 return i
         return 0
 
-    def min_text_tokens(self, turns: list[tuple[str, str]]) -> int:
+    def _template_breaks_after_image(self) -> bool:
+        """Whether the template puts whitespace right after an image item (after the family's
+        image tokens): rendered once for a probe conversation."""
+        probe = [{"role": "user", "content": [{"type": "image"},
+                                              {"type": "text", "text": _MARK.format(0)}]},
+                 {"role": "assistant", "content": _MARK.format(1)}]
+        try:
+            rendered = self.hf.apply_chat_template(probe, tokenize=False)
+            after = rendered[rendered.index(self._placeholder) + len(self._placeholder):
+                             rendered.index(_MARK.format(0))]
+        except Exception:  # a template that refuses the probe: keep the data's text as written
+            return False
+        gap = "".join(self._split.split(after)[0::2])  # without the family's image tokens
+        return gap != "" and gap.isspace()
+
+    def min_text_tokens(self, turns: list[Turn]) -> int:
         """A lower bound of ``encode``'s ``text_tokens`` that renders and tokenizes nothing (a 10
         MB turn takes seconds), or 0 where the tokenizer may drop or fuse text: each token of a
         BPE that keeps every character stands for at most its vocabulary entry's length in
@@ -108,14 +131,14 @@ class ChatTemplateEncoder:
             return 0
         normalizer = self.backend.normalizer
         chars = 0
-        for _, text in to_messages(turns)[1]:
+        for _, text in to_messages(turns, self._break_after_image)[1]:
             # Less one per text: normalization may join its edge to the template's next character.
             chars += len(normalizer.normalize_str(text) if normalizer else text) - 1
         return max(0, chars) // self._max_token_chars
 
-    def render(self, turns: list[tuple[str, str]]) -> tuple[list[str], list[tuple[str, str]]]:
+    def render(self, turns: list[Turn]) -> tuple[list[str], list[tuple[str, str]]]:
         """The template's text between the markers (one more than texts), and the texts."""
-        messages, texts = to_messages(turns)
+        messages, texts = to_messages(turns, self._break_after_image)
         try:
             rendered = self.hf.apply_chat_template(messages, tokenize=False)
         except Exception as e:  # jinja's raise_exception, undefined variables, ...
@@ -127,7 +150,7 @@ class ChatTemplateEncoder:
                                            "text; vlmshard needs each text once, in order")
         return pieces[0::2], texts
 
-    def encode(self, turns: list[tuple[str, str]], image_tokens: list[int],
+    def encode(self, turns: list[Turn], image_tokens: list[int],
                keep_tokens: bool) -> EncodedSample:
         """``image_tokens[k]``: how many ``token`` the k-th image takes. ``text_tokens`` counts
         every other token (the template's, the text's, the image prefix and suffix)."""

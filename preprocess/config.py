@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from vlmshard.config import ConfigError, option
 from vlmshard.engines import EngineOptions
 from vlmshard.families import DEMO_FAMILY, TileBudget, families, model_types
+
+from .conversation import COLUMN_KEYS, RowFormat
 
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485  # Pillow's decompression-bomb limit
 
@@ -17,9 +20,26 @@ class PreprocessConfig(EngineOptions):
 
     inputs: list[str] = option(
         factory=list, positional=True, metavar="INPUT",
-        help="conversation files (.json/.jsonl), InternVL meta files, .parquet files or "
-             "datasets.save_to_disk folders")
+        help="conversation files (.json/.jsonl), InternVL meta files, .parquet or .arrow files, "
+             "or datasets.save_to_disk folders (a DatasetDict with --split)")
     out: str = option(help="output folder")
+    format: Literal["auto", "llava", "messages"] = option(
+        "auto", help="how rows hold conversations: llava ('conversations' of from/value), "
+                     "messages ('messages' of role/content, content a string with <image> "
+                     "placeholders or a list of typed items), or auto (each row by the fields it "
+                     "has); a meta file's entries may give their own 'format'")
+    columns: list[str] = option(
+        factory=list, metavar="KEY=NAME",
+        help="the source's own names for the fields vlmshard reads, as LLaMA-Factory's "
+             f"dataset_info.json maps them; keys: {', '.join(COLUMN_KEYS)} (e.g. "
+             "messages=dialog images=pictures role=speaker content=text)")
+    roles: list[str] = option(
+        factory=list, metavar="NAME=ROLE",
+        help="extra role names and what they are (user, assistant or system), e.g. bot=assistant",
+        default_text="human/user, gpt/assistant, system")
+    split: str | None = option(
+        None, help="the split to read from a DatasetDict folder (datasets.save_to_disk)",
+        default_text="its only split")
     image_root: str | None = option(
         None, help="folder or URL that relative image paths start from",
         default_text="the annotation file's folder; meta files give 'root'")
@@ -68,12 +88,29 @@ class PreprocessConfig(EngineOptions):
         if self.model is not None and self.tiling is not None:
             raise ConfigError("--tiling is for the demo tokenizer; with --model the model "
                               "folder's preprocessor config sets the tiling")
+        self.row_format()  # checks --columns and --roles
         if self.part_size < 1:
             raise ConfigError(f"--part-size must be >= 1, got {self.part_size}")
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ConfigError(f"--max-seq-len must be >= 1, got {self.max_seq_len}")
         if self.max_reject_ratio is not None and not 0 <= self.max_reject_ratio <= 1:
             raise ConfigError(f"--max-reject-ratio must be in [0, 1], got {self.max_reject_ratio}")
+
+
+    def row_format(self) -> RowFormat:
+        """How the inputs' rows hold conversations (a meta file's entries may say otherwise)."""
+        return RowFormat.from_options(self.format, _pairs(self.columns, "--columns"),
+                                      _pairs(self.roles, "--roles"))
+
+
+def _pairs(words: list[str], flag: str) -> dict[str, str]:
+    pairs = {}
+    for word in words:
+        key, sep, value = word.partition("=")
+        if not sep or not key or not value:
+            raise ConfigError(f"{flag} {word!r}: write KEY=NAME")
+        pairs[key] = value
+    return pairs
 
 
 @dataclass(kw_only=True)

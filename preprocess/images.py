@@ -42,6 +42,7 @@ class ImageHeader:
     width: int
     height: int
     format: str
+    bytes: int  # the encoded image's size
 
 
 def resolve_image_path(path: str, root: str, allow_outside_root: bool = False) -> str:
@@ -62,8 +63,12 @@ def resolve_image_path(path: str, root: str, allow_outside_root: bool = False) -
     return resolve(root, relative)
 
 
-def read_image_header(path: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImageHeader:
-    """Size and format of the image at ``path`` (local or fsspec URL); raises ``Reject``."""
+def read_image_header(path: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                      data: bytes | None = None) -> ImageHeader:
+    """Size and format of the image at ``path`` (local or fsspec URL), or of ``data``, the bytes a
+    row embeds (``path`` then only names them in messages); raises ``Reject``."""
+    if data is not None:
+        return _inspect(io.BytesIO(data), path, max_pixels)
     if not is_url(path):
         _check_regular_file(path)
     try:
@@ -77,41 +82,46 @@ def read_image_header(path: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> 
     except Exception as e:  # OSError locally; each fsspec backend raises its own kinds
         raise Reject("missing_image", f"cannot open image {path}: {e}") from None
     with opener as f:
-        f.seek(0, os.SEEK_END)
-        size = f.tell()
-        if size == 0:
-            raise Reject("empty_image", f"image has zero bytes: {path}")
-        f.seek(0)
-        try:
-            with Image.open(f) as im:
-                width, height = im.size
-                fmt = im.format or ""
-                declared = _tiff_data_end(im) if fmt == "TIFF" else 0
-        except Image.DecompressionBombError as e:
-            raise Reject("decompression_bomb", f"{path}: {e}") from None
-        except Exception as e:  # Pillow's plugins raise many kinds on malformed headers
-            if _container_cut_short(f, size):
-                raise Reject("truncated_image", f"image {path} ends before the data its "
-                                                f"header declares ({size} bytes): the file is "
-                                                "cut short") from None
-            raise Reject("corrupt_image", f"cannot parse image header of {path}: {e}") from None
-        if width <= 0 or height <= 0:
-            raise Reject("empty_image", f"image {path} is {width}x{height}")
-        if width * height > max_pixels:
-            raise Reject("decompression_bomb",
-                         f"image {path} is {width}x{height} = {width * height:,} pixels, "
-                         f"over the limit of {max_pixels:,}")
-        f.seek(max(0, size - _TAIL_BYTES))
-        tail = f.read()
-        try:
-            complete = _has_end_marker(fmt, tail, size, f) and size >= declared
-        except (struct.error, ValueError):
-            complete = False
-        if not complete:
-            what = "the data its header declares" if declared > size else "its end marker"
-            raise Reject("truncated_image", f"{fmt} image {path} ends before {what} "
-                                            f"({size} bytes): the file is cut short")
-    return ImageHeader(path=path, width=width, height=height, format=fmt)
+        return _inspect(f, path, max_pixels)
+
+
+def _inspect(f, path: str, max_pixels: int) -> ImageHeader:
+    """``read_image_header`` on an open binary file."""
+    f.seek(0, os.SEEK_END)
+    size = f.tell()
+    if size == 0:
+        raise Reject("empty_image", f"image has zero bytes: {path}")
+    f.seek(0)
+    try:
+        with Image.open(f) as im:
+            width, height = im.size
+            fmt = im.format or ""
+            declared = _tiff_data_end(im) if fmt == "TIFF" else 0
+    except Image.DecompressionBombError as e:
+        raise Reject("decompression_bomb", f"{path}: {e}") from None
+    except Exception as e:  # Pillow's plugins raise many kinds on malformed headers
+        if _container_cut_short(f, size):
+            raise Reject("truncated_image", f"image {path} ends before the data its "
+                                            f"header declares ({size} bytes): the file is "
+                                            "cut short") from None
+        raise Reject("corrupt_image", f"cannot parse image header of {path}: {e}") from None
+    if width <= 0 or height <= 0:
+        raise Reject("empty_image", f"image {path} is {width}x{height}")
+    if width * height > max_pixels:
+        raise Reject("decompression_bomb",
+                     f"image {path} is {width}x{height} = {width * height:,} pixels, "
+                     f"over the limit of {max_pixels:,}")
+    f.seek(max(0, size - _TAIL_BYTES))
+    tail = f.read()
+    try:
+        complete = _has_end_marker(fmt, tail, size, f) and size >= declared
+    except (struct.error, ValueError):
+        complete = False
+    if not complete:
+        what = "the data its header declares" if declared > size else "its end marker"
+        raise Reject("truncated_image", f"{fmt} image {path} ends before {what} "
+                                        f"({size} bytes): the file is cut short")
+    return ImageHeader(path=path, width=width, height=height, format=fmt, bytes=size)
 
 
 def _check_regular_file(path: str) -> None:

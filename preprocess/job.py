@@ -44,9 +44,17 @@ from vlmshard.rejects import REASONS
 from vlmshard.stage import Result
 
 from .config import PreprocessConfig
+from .conversation import format_hint, missing_columns
 from .sample import SampleLimits, SampleSpec, make_encoder
 from .schema import REJECTS_SCHEMA, stats_schema
-from .sources import Source, discover_sources, index_source, plan_parts
+from .sources import (
+    Source,
+    SourceIndex,
+    discover_sources,
+    first_record,
+    index_source,
+    plan_parts,
+)
 from .tokenize import TokenizerConfig, tekken_tokenizer
 from .worker import JobSpec, PartWorker, committed_summary, part_paths
 
@@ -56,6 +64,12 @@ class RejectRatioExceeded(JobError):
     """More rows were rejected than ``max_reject_ratio`` allows (exit status 3)."""
 
     exit_status = 3
+
+
+class NothingAccepted(JobError):
+    """A source whose every row was rejected for one reason, or a job that accepted no row: the
+    data is not what the options say (a format, a column name), not a few bad rows. (A whole
+    file that does not parse stays one ``unreadable_source`` reject while others are accepted.)"""
 
 
 @dataclass
@@ -85,7 +99,7 @@ def run_preprocess(cfg: PreprocessConfig) -> PreprocessResult:
 
 def _preprocess(cfg: PreprocessConfig, start: float) -> PreprocessResult:
     try:
-        sources = discover_sources(cfg.inputs, cfg.image_root)
+        sources = discover_sources(cfg.inputs, cfg.image_root, cfg.row_format(), cfg.split)
         model, tokenizer, tiling = resolve_model(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -108,6 +122,8 @@ def _preprocess(cfg: PreprocessConfig, start: float) -> PreprocessResult:
 
     t_index = time.monotonic()
     indexes = [index_source(s) for s in sources]
+    for source, index in zip(sources, indexes):
+        _check_columns(source, index)
     parts = plan_parts(sources, indexes, cfg.part_size, cfg.seed)
     total_rows = sum(len(p.rows) for p in parts)
     index_seconds = time.monotonic() - t_index
@@ -144,6 +160,7 @@ def _preprocess(cfg: PreprocessConfig, start: float) -> PreprocessResult:
                     "parts_resumed": resumed},
     })
     totals = report["totals"]
+    _check_something_accepted(cfg, sources, indexes, report)
     ratio = totals["rejected"] / max(1, totals["input_rows"])
     if cfg.max_reject_ratio is not None and ratio > cfg.max_reject_ratio:
         top = ", ".join(f"{r}={n}" for r, n in Counter(report["rejected_by_reason"]).most_common(5))
@@ -160,6 +177,42 @@ def _preprocess(cfg: PreprocessConfig, start: float) -> PreprocessResult:
                             accepted=totals["accepted"], rejected=totals["rejected"],
                             parts=len(parts), parts_resumed=resumed, seconds=seconds,
                             rejected_by_reason=report["rejected_by_reason"])
+
+
+def _check_columns(source: Source, index: SourceIndex) -> None:
+    """A renamed column (``--columns``) that the source's first row lacks is a one-line error
+    before any work."""
+    if not source.format.columns:
+        return
+    record = first_record(source, index)
+    missing = missing_columns(record, source.format) if record is not None else []
+    if missing:
+        raise ConfigError(f"source {source.name}: the column mapping names {', '.join(missing)}, "
+                          f"which its first row lacks (it has: {', '.join(sorted(record))})")
+
+
+def _check_something_accepted(cfg: PreprocessConfig, sources: list[Source],
+                              indexes: list[SourceIndex], report: dict) -> None:
+    """Raise ``NothingAccepted`` naming what the rows look like. The committed parts are removed
+    first, so a rerun with the right options starts clean; ``rejects.parquet`` stays."""
+    rejects = os.path.join(cfg.out, "rejects.parquet")
+    for source, index in zip(sources, indexes):
+        entry = report["sources"][source.name]
+        if entry["accepted"] or not entry["input_rows"]:
+            continue
+        reasons = entry["by_reason"]
+        if report["totals"]["accepted"] and (len(reasons) > 1 or "unreadable_source" in reasons):
+            # A source of many faults, or a whole file that does not parse (one reject), in a
+            # job that accepts others: its rejects say it.
+            continue
+        reason = max(reasons, key=reasons.get)
+        record = first_record(source, index)
+        hint = format_hint(record, source.format) if record is not None else None
+        shutil.rmtree(os.path.join(cfg.out, WORK))
+        raise NothingAccepted(
+            f"source {source.name}: all {entry['input_rows']} row(s) rejected"
+            f"{f' as {reason}' if len(reasons) == 1 else f', most as {reason}'}"
+            f"{f': {hint}' if hint else ''}; see {rejects}")
 
 
 def resolve_model(cfg: PreprocessConfig) -> tuple[ModelSpec, TokenizerConfig, TilingPolicy]:

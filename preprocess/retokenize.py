@@ -9,14 +9,14 @@ the recorded ``seq_len`` and tiles::
     ids_and_labels = retokenizer.tokens(rows)  # rows of the stats table
 
 A sample that no longer preprocesses, or no longer to what the stats say, raises
-``RetokenizeError`` naming it.
+``RetokenizeError`` naming it. ``SourceRows`` reads rows back by (source, row): the writer takes
+embedded images' bytes from them (``embedded_images``).
 """
 
 from __future__ import annotations
 
 import os
 from collections import defaultdict
-from dataclasses import fields
 
 import numpy as np
 
@@ -25,8 +25,9 @@ from vlmshard.families import ModelSpec, policy_from_dict, source_tiling
 from vlmshard.io import sha256_file
 from vlmshard.rejects import Reject
 
+from .conversation import parse_conversation
 from .sample import SampleLimits, SampleProcessor, SampleSpec, make_encoder
-from .sources import Part, Source, index_source, read_part_rows
+from .sources import Part, Source, SourceIndex, index_source, read_part_rows
 from .tokenize import TokenizerConfig
 
 
@@ -72,9 +73,8 @@ class RecordedPreprocess:
 
     def sample_spec(self) -> SampleSpec:
         """How this run turned source rows into samples (for ``Retokenizer``)."""
-        names = {f.name for f in fields(Source)}
-        sources = tuple(Source(**{**{k: v for k, v in s.items() if k in names},
-                                  "path": s["file"]["path"]}) for s in self.config["sources"])
+        sources = tuple(Source.from_dict({**s, "path": s["file"]["path"]})
+                        for s in self.config["sources"])
         return SampleSpec(sources=sources, model=self.model, tokenizer=self.tokenizer,
                           tiling=self.config["tiling"],
                           limits=SampleLimits(**self.config["limits"]))
@@ -85,41 +85,67 @@ def sample_where(row: dict) -> str:
     return f"sample {row['sample_id']} ({row['source']} row {row['row']})"
 
 
+class SourceRows:
+    """Rows of a run's sources read back by (source name, row number): from their byte spans
+    (JSONL, JSON list) or the Parquet row groups holding them, never whole files."""
+
+    def __init__(self, sources: tuple[Source, ...]) -> None:
+        self.sources = {s.name: s for s in sources}
+        self.indexes: dict[str, SourceIndex] = {}
+
+    def records(self, keys) -> dict[tuple[str, int], dict | Reject]:
+        """The record (or the ``Reject`` of an unreadable row) of each (source, row) in ``keys``."""
+        wanted = defaultdict(set)
+        for name, number in keys:
+            wanted[name].add(number)
+        records = {}
+        for name, numbers in wanted.items():
+            source = self.sources[name]
+            for number, record in read_part_rows(source, self._part(source, sorted(numbers))):
+                records[(name, number)] = record
+        return records
+
+    def embedded_images(self, rows: list[dict]) -> dict[tuple[str, int], list[bytes | None]]:
+        """Per stats row (``source``, ``row``): each image's embedded bytes, None for a file."""
+        images = {}
+        for (name, number), record in self.records((r["source"], r["row"]) for r in rows).items():
+            try:
+                if isinstance(record, Reject):
+                    raise record
+                found = parse_conversation(record, self.sources[name].format).images
+            except Reject as r:
+                raise RetokenizeError(f"{name} row {number} no longer reads ({r.reason}: "
+                                      f"{r.message}); the source changed since packing") from None
+            images[(name, number)] = [image.data for image in found]
+        return images
+
+    def _part(self, source: Source, numbers: list[int]) -> Part:
+        part = Part(index=-1, source_index=0, rows=np.array(numbers, np.int64))
+        if source.kind in ("jsonl", "json"):
+            if source.name not in self.indexes:
+                self.indexes[source.name] = index_source(source)
+            part = self.indexes[source.name].spans(part)
+        return part
+
+
 class Retokenizer:
     """Rebuilds ``input_ids``/``labels`` from the source rows, exactly as preprocessing would,
     and checks the result against the recorded ``seq_len`` and tiles."""
 
     def __init__(self, spec: SampleSpec) -> None:
         self.samples = SampleProcessor(spec)
-        self.sources = {s.name: (i, s) for i, s in enumerate(spec.sources)}
-        self.indexes: dict = {}
+        self.index = {s.name: i for i, s in enumerate(spec.sources)}
+        self.rows = SourceRows(spec.sources)
 
     def tokens(self, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
         """(input_ids, labels) of each stats row (``sample_id``, ``source``, ``row``,
         ``seq_len``, ``image_tiles``); raises ``RetokenizeError``."""
-        wanted = defaultdict(set)
-        for row in rows:
-            wanted[row["source"]].add(row["row"])
-        records = {}
-        for name, numbers in wanted.items():
-            for number, record in read_part_rows(self.sources[name][1],
-                                                 self._part(name, sorted(numbers))):
-                records[(name, number)] = record
+        records = self.rows.records((row["source"], row["row"]) for row in rows)
         return [self._encode(row, records[(row["source"], row["row"])]) for row in rows]
-
-    def _part(self, name: str, numbers: list[int]) -> Part:
-        source = self.sources[name][1]
-        part = Part(index=-1, source_index=0, rows=np.array(numbers, np.int64))
-        if source.kind == "jsonl":
-            if name not in self.indexes:
-                self.indexes[name] = index_source(source)
-            part.offsets = self.indexes[name].offsets[part.rows]
-            part.lengths = self.indexes[name].lengths[part.rows]
-        return part
 
     def _encode(self, row: dict, record) -> tuple[list[int], list[int]]:
         try:
-            new = self.samples.process(self.sources[row["source"]][0], record, keep_tokens=True)
+            new = self.samples.process(self.index[row["source"]], record, keep_tokens=True)
         except Reject as r:
             raise RetokenizeError(f"{sample_where(row)} no longer preprocesses ({r.reason}: "
                                   f"{r.message}); the source changed since packing") from None

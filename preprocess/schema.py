@@ -19,6 +19,7 @@ STATS_FIELDS = [
     pa.field("loss_tokens", pa.int32(), nullable=False),
     pa.field("image_paths", pa.list_(pa.string()), nullable=False),
     pa.field("image_sizes", pa.list_(IMAGE_SIZE), nullable=False),
+    pa.field("image_bytes", pa.list_(pa.int64()), nullable=False),
 ]
 TOKEN_FIELDS = [
     pa.field("input_ids", pa.list_(pa.int32()), nullable=False),

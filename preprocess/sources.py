@@ -1,4 +1,5 @@
-"""Input discovery and row access: conversation files, InternVL meta files, Parquet, HF datasets.
+"""Input discovery and row access: conversation files (JSON, JSONL), InternVL meta files, Parquet,
+Arrow, and ``datasets.save_to_disk`` folders (a ``DatasetDict``'s split chosen with ``split``).
 
 The driver indexes each source once (row count; the byte span of every row of a JSONL file or
 JSON list) and splits the selected rows into fixed-size parts, each carrying its rows' spans. Parts
@@ -24,8 +25,10 @@ from typing import Any
 import numpy as np
 
 from vlmshard.errors import InputError
-from vlmshard.io import file_exists, is_url, open_file, resolve
+from vlmshard.io import file_exists, is_url, open_file, read_json, resolve
 from vlmshard.rejects import Reject
+
+from .conversation import RowFormat
 
 
 @dataclass(frozen=True)
@@ -33,16 +36,24 @@ class Source:
     """One annotation file (or saved dataset) and where its images live."""
 
     name: str
-    kind: str  # "jsonl" | "json" | "parquet" | "hf_dataset"
+    kind: str  # "jsonl" | "json" | "parquet" | "arrow" | "hf_dataset"
     path: str
     image_root: str
     repeat_time: float = 1.0
     max_num: int | None = None  # InternVL meta's per-source max_dynamic_patch
+    format: RowFormat = RowFormat()
 
     def to_dict(self) -> dict:
         return {"name": self.name, "kind": self.kind, "path": self.path,
                 "image_root": self.image_root, "repeat_time": self.repeat_time,
-                "max_num": self.max_num}
+                "max_num": self.max_num, "format": self.format.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Source:
+        """The source a run recorded (runs before formats existed read LLaVA rows: ``auto``)."""
+        return cls(name=d["name"], kind=d["kind"], path=d["path"], image_root=d["image_root"],
+                   repeat_time=d["repeat_time"], max_num=d["max_num"],
+                   format=RowFormat.from_dict(d["format"]) if "format" in d else RowFormat())
 
 
 @dataclass
@@ -71,35 +82,51 @@ class SourceIndex:
         return replace(part, offsets=self.offsets[part.rows], lengths=self.lengths[part.rows])
 
 
+_EXTENSIONS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+
+
 def _stem(path: str) -> str:
     base = os.path.basename(path.rstrip("/"))
-    for ext in (".jsonl", ".json", ".parquet"):
+    for ext in _EXTENSIONS:
         if base.endswith(ext):
             return base[: -len(ext)]
     return base
 
 
-def _kind_of(path: str) -> str:
+def _kind_of(path: str, split: str | None = None) -> tuple[str, str]:
+    """(kind, path): a ``DatasetDict`` folder becomes its split's folder."""
     if not is_url(path) and os.path.isdir(path):
-        if os.path.exists(os.path.join(path, "dataset_dict.json")):
-            raise InputError(f"{path} is a DatasetDict; pass one split folder, e.g. {path}/train")
+        splits_file = os.path.join(path, "dataset_dict.json")
+        if os.path.exists(splits_file):
+            splits = read_json(splits_file).get("splits", [])
+            if split is None and len(splits) == 1:
+                split = splits[0]
+            if split is None or split not in splits:
+                what = f"has no split {split!r}" if split else "holds several splits"
+                raise InputError(f"{path} is a DatasetDict that {what}: pass --split (or "
+                                 f"'split' in a meta file), one of {', '.join(splits)}")
+            path = os.path.join(path, split)
         if os.path.exists(os.path.join(path, "state.json")):
-            return "hf_dataset"
+            return "hf_dataset", path
         raise InputError(f"{path} is a folder but not a dataset saved with datasets.save_to_disk")
-    for ext, kind in ((".jsonl", "jsonl"), (".json", "json"), (".parquet", "parquet")):
+    for ext, kind in _EXTENSIONS.items():
         if path.endswith(ext):
-            return kind
-    raise InputError(f"cannot tell the format of {path}: use .json, .jsonl, .parquet, "
+            return kind, path
+    raise InputError(f"cannot tell the format of {path}: use .json, .jsonl, .parquet, .arrow, "
                      "an InternVL meta .json, or a saved datasets folder")
 
 
-def discover_sources(inputs: list[str], image_root: str | None = None) -> list[Source]:
-    """Expand the command-line inputs into sources, in order (meta files in their key order)."""
+def discover_sources(inputs: list[str], image_root: str | None = None,
+                     row_format: RowFormat = RowFormat(), split: str | None = None
+                     ) -> list[Source]:
+    """Expand the command-line inputs into sources, in order (meta files in their key order).
+    ``row_format`` and ``split`` apply to every input but a meta file's entries, which give their
+    own (``format``, ``columns``, ``roles``, ``split``)."""
     sources: list[Source] = []
     for path in inputs:
         if not file_exists(path):
             raise InputError(f"input not found: {path}")
-        kind = _kind_of(path)
+        kind, data_path = _kind_of(path, split)
         meta = _read_meta(path) if kind == "json" else None
         if meta is not None:
             sources.extend(_meta_sources(path, meta))
@@ -107,7 +134,8 @@ def discover_sources(inputs: list[str], image_root: str | None = None) -> list[S
         root = image_root or (os.path.dirname(path) if not is_url(path)
                               else path.rsplit("/", 1)[0])
         root = root if is_url(root) else os.path.abspath(root)
-        sources.append(Source(name=_stem(path), kind=kind, path=path, image_root=root))
+        sources.append(Source(name=_stem(path), kind=kind, path=data_path, image_root=root,
+                              format=row_format))
     names = [s.name for s in sources]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -151,9 +179,16 @@ def _meta_sources(meta_path: str, meta: dict) -> list[Source]:
         root = rel(entry.get("root", os.path.dirname(annotation)))
         root = root if is_url(root) else os.path.abspath(root)
         max_num = entry.get("max_dynamic_patch")
-        sources.append(Source(name=name, kind=_kind_of(annotation), path=annotation,
+        kind, annotation = _kind_of(annotation, entry.get("split"))
+        try:
+            row_format = RowFormat.from_options(entry.get("format", "auto"),
+                                                entry.get("columns"), entry.get("roles"))
+        except ValueError as e:
+            raise InputError(f"meta file {meta_path}: entry {name!r}: {e}") from None
+        sources.append(Source(name=name, kind=kind, path=annotation,
                               image_root=root, repeat_time=repeat,
-                              max_num=int(max_num) if max_num is not None else None))
+                              max_num=int(max_num) if max_num is not None else None,
+                              format=row_format))
     return sources
 
 
@@ -176,8 +211,8 @@ def index_source(source: Source) -> SourceIndex:
 
         with open_file(source.path) as f:
             return SourceIndex(n_rows=pq.ParquetFile(f).metadata.num_rows)
-    if source.kind == "hf_dataset":
-        return SourceIndex(n_rows=len(_load_hf_dataset(source.path)))
+    if source.kind in ("hf_dataset", "arrow"):
+        return SourceIndex(n_rows=len(_load_dataset(source)))
     raise AssertionError(source.kind)
 
 
@@ -402,12 +437,27 @@ def read_part_rows(source: Source, part: Part) -> Iterator[tuple[int, dict | Rej
                               "strict" if source.kind == "jsonl" else "surrogateescape")
     elif source.kind == "parquet":
         yield from _parquet_rows(source.path, part.rows)
-    elif source.kind == "hf_dataset":
-        ds = _load_hf_dataset(source.path)
-        for row, rec in zip(part.rows, ds.select(part.rows.tolist()).to_list()):
-            yield int(row), _as_record(rec)
+    elif source.kind in ("hf_dataset", "arrow"):
+        # Memory-mapped Arrow: rows are taken without decoding (an Image value stays its
+        # {bytes, path}); a batch at a time, so a part's images are not all held at once.
+        import pyarrow as pa
+
+        table = _load_dataset(source).data.table
+        for start in range(0, len(part.rows), _PARQUET_BATCH):
+            rows = part.rows[start:start + _PARQUET_BATCH]
+            for row, rec in zip(rows, table.take(pa.array(rows, pa.int64())).to_pylist()):
+                yield int(row), _as_record(rec)
     else:
         raise AssertionError(source.kind)
+
+
+def first_record(source: Source, index: SourceIndex) -> dict | None:
+    """The source's first row, or None if it has none or it is not a JSON object."""
+    if index.n_rows == 0 or index.unreadable:
+        return None
+    part = index.spans(Part(index=-1, source_index=0, rows=np.zeros(1, np.int64)))
+    record = next(read_part_rows(source, part))[1]
+    return None if isinstance(record, Reject) else record
 
 
 def _text_rows(path: str, part: Part, errors: str) -> Iterator[tuple[int, dict | Reject]]:
@@ -501,8 +551,16 @@ def _cached_index(source: Source) -> SourceIndex:
     return index_source(source)
 
 
-@lru_cache(maxsize=1)
-def _load_hf_dataset(path: str):
+@lru_cache(maxsize=2)
+def _load_dataset(source: Source):
+    """A saved dataset or an Arrow file (``datasets``' stream format), memory-mapped."""
     import datasets
 
-    return datasets.load_from_disk(path)
+    if source.kind == "arrow":
+        try:
+            return datasets.Dataset.from_file(source.path)
+        except Exception as e:  # pyarrow raises several kinds for a file that is not Arrow
+            raise InputError(f"{source.path} is not an Arrow stream file as datasets writes "
+                             f"them: {e}") from None
+    return datasets.load_from_disk(source.path)
+

@@ -1,8 +1,8 @@
 """The offline demo's tokenizer: a conversation becomes ``input_ids`` and ``labels`` with Tekken
 (the file inside the ``mistral-common`` wheel) and the mistral template.
 
-A template names the special tokens around each turn; ``<image>`` placeholders expand to the
-image's token count of ``[IMG]``. Only assistant turns (and their end marker) are supervised. Data
+A template names the special tokens around each turn; each image item expands to the image's
+token count of ``[IMG]``. Only assistant turns (and their end marker) are supervised. Data
 text is encoded without special-token parsing, so a literal ``[INST]`` in a turn stays text.
 A model folder's tokenizer and chat template are in ``vlmshard.preprocess.chat``.
 """
@@ -15,7 +15,8 @@ from functools import cached_property
 
 from vlmshard.io import sha256_file
 
-IMAGE_PLACEHOLDER = "<image>"
+from .conversation import Turn
+
 IGNORE_INDEX = -100
 
 
@@ -88,10 +89,6 @@ MISTRAL = ChatTemplate(
     system_prefix=("[SYSTEM_PROMPT]",), system_suffix=("[/SYSTEM_PROMPT]",),
     user_prefix=("[INST]",), user_suffix=("[/INST]",), assistant_suffix=("</s>",))
 
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-         "system": "system"}
-
-
 @dataclass(frozen=True)
 class TokenizerConfig:
     """What later stages need to re-tokenize identically (recorded in ``preprocess.json``):
@@ -145,21 +142,18 @@ class TekkenEncoder:
             ids.extend([special] if special is not None else self.tokenizer.encode(piece))
         return ids
 
-    def min_text_tokens(self, turns: list[tuple[str, str]]) -> int:
+    def min_text_tokens(self, turns: list[Turn]) -> int:
         """A lower bound of ``encode``'s ``text_tokens`` without tokenizing (a 10 MB turn takes
         seconds): data text is encoded without special tokens, so each token is a vocabulary
         entry of at most ``max_token_bytes`` bytes."""
-        placeholder = len(IMAGE_PLACEHOLDER)
-        n_bytes = sum(len(text.encode("utf-8")) - placeholder * text.count(IMAGE_PLACEHOLDER)
-                      for _, text in turns)
+        n_bytes = sum(len(text.encode("utf-8")) for turn in turns for text in turn.texts)
         return -(-n_bytes // self.tokenizer.max_token_bytes)
 
-    def encode(self, turns: list[tuple[str, str]], image_tokens: list[int],
+    def encode(self, turns: list[Turn], image_tokens: list[int],
                keep_tokens: bool) -> EncodedSample:
-        """``turns`` are (role, text) with roles already normalized to system/user/assistant.
-
-        ``image_tokens[k]`` is the token count of the k-th ``<image>`` placeholder in turn order.
-        Returned ``text_tokens`` exclude image tokens; ``seq_len`` = text_tokens + Σimage_tokens.
+        """``image_tokens[k]`` is the token count of the k-th image item in turn order. The
+        text is encoded as written (the template puts nothing after an image). Returned
+        ``text_tokens`` exclude image tokens; ``seq_len`` = text_tokens + Σimage_tokens.
         """
         p = self._pieces
         ids: list[int] = [] if keep_tokens else None
@@ -177,24 +171,21 @@ class TekkenEncoder:
                 labels.extend(chunk if supervised else [IGNORE_INDEX] * len(chunk))
 
         add(p["bos"], False)
-        for role, text in turns:
-            supervised = role == "assistant"
-            add(p[f"{role}_prefix"], False)
-            parts = text.split(IMAGE_PLACEHOLDER)
-            for k, part in enumerate(parts):
-                if k:
+        for turn in turns:
+            supervised = turn.role == "assistant"
+            add(p[f"{turn.role}_prefix"], False)
+            for part in turn.content:
+                if not isinstance(part, str):
                     count = image_tokens[next_image]
                     next_image += 1
                     if keep_tokens:
                         ids.extend([self.image_token_id] * count)
                         labels.extend([IGNORE_INDEX] * count)
-                if not part:
-                    continue
-                if keep_tokens:
+                elif keep_tokens:
                     add(self.tokenizer.encode(part), supervised)
                 else:
                     n = self.tokenizer.count(part)
                     n_text += n
                     n_loss += n if supervised else 0
-            add(p[f"{role}_suffix"], supervised)
+            add(p[f"{turn.role}_suffix"], supervised)
         return EncodedSample(text_tokens=n_text, loss_tokens=n_loss, input_ids=ids, labels=labels)

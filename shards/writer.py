@@ -9,10 +9,12 @@ Steps, each restartable:
    that every worker memory-maps: a shard's samples come from all over the dataset, and Parquet
    cannot be read by row.
 3. Lay out the shards: per rank, whole steps in order, a new shard before the one that would
-   pass ``--shard-bytes`` (estimated from image file sizes and token counts). The layout is a
+   pass ``--shard-bytes`` (estimated from the images' encoded sizes and token counts). The layout is a
    pure function of the plan, the stats and the images, so a rerun computes the same one.
 4. Write each shard on an engine (local pool or Ray): temp file, then rename, then a marker in
-   ``_work/done/``. A rerun skips shards that have their marker.
+   ``_work/done/``. A rerun skips shards that have their marker. Images embedded in the sources
+   (``embedded:`` in ``image_paths``) are taken from their rows, read by row group, once per
+   shard; their bytes go into the shard unchanged, as image files' bytes do.
 5. Write ``manifest.json`` last and remove ``_work``.
 
 Tars are byte-deterministic: members in sorted order, fixed mtime, uid/gid and names.
@@ -48,10 +50,12 @@ from vlmshard.jobs import WORK, claim_output, locked_output
 from vlmshard.packing.plan import read_plan, read_plan_json
 from vlmshard.packing.stats import files_sha256, read_preprocess_json, stats_files
 from vlmshard.preprocess import (
+    EMBEDDED,
     RecordedPreprocess,
     RetokenizeError,
     Retokenizer,
     SampleSpec,
+    SourceRows,
     sample_where,
 )
 from vlmshard.progress import Progress
@@ -65,7 +69,7 @@ log = logging.getLogger(__name__)
 
 TAR_MTIME = 0  # every member's mtime: the same plan must give the same bytes
 SAMPLE_COLUMNS = ["sample_id", "source", "row", "image_tiles", "seq_len", "loss_tokens",
-                  "image_paths", "image_sizes"]
+                  "image_paths", "image_sizes", "image_bytes"]
 TOKEN_COLUMNS = ["input_ids", "labels"]
 
 
@@ -108,6 +112,7 @@ class WriteSpec:
     out: str
     samples_path: str
     retokenize: SampleSpec | None
+    sources: tuple  # the run's Source records, to read embedded images back from their rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,8 +159,10 @@ def _write(cfg: WriteConfig, shard_bytes: int, start: float) -> WriteResult:
     if not os.path.exists(samples_path):
         _write_sample_table(files, samples_path, recorded.keep_tokens)
     units = _layout(records, samples_path, ranks, micro, steps, shard_bytes)
+    sample_spec = recorded.sample_spec()
     spec = WriteSpec(out=cfg.out, samples_path=samples_path,
-                     retokenize=None if recorded.keep_tokens else recorded.sample_spec())
+                     retokenize=None if recorded.keep_tokens else sample_spec,
+                     sources=sample_spec.sources)
 
     done = {(u.rank, u.index): _committed(work, u) for u in units}
     todo = [u for u in units if done[(u.rank, u.index)] is None]
@@ -211,12 +218,14 @@ def _plan_records(plan: str) -> list[tuple[int, ...]]:
 
 def _write_sample_table(files: list[str], path: str, keep_tokens: bool) -> None:
     """The stats columns the records need, as one memory-mappable Arrow file (row = sample_id)."""
-    columns = SAMPLE_COLUMNS + (TOKEN_COLUMNS if keep_tokens else [])
-
     def write(tmp: str) -> None:
         writer = None
         for f in files:
-            for batch in pq.ParquetFile(f).iter_batches(batch_size=65536, columns=columns):
+            pf = pq.ParquetFile(f)
+            # image_bytes: stats written before it existed are laid out from file sizes
+            columns = [c for c in SAMPLE_COLUMNS if c in pf.schema_arrow.names]
+            for batch in pf.iter_batches(batch_size=65536,
+                                         columns=columns + (TOKEN_COLUMNS if keep_tokens else [])):
                 if writer is None:
                     writer = pa.ipc.new_file(tmp, batch.schema)
                 writer.write_batch(batch)
@@ -252,13 +261,17 @@ def _layout(records: list[tuple[int, ...]], samples_path: str, ranks: int, micro
 
 
 def _estimated_sample_bytes(table: pa.Table) -> np.ndarray:
-    """Bytes a sample adds to a tar: its image files, 8 bytes per token, headers and json."""
-    paths = table["image_paths"].to_pylist()
-    unique = sorted({p for ps in paths for p in ps})
-    with ThreadPoolExecutor(16) as pool:  # stat calls on remote storage wait on the network
-        file_bytes = dict(zip(unique, pool.map(_file_size, unique)))
+    """Bytes a sample adds to a tar: its images, 8 bytes per token, headers and json."""
     tokens = table["seq_len"].to_numpy().astype(np.int64)
-    images = np.array([sum(file_bytes[p] + 1024 for p in ps) for ps in paths], dtype=np.int64)
+    if "image_bytes" in table.column_names:
+        sizes = table["image_bytes"].to_pylist()
+    else:  # stats from before image_bytes was recorded: the files' sizes now
+        paths = table["image_paths"].to_pylist()
+        unique = sorted({p for ps in paths for p in ps})
+        with ThreadPoolExecutor(16) as pool:  # stat calls on remote storage wait on the network
+            file_bytes = dict(zip(unique, pool.map(_file_size, unique)))
+        sizes = [[file_bytes[p] for p in ps] for ps in paths]
+    images = np.array([sum(ss) + 1024 * len(ss) for ss in sizes], dtype=np.int64)
     return 8 * tokens + images + 256
 
 
@@ -325,6 +338,7 @@ class ShardWriter:
         self.spec = spec
         self.table = _open_sample_table(spec.samples_path)
         self.retokenizer = Retokenizer(spec.retokenize) if spec.retokenize else None
+        self.source_rows = SourceRows(spec.sources)
 
     def process(self, unit: ShardUnit) -> dict:
         """Write one shard atomically, then its marker; returns its manifest entry."""
@@ -335,12 +349,14 @@ class ShardWriter:
         rel = shard_path(unit.rank, unit.index)
         path = os.path.join(self.spec.out, *rel.split("/"))
 
+        embedded = self._embedded_images(unit)
+
         def write(tmp: str) -> None:
             with open(tmp, "wb") as f:
                 with webdataset.TarWriter(f, encoder=False, mtime=TAR_MTIME, user="",
                                           group="") as tar:
                     for step, micro, ids in unit.records:
-                        tar.write(self._record(unit.rank, step, micro, ids))
+                        tar.write(self._record(unit.rank, step, micro, ids, embedded))
 
         atomic_write(path, write)
         offsets, crc32, sha256, size = record_index(path)
@@ -353,7 +369,22 @@ class ShardWriter:
                                        unit.index), asdict(entry))
         return asdict(entry)
 
-    def _record(self, rank: int, step: int, micro: int, ids: tuple[int, ...]) -> dict:
+    def _embedded_images(self, unit: ShardUnit) -> dict[tuple[str, int], list[bytes | None]]:
+        """The embedded images of the shard's samples, read from their source rows at once (so
+        each Parquet row group is decoded once per shard, not once per sample)."""
+        ids = sorted({i for _, _, record in unit.records for i in record})
+        rows = self.table.select(["sample_id", "source", "row", "image_paths"]).take(
+            pa.array(ids, pa.int64())).to_pylist()
+        rows = [r for r in rows if any(p.startswith(EMBEDDED) for p in r["image_paths"])]
+        if not rows:
+            return {}
+        try:
+            return self.source_rows.embedded_images(rows)
+        except RetokenizeError as e:
+            raise WriteError(str(e)) from None
+
+    def _record(self, rank: int, step: int, micro: int, ids: tuple[int, ...],
+                embedded: dict[tuple[str, int], list[bytes | None]]) -> dict:
         rows = self.table.take(pa.array(ids, pa.int64())).to_pylist()
         try:
             tokens = (self.retokenizer.tokens(rows) if self.retokenizer
@@ -364,8 +395,10 @@ class ShardWriter:
         samples = []
         for row in rows:
             names = []
-            for path, size in zip(row["image_paths"], row["image_sizes"]):
-                data, fmt = _read_image(row, path, size)
+            own = embedded.get((row["source"], row["row"]))
+            for k, (path, size) in enumerate(zip(row["image_paths"], row["image_sizes"])):
+                data, fmt = _read_image(row, path, size,
+                                        own[k] if own and k < len(own) else None)
                 names.append(image_name(len(images), path, fmt))
                 images.append(data)
             samples.append({"sample_id": row["sample_id"], "source": row["source"],
@@ -377,12 +410,16 @@ class ShardWriter:
         return encode_record(step, rank, micro, samples, input_ids, labels, images)
 
 
-def _read_image(row: dict, path: str, size: dict) -> tuple[bytes, str]:
-    """An image's bytes, checked to be the image the plan was made from (same size)."""
+def _read_image(row: dict, path: str, size: dict, data: bytes | None) -> tuple[bytes, str]:
+    """An image's bytes (``data`` when its row embeds them, else its file's), checked to be the
+    image the plan was made from (same size)."""
     from PIL import Image
 
+    if data is None and path.startswith(EMBEDDED):
+        raise WriteError(f"{sample_where(row)}: the row no longer embeds image {path}; the "
+                         "source changed since packing: preprocess and pack again")
     try:
-        data = read_bytes(path)
+        data = read_bytes(path) if data is None else data
     except Exception as e:  # OSError locally; fsspec and aiohttp raise their own kinds
         raise WriteError(f"{sample_where(row)}: image vanished since preprocessing: {path} ({e}); "
                          "restore it, or preprocess and pack again") from None

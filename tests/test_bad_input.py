@@ -41,6 +41,8 @@ from PIL import Image, features
 
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
 from vlmshard.families import policy_from_dict
+from vlmshard.preprocess.conversation import text_turn
+from vlmshard.preprocess.sources import Source
 from vlmshard.rejects import REASONS
 
 # Pillow here reads and writes AVIF (Pillow >= 11.2 wheels bundle libavif); where it does not, the
@@ -51,6 +53,7 @@ AVIF = features.check("avif")
 IMAGE_REASONS = {"path_outside_root", "missing_image", "empty_image", "corrupt_image",
                  "truncated_image", "decompression_bomb", "bad_aspect_ratio"}
 
+SOURCE = Source(name="s", kind="jsonl", path="/data/s.jsonl", image_root="/data")
 OK = [{"from": "human", "value": "<image>\nDescribe the image."},
       {"from": "gpt", "value": "A picture."}]
 
@@ -381,14 +384,14 @@ def test_doomed_rows_are_rejected_before_any_image_is_read_or_text_tokenized(mon
         for record in (many, huge):
             start = time.monotonic()
             with pytest.raises(Reject) as e:
-                sample.process_record(record, "s", "/data", tiling, encoder, limits, False)
+                sample.process_record(record, SOURCE, tiling, encoder, limits, False)
             assert e.value.reason == "too_long", e.value
             assert "at least" in e.value.message and "8192" in e.value.message
             assert time.monotonic() - start < 2
     # Without --max-seq-len, more images than the stats table's int16 n_images can hold.
     too_many = {"image": ["a.png"] * 40_000, "conversations": _conv("Look.", "Ok.", 40_000)}
     with pytest.raises(Reject) as e:
-        sample.process_record(too_many, "s", "/data", InternVLTiling(), encoder,
+        sample.process_record(too_many, SOURCE, InternVLTiling(), encoder,
                               sample.SampleLimits(), False)
     assert e.value.reason == "too_many_images"
 
@@ -435,8 +438,9 @@ def test_a_utf8_bom_on_the_first_line_is_accepted(tmp_path):
 
 
 def test_a_utf16_line_without_bom_is_undecodable_text(tmp_path):
-    line = json.dumps({"conversations": _conv("Hi.", "Hello.")}).encode("utf-16-le")
-    assert _run_lines(tmp_path, [line]) == {0: "undecodable_text"}
+    good = json.dumps({"conversations": _conv("Hi.", "Hello.")}).encode()
+    assert _run_lines(tmp_path, [good.decode().encode("utf-16-le"), good]) == {
+        0: "undecodable_text"}
 
 
 @pytest.fixture(scope="module")
@@ -459,12 +463,12 @@ def test_a_model_tokenizer_bounds_a_10mb_turn_without_tokenizing_it(qwen_folder)
     texts = ["Hello there.", "e\u0301\u0301 composed " * 50, "漢字かな交じり文" * 40, "😀" * 300,
              "=" * 5000 + " " * 3000, "<|im_end|> stays text " * 30, "x" * 20000]
     for text in texts:
-        turns = [("user", "<image>\n" + text), ("assistant", text)]
+        turns = [text_turn("user", "<image>\n" + text), text_turn("assistant", text)]
         assert 0 < encoder.min_text_tokens(turns) <= encoder.encode(turns, [4], False).text_tokens
     huge = {"conversations": _conv("Summarize.", "word " * 2_000_000)}
     start = time.monotonic()
     with pytest.raises(Reject) as e:
-        sample.process_record(huge, "s", "/data", tiling, encoder,
+        sample.process_record(huge, SOURCE, tiling, encoder,
                               sample.SampleLimits(max_seq_len=8192), False)
     assert e.value.reason == "too_long" and "at least" in e.value.message
     assert time.monotonic() - start < 3

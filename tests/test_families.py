@@ -159,6 +159,23 @@ def _expected_ids(family: str, tok, messages: list[dict], images: list[str]) -> 
     return out
 
 
+IMAGE_TEXT = {"internvl": "<IMG_CONTEXT>", "qwen2vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+
+
+def _reference_messages(family: str, row: dict) -> list[dict]:
+    """What each family's own fine-tuning code renders for a LLaVA row: its text as written, each
+    ``<image>`` replaced in the string by the family's image text (Qwen's ``qwen-vl-finetune``;
+    InternVL's training code, where ``<image>\\n`` becomes ``<img>...</img>\\n``). A row without
+    placeholders gets its image first, as transformers' typed content does (``row["messages"]``)."""
+    turns = row["conversations"]
+    if not any("<image>" in t["value"] for t in turns):
+        return row["messages"]
+    roles = {"human": "user", "gpt": "assistant", "system": "system"}
+    image = IMAGE_TEXT["internvl" if family == "internvl" else "qwen2vl"]
+    return [{"role": roles[t["from"]], "content": t["value"].replace("<image>", image)}
+            for t in turns]
+
+
 def _images(row: dict) -> list[str]:
     images = row.get("image", [])
     return [images] if isinstance(images, str) else images
@@ -170,7 +187,7 @@ def test_token_ids_equal_transformers_chat_template(family, folders, preprocesse
     stats = _stats(preprocessed[family])
     assert len(stats) == len(rows)
     for row, sample in zip(rows[:4], stats):
-        want = _expected_ids(family, tok, row["messages"], _images(row))
+        want = _expected_ids(family, tok, _reference_messages(family, row), _images(row))
         assert sample["input_ids"] == want, row["messages"]
         assert sample["seq_len"] == len(want)
         image_tokens = sum(_image_tokens(family, p) for p in _images(row))
@@ -201,7 +218,7 @@ def test_control_token_text_in_the_data_stays_text(family, folders, preprocessed
     row, sample = rows[4], _stats(preprocessed[family])[4]
     ids = sample["input_ids"]
     # The ids spell the rendered conversation exactly (the text survives intact) ...
-    rendered = tok.apply_chat_template(row["messages"], tokenize=False)
+    rendered = tok.apply_chat_template(_reference_messages(family, row), tokenize=False)
     placeholder = "<IMG_CONTEXT>\n" if family == "internvl" else "<|image_pad|>"
     n = _image_tokens(family, _images(row)[0])
     expanded = ("<img>" + "<IMG_CONTEXT>" * n + "</img>\n" if family == "internvl"

@@ -4,7 +4,12 @@ templates are tested in ``test_families.py``."""
 
 import pytest
 
+from vlmshard.preprocess.conversation import text_turn
 from vlmshard.preprocess.tokenize import IGNORE_INDEX, TekkenEncoder, tekken_tokenizer
+
+
+def turns(*pairs):
+    return [text_turn(role, text) for role, text in pairs]
 
 
 @pytest.fixture(scope="module")
@@ -13,9 +18,9 @@ def tekken():
 
 
 def test_tekken_labels_mask_everything_but_assistant(tekken):
-    turns = [("system", "Be brief."), ("user", "<image>\nDescribe the image."),
-             ("assistant", "A cat."), ("user", "And?"), ("assistant", "On a mat.")]
-    enc = tekken.encode(turns, [256 * 5], keep_tokens=True)
+    conversation = turns(("system", "Be brief."), ("user", "<image>\nDescribe the image."),
+                         ("assistant", "A cat."), ("user", "And?"), ("assistant", "On a mat."))
+    enc = tekken.encode(conversation, [256 * 5], keep_tokens=True)
     tok = tekken.tokenizer
     ids, labels = enc.input_ids, enc.labels
     assert len(ids) == len(labels) == enc.text_tokens + 256 * 5
@@ -29,9 +34,9 @@ def test_tekken_labels_mask_everything_but_assistant(tekken):
 
 
 def test_counts_without_tokens_equal_counts_with(tekken):
-    turns = [("user", "<image> and <image>"), ("assistant", "Two images.")]
-    counted = tekken.encode(turns, [13 * 256, 7 * 256], keep_tokens=False)
-    kept = tekken.encode(turns, [13 * 256, 7 * 256], keep_tokens=True)
+    conversation = turns(("user", "<image> and <image>"), ("assistant", "Two images."))
+    counted = tekken.encode(conversation, [13 * 256, 7 * 256], keep_tokens=False)
+    kept = tekken.encode(conversation, [13 * 256, 7 * 256], keep_tokens=True)
     assert counted.input_ids is None
     assert (counted.text_tokens, counted.loss_tokens) == (kept.text_tokens, kept.loss_tokens)
     assert kept.text_tokens == len(kept.input_ids) - 20 * 256
@@ -39,7 +44,7 @@ def test_counts_without_tokens_equal_counts_with(tekken):
 
 def test_special_token_text_is_not_injected(tekken):
     text = "[INST] </s> [IMG] <s>"
-    enc = tekken.encode([("user", text), ("assistant", text)], [], keep_tokens=True)
+    enc = tekken.encode(turns(("user", text), ("assistant", text)), [], keep_tokens=True)
     specials = {tekken.tokenizer.special_id(t) for t in ("[INST]", "</s>", "[IMG]", "<s>")}
     # only the template's own: <s>, [INST], [/INST] and the answer's </s>
     assert [i for i in enc.input_ids if i in specials] == [1, tekken.tokenizer.special_id("[INST]"), 2]

@@ -16,11 +16,14 @@ REASONS = {
     "undecodable_text": "the row has bytes that are not UTF-8 or lone surrogates",
     "nul_in_text": "a turn's text or an image path holds a NUL character (U+0000): binary or "
                    "UTF-16 data read as text",
-    "missing_field": "a required field (conversations, from, value) is absent",
-    "bad_field": "a field has the wrong type (e.g. image is not a string or list of strings)",
-    "bad_role": "a turn's 'from' is not human/user, gpt/assistant or system",
+    "missing_field": "a required field (conversations or messages; a turn's from/role or "
+                     "value/content) is absent",
+    "bad_field": "a field has the wrong type or value: an image that is neither a path, a URL "
+                 "nor {bytes, path}, a content item of unknown type, a turn that is not an object",
+    "bad_role": "a turn's role is not human/user, gpt/assistant or system (or one --roles maps)",
     "no_assistant_turn": "nothing to supervise: no gpt/assistant turn, or only empty ones",
-    "image_count_mismatch": "the number of <image> placeholders differs from the number of images",
+    "image_count_mismatch": "the <image> placeholders and image items differ in number from the "
+                            "images",
     "too_many_images": "a row has more images than the stats table's n_images holds (32,767)",
     "path_outside_root": "a relative image path leads out of its image root with '..'",
     "missing_image": "an image file or URL does not exist, or is not a file that can be opened "
@@ -28,7 +31,7 @@ REASONS = {
     "unreachable_image": "an image URL still failed (5xx, dropped connection, cut-off body) "
                          "after every retry",
     "empty_image": "an image file has zero bytes or a zero width/height",
-    "corrupt_image": "an image header cannot be parsed",
+    "corrupt_image": "an image header cannot be parsed (a file, or embedded bytes or base64)",
     "truncated_image": "an image file ends before its end-of-image marker or the data its "
                        "header declares",
     "decompression_bomb": "an image has more pixels than --max-image-pixels",

@@ -1,0 +1,347 @@
+"""Source rows in any supported format become one internal conversation: turns of text and image
+items, and the images they refer to (a path or URL, or embedded bytes).
+
+Formats (``RowFormat.name``; ``auto`` takes the first one whose turn list a row has):
+
+- ``llava``: ``conversations: [{"from": "human"|"gpt"|"system", "value": str}]``;
+- ``messages``: ``messages: [{"role": "user"|"assistant"|"system", "content": ...}]`` where
+  ``content`` is a string (LLaMA-Factory's sharegpt, OpenAI) or a list of typed items as
+  ``apply_chat_template`` takes them: ``{"type": "text", "text": ...}``, ``{"type": "image",
+  "image"|"url"|"path": ...}``, OpenAI's ``{"type": "image_url", "image_url": {"url": ...}}``.
+
+In text, ``<image>`` is a placeholder for the next image of the row's ``images`` (or ``image``)
+column; in a typed content list, text is text and images are items. An image is a path, a URL, a
+``data:`` URI, or a ``datasets`` ``Image`` value ``{"bytes", "path"}`` (bytes win). Column and
+key names can be renamed per source (``RowFormat.columns``), as LLaMA-Factory's
+``dataset_info.json`` does, and extra role names mapped (``RowFormat.roles``).
+
+Text is kept as written, including the line break after an ``<image>`` placeholder: whether it is
+dropped is the chat template's business (``vlmshard.preprocess.chat``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass, field
+
+from vlmshard.errors import ConfigError
+from vlmshard.rejects import Reject
+
+IMAGE_PLACEHOLDER = "<image>"
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+         "system": "system"}
+FORMATS = {
+    # name: (turn list columns, role keys, content keys), each tried in order
+    "auto": (("conversations", "messages"), ("from", "role"), ("value", "content")),
+    "llava": (("conversations",), ("from",), ("value",)),
+    "messages": (("messages",), ("role",), ("content",)),
+}
+IMAGE_COLUMNS = ("images", "image")
+COLUMN_KEYS = ("messages", "images", "role", "content")  # what RowFormat.columns may rename
+EMBEDDED = "embedded:"  # stats image_paths prefix of an image whose bytes are in the source row
+
+
+@dataclass(frozen=True)
+class ImageItem:
+    """Where an image sits in a turn. ``placeholder``: written as ``<image>`` inside text, so the
+    text after it is the data's own (a template that puts its own line break after an image
+    drops the data's); otherwise a typed item, or the image InternVL's rule puts first."""
+
+    placeholder: bool
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One message: its role (system/user/assistant) and its content in order. ``typed``: the
+    source gave a content list (or the turn holds images), so the template gets a list."""
+
+    role: str
+    content: tuple[str | ImageItem, ...]
+    typed: bool
+
+    @property
+    def texts(self) -> list[str]:
+        return [part for part in self.content if isinstance(part, str)]
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """An image of a row: embedded ``data`` (bytes win), else ``path`` (a path or URL as
+    written). ``path`` may name embedded bytes' original file."""
+
+    path: str | None = None
+    data: bytes | None = field(default=None, repr=False)
+
+    @property
+    def embedded(self) -> bool:
+        return self.data is not None
+
+
+@dataclass(frozen=True)
+class Conversation:
+    turns: list[Turn]
+    images: list[ImageRef]
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """How one source's rows hold conversations: the format and any renamed columns or roles.
+    Frozen and made of tuples, so a ``Source`` holding it stays hashable and picklable."""
+
+    name: str = "auto"
+    columns: tuple[tuple[str, str], ...] = ()  # (key in COLUMN_KEYS, the source's name for it)
+    roles: tuple[tuple[str, str], ...] = ()  # (the source's role name, user/assistant/system)
+
+    def __post_init__(self) -> None:
+        if self.name not in FORMATS:
+            raise ConfigError(f"format {self.name!r}: known formats are {', '.join(FORMATS)}")
+        for key, _ in self.columns:
+            if key not in COLUMN_KEYS:
+                raise ConfigError(f"column mapping {key!r}: the keys that can be renamed are "
+                                  f"{', '.join(COLUMN_KEYS)}")
+        for name, role in self.roles:
+            if role not in ("user", "assistant", "system"):
+                raise ConfigError(f"role mapping {name}={role}: map to user, assistant or system")
+
+    @classmethod
+    def from_options(cls, name: str = "auto", columns: dict[str, str] | None = None,
+                     roles: dict[str, str] | None = None) -> RowFormat:
+        return cls(name, tuple(sorted((columns or {}).items())),
+                   tuple(sorted((roles or {}).items())))
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "columns": dict(self.columns), "roles": dict(self.roles)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RowFormat:
+        return cls.from_options(d["name"], d["columns"], d["roles"])
+
+    def _keys(self, which: str, index: int) -> tuple[str, ...]:
+        renamed = dict(self.columns).get(which)
+        return (renamed,) if renamed else FORMATS[self.name][index]
+
+    @property
+    def turn_columns(self) -> tuple[str, ...]:
+        return self._keys("messages", 0)
+
+    @property
+    def role_keys(self) -> tuple[str, ...]:
+        return self._keys("role", 1)
+
+    @property
+    def content_keys(self) -> tuple[str, ...]:
+        return self._keys("content", 2)
+
+    @property
+    def image_columns(self) -> tuple[str, ...]:
+        renamed = dict(self.columns).get("images")
+        return (renamed,) if renamed else IMAGE_COLUMNS
+
+    def role(self, name) -> str | None:
+        if not isinstance(name, str):
+            return None
+        return dict(self.roles).get(name) or ROLES.get(name)
+
+
+def parse_conversation(record: dict, fmt: RowFormat) -> Conversation:
+    """The row's turns and images; raises ``Reject``. Cheap: reads no image."""
+    column = next((c for c in fmt.turn_columns if record.get(c) is not None), None)
+    if column is None:
+        raise Reject("missing_field", f"no {_names(fmt.turn_columns)} field; the row has "
+                                      f"{', '.join(map(repr, sorted(record))) or 'no fields'}")
+    raw = record[column]
+    if not isinstance(raw, list) or not raw:
+        raise Reject("bad_field", f"{column!r} must be a non-empty list of turns")
+    image_column = next((c for c in fmt.image_columns if record.get(c) is not None), None)
+    listed = _image_values(record[image_column], image_column) if image_column else []
+    turns: list[Turn] = []
+    inline: list[ImageRef | None] = []  # per image item in order: its own image, or None
+    for i, message in enumerate(raw):
+        turn, refs = _parse_turn(message, i, fmt)
+        turns.append(turn)
+        inline.extend(refs)
+    if not any(t.role == "assistant" for t in turns):
+        raise Reject("no_assistant_turn", "no gpt/assistant turn to supervise")
+    if not any(t.role == "assistant" and "".join(t.texts).strip() for t in turns):
+        raise Reject("no_assistant_turn", "every gpt/assistant turn is empty or blank")
+    return Conversation(*_place_images(turns, inline, listed))
+
+
+def text_turn(role: str, text: str, where: str = "turn") -> Turn:
+    """A turn of text whose ``<image>`` placeholders become image items."""
+    _check_text(text, where)
+    chunks = text.split(IMAGE_PLACEHOLDER)
+    if len(chunks) == 1:
+        return Turn(role, (text,) if text else (), typed=False)
+    content: list[str | ImageItem] = []
+    for k, chunk in enumerate(chunks):
+        if k:
+            content.append(ImageItem(placeholder=True))
+        if chunk:
+            content.append(chunk)
+    return Turn(role, tuple(content), typed=True)
+
+
+def _parse_turn(message, i: int, fmt: RowFormat) -> tuple[Turn, list[ImageRef | None]]:
+    if not isinstance(message, dict):
+        raise Reject("bad_field", f"turn {i} is a {type(message).__name__}, not an object")
+    role_key = next((k for k in fmt.role_keys if message.get(k) is not None), None)
+    content_key = next((k for k in fmt.content_keys if k in message), None)
+    if role_key is None or content_key is None:
+        raise Reject("missing_field", f"turn {i} lacks {_names(fmt.role_keys)} or "
+                                      f"{_names(fmt.content_keys)}")
+    role = fmt.role(message[role_key])
+    if role is None:
+        known = sorted({*ROLES, *dict(fmt.roles)})
+        raise Reject("bad_role", f"turn {i} {role_key} is {message[role_key]!r}; expected one "
+                                 f"of {', '.join(known)}")
+    content = message[content_key]
+    if isinstance(content, str):
+        turn = text_turn(role, content, f"turn {i}")
+        return turn, [None] * sum(isinstance(p, ImageItem) for p in turn.content)
+    if not isinstance(content, list):
+        raise Reject("bad_field", f"turn {i} {content_key!r} is a {type(content).__name__}, "
+                                  "not text or a list of typed items")
+    parts: list[str | ImageItem] = []
+    refs: list[ImageRef | None] = []
+    for j, item in enumerate(content):
+        where = f"turn {i} item {j}"
+        kind = item.get("type") if isinstance(item, dict) else None
+        if kind == "text":
+            text = item.get("text")
+            if not isinstance(text, str):
+                raise Reject("bad_field", f"{where}: a text item without a 'text' string")
+            _check_text(text, where)
+            parts.append(text)
+        elif kind in ("image", "image_url"):
+            parts.append(ImageItem(placeholder=False))
+            refs.append(_item_image(item, kind, where))
+        else:
+            what = f"type {kind!r}" if kind is not None else "no 'type'"
+            raise Reject("bad_field", f"{where} has {what}; the types read are text, image and "
+                                      "image_url")
+    return Turn(role, tuple(parts), typed=True), refs
+
+
+def _item_image(item: dict, kind: str, where: str) -> ImageRef | None:
+    """The image an item names itself, or None (it takes the next of the images column)."""
+    if kind == "image_url":
+        value = item.get("image_url")
+        value = value.get("url") if isinstance(value, dict) else value
+        if value is None:
+            raise Reject("bad_field", f"{where}: an image_url item without a url")
+        return _image_value(value, where)
+    value = next((item[k] for k in ("image", "url", "path") if item.get(k) is not None), None)
+    return None if value is None else _image_value(value, where)
+
+
+def _place_images(turns: list[Turn], inline: list[ImageRef | None],
+                  listed: list[ImageRef]) -> tuple[list[Turn], list[ImageRef]]:
+    """Each image item gets its image: its own, else the next of the images column. A row
+    with one listed image and no item gets it before its first user text (InternVL's rule)."""
+    wanting = inline.count(None)
+    if wanting == len(listed):
+        it = iter(listed)
+        return turns, [ref if ref is not None else next(it) for ref in inline]
+    if not inline and len(listed) == 1:
+        k = next(k for k, t in enumerate(turns) if t.role != "system")
+        first = turns[k]
+        turns = [*turns[:k], Turn(first.role, (ImageItem(False), *first.content), True),
+                 *turns[k + 1:]]
+        return turns, listed
+    named = len(inline) - wanting
+    raise Reject("image_count_mismatch",
+                 f"{wanting} <image> placeholder(s) or image item(s) without an image for "
+                 f"{len(listed)} image(s) in the images column"
+                 + (f" ({named} more item(s) name their own image)" if named else ""))
+
+
+def _image_values(value, column: str) -> list[ImageRef]:
+    values = value if isinstance(value, list) else [value]
+    return [_image_value(v, f"{column} {k}") for k, v in enumerate(values)]
+
+
+def _image_value(value, where: str) -> ImageRef:
+    """A path or URL, a ``data:`` URI, or a ``datasets`` ``Image`` value ``{bytes, path}``."""
+    if isinstance(value, dict):
+        data, path = value.get("bytes"), value.get("path")
+        if isinstance(data, (bytes, bytearray)):
+            return ImageRef(path=path if isinstance(path, str) and path else None,
+                            data=bytes(data))
+        if data is not None:
+            raise Reject("bad_field", f"image {where}: 'bytes' is a {type(data).__name__}")
+        if not isinstance(path, str) or not path:
+            raise Reject("bad_field", f"image {where} has neither bytes nor a path")
+        value = path
+    if not isinstance(value, str) or not value:
+        raise Reject("bad_field", f"image {where} is {type(value).__name__} {value!r:.40}; "
+                                  "expected a path, a URL or an image value {bytes, path}")
+    if value.startswith("data:"):
+        header, _, payload = value.partition(",")
+        if not header.endswith(";base64"):
+            raise Reject("bad_field", f"image {where}: a data URI that is not base64")
+        try:
+            return ImageRef(data=base64.b64decode(payload, validate=True))
+        except (binascii.Error, ValueError) as e:
+            raise Reject("corrupt_image", f"image {where}: its base64 data does not decode: "
+                                          f"{e}") from None
+    if "\0" in value:
+        raise Reject("nul_in_text", f"image {where} path {value!r} holds a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise Reject("undecodable_text", f"image {where} path {value!r} is not valid UTF-8: "
+                                         f"{e}") from None
+    return ImageRef(path=value)
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise Reject("undecodable_text", f"{where} has text that is not valid UTF-8: {e}") from None
+    if "\0" in text:
+        raise Reject("nul_in_text", f"{where} holds a NUL character at position "
+                                    f"{text.index(chr(0))}: binary or UTF-16 data read as text")
+
+
+def _names(names) -> str:
+    return " or ".join(repr(n) for n in names)
+
+
+def missing_columns(record: dict, fmt: RowFormat) -> list[str]:
+    """The renamed columns and turn keys (``fmt.columns``) that ``record`` lacks, as
+    ``key=name``: the turn keys are looked for in its first turn."""
+    renamed = dict(fmt.columns)
+    missing = [f"{key}={renamed[key]}" for key in ("messages", "images")
+               if key in renamed and renamed[key] not in record]
+    turns = next((record[c] for c in fmt.turn_columns if isinstance(record.get(c), list)), None)
+    if turns and isinstance(turns[0], dict):
+        missing += [f"{key}={renamed[key]}" for key in ("role", "content")
+                    if key in renamed and renamed[key] not in turns[0]]
+    return missing
+
+
+def format_hint(record: dict, fmt: RowFormat) -> str | None:
+    """What a row that every check rejected looks like, and the option that reads it, when its
+    fields tell (a format or a column name), else None."""
+    for name, (columns, roles, contents) in FORMATS.items():
+        if name != "auto" and name != fmt.name and any(c in record for c in columns) \
+                and not any(c in record for c in fmt.turn_columns):
+            return (f"rows have {_names(columns)}, not {_names(fmt.turn_columns)}: this looks "
+                    f"like the {name} format; pass --format {name} (or --format auto)")
+    present = [c for c in fmt.turn_columns if isinstance(record.get(c), list)]
+    if not present:
+        lists = [k for k, v in sorted(record.items())
+                 if isinstance(v, list) and v and all(isinstance(t, dict) for t in v)]
+        guess = f"; name yours with --columns messages={lists[0]}" if lists else ""
+        fields = ", ".join(map(repr, sorted(record))) or "no fields"
+        return f"rows have {fields}, none of them {_names(fmt.turn_columns)}{guess}"
+    first = record[present[0]][0] if record[present[0]] else None
+    if isinstance(first, dict) and not (any(k in first for k in fmt.role_keys)
+                                        and any(k in first for k in fmt.content_keys)):
+        keys = ", ".join(map(repr, sorted(first)))
+        return (f"turns have {keys}, not {_names(fmt.role_keys)} and "
+                f"{_names(fmt.content_keys)}: name them with --columns role=... content=...")
+    return None

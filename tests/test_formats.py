@@ -1,0 +1,290 @@
+"""The data users hold: every row format and container gives the same samples as the same
+conversations written as LLaVA rows with image files; embedded images reach the shards byte for
+byte; bad rows get their reasons; a job that accepts nothing says what the rows look like.
+
+Everything is built here, offline, with ``datasets`` and Pillow."""
+
+from __future__ import annotations
+
+import base64
+import glob
+import json
+import os
+import tarfile
+
+import datasets
+import msgpack
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers import vlmshard
+
+from vlmshard.families import tiny_folder
+from vlmshard.packing.config import PackConfig
+from vlmshard.packing.plan import run_pack
+from vlmshard.preprocess import ConfigError, NothingAccepted, PreprocessConfig, run_preprocess
+from vlmshard.shards.config import WriteConfig
+from vlmshard.shards.writer import run_write
+
+PHOTOS = ("astronaut.png", "rocket.jpg", "chelsea.png", "coffee.png")
+ROLE_FROM = {"user": "human", "assistant": "gpt", "system": "system"}
+# Conversations as (images, turns); a turn's parts are text or the index of one of its images.
+# No text starts with a line break after an image: in a string, a template that puts its own
+# after an image drops the data's (InternVL), in a content list it does not ("\n\n"); that
+# rule is checked against each family's own rendering in test_families.py.
+CONVERSATIONS = [
+    ([0, 1], [("system", ["Answer briefly."]),
+              ("user", [0, "First. ", 1, "Second?"]),
+              ("assistant", ["A person and a rocket."]),
+              ("user", ["Which is taller?"]),
+              ("assistant", ["The rocket."])]),
+    ([2], [("user", [0, "What animal is this?"]), ("assistant", ["A cat."])]),
+    ([], [("user", ["Hello there"]), ("assistant", ["Hi! ünïcödé 漢字 😀\n\n  how can I help?"])]),
+    ([3], [("user", ["Look: ", 0, " What is in the cup?\n"]), ("assistant", ["Coffee."])]),
+]
+
+
+def _photo(name: str) -> str:
+    import skimage
+
+    return os.path.join(os.path.dirname(skimage.__file__), "data", name)
+
+
+def _bytes(name: str) -> bytes:
+    with open(_photo(name), "rb") as f:
+        return f.read()
+
+
+def _joined(parts: list) -> str:
+    return "".join("<image>" if isinstance(p, int) else p for p in parts)
+
+
+def _llava(images, turns) -> dict:
+    return {"image": [_photo(PHOTOS[i]) for i in images],
+            "conversations": [{"from": ROLE_FROM[r], "value": _joined(p)} for r, p in turns]}
+
+
+def _messages(images, turns, image=lambda i: _photo(PHOTOS[i])) -> dict:
+    return {"images": [image(i) for i in images],
+            "messages": [{"role": r, "content": _joined(p)} for r, p in turns]}
+
+
+def _typed(images, turns, item) -> dict:
+    """Content lists; text-only turns stay strings (both are what apply_chat_template takes)."""
+    def content(parts):
+        if not any(isinstance(p, int) for p in parts):
+            return _joined(parts)
+        return [item(images[p]) if isinstance(p, int) else {"type": "text", "text": p}
+                for p in parts]
+
+    return {"messages": [{"role": r, "content": content(p)} for r, p in turns]}
+
+
+def _embedded(i: int) -> dict:
+    return {"bytes": _bytes(PHOTOS[i]), "path": PHOTOS[i]}
+
+
+def _data_uri(i: int) -> str:
+    return "data:image/png;base64," + base64.b64encode(_bytes(PHOTOS[i])).decode()
+
+
+FEATURES = datasets.Features({
+    "images": datasets.Sequence(datasets.Image()),
+    "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}]})
+
+
+def _hub_dataset(rows: list[dict]) -> datasets.Dataset:
+    return datasets.Dataset.from_list(rows, features=FEATURES)
+
+
+def _write_jsonl(path, rows: list[dict]) -> str:
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, list[str]]:
+    """Each format's inputs (and extra preprocess options), same conversations."""
+    root = tmp_path_factory.mktemp("formats")
+    embedded = [_messages(im, t, _embedded) for im, t in CONVERSATIONS]
+    hub = _hub_dataset(embedded)
+    hub.to_parquet(str(root / "hub.parquet"), batch_size=2)  # two rows per row group
+    hub.save_to_disk(str(root / "saved"))
+    datasets.DatasetDict({"train": hub, "test": hub.select([0])}).save_to_disk(str(root / "dd"))
+    return {
+        "llava": [_write_jsonl(root / "llava.jsonl", [_llava(*c) for c in CONVERSATIONS])],
+        "messages": [_write_jsonl(root / "messages.jsonl",
+                                  [_messages(*c) for c in CONVERSATIONS])],
+        "content_list": [_write_jsonl(root / "typed.jsonl", [_typed(*c, lambda i: {
+            "type": "image", "image": _photo(PHOTOS[i])}) for c in CONVERSATIONS])],
+        "openai_data_uri": [_write_jsonl(root / "openai.jsonl", [_typed(*c, lambda i: {
+            "type": "image_url", "image_url": {"url": _data_uri(i)}}) for c in CONVERSATIONS])],
+        "parquet_embedded": [str(root / "hub.parquet")],
+        "arrow": glob.glob(str(root / "saved" / "*.arrow")),
+        "save_to_disk": [str(root / "saved")],
+        "dataset_dict": [str(root / "dd"), "--split", "train"],
+    }
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    return {name: tiny_folder(name, str(root / name), **sizes)
+            for name, sizes in (("qwen2_vl", {"max_pixels": 28 * 28 * 64}),
+                                ("internvl", {"max_patches": 4}))}
+
+
+def _preprocess(args: list[str], out, **options):
+    inputs = [a for a in args if not a.startswith("--")]
+    split = args[args.index("--split") + 1] if "--split" in args else None
+    inputs = [a for a in inputs if a != split]
+    return run_preprocess(PreprocessConfig(inputs=inputs, out=str(out), workers=1, split=split,
+                                           **options))
+
+
+SAME = ("input_ids", "labels", "image_tiles", "seq_len", "text_tokens", "loss_tokens",
+        "image_sizes", "image_bytes")
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "internvl"])
+def test_every_format_gives_the_samples_of_llava_rows(sources, folders, model_type, tmp_path):
+    def stats(name):
+        result = _preprocess(sources[name], tmp_path / name, model=folders[model_type],
+                             keep_tokens=True)
+        assert (result.accepted, result.rejected) == (len(CONVERSATIONS), 0), name
+        return pq.read_table(tmp_path / name / "stats", columns=list(SAME)).to_pylist()
+
+    want = stats("llava")
+    assert [r["image_bytes"] for r in want] == [
+        [os.path.getsize(_photo(PHOTOS[i])) for i in im] for im, _ in CONVERSATIONS]
+    for name in sources:
+        if name != "llava":
+            assert stats(name) == want, name
+
+
+def test_embedded_images_are_named_and_read_from_the_row(sources, tmp_path):
+    _preprocess(sources["parquet_embedded"], tmp_path / "o")
+    paths = pq.read_table(tmp_path / "o" / "stats", columns=["image_paths"]).column(0).to_pylist()
+    assert paths == [[f"embedded:{PHOTOS[i]}" for i in im] for im, _ in CONVERSATIONS]
+
+
+def test_content_lists_render_as_the_template_renders_them(folders, tmp_path):
+    """Literal ``<image>`` text in a text item stays text; a text-only list turn is a list."""
+    from transformers import AutoTokenizer
+
+    folder = folders["qwen2_vl"]
+    messages = [{"role": "user", "content": [
+                    {"type": "text", "text": "Is <image> a tag?"},
+                    {"type": "image", "image": _photo("coffee.png")},
+                    {"type": "text", "text": "\nAnswer."}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "Yes."}]}]
+    path = _write_jsonl(tmp_path / "rows.jsonl", [{"messages": messages}])
+    run_preprocess(PreprocessConfig(inputs=[path], out=str(tmp_path / "o"), model=folder,
+                                    workers=1, keep_tokens=True))
+    (sample,) = pq.read_table(tmp_path / "o" / "stats").to_pylist()
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    rendered = tok.apply_chat_template([{"role": m["role"], "content": [
+        {"type": c["type"], **({"text": c["text"]} if c["type"] == "text" else {})}
+        for c in m["content"]]} for m in messages], tokenize=False)
+    n = sample["seq_len"] - sample["text_tokens"]
+    assert tok.decode(sample["input_ids"]) == rendered.replace("<|image_pad|>",
+                                                               "<|image_pad|>" * n)
+    assert sample["input_ids"].count(tok.convert_tokens_to_ids("<|image_pad|>")) == n
+
+
+def _record_images(out) -> dict[tuple[int, int], list[bytes]]:
+    """(row, image k) -> bytes, read from the tars with tarfile and msgpack alone."""
+    found = {}
+    for path in sorted(glob.glob(os.path.join(out, "rank-*", "*.tar"))):
+        with tarfile.open(path) as tar:
+            members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+        for name, data in members.items():
+            if not name.endswith(".json"):
+                continue
+            meta = json.loads(data)
+            images = iter(msgpack.unpackb(members[name[:-len("json")] + "images.mp"]))
+            for sample in meta["samples"]:
+                found[sample["row"]] = [next(images) for _ in sample["images"]]
+    return found
+
+
+@pytest.mark.parametrize("keep_tokens", [True, False])
+def test_embedded_bytes_reach_the_shards_unchanged(sources, tmp_path, keep_tokens):
+    path = sources["parquet_embedded"][0]
+    pre, plan, shards = (str(tmp_path / n) for n in ("pre", "plan", "shards"))
+    _preprocess([path], pre, keep_tokens=keep_tokens)
+    run_pack(PackConfig(stats=pre, dp=1, micro_batches=1, out=plan))
+    run_write(WriteConfig(plan=plan, stats=pre, out=shards, workers=1))
+    source = pq.read_table(path).to_pylist()
+    want = {row: [image["bytes"] for image in r["images"]] for row, r in enumerate(source)}
+    assert _record_images(shards) == want
+
+
+def test_bad_rows_get_their_reasons_and_reconcile(tmp_path):
+    good = _messages([0], [("user", ["<image>What?"]), ("assistant", ["A person."])], _embedded)
+    rows = {
+        "accepted": good,
+        "corrupt_image": {**good, "images": [{"bytes": b"\x89PNG\r\n\x1a\nnot an image",
+                                              "path": "x.png"}]},
+        "bad_field": {**good, "images": [{"bytes": None, "path": None}]},
+        "image_count_mismatch": {**good, "images": [_embedded(0), _embedded(1)]},
+        "no_assistant_turn": {**good, "messages": [{"role": "user", "content": "<image>Hi"}]},
+        "bad_role": {**good, "messages": [{"role": "robot", "content": "<image>Hi"},
+                                          {"role": "assistant", "content": "Yes."}]},
+    }
+    parquet = tmp_path / "rows.parquet"  # pyarrow: datasets refuses to encode the bad values
+    pq.write_table(pa.Table.from_pylist(list(rows.values()), schema=FEATURES.arrow_schema),
+                   parquet)
+    unknown_item = {"messages": [{"role": "user", "content": [{"type": "audio", "audio": "a"}]},
+                                 {"role": "assistant", "content": "ok"}]}
+    uri = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,@@@"}}]}, {"role": "assistant", "content": "ok"}]}
+    jsonl = _write_jsonl(tmp_path / "typed.jsonl", [unknown_item, uri, _typed(
+        [0], [("user", [0, "What?"]), ("assistant", ["A person."])], lambda i: {
+            "type": "image", "path": _photo(PHOTOS[i])})])
+    result = run_preprocess(PreprocessConfig(inputs=[str(parquet), jsonl],
+                                             out=str(tmp_path / "o"), workers=1))
+    assert result.input_rows == len(rows) + 3 == result.accepted + result.rejected
+    got = {(r["source"], r["row"]): r["reason"]
+           for r in pq.read_table(tmp_path / "o" / "rejects.parquet").to_pylist()}
+    want = {("rows", k): reason for k, reason in enumerate(rows) if reason != "accepted"}
+    want.update({("typed", 0): "bad_field", ("typed", 1): "corrupt_image"})
+    assert got == want
+    assert result.accepted == 2
+
+
+def test_a_source_that_accepts_nothing_says_what_its_rows_look_like(sources, tmp_path):
+    messages = sources["messages"][0]
+    with pytest.raises(NothingAccepted, match="this looks like the messages format; pass "
+                                              "--format messages"):
+        run_preprocess(PreprocessConfig(inputs=[messages], out=str(tmp_path / "a"), workers=1,
+                                        format="llava"))
+    # Renamed columns: the hint names the list of turns; the mapping then reads every row.
+    renamed = [{"dialog": [{"speaker": m["role"], "text": m["content"]} for m in r["messages"]],
+                "pictures": r["images"]} for r in (_messages(*c) for c in CONVERSATIONS)]
+    path = _write_jsonl(tmp_path / "renamed.jsonl", renamed)
+    proc = vlmshard("preprocess", path, "--out", str(tmp_path / "b"), check=False)
+    assert proc.returncode != 0
+    assert "error: source renamed: all 4 row(s) rejected as missing_field: rows have 'dialog', " \
+           "'pictures', none of them 'conversations' or 'messages'; name yours with --columns " \
+           "messages=dialog" in proc.stderr.splitlines()[-1], proc.stderr
+    result = run_preprocess(PreprocessConfig(
+        inputs=[path], out=str(tmp_path / "c"), workers=1,
+        columns=["messages=dialog", "images=pictures", "role=speaker", "content=text"]))
+    assert (result.accepted, result.rejected) == (len(CONVERSATIONS), 0)
+    # A mapping that names a column the rows lack: one line, before any work.
+    proc = vlmshard("preprocess", path, "--out", str(tmp_path / "d"), "--columns",
+                    "messages=dialogue", check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode != 0 and len(lines) == 1 and "messages=dialogue" in lines[0]
+    assert not glob.glob(str(tmp_path / "d" / "_work" / "parts" / "*"))
+
+
+def test_a_dataset_dict_needs_its_split(sources, tmp_path):
+    with pytest.raises(ConfigError, match="holds several splits: pass --split.*one of train, test"):
+        _preprocess([sources["dataset_dict"][0]], tmp_path / "o")
+    with pytest.raises(ConfigError, match="has no split 'valid'"):
+        _preprocess([sources["dataset_dict"][0], "--split", "valid"], tmp_path / "o")
+    result = _preprocess([sources["dataset_dict"][0], "--split", "test"], tmp_path / "t")
+    assert result.accepted == 1
