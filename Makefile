@@ -37,6 +37,7 @@ test-quick: $(STAMP)
 bench: $(STAMP)
 	mkdir -p build/bench
 	$(PY) benchmarks/preprocess_bench.py
+	$(PY) benchmarks/formats_bench.py
 	$(PY) benchmarks/pack_bench.py --json build/bench/pack.json
 	$(PY) benchmarks/shards_bench.py --json build/bench/shards.json
 	$(PY) benchmarks/train_bench.py --json build/bench/train.json

@@ -9,6 +9,8 @@ five sources in every supported input format:
 - ``multi`` (Parquet): two to four images per sample
 - ``chat`` (JSONL, subsampled by ``repeat_time: 0.5``): text only, multi-turn
 - ``noisy`` (JSONL): one row per reject reason; each row's ``id`` names the reason it must get
+- ``hub`` (Parquet as the Hugging Face Hub holds it): ``messages`` of role/content with
+  ``<image>`` placeholders, the images embedded as a ``datasets`` ``Sequence(Image())`` column
 
 ``meta.json`` names them all, InternVL style. Same seed, same bytes.
 """
@@ -252,12 +254,22 @@ def generate(out: str, seed: int = 0, scale: int = 1) -> DemoDataset:
             turns += _conv(_sentence(rng, rng.randint(4, 20)), _answer(rng, 10, 300), 0)
         chat.append({"id": f"chat-{i}", "conversations": turns})
 
+    hub = []
+    small = [name for name in images if not name.startswith(("images/huge", "images/doc"))]
+    for i in range(40 * scale):
+        k = rng.randint(1, 2)
+        messages = [{"role": "system", "content": "Answer in one sentence."}] if i % 4 == 0 else []
+        messages += [{"role": "user", "content": "<image>" * k + rng.choice(QUESTIONS)},
+                     {"role": "assistant", "content": _answer(rng, 10, 120)}]
+        hub.append({"images": rng.sample(small, k), "messages": messages})
+
     sources = {
         "captions": "captions.jsonl",
         "docqa": "docqa.json",
         "multi": "multi.parquet",
         "chat": "chat.jsonl",
         "noisy": "noisy.jsonl",
+        "hub": "hub.parquet",
     }
     _write_jsonl(os.path.join(out, sources["captions"]), captions)
     _write_if_changed(os.path.join(out, sources["docqa"]), json.dumps(docqa, indent=1).encode())
@@ -270,6 +282,7 @@ def generate(out: str, seed: int = 0, scale: int = 1) -> DemoDataset:
     _write_jsonl(os.path.join(out, sources["chat"]), chat)
     _write_if_changed(os.path.join(out, sources["noisy"]),
                       b"\n".join(_noisy_rows(_bad_images(out), images[1])) + b"\n")
+    _write_if_changed(os.path.join(out, sources["hub"]), _hub_parquet(out, hub))
 
     meta = {name: {"root": ".", "annotation": path, "repeat_time": 1}
             for name, path in sources.items()}
@@ -278,6 +291,27 @@ def generate(out: str, seed: int = 0, scale: int = 1) -> DemoDataset:
     _write_if_changed(meta_path, json.dumps(meta, indent=1).encode())
     log.info("demo dataset: %d images, %d sources -> %s", len(images), len(sources), out)
     return DemoDataset(root=out, meta=meta_path, images=images, sources=sources)
+
+
+def _hub_parquet(out: str, rows: list[dict]) -> bytes:
+    """Rows as ``datasets`` writes a Hub dataset: each image's bytes embedded, 16 rows per row
+    group."""
+    import datasets
+
+    features = datasets.Features({
+        "images": datasets.Sequence(datasets.Image()),
+        "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}]})
+
+    def embedded(name: str) -> dict:
+        with open(os.path.join(out, name), "rb") as f:
+            return {"bytes": f.read(), "path": os.path.basename(name)}
+
+    table = datasets.Dataset.from_list(
+        [{**row, "images": [embedded(name) for name in row["images"]]} for row in rows],
+        features=features)
+    buf = io.BytesIO()
+    table.to_parquet(buf, batch_size=16)
+    return buf.getvalue()
 
 
 def run_demo_data(cfg: DemoDataConfig) -> DemoDataset:

@@ -14,7 +14,8 @@ Steps, each restartable:
 4. Write each shard on an engine (local pool or Ray): temp file, then rename, then a marker in
    ``_work/done/``. A rerun skips shards that have their marker. Images embedded in the sources
    (``embedded:`` in ``image_paths``) are taken from their rows, read by row group, once per
-   shard; their bytes go into the shard unchanged, as image files' bytes do.
+   run of records holding at most ``EMBEDDED_BATCH_BYTES`` of them; their bytes go into the shard
+   unchanged, as image files' bytes do.
 5. Write ``manifest.json`` last and remove ``_work``.
 
 Tars are byte-deterministic: members in sorted order, fixed mtime, uid/gid and names.
@@ -68,6 +69,7 @@ from .records import encode_record, image_name
 log = logging.getLogger(__name__)
 
 TAR_MTIME = 0  # every member's mtime: the same plan must give the same bytes
+EMBEDDED_BATCH_BYTES = 256 << 20  # embedded image bytes a shard worker holds at once
 SAMPLE_COLUMNS = ["sample_id", "source", "row", "image_tiles", "seq_len", "loss_tokens",
                   "image_paths", "image_sizes", "image_bytes"]
 TOKEN_COLUMNS = ["input_ids", "labels"]
@@ -349,14 +351,14 @@ class ShardWriter:
         rel = shard_path(unit.rank, unit.index)
         path = os.path.join(self.spec.out, *rel.split("/"))
 
-        embedded = self._embedded_images(unit)
-
         def write(tmp: str) -> None:
             with open(tmp, "wb") as f:
                 with webdataset.TarWriter(f, encoder=False, mtime=TAR_MTIME, user="",
                                           group="") as tar:
-                    for step, micro, ids in unit.records:
-                        tar.write(self._record(unit.rank, step, micro, ids, embedded))
+                    for batch in self._embedded_batches(unit.records):
+                        embedded = self._embedded_images(batch)
+                        for step, micro, ids in batch:
+                            tar.write(self._record(unit.rank, step, micro, ids, embedded))
 
         atomic_write(path, write)
         offsets, crc32, sha256, size = record_index(path)
@@ -369,10 +371,25 @@ class ShardWriter:
                                        unit.index), asdict(entry))
         return asdict(entry)
 
-    def _embedded_images(self, unit: ShardUnit) -> dict[tuple[str, int], list[bytes | None]]:
-        """The embedded images of the shard's samples, read from their source rows at once (so
-        each Parquet row group is decoded once per shard, not once per sample)."""
-        ids = sorted({i for _, _, record in unit.records for i in record})
+    def _embedded_batches(self, records: tuple) -> list[tuple]:
+        """The shard's records in runs whose embedded images come to at most
+        ``EMBEDDED_BATCH_BYTES``: a worker holds one run's bytes, not the whole shard's."""
+        ids = pa.array(sorted({i for _, _, record in records for i in record}), pa.int64())
+        sizes = dict(zip(ids.to_pylist(), (sum(s) for s in self.table.column("image_bytes").take(
+            ids).to_pylist()))) if "image_bytes" in self.table.column_names else {}
+        batches, start, total = [], 0, 0
+        for k, (_, _, record) in enumerate(records):
+            size = sum(sizes.get(i, 0) for i in record)
+            if k > start and total + size > EMBEDDED_BATCH_BYTES:
+                batches.append(records[start:k])
+                start, total = k, 0
+            total += size
+        return batches + [records[start:]]
+
+    def _embedded_images(self, records: tuple) -> dict[tuple[str, int], list[bytes | None]]:
+        """The embedded images of these records' samples, read from their source rows at once
+        (so a Parquet row group is decoded once per batch of records, not once per sample)."""
+        ids = sorted({i for _, _, record in records for i in record})
         rows = self.table.select(["sample_id", "source", "row", "image_paths"]).take(
             pa.array(ids, pa.int64())).to_pylist()
         rows = [r for r in rows if any(p.startswith(EMBEDDED) for p in r["image_paths"])]

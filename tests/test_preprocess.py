@@ -59,7 +59,7 @@ def test_stats_table_contract(demo_out):
     t = _stats(demo_out)
     rows = t.to_pylist()
     assert [r["sample_id"] for r in rows] == list(range(len(rows)))
-    order = ["captions", "docqa", "multi", "chat", "noisy"]
+    order = ["captions", "docqa", "multi", "chat", "noisy", "hub"]
     keys = [(order.index(r["source"]), r["row"]) for r in rows]
     assert keys == sorted(keys)
     for r in rows:
@@ -67,7 +67,10 @@ def test_stats_table_contract(demo_out):
         assert r["vit_tiles"] == sum(r["image_tiles"])
         assert r["seq_len"] == r["text_tokens"] + 256 * r["vit_tiles"] == len(r["input_ids"])
         assert r["loss_tokens"] == sum(1 for label in r["labels"] if label != -100) > 0
-        assert all(os.path.isabs(p) and os.path.exists(p) for p in r["image_paths"])
+        if r["source"] == "hub":  # embedded: named by the row's own path for them
+            assert all(p.startswith("embedded:") for p in r["image_paths"]), r["image_paths"]
+        else:
+            assert all(os.path.isabs(p) and os.path.exists(p) for p in r["image_paths"])
     assert {r["n_images"] for r in rows} >= {0, 1, 2, 3, 4}
 
 
