@@ -23,10 +23,11 @@ class PreprocessConfig(EngineOptions):
         help="conversation files (.json/.jsonl), InternVL meta files, .parquet or .arrow files, "
              "or datasets.save_to_disk folders (a DatasetDict with --split)")
     out: str = option(help="output folder")
-    format: Literal["auto", "llava", "messages"] = option(
+    format: Literal["auto", "llava", "messages", "texts"] = option(
         "auto", help="how rows hold conversations: llava ('conversations' of from/value), "
                      "messages ('messages' of role/content, content a string with <image> "
-                     "placeholders or a list of typed items), or auto (each row by the fields it "
+                     "placeholders or a list of typed items), texts ('texts' of user/assistant "
+                     "pairs, as the_cauldron and FineVision), or auto (each row by the fields it "
                      "has); a meta file's entries may give their own 'format'")
     columns: list[str] = option(
         factory=list, metavar="KEY=NAME",

@@ -7,7 +7,10 @@ Formats (``RowFormat.name``; ``auto`` takes the first one whose turn list a row 
 - ``messages``: ``messages: [{"role": "user"|"assistant"|"system", "content": ...}]`` where
   ``content`` is a string (LLaMA-Factory's sharegpt, OpenAI) or a list of typed items as
   ``apply_chat_template`` takes them: ``{"type": "text", "text": ...}``, ``{"type": "image",
-  "image"|"url"|"path": ...}``, OpenAI's ``{"type": "image_url", "image_url": {"url": ...}}``.
+  "image"|"url"|"path": ...}``, OpenAI's ``{"type": "image_url", "image_url": {"url": ...}}``;
+- ``texts``: ``texts: [{"user": str, "assistant": str}]``, a turn pair per element (the_cauldron,
+  FineVision); their images carry no placeholder and go first in the first user turn, as
+  Idefics3/SmolVLM's fine-tuning puts them.
 
 In text, ``<image>`` is a placeholder for the next image of the row's ``images`` (or ``image``)
 column; in a typed content list, text is text and images are items. An image is a path, a URL, a
@@ -33,10 +36,12 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
          "system": "system"}
 FORMATS = {
     # name: (turn list columns, role keys, content keys), each tried in order
-    "auto": (("conversations", "messages"), ("from", "role"), ("value", "content")),
+    "auto": (("conversations", "messages", "texts"), ("from", "role"), ("value", "content")),
     "llava": (("conversations",), ("from",), ("value",)),
     "messages": (("messages",), ("role",), ("content",)),
+    "texts": (("texts",), (), ()),  # turn pairs: {"user", "assistant"(, "system")} per element
 }
+PAIR_ROLES = ("system", "user", "assistant")
 IMAGE_COLUMNS = ("images", "image")
 COLUMN_KEYS = ("messages", "images", "role", "content")  # what RowFormat.columns may rename
 EMBEDDED = "embedded:"  # stats image_paths prefix of an image whose bytes are in the source row
@@ -157,15 +162,17 @@ def parse_conversation(record: dict, fmt: RowFormat) -> Conversation:
     listed = _image_values(record[image_column], image_column) if image_column else []
     turns: list[Turn] = []
     inline: list[ImageRef | None] = []  # per image item in order: its own image, or None
+    pairs = fmt.name == "texts" or (fmt.name == "auto" and _is_pair(raw[0], fmt))
     for i, message in enumerate(raw):
-        turn, refs = _parse_turn(message, i, fmt)
-        turns.append(turn)
-        inline.extend(refs)
+        new = _parse_pair(message, i) if pairs else [_parse_turn(message, i, fmt)]
+        for turn, refs in new:
+            turns.append(turn)
+            inline.extend(refs)
     if not any(t.role == "assistant" for t in turns):
         raise Reject("no_assistant_turn", "no gpt/assistant turn to supervise")
     if not any(t.role == "assistant" and "".join(t.texts).strip() for t in turns):
         raise Reject("no_assistant_turn", "every gpt/assistant turn is empty or blank")
-    return Conversation(*_place_images(turns, inline, listed))
+    return Conversation(*_place_images(turns, inline, listed, all_first=pairs))
 
 
 def text_turn(role: str, text: str, where: str = "turn") -> Turn:
@@ -181,6 +188,28 @@ def text_turn(role: str, text: str, where: str = "turn") -> Turn:
         if chunk:
             content.append(chunk)
     return Turn(role, tuple(content), typed=True)
+
+
+def _is_pair(message, fmt: RowFormat) -> bool:
+    """Whether a turn-list element is a ``texts`` pair rather than one message."""
+    return (isinstance(message, dict) and ("user" in message or "assistant" in message)
+            and not any(k in message for k in fmt.role_keys))
+
+
+def _parse_pair(message, i: int) -> list[tuple[Turn, list[ImageRef | None]]]:
+    if not isinstance(message, dict) or not ("user" in message or "assistant" in message):
+        raise Reject("missing_field", f"turn pair {i} lacks 'user' and 'assistant'")
+    turns = []
+    for role in PAIR_ROLES:
+        text = message.get(role)
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            raise Reject("bad_field", f"turn pair {i} {role!r} is a {type(text).__name__}, "
+                                      "not text")
+        turn = text_turn(role, text, f"turn pair {i} {role}")
+        turns.append((turn, [None] * sum(isinstance(p, ImageItem) for p in turn.content)))
+    return turns
 
 
 def _parse_turn(message, i: int, fmt: RowFormat) -> tuple[Turn, list[ImageRef | None]]:
@@ -236,19 +265,20 @@ def _item_image(item: dict, kind: str, where: str) -> ImageRef | None:
     return None if value is None else _image_value(value, where)
 
 
-def _place_images(turns: list[Turn], inline: list[ImageRef | None],
-                  listed: list[ImageRef]) -> tuple[list[Turn], list[ImageRef]]:
+def _place_images(turns: list[Turn], inline: list[ImageRef | None], listed: list[ImageRef],
+                  all_first: bool) -> tuple[list[Turn], list[ImageRef]]:
     """Each image item gets its image: its own, else the next of the images column. A row
-    with one listed image and no item gets it before its first user text (InternVL's rule)."""
+    with one listed image and no item gets it before its first user text (InternVL's rule);
+    with ``all_first`` (turn pairs), every listed image does."""
     wanting = inline.count(None)
     if wanting == len(listed):
         it = iter(listed)
         return turns, [ref if ref is not None else next(it) for ref in inline]
-    if not inline and len(listed) == 1:
+    if not inline and (len(listed) == 1 or all_first):
         k = next(k for k, t in enumerate(turns) if t.role != "system")
         first = turns[k]
-        turns = [*turns[:k], Turn(first.role, (ImageItem(False), *first.content), True),
-                 *turns[k + 1:]]
+        items = (ImageItem(False),) * len(listed)
+        turns = [*turns[:k], Turn(first.role, (*items, *first.content), True), *turns[k + 1:]]
         return turns, listed
     named = len(inline) - wanting
     raise Reject("image_count_mismatch",
@@ -307,7 +337,9 @@ def _check_text(text: str, where: str) -> None:
 
 
 def _names(names) -> str:
-    return " or ".join(repr(n) for n in names)
+    """'a', 'b' or 'c'."""
+    quoted = [repr(n) for n in names]
+    return " or ".join([", ".join(quoted[:-1]), quoted[-1]] if len(quoted) > 2 else quoted)
 
 
 def missing_columns(record: dict, fmt: RowFormat) -> list[str]:

@@ -267,8 +267,8 @@ def test_a_source_that_accepts_nothing_says_what_its_rows_look_like(sources, tmp
     proc = vlmshard("preprocess", path, "--out", str(tmp_path / "b"), check=False)
     assert proc.returncode != 0
     assert "error: source renamed: all 4 row(s) rejected as missing_field: rows have 'dialog', " \
-           "'pictures', none of them 'conversations' or 'messages'; name yours with --columns " \
-           "messages=dialog" in proc.stderr.splitlines()[-1], proc.stderr
+           "'pictures', none of them 'conversations', 'messages' or 'texts'; name yours with " \
+           "--columns messages=dialog" in proc.stderr.splitlines()[-1], proc.stderr
     result = run_preprocess(PreprocessConfig(
         inputs=[path], out=str(tmp_path / "c"), workers=1,
         columns=["messages=dialog", "images=pictures", "role=speaker", "content=text"]))
@@ -288,3 +288,31 @@ def test_a_dataset_dict_needs_its_split(sources, tmp_path):
         _preprocess([sources["dataset_dict"][0], "--split", "valid"], tmp_path / "o")
     result = _preprocess([sources["dataset_dict"][0], "--split", "test"], tmp_path / "t")
     assert result.accepted == 1
+
+
+def test_turn_pairs_put_their_images_first(folders, tmp_path):
+    """the_cauldron / FineVision rows (``texts`` of user/assistant pairs, images without
+    placeholders) read as the content lists Idefics3/SmolVLM fine-tuning builds from them."""
+    pairs = [{"user": "Compare the two.", "assistant": "Both are photos.", "source": "x"},
+             {"user": "Which is older?", "assistant": "The first.", "source": "x"}]
+    features = datasets.Features({
+        "images": datasets.Sequence(datasets.Image()),
+        "texts": [{k: datasets.Value("string") for k in ("user", "assistant", "source")}]})
+    cauldron = tmp_path / "cauldron.parquet"
+    datasets.Dataset.from_list([{"images": [_embedded(0), _embedded(1)], "texts": pairs}],
+                               features=features).to_parquet(str(cauldron))
+    image = {"type": "image"}
+    typed = {"images": [_photo(PHOTOS[0]), _photo(PHOTOS[1])], "messages": [
+        {"role": "user", "content": [image, image, {"type": "text", "text": pairs[0]["user"]}]},
+        {"role": "assistant", "content": pairs[0]["assistant"]},
+        {"role": "user", "content": pairs[1]["user"]},
+        {"role": "assistant", "content": pairs[1]["assistant"]}]}
+    stats = []
+    for name, path in (("pairs", str(cauldron)),
+                       ("typed", _write_jsonl(tmp_path / "typed.jsonl", [typed]))):
+        result = run_preprocess(PreprocessConfig(inputs=[path], out=str(tmp_path / name),
+                                                 model=folders["qwen2_vl"], workers=1,
+                                                 keep_tokens=True))
+        assert result.accepted == 1, result.rejected_by_reason
+        stats.append(pq.read_table(tmp_path / name / "stats", columns=list(SAME)).to_pylist())
+    assert stats[0] == stats[1]
