@@ -316,3 +316,20 @@ def test_turn_pairs_put_their_images_first(folders, tmp_path):
         assert result.accepted == 1, result.rejected_by_reason
         stats.append(pq.read_table(tmp_path / name / "stats", columns=list(SAME)).to_pylist())
     assert stats[0] == stats[1]
+
+
+def test_a_meta_file_sets_format_columns_and_split_per_source(sources, tmp_path):
+    renamed = [{"dialog": [{"speaker": m["role"], "text": m["content"]} for m in r["messages"]],
+                "pictures": r["images"]} for r in (_messages(*c) for c in CONVERSATIONS)]
+    meta = {"renamed": {"annotation": _write_jsonl(tmp_path / "renamed.jsonl", renamed),
+                        "columns": {"messages": "dialog", "images": "pictures",
+                                    "role": "speaker", "content": "text"}},
+            "hub_test": {"annotation": sources["dataset_dict"][0], "split": "test",
+                         "format": "messages"}}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    result = run_preprocess(PreprocessConfig(inputs=[str(tmp_path / "meta.json")],
+                                             out=str(tmp_path / "o"), workers=1))
+    report = json.loads((tmp_path / "o" / "preprocess.json").read_text())
+    assert {n: s["accepted"] for n, s in report["sources"].items()} == {
+        "renamed": len(CONVERSATIONS), "hub_test": 1}
+    assert result.rejected == 0
