@@ -1,17 +1,18 @@
 """Embedded images against image files: the same rows, side by side in one run.
 
-Two sources hold the same conversations (``messages`` with ``<image>`` placeholders, 1-3 demo
-images each, ~200 tokens of text):
+Two sources hold the same conversations (``messages`` with ``<image>`` placeholders, 1-3 of the
+demo's JPEGs each, 17-290 kB, ~200 tokens of text):
 
 - ``files``: JSONL, each image a path to its file;
-- ``embedded``: Parquet as ``datasets.Dataset.to_parquet`` writes a Hub dataset, each image's
-  bytes embedded in a ``Sequence(Image())`` column (its default row groups).
+- ``embedded``: Parquet as the Hub holds image datasets, each image's bytes embedded in a
+  ``datasets`` ``Sequence(Image())`` column, 100 rows per row group (``datasets``' writer
+  batch for image features).
 
 Each is preprocessed (``--workers`` local processes, Tekken), packed once, and written to
 shards; the runs alternate files/embedded ``--repeats`` times and the medians are compared.
 The shards of the two hold the same image bytes (checked).
 
-    python benchmarks/formats_bench.py --samples 4000 --out build/bench/formats
+    python benchmarks/formats_bench.py --samples 2000 --out build/bench/formats
 
 Prints a Markdown table for BENCHMARKS.md and writes results.json next to the data.
 """
@@ -29,6 +30,8 @@ import sys
 import time
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 
 def make_sources(root: str, n: int, seed: int = 0) -> dict[str, str]:
@@ -37,7 +40,8 @@ def make_sources(root: str, n: int, seed: int = 0) -> dict[str, str]:
     from vlmshard.preprocess.demo_data import WORDS, generate
 
     demo = generate(os.path.abspath(os.path.join(root, "demo")), seed=seed)
-    images = [i for i in demo.images if not i.startswith(("images/tiny", "images/huge"))]
+    images = [i for i in demo.images
+              if i.endswith(".jpg") and not i.startswith(("images/tiny", "images/huge"))]
     rng = np.random.default_rng(seed)
     words = np.array(WORDS)
     rows = []
@@ -64,8 +68,12 @@ def make_sources(root: str, n: int, seed: int = 0) -> dict[str, str]:
         "images": datasets.Sequence(datasets.Image()),
         "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}]})
     parquet = os.path.join(root, "embedded.parquet")
-    datasets.Dataset.from_list([{**r, "images": [embedded(p) for p in r["images"]]} for r in rows],
-                               features=features).to_parquet(parquet)
+    # Written a row group at a time: the images of all rows exceed one Arrow array's 2 GiB.
+    with pq.ParquetWriter(parquet, features.arrow_schema) as writer:
+        for start in range(0, n, 100):
+            batch = [{**r, "images": [embedded(p) for p in r["images"]]}
+                     for r in rows[start:start + 100]]
+            writer.write_table(pa.Table.from_pylist(batch, schema=features.arrow_schema))
     return {"files": files, "embedded": parquet}
 
 
@@ -107,7 +115,7 @@ def shard_images(out: str) -> list[bytes]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--samples", type=int, default=4000)
+    p.add_argument("--samples", type=int, default=2000)
     p.add_argument("--out", default="build/bench/formats")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3, help="alternating runs of each source")

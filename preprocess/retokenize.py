@@ -5,12 +5,13 @@ them rebuilds them from the sources, exactly as preprocessing did, and checks th
 the recorded ``seq_len`` and tiles::
 
     recorded = RecordedPreprocess(read_json("out/preprocess.json"))
-    retokenizer = Retokenizer(recorded.sample_spec())
-    ids_and_labels = retokenizer.tokens(rows)  # rows of the stats table
+    spec = recorded.sample_spec()
+    records = SourceRows(spec.sources).records([(row["source"], row["row"]) for row in rows])
+    ids, labels = Retokenizer(spec).encode(row, records[(row["source"], row["row"])])
 
 A sample that no longer preprocesses, or no longer to what the stats say, raises
-``RetokenizeError`` naming it. ``SourceRows`` reads rows back by (source, row): the writer takes
-embedded images' bytes from them (``embedded_images``).
+``RetokenizeError`` naming it. ``SourceRows.embedded_images`` gives a record's embedded image
+bytes, which the writer copies into the shards.
 """
 
 from __future__ import annotations
@@ -105,19 +106,16 @@ class SourceRows:
                 records[(name, number)] = record
         return records
 
-    def embedded_images(self, rows: list[dict]) -> dict[tuple[str, int], list[bytes | None]]:
-        """Per stats row (``source``, ``row``): each image's embedded bytes, None for a file."""
-        images = {}
-        for (name, number), record in self.records((r["source"], r["row"]) for r in rows).items():
-            try:
-                if isinstance(record, Reject):
-                    raise record
-                found = parse_conversation(record, self.sources[name].format).images
-            except Reject as r:
-                raise RetokenizeError(f"{name} row {number} no longer reads ({r.reason}: "
-                                      f"{r.message}); the source changed since packing") from None
-            images[(name, number)] = [image.data for image in found]
-        return images
+    def embedded_images(self, name: str, number: int, record) -> list[bytes | None]:
+        """Each image's embedded bytes in a record of source ``name`` (None for a file)."""
+        try:
+            if isinstance(record, Reject):
+                raise record
+            found = parse_conversation(record, self.sources[name].format).images
+        except Reject as r:
+            raise RetokenizeError(f"{name} row {number} no longer reads ({r.reason}: "
+                                  f"{r.message}); the source changed since packing") from None
+        return [image.data for image in found]
 
     def _part(self, source: Source, numbers: list[int]) -> Part:
         part = Part(index=-1, source_index=0, rows=np.array(numbers, np.int64))
@@ -129,21 +127,17 @@ class SourceRows:
 
 
 class Retokenizer:
-    """Rebuilds ``input_ids``/``labels`` from the source rows, exactly as preprocessing would,
-    and checks the result against the recorded ``seq_len`` and tiles."""
+    """Rebuilds ``input_ids``/``labels`` from a source row (as ``SourceRows`` reads it back),
+    exactly as preprocessing would, and checks the result against the recorded ``seq_len`` and
+    tiles."""
 
     def __init__(self, spec: SampleSpec) -> None:
         self.samples = SampleProcessor(spec)
         self.index = {s.name: i for i, s in enumerate(spec.sources)}
-        self.rows = SourceRows(spec.sources)
 
-    def tokens(self, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
-        """(input_ids, labels) of each stats row (``sample_id``, ``source``, ``row``,
-        ``seq_len``, ``image_tiles``); raises ``RetokenizeError``."""
-        records = self.rows.records((row["source"], row["row"]) for row in rows)
-        return [self._encode(row, records[(row["source"], row["row"])]) for row in rows]
-
-    def _encode(self, row: dict, record) -> tuple[list[int], list[int]]:
+    def encode(self, row: dict, record) -> tuple[list[int], list[int]]:
+        """(input_ids, labels) of a stats row (``sample_id``, ``source``, ``row``, ``seq_len``,
+        ``image_tiles``) from its source record; raises ``RetokenizeError``."""
         try:
             new = self.samples.process(self.index[row["source"]], record, keep_tokens=True)
         except Reject as r:

@@ -12,9 +12,9 @@ Steps, each restartable:
    pass ``--shard-bytes`` (estimated from the images' encoded sizes and token counts). The layout is a
    pure function of the plan, the stats and the images, so a rerun computes the same one.
 4. Write each shard on an engine (local pool or Ray): temp file, then rename, then a marker in
-   ``_work/done/``. A rerun skips shards that have their marker. Images embedded in the sources
-   (``embedded:`` in ``image_paths``) are taken from their rows, read by row group, once per
-   run of records holding at most ``EMBEDDED_BATCH_BYTES`` of them; their bytes go into the shard
+   ``_work/done/``. A rerun skips shards that have their marker. What comes from the source rows
+   (token ids the stats did not keep, images embedded in the rows) is staged before, each row
+   read once in source order (``shards/staging.py``); embedded images' bytes go into the shards
    unchanged, as image files' bytes do.
 5. Write ``manifest.json`` last and remove ``_work``.
 
@@ -54,14 +54,13 @@ from vlmshard.preprocess import (
     EMBEDDED,
     RecordedPreprocess,
     RetokenizeError,
-    Retokenizer,
     SampleSpec,
-    SourceRows,
     sample_where,
 )
 from vlmshard.progress import Progress
 from vlmshard.stage import Result
 
+from . import staging
 from .config import WriteConfig
 from .layout import FORMAT, MANIFEST, Manifest, ShardEntry, shard_path
 from .records import encode_record, image_name
@@ -69,7 +68,6 @@ from .records import encode_record, image_name
 log = logging.getLogger(__name__)
 
 TAR_MTIME = 0  # every member's mtime: the same plan must give the same bytes
-EMBEDDED_BATCH_BYTES = 256 << 20  # embedded image bytes a shard worker holds at once
 SAMPLE_COLUMNS = ["sample_id", "source", "row", "image_tiles", "seq_len", "loss_tokens",
                   "image_paths", "image_sizes", "image_bytes"]
 TOKEN_COLUMNS = ["input_ids", "labels"]
@@ -113,8 +111,7 @@ class WriteSpec:
 
     out: str
     samples_path: str
-    retokenize: SampleSpec | None
-    sources: tuple  # the run's Source records, to read embedded images back from their rows
+    staged_units: int  # units under _work/staged: tokens not kept, embedded images
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,16 +159,16 @@ def _write(cfg: WriteConfig, shard_bytes: int, start: float) -> WriteResult:
         _write_sample_table(files, samples_path, recorded.keep_tokens)
     units = _layout(records, samples_path, ranks, micro, steps, shard_bytes)
     sample_spec = recorded.sample_spec()
-    spec = WriteSpec(out=cfg.out, samples_path=samples_path,
-                     retokenize=None if recorded.keep_tokens else sample_spec,
-                     sources=sample_spec.sources)
+    workers = resolve_workers(cfg.engine, cfg.workers)
+    staged = _stage(cfg, work, samples_path, records, sample_spec, not recorded.keep_tokens,
+                    workers)
+    spec = WriteSpec(out=cfg.out, samples_path=samples_path, staged_units=staged)
 
     done = {(u.rank, u.index): _committed(work, u) for u in units}
     todo = [u for u in units if done[(u.rank, u.index)] is None]
     resumed = len(units) - len(todo)
     log.info("%d rank(s) x %d step(s) x %d micro-batch(es) in %d shard(s)%s", ranks, steps,
              micro, len(units), f"; resuming, {resumed} already written" if resumed else "")
-    workers = resolve_workers(cfg.engine, cfg.workers)
     with Progress(total=sum(len(u.records) for u in todo), desc="write", unit="records") as bar:
         for summary in run_units(ShardWriter, spec, todo, cfg.engine, workers, cfg.ray_address):
             entry = ShardEntry(**summary)
@@ -188,6 +185,29 @@ def _write(cfg: WriteConfig, shard_bytes: int, start: float) -> WriteResult:
              manifest.records, manifest.bytes / 1e6, seconds, cfg.out)
     return WriteResult(cfg.out, ranks, steps, len(manifest.shards), manifest.records,
                        manifest.bytes, seconds, shards_resumed=resumed)
+
+
+def _stage(cfg: WriteConfig, work: str, samples_path: str, records: list,
+           sample_spec: SampleSpec, tokens: bool, workers: int) -> int:
+    """Stage what the placed samples take from their source rows (``shards/staging.py``): their
+    tokens if the stats did not keep them, their embedded images. Returns the unit count."""
+    placed = pa.array(sorted({i for ids in records for i in ids}), pa.int64())
+    table = _open_sample_table(samples_path)
+    units = staging.plan_units(table.take(placed), tokens)
+    folder = os.path.join(work, "staged")
+    os.makedirs(folder, exist_ok=True)
+    todo = [u for u in units if not os.path.exists(staging.unit_path(folder, u.index))]
+    if todo:
+        spec = staging.StageSpec(folder=folder, samples=sample_spec, tokens=tokens)
+        what = "re-tokenize" if tokens else "stage embedded images"
+        with Progress(total=sum(len(u.rows) for u in todo), desc=what, unit="samples") as bar:
+            try:
+                for summary in run_units(staging.Stager, spec, todo, cfg.engine, workers,
+                                         cfg.ray_address):
+                    bar.update(summary["samples"])
+            except RetokenizeError as e:
+                raise WriteError(str(e)) from None
+    return len(units)
 
 
 def _read_preprocess(stats: str, plan_json: dict) -> dict:
@@ -339,8 +359,8 @@ class ShardWriter:
     def __init__(self, spec: WriteSpec) -> None:
         self.spec = spec
         self.table = _open_sample_table(spec.samples_path)
-        self.retokenizer = Retokenizer(spec.retokenize) if spec.retokenize else None
-        self.source_rows = SourceRows(spec.sources)
+        self.staged = staging.StagedRows(os.path.join(spec.out, WORK, "staged"),
+                                         spec.staged_units)
 
     def process(self, unit: ShardUnit) -> dict:
         """Write one shard atomically, then its marker; returns its manifest entry."""
@@ -355,10 +375,8 @@ class ShardWriter:
             with open(tmp, "wb") as f:
                 with webdataset.TarWriter(f, encoder=False, mtime=TAR_MTIME, user="",
                                           group="") as tar:
-                    for batch in self._embedded_batches(unit.records):
-                        embedded = self._embedded_images(batch)
-                        for step, micro, ids in batch:
-                            tar.write(self._record(unit.rank, step, micro, ids, embedded))
+                    for step, micro, ids in unit.records:
+                        tar.write(self._record(unit.rank, step, micro, ids))
 
         atomic_write(path, write)
         offsets, crc32, sha256, size = record_index(path)
@@ -371,51 +389,19 @@ class ShardWriter:
                                        unit.index), asdict(entry))
         return asdict(entry)
 
-    def _embedded_batches(self, records: tuple) -> list[tuple]:
-        """The shard's records in runs whose embedded images come to at most
-        ``EMBEDDED_BATCH_BYTES``: a worker holds one run's bytes, not the whole shard's."""
-        ids = pa.array(sorted({i for _, _, record in records for i in record}), pa.int64())
-        sizes = dict(zip(ids.to_pylist(), (sum(s) for s in self.table.column("image_bytes").take(
-            ids).to_pylist()))) if "image_bytes" in self.table.column_names else {}
-        batches, start, total = [], 0, 0
-        for k, (_, _, record) in enumerate(records):
-            size = sum(sizes.get(i, 0) for i in record)
-            if k > start and total + size > EMBEDDED_BATCH_BYTES:
-                batches.append(records[start:k])
-                start, total = k, 0
-            total += size
-        return batches + [records[start:]]
-
-    def _embedded_images(self, records: tuple) -> dict[tuple[str, int], list[bytes | None]]:
-        """The embedded images of these records' samples, read from their source rows at once
-        (so a Parquet row group is decoded once per batch of records, not once per sample)."""
-        ids = sorted({i for _, _, record in records for i in record})
-        rows = self.table.select(["sample_id", "source", "row", "image_paths"]).take(
-            pa.array(ids, pa.int64())).to_pylist()
-        rows = [r for r in rows if any(p.startswith(EMBEDDED) for p in r["image_paths"])]
-        if not rows:
-            return {}
-        try:
-            return self.source_rows.embedded_images(rows)
-        except RetokenizeError as e:
-            raise WriteError(str(e)) from None
-
-    def _record(self, rank: int, step: int, micro: int, ids: tuple[int, ...],
-                embedded: dict[tuple[str, int], list[bytes | None]]) -> dict:
+    def _record(self, rank: int, step: int, micro: int, ids: tuple[int, ...]) -> dict:
         rows = self.table.take(pa.array(ids, pa.int64())).to_pylist()
-        try:
-            tokens = (self.retokenizer.tokens(rows) if self.retokenizer
-                      else [(r["input_ids"], r["labels"]) for r in rows])
-        except RetokenizeError as e:
-            raise WriteError(str(e)) from None
+        tokens = []
         images: list[bytes] = []
         samples = []
         for row in rows:
+            staged = self.staged.get(row["sample_id"]) or {}
+            tokens.append((row["input_ids"], row["labels"]) if "input_ids" in row
+                          else (staged["input_ids"], staged["labels"]))
             names = []
-            own = embedded.get((row["source"], row["row"]))
+            own = staged.get("images") or []
             for k, (path, size) in enumerate(zip(row["image_paths"], row["image_sizes"])):
-                data, fmt = _read_image(row, path, size,
-                                        own[k] if own and k < len(own) else None)
+                data, fmt = _read_image(row, path, size, own[k] if k < len(own) else None)
                 names.append(image_name(len(images), path, fmt))
                 images.append(data)
             samples.append({"sample_id": row["sample_id"], "source": row["source"],
