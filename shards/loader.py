@@ -16,7 +16,10 @@ and patches):
   model's filter and normalized with its mean and std, in the model's dtype (``pixel_dtype``):
   InternVL [Qv, 3, 448, 448] tiles; Qwen2-VL [Qv·merge², 3·2·14·14] flattened patches, plus
   ``image_grid_thw`` [images, 3]. Rows after ``num_tiles`` (× merge²) are zero;
-- ``num_tokens``, ``num_tiles``, ``num_samples``, ``sample_ids``, ``step``, ``rank``, ``micro``.
+- ``num_tokens``, ``num_tiles``, ``num_pixel_rows`` (the real rows of ``pixel_values``),
+  ``num_samples``, ``sample_ids``, ``step``, ``rank``, ``micro``.
+
+``vlmshard.shards.model_inputs`` turns a batch into a plain ``transformers`` model's arguments.
 
 Order and elasticity: shards planned for V virtual ranks serve any world size W dividing V. Rank
 w merges virtual ranks w·V/W … (w+1)·V/W−1 step by step, so each step it yields
@@ -193,7 +196,8 @@ class ShardDataset(IterableDataset):
                                        dtype=torch.int32),
             "image_token_mask": input_ids == m.image_token_id,
             "pixel_values": self._pixel_values(record, images, num_tiles),
-            "num_tokens": n, "num_tiles": num_tiles, "num_samples": len(record.samples),
+            "num_tokens": n, "num_tiles": num_tiles,
+            "num_pixel_rows": num_tiles * self.rows_per_tile, "num_samples": len(record.samples),
             "sample_ids": torch.tensor([s["sample_id"] for s in record.samples]),
             "step": record.step, "rank": record.rank, "micro": record.micro,
         }

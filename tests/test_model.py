@@ -13,7 +13,8 @@ from hf_reference import FAMILIES, hf_loss_and_grads, make_folder, make_shards
 from vlmshard.shards.loader import ShardDataset
 from vlmshard.train.attention import Spans, packed_sdpa
 from vlmshard.train.hf_model import model_layers
-from vlmshard.train.micro import next_token_targets, pack, unpack, wire_inputs
+from vlmshard.shards.model_inputs import next_token_targets
+from vlmshard.train.micro import pack, unpack, wire_inputs
 from vlmshard.train.pipeline import run_layers
 
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from vlmshard.preprocess.tokenize import IGNORE_INDEX
+from vlmshard.shards.model_inputs import supervised_tokens
 
 from .attention import Spans
 
@@ -129,11 +129,6 @@ def pack(micro: Micro, phase: Phase) -> tuple:
     return (x, *micro.wire[1:])
 
 
-def supervised_tokens(batch: dict) -> int:
-    """Tokens of a collated micro-batch with a next-token target (the Ave-Token count)."""
-    return int((next_token_targets(batch["labels"], batch["cu_seqlens"]) != IGNORE_INDEX).sum())
-
-
 def wire_inputs(batch: dict, pixel_rows_per_tile: int) -> tuple:
     """A collated micro-batch (``vlmshard.shards.loader``, padded to the caps) as the first stage's tuple,
     its host metadata computed here from the CPU-side batch."""
@@ -147,11 +142,3 @@ def wire_inputs(batch: dict, pixel_rows_per_tile: int) -> tuple:
         sample_lengths=[b - a for a, b in zip(cu, cu[1:])])
     return (batch["pixel_values"], batch["input_ids"], batch["position_ids"], host.encode(),
             batch["labels"])
-
-
-def next_token_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """``labels`` shifted left by one, never across a sample boundary (``cu_seqlens``)."""
-    targets = torch.full_like(labels, IGNORE_INDEX)
-    targets[:-1] = labels[1:]
-    targets[cu_seqlens[1:].long() - 1] = IGNORE_INDEX  # each sample's last token
-    return targets

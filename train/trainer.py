@@ -31,8 +31,7 @@ from vlmshard.run_log import PIPELINE_NAME
 
 from .config import TrainConfig
 from .distributed import init_distributed
-from .train_log import (open_log, pipeline_record, rank_data, rank_timing, step_record,
-                        write_record)
+from .train_log import open_log, pipeline_record, rank_data, rank_timing, step_record, write_record
 
 log = logging.getLogger(__name__)
 
@@ -117,11 +116,11 @@ def run(cfg: TrainConfig) -> None:
 
     from vlmshard.families import model_sizes
     from vlmshard.shards.loader import ShardDataset
+    from vlmshard.shards.model_inputs import supervised_tokens
 
     from .attention import choose_backend
     from .clock import CLOCK
     from .hf_model import model_layers
-    from .micro import supervised_tokens
     from .pipeline import AveTokenLoss, VLMPipeline, no_inputs, pipeline_inputs
     from .save import save_hf
 

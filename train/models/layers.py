@@ -21,8 +21,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from vlmshard.preprocess.tokenize import IGNORE_INDEX
+from vlmshard.shards.model_inputs import next_token_targets
 
-from ..micro import TOKENS, Micro, Phase, next_token_targets
+from ..micro import TOKENS, Micro, Phase
 
 
 class HFLayer(nn.Module):

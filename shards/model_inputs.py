@@ -1,0 +1,112 @@
+"""A loader micro-batch as a plain ``transformers`` model's keyword arguments, with the packed
+samples kept apart, for training on the shards with your own loop or trainer::
+
+    from vlmshard.shards.loader import make_loader
+    from vlmshard.shards.model_inputs import model_inputs
+
+    for batch in make_loader("shards/", rank, world_size):
+        loss = model(**model_inputs(batch, model)).loss
+
+Packed samples must never attend to each other. What keeps them apart depends on the model's
+attention implementation (``model.config._attn_implementation``):
+
+- ``flash_attention_2`` / ``flash_attention_3``: each sample's boundaries as ``cu_seq_lens_q/k``
+  and ``max_length_q/k``, which ``transformers`` hands to flash-attn's varlen kernel;
+- ``sdpa`` and ``eager``: a 4-D additive mask [1, 1, n, n] in the model's dtype, causal within each
+  sample and ``-inf`` across them (``transformers`` takes a 4-D mask as it is). It costs n²
+  memory: for long micro-batches, use flash-attn on a GPU.
+
+Any other implementation is refused, since nothing tells it where samples end. Position ids
+restart at each sample (Qwen2-VL's 3-D mRoPE ids as ``get_rope_index`` computes them for each
+sample alone); ``transformers``' own detection of packing from position ids misses 3-D ids, so
+the boundaries are always given explicitly. Labels are shifted here (``shift_labels``), never
+across a sample boundary.
+
+Loss normalization: ``vlmshard train`` divides the summed token losses of a step by the
+step's supervised tokens over all ranks (Ave-Token). Pass ``num_items_in_batch`` = that count
+divided by the data-parallel world size (DDP averages the ranks' gradients), and step the
+optimizer once per step of the loader.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from vlmshard.errors import ConfigError
+from vlmshard.preprocess.tokenize import IGNORE_INDEX
+
+FLASH = ("flash_attention_2", "flash_attention_3")
+MASKED = ("sdpa", "eager")
+
+
+def next_token_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``labels`` shifted left by one, never across a sample boundary (``cu_seqlens``)."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:-1] = labels[1:]
+    targets[cu_seqlens[1:].long() - 1] = IGNORE_INDEX  # each sample's last token
+    return targets
+
+
+def supervised_tokens(batch: dict) -> int:
+    """Tokens of a collated micro-batch with a next-token target (the Ave-Token count)."""
+    return int((next_token_targets(batch["labels"], batch["cu_seqlens"]) != IGNORE_INDEX).sum())
+
+
+def attention_implementation(model) -> str:
+    """The implementation the model's language layers use."""
+    config = model.config
+    text = getattr(config, "get_text_config", lambda: config)()
+    return getattr(text, "_attn_implementation", None) or config._attn_implementation
+
+
+def model_inputs(batch: dict, model, num_items_in_batch: int | float | None = None) -> dict:
+    """Keyword arguments for ``model(**...)``: one packed micro-batch from ``ShardDataset``
+    (padded to the caps or not), on the model's device, its samples kept apart; raises
+    ``ConfigError`` for an attention implementation that cannot keep them apart."""
+    implementation = attention_implementation(model)
+    if implementation not in FLASH + MASKED:
+        raise ConfigError(f"attention implementation {implementation!r} cannot keep packed "
+                          f"samples apart; load the model with attn_implementation= one of "
+                          f"{', '.join(FLASH + MASKED)}")
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    cu = batch["cu_seqlens"].to(device)
+    position_ids = batch["position_ids"]
+    inputs = {
+        "input_ids": batch["input_ids"][None],
+        "labels": batch["labels"][None],
+        "shift_labels": next_token_targets(batch["labels"], batch["cu_seqlens"])[None],
+        # [1, n], or Qwen2-VL's mRoPE ids [3, 1, n]
+        "position_ids": position_ids[None] if position_ids.dim() == 1 else position_ids[:, None],
+        "use_cache": False,
+    }
+    rows = batch["num_pixel_rows"]
+    if rows:
+        inputs["pixel_values"] = batch["pixel_values"][:rows]
+        if "image_grid_thw" in batch:
+            inputs["image_grid_thw"] = batch["image_grid_thw"]
+    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+        inputs["mm_token_type_ids"] = batch["image_token_mask"].long()[None]
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    if implementation in FLASH:
+        longest = int((cu[1:] - cu[:-1]).max())
+        inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
+                      max_length_k=longest)
+    else:
+        inputs["attention_mask"] = packed_mask(cu, dtype)
+    if num_items_in_batch is not None:
+        inputs["num_items_in_batch"] = num_items_in_batch
+    return inputs
+
+
+def packed_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive [1, 1, n, n] mask: 0 where a token may attend (an earlier or the same token
+    of its own sample), the dtype's lowest value elsewhere."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device),
+                                      lengths)
+    allowed = (segment[:, None] == segment[None, :]).tril()
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=cu_seqlens.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
