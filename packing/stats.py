@@ -106,6 +106,10 @@ def stats_files(path: str) -> list[str]:
         return [path]
     folder = os.path.join(path, "stats") if os.path.isdir(os.path.join(path, "stats")) else path
     files = sorted(glob.glob(os.path.join(folder, "part-*.parquet")))
+    rejects = os.path.join(path, "rejects.parquet")
+    if not files and os.path.exists(rejects):
+        raise StatsError(f"{path} holds no accepted samples: every row was rejected; see "
+                         f"{rejects} for why")
     if not files:
         raise StatsError(f"{path}: no stats/part-*.parquet here; give the preprocess output "
                          f"folder, its stats/ folder, a .parquet file or OmniBal .json lengths")

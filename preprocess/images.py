@@ -98,7 +98,8 @@ def _inspect(f, path: str, max_pixels: int) -> ImageHeader:
             fmt = im.format or ""
             declared = _tiff_data_end(im) if fmt == "TIFF" else 0
     except Image.DecompressionBombError as e:
-        raise Reject("decompression_bomb", f"{path}: {e}") from None
+        raise Reject("decompression_bomb", f"{path}: {e} (raise --max-image-pixels to read "
+                                           "it)") from None
     except Exception as e:  # Pillow's plugins raise many kinds on malformed headers
         if _container_cut_short(f, size):
             raise Reject("truncated_image", f"image {path} ends before the data its "
@@ -110,7 +111,7 @@ def _inspect(f, path: str, max_pixels: int) -> ImageHeader:
     if width * height > max_pixels:
         raise Reject("decompression_bomb",
                      f"image {path} is {width}x{height} = {width * height:,} pixels, "
-                     f"over the limit of {max_pixels:,}")
+                     f"over --max-image-pixels {max_pixels:,}")
     f.seek(max(0, size - _TAIL_BYTES))
     tail = f.read()
     try:

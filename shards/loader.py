@@ -17,7 +17,8 @@ and patches):
   InternVL [Qv, 3, 448, 448] tiles; Qwen2-VL [Qv·merge², 3·2·14·14] flattened patches, plus
   ``image_grid_thw`` [images, 3]. Rows after ``num_tiles`` (× merge²) are zero;
 - ``num_tokens``, ``num_tiles``, ``num_pixel_rows`` (the real rows of ``pixel_values``),
-  ``num_samples``, ``sample_ids``, ``step``, ``rank``, ``micro``.
+  ``num_samples``, ``sample_ids``, ``sample_images`` and ``sample_pixel_rows`` (per sample),
+  ``step``, ``rank``, ``micro``.
 
 ``vlmshard.shards.model_inputs`` turns a batch into a plain ``transformers`` model's arguments.
 
@@ -198,6 +199,9 @@ class ShardDataset(IterableDataset):
             "pixel_values": self._pixel_values(record, images, num_tiles),
             "num_tokens": n, "num_tiles": num_tiles,
             "num_pixel_rows": num_tiles * self.rows_per_tile, "num_samples": len(record.samples),
+            "sample_images": torch.tensor([len(s["image_tiles"]) for s in record.samples]),
+            "sample_pixel_rows": torch.tensor([sum(s["image_tiles"]) * self.rows_per_tile
+                                               for s in record.samples]),
             "sample_ids": torch.tensor([s["sample_id"] for s in record.samples]),
             "step": record.step, "rank": record.rank, "micro": record.micro,
         }

@@ -101,6 +101,29 @@ def model_inputs(batch: dict, model, num_items_in_batch: int | float | None = No
     return inputs
 
 
+def split_batch(batch: dict) -> list[dict]:
+    """The packed samples of a micro-batch, each alone: ``input_ids`` and ``labels`` [1, len],
+    its own ``pixel_values`` rows and ``image_grid_thw`` (when it has images), and
+    ``image_token_mask`` [1, len]: what to give the model to run one sample by itself (its own
+    position ids and causal mask are then the model's own)."""
+    cu = batch["cu_seqlens"].tolist()
+    grids = batch.get("image_grid_thw")
+    samples, row, image = [], 0, 0
+    for k in range(batch["num_samples"]):
+        a, b = cu[k], cu[k + 1]
+        rows, images = int(batch["sample_pixel_rows"][k]), int(batch["sample_images"][k])
+        sample = {"input_ids": batch["input_ids"][a:b][None],
+                  "labels": batch["labels"][a:b][None],
+                  "image_token_mask": batch["image_token_mask"][a:b][None]}
+        if rows:
+            sample["pixel_values"] = batch["pixel_values"][row:row + rows]
+            if grids is not None:
+                sample["image_grid_thw"] = grids[image:image + images]
+        samples.append(sample)
+        row, image = row + rows, image + images
+    return samples
+
+
 def packed_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The additive [1, 1, n, n] mask: 0 where a token may attend (an earlier or the same token
     of its own sample), the dtype's lowest value elsewhere."""

@@ -22,7 +22,8 @@ CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 # checks its own values as it is made (__post_init__)
 COMMANDS = {"train": (TrainConfig, {"shards": "SHARDS", "out": "RUN"}, None),
             "simulate": (SimulateConfig, {"plan": "PLAN"}, None),
-            "demo": (RunConfig, {}, stages)}  # run checks every section before any stage
+            "demo": (RunConfig, {}, stages),  # run checks every section before any stage
+            "run": (RunConfig, {}, stages)}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
@@ -74,6 +75,14 @@ def test_a_wrong_yaml_value_is_one_line_naming_key_type_and_file(tmp_path, text,
                     check=False)
     assert proc.returncode != 0 and expected in proc.stderr
     assert proc.stderr.strip().count("\n") == 0, proc.stderr  # one line, no traceback
+
+
+def test_a_yaml_syntax_error_names_line_and_column(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("lr: 0.1\npp: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML at line 3, column 1: while parsing a "
+                                          "flow sequence: expected ',' or ']'"):
+        load_config(TrainConfig, {"shards": "S", "out": "R", "config": str(path)})
 
 
 def test_run_sections_use_the_stage_definitions(tmp_path):

@@ -79,3 +79,18 @@ def test_flash_gets_the_boundaries_and_other_kernels_are_refused(packed):
         config._attn_implementation = "flex_attention"
     with pytest.raises(ConfigError, match="cannot keep packed samples apart"):
         model_inputs(batch, model)
+
+
+def test_split_batch_gives_each_sample_as_the_reference_cuts_it(packed):
+    from vlmshard.shards.model_inputs import split_batch
+
+    family, folder, _, batch = packed
+    image_token_id = _model(folder, "sdpa").config.image_token_id
+    want = split_samples(batch, image_token_id, *UNITS[family])
+    got = split_batch(batch)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert torch.equal(g["input_ids"], w["input_ids"])
+        assert torch.equal(g["labels"], w["labels"])
+        for key in ("pixel_values", "image_grid_thw"):
+            assert (key in g) == (key in w) and (key not in g or torch.equal(g[key], w[key]))

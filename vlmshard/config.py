@@ -125,7 +125,12 @@ def read_yaml_mapping(path: str) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        context = getattr(e, "context", None)
+        raise ConfigError(f"config {path} is not valid YAML{where}: "
+                          f"{f'{context}: ' if context else ''}{problem}") from None
     if not isinstance(loaded, dict):
         raise ConfigError(f"config {path} must be a mapping of option: value")
     return {str(k).replace("-", "_"): v for k, v in loaded.items()}
