@@ -520,9 +520,12 @@ def test_html_is_self_contained_with_a_png_per_plot(plans, report_run):
     page.feed(text)
     tags = [t for t, _ in page.tags]
     assert "script" not in tags and "link" not in tags and "iframe" not in tags
-    for _, attrs in page.tags:  # nothing is fetched from anywhere
-        for key in ("src", "href"):
-            assert not attrs.get(key) or attrs[key].startswith("data:image/png;base64,")
+    ids = {attrs["id"] for _, attrs in page.tags if attrs.get("id")}
+    for _, attrs in page.tags:  # nothing is fetched from anywhere; links stay on the page
+        assert not attrs.get("src") or attrs["src"].startswith("data:image/png;base64,")
+        assert not attrs.get("href") or attrs["href"][1:] in ids
+    contents = [attrs["href"] for tag, attrs in page.tags if tag == "a"]
+    assert contents == ["#tables"] + [f"#figure-{k}" for k in range(FIGURES)]
     images = [attrs for tag, attrs in page.tags if tag == "img"]
     assert len(images) == FIGURES and len(page.captions) == FIGURES
     assert all(len(c) > 40 for c in page.captions)
@@ -590,7 +593,8 @@ def test_chromium_shows_every_plot(report_run, tmp_path):
 
 
 def test_many_sources_and_stages_keep_the_legends_short():
-    """Twelve sources fold into the 8 largest plus "other"; 16 stages share one legend entry."""
+    """Twelve sources fold into the 8 largest plus "other"; 16 ranks, or 16 stages, share one
+    legend entry; 2 ranks get one each."""
     rng = np.random.default_rng(0)
     steps, dp, n_sources, stages = 30, 16, 12, 16
     counts = rng.integers(0, 5, (steps, n_sources)) + np.arange(n_sources)  # larger ids, larger
@@ -601,6 +605,13 @@ def test_many_sources_and_stages_keep_the_legends_short():
     legend = plots.source_mix_figure([series]).axes[0].get_legend()
     names = [t.get_text() for t in legend.get_texts()]
     assert names == [f"s{i}" for i in range(4, 12)] + ["other"]
+    legend = plots.cumulative_load_figure([series]).axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "each of 16 ranks", "Σ slowest rank (step-synchronous time)"]
+    few = PlanSeries("y", metrics, *rng.random((3, steps)), rng.random(80), rng.random(80),
+                     rng.random((steps, 2)), series.source_shares, series.sources)
+    legend = plots.cumulative_load_figure([few]).axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()][:2] == ["rank 0", "rank 1"]
     busy = rng.random((steps, 2, stages))
     times = PipelineTimes(busy.sum(axis=2), busy)
     replay = Replay(np.arange(steps), np.full(steps, 100.0), times, times,

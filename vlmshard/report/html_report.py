@@ -51,6 +51,12 @@ def render(title: str, summary: str, tables: list[Table],
     parts = [f"<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
              f"<title>{esc(title)}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n"
              f"<h1>{esc(title)}</h1>\n<p class=\"summary\" id=\"summary\">{esc(summary)}</p>\n"]
+    # A table of contents: the page is several screens of figures.
+    links = [("tables", "Metrics")] * bool(tables) + [
+        (f"figure-{k}", fig.get_suptitle()) for k, (fig, _) in enumerate(figures)]
+    parts.append("<nav><ul>" + "".join(f'<li><a href="#{anchor}">{esc(text)}</a></li>'
+                                       for anchor, text in links) + "</ul></nav>\n")
+    parts.append('<section id="tables">\n')
     for table in tables:
         parts += [f"<p>{esc(n)}</p>\n" for n in table.notes]
         head = "".join(f"<th>{esc(h)}</th>" for h in table.header)
@@ -58,10 +64,12 @@ def render(title: str, summary: str, tables: list[Table],
                        + "".join(f'<td class="num">{esc(c)}</td>' for c in row[1:]) + "</tr>\n"
                        for row in table.rows)
         parts.append(f"<table>\n<tr>{head}</tr>\n{body}</table>\n")
-    for fig, caption in figures:
+    parts.append("</section>\n")
+    for k, (fig, caption) in enumerate(figures):
         data = base64.b64encode(png_bytes(fig)).decode("ascii")
         width, height = (int(round(x * DPI)) for x in fig.get_size_inches())
-        parts.append(f'<figure>\n<img src="data:image/png;base64,{data}" width="{width}" '
+        parts.append(f'<figure id="figure-{k}">\n'
+                     f'<img src="data:image/png;base64,{data}" width="{width}" '
                      f'height="{height}" alt="{esc(fig.get_suptitle())}">\n'
                      f"<figcaption>{esc(caption)}</figcaption>\n</figure>\n")
     parts.append("</body>\n</html>\n")

@@ -22,6 +22,7 @@ WIDTH = 10.0  # inches; at 100 dpi a figure is 1000 px wide
 ROW_HEIGHT = 2.6
 MAX_SOURCES = 9  # the source-mix plot folds smaller sources into "other"
 MAX_STAGE_LEGEND = 8  # more pipeline stages than this share one legend entry
+MAX_RANK_LEGEND = 8  # more ranks than this share one legend entry
 
 # The metrics the comparison plot shows, with which way is better.
 COMPARED = (("pad_ratio", "lower is better"), ("vit_dist_ratio", "lower is better"),
@@ -79,8 +80,11 @@ def cumulative_load_figure(plans: list[PlanSeries]) -> Figure:
         exponent = int(np.floor(np.log10(synchronous[-1]))) if len(steps) and synchronous[-1] > 0 \
             else 0
         scale = 10.0 ** exponent
+        ranks = p.rank_cost.shape[1]
         for r, line in enumerate(np.cumsum(p.rank_cost, axis=0).T):
-            ax.plot(steps, line / scale, lw=0.8, alpha=0.8, label="each rank" if r == 0 else None)
+            label = (f"rank {r}" if ranks <= MAX_RANK_LEGEND
+                     else f"each of {ranks} ranks" if r == 0 else None)
+            ax.plot(steps, line / scale, lw=0.8, alpha=0.8, label=label)
         ax.plot(steps, synchronous / scale, "k--", lw=1.2,
                 label="Σ slowest rank (step-synchronous time)")
         ax.set_title(f"{p.label}: {p.rank_cost.shape[1]} ranks", loc="left", fontsize="medium")
@@ -220,7 +224,13 @@ def report_figures(plans: list[PlanSeries], train: Replay | None = None
         (source_mix_figure(plans),
          "The share of each source among a step's samples (largest sources, the rest as "
          "'other'): level bands mean every step mirrors the dataset's mix; bands that drift mean "
-         "the plan reorders the data by source."),
+         "the plan reorders the data by source. source_mix_tv (in each title) is the mean over "
+         "steps of the total-variation distance between a step's source shares and the whole "
+         "plan's: 0 when every step mixes sources as the dataset does, 1 when steps hold "
+         "disjoint sources. A step of a few samples cannot mirror many sources, so compare it "
+         "between plans of the same data; balancing moves samples between steps to even their "
+         "cost, and may raise it a little, which is the price of balance, not a sorted order "
+         "(order_spearman says that)."),
     ]
     if train is not None:
         figures.append((train_figure(train),

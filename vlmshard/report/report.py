@@ -15,9 +15,9 @@ from vlmshard.io import atomic_write, write_json_atomic
 from vlmshard.packing.batches import Lengths, Packing
 from vlmshard.packing.metrics import REPORT_KEYS, format_value
 from vlmshard.packing.plan import load_plan, plan_stats_path, read_plan, read_plan_json
-from vlmshard.stage import Result
-from vlmshard.simulate.replay import Replay, compare, replay_run
 from vlmshard.run_log import PIPELINE_NAME, read_numbered
+from vlmshard.simulate.replay import Replay, compare, replay_run
+from vlmshard.stage import Result
 
 from .config import ReportConfig
 from .series import PlanSeries, ReportError, check_train_log, plan_series
