@@ -45,6 +45,9 @@ PAIR_ROLES = ("system", "user", "assistant")
 IMAGE_COLUMNS = ("images", "image")
 COLUMN_KEYS = ("messages", "images", "role", "content")  # what RowFormat.columns may rename
 EMBEDDED = "embedded:"  # stats image_paths prefix of an image whose bytes are in the source row
+# How rows become text, recorded by preprocess: re-tokenizing a run of another one would not give
+# its ids. 2: text kept as written (the line break after <image> as the template decides).
+TEXT_ENCODING = 2
 
 
 @dataclass(frozen=True)
@@ -216,7 +219,10 @@ def _parse_turn(message, i: int, fmt: RowFormat) -> tuple[Turn, list[ImageRef | 
     if not isinstance(message, dict):
         raise Reject("bad_field", f"turn {i} is a {type(message).__name__}, not an object")
     role_key = next((k for k in fmt.role_keys if message.get(k) is not None), None)
-    content_key = next((k for k in fmt.content_keys if k in message), None)
+    # A key with a value first: a table that merged rows of both formats holds nulls for the
+    # other format's keys.
+    content_key = next((k for k in fmt.content_keys if message.get(k) is not None),
+                       next((k for k in fmt.content_keys if k in message), None))
     if role_key is None or content_key is None:
         raise Reject("missing_field", f"turn {i} lacks {_names(fmt.role_keys)} or "
                                       f"{_names(fmt.content_keys)}")
@@ -342,11 +348,13 @@ def _names(names) -> str:
     return " or ".join([", ".join(quoted[:-1]), quoted[-1]] if len(quoted) > 2 else quoted)
 
 
-def missing_columns(record: dict, fmt: RowFormat) -> list[str]:
+def missing_columns(record: dict, fmt: RowFormat, columnar: bool) -> list[str]:
     """The renamed columns and turn keys (``fmt.columns``) that ``record`` lacks, as
-    ``key=name``: the turn keys are looked for in its first turn."""
+    ``key=name``: the turn keys are looked for in its first turn. The images column only where
+    every row has every column (``columnar``: Parquet, Arrow); a JSON row without images may
+    leave it out."""
     renamed = dict(fmt.columns)
-    missing = [f"{key}={renamed[key]}" for key in ("messages", "images")
+    missing = [f"{key}={renamed[key]}" for key in ("messages", "images")[:1 + columnar]
                if key in renamed and renamed[key] not in record]
     turns = next((record[c] for c in fmt.turn_columns if isinstance(record.get(c), list)), None)
     if turns and isinstance(turns[0], dict):

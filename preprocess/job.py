@@ -44,7 +44,7 @@ from vlmshard.rejects import REASONS
 from vlmshard.stage import Result
 
 from .config import PreprocessConfig
-from .conversation import format_hint, missing_columns
+from .conversation import TEXT_ENCODING, format_hint, missing_columns
 from .sample import SampleLimits, SampleSpec, make_encoder
 from .schema import REJECTS_SCHEMA, stats_schema
 from .sources import (
@@ -185,7 +185,8 @@ def _check_columns(source: Source, index: SourceIndex) -> None:
     if not source.format.columns:
         return
     record = first_record(source, index)
-    missing = missing_columns(record, source.format) if record is not None else []
+    columnar = source.kind not in ("json", "jsonl")
+    missing = missing_columns(record, source.format, columnar) if record is not None else []
     if missing:
         raise ConfigError(f"source {source.name}: the column mapping names {', '.join(missing)}, "
                           f"which its first row lacks (it has: {', '.join(sorted(record))})")
@@ -261,6 +262,7 @@ def _job_identity(cfg: PreprocessConfig, sources: list[Source], model: ModelSpec
         "tiling": tiling.to_dict(),
         "limits": asdict(limits),
         "keep_tokens": cfg.keep_tokens,
+        "text_encoding": TEXT_ENCODING,
         "part_size": cfg.part_size,
         "seed": cfg.seed,
     }

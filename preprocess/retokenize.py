@@ -26,7 +26,7 @@ from vlmshard.families import ModelSpec, policy_from_dict, source_tiling
 from vlmshard.io import sha256_file
 from vlmshard.rejects import Reject
 
-from .conversation import parse_conversation
+from .conversation import TEXT_ENCODING, parse_conversation
 from .sample import SampleLimits, SampleProcessor, SampleSpec, make_encoder
 from .sources import Part, Source, SourceIndex, index_source, read_part_rows
 from .tokenize import TokenizerConfig
@@ -52,6 +52,11 @@ class RecordedPreprocess:
     @property
     def keep_tokens(self) -> bool:
         return self.config["keep_tokens"]
+
+    @property
+    def retokenizes_alike(self) -> bool:
+        """Whether re-tokenizing now gives this run's ids: it used today's text encoding."""
+        return self.config.get("text_encoding", 1) == TEXT_ENCODING
 
     def tokenizer_unchanged(self) -> bool:
         """Whether the recorded tokenizer (the Tekken file, or the model folder's tokenizer and

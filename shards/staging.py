@@ -5,10 +5,11 @@ Two things come from the source rows rather than the stats table: the images a r
 ``--keep-tokens``). A shard holds samples from all over a source, so a shard worker that read its
 samples' rows itself would decode a Parquet row group (~100 rows and their images) for every
 sample it wants, and every shard would decode most row groups again: up to ~100 times the
-source's bytes. Instead the write job first reads those rows once, in source order (a row group
-is read by the one unit holding its rows), re-tokenizes them and copies their embedded images'
-bytes, unchanged, into uncompressed Arrow files under ``_work/staged/`` that the shard workers
-memory-map, as they do the sample table. The files go with ``_work`` when the job finishes; a
+source's bytes. Instead the write job first reads those rows in source order, once per sample
+(a row group is read by the unit holding its rows, or the two at a unit boundary; a row that
+``repeat_time`` repeats is read per repeat), re-tokenizes them and copies their embedded
+images' bytes, unchanged, into uncompressed Arrow files under ``_work/staged/`` that the shard
+workers memory-map, as they do the sample table. The files go with ``_work`` when the job finishes; a
 rerun keeps the units already staged.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from vlmshard.io import atomic_write
 from vlmshard.preprocess import EMBEDDED, Retokenizer, SampleSpec, SourceRows
@@ -39,16 +41,17 @@ class StageSpec:
     """What a staging worker needs, picklable for pool processes and Ray actors."""
 
     folder: str
+    samples_path: str  # the write job's memory-mappable sample table (row = sample_id)
     samples: SampleSpec  # the run's sources, tokenizer and limits
     tokens: bool  # re-tokenize (the stats did not keep the ids)
 
 
 @dataclass(frozen=True)
 class StageUnit:
-    """Consecutive samples (stats rows with ``ROW_COLUMNS``), in sample order."""
+    """Consecutive samples to stage, in sample order."""
 
     index: int
-    rows: tuple[dict, ...]
+    sample_ids: np.ndarray  # int64
 
 
 def unit_path(folder: str, index: int) -> str:
@@ -56,23 +59,26 @@ def unit_path(folder: str, index: int) -> str:
 
 
 def plan_units(table: pa.Table, tokens: bool) -> list[StageUnit]:
-    """The samples of ``table`` (in sample order) that need their source rows: every one when
-    re-tokenizing, else those that embed images; cut into units of at most ``UNIT_SAMPLES``
-    samples and ``UNIT_BYTES`` of embedded images (by the stats' ``image_bytes``)."""
-    rows = table.select(ROW_COLUMNS).to_pylist()
-    sizes = (table["image_bytes"].to_pylist() if "image_bytes" in table.column_names
-             else [[0] * len(r["image_paths"]) for r in rows])
-    units, current, total = [], [], 0
-    for row, row_sizes in zip(rows, sizes):
-        size = sum(s for p, s in zip(row["image_paths"], row_sizes) if p.startswith(EMBEDDED))
-        if not (tokens or any(p.startswith(EMBEDDED) for p in row["image_paths"])):
-            continue
-        if current and (total + size > UNIT_BYTES or len(current) == UNIT_SAMPLES):
-            units.append(StageUnit(len(units), tuple(current)))
-            current, total = [], 0
-        current.append(row)
-        total += size
-    return units + ([StageUnit(len(units), tuple(current))] if current else [])
+    """The samples of ``table`` (sample table rows, in sample order) that need their source
+    rows: every one when re-tokenizing, else those that embed images; cut into units of about
+    ``UNIT_SAMPLES`` samples or ``UNIT_BYTES`` of embedded images (by the stats'
+    ``image_bytes``), whichever comes first. Columnar: no Python object per sample."""
+    paths = table["image_paths"].combine_chunks()
+    embedded = pc.starts_with(pc.list_flatten(paths), EMBEDDED).to_numpy(zero_copy_only=False)
+    owner = pc.list_parent_indices(paths).to_numpy()[embedded]
+    sizes = (pc.list_flatten(table["image_bytes"].combine_chunks()).to_numpy()[embedded]
+             if "image_bytes" in table.column_names else np.zeros(len(owner)))
+    n = table.num_rows
+    has_embedded = np.bincount(owner, minlength=n) > 0
+    keep = np.ones(n, bool) if tokens else has_embedded
+    ids = table["sample_id"].to_numpy()[keep]
+    bytes_kept = np.bincount(owner, weights=sizes, minlength=n)[keep]
+    # Non-decreasing unit numbers: by bytes so far or by count so far, whichever is further.
+    unit = np.maximum((np.cumsum(bytes_kept) - bytes_kept) // UNIT_BYTES,
+                      np.arange(len(ids)) // UNIT_SAMPLES).astype(np.int64)
+    starts = np.flatnonzero(np.r_[True, unit[1:] != unit[:-1]]) if len(ids) else []
+    bounds = list(starts) + [len(ids)]
+    return [StageUnit(k, ids[a:b]) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
 
 
 class Stager:
@@ -80,14 +86,16 @@ class Stager:
 
     def __init__(self, spec: StageSpec) -> None:
         self.spec = spec
+        self.table = pa.ipc.open_file(pa.memory_map(spec.samples_path)).read_all()
         self.rows = SourceRows(spec.samples.sources)
         self.retokenizer = Retokenizer(spec.samples) if spec.tokens else None
 
     def process(self, unit: StageUnit) -> dict:
         """Stage one unit; raises ``RetokenizeError`` naming a row that no longer reads."""
-        records = self.rows.records((r["source"], r["row"]) for r in unit.rows)
+        rows = self.table.select(ROW_COLUMNS).take(pa.array(unit.sample_ids)).to_pylist()
+        records = self.rows.records((r["source"], r["row"]) for r in rows)
         columns: dict[str, list] = {name: [] for name in SCHEMA.names}
-        for row in unit.rows:
+        for row in rows:
             record = records[(row["source"], row["row"])]
             embeds = any(p.startswith(EMBEDDED) for p in row["image_paths"])
             ids, labels = self.retokenizer.encode(row, record) if self.retokenizer else (None,
@@ -104,22 +112,25 @@ class Stager:
                 writer.write_table(table)
 
         atomic_write(unit_path(self.spec.folder, unit.index), write)
-        return {"unit": unit.index, "samples": len(unit.rows)}
+        return {"unit": unit.index, "samples": len(rows)}
 
 
 class StagedRows:
     """The staged samples, memory-mapped: nothing is read until a record asks for them."""
 
     def __init__(self, folder: str, units: int) -> None:
-        tables = [pa.ipc.open_file(pa.memory_map(unit_path(folder, k))).read_all()
-                  for k in range(units)]
-        self.table = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
-        self.ids = self.table["sample_id"].to_numpy()  # ascending: units follow sample order
+        self.units = [pa.ipc.open_file(pa.memory_map(unit_path(folder, k))).read_all()
+                      for k in range(units)]
+        self.ids = [t["sample_id"].to_numpy() for t in self.units]  # ascending, unit by unit
+        self.first = np.array([ids[0] for ids in self.ids], np.int64)
 
     def get(self, sample_id: int) -> dict | None:
         """The sample's staged ``images``, ``input_ids`` and ``labels`` (None where not staged),
         or None if the sample was not staged."""
-        k = int(np.searchsorted(self.ids, sample_id))
-        if k == len(self.ids) or self.ids[k] != sample_id:
+        u = int(np.searchsorted(self.first, sample_id, side="right")) - 1
+        if u < 0:
             return None
-        return self.table.slice(k, 1).to_pylist()[0]
+        k = int(np.searchsorted(self.ids[u], sample_id))
+        if k == len(self.ids[u]) or self.ids[u][k] != sample_id:
+            return None
+        return self.units[u].slice(k, 1).to_pylist()[0]

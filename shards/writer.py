@@ -191,16 +191,17 @@ def _stage(cfg: WriteConfig, work: str, samples_path: str, records: list,
            sample_spec: SampleSpec, tokens: bool, workers: int) -> int:
     """Stage what the placed samples take from their source rows (``shards/staging.py``): their
     tokens if the stats did not keep them, their embedded images. Returns the unit count."""
-    placed = pa.array(sorted({i for ids in records for i in ids}), pa.int64())
-    table = _open_sample_table(samples_path)
-    units = staging.plan_units(table.take(placed), tokens)
+    placed = pa.array(np.unique(np.concatenate([np.asarray(ids) for ids in records])))
+    units = staging.plan_units(_open_sample_table(samples_path).take(placed), tokens)
     folder = os.path.join(work, "staged")
     os.makedirs(folder, exist_ok=True)
     todo = [u for u in units if not os.path.exists(staging.unit_path(folder, u.index))]
     if todo:
-        spec = staging.StageSpec(folder=folder, samples=sample_spec, tokens=tokens)
+        spec = staging.StageSpec(folder=folder, samples_path=samples_path, samples=sample_spec,
+                                 tokens=tokens)
         what = "re-tokenize" if tokens else "stage embedded images"
-        with Progress(total=sum(len(u.rows) for u in todo), desc=what, unit="samples") as bar:
+        with Progress(total=sum(len(u.sample_ids) for u in todo), desc=what,
+                      unit="samples") as bar:
             try:
                 for summary in run_units(staging.Stager, spec, todo, cfg.engine, workers,
                                          cfg.ray_address):
@@ -325,6 +326,10 @@ def _recorded_preprocess(preprocess: dict) -> RecordedPreprocess:
         recorded = RecordedPreprocess(preprocess)
     except ValueError as e:
         raise WriteError(str(e)) from None
+    if not recorded.keep_tokens and not recorded.retokenizes_alike:
+        raise WriteError("this preprocess output was made by an older vlmshard, which rendered "
+                         "text differently (the line break after <image>); without "
+                         "--keep-tokens its ids cannot be rebuilt: preprocess again")
     if not recorded.tokenizer_unchanged():
         raise WriteError(f"tokenizer {recorded.tokenizer.path} is missing or differs from the one "
                          "preprocessing used (sha256 of its files): token ids would not match "

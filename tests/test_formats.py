@@ -333,3 +333,27 @@ def test_a_meta_file_sets_format_columns_and_split_per_source(sources, tmp_path)
     assert {n: s["accepted"] for n, s in report["sources"].items()} == {
         "renamed": len(CONVERSATIONS), "hub_test": 1}
     assert result.rejected == 0
+
+
+def test_rows_of_a_table_that_merged_both_formats_read_by_their_values():
+    """``datasets`` gives each turn every key of both formats, null where a row had none."""
+    from vlmshard.preprocess.conversation import RowFormat, parse_conversation
+
+    turns = [{"from": None, "value": None, "role": "user", "content": "<image>\nHi"},
+             {"from": None, "value": None, "role": "assistant", "content": "Hello."}]
+    conversation = parse_conversation({"conversations": turns, "images": ["a.png"]}, RowFormat())
+    assert [t.role for t in conversation.turns] == ["user", "assistant"]
+    assert conversation.turns[1].texts == ["Hello."] and conversation.images[0].path == "a.png"
+
+
+def test_an_older_run_without_kept_tokens_is_refused_not_mistokenized(sources, tmp_path):
+    from vlmshard.shards.writer import WriteError
+
+    pre, plan = str(tmp_path / "pre"), str(tmp_path / "plan")
+    _preprocess(sources["parquet_embedded"], pre)
+    run_pack(PackConfig(stats=pre, dp=1, micro_batches=1, out=plan))
+    recorded = json.loads((tmp_path / "pre" / "preprocess.json").read_text())
+    del recorded["config"]["text_encoding"]  # as vlmshard wrote it before issue 24
+    (tmp_path / "pre" / "preprocess.json").write_text(json.dumps(recorded))
+    with pytest.raises(WriteError, match="older vlmshard.*preprocess again"):
+        run_write(WriteConfig(plan=plan, stats=pre, out=str(tmp_path / "shards"), workers=1))
