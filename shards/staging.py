@@ -9,8 +9,8 @@ source's bytes. Instead the write job first reads those rows in source order, on
 (a row group is read by the unit holding its rows, or the two at a unit boundary; a row that
 ``repeat_time`` repeats is read per repeat), re-tokenizes them and copies their embedded
 images' bytes, unchanged, into uncompressed Arrow files under ``_work/staged/`` that the shard
-workers memory-map, as they do the sample table. The files go with ``_work`` when the job finishes; a
-rerun keeps the units already staged.
+workers memory-map, as they do the sample table. The files go with ``_work`` when the job
+finishes; a rerun keeps the units already staged.
 """
 
 from __future__ import annotations

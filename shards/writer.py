@@ -9,8 +9,9 @@ Steps, each restartable:
    that every worker memory-maps: a shard's samples come from all over the dataset, and Parquet
    cannot be read by row.
 3. Lay out the shards: per rank, whole steps in order, a new shard before the one that would
-   pass ``--shard-bytes`` (estimated from the images' encoded sizes and token counts). The layout is a
-   pure function of the plan, the stats and the images, so a rerun computes the same one.
+   pass ``--shard-bytes`` (estimated from the images' encoded sizes and token counts). The
+   layout is a pure function of the plan, the stats and the images, so a rerun computes the
+   same one.
 4. Write each shard on an engine (local pool or Ray): temp file, then rename, then a marker in
    ``_work/done/``. A rerun skips shards that have their marker. What comes from the source rows
    (token ids the stats did not keep, images embedded in the rows) is staged before, each row
