@@ -10,8 +10,10 @@ crash picks up where the failed stage was.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -180,7 +182,11 @@ def run_all(cfg: RunConfig, on_stage: Callable[[int, int, StageRun], None] | Non
         log.info("stage %d/%d: %s", index + 1, len(todo), stage.name)
         start = time.monotonic()
         try:
-            result = resolve(stage.run)(options, **arguments)
+            # stdout carries this run's own lines (or its JSON): what libraries print while a
+            # stage runs goes to stderr (DeepSpeed's logger, imported by transformers through
+            # accelerate, writes to the stdout it finds when first imported).
+            with contextlib.redirect_stdout(sys.stderr):
+                result = resolve(stage.run)(options, **arguments)
         except (VlmshardError, OSError) as e:
             raise StageFailed(stage.name, e) from e
         if result.exit_status:
