@@ -28,7 +28,7 @@ from vlmshard.rejects import Reject
 
 from .conversation import TEXT_ENCODING, parse_conversation
 from .sample import SampleLimits, SampleProcessor, SampleSpec, make_encoder
-from .sources import Part, Source, SourceIndex, index_source, read_part_rows
+from .sources import Part, Source, read_part_rows
 from .tokenize import TokenizerConfig
 
 
@@ -97,7 +97,6 @@ class SourceRows:
 
     def __init__(self, sources: tuple[Source, ...]) -> None:
         self.sources = {s.name: s for s in sources}
-        self.indexes: dict[str, SourceIndex] = {}
 
     def records(self, keys) -> dict[tuple[str, int], dict | Reject]:
         """The record (or the ``Reject`` of an unreadable row) of each (source, row) in ``keys``."""
@@ -107,7 +106,9 @@ class SourceRows:
         records = {}
         for name, numbers in wanted.items():
             source = self.sources[name]
-            for number, record in read_part_rows(source, self._part(source, sorted(numbers))):
+            # A part without byte spans: read_part_rows finds them in the source's index.
+            part = Part(index=-1, source_index=0, rows=np.array(sorted(numbers), np.int64))
+            for number, record in read_part_rows(source, part):
                 records[(name, number)] = record
         return records
 
@@ -121,14 +122,6 @@ class SourceRows:
             raise RetokenizeError(f"{name} row {number} no longer reads ({r.reason}: "
                                   f"{r.message}); the source changed since packing") from None
         return [image.data for image in found]
-
-    def _part(self, source: Source, numbers: list[int]) -> Part:
-        part = Part(index=-1, source_index=0, rows=np.array(numbers, np.int64))
-        if source.kind in ("jsonl", "json"):
-            if source.name not in self.indexes:
-                self.indexes[source.name] = index_source(source)
-            part = self.indexes[source.name].spans(part)
-        return part
 
 
 class Retokenizer:

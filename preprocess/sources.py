@@ -544,10 +544,11 @@ def _as_record(value: Any) -> dict | Reject:
     return Reject("malformed_json", f"row is a {type(value).__name__}, not a JSON object")
 
 
-@lru_cache(maxsize=4)
+@lru_cache(maxsize=None)
 def _cached_index(source: Source) -> SourceIndex:
-    """The index of a source whose rows are read without a planned part (re-tokenizing a few
-    rows), built once per process."""
+    """The index of a source whose rows are read without a planned part (rows read back by the
+    write job), built once per process and kept: the write reads every source's rows again,
+    unit by unit."""
     return index_source(source)
 
 

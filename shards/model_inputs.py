@@ -30,6 +30,7 @@ optimizer once per step of the loader.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -87,7 +88,7 @@ def model_inputs(batch: dict, model, num_items_in_batch: int | float | None = No
         inputs["pixel_values"] = batch["pixel_values"][:rows]
         if "image_grid_thw" in batch:
             inputs["image_grid_thw"] = batch["image_grid_thw"]
-    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+    if _takes_token_types(type(model)):
         inputs["mm_token_type_ids"] = batch["image_token_mask"].long()[None]
     inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     if implementation in FLASH:
@@ -122,6 +123,12 @@ def split_batch(batch: dict) -> list[dict]:
         samples.append(sample)
         row, image = row + rows, image + images
     return samples
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_token_types(model_class: type) -> bool:
+    """Whether the model's forward takes ``mm_token_type_ids`` (Qwen2-VL in transformers 5)."""
+    return "mm_token_type_ids" in inspect.signature(model_class.forward).parameters
 
 
 def packed_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
