@@ -163,10 +163,12 @@ IMAGE_TEXT = {"internvl": "<IMG_CONTEXT>", "qwen2vl": "<|vision_start|><|image_p
 
 
 def _reference_messages(family: str, row: dict) -> list[dict]:
-    """What each family's own fine-tuning code renders for a LLaVA row: its text as written, each
-    ``<image>`` replaced in the string by the family's image text (Qwen's ``qwen-vl-finetune``;
-    InternVL's training code, where ``<image>\\n`` becomes ``<img>...</img>\\n``). A row without
-    placeholders gets its image first, as transformers' typed content does (``row["messages"]``)."""
+    """What the families' fine-tuning code renders for a LLaVA row by string replacement: its text
+    as written, each ``<image>`` replaced by the family's image text (Qwen's earlier
+    ``preprocess_qwen_2_visual``; InternVL's training code, where ``<image>\\n`` becomes
+    ``<img>...</img>\\n``). Qwen's current ``qwen-vl-finetune`` strips each text segment instead,
+    which drops the line break. A row without placeholders gets its image first, as
+    transformers' typed content does (``row["messages"]``)."""
     turns = row["conversations"]
     if not any("<image>" in t["value"] for t in turns):
         return row["messages"]
