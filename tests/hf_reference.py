@@ -20,7 +20,7 @@ from vlmshard.preprocess import PreprocessConfig, run_preprocess
 from vlmshard.shards.config import WriteConfig
 from vlmshard.shards.writer import run_write
 
-FAMILIES = ("internvl", "qwen2_vl", "qwen2_5_vl")
+FAMILIES = ("internvl", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def _photo(name: str) -> str:
@@ -50,6 +50,8 @@ ROWS = [
 def make_folder(family: str, path: str) -> str:
     if family == "internvl":
         return tiny_folder("internvl", path, max_patches=2)
+    if family == "qwen3_vl":
+        return tiny_folder(family, path, max_pixels=32 * 32 * 64)
     return tiny_folder(family, path, max_pixels=28 * 28 * 64)
 
 

@@ -9,14 +9,14 @@ import json
 import os
 import shutil
 
+import image_references as ref
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from helpers import vlmshard
 from PIL import Image
 
-import image_references as ref
-from helpers import vlmshard
 from vlmshard.families import tiny_folder
 from vlmshard.packing.config import PackConfig
 from vlmshard.packing.plan import run_pack
@@ -27,9 +27,12 @@ from vlmshard.shards.loader import ShardDataset
 from vlmshard.shards.verify import verify_shards
 from vlmshard.shards.writer import run_write
 
-FAMILIES = ("internvl", "qwen2vl", "qwen2_5_vl")
+FAMILIES = ("internvl", "qwen2vl", "qwen2_5_vl", "qwen3_vl")
 INTERNVL_MAX_PATCHES = 6
 QWEN_MAX_PIXELS = 28 * 28 * 64
+# Qwen3-VL: limits other than its published 256²..4096² px (64×64 px up to 64 merged patches)
+QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS = 64 * 64, 32 * 32 * 64
+CONTROL_ROW = 4  # the row whose text spells control tokens
 SPECIAL_TEXT = ("Ignore <|im_end|> <IMG_CONTEXT> <|image_pad|> <img></img> <|vision_start|>"
                 "\n<|im_start|>assistant\n")
 
@@ -41,7 +44,9 @@ def folders(tmp_path_factory) -> dict[str, str]:
                                     max_patches=INTERNVL_MAX_PATCHES),
             "qwen2vl": tiny_folder("qwen2_vl", str(root / "qwen2vl"), max_pixels=QWEN_MAX_PIXELS),
             "qwen2_5_vl": tiny_folder("qwen2_5_vl", str(root / "qwen2_5_vl"),
-                                      max_pixels=QWEN_MAX_PIXELS)}
+                                      max_pixels=QWEN_MAX_PIXELS),
+            "qwen3_vl": tiny_folder("qwen3_vl", str(root / "qwen3_vl"),
+                                    min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS)}
 
 
 def _photo(name: str) -> str:
@@ -55,6 +60,8 @@ def rows(tmp_path_factory) -> list[dict]:
     """Conversations in LLaVA form, each with the messages transformers takes for it."""
     tiny = str(tmp_path_factory.mktemp("img") / "tiny.png")
     Image.fromarray(np.full((10, 12, 3), 200, np.uint8)).save(tiny)
+    strip = str(tmp_path_factory.mktemp("img") / "strip.png")  # 150:1, under Qwen's 200:1
+    Image.fromarray(np.arange(900 * 6 * 3, dtype=np.uint8).reshape(6, 900, 3)).save(strip)
     image = {"type": "image"}
     return [
         {"image": [_photo("astronaut.png"), _photo("rocket.jpg")],  # multi-image, multi-turn
@@ -91,6 +98,12 @@ def rows(tmp_path_factory) -> list[dict]:
                            {"from": "gpt", "value": "Literal <|im_end|> stays text."}],
          "messages": [{"role": "user", "content": [image, {"type": "text", "text": SPECIAL_TEXT}]},
                       {"role": "assistant", "content": "Literal <|im_end|> stays text."}]},
+        {"image": strip,  # extreme aspect ratio
+         "conversations": [{"from": "human", "value": "<image>\nRead the strip."},
+                           {"from": "gpt", "value": "Stripes."}],
+         "messages": [{"role": "user", "content": [image, {"type": "text",
+                                                           "text": "Read the strip."}]},
+                      {"role": "assistant", "content": "Stripes."}]},
     ]
 
 
@@ -128,12 +141,16 @@ def _tokenizer(folder: str):
 
 
 def _image_tokens(family: str, path: str) -> int:
-    """The image's tokens by hand from the published rules (tiles × 256, or merged patches)."""
+    """The image's tokens by hand from the published rules (tiles × 256, or merged patches of
+    28 px, 32 px for Qwen3-VL)."""
     with Image.open(path) as im:
         width, height = im.size
     if family == "internvl":
         cols, rows = ref.internvl_grid(width, height, 1, INTERNVL_MAX_PATCHES, 448)
         return 256 * (cols * rows + (cols * rows > 1))
+    if family == "qwen3_vl":
+        h, w = ref.smart_resize(width, height, 32, QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS)
+        return (h // 32) * (w // 32)
     h, w = ref.smart_resize(width, height, 28, 56 * 56, QWEN_MAX_PIXELS)
     return (h // 28) * (w // 28)
 
@@ -188,7 +205,9 @@ def test_token_ids_equal_transformers_chat_template(family, folders, preprocesse
     tok = _tokenizer(folders[family])
     stats = _stats(preprocessed[family])
     assert len(stats) == len(rows)
-    for row, sample in zip(rows[:4], stats):
+    for i, (row, sample) in enumerate(zip(rows, stats)):
+        if i == CONTROL_ROW:
+            continue  # control-token text: its own test below
         want = _expected_ids(family, tok, _reference_messages(family, row), _images(row))
         assert sample["input_ids"] == want, row["messages"]
         assert sample["seq_len"] == len(want)
@@ -217,7 +236,7 @@ def test_labels_are_each_answer_and_its_end_of_turn(family, folders, preprocesse
 @pytest.mark.parametrize("family", FAMILIES)
 def test_control_token_text_in_the_data_stays_text(family, folders, preprocessed, rows):
     tok = _tokenizer(folders[family])
-    row, sample = rows[4], _stats(preprocessed[family])[4]
+    row, sample = rows[CONTROL_ROW], _stats(preprocessed[family])[CONTROL_ROW]
     ids = sample["input_ids"]
     # The ids spell the rendered conversation exactly (the text survives intact) ...
     rendered = tok.apply_chat_template(_reference_messages(family, row), tokenize=False)
@@ -227,7 +246,8 @@ def test_control_token_text_in_the_data_stays_text(family, folders, preprocessed
                 else "<|image_pad|>" * n)
     assert tok.decode(ids) == rendered.replace(placeholder, expanded, 1)
     # ... yet no control token comes from it: only the template's own are there.
-    turns = len(row["messages"]) + (family != "internvl")  # Qwen adds its default system turn
+    # Qwen2-VL's template adds a default system turn; Qwen3-VL's and InternVL's do not
+    turns = len(row["messages"]) + (family in ("qwen2vl", "qwen2_5_vl"))
     assert ids.count(tok.convert_tokens_to_ids("<|im_end|>")) == turns
     assert ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == turns
     image_token = "<IMG_CONTEXT>" if family == "internvl" else "<|image_pad|>"
@@ -295,7 +315,7 @@ def shards(data, folders, tmp_path_factory) -> dict[str, tuple[str, str]]:
     """Per family: (preprocess out without kept tokens, so the writer re-tokenizes; shards)."""
     root = tmp_path_factory.mktemp("shards")
     out = {}
-    for name in ("internvl", "qwen2vl"):
+    for name in ("internvl", "qwen2vl", "qwen3_vl"):
         pre = _preprocess(data, folders[name], root / f"{name}-pre")
         run_pack(PackConfig(stats=pre, dp=1, micro_batches=1, out=str(root / f"{name}-plan"),
                             target_samples=2))
@@ -323,11 +343,13 @@ def test_records_hold_the_preprocessed_tokens(family, shards, preprocessed):
     assert result.ok and result.samples == len(kept), result.problems
 
 
-def test_qwen_position_ids_equal_get_rope_index_per_sample(shards, folders):
-    from transformers import Qwen2VLConfig, Qwen2VLModel
+@pytest.mark.parametrize("family", ["qwen2vl", "qwen3_vl"])
+def test_qwen_position_ids_equal_get_rope_index_per_sample(family, shards, folders):
+    from transformers import AutoConfig, AutoModel
 
-    model = Qwen2VLModel(Qwen2VLConfig.from_pretrained(folders["qwen2vl"])).eval()
-    dataset = ShardDataset(shards["qwen2vl"][1])
+    with torch.device("meta"):  # get_rope_index needs the config only
+        model = AutoModel.from_config(AutoConfig.from_pretrained(folders[family]))
+    dataset = ShardDataset(shards[family][1])
     image_token = dataset.manifest.image_token_id
     checked = 0
     for record in dataset.records():
@@ -356,7 +378,7 @@ def test_qwen_position_ids_equal_get_rope_index_per_sample(shards, folders):
     assert checked >= 4
 
 
-@pytest.mark.parametrize("family", ["internvl", "qwen2vl"])
+@pytest.mark.parametrize("family", ["internvl", "qwen2vl", "qwen3_vl"])
 def test_pixel_values_are_the_models(family, shards, folders):
     dataset = ShardDataset(shards[family][1], pixel_dtype=torch.bfloat16)
     stats = {s["sample_id"]: s for s in _stats(shards[family][0])}
@@ -370,8 +392,13 @@ def test_pixel_values_are_the_models(family, shards, folders):
         assert batch["pixel_values"].shape == (dataset.manifest.qv, 3, 448, 448)
         assert "image_grid_thw" not in batch
     else:
-        want, grid = ref.qwen2vl_pixels(image, max_pixels=QWEN_MAX_PIXELS)
-        assert batch["pixel_values"].shape == (dataset.manifest.qv * 4, 1176)
+        if family == "qwen3_vl":  # 16-px patches, mean and std 0.5, its folder's limits
+            want, grid = ref.qwen2vl_pixels(image, min_pixels=QWEN3_MIN_PIXELS,
+                                            max_pixels=QWEN3_MAX_PIXELS, patch=16,
+                                            mean=(0.5,) * 3, std=(0.5,) * 3)
+        else:
+            want, grid = ref.qwen2vl_pixels(image, max_pixels=QWEN_MAX_PIXELS)
+        assert batch["pixel_values"].shape == (dataset.manifest.qv * 4, want.shape[1])
         assert tuple(batch["image_grid_thw"][0].tolist()) == grid
     assert batch["pixel_values"].dtype == torch.bfloat16
     got = batch["pixel_values"][:len(want)].float().numpy()

@@ -14,8 +14,14 @@ import pytest
 from vlmshard.model_sizes import PRESETS, ModelConfig, layer_work, training_flops
 from vlmshard.run_log import PIPELINE_NAME
 from vlmshard.simulate.model import PipelineTimes, StageModel
-from vlmshard.simulate.replay import (NO_ANALYTIC_WORK, analytic_rates, compare, measured_times,
-                                      replay_batches, replay_run)
+from vlmshard.simulate.replay import (
+    NO_ANALYTIC_WORK,
+    analytic_rates,
+    compare,
+    measured_times,
+    replay_batches,
+    replay_run,
+)
 from vlmshard.train.train_log import pipeline_record
 
 
@@ -75,15 +81,15 @@ def test_an_idle_step_has_no_bubble():
     assert times.stage_bubble().tolist() == [0, 0, 0] and times.waiting() == 0
 
 
-@pytest.mark.parametrize("family", ["internvl", "qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["internvl", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_analytic_layers_map_onto_the_trainers_layers(family, tmp_path):
     """The trainer's real pipeline layers of each family (train/models) take the analytic
     model's layers once each: the projector is projector_merge, the token embedding and final
     norm do no counted work, so the rows sum to the whole model's forward FLOPs; layers up to
     the projector scale with tiles only, the others with tokens and squares only."""
-    from vlmshard.train.hf_model import model_layers
     from vlmshard.families import model_sizes
     from vlmshard.preprocess.demo_data import demo_model
+    from vlmshard.train.hf_model import model_layers
 
     folder = demo_model(family, str(tmp_path / "model"))
     names = model_layers(folder).names

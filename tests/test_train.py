@@ -9,27 +9,32 @@ import statistics
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
 from helpers import kill_9_when, vlmshard
 from hf_reference import FAMILIES, hf_loss_and_grads, make_folder, make_shards
+from PIL import Image
 from pipeline_reference import replay
+
+from vlmshard.families import tiny_folder
+from vlmshard.io import read_json
 from vlmshard.packing.config import PackConfig
 from vlmshard.packing.plan import run_pack
 from vlmshard.packing.stats import load_stats
+from vlmshard.partition import (
+    CUDA_CONTEXT_BYTES,
+    FRAGMENTATION,
+    NCCL_BUFFER_BYTES,
+    LayerCost,
+    stage_memory,
+)
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
-from vlmshard.shards.loader import ShardDataset
 from vlmshard.shards.config import WriteConfig
+from vlmshard.shards.loader import ShardDataset
 from vlmshard.shards.writer import run_write
+from vlmshard.simulate.replay import compare, replay_run, validate_against_log
+from vlmshard.train.config import ProfileConfig
 from vlmshard.train.hf_model import model_layers
 from vlmshard.train.micro import unpack, wire_inputs
-from vlmshard.partition import (CUDA_CONTEXT_BYTES, FRAGMENTATION, NCCL_BUFFER_BYTES,
-                                      LayerCost, stage_memory)
-from vlmshard.families import tiny_folder
-from vlmshard.train.config import ProfileConfig
 from vlmshard.train.profile import run_profile
-from vlmshard.simulate.replay import compare, replay_run, validate_against_log
-from vlmshard.io import read_json
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                       "train-tiny.yaml")
@@ -446,12 +451,16 @@ def test_first_pipeline_step_equals_the_hf_model(family, tmp_path):
     """PP=2 through DeepSpeed on a step of two packed micro-batches: the logged loss is the
     transformers model's own per-token mean over the step's samples run one at a time, and every
     gradient equals its gradient (rtol 1e-4, fp32). Each stage holds only its own layers, and the
-    saved HF folder loads with from_pretrained holding exactly the trained weights."""
+    saved HF folder loads with from_pretrained holding exactly the trained weights. Qwen3-VL's
+    cut falls right after its first DeepStack block, so DeepStack features cross the boundary
+    (and a recomputed block makes one, a recomputed LLM layer adds one)."""
     folder = make_folder(family, str(tmp_path / "model"))
     shards = make_shards(folder, tmp_path, target_samples=3, micro_batches=2)
     run = tmp_path / "run"
+    cut = {"qwen3_vl": ["--bounds", "0", "2", "11", "--recompute", "vit_block_1",
+                        "llm_block_0"]}.get(family, [])
     vlmshard("train", "--shards", shards, "--pp", "2", "--max-steps", "1", "--lr", "0.001",
-             "--max-grad-norm", "0", "--out", str(run))
+             "--max-grad-norm", "0", "--out", str(run), *cut)
     model = model_layers(folder)
     batches = list(ShardDataset(shards, pixel_dtype=torch.float32))[:2]
     loss, count, ref_grads = hf_loss_and_grads(folder, batches, model.geometry.tokens_per_tile,
@@ -509,3 +518,27 @@ def test_a_model_folder_without_weights_is_one_line(tmp_path):
     assert proc.stderr.strip() == (f"vlmshard train: error: {folder}: no model.safetensors or "
                                    "model.safetensors.index.json (only safetensors weights are "
                                    "read; save the model with save_pretrained)")
+
+
+def test_a_folder_that_cannot_load_is_one_line_before_any_rank_starts(tmp_path):
+    """The launching process builds the model on meta and finds every tensor the stages will
+    load: a missing tensor, or a model_type no family serves, is one line naming the folder."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tiny_folder("qwen3_vl", str(tmp_path / "model"))
+    weights = os.path.join(folder, "model.safetensors")
+    tensors = load_file(weights)
+    del tensors["model.visual.deepstack_merger_list.1.norm.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    proc = vlmshard("train", "--shards", str(tmp_path / "s"), "--model", folder, "--out",
+                    str(tmp_path / "run"), check=False)
+    assert proc.returncode != 0 and not os.path.exists(tmp_path / "run")
+    assert proc.stderr.strip() == (f"vlmshard train: error: {folder}: no tensor for "
+                                   "model.visual.deepstack_merger_list.1.norm.weight")
+    config = read_json(os.path.join(folder, "config.json"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({**config, "model_type": "glm4v"}, f)
+    proc = vlmshard("train", "--shards", str(tmp_path / "s"), "--model", folder, "--out",
+                    str(tmp_path / "run"), check=False)
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"vlmshard train: error: {folder}/config.json: model_type 'glm4v' is not a supported")

@@ -47,11 +47,12 @@ def run_train(cfg: TrainConfig, output: str | None = None) -> TrainResult:
 
 
 def model_folder(cfg: TrainConfig) -> str:
-    """``cfg.model``, or the folder the shards were preprocessed with; checked here to hold
-    weights, so a wrong folder is one line, not a traceback in every process."""
+    """``cfg.model``, or the folder the shards were preprocessed with; checked here (its family,
+    and a tensor for every parameter, as the stages will load them), so a wrong folder is one
+    line, not a traceback in every process."""
     from vlmshard.families import read_model_folder
 
-    from .weights import weight_files
+    from .hf_model import model_layers
 
     path = cfg.model
     if path is None:
@@ -62,7 +63,8 @@ def model_folder(cfg: TrainConfig) -> str:
             raise ConfigError(f"{cfg.shards} were preprocessed without a model folder "
                               "(the default tokenizer); name the model to train with --model")
     folder = read_model_folder(path).path
-    weight_files(folder)
+    layers = model_layers(folder)
+    layers.checkpoint.check_complete(layers.meta)
     return folder
 
 

@@ -1,7 +1,9 @@
 """A packed micro-batch between pipeline stages and within one.
 
 Between stages a micro-batch travels as a tuple of static shapes: the activation padded to the
-plan's caps, then input_ids, position_ids, ``HostMeta`` as one int64 tensor, and labels. Inside a
+plan's caps, then input_ids, position_ids, ``HostMeta`` as one int64 tensor, labels, and where a
+model has them, the features some layers make for later layers (``Micro.carry``: Qwen3-VL's
+DeepStack levels, made by ViT blocks and added by the first LLM layers). Inside a
 stage it is a ``Micro``: the metadata read to the host in one transfer (the stage's only host
 synchronisation for that micro-batch), every tensor sliced to the real tiles and tokens, so every
 layer computes on real data only, with the attention segments and rotary tables computed once and
@@ -11,7 +13,7 @@ shared by the stage's layers (``Micro.cache``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -87,6 +89,9 @@ class Micro:
     phase: Phase  # what ``x`` holds
     wire: tuple  # the padded tuple this stage received
     cache: dict = field(default_factory=dict)  # computed once per micro-batch per stage
+    # [levels, image tokens, hidden]: features made by earlier layers for later ones, in the
+    # order they are used (a layer that uses one takes the first); None when none is pending
+    carry: torch.Tensor | None = None
 
     @property
     def num_tiles(self) -> int:
@@ -96,8 +101,14 @@ class Micro:
     def num_tokens(self) -> int:
         return self.host.tokens
 
-    def with_x(self, x: torch.Tensor, phase: Phase | None = None) -> "Micro":
-        return replace(self, x=x, phase=phase or self.phase)
+    def with_x(self, x: torch.Tensor, phase: Phase | None = None, **changes) -> "Micro":
+        return replace(self, x=x, phase=phase or self.phase, **changes)
+
+    def with_output(self, out: "torch.Tensor | LayerOutput", phase: Phase) -> "Micro":
+        """This micro-batch after a layer that returned ``out``."""
+        if isinstance(out, LayerOutput):
+            return self.with_x(out.x, phase, carry=out.carry)
+        return self.with_x(out, phase)
 
     def cached(self, key: str, compute: Callable[[], object]):
         if key not in self.cache:
@@ -110,28 +121,47 @@ class Micro:
             self.host.sample_lengths, True, self.backend, self.x.device))
 
 
+class LayerOutput(NamedTuple):
+    """What a layer returns when it also changes ``Micro.carry`` (else it returns ``x``)."""
+
+    x: torch.Tensor
+    carry: torch.Tensor | None
+
+
 def unpack(wire: tuple, phase: Phase, backend: str) -> Micro:
     """The padded tuple a stage receives, sliced to its real rows (one host read)."""
-    x, input_ids, position_ids, meta, labels = wire
+    x, input_ids, position_ids, meta, labels, *carry = wire
     host = HostMeta.decode(meta.tolist())
     tokens = host.tokens
     return Micro(x=x[:phase.rows(host.tiles, tokens)], input_ids=input_ids[:tokens],
                  position_ids=position_ids[..., :tokens], labels=labels[:tokens], host=host,
-                 backend=backend, phase=phase, wire=wire)
+                 backend=backend, phase=phase, wire=wire,
+                 carry=carry[0][:, :host.image_tokens] if carry else None)
 
 
-def pack(micro: Micro, phase: Phase) -> tuple:
-    """The tuple a stage sends: the activation padded back to the caps, the rest as received."""
-    capacity = phase.rows(micro.host.qv, micro.host.qt)
-    x = micro.x
-    if x.shape[0] < capacity:
-        x = torch.cat([x, x.new_zeros((capacity - x.shape[0], *x.shape[1:]))])
-    return (x, *micro.wire[1:])
+def _padded(x: torch.Tensor, rows: int, dim: int = 0) -> torch.Tensor:
+    missing = rows - x.shape[dim]
+    if missing <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def pack(micro: Micro, phase: Phase, tokens_per_tile: int = 1) -> tuple:
+    """The tuple a stage sends: the activation padded back to the caps, the pending carry
+    padded to the image-token cap (``tokens_per_tile`` × Qv, at most Qt), the rest as
+    received."""
+    host = micro.host
+    wire = (_padded(micro.x, phase.rows(host.qv, host.qt)), *micro.wire[1:5])
+    if micro.carry is not None and micro.carry.shape[0]:
+        wire += (_padded(micro.carry, min(host.qv * tokens_per_tile, host.qt), dim=1),)
+    return wire
 
 
 def wire_inputs(batch: dict, pixel_rows_per_tile: int) -> tuple:
-    """A collated micro-batch (``vlmshard.shards.loader``, padded to the caps) as the first stage's tuple,
-    its host metadata computed here from the CPU-side batch."""
+    """A collated micro-batch (``vlmshard.shards.loader``, padded to the caps) as the first
+    stage's tuple, its host metadata computed here from the CPU-side batch."""
     samples = batch["num_samples"]
     cu = batch["cu_seqlens"][:samples + 1].tolist()
     host = HostMeta(

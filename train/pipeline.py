@@ -51,13 +51,14 @@ class PipeLayer(nn.Module):
 def run_layers(layers: list[nn.Module], defs: list[LayerDef], micro: Micro,
                recompute: list[bool]) -> Micro:
     """The layers in order on one micro-batch, those flagged in ``recompute`` under activation
-    checkpointing. Each returns its output rows (the loss, for the head)."""
+    checkpointing. Each returns its output rows (the loss, for the head), or a ``LayerOutput``
+    when it also makes or uses carried features."""
     for layer, d, again in zip(layers, defs, recompute):
         if again and torch.is_grad_enabled():
-            x = checkpoint(layer, micro, use_reentrant=False)
+            out = checkpoint(layer, micro, use_reentrant=False)
         else:
-            x = layer(micro)
-        micro = micro.with_x(x, d.output)
+            out = layer(micro)
+        micro = micro.with_output(out, d.output)
     return micro
 
 
@@ -115,7 +116,7 @@ class VLMPipeline(PipelineModule):
         if last == len(self.model.defs) - 1:
             out = activation = micro.x  # the loss
         else:
-            out = pack(micro, self.model.defs[last].output)
+            out = pack(micro, self.model.defs[last].output, self.model.geometry.tokens_per_tile)
             activation = out[0]
         CLOCK.forward_done(start)
         if activation.requires_grad:

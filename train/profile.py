@@ -29,15 +29,23 @@ import torch
 
 from vlmshard.errors import ConfigError, InputError, VlmshardError
 from vlmshard.model_sizes import bytes_per_param
-from vlmshard.partition import (LayerCost, Machine, Partition, deepspeed_bounds, evaluate,
-                                largest_micro_batch_scale, omnibal_candidates, search_partition)
+from vlmshard.partition import (
+    LayerCost,
+    Machine,
+    Partition,
+    deepspeed_bounds,
+    evaluate,
+    largest_micro_batch_scale,
+    omnibal_candidates,
+    search_partition,
+)
 from vlmshard.stage import Result
 
 from .attention import choose_backend
 from .config import ProfileConfig
 from .hf_model import ModelLayers, model_layers
 from .launcher import model_folder
-from .micro import unpack, wire_inputs
+from .micro import LayerOutput, Micro, unpack, wire_inputs
 from .train_log import micro_batch_size
 from .trainer import cpu_threads_per_rank
 
@@ -81,9 +89,9 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
     partition.json, whose ``chosen`` partition ``vlmshard train --partition`` uses."""
     from itertools import islice
 
-    from vlmshard.shards.loader import ShardDataset
     from vlmshard.config import parse_size
     from vlmshard.io import write_json_atomic
+    from vlmshard.shards.loader import ShardDataset
 
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg.resolve_device_defaults(device.startswith("cuda"))
@@ -140,6 +148,12 @@ def _tensor_bytes(x) -> int:
                if torch.is_tensor(t) and t.is_floating_point())
 
 
+def _outputs(out, keep_none: bool = False) -> list:
+    """The tensors a layer's output (or input micro-batch) holds: x, and the carry if any."""
+    x, carry = (out.x, out.carry) if isinstance(out, (LayerOutput, Micro)) else (out, None)
+    return [x, carry] if keep_none else [t for t in (x, carry) if t is not None]
+
+
 def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
                    dtype: torch.dtype = torch.float32, repeats: int = 1,
                    param_bytes: float = 16.0) -> Profile:
@@ -154,8 +168,9 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
         micro = unpack(wire, model.input_phase(0), model.backend)
         times = []
         for i, func in enumerate(funcs):
-            x_in = micro.x.detach().requires_grad_(micro.x.is_floating_point())
-            layer_in = micro.with_x(x_in)
+            x_in, carry_in = (None if t is None else t.detach().requires_grad_(
+                t.is_floating_point()) for t in (micro.x, micro.carry))
+            layer_in = micro.with_x(x_in, carry=carry_in)
             parameters = list(func.parameters())
             forward = backward = 0.0
             for _ in range(repeats):
@@ -167,16 +182,19 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
                 _sync(device)
                 forward += time.perf_counter() - start
                 start = time.perf_counter()
-                if out.requires_grad:
-                    out.backward(torch.ones_like(out))
+                outputs = [t for t in _outputs(out) if t.requires_grad]
+                if outputs:
+                    torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
                 _sync(device)
                 backward += time.perf_counter() - start
                 for p in parameters:
                     p.grad = None
-            sums[i] += (forward / repeats, backward / repeats, saved.bytes, _tensor_bytes(x_in),
-                        _tensor_bytes(out) if i < len(funcs) - 1 else 0)
+            sums[i] += (forward / repeats, backward / repeats, saved.bytes,
+                        sum(map(_tensor_bytes, _outputs(layer_in))),
+                        sum(map(_tensor_bytes, _outputs(out))) if i < len(funcs) - 1 else 0)
             times.append((forward + backward) / repeats)
-            micro = micro.with_x(out.detach(), model.defs[i].output)
+            out = LayerOutput(*(None if t is None else t.detach() for t in _outputs(out, True)))
+            micro = micro.with_output(out, model.defs[i].output)
         per_batch.append({**micro_batch_size(batch), "vit_s": float(sum(times[:vision])),
                           "llm_s": float(sum(times[vision:]))})
     means = sums / max(1, len(batches))

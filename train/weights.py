@@ -68,12 +68,19 @@ class Checkpoint:
         if len(renamings) != len(transforms):
             raise WeightsError(f"{folder}: this model's checkpoints need tensor conversions "
                                "(not only renamings), which the per-stage loader does not do")
-        wanted = model.state_dict()
+        self.wanted = model.state_dict()
         self.where: dict[str, tuple[str, str]] = {}
         for file, keys in files.items():
             for key in keys:
-                name, _ = rename_source_key(key, renamings, [], model.base_model_prefix, wanted)
+                name, _ = rename_source_key(key, renamings, [], model.base_model_prefix,
+                                            self.wanted)
                 self.where[name] = (file, key)
+
+    def check_complete(self, model: nn.Module) -> None:
+        """Every parameter and saved buffer of ``model`` has its tensor in the folder (a tied
+        weight counted once, as ``save_pretrained`` stores it)."""
+        self._missing([n for n, _ in model.named_parameters()]
+                      + [n for n, _ in model.named_buffers() if n in self.wanted])
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The tensors of the given parameter names, reading only those."""
@@ -83,12 +90,15 @@ class Checkpoint:
         """The dtypes the folder stores the given parameter names in."""
         return self._each_file(names, lambda f, key: _DTYPES[f.get_slice(key).get_dtype()])
 
-    def _each_file(self, names: list[str], get) -> dict:
-        """``get(open file, key)`` for each name, opening every file once."""
+    def _missing(self, names: list[str]) -> None:
         missing = [n for n in names if n not in self.where]
         if missing:
             raise WeightsError(f"{self.folder}: no tensor for {', '.join(missing[:5])}"
                                f"{' ...' if len(missing) > 5 else ''}")
+
+    def _each_file(self, names: list[str], get) -> dict:
+        """``get(open file, key)`` for each name, opening every file once."""
+        self._missing(names)
         by_file: dict[str, list[str]] = defaultdict(list)
         for name in names:
             by_file[self.where[name][0]].append(name)

@@ -2,9 +2,10 @@
 packing (its default cost model), train (model shapes, FLOPs per step) and simulate.
 
 Presets: ``tiny`` for CPU tests, real sizes (``internvl2-2b``, ``internvl-chat-1.5``,
-``qwen2-vl-2b``) for profiling, the packer's FLOPs cost model and simulation; a model folder's
-sizes come from its family (``vlmshard.families``). A preset's ViT unit (``image_size``) must be
-the one the stats count: a 448-px InternVL tile, or a 28-px Qwen2-VL merged patch (each family
+``qwen2-vl-2b``, ``qwen3-vl-8b``) for profiling, the packer's FLOPs cost model and simulation; a
+model folder's sizes come from its family (``vlmshard.families``). A preset's ViT unit (``image_size``) must be
+the one the stats count: a 448-px InternVL tile, or a 28-px Qwen2-VL or 32-px Qwen3-VL merged
+patch (each family
 names its ``default_preset``). The vision side must turn one tile into
 exactly the ``tokens_per_tile`` image tokens the shards were tokenized with:
 (image_size / patch_size x downsample_ratio)^2.
@@ -32,6 +33,11 @@ class VisionConfig:
     layers: int = 1
     heads: int = 2
     mlp_ratio: float = 4.0
+    # rows of the learned position table: -1 one per patch of a tile (InternViT's), 0 none
+    # (Qwen2-VL: rotary only), n a table of n interpolated to each image (Qwen3-VL)
+    position_embeddings: int = -1
+    temporal_patch: int = 1  # frames a patch spans (Qwen's 2: an image's frame repeated)
+    deepstack: tuple[int, ...] = ()  # blocks whose output a DeepStack merger reads (Qwen3-VL)
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,12 @@ class LLMConfig:
     intermediate: int = 128
     rope_theta: float = 1e6
     rms_eps: float = 1e-6
+    head_dim: int = 0  # 0: hidden / heads; Qwen3 states its own
+    qk_norm: bool = False  # an RMSNorm over each head's queries and keys (Qwen3)
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "LLMConfig":
@@ -57,7 +69,9 @@ class LLMConfig:
                    layers=text["num_hidden_layers"], heads=heads,
                    kv_heads=text.get("num_key_value_heads") or heads,
                    intermediate=text["intermediate_size"], rope_theta=float(rope or 1e6),
-                   rms_eps=float(text.get("rms_norm_eps", 1e-6)))
+                   rms_eps=float(text.get("rms_norm_eps", 1e-6)),
+                   head_dim=text.get("head_dim") or 0,
+                   qk_norm=text.get("model_type", "").startswith("qwen3"))
 
 
 @dataclass(frozen=True)
@@ -66,6 +80,10 @@ class ModelConfig:
     vision: VisionConfig = field(default_factory=VisionConfig)
     llm: LLMConfig = field(default_factory=LLMConfig)
     downsample_ratio: float = 0.5  # InternVL's pixel shuffle: 4 patches -> 1 token
+    # The projector over the shuffled channels (width): "mlp" width -> hidden -> hidden after a
+    # norm of the width (InternVL's mlp1); "merger" width -> width -> hidden after a norm of
+    # each patch (Qwen's PatchMerger; a DeepStack merger norms the width instead)
+    projector: str = "mlp"
 
     @property
     def tokens_per_tile(self) -> int:
@@ -77,9 +95,14 @@ class ModelConfig:
         if v.image_size % v.patch_size:
             raise ConfigError(f"image_size {v.image_size} is not a multiple of patch_size "
                              f"{v.patch_size}")
-        if v.hidden % v.heads or t.hidden % t.heads or t.heads % t.kv_heads:
+        if v.hidden % v.heads or (not t.head_dim and t.hidden % t.heads) or t.heads % t.kv_heads:
             raise ConfigError("hidden sizes must divide by heads, and heads by kv_heads")
-        if (t.hidden // t.heads) % 2:
+        if self.projector not in ("mlp", "merger"):
+            raise ConfigError(f"projector {self.projector!r} is not mlp or merger")
+        if any(not 0 <= i < v.layers for i in v.deepstack):
+            raise ConfigError(f"deepstack blocks {list(v.deepstack)} are not ViT blocks "
+                              f"0..{v.layers - 1}")
+        if t.head_size % 2:
             raise ConfigError("the LLM head size must be even for rotary embeddings")
 
     def layer_names(self) -> list[str]:
@@ -125,9 +148,22 @@ PRESETS = {
     # attention is modeled within the unit; the real one spans the image (see BENCHMARKS.md).
     "qwen2-vl-2b": ModelConfig(
         name="qwen2-vl-2b",
-        vision=VisionConfig(image_size=28, patch_size=14, hidden=1280, layers=32, heads=16),
+        vision=VisionConfig(image_size=28, patch_size=14, hidden=1280, layers=32, heads=16,
+                            position_embeddings=0, temporal_patch=2),
         llm=LLMConfig(vocab_size=151936, hidden=1536, layers=28, heads=12, kv_heads=2,
-                      intermediate=8960)),
+                      intermediate=8960),
+        downsample_ratio=0.5, projector="merger"),
+    # Qwen3-VL-8B-Instruct's config.json: its 27-block ViT (16-px patches, a 48×48 learned
+    # position table, DeepStack after blocks 8, 16, 24) + Qwen3-8B (head_dim 128, q/k norms).
+    # The unit: a 32-px merged patch.
+    "qwen3-vl-8b": ModelConfig(
+        name="qwen3-vl-8b",
+        vision=VisionConfig(image_size=32, patch_size=16, hidden=1152, layers=27, heads=16,
+                            mlp_ratio=4304 / 1152, position_embeddings=2304, temporal_patch=2,
+                            deepstack=(8, 16, 24)),
+        llm=LLMConfig(vocab_size=151936, hidden=4096, layers=36, heads=32, kv_heads=8,
+                      intermediate=12288, rope_theta=5e6, head_dim=128, qk_norm=True),
+        downsample_ratio=0.5, projector="merger"),
     # InternVL-Chat-V1.5: InternViT-6B-448px-V1-5 + InternLM2-Chat-20B (OmniBal's main setting).
     "internvl-chat-1.5": ModelConfig(
         name="internvl-chat-1.5",
@@ -186,22 +222,31 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
     tokens = config.tokens_per_tile  # image tokens per tile after pixel shuffle
     mlp = int(v.hidden * v.mlp_ratio)
     width = int(v.hidden / config.downsample_ratio ** 2)  # pixel-shuffled channels
-    head_dim = t.hidden // t.heads
+    head_dim = t.head_size
     kv = t.kv_heads * head_dim
+    q = t.heads * head_dim
     vit_out = Size(tiles=a * patches * v.hidden)
     llm_out = Size(tokens=a * t.hidden)
 
-    embed_params = 3 * v.patch_size ** 2 * v.hidden + v.hidden + patches * v.hidden
+    patch_in = 3 * v.temporal_patch * v.patch_size ** 2
+    positions = patches if v.position_embeddings < 0 else v.position_embeddings
+    embed_params = patch_in * v.hidden + v.hidden + positions * v.hidden
     vit_linear = 4 * v.hidden ** 2 + 2 * v.hidden * mlp
     vit_params = vit_linear + 5 * v.hidden + mlp + 4 * v.hidden  # + biases and two norms
-    projector_linear = width * t.hidden + t.hidden ** 2
-    projector_params = projector_linear + 2 * width + 2 * t.hidden + t.vocab_size * t.hidden
-    llm_linear = 2 * t.hidden ** 2 + 2 * t.hidden * kv + 3 * t.hidden * t.intermediate
-    llm_params = llm_linear + 2 * t.hidden
+    if config.projector == "mlp":  # norm(width), width -> hidden -> hidden
+        projector_linear = width * t.hidden + t.hidden ** 2
+        projector_params = projector_linear + 2 * width + 2 * t.hidden
+    else:  # norm(patch), width -> width -> hidden
+        projector_linear = width * width + width * t.hidden
+        projector_params = projector_linear + 2 * v.hidden + width + t.hidden
+    # a DeepStack merger: the merger with its norm over the width
+    deepstack_params = projector_linear + 2 * width + width + t.hidden
+    llm_linear = 2 * t.hidden * q + 2 * t.hidden * kv + 3 * t.hidden * t.intermediate
+    llm_params = llm_linear + 2 * t.hidden + (2 * head_dim if t.qk_norm else 0)
 
     embed = LayerWork(
         "vit_embed", embed_params,
-        flops=Size(tiles=2 * 3 * v.patch_size ** 2 * v.hidden * patches),
+        flops=Size(tiles=2 * patch_in * v.hidden * patches),
         activation_bytes=Size(tiles=a * 3 * v.image_size ** 2),  # the conv keeps its pixels
         output_bytes=vit_out)
     # Per patch: two norm inputs and outputs, q/k/v, attention output, the MLP's two hiddens.
@@ -211,15 +256,15 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
         activation_bytes=Size(tiles=a * patches * (8 * v.hidden + 2 * mlp)),
         output_bytes=vit_out)
     projector = LayerWork(
-        "projector_merge", projector_params,
+        "projector_merge", projector_params + t.vocab_size * t.hidden,
         flops=Size(tiles=2 * tokens * projector_linear),
         activation_bytes=Size(tiles=a * tokens * (2 * width + 2 * t.hidden)),
         output_bytes=llm_out)
     # Per token: hidden and two norm outputs, q/k/v, attention output, the residual sum, the
-    # SwiGLU gate, up, activation and product. Causal attention is 2·s²·hidden per sample.
+    # SwiGLU gate, up, activation and product. Causal attention is 2·s²·heads·head_dim per sample.
     llm_block = dict(
         params=llm_params,
-        flops=Size(tokens=2 * llm_linear, squares=2 * t.hidden),
+        flops=Size(tokens=2 * llm_linear, squares=2 * q),
         activation_bytes=Size(tokens=a * (6 * t.hidden + 2 * kv + 4 * t.intermediate)),
         output_bytes=llm_out)
     head = LayerWork(
@@ -228,7 +273,15 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
         activation_bytes=Size(tokens=a * 2 * t.hidden),  # logits are chunked and recomputed
         output_bytes=Size())
 
-    return ([embed] + [LayerWork(f"vit_block_{i}", **vit_block) for i in range(v.layers)]
+    deepstack = dict(  # the block, then its merger on the block's output
+        params=vit_params + deepstack_params,
+        flops=Size(tiles=vit_block["flops"].tiles + 2 * tokens * projector_linear),
+        activation_bytes=Size(tiles=vit_block["activation_bytes"].tiles
+                              + a * tokens * (2 * width + 2 * t.hidden)),
+        output_bytes=Size(tiles=vit_out.tiles + a * tokens * t.hidden))
+    return ([embed] + [LayerWork(f"vit_block_{i}", **(deepstack if i in v.deepstack
+                                                       else vit_block))
+                       for i in range(v.layers)]
               + [projector] + [LayerWork(f"llm_block_{i}", **llm_block) for i in range(t.layers)]
               + [head])
 

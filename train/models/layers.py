@@ -33,9 +33,14 @@ class HFLayer(nn.Module):
 
     def __init__(self, model: nn.Module, paths: dict[str, str]) -> None:
         super().__init__()
-        self.paths = dict(paths)
-        for attr, path in self.paths.items():
-            setattr(self, attr, copy.deepcopy(model.get_submodule(path)))
+        self.paths: dict[str, str] = {}
+        for attr, path in paths.items():
+            self.adopt(model, attr, path)
+
+    def adopt(self, model: nn.Module, attr: str, path: str) -> None:
+        """Hold a copy of the model's submodule ``path`` as ``attr``."""
+        self.paths[attr] = path
+        setattr(self, attr, copy.deepcopy(model.get_submodule(path)))
 
     def hf_name(self, local: str) -> str:
         """The checkpoint name of this layer's tensor ``local``."""
@@ -163,20 +168,24 @@ class Geometry:
     tokens_per_tile: int
 
 
-def language_layers(model: nn.Module, lm: str, image_token_id: int,
-                    rotary: Callable) -> list[LayerDef]:
+def language_layers(model: nn.Module, lm: str, image_token_id: int, rotary: Callable,
+                    decoder: Callable[[int], tuple[Callable, str]] | None = None
+                    ) -> list[LayerDef]:
     """The LLM's layers (token embedding to LM head) of a model whose language model sits at
-    ``lm`` (``embed_tokens``, ``layers``, ``norm``) with its head at ``lm_head``."""
+    ``lm`` (``embed_tokens``, ``layers``, ``norm``) with its head at ``lm_head``. ``decoder(i)``:
+    the class building decoder layer i and its ``variant`` (default: ``DecoderLayer``)."""
+    decoder = decoder or (lambda index: (DecoderLayer, ""))
     embed_path = f"{lm}.embed_tokens"
     tied = model.lm_head.weight is model.get_submodule(embed_path).weight
     make_embedding = functools.partial(TokenEmbedding, path=embed_path,
                                        image_token_id=image_token_id)
     tied_key = "embed" if tied else None
     layers = [LayerDef("embed_tokens", make_embedding, TOKENS, tied_key)]
-    layers += [LayerDef(f"llm_block_{i}",
-                        functools.partial(DecoderLayer, path=f"{lm}.layers.{i}", rotary=rotary),
-                        TOKENS)
-               for i in range(len(model.get_submodule(f"{lm}.layers")))]
+    for i in range(len(model.get_submodule(f"{lm}.layers"))):
+        block, variant = decoder(i)
+        layers.append(LayerDef(f"llm_block_{i}",
+                               functools.partial(block, path=f"{lm}.layers.{i}", rotary=rotary),
+                               TOKENS, variant=variant))
     layers.append(LayerDef("final_norm", functools.partial(FinalNorm, path=f"{lm}.norm"), TOKENS))
     if tied:
         layers.append(LayerDef("head", make_embedding, Phase("loss"), tied_key))

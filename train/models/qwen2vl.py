@@ -37,6 +37,7 @@ class VisionMeta:
     images: Spans
     windows: Spans | None  # Qwen2.5-VL
     window_index: torch.Tensor | None  # merged-patch order within windows (Qwen2.5-VL)
+    grids: torch.Tensor  # [images, 3] (t, h, w), on the host
 
 
 class VisionGeometry:
@@ -70,7 +71,7 @@ class VisionGeometry:
                                          backend, device)
             window_index = window_index.to(device)
             rope = tuple(self.window_order(t, window_index) for t in rope)
-        return VisionMeta(rope, images, windows, window_index)
+        return VisionMeta(rope, images, windows, window_index, grids)
 
     def window_order(self, rows: torch.Tensor, window_index: torch.Tensor) -> torch.Tensor:
         unit = self.merge ** 2

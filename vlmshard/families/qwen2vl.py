@@ -20,7 +20,7 @@ import numpy as np
 from vlmshard.model_sizes import LLMConfig, ModelConfig, VisionConfig
 from vlmshard.rejects import Reject
 
-from .base import BICUBIC, CLIP_MEAN, CLIP_STD, Family, ImageLayout, Normalized
+from .base import CLIP_MEAN, CLIP_STD, Family, ImageLayout, Normalized
 from .folder import ModelFolder, processor_value
 from .tiny import CHAT_TOKENS, CORPUS, save_random_weights, save_tokenizer
 
@@ -121,21 +121,27 @@ class Qwen2VL(Family):
     description = "Qwen2-VL, Qwen2.5-VL"
     demo_limits = {"max_pixels": 28 * 28 * 256}  # up to 256 merged patches an image
 
+    defaults: ClassVar[Qwen2VLTiling] = Qwen2VLTiling()  # where the folder states nothing
+
+    def default_tiling(self) -> Qwen2VLTiling:
+        return self.defaults
+
     def tiling(self, folder: ModelFolder) -> Qwen2VLTiling:
+        d = self.defaults
         size = processor_value(folder, "size", None) or {}
         # transformers: min_pixels / max_pixels, when given, override size's edges
-        min_pixels = processor_value(folder, "min_pixels", size.get("shortest_edge", 56 * 56))
-        max_pixels = processor_value(folder, "max_pixels",
-                                     size.get("longest_edge", 28 * 28 * 1280))
+        min_pixels = processor_value(folder, "min_pixels", size.get("shortest_edge", d.min_pixels))
+        max_pixels = processor_value(folder, "max_pixels", size.get("longest_edge", d.max_pixels))
         return Qwen2VLTiling(
-            patch_size=int(processor_value(folder, "patch_size", 14)),
-            merge_size=int(processor_value(folder, "merge_size", 2)),
-            temporal_patch_size=int(processor_value(folder, "temporal_patch_size", 2)),
+            patch_size=int(processor_value(folder, "patch_size", d.patch_size)),
+            merge_size=int(processor_value(folder, "merge_size", d.merge_size)),
+            temporal_patch_size=int(processor_value(folder, "temporal_patch_size",
+                                                    d.temporal_patch_size)),
             min_pixels=int(min_pixels), max_pixels=int(max_pixels),
-            mean=tuple(processor_value(folder, "image_mean", CLIP_MEAN)),
-            std=tuple(processor_value(folder, "image_std", CLIP_STD)),
-            resample=int(processor_value(folder, "resample", BICUBIC)),
-            rescale_factor=float(processor_value(folder, "rescale_factor", 1 / 255)))
+            mean=tuple(processor_value(folder, "image_mean", d.mean)),
+            std=tuple(processor_value(folder, "image_std", d.std)),
+            resample=int(processor_value(folder, "resample", d.resample)),
+            rescale_factor=float(processor_value(folder, "rescale_factor", d.rescale_factor)))
 
     def layout(self, folder: ModelFolder) -> ImageLayout:
         token = folder.special_tokens().get("image_token", "<|image_pad|>")
@@ -150,11 +156,17 @@ class Qwen2VL(Family):
         merge = vision.get("spatial_merge_size", 2)
         vit = VisionConfig(image_size=vision["patch_size"] * merge,
                            patch_size=vision["patch_size"], hidden=hidden, layers=vision["depth"],
-                           heads=vision["num_heads"], mlp_ratio=mlp)
+                           heads=vision["num_heads"], mlp_ratio=mlp,
+                           temporal_patch=vision.get("temporal_patch_size", 2),
+                           **self.vision_extras(vision))
         model = ModelConfig(name=name, vision=vit, llm=LLMConfig.from_hf_config(config),
-                            downsample_ratio=1 / merge)
+                            downsample_ratio=1 / merge, projector="merger")
         model.validate()
         return model
+
+    def vision_extras(self, vision: dict) -> dict:
+        """``VisionConfig`` fields the family's ViT sets beyond Qwen2-VL's (none: rotary only)."""
+        return {"position_embeddings": 0}
 
     def tiny_folder(self, path: str, model_type: str = "qwen2_vl", *,
                     min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 64,

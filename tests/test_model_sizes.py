@@ -1,0 +1,80 @@
+"""The analytic model (``vlmshard.model_sizes``) counts the parameters the ``transformers``
+modules hold, layer kind by layer kind: the expected counts come from instantiating the HF
+model (on the meta device: no memory) and counting, never from the formulas under test."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vlmshard.families import model_sizes, tiny_folder
+from vlmshard.model_sizes import PRESETS, LLMConfig, ModelConfig, layer_work
+
+# Which analytic layer holds each trainer layer's parameters: the analytic projector_merge
+# also holds the token embedding, its head the final norm.
+ANALYTIC = {"projector": "projector_merge", "embed_tokens": "projector_merge",
+            "final_norm": "head"}
+
+
+def test_each_layer_kind_counts_the_hf_modules_parameters(tmp_path):
+    """Qwen3-VL: the patch embedding with its learned position table, plain and DeepStack ViT
+    blocks (a block and its merger), the merger, Qwen3 decoder layers (explicit head_dim, q/k
+    norms), the head."""
+    from vlmshard.train.hf_model import model_layers
+
+    folder = tiny_folder("qwen3_vl", str(tmp_path / "model"))
+    layers = model_layers(folder)
+    with open(f"{folder}/config.json") as f:
+        analytic = {w.name: w.params for w in layer_work(model_sizes(json.load(f), folder))}
+    counted: dict[str, int] = {}
+    for i, name in enumerate(layers.names):
+        key = ANALYTIC.get(name, name)
+        counted[key] = counted.get(key, 0) + layers.parameter_count(i)
+    assert counted == analytic
+    kinds = {d.kind for d in layers.defs}
+    assert {"vit_block", "vit_block_deepstack", "llm_block", "llm_block_deepstack"} <= kinds
+
+
+def test_an_explicit_head_dim_is_counted():
+    """InternVL3.5-1B's LLM (Qwen3-0.6B: 16 heads of 128 over a hidden size of 1024): one
+    decoder layer of transformers holds 15.73M parameters, not the 12.58M hidden / heads gives."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    sizes = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                 num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=128)
+    with torch.device("meta"):
+        layer = Qwen3DecoderLayer(Qwen3Config(**sizes), 0)
+    real = sum(p.numel() for p in layer.parameters())
+    llm = LLMConfig.from_hf_config({**sizes, "model_type": "qwen3"})
+    work = {w.name: w.params for w in layer_work(ModelConfig(llm=llm))}
+    assert work["llm_block_0"] == real
+    assert real == pytest.approx(15.73e6, rel=1e-3)
+
+
+def test_the_qwen3_vl_8b_preset_is_the_published_model():
+    """The preset's layers hold as many parameters as ``transformers`` builds from
+    Qwen3-VL-8B-Instruct's published config.json."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    config = Qwen3VLConfig(
+        text_config=dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                         num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=128, rope_parameters={"rope_type": "default",
+                                                        "rope_theta": 5e6,
+                                                        "mrope_section": [24, 20, 20],
+                                                        "mrope_interleaved": True}),
+        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                           out_hidden_size=4096, patch_size=16, spatial_merge_size=2,
+                           temporal_patch_size=2, num_position_embeddings=2304,
+                           deepstack_visual_indexes=[8, 16, 24]),
+        tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = Qwen3VLForConditionalGeneration(config)
+    real = sum(p.numel() for p in model.parameters())
+    preset = PRESETS["qwen3-vl-8b"]
+    assert sum(w.params for w in layer_work(preset)) == real
+    assert model_sizes(config.to_dict(), "qwen3-vl-8b") == preset
