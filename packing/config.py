@@ -60,9 +60,9 @@ class PackConfig:
         None, help=f"model whose FLOPs set the default cost model: a Hugging Face model folder "
                    f"(its config.json's sizes) or a preset ({', '.join(PRESETS)}); its ViT unit "
                    "must be the stats' (448-px tiles for InternVL, 28-px merged patches for "
-                   "Qwen2-VL)",
-        default_text="the model folder the stats were preprocessed for; else internvl2-2b, or "
-                     "qwen2-vl-2b for Qwen2-VL stats")
+                   "Qwen2-VL, 32-px for Qwen3-VL)",
+        default_text="the model folder the stats were preprocessed for; else the family's "
+                     "preset: internvl2-2b, qwen2-vl-2b or qwen3-vl-8b")
 
     def __post_init__(self) -> None:
         for name in ("dp", "micro_batches", "epochs", "target_samples"):

@@ -12,6 +12,7 @@ import json
 import os
 
 import torch
+import torch.nn.functional as F
 
 from vlmshard.families import tiny_folder
 from vlmshard.packing.config import PackConfig
@@ -20,7 +21,8 @@ from vlmshard.preprocess import PreprocessConfig, run_preprocess
 from vlmshard.shards.config import WriteConfig
 from vlmshard.shards.writer import run_write
 
-FAMILIES = ("internvl", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("internvl", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
+            "internvl3_5_moe")
 
 
 def _photo(name: str) -> str:
@@ -48,9 +50,13 @@ ROWS = [
 
 
 def make_folder(family: str, path: str) -> str:
+    """A tiny folder of ``family``: a model_type, or ``internvl3_5_moe`` (InternVL on Qwen3-MoE,
+    as InternVL3.5-30B-A3B; its checkpoint stores each expert apart)."""
     if family == "internvl":
         return tiny_folder("internvl", path, max_patches=2)
-    if family == "qwen3_vl":
+    if family == "internvl3_5_moe":
+        return tiny_folder("internvl", path, max_patches=2, llm="qwen3_moe")
+    if family.startswith("qwen3_vl"):
         return tiny_folder(family, path, max_pixels=32 * 32 * 64)
     return tiny_folder(family, path, max_pixels=28 * 28 * 64)
 
@@ -98,23 +104,52 @@ def supervised(sample: dict) -> int:
     return int((sample["labels"][0, 1:] != -100).sum())
 
 
+def padded(samples: list[dict]) -> dict:
+    """Samples as one right-padded batch with an attention mask, as a HF data collator makes."""
+    width = max(s["input_ids"].shape[1] for s in samples)
+    batch = {"attention_mask": torch.stack([torch.arange(width) < s["input_ids"].shape[1]
+                                            for s in samples]).long()}
+    for key in ("input_ids", "mm_token_type_ids"):
+        batch[key] = torch.stack([F.pad(s[key][0] if key in s else torch.zeros_like(
+            s["input_ids"][0], dtype=torch.int), (0, width - s["input_ids"].shape[1]))
+            for s in samples])
+    for key in ("pixel_values", "image_grid_thw"):
+        if any(key in s for s in samples):
+            batch[key] = torch.cat([s[key] for s in samples if key in s])
+    return batch
+
+
 def hf_loss_and_grads(folder: str, batches: list[dict], tokens_per_tile: int,
                       rows_per_tile: int) -> tuple[float, int, dict[str, torch.Tensor]]:
-    """(Σ per-token losses, supervised tokens, gradients of that sum by parameter name)."""
+    """(J, supervised tokens, gradients of J by parameter name). J is Σ per-token losses, and
+    for a MoE model trained with the router's auxiliary loss (``output_router_logits``), plus
+    tokens × coef × the mean over micro-batches of the aux loss HF computes on each micro-batch
+    (its samples as one padded batch): J / tokens is then the step's loss."""
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32,
                                                         attn_implementation="sdpa")
     model.train()
+    text = model.config.get_text_config()
+    coef = text.router_aux_loss_coef if getattr(text, "output_router_logits", False) else 0.0
     image_token_id = model.config.image_token_id
     total = torch.zeros((), dtype=torch.float64)
     count = 0
-    for batch in batches:
-        for sample in split_samples(batch, image_token_id, tokens_per_tile, rows_per_tile):
+    micro = [split_samples(batch, image_token_id, tokens_per_tile, rows_per_tile)
+             for batch in batches]
+    for samples in micro:
+        for sample in samples:
             n = supervised(sample)
-            loss = model(**sample, use_cache=False).loss * n
+            out = model(**sample, use_cache=False, **({"output_router_logits": False}
+                                                      if coef else {}))
+            loss = out.loss * n
             loss.backward()
             total += loss.detach().double()
             count += n
+    for samples in micro if coef else []:
+        aux = model(**padded(samples), use_cache=False, output_router_logits=True).aux_loss
+        weighted = aux * (coef * count / len(micro))
+        weighted.backward()
+        total += weighted.detach().double()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return float(total), count, grads

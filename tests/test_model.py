@@ -13,7 +13,7 @@ from hf_reference import FAMILIES, hf_loss_and_grads, make_folder, make_shards
 from torch.utils.flop_counter import FlopCounterMode
 
 from vlmshard.shards.loader import ShardDataset
-from vlmshard.shards.model_inputs import next_token_targets
+from vlmshard.shards.model_inputs import next_token_targets, supervised_tokens
 from vlmshard.train.attention import Spans, packed_sdpa
 from vlmshard.train.hf_model import model_layers
 from vlmshard.train.micro import pack, unpack, wire_inputs
@@ -29,13 +29,18 @@ def setup(request, tmp_path_factory):
 
 
 def _pipeline_loss_and_grads(model, batches, recompute: set[str]):
+    """J as ``hf_loss_and_grads`` defines it: a head's second output (a MoE router's aux loss
+    × coef, per micro-batch) weighs tokens / micro-batches."""
     funcs = model.build_all()
     flags = [name in recompute for name in model.names]
+    tokens = sum(supervised_tokens(batch) for batch in batches)
     total = 0.0
     for batch in batches:
         micro = unpack(wire_inputs(batch, model.geometry.pixel_rows_per_tile),
                        model.input_phase(0), model.backend)
         loss = run_layers(funcs, model.defs, micro, flags).x
+        if loss.dim():
+            loss = loss[0] + loss[1:].sum() * tokens / len(batches)
         loss.backward()
         total += float(loss.detach())
     grads = {}
@@ -87,7 +92,7 @@ def test_padding_takes_no_compute(setup):
         micro = unpack(wire_inputs(batch, model.geometry.pixel_rows_per_tile),
                        model.input_phase(0), model.backend)
         with FlopCounterMode(display=False) as counter:
-            loss = run_layers(funcs, model.defs, micro, [False] * len(funcs)).x
+            loss = run_layers(funcs, model.defs, micro, [False] * len(funcs)).x.sum()
             loss.backward()
         results.append((float(loss.detach()), counter.get_total_flops()))
     (loss, flops), (padded_loss, padded_flops) = results
@@ -137,12 +142,12 @@ def test_a_stage_reads_the_device_once_per_micro_batch(setup):
         Tracked.reads = []
         micro = unpack(received, model.input_phase(lo), model.backend)
         micro = run_layers(funcs[lo:hi], model.defs[lo:hi], micro, [True] * (hi - lo))
-        outputs = [t for t in (micro.x, micro.carry) if t is not None]
+        outputs = [micro.x, *micro.carry.values()]
         torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
         assert Tracked.reads == ["tolist"], (model.names[lo], Tracked.reads)
         if hi < len(funcs):
-            detached = micro.with_x(micro.x.detach(), carry=None if micro.carry is None
-                                    else micro.carry.detach())
+            detached = micro.with_x(micro.x.detach(),
+                                    carry={k: t.detach() for k, t in micro.carry.items()})
             wire = pack(detached, model.defs[hi - 1].output, model.geometry.tokens_per_tile)
 
 

@@ -18,13 +18,22 @@ ANALYTIC = {"projector": "projector_merge", "embed_tokens": "projector_merge",
             "final_norm": "head"}
 
 
-def test_each_layer_kind_counts_the_hf_modules_parameters(tmp_path):
+# Qwen3-VL's published ViT and rotary settings, the same in every size
+VIT = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
+           spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+           deepstack_visual_indexes=[8, 16, 24])
+ROPE = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20],
+        "mrope_interleaved": True}
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_vl", "qwen3_vl_moe"])
+def test_each_layer_kind_counts_the_hf_modules_parameters(model_type, tmp_path):
     """Qwen3-VL: the patch embedding with its learned position table, plain and DeepStack ViT
     blocks (a block and its merger), the merger, Qwen3 decoder layers (explicit head_dim, q/k
-    norms), the head."""
+    norms; dense or router + every expert), the head."""
     from vlmshard.train.hf_model import model_layers
 
-    folder = tiny_folder("qwen3_vl", str(tmp_path / "model"))
+    folder = tiny_folder(model_type, str(tmp_path / "model"))
     layers = model_layers(folder)
     with open(f"{folder}/config.json") as f:
         analytic = {w.name: w.params for w in layer_work(model_sizes(json.load(f), folder))}
@@ -34,7 +43,64 @@ def test_each_layer_kind_counts_the_hf_modules_parameters(tmp_path):
         counted[key] = counted.get(key, 0) + layers.parameter_count(i)
     assert counted == analytic
     kinds = {d.kind for d in layers.defs}
-    assert {"vit_block", "vit_block_deepstack", "llm_block", "llm_block_deepstack"} <= kinds
+    assert {"vit_block", "vit_block_deepstack", "llm_block_deepstack"} <= kinds
+    assert ("llm_block_moe" if model_type.endswith("moe") else "llm_block") in kinds
+
+
+def test_a_moe_layer_costs_its_active_experts(tmp_path):
+    """The forward FLOPs of a Qwen3-VL-MoE decoder layer's matrix products, counted by torch
+    while transformers runs it on real tokens (each through its top-k experts), equal the
+    analytic per-token FLOPs: attention projections, the router and k experts, not all of them."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from vlmshard.train.hf_model import model_layers
+
+    folder = tiny_folder("qwen3_vl_moe", str(tmp_path / "model"))
+    with open(f"{folder}/config.json") as f:
+        config = json.load(f)
+    layers = model_layers(folder)
+    block = layers.build_layer(layers.names.index("llm_block_2")).layer
+    # the experts one by one (torch's flop counter does not count a grouped matmul)
+    block.mlp.experts.config._experts_implementation = "eager"
+    rotary = layers.meta.model.language_model.rotary_emb
+    tokens = 37
+    hidden = torch.randn(1, tokens, config["text_config"]["hidden_size"])
+    positions = torch.arange(tokens).expand(3, 1, tokens)
+    with torch.no_grad():
+        rope = type(rotary)(rotary.config)(hidden, positions)
+        with FlopCounterMode(display=False) as counter:
+            block(hidden, attention_mask=None, position_embeddings=rope, use_cache=False)
+    matmuls = sum(n for op, n in counter.get_flop_counts()["Global"].items()
+                  if op.__name__.split(".")[0] in ("mm", "addmm", "bmm"))
+    work = {w.name: w for w in layer_work(model_sizes(config, folder))}["llm_block_2"]
+    assert matmuls == work.flops.tokens * tokens
+    assert work.flops.tokens < 2 * work.params  # k of the experts, not every parameter
+
+
+def test_the_qwen3_vl_30b_a3b_preset_is_the_published_model():
+    """The preset holds the parameters transformers builds from Qwen3-VL-30B-A3B-Instruct's
+    published config.json (about 31B), and a token runs through about 3B of them."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    config = Qwen3VLMoeConfig(
+        text_config=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                         num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                         head_dim=128, num_experts=128, num_experts_per_tok=8,
+                         moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[],
+                         rope_parameters=ROPE),
+        vision_config={**VIT, "out_hidden_size": 2048},
+        tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = Qwen3VLMoeForConditionalGeneration(config)
+    real = sum(p.numel() for p in model.parameters())
+    preset = PRESETS["qwen3-vl-30b-a3b"]
+    work = layer_work(preset)
+    assert sum(w.params for w in work) == real
+    assert real == pytest.approx(31e9, rel=0.02)
+    llm = [w for w in work if w.name.startswith("llm_block")]
+    active = sum(w.flops.tokens for w in llm) / 2  # a multiply-add per active parameter
+    assert active == pytest.approx(3e9, rel=0.15)
+    assert model_sizes(config.to_dict(), "qwen3-vl-30b-a3b") == preset
 
 
 def test_an_explicit_head_dim_is_counted():
@@ -63,14 +129,8 @@ def test_the_qwen3_vl_8b_preset_is_the_published_model():
     config = Qwen3VLConfig(
         text_config=dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                          num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                         head_dim=128, rope_parameters={"rope_type": "default",
-                                                        "rope_theta": 5e6,
-                                                        "mrope_section": [24, 20, 20],
-                                                        "mrope_interleaved": True}),
-        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
-                           out_hidden_size=4096, patch_size=16, spatial_merge_size=2,
-                           temporal_patch_size=2, num_position_embeddings=2304,
-                           deepstack_visual_indexes=[8, 16, 24]),
+                         head_dim=128, rope_parameters=ROPE),
+        vision_config={**VIT, "out_hidden_size": 4096},
         tie_word_embeddings=False)
     with torch.device("meta"):
         model = Qwen3VLForConditionalGeneration(config)

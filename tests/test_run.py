@@ -13,13 +13,32 @@ from helpers import REPO, tree_bytes, vlmshard
 from vlmshard.io import read_json
 
 
-def _config(tmp_path, out, **changes) -> str:
-    with open(os.path.join(REPO, "configs", "demo.yaml"), encoding="utf-8") as f:
+def _config(tmp_path, out, name: str = "demo.yaml", **changes) -> str:
+    with open(os.path.join(REPO, "configs", name), encoding="utf-8") as f:
         config = yaml.safe_load(f)
     config.update(out=str(out), **changes)
     path = tmp_path / f"run-{len(changes)}.yaml"
     path.write_text(yaml.safe_dump(config))
     return str(path)
+
+
+@pytest.mark.slow
+def test_the_qwen3_vl_config_runs_every_stage(tmp_path):
+    """configs/run-qwen3-vl.yaml: a tiny Qwen3-VL through every stage, its 32-px unit costed from
+    its own config.json, DeepStack features crossing the configured stage cut."""
+    out = tmp_path / "qwen3-vl"
+    stdout = vlmshard("run", "--config", _config(tmp_path, out, "run-qwen3-vl.yaml",
+                                                 train={"pp": 2, "dp": 1, "max_steps": 2,
+                                                        "bounds": [0, 3, 11]})).stdout
+    assert [line.split()[1] for line in stdout.splitlines()[:-1]] == [
+        "demo-data", "demo-model", "preprocess", "pack", "write", "verify", "train", "report"]
+    assert read_json(out / "model" / "config.json")["model_type"] == "qwen3_vl"
+    assert read_json(out / "plan" / "plan.json")["cost_model"]["origin"] == "flops:model"
+    stages = read_json(out / "train" / "pipeline.json")["stages"]
+    assert stages[0]["layers"] == ["vit_embed", "vit_block_0", "vit_block_1"]
+    with open(out / "train" / "train_log.jsonl") as f:
+        log = [json.loads(line) for line in f]
+    assert len(log) == 2 and all(r["loss"] > 0 for r in log)
 
 
 @pytest.mark.slow

@@ -453,12 +453,15 @@ def test_first_pipeline_step_equals_the_hf_model(family, tmp_path):
     gradient equals its gradient (rtol 1e-4, fp32). Each stage holds only its own layers, and the
     saved HF folder loads with from_pretrained holding exactly the trained weights. Qwen3-VL's
     cut falls right after its first DeepStack block, so DeepStack features cross the boundary
-    (and a recomputed block makes one, a recomputed LLM layer adds one)."""
+    (and a recomputed block makes one, a recomputed LLM layer adds one); Qwen3-VL-MoE's after
+    its first MoE layer, so the router sums for the aux loss cross it."""
     folder = make_folder(family, str(tmp_path / "model"))
     shards = make_shards(folder, tmp_path, target_samples=3, micro_batches=2)
     run = tmp_path / "run"
     cut = {"qwen3_vl": ["--bounds", "0", "2", "11", "--recompute", "vit_block_1",
-                        "llm_block_0"]}.get(family, [])
+                        "llm_block_0"],
+           "qwen3_vl_moe": ["--bounds", "0", "9", "12", "--recompute", "llm_block_3"]
+           }.get(family, [])
     vlmshard("train", "--shards", shards, "--pp", "2", "--max-steps", "1", "--lr", "0.001",
              "--max-grad-norm", "0", "--out", str(run), *cut)
     model = model_layers(folder)

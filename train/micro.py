@@ -2,8 +2,9 @@
 
 Between stages a micro-batch travels as a tuple of static shapes: the activation padded to the
 plan's caps, then input_ids, position_ids, ``HostMeta`` as one int64 tensor, labels, and where a
-model has them, the features some layers make for later layers (``Micro.carry``: Qwen3-VL's
-DeepStack levels, made by ViT blocks and added by the first LLM layers). Inside a
+model has them, what some layers make for later layers (``Micro.carry``, in ``CARRIED`` order:
+Qwen3-VL's DeepStack features, made by ViT blocks and added by the first LLM layers; a MoE
+model's router statistics, summed over its layers for the auxiliary loss). Inside a
 stage it is a ``Micro``: the metadata read to the host in one transfer (the stage's only host
 synchronisation for that micro-batch), every tensor sliced to the real tiles and tokens, so every
 layer computes on real data only, with the attention segments and rotary tables computed once and
@@ -89,9 +90,8 @@ class Micro:
     phase: Phase  # what ``x`` holds
     wire: tuple  # the padded tuple this stage received
     cache: dict = field(default_factory=dict)  # computed once per micro-batch per stage
-    # [levels, image tokens, hidden]: features made by earlier layers for later ones, in the
-    # order they are used (a layer that uses one takes the first); None when none is pending
-    carry: torch.Tensor | None = None
+    # what earlier layers made for later ones, by name (``CARRIED``); absent when none pending
+    carry: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tiles(self) -> int:
@@ -125,18 +125,28 @@ class LayerOutput(NamedTuple):
     """What a layer returns when it also changes ``Micro.carry`` (else it returns ``x``)."""
 
     x: torch.Tensor
-    carry: torch.Tensor | None
+    carry: dict[str, torch.Tensor]
+
+
+# What may travel after the five fixed tensors, in this order, and whether its dim 1 holds one
+# row per image token (padded to the cap on the wire) or is sent whole.
+CARRIED = {
+    "deepstack": True,  # [levels, image tokens, hidden]: the first pending level is used next
+    "router": False,  # [2, experts]: top-k counts and probability sums over the layers so far
+}
 
 
 def unpack(wire: tuple, phase: Phase, backend: str) -> Micro:
     """The padded tuple a stage receives, sliced to its real rows (one host read)."""
-    x, input_ids, position_ids, meta, labels, *carry = wire
+    x, input_ids, position_ids, meta, labels, *extra = wire
     host = HostMeta.decode(meta.tolist())
     tokens = host.tokens
+    carry = {name: t[:, :host.image_tokens] if per_image_token else t
+             for (name, per_image_token), t in zip(CARRIED.items(), extra)
+             if t.is_floating_point()}  # an absent one travels as an empty integer tensor
     return Micro(x=x[:phase.rows(host.tiles, tokens)], input_ids=input_ids[:tokens],
                  position_ids=position_ids[..., :tokens], labels=labels[:tokens], host=host,
-                 backend=backend, phase=phase, wire=wire,
-                 carry=carry[0][:, :host.image_tokens] if carry else None)
+                 backend=backend, phase=phase, wire=wire, carry=carry)
 
 
 def _padded(x: torch.Tensor, rows: int, dim: int = 0) -> torch.Tensor:
@@ -150,12 +160,19 @@ def _padded(x: torch.Tensor, rows: int, dim: int = 0) -> torch.Tensor:
 
 def pack(micro: Micro, phase: Phase, tokens_per_tile: int = 1) -> tuple:
     """The tuple a stage sends: the activation padded back to the caps, the pending carry
-    padded to the image-token cap (``tokens_per_tile`` × Qv, at most Qt), the rest as
+    (image-token rows padded to the cap: ``tokens_per_tile`` × Qv, at most Qt), the rest as
     received."""
     host = micro.host
     wire = (_padded(micro.x, phase.rows(host.qv, host.qt)), *micro.wire[1:5])
-    if micro.carry is not None and micro.carry.shape[0]:
-        wire += (_padded(micro.carry, min(host.qv * tokens_per_tile, host.qt), dim=1),)
+    image_token_cap = min(host.qv * tokens_per_tile, host.qt)
+    pending = [name for name in CARRIED if name in micro.carry]
+    for name in list(CARRIED)[:list(CARRIED).index(pending[-1]) + 1] if pending else []:
+        t = micro.carry.get(name)
+        if t is None:
+            t = micro.x.new_empty(0, dtype=torch.long)
+        elif CARRIED[name]:
+            t = _padded(t, image_token_cap, dim=1)
+        wire += (t,)
     return wire
 
 

@@ -130,7 +130,10 @@ class AveTokenLoss:
 
     DeepSpeed divides each micro-batch's loss by the gradient-accumulation steps and averages
     gradients over data-parallel ranks; ``scale`` = GAS × DP undoes both, and the loss DeepSpeed
-    reports is then exactly the per-token mean over the global batch.
+    reports is then exactly the per-token mean over the global batch. A term the HF model adds
+    to each forward's loss (a MoE router's auxiliary loss, the head's second output) is added
+    as it is: DeepSpeed's division then makes it the mean over micro-batches, as HF Trainer's
+    gradient accumulation does.
     """
 
     def __init__(self) -> None:
@@ -138,6 +141,8 @@ class AveTokenLoss:
         self.global_tokens = 1
 
     def __call__(self, loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if loss_sum.dim():  # [summed loss, terms HF adds per forward: a MoE router's aux loss]
+            return loss_sum[0] * (self.scale / max(1, self.global_tokens)) + loss_sum[1:].sum()
         return loss_sum * (self.scale / max(1, self.global_tokens))
 
 

@@ -148,10 +148,21 @@ def _tensor_bytes(x) -> int:
                if torch.is_tensor(t) and t.is_floating_point())
 
 
-def _outputs(out, keep_none: bool = False) -> list:
-    """The tensors a layer's output (or input micro-batch) holds: x, and the carry if any."""
-    x, carry = (out.x, out.carry) if isinstance(out, (LayerOutput, Micro)) else (out, None)
-    return [x, carry] if keep_none else [t for t in (x, carry) if t is not None]
+def _outputs(out) -> list[torch.Tensor]:
+    """The tensors a layer's output (or input micro-batch) holds: x, and what it carries."""
+    if isinstance(out, (LayerOutput, Micro)):
+        return [out.x, *out.carry.values()]
+    return [out]
+
+
+def _detached(out, requires_grad: bool = False) -> LayerOutput:
+    """The layer output (or micro-batch) as a leaf: each float tensor cut from its graph."""
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().requires_grad_(requires_grad and t.is_floating_point())
+
+    if isinstance(out, (LayerOutput, Micro)):
+        return LayerOutput(cut(out.x), {k: cut(t) for k, t in out.carry.items()})
+    return LayerOutput(cut(out), {})
 
 
 def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
@@ -168,8 +179,7 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
         micro = unpack(wire, model.input_phase(0), model.backend)
         times = []
         for i, func in enumerate(funcs):
-            x_in, carry_in = (None if t is None else t.detach().requires_grad_(
-                t.is_floating_point()) for t in (micro.x, micro.carry))
+            x_in, carry_in = _detached(micro, requires_grad=True)
             layer_in = micro.with_x(x_in, carry=carry_in)
             parameters = list(func.parameters())
             forward = backward = 0.0
@@ -193,8 +203,7 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
                         sum(map(_tensor_bytes, _outputs(layer_in))),
                         sum(map(_tensor_bytes, _outputs(out))) if i < len(funcs) - 1 else 0)
             times.append((forward + backward) / repeats)
-            out = LayerOutput(*(None if t is None else t.detach() for t in _outputs(out, True)))
-            micro = micro.with_output(out, model.defs[i].output)
+            micro = micro.with_output(_detached(out), model.defs[i].output)
         per_batch.append({**micro_batch_size(batch), "vit_s": float(sum(times[:vision])),
                           "llm_s": float(sum(times[vision:]))})
     means = sums / max(1, len(batches))

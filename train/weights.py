@@ -2,9 +2,10 @@
 
 In: ``Checkpoint`` maps every tensor of the folder (``model.safetensors`` or the shards named by
 ``model.safetensors.index.json``) to the model's parameter name with ``transformers``' own key
-renamings, as ``from_pretrained`` does (hub checkpoints of Qwen2-VL still say ``model.layers.0``
-where transformers 5 says ``model.language_model.layers.0``). ``load_layer`` reads only the
-tensors of one layer, so a stage never holds more of the model than its own layers.
+renamings and tensor conversions, as ``from_pretrained`` does (hub checkpoints of Qwen2-VL still
+say ``model.layers.0`` where transformers 5 says ``model.language_model.layers.0``; a Qwen3-MoE
+checkpoint stores each expert apart where the model holds them fused). ``load_layer`` reads only
+the tensors of one layer, so a stage never holds more of the model than its own layers.
 
 Out: each pipeline stage writes its layers to one safetensors shard, in the dtypes the input
 stored, and ``write_index`` adds the index and copies config, tokenizer and processor files, so
@@ -13,6 +14,9 @@ the folder loads with ``from_pretrained``.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
 import json
 import os
 import shutil
@@ -55,26 +59,38 @@ def weight_files(folder: str) -> dict[str, list[str]]:
 
 
 class Checkpoint:
-    """Where each parameter of ``model`` (built on meta) lies in the folder's safetensors."""
+    """Where each parameter of ``model`` (built on meta) lies in the folder's safetensors, and
+    how to make it from them: ``transformers``' own key renamings and tensor conversions for this
+    model (``get_model_conversion_mapping``), applied as ``from_pretrained`` applies them, one
+    parameter at a time (a MoE layer's experts stored one by one become its fused tensors)."""
 
     def __init__(self, folder: str, model: nn.Module) -> None:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming, rename_source_key
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            dot_natural_key,
+            rename_source_key,
+        )
 
         self.folder = folder
-        files = weight_files(folder)
+        self.model = model
         transforms = get_model_conversion_mapping(model)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-        if len(renamings) != len(transforms):
-            raise WeightsError(f"{folder}: this model's checkpoints need tensor conversions "
-                               "(not only renamings), which the per-stage loader does not do")
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        self.converters = {p: c for c in converters for p in c.source_patterns}
         self.wanted = model.state_dict()
-        self.where: dict[str, tuple[str, str]] = {}
-        for file, keys in files.items():
+        # parameter name -> its (converter source pattern or None, file, key), in key order
+        self.sources: dict[str, list[tuple[str | None, str, str]]] = defaultdict(list)
+        for file, keys in weight_files(folder).items():
             for key in keys:
-                name, _ = rename_source_key(key, renamings, [], model.base_model_prefix,
-                                            self.wanted)
-                self.where[name] = (file, key)
+                name, pattern = rename_source_key(key, renamings, converters,
+                                                  model.base_model_prefix, self.wanted)
+                if name not in self.wanted and key in self.wanted:  # as from_pretrained does
+                    name, pattern = key, None
+                self.sources[name].append((pattern, file, key))
+        for found in self.sources.values():
+            found.sort(key=lambda source: dot_natural_key(source[2]))
 
     def check_complete(self, model: nn.Module) -> None:
         """Every parameter and saved buffer of ``model`` has its tensor in the folder (a tied
@@ -83,31 +99,57 @@ class Checkpoint:
                       + [n for n, _ in model.named_buffers() if n in self.wanted])
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The tensors of the given parameter names, reading only those."""
-        return self._each_file(names, lambda f, key: f.get_tensor(key))
+        """The tensors of the given parameter names, reading only their sources."""
+        self._missing(names)
+        with _Files() as files:
+            return {name: self._tensor(name, files.tensor) for name in names}
 
     def dtypes(self, names: list[str]) -> dict[str, torch.dtype]:
         """The dtypes the folder stores the given parameter names in."""
-        return self._each_file(names, lambda f, key: _DTYPES[f.get_slice(key).get_dtype()])
+        self._missing(names)
+        with _Files() as files:
+            return {name: files.dtype(*self.sources[name][0][1:]) for name in names}
+
+    def _tensor(self, name: str, read) -> torch.Tensor:
+        sources = self.sources[name]
+        pattern = sources[0][0]
+        if pattern is None:
+            return read(*sources[0][1:])
+        converter = copy.deepcopy(self.converters[pattern])  # one instance per parameter
+        for source_pattern, file, key in sources:
+            converter.add_tensor(name, key, source_pattern,
+                                 functools.partial(read, file, key))
+        try:
+            made = converter.convert(name, model=self.model, config=self.model.config)[name]
+        except Exception as e:  # transformers raises what its operation raised
+            raise WeightsError(f"{self.folder}: cannot make {name} from "
+                               f"{', '.join(k for _, _, k in sources[:3])}: {e}") from None
+        return made[0] if isinstance(made, list) else made
 
     def _missing(self, names: list[str]) -> None:
-        missing = [n for n in names if n not in self.where]
+        missing = [n for n in names if n not in self.sources]
         if missing:
             raise WeightsError(f"{self.folder}: no tensor for {', '.join(missing[:5])}"
                                f"{' ...' if len(missing) > 5 else ''}")
 
-    def _each_file(self, names: list[str], get) -> dict:
-        """``get(open file, key)`` for each name, opening every file once."""
-        self._missing(names)
-        by_file: dict[str, list[str]] = defaultdict(list)
-        for name in names:
-            by_file[self.where[name][0]].append(name)
-        out = {}
-        for file, file_names in by_file.items():
-            with safe_open(file, "pt") as f:
-                for name in file_names:
-                    out[name] = get(f, self.where[name][1])
-        return out
+
+class _Files(contextlib.ExitStack):
+    """The safetensors files one read needs, each opened once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open: dict[str, object] = {}
+
+    def _handle(self, file: str):
+        if file not in self.open:
+            self.open[file] = self.enter_context(safe_open(file, "pt"))
+        return self.open[file]
+
+    def tensor(self, file: str, key: str) -> torch.Tensor:
+        return self._handle(file).get_tensor(key)
+
+    def dtype(self, file: str, key: str) -> torch.dtype:
+        return _DTYPES[self._handle(file).get_slice(key).get_dtype()]
 
 
 def load_layer(layer: nn.Module, checkpoint: Checkpoint, device: torch.device | str = "cpu",

@@ -2,13 +2,14 @@
 packing (its default cost model), train (model shapes, FLOPs per step) and simulate.
 
 Presets: ``tiny`` for CPU tests, real sizes (``internvl2-2b``, ``internvl-chat-1.5``,
-``qwen2-vl-2b``, ``qwen3-vl-8b``) for profiling, the packer's FLOPs cost model and simulation; a
-model folder's sizes come from its family (``vlmshard.families``). A preset's ViT unit (``image_size``) must be
-the one the stats count: a 448-px InternVL tile, or a 28-px Qwen2-VL or 32-px Qwen3-VL merged
-patch (each family
-names its ``default_preset``). The vision side must turn one tile into
-exactly the ``tokens_per_tile`` image tokens the shards were tokenized with:
-(image_size / patch_size x downsample_ratio)^2.
+``qwen2-vl-2b``, ``qwen3-vl-8b``, ``qwen3-vl-30b-a3b``) for profiling, the packer's FLOPs cost
+model and simulation; a model folder's sizes come from its family (``vlmshard.families``). A
+preset's ViT unit (``image_size``) must be the one the stats count: a 448-px InternVL tile, or a
+28-px Qwen2-VL or 32-px Qwen3-VL merged patch (each family names its ``default_preset``). The
+vision side must turn one tile into exactly the ``tokens_per_tile`` image tokens the shards were
+tokenized with: (image_size / patch_size x downsample_ratio)^2. An LLM's FLOPs count what a
+token runs through: for a MoE layer its router and its ``experts_per_token`` experts (active
+parameters), while its memory holds all of them.
 
 Every layer cost is linear in three sizes of a micro-batch, the same three the packer balances:
 Σtiles, Σtokens and Σseq_len² (packed samples attend only within themselves). ``vlmshard train
@@ -52,10 +53,19 @@ class LLMConfig:
     rms_eps: float = 1e-6
     head_dim: int = 0  # 0: hidden / heads; Qwen3 states its own
     qk_norm: bool = False  # an RMSNorm over each head's queries and keys (Qwen3)
+    # Mixture of experts: a router over ``experts`` SwiGLU experts of ``moe_intermediate``, each
+    # token through ``experts_per_token`` of them, in every layer but ``dense_layers``
+    experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate: int = 0
+    dense_layers: tuple[int, ...] = ()
 
     @property
     def head_size(self) -> int:
         return self.head_dim or self.hidden // self.heads
+
+    def is_moe(self, layer: int) -> bool:
+        return self.experts > 0 and layer not in self.dense_layers
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "LLMConfig":
@@ -65,13 +75,20 @@ class LLMConfig:
                 **(config.get("text_config") or {})}
         heads = text["num_attention_heads"]
         rope = text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta")
+        experts = text.get("num_experts") or text.get("num_local_experts") or 0
+        step = text.get("decoder_sparse_step") or 1
+        dense = tuple(i for i in range(text["num_hidden_layers"])
+                      if i in (text.get("mlp_only_layers") or ()) or (i + 1) % step)
         return cls(vocab_size=text["vocab_size"], hidden=text["hidden_size"],
                    layers=text["num_hidden_layers"], heads=heads,
                    kv_heads=text.get("num_key_value_heads") or heads,
                    intermediate=text["intermediate_size"], rope_theta=float(rope or 1e6),
                    rms_eps=float(text.get("rms_norm_eps", 1e-6)),
                    head_dim=text.get("head_dim") or 0,
-                   qk_norm=text.get("model_type", "").startswith("qwen3"))
+                   qk_norm=text.get("model_type", "").startswith("qwen3"),
+                   experts=experts, experts_per_token=text.get("num_experts_per_tok") or 0,
+                   moe_intermediate=text.get("moe_intermediate_size") or 0,
+                   dense_layers=dense if experts else ())
 
 
 @dataclass(frozen=True)
@@ -97,6 +114,9 @@ class ModelConfig:
                              f"{v.patch_size}")
         if v.hidden % v.heads or (not t.head_dim and t.hidden % t.heads) or t.heads % t.kv_heads:
             raise ConfigError("hidden sizes must divide by heads, and heads by kv_heads")
+        if t.experts and not (0 < t.experts_per_token <= t.experts and t.moe_intermediate):
+            raise ConfigError("a MoE LLM needs experts_per_token in 1..experts and a "
+                              "moe_intermediate size")
         if self.projector not in ("mlp", "merger"):
             raise ConfigError(f"projector {self.projector!r} is not mlp or merger")
         if any(not 0 <= i < v.layers for i in v.deepstack):
@@ -134,6 +154,12 @@ class ModelConfig:
         return config
 
 
+# Qwen3-VL's ViT (every size of the family): 27 blocks, 16-px patches, a 48×48 learned
+# position table, DeepStack after blocks 8, 16, 24. The unit: a 32-px merged patch.
+QWEN3_VL_VIT = VisionConfig(image_size=32, patch_size=16, hidden=1152, layers=27, heads=16,
+                            mlp_ratio=4304 / 1152, position_embeddings=2304, temporal_patch=2,
+                            deepstack=(8, 16, 24))
+
 PRESETS = {
     # CPU tests: every code path, seconds per step.
     "tiny": ModelConfig(),
@@ -153,16 +179,21 @@ PRESETS = {
         llm=LLMConfig(vocab_size=151936, hidden=1536, layers=28, heads=12, kv_heads=2,
                       intermediate=8960),
         downsample_ratio=0.5, projector="merger"),
-    # Qwen3-VL-8B-Instruct's config.json: its 27-block ViT (16-px patches, a 48×48 learned
-    # position table, DeepStack after blocks 8, 16, 24) + Qwen3-8B (head_dim 128, q/k norms).
-    # The unit: a 32-px merged patch.
+    # Qwen3-VL-8B-Instruct's config.json: its ViT + Qwen3-8B (head_dim 128, q/k norms).
     "qwen3-vl-8b": ModelConfig(
         name="qwen3-vl-8b",
-        vision=VisionConfig(image_size=32, patch_size=16, hidden=1152, layers=27, heads=16,
-                            mlp_ratio=4304 / 1152, position_embeddings=2304, temporal_patch=2,
-                            deepstack=(8, 16, 24)),
+        vision=QWEN3_VL_VIT,
         llm=LLMConfig(vocab_size=151936, hidden=4096, layers=36, heads=32, kv_heads=8,
                       intermediate=12288, rope_theta=5e6, head_dim=128, qk_norm=True),
+        downsample_ratio=0.5, projector="merger"),
+    # Qwen3-VL-30B-A3B-Instruct's config.json: its ViT + Qwen3-30B-A3B (48 MoE layers of
+    # 128 experts, 8 a token): about 31B parameters held, 3B active per token.
+    "qwen3-vl-30b-a3b": ModelConfig(
+        name="qwen3-vl-30b-a3b",
+        vision=QWEN3_VL_VIT,
+        llm=LLMConfig(vocab_size=151936, hidden=2048, layers=48, heads=32, kv_heads=4,
+                      intermediate=6144, rope_theta=5e6, head_dim=128, qk_norm=True,
+                      experts=128, experts_per_token=8, moe_intermediate=768),
         downsample_ratio=0.5, projector="merger"),
     # InternVL-Chat-V1.5: InternViT-6B-448px-V1-5 + InternLM2-Chat-20B (OmniBal's main setting).
     "internvl-chat-1.5": ModelConfig(
@@ -241,8 +272,13 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
         projector_params = projector_linear + 2 * v.hidden + width + t.hidden
     # a DeepStack merger: the merger with its norm over the width
     deepstack_params = projector_linear + 2 * width + width + t.hidden
-    llm_linear = 2 * t.hidden * q + 2 * t.hidden * kv + 3 * t.hidden * t.intermediate
-    llm_params = llm_linear + 2 * t.hidden + (2 * head_dim if t.qk_norm else 0)
+    attention_linear = 2 * t.hidden * q + 2 * t.hidden * kv
+    llm_norms = 2 * t.hidden + (2 * head_dim if t.qk_norm else 0)
+    llm_linear = attention_linear + 3 * t.hidden * t.intermediate
+    # a MoE layer: the router, and each token through its experts (active), all of them held
+    expert = 3 * t.hidden * t.moe_intermediate
+    moe_active = attention_linear + t.hidden * t.experts + t.experts_per_token * expert
+    moe_params = attention_linear + t.hidden * t.experts + t.experts * expert + llm_norms
 
     embed = LayerWork(
         "vit_embed", embed_params,
@@ -263,9 +299,17 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
     # Per token: hidden and two norm outputs, q/k/v, attention output, the residual sum, the
     # SwiGLU gate, up, activation and product. Causal attention is 2·s²·heads·head_dim per sample.
     llm_block = dict(
-        params=llm_params,
+        params=llm_linear + llm_norms,
         flops=Size(tokens=2 * llm_linear, squares=2 * q),
         activation_bytes=Size(tokens=a * (6 * t.hidden + 2 * kv + 4 * t.intermediate)),
+        output_bytes=llm_out)
+    # a MoE layer keeps the router's logits and each chosen expert's SwiGLU activations
+    moe_block = dict(
+        params=moe_params,
+        flops=Size(tokens=2 * moe_active, squares=2 * q),
+        activation_bytes=Size(tokens=a * (6 * t.hidden + 2 * kv + t.experts
+                                          + t.experts_per_token * (4 * t.moe_intermediate
+                                                                   + t.hidden))),
         output_bytes=llm_out)
     head = LayerWork(
         "head", t.hidden * t.vocab_size + t.hidden,
@@ -279,11 +323,11 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
         activation_bytes=Size(tiles=vit_block["activation_bytes"].tiles
                               + a * tokens * (2 * width + 2 * t.hidden)),
         output_bytes=Size(tiles=vit_out.tiles + a * tokens * t.hidden))
-    return ([embed] + [LayerWork(f"vit_block_{i}", **(deepstack if i in v.deepstack
-                                                       else vit_block))
-                       for i in range(v.layers)]
-              + [projector] + [LayerWork(f"llm_block_{i}", **llm_block) for i in range(t.layers)]
-              + [head])
+    vit = [LayerWork(f"vit_block_{i}", **(deepstack if i in v.deepstack else vit_block))
+           for i in range(v.layers)]
+    llm = [LayerWork(f"llm_block_{i}", **(moe_block if t.is_moe(i) else llm_block))
+           for i in range(t.layers)]
+    return [embed, *vit, projector, *llm, head]
 
 
 def training_flops(config: ModelConfig) -> Size:

@@ -10,19 +10,23 @@ What Qwen3-VL adds, each as its own model does it:
   at the image tokens. The sets travel with the micro-batch (``Micro.carry``, on the wire
   between stages, padded to the image-token cap) from the block that makes them to the LLM layer
   that adds them, so any partition is valid and gradients reach the ViT through both paths;
-- decoder layers of Qwen3 (q/k norms) or Qwen3-MoE (routed experts), run by ``transformers``.
+- decoder layers of Qwen3 (q/k norms) or Qwen3-MoE (routed experts), run by ``transformers``;
+  when the config asks for the router's auxiliary loss (``output_router_logits``), each MoE
+  layer adds its router statistics to sums carried like the DeepStack features, and the head
+  adds ``router_aux_loss_coef`` × the loss ``load_balancing_loss_func`` makes of them.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 from torch import nn
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
 from ..micro import LayerOutput, Micro, Phase
-from .layers import DecoderLayer, Detached, Geometry, LayerDef, language_layers
+from .layers import DecoderLayer, Detached, Geometry, LayerDef, LMHead, language_layers
 from .qwen2vl import VISION, Merger, VisionBlock, VisionEmbedding, VisionGeometry
 
 
@@ -49,7 +53,7 @@ class PositionedEmbedding(VisionEmbedding):
 
 class DeepStackBlock(VisionBlock):
     """A ViT block whose output a DeepStack merger also reads: the merged features join the end
-    of the carry (levels are made and used in the same order)."""
+    of the carried levels (levels are made and used in the same order)."""
 
     def __init__(self, model: nn.Module, index: int, level: int,
                  geometry: VisionGeometry) -> None:
@@ -59,29 +63,80 @@ class DeepStackBlock(VisionBlock):
     def forward(self, micro: Micro) -> LayerOutput:
         hidden = super().forward(micro)
         level = self.deepstack(hidden)[None]
-        carry = level if micro.carry is None else torch.cat([micro.carry, level.to(
-            micro.carry.dtype)])
-        return LayerOutput(hidden, carry)
+        pending = micro.carry.get("deepstack")
+        if pending is not None:
+            level = torch.cat([pending, level.to(pending.dtype)])
+        return LayerOutput(hidden, {**micro.carry, "deepstack": level})
 
 
-class DeepStackDecoderLayer(DecoderLayer):
-    """A decoder layer that then adds the first carried level at the image tokens."""
+class Qwen3DecoderLayer(DecoderLayer):
+    """A decoder layer of Qwen3-VL's LLM. ``deepstack``: it then adds the first pending DeepStack
+    level at the image tokens, as ``Qwen3VLTextModel`` does after its first layers. ``routed``:
+    a MoE layer whose router statistics join the carried sums, as
+    ``load_balancing_loss_func`` accumulates them over the layers (when the config asks for the
+    auxiliary loss)."""
 
-    def __init__(self, model: nn.Module, path: str, rotary, image_token_id: int) -> None:
+    def __init__(self, model: nn.Module, path: str, rotary, image_token_id: int,
+                 deepstack: bool, routed: bool) -> None:
         super().__init__(model, path, rotary)
         self.image_token_id = image_token_id
+        self.deepstack = deepstack
+        self.routed = routed
+        if routed:
+            self.top_k = self.layer.mlp.gate.top_k
+            self.layer.mlp.gate.register_forward_hook(self._keep_logits)
+
+    def _keep_logits(self, module, args, out) -> None:
+        self._logits = out[0]
 
     def forward(self, micro: Micro) -> LayerOutput:
         hidden = super().forward(micro)
-        if micro.carry is None:
-            raise ValueError("a DeepStack layer got no carried image features: the ViT blocks "
-                             "that make them did not run before it")
-        # the image rows, their count known on the host: no read back of the mask
-        rows = torch.nonzero_static(micro.input_ids == self.image_token_id,
-                                    size=micro.host.image_tokens).flatten()
-        hidden = hidden.index_add(0, rows, micro.carry[0].to(hidden.dtype))
-        rest = micro.carry[1:]
-        return LayerOutput(hidden, rest if rest.shape[0] else None)
+        carry = dict(micro.carry)
+        if self.deepstack:
+            levels = carry.pop("deepstack", None)
+            if levels is None:
+                raise ValueError("a DeepStack layer got no DeepStack features: the ViT blocks "
+                                 "that make them did not run before it")
+            # the image rows, their count known on the host: no read back of the mask
+            rows = torch.nonzero_static(micro.input_ids == self.image_token_id,
+                                        size=micro.host.image_tokens).flatten()
+            hidden = hidden.index_add(0, rows, levels[0].to(hidden.dtype))
+            if levels.shape[0] > 1:
+                carry["deepstack"] = levels[1:]
+        if self.routed:
+            logits, self._logits = self._logits, None
+            stats = router_stats(logits, self.top_k)
+            carry["router"] = stats + carry["router"] if "router" in carry else stats
+        return LayerOutput(hidden, carry)
+
+
+def router_stats(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[2, experts] for one layer's router logits [tokens, experts]: how often each expert is in
+    a token's top k, and the sum of its routing probabilities (float32), computed as
+    ``load_balancing_loss_func`` does (``histc``: no read back to the host)."""
+    experts = logits.shape[-1]
+    weights = torch.softmax(logits, dim=-1)
+    _, chosen = torch.topk(weights, top_k, dim=-1)
+    counting = torch.float32 if logits.device.type in ("cpu", "mps") else torch.int32
+    counts = torch.histc(chosen.reshape(-1).to(counting), bins=experts, min=0, max=experts)
+    return torch.stack([counts.float(), weights.float().sum(0)])
+
+
+class AuxLossHead(LMHead):
+    """The LM head of a MoE model trained with the router's auxiliary loss: [summed next-token
+    loss, coef × aux] (``AveTokenLoss`` scales the first by the step's tokens), aux from the
+    router sums of the ``layers`` MoE layers over this micro-batch's tokens."""
+
+    def __init__(self, model: nn.Module, path: str, layers: int, coef: float) -> None:
+        super().__init__(model, path)
+        self.layers = layers
+        self.coef = coef
+
+    def forward(self, micro: Micro) -> torch.Tensor:
+        rows = self.layers * micro.host.tokens
+        counts, probs = micro.carry["router"] / rows
+        aux = (counts * probs).sum() * counts.shape[0]
+        return torch.stack([super().forward(micro), self.coef * aux])
 
 
 def layers(model: nn.Module) -> tuple[list[LayerDef], Geometry]:
@@ -101,15 +156,21 @@ def layers(model: nn.Module) -> tuple[list[LayerDef], Geometry]:
     defs.append(LayerDef("projector", functools.partial(Merger, geometry=geometry),
                          Phase("features", 1)))
     lm = "model.language_model"
+    text = model.config.text_config
     rotary = Detached(type(model.get_submodule(f"{lm}.rotary_emb"))(
         model.get_submodule(f"{lm}.rotary_emb").config))
-    image_token_id = model.config.image_token_id
+    blocks = model.get_submodule(f"{lm}.layers")
+    routed = [hasattr(block.mlp, "gate") and bool(getattr(text, "output_router_logits", False))
+              for block in blocks]
 
     def decoder(index: int):
-        if index < len(levels):
-            return functools.partial(DeepStackDecoderLayer, image_token_id=image_token_id), \
-                "deepstack"
-        return DecoderLayer, ""
+        kind = "_".join(k for k, on in (("deepstack", index < len(levels)),
+                                        ("moe", hasattr(blocks[index].mlp, "gate"))) if on)
+        return functools.partial(Qwen3DecoderLayer, image_token_id=model.config.image_token_id,
+                                 deepstack=index < len(levels), routed=routed[index]), kind
 
-    defs += language_layers(model, lm, image_token_id, rotary, decoder)
+    defs += language_layers(model, lm, model.config.image_token_id, rotary, decoder)
+    if any(routed):
+        defs[-1] = replace(defs[-1], build=functools.partial(
+            AuxLossHead, path="lm_head", layers=sum(routed), coef=text.router_aux_loss_coef))
     return defs, Geometry(pixel_rows_per_tile=geometry.merge ** 2, tokens_per_tile=1)

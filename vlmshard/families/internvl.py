@@ -170,7 +170,10 @@ class InternVL(Family):
 
     def tiny_folder(self, path: str, model_type: str = "internvl", *, max_patches: int = 6,
                     corpus: list[str] = CORPUS, vocab_size: int = 420, seed: int = 0,
-                    init_std: float = 0.2) -> str:
+                    init_std: float = 0.2, llm: str = "qwen2") -> str:
+        """``llm``: the LLM's model_type, ``qwen2`` (InternVL3) or InternVL3.5's ``qwen3``
+        (heads of 16 apart from hidden / heads, q/k norms) or ``qwen3_moe`` (4 experts, 2 a
+        token, layer 1 sparse; its checkpoint stores each expert apart, as the hub's do)."""
         from transformers import InternVLConfig
         from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (
             GotOcr2ImageProcessorPil,
@@ -181,9 +184,9 @@ class InternVL(Family):
                  "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
         vocab = save_tokenizer(path, TOKENS, TEMPLATE, named, corpus, vocab_size)
         config = InternVLConfig(
-            text_config=dict(model_type="qwen2", vocab_size=vocab, hidden_size=32,
+            text_config=dict(model_type=llm, vocab_size=vocab, hidden_size=32,
                              intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2),
+                             num_key_value_heads=2, **LLM_EXTRAS[llm]),
             vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                num_attention_heads=2, image_size=[448, 448], patch_size=[14, 14]),
             image_token_id=vocab - 2, downsample_ratio=0.5)
@@ -196,6 +199,15 @@ class InternVL(Family):
             json.dump({"image_seq_length": 256, "processor_class": "InternVLProcessor"}, f)
         save_random_weights(path, seed, init_std)
         return path
+
+
+# The tiny folders' LLM sizes beyond those every InternVL LLM shares
+LLM_EXTRAS = {
+    "qwen2": {},
+    "qwen3": {"head_dim": 16},
+    "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 24, "decoder_sparse_step": 1, "mlp_only_layers": [0]},
+}
 
 
 def _first(value):

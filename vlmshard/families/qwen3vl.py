@@ -69,8 +69,9 @@ class Qwen3VL(Qwen2VL):
                     min_pixels: int = 64 * 64, max_pixels: int = 32 * 32 * 64,
                     corpus: list[str] = CORPUS, vocab_size: int = 420, seed: int = 0,
                     init_std: float = 0.2) -> str:
-        """Three ViT blocks, DeepStack from blocks 0 and 1 into LLM layers 0 and 1 of three;
-        LLM heads of 16 (not hidden / heads), as Qwen3 sets ``head_dim`` apart."""
+        """Three ViT blocks, DeepStack from blocks 0 and 1 into LLM layers 0 and 1 of three
+        (of four for MoE); LLM heads of 16 (not hidden / heads), as Qwen3 sets ``head_dim``
+        apart."""
         from transformers import AutoConfig
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
             Qwen2VLImageProcessorPil,
@@ -85,9 +86,12 @@ class Qwen3VL(Qwen2VL):
                     rope_parameters={"rope_type": "default", "rope_theta": 5e6,
                                      "mrope_section": [4, 2, 2], "mrope_interleaved": True},
                     bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
-        if model_type == "qwen3_vl_moe":  # 4 experts, 2 a token, every layer sparse
-            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                        decoder_sparse_step=1)
+        if model_type == "qwen3_vl_moe":  # 4 experts, 2 a token, layers 1 to 3 of 4 sparse;
+            # trained with the router's auxiliary loss, weighed so that it shows in the loss
+            text.update(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=24,
+                        decoder_sparse_step=1, mlp_only_layers=[0], output_router_logits=True,
+                        router_aux_loss_coef=0.05)
         config = AutoConfig.for_model(
             model_type, text_config=text,
             vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
