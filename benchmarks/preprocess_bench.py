@@ -6,9 +6,11 @@ Everything the stage adds (JSON parsing, validation, the chat template, tiling, 
 the engine) is overhead. Two tokenizers, each against its own limit:
 
 - Tekken (the demo default): tiktoken's ``encode_ordinary``;
-- ``--model`` with a Qwen2-VL folder (ChatML template rendered by ``transformers``, a byte-level
-  BPE through ``tokenizers``): ``Tokenizer.encode``. No real checkpoint is downloaded: the folder
-  is built here (``vlmshard.families``) with a 32k-token BPE trained on the bench's text.
+- ``--model`` with a model folder of each ``--models`` type (Qwen2-VL: ChatML template with its
+  default system turn, 28-px units at its default max_pixels; Qwen3-VL: its own template, 32-px
+  units within its published 256²..4096² px), rendered by ``transformers``, a byte-level BPE
+  through ``tokenizers``: ``Tokenizer.encode``. No real checkpoint is downloaded: each folder is
+  built here (``vlmshard.families``) with a 32k-token BPE trained on the bench's text.
 
     python benchmarks/preprocess_bench.py --samples 100000 --out build/bench/preprocess
 
@@ -67,18 +69,24 @@ def make_dataset(root: str, n: int, seed: int = 0) -> str:
 
 TEKKEN_BARE = "bare limit, Tekken (encode + headers, 1 process)"
 TEKKEN_BARE2 = "bare limit, Tekken, 2 processes on halves (hardware scaling ceiling)"
-MODEL_BARE = "bare limit, Qwen2-VL tokenizer.json (encode + headers, 1 process)"
+# Per model_type: its name in the table, and the image limits its published folders state
+MODELS = {"qwen2_vl": ("Qwen2-VL: ChatML, tokenizers", {"max_pixels": 28 * 28 * 1280}),
+          "qwen3_vl": ("Qwen3-VL: its template, 32-px units",
+                       {"min_pixels": 256 * 256, "max_pixels": 4096 * 4096})}
 
 
-def make_model(root: str, data: str) -> str:
-    """A Qwen2-VL model folder whose BPE (32k tokens) is trained on the bench's own text."""
-    path = os.path.join(root, "qwen2vl-model")
+def make_model(root: str, data: str, model_type: str) -> str:
+    """A model folder of ``model_type`` whose BPE (32k tokens) is trained on the bench's text."""
+    path = os.path.join(root, f"{model_type}-model")
     if not os.path.exists(os.path.join(path, "config.json")):
         corpus = [turn["value"] for i, line in enumerate(open(data)) if i < 5000
                   for turn in json.loads(line)["conversations"]]
-        tiny_folder("qwen2_vl", path, corpus=corpus, vocab_size=32000,
-                    max_pixels=28 * 28 * 1280)
+        tiny_folder(model_type, path, corpus=corpus, vocab_size=32000, **MODELS[model_type][1])
     return path
+
+
+def model_bare(model_type: str) -> str:
+    return f"bare limit, {MODELS[model_type][0].split(':')[0]} tokenizer.json (encode + headers, 1 process)"
 
 
 def bare_limit(path: str, shard: int = 0, shards: int = 1,
@@ -130,6 +138,8 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=100_000)
     p.add_argument("--out", default="build/bench/preprocess")
     p.add_argument("--engines", default="local,ray")
+    p.add_argument("--models", default="qwen2_vl,qwen3_vl",
+                   help="model_types whose folders the --model rows preprocess for")
     p.add_argument("--repeats", type=int, default=1, help="run every row this many times, "
                                                            "interleaved; report medians")
     args = p.parse_args()
@@ -138,7 +148,7 @@ def main() -> None:
     path = make_dataset(args.out, args.samples)
     n = args.samples
 
-    model = make_model(args.out, path)
+    models = {t: make_model(args.out, path, t) for t in args.models.split(",") if t}
     engines = args.engines.split(",")
     # (name, workers, seconds per repeat, the bare limit it is measured against); the runs of
     # one repeat go one after another, so a noisy minute hits one repeat, not one row
@@ -159,26 +169,35 @@ def main() -> None:
                 record(f"vlmshard preprocess --engine {engine}", workers,
                        run_stage(path, os.path.join(args.out, f"out-{engine}-{workers}"), engine,
                                  workers))
-        seconds, model_tokens = bare_limit(path, model=model)
-        record(MODEL_BARE, 1, seconds)
-        for workers in (1, 2):
-            record("vlmshard preprocess --model (Qwen2-VL: ChatML, tokenizers) --engine local",
-                   workers, run_stage(path, os.path.join(args.out, f"out-model-{workers}"),
-                                      "local", workers, model))
+        model_tokens = {}
+        for model_type, model in models.items():
+            seconds, model_tokens[model_type] = bare_limit(path, model=model)
+            record(model_bare(model_type), 1, seconds)
+            for workers in (1, 2):
+                record(f"vlmshard preprocess --model ({MODELS[model_type][0]}) --engine local",
+                       workers, run_stage(path, os.path.join(args.out, f"out-{model_type}-"
+                                                                       f"{workers}"),
+                                          "local", workers, model))
     medians = {key: statistics.median(times) for key, times in runs.items()}
-    bare_s, model_bare_s = medians[(TEKKEN_BARE, 1)], medians[(MODEL_BARE, 1)]
-    rows = [(name, workers, seconds,
-             model_bare_s if name == MODEL_BARE or "--model" in name else bare_s)
-            for (name, workers), seconds in medians.items()]
+    bare_s = medians[(TEKKEN_BARE, 1)]
+
+    def limit(name: str) -> float:
+        for model_type in models:
+            if name == model_bare(model_type) or MODELS[model_type][0] in name:
+                return medians[(model_bare(model_type), 1)]
+        return bare_s
+
+    rows = [(name, workers, seconds, limit(name)) for (name, workers), seconds in medians.items()]
     bare2_s = medians[(TEKKEN_BARE2, 2)]
 
     results = {"samples": n, "repeats": args.repeats, "tokens": tokens,
                "model_tokens": model_tokens,
                "machine": platform.platform(), "cpus": os.cpu_count(),
                "python": sys.version.split()[0], "runs": []}
+    per_model = ", ".join(f"{t / n:,.0f} with the {m} folder's"
+                          for m, t in model_tokens.items())
     print(f"\n{n:,} samples, {tokens / n:,.0f} Tekken text tokens/sample on average "
-          f"({model_tokens / n:,.0f} with the model's tokenizer); median of {args.repeats} "
-          "repeat(s)\n")
+          f"({per_model}); median of {args.repeats} repeat(s)\n")
     print("| run | workers | seconds | samples/s | samples/s per worker | per worker vs its bare limit |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, workers, seconds, limit in rows:

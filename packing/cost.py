@@ -42,11 +42,12 @@ class CostModel:
         return cls(flops.tiles, flops.tokens, flops.squares, f"flops:{model.name}")
 
     @classmethod
-    def for_stats(cls, name: str | None, family: str,
-                  model_folder: str | None = None) -> "CostModel":
+    def for_stats(cls, name: str | None, family: str, model_folder: str | None = None,
+                  unit_px: int | None = None) -> "CostModel":
         """The FLOPs of ``name`` (a model folder or a preset; default: the folder the stats were
-        made for, else the family's preset), checked to count the ViT in the unit the stats do:
-        a model of other units would weigh tiles against tokens wrongly."""
+        made for, else the family's preset), checked to count the ViT in the unit the stats do
+        (``unit_px``, the recorded tiling's; else the family preset's): a model of other units
+        would weigh tiles against tokens wrongly."""
         import os
 
         from vlmshard.families import family as family_named
@@ -59,11 +60,12 @@ class CostModel:
             model_folder = None
         name = name or model_folder or preset
         model = _model_sizes(name, PRESETS)
-        default = PRESETS[preset]
-        if model.vision.image_size != default.vision.image_size:
+        unit = unit_px or PRESETS[preset].vision.image_size
+        if model.vision.image_size != unit:
             raise ConfigError(f"model {name!r} counts {model.vision.image_size}-px ViT units, but "
-                              f"the stats count {family}'s {default.vision.image_size}-px units: "
-                              f"pass --model {preset} or a --cost-model file")
+                              f"the stats count {family}'s {unit}-px units: pass the model "
+                              f"folder the stats were made for, a preset of {unit}-px units "
+                              f"or a --cost-model file")
         return cls.from_sizes(model)
 
     @classmethod

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vlmshard.errors import InputError
-from vlmshard.families import DEMO_FAMILY
+from vlmshard.families import DEMO_FAMILY, policy_from_dict
 from vlmshard.io import sha256_file
 
 from .batches import Lengths
@@ -54,6 +54,13 @@ class LoadedStats:
         """The model folder the stats were preprocessed for (None: the demo tokenizer)."""
         model = (self.preprocess or {}).get("config", {}).get("model") or {}
         return model.get("path")
+
+    @property
+    def unit_px(self) -> int | None:
+        """The side in pixels of the ViT unit ``vit_tiles`` counts, as the recorded tiling
+        policy states it (None: not recorded, as for OmniBal lengths)."""
+        tiling = (self.preprocess or {}).get("config", {}).get("tiling")
+        return policy_from_dict(tiling).tile_size if tiling else None
 
     def describe(self) -> dict:
         """What the stats are, not where: file names relative to the stats folder (the plan's

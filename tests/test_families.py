@@ -464,3 +464,16 @@ def test_pack_costs_the_model_the_stats_were_made_for(shards, folders, tmp_path)
              "--model", "qwen2-vl-2b")
     assert json.load(open(tmp_path / "q" / "plan.json"))["cost_model"]["origin"] == \
         "flops:qwen2-vl-2b"
+
+def test_pack_refuses_a_cost_model_of_another_patch_size(shards, tmp_path):
+    """Qwen3-VL stats count 32-px merged patches: Qwen2-VL's preset (28 px) would weigh them
+    wrongly and is refused; its own preset and its folder are taken."""
+    pre, _ = shards["qwen3_vl"]
+    proc = vlmshard("pack", "--stats", pre, "--dp", "1", "--out", str(tmp_path / "p"),
+                    "--model", "qwen2-vl-2b", check=False)
+    assert proc.returncode != 0
+    assert "counts 28-px ViT units, but the stats count qwen3vl's 32-px units" in proc.stderr
+    vlmshard("pack", "--stats", pre, "--dp", "1", "--out", str(tmp_path / "q"),
+             "--model", "qwen3-vl-8b")
+    assert json.load(open(tmp_path / "q" / "plan.json"))["cost_model"]["origin"] == \
+        "flops:qwen3-vl-8b"

@@ -56,8 +56,9 @@ class RunConfig:
                                                              "dataset and preprocess it")
     demo_model: str | None = option(
         None, cli=False, help="make a tiny model folder of this model_type (config.json's) under "
-                              "OUT/model (random weights; internvl, qwen2_vl, qwen2_5_vl, qwen3_vl, ...): "
-                              "preprocess tokenizes for it and train fine-tunes it")
+                              "OUT/model (random weights; internvl, qwen2_vl, qwen2_5_vl, "
+                              "qwen3_vl, qwen3_vl_moe): preprocess tokenizes for it and train "
+                              "fine-tunes it")
     preprocess: Section = option(factory=dict, cli=False,
                                  help="needs `inputs` unless demo_data is given")
     pack: Section = option(factory=dict, cli=False, help="needs `dp`")
