@@ -1,6 +1,7 @@
 """Training throughput from balanced against random plans, step time against padding, and the
 searched stage partition against DeepSpeed's, measured on real DeepSpeed runs of the demo's tiny
-InternVL (``InternVLForConditionalGeneration``, random weights).
+InternVL (``InternVLForConditionalGeneration``, random weights), or of another family's tiny
+model (``--model-type qwen3_vl``).
 
     python benchmarks/train_bench.py                  # about 40 minutes on 2 vCPUs
 
@@ -56,15 +57,16 @@ from vlmshard.simulate.replay import validate_against_log  # noqa: E402
 from vlmshard.train.config import TrainConfig  # noqa: E402
 from vlmshard.io import read_json, write_json_atomic  # noqa: E402
 
-def prepare(work: str, scale: int) -> dict:
+def prepare(work: str, scale: int, model_type: str) -> dict:
     """Preprocess, plan ``random`` (and padded to twice its caps), profile, plan ``balanced``
     with the measured costs."""
     shutil.rmtree(work, ignore_errors=True)
     data = generate(os.path.join(work, "data"), seed=0, scale=scale)
-    model = demo_model("internvl", os.path.join(work, "model"))
+    model = demo_model(model_type, os.path.join(work, "model"))
     pre = os.path.join(work, "preprocess")
+    budget = {"tile_budget": "per-sample"} if model_type == "internvl" else {}  # as the demo
     run_preprocess(PreprocessConfig(inputs=[data.meta], out=pre, model=model, keep_tokens=True,
-                                    tile_budget="per-sample", max_seq_len=8192, part_size=256))
+                                    max_seq_len=8192, part_size=256, **budget))
     shards = {}
 
     def plan_and_write(name: str, **options) -> None:
@@ -193,13 +195,20 @@ def main() -> None:
                         help="steps per dp=2 run, the first untimed (0: the whole epoch)")
     parser.add_argument("--steps", type=int, default=6, help="steps per pp=2 partition run")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--model-type", default="internvl",
+                        help="the demo model's model_type (internvl, qwen3_vl, ...)")
+    parser.add_argument("--only", default="balance,padding,partition",
+                        help="the measurements to run (balance is always run)")
     args = parser.parse_args()
-    setup = prepare(args.work, args.scale)
+    setup = prepare(args.work, args.scale, args.model_type)
+    only = set(args.only.split(","))
     result = {"machine": f"{platform.node()} {os.cpu_count()} CPUs, {platform.processor()}",
-              "plans": setup["plans"],
-              "balance": bench_balance(args.work, setup, args.dp_steps, args.repeats),
-              "padding": bench_padding(args.work, setup, args.steps, args.repeats),
-              "partition": bench_partitions(args.work, setup, args.steps, args.repeats)}
+              "model_type": args.model_type, "plans": setup["plans"],
+              "balance": bench_balance(args.work, setup, args.dp_steps, args.repeats)}
+    if "padding" in only:
+        result["padding"] = bench_padding(args.work, setup, args.steps, args.repeats)
+    if "partition" in only:
+        result["partition"] = bench_partitions(args.work, setup, args.steps, args.repeats)
     balance = result["balance"]
     print(f"\n{'dp=2 plan':<10} {'tokens/s':>9} {'max wait':>9} {'mean wait':>9} "
           f"{'imbalance':>9} {'plan cost eff':>13}")
@@ -209,24 +218,27 @@ def main() -> None:
               f"{b['mean_wait_fraction']:>9.3f} {b['imbalance_fraction']:>9.3f} "
               f"{b['predicted_cost_efficiency']:>13.3f}")
     print(f"balanced / random throughput: {balance['throughput_ratio']:.3f}")
-    padding = result["padding"]
-    print(f"\n{'same batches':<13} {'token fill':>10} {'step s':>8}")
-    for name in ("caps", "2x caps"):
-        print(f"{name:<13} {padding[name]['token_fill']:>10.2f} "
-              f"{padding[name]['median_step_s']:>8.3f}")
-    print(f"step time at 2x caps / at caps: {padding['ratio']:.3f}")
-    print(f"\n{'pp=2 partition':<15} {'bounds':<16} {'modelled s':>10} {'step s':>8} "
-          f"{'/ search':>8}")
-    for name, p in result["partition"].items():
-        if name == "simulated_median_step_error":
-            continue
-        print(f"{name:<15} {str(p['bounds']):<16} {p['modelled_max_stage_s']:>10.3f} "
-              f"{p['median_step_s']:>8.3f} {p['vs_search']:>8.3f}")
+    if "padding" in result:
+        padding = result["padding"]
+        print(f"\n{'same batches':<13} {'token fill':>10} {'step s':>8}")
+        for name in ("caps", "2x caps"):
+            print(f"{name:<13} {padding[name]['token_fill']:>10.2f} "
+                  f"{padding[name]['median_step_s']:>8.3f}")
+        print(f"step time at 2x caps / at caps: {padding['ratio']:.3f}")
+    if "partition" in result:
+        print(f"\n{'pp=2 partition':<15} {'bounds':<16} {'modelled s':>10} {'step s':>8} "
+              f"{'/ search':>8}")
+        for name, p in result["partition"].items():
+            if name == "simulated_median_step_error":
+                continue
+            print(f"{name:<15} {str(p['bounds']):<16} {p['modelled_max_stage_s']:>10.3f} "
+                  f"{p['median_step_s']:>8.3f} {p['vs_search']:>8.3f}")
     errors = [r["simulated_median_step_error"] for name in ("balanced", "random")
               for r in balance[name]["runs"]]
     print(f"\nsimulator (measured layer times) vs measured step times: median per-step error "
-          f"{statistics.median(errors):.1%} (dp=2 runs), "
-          f"{result['partition']['simulated_median_step_error']:.1%} (pp=2 runs)")
+          f"{statistics.median(errors):.1%} (dp=2 runs)"
+          + (f", {result['partition']['simulated_median_step_error']:.1%} (pp=2 runs)"
+             if "partition" in result else ""))
     if args.json:
         write_json_atomic(args.json, result)
 

@@ -167,6 +167,22 @@ def test_profiling_holds_one_layer_of_each_kind(setup):
     assert held < sum(p.numel() for p in model.meta.parameters())
 
 
+def test_profile_runs_each_layer_on_what_the_previous_made(setup):
+    """``train profile``'s layer-by-layer run (one module per kind): every layer runs on the
+    previous one's output and what it carries, and all but the head hand bytes on. A DeepStack
+    LLM layer receives the carried features besides the hidden states the final norm gets."""
+    from vlmshard.train.profile import profile_layers
+
+    folder, shards = setup
+    model = model_layers(folder)
+    profile = profile_layers(model, list(ShardDataset(shards, pixel_dtype=torch.float32))[:1])
+    costs = {c.name: c for c in profile.layers}
+    assert list(costs) == model.names and all(c.forward_s > 0 for c in profile.layers)
+    assert all(c.output_bytes > 0 for c in profile.layers[:-1])
+    if any("deepstack" in d.kind for d in model.defs):
+        assert costs["llm_block_0"].input_bytes > costs["final_norm"].input_bytes
+
+
 def test_packed_attention_equals_each_sample_alone():
     """One SDPA call with the block-diagonal mask against SDPA run on each segment alone:
     causal (the LLM, grouped-query heads) and full (a ViT's images or windows)."""

@@ -165,8 +165,9 @@ def pack(micro: Micro, phase: Phase, tokens_per_tile: int = 1) -> tuple:
     host = micro.host
     wire = (_padded(micro.x, phase.rows(host.qv, host.qt)), *micro.wire[1:5])
     image_token_cap = min(host.qv * tokens_per_tile, host.qt)
-    pending = [name for name in CARRIED if name in micro.carry]
-    for name in list(CARRIED)[:list(CARRIED).index(pending[-1]) + 1] if pending else []:
+    names = list(CARRIED)
+    last = max((names.index(name) for name in micro.carry), default=-1)
+    for name in names[:last + 1]:  # up to the last one pending
         t = micro.carry.get(name)
         if t is None:
             t = micro.x.new_empty(0, dtype=torch.long)

@@ -155,14 +155,12 @@ def _outputs(out) -> list[torch.Tensor]:
     return [out]
 
 
-def _detached(out, requires_grad: bool = False) -> LayerOutput:
-    """The layer output (or micro-batch) as a leaf: each float tensor cut from its graph."""
+def _detached(out: LayerOutput | Micro, requires_grad: bool = False) -> LayerOutput:
+    """The tensors of a layer output (or micro-batch) as leaves, cut from their graph."""
     def cut(t: torch.Tensor) -> torch.Tensor:
         return t.detach().requires_grad_(requires_grad and t.is_floating_point())
 
-    if isinstance(out, (LayerOutput, Micro)):
-        return LayerOutput(cut(out.x), {k: cut(t) for k, t in out.carry.items()})
-    return LayerOutput(cut(out), {})
+    return LayerOutput(cut(out.x), {k: cut(t) for k, t in out.carry.items()})
 
 
 def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
@@ -203,7 +201,8 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
                         sum(map(_tensor_bytes, _outputs(layer_in))),
                         sum(map(_tensor_bytes, _outputs(out))) if i < len(funcs) - 1 else 0)
             times.append((forward + backward) / repeats)
-            micro = micro.with_output(_detached(out), model.defs[i].output)
+            micro = micro.with_output(_detached(out) if isinstance(out, LayerOutput)
+                                      else out.detach(), model.defs[i].output)
         per_batch.append({**micro_batch_size(batch), "vit_s": float(sum(times[:vision])),
                           "llm_s": float(sum(times[vision:]))})
     means = sums / max(1, len(batches))
