@@ -57,7 +57,7 @@ from vlmshard.simulate.replay import validate_against_log  # noqa: E402
 from vlmshard.train.config import TrainConfig  # noqa: E402
 from vlmshard.io import read_json, write_json_atomic  # noqa: E402
 
-def prepare(work: str, scale: int, model_type: str) -> dict:
+def prepare(work: str, scale: int, model_type: str, memory_budget: str) -> dict:
     """Preprocess, plan ``random`` (and padded to twice its caps), profile, plan ``balanced``
     with the measured costs."""
     shutil.rmtree(work, ignore_errors=True)
@@ -83,7 +83,7 @@ def prepare(work: str, scale: int, model_type: str) -> dict:
                       {**manifest, "qv": 2 * manifest["qv"], "qt": 2 * manifest["qt"]})
     profile = os.path.join(work, "profile")
     run_profile(ProfileConfig(shards=shards["random"], out=profile, model=model, pp=2,
-                              micro_batches=8, memory_budget="1TB"))
+                              micro_batches=8, memory_budget=memory_budget))
     plan_and_write("balanced", algo="balanced",
                    cost_model=os.path.join(profile, "cost_model.json"))
     return {"shards": shards, "padded": padded, "model": model, "profile": profile,
@@ -197,10 +197,15 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--model-type", default="internvl",
                         help="the demo model's model_type (internvl, qwen3_vl, ...)")
+    parser.add_argument("--memory-budget", default="1TB",
+                        help="the profile's device memory: it bounds the balanced plan's caps "
+                             "(their search takes the largest caps that fit, and the loader "
+                             "pads pixels to them: 1TB is fine for 448-px tiles, far too much "
+                             "for a 32-px unit)")
     parser.add_argument("--only", default="balance,padding,partition",
                         help="the measurements to run (balance is always run)")
     args = parser.parse_args()
-    setup = prepare(args.work, args.scale, args.model_type)
+    setup = prepare(args.work, args.scale, args.model_type, args.memory_budget)
     only = set(args.only.split(","))
     result = {"machine": f"{platform.node()} {os.cpu_count()} CPUs, {platform.processor()}",
               "model_type": args.model_type, "plans": setup["plans"],

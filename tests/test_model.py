@@ -184,8 +184,8 @@ def test_profile_runs_each_layer_on_what_the_previous_made(setup):
 
 
 def test_packed_attention_equals_each_sample_alone():
-    """One SDPA call with the block-diagonal mask against SDPA run on each segment alone:
-    causal (the LLM, grouped-query heads) and full (a ViT's images or windows)."""
+    """The packed SDPA over segments against torch's SDPA run on each segment by hand: causal
+    (the LLM, grouped-query heads) and full."""
     torch.manual_seed(0)
     lengths = [5, 1, 9, 3]
     n = sum(lengths)
@@ -197,7 +197,7 @@ def test_packed_attention_equals_each_sample_alone():
     for causal in (True, False):
         q = torch.randn(1, 4, n, 8)
         k, v = torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
-        spans = Spans.from_lengths(lengths, causal, "sdpa", torch.device("cpu"))
+        spans = Spans.from_lengths(lengths, "sdpa", torch.device("cpu"))
         out, _ = packed_sdpa(Module(), q, k, v, None, is_causal=None if causal else False,
                               **spans.kwargs())
         start = 0

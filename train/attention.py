@@ -5,11 +5,13 @@ compute q, k and v; the kernel they call is named by ``config._attn_implementati
 
 - ``flash``: ``flash_attention_2`` (flash-attn's varlen kernel, CUDA only), given each sample's
   boundaries as ``cu_seq_lens_q/k`` and ``max_length_q/k``;
-- ``sdpa``: ``vlmshard_packed_sdpa``, registered here: one ``scaled_dot_product_attention`` call
-  with a block-diagonal mask (causal within each sample for the LLM, full within each image or
-  window for a ViT), built once per micro-batch per stage.
+- ``sdpa``: ``vlmshard_packed_sdpa``, registered here: ``scaled_dot_product_attention`` on
+  each sample alone (the LLM, causal; the boundaries on the host), and in a Qwen ViT on each
+  image or window alone, as ``transformers`` runs it given the boundaries on the host. Σ len²
+  work, where one call with a block-diagonal mask over the micro-batch did (Σ len)²: at 10⁴
+  tokens or patches a micro-batch that made a fuller micro-batch cost more than its share.
 
-``Spans`` holds one segmentation (its boundaries and, for ``sdpa``, its mask) and gives the
+``Spans`` holds one segmentation (its boundaries, on the device and the host) and gives the
 keyword arguments each layer passes to its ``transformers`` module.
 """
 
@@ -42,15 +44,17 @@ def implementation(backend: str) -> str:
     return "flash_attention_2" if backend == "flash" else PACKED_SDPA
 
 
-def packed_sdpa(module, query, key, value, attention_mask, *, packed_mask=None, **kwargs):
-    """``transformers``' SDPA attention, with the packed block-diagonal mask when one is given
-    (``packed_mask``: bool [1, 1, n, n], True where a query may attend, causality included)."""
+def packed_sdpa(module, query, key, value, attention_mask, *, packed_lengths=None, **kwargs):
+    """``transformers``' SDPA attention on each packed segment alone (``packed_lengths``, on the
+    host): Σ len² work, no mask over the micro-batch, grouped-query heads kept; causality as
+    the module (or ``is_causal``) says."""
     for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
         kwargs.pop(name, None)
-    if packed_mask is not None:
-        attention_mask = packed_mask
-        kwargs["is_causal"] = False
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if packed_lengths is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    parts = zip(*(t.split(packed_lengths, dim=2) for t in (query, key, value)))
+    outputs = [sdpa_attention_forward(module, q, k, v, None, **kwargs)[0] for q, k, v in parts]
+    return torch.cat(outputs, dim=1), None
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa)
@@ -62,25 +66,22 @@ class Spans:
 
     cu_seqlens: torch.Tensor  # int32 [segments + 1], from 0 to the sequence length
     max_len: int
-    mask: torch.Tensor | None  # the sdpa backend's block-diagonal mask
+    lengths: list[int]  # on the host
+    backend: str
 
     @classmethod
-    def from_lengths(cls, lengths: list[int], causal: bool, backend: str,
-                     device: torch.device) -> "Spans":
+    def from_lengths(cls, lengths: list[int], backend: str, device: torch.device) -> "Spans":
         cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        mask = None
-        if backend == "sdpa":
-            segment = torch.repeat_interleave(torch.arange(len(lengths)),
-                                              torch.tensor(lengths)).to(device)
-            mask = segment[:, None] == segment[None, :]
-            if causal:
-                mask = mask.tril()
-            mask = mask[None, None]
-        return cls(cu.to(device), max(lengths, default=0), mask)
+        return cls(cu.to(device), max(lengths, default=0), list(lengths), backend)
+
+    @property
+    def host_cu_seqlens(self) -> torch.Tensor:
+        """The boundaries on the host, for code that reads them back (no device sync)."""
+        return torch.tensor([0] + self.lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
     def kwargs(self) -> dict:
         """Keyword arguments for a ``transformers`` attention layer call."""
-        if self.mask is not None:
-            return {"packed_mask": self.mask}
+        if self.backend == "sdpa":
+            return {"packed_lengths": self.lengths}
         return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
                 "max_length_q": self.max_len, "max_length_k": self.max_len}

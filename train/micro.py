@@ -118,7 +118,7 @@ class Micro:
     def text_spans(self) -> Spans:
         """The packed samples, each attending within itself."""
         return self.cached("text_spans", lambda: Spans.from_lengths(
-            self.host.sample_lengths, True, self.backend, self.x.device))
+            self.host.sample_lengths, self.backend, self.x.device))
 
 
 class LayerOutput(NamedTuple):

@@ -60,15 +60,15 @@ class VisionGeometry:
         grids = torch.tensor(micro.host.grids, dtype=torch.long).reshape(-1, 3)
         device, backend = micro.x.device, micro.backend
         cu = get_vision_cu_seqlens(grids)
-        images = Spans.from_lengths((cu[1:] - cu[:-1]).tolist(), False, backend, device)
+        images = Spans.from_lengths((cu[1:] - cu[:-1]).tolist(), backend, device)
         positions = get_vision_position_ids(grids, self.merge).to(device)
         rope = self.rotary(micro.x, positions)
         windows = window_index = None
         if self.windowed:
             window_index, cu_windows = get_vision_window_index(
                 grids, self.merge, self.window_size, self.patch_size)
-            windows = Spans.from_lengths((cu_windows[1:] - cu_windows[:-1]).tolist(), False,
-                                         backend, device)
+            windows = Spans.from_lengths((cu_windows[1:] - cu_windows[:-1]).tolist(), backend,
+                                         device)
             window_index = window_index.to(device)
             rope = tuple(self.window_order(t, window_index) for t in rope)
         return VisionMeta(rope, images, windows, window_index, grids)
@@ -100,12 +100,11 @@ class VisionBlock(HFLayer):
     def forward(self, micro: Micro) -> torch.Tensor:
         meta = self.geometry.meta(micro)
         spans = meta.images if self.full else meta.windows
-        if spans.mask is None:  # flash: transformers passes the boundaries to the kernel
+        if micro.backend == "flash":  # transformers passes the boundaries to the kernel
             kwargs = {"cu_seqlens": spans.cu_seqlens, "max_seqlen": spans.max_len}
-        else:  # one segment for transformers (no loop over images), the block mask inside;
-            # on the host, as transformers reads the segment lengths back
-            kwargs = {"cu_seqlens": torch.tensor([0, micro.x.shape[0]], dtype=torch.int32),
-                      "packed_mask": spans.mask}
+        else:  # transformers runs SDPA on each segment alone; the boundaries on the host, as
+            # it reads the segment lengths back (no device sync)
+            kwargs = {"cu_seqlens": spans.host_cu_seqlens}
         return self.block(micro.x, position_embeddings=meta.rope, **kwargs)
 
 
