@@ -47,7 +47,7 @@ class PositionedEmbedding(VisionEmbedding):
             t.to(hidden.device) for t in get_vision_interpolation_indices_and_weights(
                 self.geometry.meta(micro).grids, self.side, mode=self.mode,
                 align_corners=self.align_corners, spatial_merge_size=self.geometry.merge)))
-        positions = (self.pos_embed(indices) * weights[:, :, None].to(hidden.dtype)).sum(1)
+        positions = (self.pos_embed(indices) * weights[:, :, None]).sum(1)  # as the model
         return hidden + positions.to(hidden.dtype)
 
 
