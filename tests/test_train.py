@@ -42,9 +42,11 @@ CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 @pytest.fixture(scope="module")
 def small_shards(demo, tmp_path_factory):
-    """24 short single-tile conversations through the real stages for a tiny InternVL folder
-    (tied embedding and head), packed for 2 ranks two samples a micro-batch (fixed caps: the
-    searched ones take one, which leaves ``partition`` no recompute that fits)."""
+    """24 single-tile conversations through the real stages for a tiny InternVL folder (tied
+    embedding and head), packed for 2 ranks two samples a micro-batch (fixed caps: the searched
+    ones take one, which leaves ``partition`` no recompute that fits). Their answers are long
+    enough that the LLM's activations, not the first stage's pixels, set the memory a partition
+    needs, so a budget can force recompute and still fit."""
     root = tmp_path_factory.mktemp("small")
     folder = tiny_folder("internvl", str(root / "model"), max_patches=2)
     photo = next(p for p in demo.images if p.endswith(".jpg"))
@@ -54,7 +56,7 @@ def small_shards(demo, tmp_path_factory):
         for i in range(24):
             f.write(json.dumps({"image": "photo.jpg", "conversations": [
                 {"from": "human", "value": f"<image>\nWhat is shown, item {i % 4}?"},
-                {"from": "gpt", "value": f"A photo of item {i % 4}."}]}) + "\n")
+                {"from": "gpt", "value": f"A photo of item {i % 4}. " * 24}]}) + "\n")
     run_preprocess(PreprocessConfig(inputs=[str(root / "small.jsonl")], out=str(root / "pre"),
                                     model=folder, keep_tokens=True, workers=1))
     longest = int(load_stats(str(root / "pre")).lengths.tokens.max())
