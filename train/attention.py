@@ -65,6 +65,7 @@ class Spans:
     """Consecutive segments of a packed sequence that attend only within themselves."""
 
     cu_seqlens: torch.Tensor  # int32 [segments + 1], from 0 to the sequence length
+    host_cu_seqlens: torch.Tensor  # the same on the host, for code that reads them back
     max_len: int
     lengths: list[int]  # on the host
     backend: str
@@ -72,12 +73,7 @@ class Spans:
     @classmethod
     def from_lengths(cls, lengths: list[int], backend: str, device: torch.device) -> "Spans":
         cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        return cls(cu.to(device), max(lengths, default=0), list(lengths), backend)
-
-    @property
-    def host_cu_seqlens(self) -> torch.Tensor:
-        """The boundaries on the host, for code that reads them back (no device sync)."""
-        return torch.tensor([0] + self.lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return cls(cu.to(device), cu, max(lengths, default=0), list(lengths), backend)
 
     def kwargs(self) -> dict:
         """Keyword arguments for a ``transformers`` attention layer call."""

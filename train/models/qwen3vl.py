@@ -159,13 +159,12 @@ def layers(model: nn.Module) -> tuple[list[LayerDef], Geometry]:
     text = model.config.text_config
     rotary = Detached(type(model.get_submodule(f"{lm}.rotary_emb"))(
         model.get_submodule(f"{lm}.rotary_emb").config))
-    blocks = model.get_submodule(f"{lm}.layers")
-    routed = [hasattr(block.mlp, "gate") and bool(getattr(text, "output_router_logits", False))
-              for block in blocks]
+    moe = [hasattr(block.mlp, "gate") for block in model.get_submodule(f"{lm}.layers")]
+    routed = [m and bool(getattr(text, "output_router_logits", False)) for m in moe]
 
     def decoder(index: int):
         kind = "_".join(k for k, on in (("deepstack", index < len(levels)),
-                                        ("moe", hasattr(blocks[index].mlp, "gate"))) if on)
+                                        ("moe", moe[index])) if on)
         return functools.partial(Qwen3DecoderLayer, image_token_id=model.config.image_token_id,
                                  deepstack=index < len(levels), routed=routed[index]), kind
 
