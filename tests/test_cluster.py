@@ -73,3 +73,21 @@ def test_a_taken_port_is_one_line():
         port = held.getsockname()[1]
         with pytest.raises(ConfigError, match=f"port {port} is in use"):
             Cluster.resolve(2, {}, master_port=port).check_port()
+
+
+def _world(cmd: list[str]) -> dict:
+    world = next(a for a in cmd if a.startswith("--world_info="))
+    return json.loads(base64.urlsafe_b64decode(world.split("=", 1)[1]))
+
+
+def test_a_schedulers_gpus_are_kept_and_too_few_are_one_line():
+    """DeepSpeed's launcher sets each rank's CUDA_VISIBLE_DEVICES from the world_info slots: a
+    scheduler's own GPUs stay the job's; a node with fewer GPUs than processes stops at once."""
+    c = Cluster.resolve(2, {})
+    assert _world(launcher_command(c, "4,5,6")) == {"node0": [4, 5]}
+    assert _world(launcher_command(c, "GPU-a1,GPU-b2")) == {"node0": ["GPU-a1", "GPU-b2"]}
+    assert _world(launcher_command(c)) == {"node0": [0, 1]}
+    c.check_devices(2)
+    with pytest.raises(ConfigError, match=r"^2 training processes on this node \(PP × DP\) need "
+                                          r"as many GPUs; it shows 1 \(CUDA_VISIBLE_DEVICES=3\)"):
+        c.check_devices(1, "3")

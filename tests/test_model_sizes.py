@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from vlmshard.families import model_sizes, tiny_folder
-from vlmshard.model_sizes import PRESETS, LLMConfig, ModelConfig, layer_work
-
-# Which analytic layer holds each trainer layer's parameters: the analytic projector_merge
-# also holds the token embedding, its head the final norm.
-ANALYTIC = {"projector": "projector_merge", "embed_tokens": "projector_merge",
-            "final_norm": "head"}
-
+from vlmshard.model_sizes import (
+    PRESETS,
+    LLMConfig,
+    ModelConfig,
+    layer_work,
+    trainer_layer_work,
+)
 
 # Qwen3-VL's published ViT and rotary settings, the same in every size
 VIT = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
@@ -28,20 +28,20 @@ ROPE = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20]
 
 @pytest.mark.parametrize("model_type", ["qwen3_vl", "qwen3_vl_moe"])
 def test_each_layer_kind_counts_the_hf_modules_parameters(model_type, tmp_path):
-    """Qwen3-VL: the patch embedding with its learned position table, plain and DeepStack ViT
-    blocks (a block and its merger), the merger, Qwen3 decoder layers (explicit head_dim, q/k
-    norms; dense or router + every expert), the head."""
+    """Every trainer layer (what a stage holds) as the analytic model counts it, against the
+    transformers modules it builds. Qwen3-VL: the patch embedding with its learned position
+    table, plain and DeepStack ViT blocks (a block and its merger), the merger, Qwen3 decoder
+    layers (explicit head_dim, q/k norms; dense or router + every expert), the head."""
     from vlmshard.train.hf_model import model_layers
 
     folder = tiny_folder(model_type, str(tmp_path / "model"))
     layers = model_layers(folder)
     with open(f"{folder}/config.json") as f:
-        analytic = {w.name: w.params for w in layer_work(model_sizes(json.load(f), folder))}
-    counted: dict[str, int] = {}
-    for i, name in enumerate(layers.names):
-        key = ANALYTIC.get(name, name)
-        counted[key] = counted.get(key, 0) + layers.parameter_count(i)
-    assert counted == analytic
+        sizes = model_sizes(json.load(f), folder)
+    # per trainer layer (what a stage partition holds), and over the whole model
+    counted = [layers.parameter_count(i) for i in range(len(layers.names))]
+    assert [w.params for w in trainer_layer_work(layers.names, sizes)] == counted
+    assert sum(counted) == sum(w.params for w in layer_work(sizes))
     kinds = {d.kind for d in layers.defs}
     assert {"vit_block", "vit_block_deepstack", "llm_block_deepstack"} <= kinds
     assert ("llm_block_moe" if model_type.endswith("moe") else "llm_block") in kinds

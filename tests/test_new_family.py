@@ -34,7 +34,7 @@ def test_a_family_registered_outside_the_package_goes_through_every_stage(tmp_pa
              "2", "--out", plan, env=env)
     vlmshard("write", "--plan", plan, "--stats", pre, "--out", shards, "--workers", "1", env=env)
     vlmshard("train", "--shards", shards, "--pp", "2", "--max-steps", "1", "--lr", "0.001",
-             "--max-grad-norm", "0", "--out", run, env=env)
+             "--warmup-steps", "0", "--max-grad-norm", "0", "--out", run, env=env)
 
     assert read_json(os.path.join(pre, "preprocess.json"))["config"]["model"]["family"] == \
         "renamed_internvl"

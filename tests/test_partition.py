@@ -9,19 +9,27 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vlmshard.partition import (LayerCost, Machine, PartitionError, choose_recompute,
-                                      greedy_anchor, largest_micro_batch_scale,
-                                      omnibal_candidates, search_partition)
+from vlmshard.partition import (
+    LayerCost,
+    Machine,
+    PartitionError,
+    choose_recompute,
+    greedy_anchor,
+    largest_micro_batch_scale,
+    omnibal_candidates,
+    search_partition,
+)
 
 layer = st.builds(
-    lambda f, b, act, inp, out, par: LayerCost("L", f, b, act + inp, inp, out, par),
+    lambda f, b, act, inp, out, par, peak: LayerCost("L", f, b, act + inp, inp, out, par, peak),
     st.floats(0.1, 5.0), st.floats(0.1, 10.0), st.integers(0, 1000), st.integers(0, 200),
-    st.integers(0, 500), st.integers(0, 800))
+    st.integers(0, 500), st.integers(0, 800), st.integers(0, 1500))
 
 
 # --- the stage model, written out again ----------------------------------------------------------
 # Stage s of P over layers [first, end), recomputing the set R, under 1F1B:
 #   memory = Σ params + (P − s) · Σ (input if recomputed else activation) + max activation in R
+#            + max over the stage of (peak − activation, or 0): what a layer needs while it runs
 #   time   = Σ (forward + backward) + Σ_R forward + output bytes of its last layer / link (not last)
 # The recompute a stage gets is the fewest layers that fit the budget, of those the least memory.
 
@@ -31,7 +39,9 @@ def _memory(layers, first, end, in_flight, recompute) -> int:
         lay = layers[i]
         total += lay.param_bytes + in_flight * (lay.input_bytes if i in recompute
                                                 else lay.activation_bytes)
-    return total + max([layers[i].activation_bytes for i in recompute] or [0])
+    transient = max(max(layers[i].peak_bytes - layers[i].activation_bytes, 0)
+                    for i in range(first, end))
+    return total + max([layers[i].activation_bytes for i in recompute] or [0]) + transient
 
 
 def _time(layers, first, end, recompute, link, last) -> float:

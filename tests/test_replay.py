@@ -11,11 +11,16 @@ import os
 import numpy as np
 import pytest
 
-from vlmshard.model_sizes import PRESETS, ModelConfig, layer_work, training_flops
+from vlmshard.model_sizes import (
+    NO_LAYER_WORK,
+    PRESETS,
+    ModelConfig,
+    layer_work,
+    training_flops,
+)
 from vlmshard.run_log import PIPELINE_NAME
 from vlmshard.simulate.model import PipelineTimes, StageModel
 from vlmshard.simulate.replay import (
-    NO_ANALYTIC_WORK,
     analytic_rates,
     compare,
     measured_times,
@@ -104,11 +109,11 @@ def test_analytic_layers_map_onto_the_trainers_layers(family, tmp_path):
     work = {w.name: w.flops for w in layer_work(model)}
     projector = names.index("projector")
     assert rates.forward[projector].tolist() == [work["projector_merge"].tiles, 0, 0]
-    for name in NO_ANALYTIC_WORK:
+    for name in NO_LAYER_WORK:
         assert rates.forward[names.index(name)].tolist() == [0, 0, 0]
     assert (rates.forward[:projector + 1, 1:] == 0).all()
     assert (rates.forward[projector + 1:, 0] == 0).all()
-    with pytest.raises(ValueError, match="'mystery' of the run has no counterpart"):
+    with pytest.raises(ValueError, match="'mystery' has no counterpart"):
         analytic_rates(names + ["mystery"], model)
     with pytest.raises(ValueError, match="do not cover"):
         analytic_rates([n for n in names if n != "head"], model)

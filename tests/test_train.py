@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 
@@ -33,7 +34,6 @@ from vlmshard.shards.writer import run_write
 from vlmshard.simulate.replay import compare, replay_run, validate_against_log
 from vlmshard.train.config import ProfileConfig
 from vlmshard.train.hf_model import model_layers
-from vlmshard.train.micro import unpack, wire_inputs
 from vlmshard.train.profile import run_profile
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
@@ -162,7 +162,7 @@ def test_profile_measures_each_layer_as_counted_apart(partition, small_shards):
     funcs = model.build_all()
     walked = np.zeros(len(names))
     for batch in batches:
-        micro = unpack(wire_inputs(batch, 1), model.input_phase(0), model.backend)
+        micro = model.first_micro(batch)
         for i, layer in enumerate(funcs[:-1]):  # the head recomputes its logits in backward
             micro = micro.with_x(micro.x.detach().requires_grad_(micro.x.is_floating_point()))
             out = layer(micro)
@@ -236,6 +236,57 @@ def test_validate_top_trains_each_candidate_and_chooses_the_fastest(small_shards
         assert len(times) == 3 and not (run / "checkpoints").exists()
         assert candidate["measured_step_s"] == pytest.approx(statistics.median(times[1:]))
     assert partitions["chosen"] == min(validated, key=lambda p: p["measured_step_s"])
+
+
+def test_without_a_partition_a_run_takes_the_search_over_analytic_costs(small_shards, caplog,
+                                                                          monkeypatch):
+    """No --partition, no --bounds: the min-max cut of the model's analytic layer times (FLOPs
+    at the shards' mean micro-batch over the rank's rate, backward twice the forward, plus
+    stage 0's send of its output at the caps), which every cut costed here by hand, from
+    ``layer_work`` and the loader's own batches, confirms. With memory for no cut at all, the
+    run takes DeepSpeed's 'parameters' partition and says why."""
+    from vlmshard.families import model_sizes
+    from vlmshard.model_sizes import ACTIVATION_BYTES, layer_work
+    from vlmshard.partition import Machine
+    from vlmshard.shards.layout import read_manifest
+    from vlmshard.train import default_partition as dp
+    from vlmshard.train.config import TrainConfig
+    from vlmshard.train.train_log import micro_batch_size
+
+    manifest = read_manifest(small_shards)
+    model = model_layers(manifest.model_spec().path)
+    cfg = TrainConfig(shards=small_shards, out="unused", pp=2, precision="fp32")
+    chosen = dp.searched_partition(cfg, model, torch.device("cpu"), 2)
+    assert chosen.source.startswith("searched: the analytic FLOPs") and chosen.recompute == []
+
+    count = dp.SIZE_STEPS * manifest.ranks * manifest.micro_batches
+    sizes = [micro_batch_size(b) for b in ShardDataset(small_shards, 0, 1)][:count]
+    mean = {k: np.mean([s[k] for s in sizes]) for k in ("tiles", "tokens", "squares")}
+    work = {w.name: w for w in layer_work(model_sizes(read_json(
+        os.path.join(model.path, "config.json")), model.path))}
+    size = type(work["head"].flops)
+    flops, sends = [], []  # per layer: forward FLOPs at the mean, output bytes at the caps
+    hidden_bytes = ACTIVATION_BYTES * model.config.get_text_config().hidden_size * manifest.qt
+    for name in model.names:
+        if name in ("embed_tokens", "final_norm"):  # a lookup and a norm: hidden states out
+            flops.append(0.0)
+            sends.append(hidden_bytes)
+            continue
+        w = work["projector_merge" if name == "projector" else name]
+        flops.append(w.flops.dot(size(**mean)))
+        sends.append(w.output_bytes.dot(size(manifest.qv, manifest.qt)))
+
+    def stage_times(cut: int) -> tuple[float, float]:
+        return (3 * sum(flops[:cut]) / dp.CPU_FLOPS_PER_S + sends[cut - 1]
+                / dp.CPU_LINK_BYTES_PER_S, 3 * sum(flops[cut:]) / dp.CPU_FLOPS_PER_S)
+
+    best = min(max(stage_times(cut)) for cut in range(1, len(flops)))
+    assert max(stage_times(chosen.bounds[1])) == pytest.approx(best, rel=1e-9)
+
+    monkeypatch.setattr(dp, "device_machine", lambda device, ranks: (Machine(1), 1e11, "1 B"))
+    fallback = dp.searched_partition(cfg, model, torch.device("cpu"), 2)
+    assert fallback.source.startswith("DeepSpeed's 'parameters' (the search found none")
+    assert "no partition fits" in caplog.text and len(fallback.bounds) == 3
 
 
 def _log(path) -> list[dict]:
@@ -382,6 +433,19 @@ def test_two_nodes_on_localhost_train_as_one_node_does(small_shards, tmp_path):
     assert [sorted((r["rank"], r["stage"]) for r in rec["ranks"]) for rec in two] == [
         [(0, 0), (1, 1)]] * 4
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-6)
+    # Neither named a partition: both ran the search's, decided once on rank 0
+    from vlmshard.shards.layout import read_manifest
+    from vlmshard.train.config import TrainConfig
+    from vlmshard.train.default_partition import searched_partition
+
+    model = model_layers(read_manifest(small_shards).model_spec().path)
+    expected = searched_partition(TrainConfig(shards=small_shards, out="unused", pp=2,
+                                              precision="fp32"), model, torch.device("cpu"), 2)
+    for run in ("nodes", "one"):  # (a node of one rank has twice the memory per rank)
+        described = read_json(tmp_path / run / "pipeline.json")
+        assert described["partition_source"].startswith("searched: the analytic FLOPs")
+        assert [s["layers"] for s in described["stages"]] == [
+            model.names[a:b] for a, b in zip(expected.bounds, expected.bounds[1:])]
 
 
 def test_a_resumed_log_keeps_the_steps_before_the_checkpoint(tmp_path):
@@ -401,7 +465,7 @@ def test_a_resumed_log_keeps_the_steps_before_the_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_resume_after_kill_9_continues_the_loss_trajectory_exactly(small_shards, tmp_path):
     common = ["--config", CONFIG, "--shards", small_shards, "--pp", "2", "--lr", "0.003",
-              "--max-steps", "6"]
+              "--max-steps", "6", "--lr-scheduler-type", "cosine", "--warmup-steps", "2"]
     vlmshard("train", *common, "--out", str(tmp_path / "straight"))
     crashed = tmp_path / "crashed"
     log = crashed / "train_log.jsonl"
@@ -420,6 +484,11 @@ def test_resume_after_kill_9_continues_the_loss_trajectory_exactly(small_shards,
     assert [r["data"] for r in resumed] == [r["data"] for r in straight]
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight],
                                                          rel=1e-5)
+    # The schedule resumed with the weights: linear warm-up over 2 steps, then half a cosine
+    # from 0.003 towards 0 at step 6, counted by hand.
+    cosine = [0.003 * 0.5 * (1 + math.cos(math.pi * (k - 2) / 4)) for k in range(2, 6)]
+    assert [r["lr"] for r in resumed] == pytest.approx([0.0, 0.0015, *cosine], abs=1e-12)
+    assert [r["lr"] for r in straight] == [r["lr"] for r in resumed]
 
 
 def _stage_grads(run, model) -> dict[str, dict[str, torch.Tensor]]:
@@ -429,7 +498,8 @@ def _stage_grads(run, model) -> dict[str, dict[str, torch.Tensor]]:
     import glob
 
     stages = {}
-    for path in sorted(glob.glob(str(run / "checkpoints" / "step-1" / "mp_rank_*_model_states.pt"))):
+    pattern = run / "checkpoints" / "step-1" / "mp_rank_*_model_states.pt"
+    for path in sorted(glob.glob(str(pattern))):
         state = torch.load(path, weights_only=False)
         group = state["optimizer"]["param_groups"][0]
         beta1 = group["betas"][0]
@@ -465,7 +535,7 @@ def test_first_pipeline_step_equals_the_hf_model(family, tmp_path):
            "qwen3_vl_moe": ["--bounds", "0", "9", "12", "--recompute", "llm_block_3"]
            }.get(family, [])
     vlmshard("train", "--shards", shards, "--pp", "2", "--max-steps", "1", "--lr", "0.001",
-             "--max-grad-norm", "0", "--out", str(run), *cut)
+             "--warmup-steps", "0", "--max-grad-norm", "0", "--out", str(run), *cut)
     model = model_layers(folder)
     batches = list(ShardDataset(shards, pixel_dtype=torch.float32))[:2]
     loss, count, ref_grads = hf_loss_and_grads(folder, batches, model.geometry.tokens_per_tile,

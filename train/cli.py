@@ -1,5 +1,5 @@
-"""``vlmshard train`` and ``vlmshard train profile``: launch ``vlmshard.train.trainer`` on local processes
-through DeepSpeed's launcher, or profile the layers and search the stage partition."""
+"""``vlmshard train`` and ``vlmshard train profile``: launch ``vlmshard.train.trainer`` on local
+processes through DeepSpeed's launcher, or profile the layers and search the stage partition."""
 
 from __future__ import annotations
 
@@ -11,9 +11,13 @@ from .config import ProfileConfig, TrainConfig
 
 DESCRIPTION = """\
 Fine-tunes a Hugging Face model folder of a registered family (--model lists the model types;
-by default the folder the shards were preprocessed with) through DeepSpeed's pipeline engine: each stage builds
-and loads only its own layers of the transformers model, and computes on the real tiles and
-tokens only. Starts PP x DP processes with the DeepSpeed launcher (gloo on CPU, nccl on GPU). Each
+by default the folder the shards were preprocessed with) through DeepSpeed's pipeline engine:
+each stage builds and loads only its own layers of the transformers model, and computes on the
+real tiles and tokens only. The stage partition and per-stage recompute: --partition (the
+profile's), else --bounds, else the exact search over the model's analytic FLOPs and memory at
+the shards' micro-batch sizes and the device's memory (the log and OUT/pipeline.json say which
+ran and why). AdamW at --lr with Hugging Face's warm-up and schedule (cosine by default).
+Starts PP x DP processes with the DeepSpeed launcher (gloo on CPU, nccl on GPU). Each
 data-parallel replica streams its rank's shards (shards planned for V virtual ranks serve any DP
 dividing V); the pipeline takes one packed micro-batch per record, the plan's micro-batches of a
 step are its gradient accumulation, and the loss is normalized per supervised token over the

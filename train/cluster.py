@@ -76,9 +76,25 @@ class Cluster:
         return cls(nodes=nodes, node_rank=node_rank, procs_per_node=per_node,
                    master_addr=master or "127.0.0.1", master_port=port)
 
-    def world_info(self) -> dict[str, list[int]]:
-        """DeepSpeed's per-node launcher's view: node name → local device slots, in node order."""
-        return {f"node{i}": list(range(self.procs_per_node)) for i in range(self.nodes)}
+    def world_info(self, visible_devices: str | None = None) -> dict[str, list[int | str]]:
+        """DeepSpeed's per-node launcher's view: node name → local device slots, in node order.
+
+        The launcher sets each process's ``CUDA_VISIBLE_DEVICES`` from these slots, so a
+        scheduler's own (``visible_devices``, e.g. ``4,5`` of an 8-GPU node) are the slots, not
+        0..n-1 (which would move the job onto GPUs another job holds)."""
+        given = [s.strip() for s in (visible_devices or "").split(",") if s.strip()]
+        slots = ([int(s) if s.isdigit() else s for s in given[:self.procs_per_node]]
+                 if len(given) >= self.procs_per_node else list(range(self.procs_per_node)))
+        return {f"node{i}": slots for i in range(self.nodes)}
+
+    def check_devices(self, visible: int, visible_devices: str | None = None) -> None:
+        """One line, before any process starts, when this node shows fewer GPUs than it runs
+        processes (each process takes one): not "invalid device ordinal" from every rank."""
+        if visible < self.procs_per_node:
+            shown = f" (CUDA_VISIBLE_DEVICES={visible_devices})" if visible_devices else ""
+            raise ConfigError(f"{self.procs_per_node} training processes on this node (PP × DP"
+                              f"{' / nodes' if self.nodes > 1 else ''}) need as many GPUs; it "
+                              f"shows {visible}{shown}: lower --pp/--dp or add nodes")
 
     def check_port(self) -> None:
         """On node 0, a one-line error when the rendezvous port is taken (another job holds it),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -10,6 +11,7 @@ from vlmshard.config import ConfigError, option, parse_size
 from vlmshard.families import model_types
 
 Precision = Literal["bf16", "fp32"]
+SchedulerName = Literal["cosine", "linear", "constant", "constant_with_warmup"]
 
 
 @dataclass(kw_only=True)
@@ -27,8 +29,18 @@ class TrainConfig:
     dp: int = option(1, help="data-parallel replicas (shards planned for V virtual ranks serve "
                              "any DP dividing V)")
     max_steps: int | None = option(None, help="optimizer steps; more than the shards hold "
-                                              "repeats them", default_text="one pass over the shards")
-    lr: float = option(1e-3, help="AdamW learning rate")
+                                              "repeats them",
+                                   default_text="one pass over the shards")
+    lr: float = option(1e-5, help="AdamW peak learning rate (fine-tuning a pretrained "
+                                  "checkpoint; a tiny model trained from scratch wants ~1e-3)")
+    lr_scheduler_type: SchedulerName = option(
+        "cosine", help="the learning-rate schedule after warm-up, by Hugging Face's name "
+                       "(transformers.get_scheduler): cosine or linear decay to 0 at the last "
+                       "step, constant, or constant_with_warmup")
+    warmup_steps: float = option(
+        0.03, help="linear warm-up from 0 to --lr, as Hugging Face's Trainer reads it: a whole "
+                   "number >= 1 is steps, a fraction in [0, 1) a share of the run's steps "
+                   "(rounded up); the constant schedule has none")
     weight_decay: float = option(0.0, help="AdamW weight decay")
     max_grad_norm: float = option(1.0, help="clip the global gradient norm to this (0: no "
                                             "clipping), as Hugging Face's Trainer does")
@@ -47,12 +59,15 @@ class TrainConfig:
                    "the step (0: in the training process)", default_text="4 on GPU, 0 on CPU")
     partition: str | None = option(
         None, help="partition.json from 'vlmshard train profile': its chosen stage bounds and "
-                   "per-stage recompute", default_text="DeepSpeed's 'parameters' partition")
+                   "per-stage recompute", default_text="--bounds, else searched")
     bounds: list[int] | None = option(
         None, help="stage boundaries as layer indices (PP + 1 of them), instead of --partition",
-        default_text="DeepSpeed's 'parameters' partition")
+        default_text="the exact search over the model's analytic FLOPs and memory at the "
+                     "shards' micro-batch sizes and the device's memory, with the recompute "
+                     "each stage then needs")
     recompute: list[str] = option(factory=list,
-                                  help="layer names whose activations are recomputed in backward")
+                                  help="layer names whose activations are recomputed in backward "
+                                       "(besides those a searched partition recomputes)")
     checkpoint_every: int | None = option(
         200, help="also save a DeepSpeed checkpoint every N steps, so a crash loses at most N "
                   "steps (YAML null: at the end only)")
@@ -75,6 +90,10 @@ class TrainConfig:
                 raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.loader_workers is not None and self.loader_workers < 0:
             raise ConfigError(f"--loader-workers must be at least 0, got {self.loader_workers}")
+        if self.warmup_steps < 0 or (self.warmup_steps >= 1
+                                     and self.warmup_steps != int(self.warmup_steps)):
+            raise ConfigError("--warmup-steps takes a whole number of steps or a fraction in "
+                              f"[0, 1) of the run's steps, got {self.warmup_steps}")
         for name in ("max_steps", "checkpoint_every"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -86,6 +105,13 @@ class TrainConfig:
             self.precision = "bf16" if cuda else "fp32"
         if self.loader_workers is None:
             self.loader_workers = 4 if cuda else 0
+
+    def warmup_steps_of(self, steps: int) -> int:
+        """The warm-up steps of a run of ``steps`` optimizer steps (Hugging Face's
+        ``TrainingArguments.get_warmup_steps`` rule)."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        return math.ceil(steps * self.warmup_steps)
 
     @property
     def dtype(self):
@@ -101,7 +127,8 @@ class TrainConfig:
                               for f in dataclasses.fields(TrainConfig)})
 
     def use_partition(self, described: dict) -> None:
-        """Bounds and recompute from a partition as ``vlmshard.train.profile.describe`` writes it."""
+        """Bounds and recompute from a partition as ``vlmshard.train.profile.describe`` writes
+        it."""
         self.bounds = described["bounds"]
         self.recompute = [name for stage in described["stages"] for name in stage["recompute"]]
 
@@ -112,6 +139,11 @@ class ProfileConfig(TrainConfig):
 
     memory_budget: int | str = option("80GiB", help="memory per pipeline stage, e.g. 80GiB")
     micro_batches: int = option(4, help="micro-batches to profile")
+    repeats: int = option(3, help="timed runs of each layer on each micro-batch; the median "
+                                  "counts")
+    warmup: int = option(1, help="untimed runs of each layer on each micro-batch first (on a "
+                                 "GPU the first run pays cuBLAS heuristics and allocator "
+                                 "growth)")
     device: str | None = option(None, help="cpu or cuda", default_text="cuda when available")
     link_bytes_per_s: float = option(25e9, help="bandwidth between pipeline stages, for the "
                                                 "boundary transfer times")
@@ -122,6 +154,9 @@ class ProfileConfig(TrainConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         parse_size(self.memory_budget)
+        if self.repeats < 1 or self.warmup < 0:
+            raise ConfigError(f"--repeats must be >= 1 and --warmup >= 0, got {self.repeats} "
+                              f"and {self.warmup}")
         if self.validate_top < 0 or self.validate_steps < 2:
             raise ConfigError("--validate-top must be >= 0 and --validate-steps >= 2 (the first "
                               "step is warm-up)")

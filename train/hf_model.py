@@ -1,9 +1,10 @@
-"""A Hugging Face model folder as the trainer's layer list: read, built on ``meta``, loaded per layer.
+"""A Hugging Face model folder as the trainer's layer list: read, built on ``meta``, loaded per
+layer.
 
 ``model_layers(path, backend)`` reads the folder's config, picks the family from its
-``model_type`` (``vlmshard.families``), builds the whole
-``transformers`` model on the ``meta`` device (free, whatever its size) with the chosen attention
-backend, and lists its pipeline layers (its family's map in ``vlmshard.train.models``). ``build_layer`` then materializes one
+``model_type`` (``vlmshard.families``), builds the whole ``transformers`` model on the ``meta``
+device (free, whatever its size) with the chosen attention backend, and lists its pipeline
+layers (its family's map in ``vlmshard.train.models``). ``build_layer`` then materializes one
 layer with its own tensors only.
 """
 
@@ -19,7 +20,7 @@ from torch import nn
 from vlmshard.families import family_for_model_type, read_model_folder
 
 from .attention import implementation
-from .micro import Phase
+from .micro import HostMeta, Micro, Phase, unpack, wire_inputs
 from .models.layers import Geometry, LayerDef
 from .weights import Checkpoint, load_layer
 
@@ -43,6 +44,13 @@ class ModelLayers:
         if index == 0:
             return Phase("pixels", self.geometry.pixel_rows_per_tile)
         return self.defs[index - 1].output
+
+    def first_micro(self, batch: dict, device: torch.device | str = "cpu") -> Micro:
+        """A loader batch as the first layer's micro-batch, where one process runs every layer
+        (the profile, tests)."""
+        wire = tuple(t.to(device) for t in wire_inputs(batch))
+        host = HostMeta.of_batch(batch, self.geometry.pixel_rows_per_tile)
+        return unpack(wire, host, self.input_phase(0), self.backend)
 
     def parameter_count(self, index: int) -> int:
         """Layer ``index``'s parameters, counted on the meta model (nothing allocated)."""

@@ -12,9 +12,11 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 from vlmshard.errors import ConfigError, InputError, JobError
 from vlmshard.io import read_json, write_json_atomic
-from vlmshard.run_log import LOG_NAME, read_log
+from vlmshard.run_log import LOG_NAME, PIPELINE_NAME, read_log
 from vlmshard.stage import Result
 
 from .cluster import Cluster
@@ -30,11 +32,15 @@ class TrainResult(Result):
     first_loss: float | None
     last_loss: float | None
     output: str | None = None  # the file the processes wrote to (None: this terminal)
+    bounds: list[int] | None = None  # the stage partition that ran (pipeline.json)
+    partition_source: str = ""  # where it came from
 
     def summary(self) -> str:
         loss = f", loss {self.first_loss:.3f} -> {self.last_loss:.3f}" if self.steps else ""
         where = f" (DeepSpeed's output: {self.output})" if self.output else ""
-        return f"{self.steps} steps{loss} -> {self.out}{where}"
+        cut = (f", stages {self.bounds} ({self.partition_source.split(':')[0]})"
+               if self.bounds else "")
+        return f"{self.steps} steps{loss}{cut} -> {self.out}{where}"
 
 
 def run_train(cfg: TrainConfig, output: str | None = None) -> TrainResult:
@@ -42,8 +48,11 @@ def run_train(cfg: TrainConfig, output: str | None = None) -> TrainResult:
     if output:
         os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
     records = train(cfg, output)
+    pipeline = read_json(os.path.join(cfg.out, PIPELINE_NAME))
+    bounds = np.cumsum([0] + [len(s["layers"]) for s in pipeline["stages"]]).tolist()
     return TrainResult(cfg.out, len(records), records[0]["loss"] if records else None,
-                       records[-1]["loss"] if records else None, output)
+                       records[-1]["loss"] if records else None, output, bounds,
+                       pipeline.get("partition_source", ""))
 
 
 def model_folder(cfg: TrainConfig) -> str:
@@ -99,27 +108,33 @@ def launch(cfg: TrainConfig, output: str | None = None) -> int:
     cluster = Cluster.resolve(cfg.pp * cfg.dp, os.environ, hostfile=cfg.hostfile,
                               master_port=cfg.master_port)
     cluster.check_port()
+    visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cuda:
+        cluster.check_devices(torch.cuda.device_count(), visible_devices)
     os.makedirs(cfg.out, exist_ok=True)
     config_path = os.path.join(os.path.abspath(cfg.out), "train_config.json")
     write_json_atomic(config_path, asdict(cfg.training_options()))
     env = dict(os.environ)
     if not cuda:
         env["LOCAL_SIZE"] = str(cluster.procs_per_node)  # the CPU accelerator's "devices"
-    cmd = launcher_command(cluster) + ["--module", "vlmshard.train.trainer", config_path]
+    cmd = launcher_command(cluster, visible_devices if cuda else None) + [
+        "--module", "vlmshard.train.trainer", config_path]
     if output is None:
         return subprocess.call(cmd, env=env)
     with open(output, "ab") as sink:
         return subprocess.call(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
 
 
-def launcher_command(cluster: Cluster) -> list[str]:
+def launcher_command(cluster: Cluster, visible_devices: str | None = None) -> list[str]:
     """DeepSpeed's multi-node runner for a hostfile, its per-node launcher otherwise (one node,
-    or this node of a job started on every node)."""
+    or this node of a job started on every node), keeping the scheduler's
+    ``visible_devices``."""
     if cluster.hostfile:
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", cluster.hostfile,
                "--master_port", str(cluster.master_port)]
         return cmd + (["--master_addr", cluster.master_addr] if cluster.master_addr else [])
-    world = base64.urlsafe_b64encode(json.dumps(cluster.world_info()).encode()).decode()
+    world = base64.urlsafe_b64encode(json.dumps(cluster.world_info(visible_devices)).encode())
+    world = world.decode()
     return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
             f"--node_rank={cluster.node_rank}", f"--master_addr={cluster.master_addr}",
             f"--master_port={cluster.master_port}"]

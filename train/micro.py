@@ -1,14 +1,13 @@
 """A packed micro-batch between pipeline stages and within one.
 
 Between stages a micro-batch travels as a tuple of static shapes: the activation padded to the
-plan's caps, then input_ids, position_ids, ``HostMeta`` as one int64 tensor, labels, and where a
-model has them, what some layers make for later layers (``Micro.carry``, in ``CARRIED`` order:
-Qwen3-VL's DeepStack features, made by ViT blocks and added by the first LLM layers; a MoE
-model's router statistics, summed over its layers for the auxiliary loss). Inside a
-stage it is a ``Micro``: the metadata read to the host in one transfer (the stage's only host
-synchronisation for that micro-batch), every tensor sliced to the real tiles and tokens, so every
-layer computes on real data only, with the attention segments and rotary tables computed once and
-shared by the stage's layers (``Micro.cache``).
+plan's caps, then input_ids, position_ids, labels, and where a model has them, what some layers
+make for later layers (``Micro.carry``, in ``CARRIED`` order: Qwen3-VL's DeepStack features,
+made by ViT blocks and added by the first LLM layers; a MoE model's router statistics, summed
+over its layers for the auxiliary loss). Its sizes (``HostMeta``) travel beside the wire, on
+the host. Inside a stage it is a ``Micro``: every tensor sliced to the real tiles and tokens, so
+every layer computes on real data only, with the attention segments and rotary tables computed
+once and shared by the stage's layers (``Micro.cache``).
 """
 
 from __future__ import annotations
@@ -39,9 +38,11 @@ TOKENS = Phase("tokens")
 
 @dataclass(frozen=True)
 class HostMeta:
-    """What a stage needs to know on the host about a micro-batch. It is computed by the first
-    stage from the loader's CPU-side batch and travels as one tensor, so a stage's layers never
-    read a device tensor back (each read would stall the GPU's queue)."""
+    """What a stage needs to know on the host about a micro-batch: the sizes that slice the
+    wire and shape every kernel launch. The first stage computes it from the loader's CPU-side
+    batch (``of_batch``) and the trainer sends it to the pipeline's other stages over a gloo
+    group before the step, so no stage reads a device tensor back (each read would stall the
+    GPU's queue)."""
 
     qv: int  # the caps: the wire's static sizes
     qt: int
@@ -52,29 +53,18 @@ class HostMeta:
     grids: list[tuple[int, int, int]]  # (t, h, w) patches of each image; none for InternVL
     sample_lengths: list[int]
 
-    _HEADER = 8  # qv, qt, tiles, tokens, image_tokens, supervised, images, samples
-
-    @staticmethod
-    def size(qv: int, qt: int) -> int:
-        """The tensor's length for these caps: a header, Qv grids, Qt sample lengths."""
-        return HostMeta._HEADER + 3 * qv + qt
-
-    def encode(self) -> torch.Tensor:
-        values = [self.qv, self.qt, self.tiles, self.tokens, self.image_tokens, self.supervised,
-                  len(self.grids), len(self.sample_lengths)]
-        values += [v for grid in self.grids for v in grid]
-        values += [0] * (HostMeta._HEADER + 3 * self.qv - len(values)) + self.sample_lengths
-        values += [0] * (self.size(self.qv, self.qt) - len(values))
-        return torch.tensor(values, dtype=torch.long)
-
     @classmethod
-    def decode(cls, values: list[int]) -> "HostMeta":
-        qv, qt, tiles, tokens, image_tokens, supervised, images, samples = values[:cls._HEADER]
-        grids = values[cls._HEADER:cls._HEADER + 3 * images]
-        start = cls._HEADER + 3 * qv
-        return cls(qv, qt, tiles, tokens, image_tokens, supervised,
-                   [tuple(grids[i:i + 3]) for i in range(0, len(grids), 3)],
-                   values[start:start + samples])
+    def of_batch(cls, batch: dict, pixel_rows_per_tile: int) -> "HostMeta":
+        """A collated micro-batch's (``vlmshard.shards.loader``, padded to the caps)."""
+        samples = batch["num_samples"]
+        cu = batch["cu_seqlens"][:samples + 1].tolist()
+        return cls(
+            qv=batch["pixel_values"].shape[0] // pixel_rows_per_tile,
+            qt=batch["input_ids"].shape[0], tiles=batch["num_tiles"],
+            tokens=batch["num_tokens"], image_tokens=int(batch["image_token_mask"].sum()),
+            supervised=supervised_tokens(batch),
+            grids=[tuple(g) for g in batch.get("image_grid_thw", torch.zeros(0, 3)).tolist()],
+            sample_lengths=[b - a for a, b in zip(cu, cu[1:])])
 
 
 @dataclass
@@ -128,7 +118,7 @@ class LayerOutput(NamedTuple):
     carry: dict[str, torch.Tensor]
 
 
-# What may travel after the five fixed tensors, in this order, and whether its dim 1 holds one
+# What may travel after the four fixed tensors, in this order, and whether its dim 1 holds one
 # row per image token (padded to the cap on the wire) or is sent whole.
 CARRIED = {
     "deepstack": True,  # [levels, image tokens, hidden]: the first pending level is used next
@@ -136,10 +126,10 @@ CARRIED = {
 }
 
 
-def unpack(wire: tuple, phase: Phase, backend: str) -> Micro:
-    """The padded tuple a stage receives, sliced to its real rows (one host read)."""
-    x, input_ids, position_ids, meta, labels, *extra = wire
-    host = HostMeta.decode(meta.tolist())
+def unpack(wire: tuple, host: HostMeta, phase: Phase, backend: str) -> Micro:
+    """The padded tuple a stage receives, sliced to its real rows as ``host`` says (nothing
+    is read back from the device)."""
+    x, input_ids, position_ids, labels, *extra = wire
     tokens = host.tokens
     carry = {name: t[:, :host.image_tokens] if per_image_token else t
              for (name, per_image_token), t in zip(CARRIED.items(), extra)
@@ -163,7 +153,7 @@ def pack(micro: Micro, phase: Phase, tokens_per_tile: int = 1) -> tuple:
     (image-token rows padded to the cap: ``tokens_per_tile`` × Qv, at most Qt), the rest as
     received."""
     host = micro.host
-    wire = (_padded(micro.x, phase.rows(host.qv, host.qt)), *micro.wire[1:5])
+    wire = (_padded(micro.x, phase.rows(host.qv, host.qt)), *micro.wire[1:4])
     image_token_cap = min(host.qv * tokens_per_tile, host.qt)
     names = list(CARRIED)
     last = max((names.index(name) for name in micro.carry), default=-1)
@@ -177,16 +167,7 @@ def pack(micro: Micro, phase: Phase, tokens_per_tile: int = 1) -> tuple:
     return wire
 
 
-def wire_inputs(batch: dict, pixel_rows_per_tile: int) -> tuple:
+def wire_inputs(batch: dict) -> tuple:
     """A collated micro-batch (``vlmshard.shards.loader``, padded to the caps) as the first
-    stage's tuple, its host metadata computed here from the CPU-side batch."""
-    samples = batch["num_samples"]
-    cu = batch["cu_seqlens"][:samples + 1].tolist()
-    host = HostMeta(
-        qv=batch["pixel_values"].shape[0] // pixel_rows_per_tile, qt=batch["input_ids"].shape[0],
-        tiles=batch["num_tiles"], tokens=batch["num_tokens"],
-        image_tokens=int(batch["image_token_mask"].sum()), supervised=supervised_tokens(batch),
-        grids=[tuple(g) for g in batch.get("image_grid_thw", torch.zeros(0, 3)).tolist()],
-        sample_lengths=[b - a for a, b in zip(cu, cu[1:])])
-    return (batch["pixel_values"], batch["input_ids"], batch["position_ids"], host.encode(),
-            batch["labels"])
+    stage's tuple."""
+    return batch["pixel_values"], batch["input_ids"], batch["position_ids"], batch["labels"]

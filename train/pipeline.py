@@ -11,12 +11,15 @@ token embedding / LM head is a ``TiedLayerSpec``: the first and last stages each
 DeepSpeed all-reduces their gradients, so they stay one weight.
 
 A stage's ``forward`` slices the padded tuple it receives to the real tiles and tokens once
-(``vlmshard.train.models.unpack``), runs its layers on the real rows only, and pads its output
+(``vlmshard.train.micro.unpack``, with the micro-batch's ``HostMeta`` the trainer gave the
+stage for the step: ``expect``), runs its layers on the real rows only, and pads its output
 back to the static shapes the next stage expects. The last stage returns the micro-batch's
 summed loss.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -28,17 +31,19 @@ from vlmshard.errors import ConfigError
 from . import deepspeed_compat as ds
 from .clock import CLOCK
 from .hf_model import ModelLayers, model_layers
-from .micro import Micro, pack, unpack, wire_inputs
+from .micro import HostMeta, Micro, pack, unpack, wire_inputs
 from .models.layers import LayerDef
 
 
 class PipeLayer(nn.Module):
-    """One layer of the model folder, built on meta and loaded with its own tensors only (what a
-    DeepSpeed ``LayerSpec`` builds on the stage that holds it)."""
+    """One layer of the model folder, built on meta and loaded with its own tensors only,
+    straight onto the stage's device (what a DeepSpeed ``LayerSpec`` builds on the stage that
+    holds it)."""
 
-    def __init__(self, path: str, index: int, backend: str, dtype: torch.dtype) -> None:
+    def __init__(self, path: str, index: int, backend: str, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
         super().__init__()
-        self.inner = model_layers(path, backend).build_layer(index, dtype=dtype)
+        self.inner = model_layers(path, backend).build_layer(index, device, dtype)
 
     @property
     def weight(self) -> torch.Tensor:  # the tied embedding's, for DeepSpeed's tie
@@ -64,12 +69,13 @@ def run_layers(layers: list[nn.Module], defs: list[LayerDef], micro: Micro,
 
 class VLMPipeline(PipelineModule):
     """``PipelineModule`` over a model folder's layers. ``bounds``: stage s holds layers
-    ``bounds[s]:bounds[s + 1]`` (None: DeepSpeed's ``parameters`` method); ``dtype``: the
-    weights' (each stage loads its tensors straight into it)."""
+    ``bounds[s]:bounds[s + 1]`` (None: DeepSpeed's ``parameters`` method); ``dtype`` and
+    ``device``: the weights' (each stage loads its tensors straight into them)."""
 
     def __init__(self, model: ModelLayers, stages: int, loss_fn, *, backend: str,
-                 dtype: torch.dtype = torch.float32, bounds: list[int] | None = None,
-                 recompute: set[str] = frozenset(), **kwargs) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 bounds: list[int] | None = None, recompute: set[str] = frozenset(),
+                 **kwargs) -> None:
         unknown = set(recompute) - set(model.names)
         if unknown:
             raise ConfigError(f"recompute names {sorted(unknown)} are not layers of {model.path} "
@@ -81,12 +87,14 @@ class VLMPipeline(PipelineModule):
         specs = []
         for i, d in enumerate(model.defs):
             if d.tied_key:
-                specs.append(TiedLayerSpec(d.tied_key, PipeLayer, model.path, i, backend, dtype))
+                specs.append(TiedLayerSpec(d.tied_key, PipeLayer, model.path, i, backend, dtype,
+                                           device))
             else:
-                specs.append(LayerSpec(PipeLayer, model.path, i, backend, dtype))
+                specs.append(LayerSpec(PipeLayer, model.path, i, backend, dtype, device))
         super().__init__(layers=specs, num_stages=stages, loss_fn=loss_fn,
                          partition_method="bounds" if bounds else "parameters", **kwargs)
         self.layer_indices = ds.local_layers(self)
+        self._hosts: deque[HostMeta] = deque()
         self.recompute = [model.names[i] in recompute for i in self.layer_indices]
         CLOCK.watch(p for p in self.parameters() if p.requires_grad)
 
@@ -104,12 +112,22 @@ class VLMPipeline(PipelineModule):
     def stage_layer_names(self) -> list[str]:
         return [self.model.names[i] for i in self.layer_indices]
 
+    def expect(self, hosts: list[HostMeta]) -> None:
+        """The sizes of the step's micro-batches, in order: DeepSpeed's schedule runs each
+        stage's forwards in micro-batch order, once each."""
+        if self._hosts:
+            raise RuntimeError(f"{len(self._hosts)} micro-batches of the last step never ran")
+        self._hosts.extend(hosts)
+
     def forward(self, wire: tuple):
         start = CLOCK.mark()
         first = self.layer_indices[0]
         if first == 0:  # DeepSpeed makes the float inputs require grad; pixels need none
             wire = (wire[0].detach(), *wire[1:])
-        micro = unpack(wire, self.model.input_phase(first), self.backend)
+        if not self._hosts:
+            raise RuntimeError("a forward with no HostMeta: give the step's with expect() "
+                               "before train_batch")
+        micro = unpack(wire, self._hosts.popleft(), self.model.input_phase(first), self.backend)
         defs = [self.model.defs[i] for i in self.layer_indices]
         micro = run_layers(ds.stage_functions(self), defs, micro, self.recompute)
         last = self.layer_indices[-1]
@@ -146,12 +164,11 @@ class AveTokenLoss:
         return loss_sum * (self.scale / max(1, self.global_tokens))
 
 
-def pipeline_inputs(batch: dict, pixel_rows_per_tile: int,
-                    device: torch.device | str = "cpu") -> tuple[tuple, torch.Tensor]:
+def pipeline_inputs(batch: dict, device: torch.device | str = "cpu") -> tuple[tuple, torch.Tensor]:
     """A collated micro-batch (``vlmshard.shards.loader``) as DeepSpeed's (inputs, labels) pair
     on the stage's device (an asynchronous copy from the loader's pinned memory on GPU)."""
-    wire = tuple(t.to(device, non_blocking=True) for t in wire_inputs(batch, pixel_rows_per_tile))
-    return wire, wire[-1]
+    wire = tuple(t.to(device, non_blocking=True) for t in wire_inputs(batch))
+    return wire, wire[3]
 
 
 def no_inputs() -> tuple[tuple, torch.Tensor]:

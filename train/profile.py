@@ -3,7 +3,9 @@ choose the pipeline partition and per-stage recompute.
 
 Each pipeline layer runs alone on the activations the previous layer produced, so its forward and
 backward times, the bytes autograd saves for its backward (its activation memory), its input and
-output bytes and its parameter bytes are its own. Parameters are costed at the bytes the trainer
+output bytes, its parameter bytes and (on a GPU) the allocator's peak while it runs are its own.
+Times are the median of ``--repeats`` runs after ``--warmup`` untimed ones, timed with CUDA
+events on a GPU. Parameters are costed at the bytes the trainer
 holds per parameter in the run's precision (``model_sizes.bytes_per_param``).
 
 Only one layer of each kind is built (``ModelLayers.build_all(one_per_kind=True)``, from the
@@ -45,7 +47,7 @@ from .attention import choose_backend
 from .config import ProfileConfig
 from .hf_model import ModelLayers, model_layers
 from .launcher import model_folder
-from .micro import LayerOutput, Micro, unpack, wire_inputs
+from .micro import LayerOutput, Micro
 from .train_log import micro_batch_size
 from .trainer import cpu_threads_per_rank
 
@@ -107,7 +109,7 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
         raise InputError(f"{folder}: {e}") from None
     batches = list(islice(ShardDataset(cfg.shards, 0, 1, pixel_dtype=cfg.dtype),
                           cfg.micro_batches))
-    profile = profile_layers(model, batches, device, cfg.dtype,
+    profile = profile_layers(model, batches, device, cfg.dtype, cfg.repeats, cfg.warmup,
                              param_bytes=bytes_per_param(cfg.precision, cfg.dp,
                                                          cfg.grad_accum))
     try:
@@ -164,52 +166,86 @@ def _detached(out: LayerOutput | Micro, requires_grad: bool = False) -> LayerOut
 
 
 def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
-                   dtype: torch.dtype = torch.float32, repeats: int = 1,
+                   dtype: torch.dtype = torch.float32, repeats: int = 3, warmup: int = 1,
                    param_bytes: float = 16.0) -> Profile:
     """Time and measure every layer on each batch (collated micro-batches from the loader), each
-    on the real rows the previous layer produced, as a pipeline stage runs it."""
+    on the real rows the previous layer produced, as a pipeline stage runs it: ``warmup``
+    untimed runs (cuBLAS heuristics, allocator growth), then the median of ``repeats``."""
     funcs = model.build_all(device, dtype, one_per_kind=True)
     vision = sum(1 for d in model.defs if d.output.per_tile)  # ViT layers and the projector
-    sums = np.zeros((len(funcs), 5))  # forward, backward, activation, input, output
+    sums = np.zeros((len(funcs), 6))  # forward, backward, activation, input, output, peak
     per_batch = []
+    cuda = device.startswith("cuda")
     for batch in batches:
-        wire = tuple(t.to(device) for t in wire_inputs(batch, model.geometry.pixel_rows_per_tile))
-        micro = unpack(wire, model.input_phase(0), model.backend)
+        micro = model.first_micro(batch, device)
         times = []
         for i, func in enumerate(funcs):
             x_in, carry_in = _detached(micro, requires_grad=True)
             layer_in = micro.with_x(x_in, carry=carry_in)
             parameters = list(func.parameters())
-            forward = backward = 0.0
-            for _ in range(repeats):
+            samples = []
+            for run in range(warmup + repeats):
                 saved = _SavedBytes(parameters)
-                _sync(device)
-                start = time.perf_counter()
+                clock = _Clock(cuda)
                 with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
                     out = func(layer_in)
-                _sync(device)
-                forward += time.perf_counter() - start
-                start = time.perf_counter()
+                clock.lap()
                 outputs = [t for t in _outputs(out) if t.requires_grad]
                 if outputs:
                     torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-                _sync(device)
-                backward += time.perf_counter() - start
+                clock.lap()
                 for p in parameters:
                     p.grad = None
-            sums[i] += (forward / repeats, backward / repeats, saved.bytes,
+                if run >= warmup:
+                    samples.append((*clock.read(), clock.peak_bytes))
+            forward, backward, peak = np.median(np.array(samples), axis=0)
+            sums[i] += (forward, backward, saved.bytes,
                         sum(map(_tensor_bytes, _outputs(layer_in))),
-                        sum(map(_tensor_bytes, _outputs(out))) if i < len(funcs) - 1 else 0)
-            times.append((forward + backward) / repeats)
+                        sum(map(_tensor_bytes, _outputs(out))) if i < len(funcs) - 1 else 0,
+                        peak)
+            times.append(forward + backward)
             micro = micro.with_output(_detached(out) if isinstance(out, LayerOutput)
                                       else out.detach(), model.defs[i].output)
         per_batch.append({**micro_batch_size(batch), "vit_s": float(sum(times[:vision])),
                           "llm_s": float(sum(times[vision:]))})
     means = sums / max(1, len(batches))
     costs = [LayerCost(name, float(f), float(b), int(act), int(inp), int(out),
-                       int(param_bytes * model.parameter_count(i)))
-             for i, (name, (f, b, act, inp, out)) in enumerate(zip(model.names, means))]
+                       int(param_bytes * model.parameter_count(i)), int(peak))
+             for i, (name, (f, b, act, inp, out, peak)) in enumerate(zip(model.names, means))]
     return Profile(costs, per_batch, device)
+
+
+class _Clock:
+    """Lap times of one layer run: CUDA events on a GPU (read once at the end, one sync per
+    run, the host's launch overhead not counted as the device's time), the host clock on CPU;
+    and on a GPU the allocator's peak above what was allocated when the run began."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.peak_bytes = 0
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            self.marks = [torch.cuda.Event(enable_timing=True)]
+            self.marks[0].record()
+        else:
+            self.marks = [time.perf_counter()]
+
+    def lap(self) -> None:
+        if self.cuda:
+            self.marks.append(torch.cuda.Event(enable_timing=True))
+            self.marks[-1].record()
+        else:
+            self.marks.append(time.perf_counter())
+
+    def read(self) -> list[float]:
+        """Seconds between consecutive laps."""
+        if not self.cuda:
+            return [b - a for a, b in zip(self.marks, self.marks[1:])]
+        torch.cuda.synchronize()
+        self.peak_bytes = torch.cuda.max_memory_allocated() - self.base
+        return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
 
 
 class _SavedBytes:
@@ -230,11 +266,6 @@ class _SavedBytes:
     @staticmethod
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def fit_cost_model(micro_batches: list[dict]) -> dict:

@@ -48,20 +48,23 @@ def rank_data(micro: list[dict]) -> dict:
             "sample_ids": [b["sample_ids"].tolist() for b in micro]}
 
 
-def step_record(step: int, loss: float, ranks: list[dict], flops: Size) -> dict:
+def step_record(step: int, loss: float, lr: float, ranks: list[dict],
+                flops: Size) -> dict:
     """One line of train_log.jsonl from every rank's timings (``rank_timing``, with ``data``
     from ``rank_data`` on first-stage ranks).
 
     ``model_flops`` is the step's useful training work (forward + backward of the real tiles,
     tokens and per-sample attention, padding excluded) from the model's analytic FLOPs: divided
     by step time and the cluster's peak it is the MFU. ``end_to_end_tokens_per_s`` also counts
-    the slowest rank's loading, which precedes the step."""
+    the slowest rank's loading, which precedes the step. ``lr``: the learning rate the step's
+    update used."""
     seconds = max(r["step_time_s"] for r in ranks)
     load = max(r.get("load_s", 0.0) for r in ranks)
     data = sorted((r for r in ranks if "data" in r), key=lambda r: r["dp_rank"])
     tokens = sum(r["data"]["tokens"] for r in data)
     model_flops = sum(flops.dot(Size(**m)) for r in data for m in r["data"]["micro_sizes"])
-    return {"step": step, "loss": loss, "step_time_s": seconds, "load_s": load, "tokens": tokens,
+    return {"step": step, "loss": loss, "lr": lr, "step_time_s": seconds, "load_s": load,
+            "tokens": tokens,
             "tokens_per_s": tokens / seconds if seconds else 0.0,
             "end_to_end_tokens_per_s": tokens / (seconds + load) if seconds + load else 0.0,
             "model_flops": model_flops,
@@ -70,12 +73,14 @@ def step_record(step: int, loss: float, ranks: list[dict], flops: Size) -> dict:
             "data": [{"dp_rank": r["dp_rank"], **r["data"]} for r in data]}
 
 
-def pipeline_record(model: dict, stages: list[tuple[int, list[str], list[str]]]) -> dict:
+def pipeline_record(model: dict, stages: list[tuple[int, list[str], list[str]]],
+                    partition_source: str = "") -> dict:
     """``pipeline.json``: the model's analytic sizes (``ModelConfig.to_dict``) and, per stage,
     the layers it held and those it recomputed, from every rank's ``(stage, layers,
-    recompute)`` (the replicas of a stage hold the same)."""
+    recompute)`` (the replicas of a stage hold the same), and where the partition came from
+    (``vlmshard.train.default_partition.ChosenPartition.source``)."""
     by_stage = {stage: (layers, recompute) for stage, layers, recompute in stages}
-    return {"model": model,
+    return {"model": model, "partition_source": partition_source,
             "stages": [{"stage": s, "layers": by_stage[s][0], "recompute": by_stage[s][1]}
                        for s in sorted(by_stage)]}
 

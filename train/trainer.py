@@ -30,7 +30,8 @@ from vlmshard.model_sizes import training_flops
 from vlmshard.run_log import PIPELINE_NAME
 
 from .config import TrainConfig
-from .distributed import init_distributed
+from .default_partition import given_partition, searched_partition
+from .distributed import from_first_stage, init_distributed, on_rank_0, rank_device, side_groups
 from .train_log import open_log, pipeline_record, rank_data, rank_timing, step_record, write_record
 
 log = logging.getLogger(__name__)
@@ -113,19 +114,21 @@ def run(cfg: TrainConfig) -> None:
     import deepspeed
     import torch
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+    from transformers import get_scheduler
 
     from vlmshard.families import model_sizes
     from vlmshard.shards.loader import ShardDataset
-    from vlmshard.shards.model_inputs import supervised_tokens
 
     from .attention import choose_backend
     from .clock import CLOCK
     from .hf_model import model_layers
+    from .micro import HostMeta
     from .pipeline import AveTokenLoss, VLMPipeline, no_inputs, pipeline_inputs
     from .save import save_hf
 
     cuda = torch.cuda.is_available()
     cfg.resolve_device_defaults(cuda)
+    device = rank_device(cuda)  # before anything touches CUDA
     init_distributed(cuda)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 runs: TF32 tensor cores
@@ -142,18 +145,31 @@ def run(cfg: TrainConfig) -> None:
     check_shards_fit(probe, model)
     gas = probe.micro_batches_per_step
     steps = cfg.max_steps or probe.steps
+    topology = PipeDataParallelTopology(num_pp=cfg.pp, num_dp=cfg.dp)
+    groups = side_groups(topology)
+    chosen = given_partition(cfg) or on_rank_0(lambda: searched_partition(
+        cfg, model, device, int(os.environ.get("LOCAL_SIZE", 1))), groups)
+    log.info("partition: bounds %s, recompute %s; %s", chosen.bounds, chosen.recompute or "none",
+             chosen.source)
 
     loss = AveTokenLoss()
     net = VLMPipeline(model, cfg.pp, loss, backend=model.backend, dtype=cfg.dtype,
-                      bounds=cfg.bounds, recompute=set(cfg.recompute),
-                      topology=PipeDataParallelTopology(num_pp=cfg.pp, num_dp=cfg.dp))
+                      device=device, bounds=chosen.bounds, recompute=set(chosen.recompute),
+                      topology=topology)
     trained = [p for p in net.parameters() if p.requires_grad]
     # torch's own AdamW (fused kernels): DeepSpeed's "AdamW" compiles its fused_adam op on
     # first use (nvcc on GPU, minutes of ninja on CPU).
     optimizer = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   fused=True)
+    # Hugging Face's schedules, stepped by DeepSpeed after each optimizer step and saved with
+    # its checkpoints (a resumed run continues the schedule)
+    schedule = get_scheduler(cfg.lr_scheduler_type, optimizer,
+                             num_warmup_steps=cfg.warmup_steps_of(steps),
+                             num_training_steps=steps)
+    log.info("lr %g, %s schedule over %d steps, %d warm-up", cfg.lr, cfg.lr_scheduler_type,
+             steps, cfg.warmup_steps_of(steps))
     engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=trained,
-                                           optimizer=optimizer,
+                                           optimizer=optimizer, lr_scheduler=schedule,
                                            config=deepspeed_config(cfg, gas))
     loss.scale = gas * cfg.dp
     # the order of the optimizer's parameters, saved with each checkpoint: which rank holds what
@@ -176,23 +192,27 @@ def run(cfg: TrainConfig) -> None:
         n for n, again in zip(net.stage_layer_names, net.recompute) if again]))
     if engine.global_rank == 0:
         write_json_atomic(os.path.join(cfg.out, PIPELINE_NAME),
-                          pipeline_record(sizes.to_dict(), stages))
+                          pipeline_record(sizes.to_dict(), stages, chosen.source))
     vocab = model.config.get_text_config().vocab_size
     rows = model.geometry.pixel_rows_per_tile
     for step in range(first_step, steps):
         start = time.perf_counter()
         micro = [check_vocabulary(next(batches), vocab) for _ in range(gas)] if reads else []
-        inputs = [pipeline_inputs(b, rows, engine.device) for b in micro] or \
+        inputs = [pipeline_inputs(b, engine.device) for b in micro] or \
             [no_inputs() for _ in range(gas)]
-        # The Ave-Token denominator: the first stages' counts, summed over the whole world, on
-        # the engine's device (NCCL reduces device tensors only).
-        tokens = torch.tensor([sum(supervised_tokens(b) for b in micro)], device=engine.device)
-        torch.distributed.all_reduce(tokens)
+        # Each micro-batch's sizes, from the first stage to the others on the host
+        hosts = from_first_stage([HostMeta.of_batch(b, rows) for b in micro] if reads else None,
+                                 groups)
+        net.expect(hosts)
+        # The Ave-Token denominator: the first stages' counts, summed over the whole world
+        tokens = torch.tensor([sum(h.supervised for h in hosts) if reads else 0])
+        torch.distributed.all_reduce(tokens, group=groups.world)
         loss.global_tokens = int(tokens)
         load_s = time.perf_counter() - start
         torch.distributed.barrier()  # the step's clock starts on every rank together
         start = time.perf_counter()
         CLOCK.start_step()
+        lr = schedule.get_last_lr()[0]  # this step's: DeepSpeed steps the schedule after it
         value = float(engine.train_batch(iter(inputs)))
         times = CLOCK.take()  # synchronises: the step ends when the device is done with it
         seconds = time.perf_counter() - start
@@ -202,9 +222,9 @@ def run(cfg: TrainConfig) -> None:
         if reads:
             mine["data"] = rank_data(micro)
         ranks = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(ranks, mine)
+        torch.distributed.all_gather_object(ranks, mine, group=groups.world)
         if log_file:
-            write_record(log_file, step_record(step, value, ranks, flops))
+            write_record(log_file, step_record(step, value, lr, ranks, flops))
         if cfg.save_checkpoints and (
                 cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0
                 or step + 1 == steps):

@@ -21,7 +21,7 @@ are bf16 (2 bytes) with memory-efficient attention, so no score matrix is kept; 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from .errors import ConfigError
 
@@ -328,6 +328,48 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
     llm = [LayerWork(f"llm_block_{i}", **(moe_block if t.is_moe(i) else llm_block))
            for i in range(t.layers)]
     return [embed, *vit, projector, *llm, head]
+
+
+# The trainer's pipeline layers (vlmshard.train) that the analytic model names otherwise, and
+# those it counts as no layer of their own: the token embedding is a lookup (its table is
+# among projector_merge's parameters), the final norm a rounding error (its weight among the
+# head's).
+TRAINER_NAMES = {"projector": "projector_merge"}
+NO_LAYER_WORK = ("embed_tokens", "final_norm")
+
+
+def trainer_layer_work(names: list[str], config: ModelConfig) -> list[LayerWork]:
+    """Per trainer layer ``names`` (in pipeline order) its analytic work, each analytic layer
+    given to exactly one of them. The token embedding holds its table (taken off the
+    projector's parameters), the final norm its weight (off the head's); both pass the hidden
+    states on with no FLOPs counted. Raises ConfigError when the names do not cover the analytic
+    layers once each."""
+    work = layer_work(config)
+    index = {w.name: i for i, w in enumerate(work)}
+    moved = {"embed_tokens": ("projector_merge", config.llm.vocab_size * config.llm.hidden),
+             "final_norm": ("head", config.llm.hidden)}
+    hidden = Size(tokens=ACTIVATION_BYTES * config.llm.hidden)
+    out, used = [], []
+    for name in names:
+        if name in NO_LAYER_WORK:
+            out.append(LayerWork(name, moved[name][1], Size(), Size(), hidden))
+            continue
+        row = index.get(TRAINER_NAMES.get(name, name))
+        if row is None:
+            raise ConfigError(f"layer {name!r} has no counterpart in the analytic model of "
+                              f"{config.name} ({', '.join(index)})")
+        used.append(row)
+        out.append(work[row])
+    if sorted(used) != list(range(len(work))):
+        raise ConfigError(f"the layers {', '.join(names)} do not cover {config.name}'s analytic "
+                          f"layers once each ({', '.join(index)})")
+    analytic = [TRAINER_NAMES.get(n, n) for n in names]
+    for name in NO_LAYER_WORK:
+        if name in names:
+            holder, params = moved[name]
+            i = analytic.index(holder)
+            out[i] = replace(out[i], params=out[i].params - params)
+    return out
 
 
 def training_flops(config: ModelConfig) -> Size:

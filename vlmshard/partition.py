@@ -6,7 +6,8 @@ Model of one stage s of P holding layers [first, end) under 1F1B:
   + the time to send its output activation to stage s + 1;
 - memory = Σ parameter/optimizer bytes + (P − s) micro-batches in flight × Σ activation bytes
   kept for backward (a recomputed layer keeps only its input) + the largest recomputed layer's
-  activations, rebuilt during backward one layer at a time.
+  activations, rebuilt during backward one layer at a time + the largest transient a layer
+  needs while it runs (its measured peak beyond what it keeps, where profiled on a GPU).
 
 ``choose_recompute`` picks, for one stage, the fewest layers to recompute so the stage fits the
 memory budget: recomputing the layers that save the most first is optimal for the count, since
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from vlmshard.errors import ConfigError
+from vlmshard.model_sizes import LayerWork, Size
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,14 @@ class LayerCost:
     input_bytes: int  # kept instead when the layer is recomputed (its input checkpoint)
     output_bytes: int  # sent to the next stage when a stage ends after this layer
     param_bytes: int  # parameters, gradients and optimizer states
+    # the most the layer's forward and backward held at once above what was allocated before
+    # it ran (CUDA's allocator; 0 where not measured): beyond its kept activation, a transient
+    # the stage needs room for while the layer runs
+    peak_bytes: int = 0
+
+    @property
+    def transient_bytes(self) -> int:
+        return max(0, self.peak_bytes - self.activation_bytes)
 
 
 # What a training process holds on its device besides the modelled tensors: the CUDA context
@@ -93,6 +103,22 @@ class Partition:
         return [i for s in self.stages for i in s.recompute]
 
 
+def analytic_layer_costs(work: list[LayerWork], *, time_size: Size, memory_size: Size,
+                         flops_per_s: float, bytes_per_param: float) -> list[LayerCost]:
+    """``LayerCost``s from the analytic model (``model_sizes.layer_work``) for the search: times
+    at a typical micro-batch (backward twice the forward), memory at the largest one (the one
+    that must fit). The first layer's input is the pixels its activation already keeps."""
+    costs = []
+    for i, w in enumerate(work):
+        forward = w.flops.dot(time_size) / flops_per_s
+        inputs = work[i - 1].output_bytes if i else w.activation_bytes
+        costs.append(LayerCost(
+            w.name, forward, 2 * forward, int(w.activation_bytes.dot(memory_size)),
+            int(inputs.dot(memory_size)), int(w.output_bytes.dot(memory_size)),
+            int(w.params * bytes_per_param)))
+    return costs
+
+
 class PartitionError(ConfigError):
     """No partition fits: the message says which stage and by how much."""
 
@@ -109,7 +135,8 @@ def choose_recompute(layers: list[LayerCost], first: int, end: int, in_flight: i
     span = range(first, end)
     if stage_memory(layers, first, end, in_flight, []) <= budget:
         return []
-    fixed = sum(layers[i].param_bytes + in_flight * layers[i].activation_bytes for i in span)
+    fixed = (sum(layers[i].param_bytes + in_flight * layers[i].activation_bytes for i in span)
+             + max(layers[i].transient_bytes for i in span))
     by_saving = sorted(span, key=lambda i: (-(layers[i].activation_bytes
                                               - layers[i].input_bytes), i))
     best: tuple[int, int, list[int]] | None = None  # (layers, memory, chosen)
@@ -134,7 +161,9 @@ def stage_memory(layers: list[LayerCost], first: int, end: int, in_flight: int,
     kept = sum(layers[i].input_bytes if i in recompute else layers[i].activation_bytes
                for i in range(first, end))
     rebuilt = max((layers[i].activation_bytes for i in recompute), default=0)
-    return sum(layers[i].param_bytes for i in range(first, end)) + in_flight * kept + rebuilt
+    transient = max((layers[i].transient_bytes for i in range(first, end)), default=0)
+    return (sum(layers[i].param_bytes for i in range(first, end)) + in_flight * kept + rebuilt
+            + transient)
 
 
 def stage_time(layers: list[LayerCost], first: int, end: int, recompute: list[int],
@@ -162,7 +191,8 @@ def make_stage(layers: list[LayerCost], first: int, end: int, index: int, stages
 
 
 def evaluate(layers: list[LayerCost], bounds: list[int], machine: Machine) -> Partition | None:
-    """A given partition (e.g. DeepSpeed's) costed with its recompute; None if a stage cannot fit."""
+    """A given partition (e.g. DeepSpeed's) costed with its recompute; None if a stage cannot
+    fit."""
     stages = []
     for s, (first, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         stage = make_stage(layers, first, end, s, len(bounds) - 1, machine)

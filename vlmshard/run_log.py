@@ -5,13 +5,14 @@ Kept below the stages and free of torch, so that the simulator and the report re
 without importing the trainer. A record holds every rank's timings and, for each data-parallel
 rank, what its first stage trained:
 
-``{"step", "loss", "step_time_s", "load_s", "tokens", "tokens_per_s", "end_to_end_tokens_per_s",
-"model_flops", "model_flops_per_s", "ranks": [{"rank", "stage", "dp_rank", "forward_s",
+``{"step", "loss", "lr", "step_time_s", "load_s", "tokens", "tokens_per_s",
+"end_to_end_tokens_per_s", "model_flops", "model_flops_per_s", "ranks": [{"rank", "stage", "dp_rank", "forward_s",
 "backward_s", "pipeline_s", "wait_s", "step_time_s", "load_s"}],
 "data": [{"dp_rank", "tokens", "plan_steps", "micro_sizes", "sample_ids"}]}``
 
-``pipeline.json`` says what the stages held (``{"model", "stages": [{"stage", "layers",
-"recompute"}]}``): what a replay of the run (``vlmshard.simulate.replay``) needs besides the log.
+``pipeline.json`` says what the stages held and where that partition came from (``{"model",
+"partition_source", "stages": [{"stage", "layers", "recompute"}]}``): what a replay of the run
+(``vlmshard.simulate.replay``) needs besides the log.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from vlmshard.config import ConfigError, option
+from vlmshard.hardware import SUSTAINED_SHARE
 from vlmshard.model_sizes import PRESETS
 from vlmshard.packing.cost import ComputeMode
 
@@ -18,14 +19,14 @@ class SimulateConfig:
 
     plan: str | None = option(None, positional=True, metavar="PLAN_DIR", help="plan folder")
     model: ModelName = option("internvl-chat-1.5", help="model preset")
-    gpu: Literal["a100", "h100"] = option("a100", help="GPU kind (dense bf16 peak, memory, "
-                                                       "links)")
+    gpu: Literal["a100", "h100", "h100-pcie", "h200", "b200", "l40s"] = option(
+        "a100", help="GPU kind (dense bf16 peak, memory, links: vlmshard.hardware)")
     pp: int = option(4, help="pipeline stages")
     dp: int | None = option(None, help="data-parallel replicas; must divide the plan's ranks",
                             default_text="the plan's ranks")
     micro_batches: int | None = option(None, help="micro-batches per replica per step",
                                        default_text="the plan's")
-    mfu: float = option(0.45, help="sustained fraction of peak FLOPs")
+    mfu: float = option(SUSTAINED_SHARE, help="sustained fraction of peak FLOPs")
     compute_mode: ComputeMode | None = option(
         None, help="what the simulated trainer computes on: padding-free (real tiles and tokens "
                    "only, as vlmshard train) or padded (linear layers on all Qv tiles and Qt "

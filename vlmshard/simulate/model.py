@@ -25,27 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from vlmshard.errors import ConfigError
-from vlmshard.model_sizes import ACTIVATION_BYTES, LayerWork, Size
-from vlmshard.partition import LayerCost, Machine, Partition, deepspeed_bounds
+from vlmshard.hardware import GPU
+from vlmshard.model_sizes import LayerWork, Size
+from vlmshard.partition import Machine, Partition, analytic_layer_costs, deepspeed_bounds
 
 log = logging.getLogger(__name__)
-
-GIB = 2 ** 30
-
-
-@dataclass(frozen=True)
-class GPU:
-    name: str
-    peak_flops: float  # dense bf16
-    memory_bytes: int
-    link_bytes_per_s: float  # between pipeline stages (typically across nodes)
-
-
-GPUS = {
-    "a100": GPU("A100-SXM4-80GB", 312e12, 80 * GIB, 25e9),  # 200 Gb/s InfiniBand per GPU
-    "h100": GPU("H100-SXM5-80GB", 989e12, 80 * GIB, 50e9),  # 400 Gb/s InfiniBand per GPU
-}
-
 
 # ---------------------------------------------------------------------------------------------
 # The 1F1B pipeline
@@ -189,21 +173,6 @@ def _vector(size: Size) -> np.ndarray:
     return np.array([size.tiles, size.tokens, size.squares], dtype=np.float64)
 
 
-def layer_costs(work: list[LayerWork], *, time_size: Size, memory_size: Size,
-                flops_per_s: float, bytes_per_param: float) -> list[LayerCost]:
-    """``LayerCost``s for the partition search: times at a typical micro-batch, memory at the
-    largest one (the one that must fit)."""
-    costs = []
-    for i, w in enumerate(work):
-        forward = w.flops.dot(time_size) / flops_per_s
-        inputs = work[i - 1].output_bytes if i else Size(tiles=ACTIVATION_BYTES * 3)
-        costs.append(LayerCost(
-            w.name, forward, 2 * forward, int(w.activation_bytes.dot(memory_size)),
-            int(inputs.dot(memory_size)), int(w.output_bytes.dot(memory_size)),
-            int(w.params * bytes_per_param)))
-    return costs
-
-
 # ---------------------------------------------------------------------------------------------
 # A plan on a cluster
 
@@ -306,7 +275,7 @@ def search_for(work: list[LayerWork], sizes: np.ndarray, stages: int, gpu: GPU, 
     from vlmshard.partition import PartitionError, evaluate, search_partition
 
     mean, peak = sizes.mean(axis=0), sizes.max(axis=0)
-    layers = layer_costs(work, time_size=Size(*mean), memory_size=Size(*peak),
+    layers = analytic_layer_costs(work, time_size=Size(*mean), memory_size=Size(*peak),
                          flops_per_s=flops_per_s, bytes_per_param=bytes_per_param)
     machine = Machine.for_device(gpu.memory_bytes, gpu.link_bytes_per_s, full_recompute)
     if method == "search":

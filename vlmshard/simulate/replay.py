@@ -26,18 +26,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vlmshard.errors import InputError
-from vlmshard.model_sizes import ModelConfig, layer_work
+from vlmshard.errors import ConfigError, InputError
+from vlmshard.model_sizes import ModelConfig, trainer_layer_work
 from vlmshard.partition import Partition, Stage
 from vlmshard.run_log import PIPELINE_NAME, read_log
 
 from .model import LayerRates, PipelineTimes, StageModel, pipeline_times, share
-
-# The trainer's pipeline layers (train/models) that the analytic model (model_sizes.layer_work)
-# names otherwise, and those whose work it counts as none: the token embedding is a lookup, the
-# final norm a rounding error; its projector_merge is the trainer's projector.
-ANALYTIC_NAMES = {"projector": "projector_merge"}
-NO_ANALYTIC_WORK = ("embed_tokens", "final_norm")
 
 
 @dataclass(frozen=True)
@@ -80,28 +74,12 @@ def measured_times(records: list[dict]) -> PipelineTimes | None:
 
 def analytic_rates(names: list[str], model: ModelConfig) -> LayerRates:
     """Per trainer layer ``names``, FLOPs per unit of (tiles, tokens, squares) from the analytic
-    model (``model_sizes.layer_work``), each analytic layer given to exactly one of them."""
-    work = layer_work(model)
-    rates = LayerRates.from_work(work, flops_per_s=1.0)  # FLOPs: shares need no rate
-    index = {w.name: i for i, w in enumerate(work)}
-    rows = []
-    for name in names:
-        if name in NO_ANALYTIC_WORK:
-            rows.append(None)
-            continue
-        row = index.get(ANALYTIC_NAMES.get(name, name))
-        if row is None:
-            raise InputError(f"layer {name!r} of the run has no counterpart in the analytic "
-                             f"model of {model.name} ({', '.join(index)})")
-        rows.append(row)
-    if sorted(r for r in rows if r is not None) != list(range(len(index))):
-        raise InputError(f"the run's layers ({', '.join(names)}) do not cover {model.name}'s "
-                         f"analytic layers once each ({', '.join(index)})")
-
-    def pick(table: np.ndarray) -> np.ndarray:
-        return np.array([table[i] if i is not None else np.zeros(3) for i in rows])
-
-    return LayerRates(pick(rates.forward), pick(rates.backward), pick(rates.output_bytes))
+    model (``model_sizes.trainer_layer_work``)."""
+    try:
+        work = trainer_layer_work(names, model)
+    except ConfigError as e:
+        raise InputError(f"the run's layers: {e}") from None
+    return LayerRates.from_work(work, flops_per_s=1.0)  # FLOPs: shares need no rate
 
 
 def _partition(names: list[str], bounds: list[int], recompute: list[str]) -> Partition:

@@ -10,14 +10,14 @@ from typing import Any
 import numpy as np
 
 from vlmshard.errors import InputError
+from vlmshard.hardware import GPUS
 from vlmshard.io import write_json_atomic
 from vlmshard.model_sizes import PRESETS, bytes_per_param, layer_work
 from vlmshard.partition import Partition, PartitionError
 from vlmshard.stage import Result
 
 from .config import SimulateConfig
-from .model import (GPUS, LayerRates, StageModel, replica_micro_batches,
-                    search_for, simulate)
+from .model import LayerRates, StageModel, replica_micro_batches, search_for, simulate
 from .replay import validate_against_log
 
 # OmniBal (ICML 2025), Table "ablation", InternVL-Chat-1.5 (6B + 20B), A100 GPU-days.
@@ -143,8 +143,8 @@ def repack(info: dict, lengths, algo: str, mode: str):
     """The plan's samples packed again with ``algo`` for a trainer computing in ``mode`` (same
     ranks, micro-batches, epochs, seed, cost model and memory bound), and the caps ``algo``
     chose for itself."""
-    from vlmshard.packing.cost import CostModel
     from vlmshard.packing.config import PackConfig
+    from vlmshard.packing.cost import CostModel
     from vlmshard.packing.plan import choose_caps, concat_epochs, pack_epoch
 
     params = info["params"]
