@@ -3,7 +3,8 @@
 ``ShardDataset(root, rank, world_size, start_step)`` yields one collated micro-batch per record,
 in the tensors the model family's ``forward`` takes, packed. By default padded to the plan's
 caps so every tensor has a static shape (``pad_to_caps=False``: exactly the real tokens, tiles
-and patches):
+and patches; ``pad_pixels=False``: tokens padded, pixels real, for a first pipeline stage,
+whose input has no static shape to keep, so the copy to the GPU moves the real tiles only):
 
 - ``input_ids`` [Qt], ``labels`` [Qt] (-100 on padding and non-assistant tokens);
 - ``position_ids`` restarting for each packed sample (and for the padding): [Qt] for InternVL;
@@ -16,6 +17,7 @@ and patches):
   model's filter and normalized with its mean and std, in the model's dtype (``pixel_dtype``):
   InternVL [Qv, 3, 448, 448] tiles; Qwen2-VL [Qv·merge², 3·2·14·14] flattened patches, plus
   ``image_grid_thw`` [images, 3]. Rows after ``num_tiles`` (× merge²) are zero;
+- ``tile_cap``: the Qv the wire is padded to after the first stage (``num_tiles`` unpadded);
 - ``num_tokens``, ``num_tiles``, ``num_pixel_rows`` (the real rows of ``pixel_values``),
   ``num_samples``, ``sample_ids``, ``sample_images`` and ``sample_pixel_rows`` (per sample),
   ``step``, ``rank``, ``micro``.
@@ -57,7 +59,8 @@ class ShardDataset(IterableDataset):
 
     def __init__(self, root: str, rank: int = 0, world_size: int = 1, start_step: int = 0, *,
                  pixel_dtype: torch.dtype | None = None, check_hash: bool = True,
-                 pixels: bool = True, pad_to_caps: bool = True) -> None:
+                 pixels: bool = True, pad_to_caps: bool = True,
+                 pad_pixels: bool | None = None) -> None:
         self.root = root
         self.manifest: Manifest = read_manifest(root)
         virtual = self.manifest.ranks
@@ -80,6 +83,7 @@ class ShardDataset(IterableDataset):
         self.check_hash = check_hash
         self.pixels = pixels  # False: pixel_values stay zero (pipeline stages that need no images)
         self.pad_to_caps = pad_to_caps
+        self.pad_pixels = pad_to_caps if pad_pixels is None else pad_pixels
         self.policies = self.manifest.policies()
         shapes = {(p.rows_per_tile, p.pixel_shape, p.takes_grid) for p in self.policies.values()}
         if len(shapes) != 1:
@@ -198,6 +202,7 @@ class ShardDataset(IterableDataset):
             "image_token_mask": input_ids == m.image_token_id,
             "pixel_values": self._pixel_values(record, images, num_tiles),
             "num_tokens": n, "num_tiles": num_tiles,
+            "tile_cap": m.qv if self.pad_to_caps else num_tiles,
             "num_pixel_rows": num_tiles * self.rows_per_tile, "num_samples": len(record.samples),
             "sample_images": torch.tensor([len(s["image_tiles"]) for s in record.samples]),
             "sample_pixel_rows": torch.tensor([sum(s["image_tiles"]) * self.rows_per_tile
@@ -229,7 +234,7 @@ class ShardDataset(IterableDataset):
 
     def _pixel_values(self, record: Record, images: list[DecodedImage],
                       num_tiles: int) -> torch.Tensor:
-        tiles = self.manifest.qv if self.pad_to_caps else num_tiles
+        tiles = self.manifest.qv if self.pad_pixels else num_tiles
         pixels = torch.zeros((tiles * self.rows_per_tile, *self.pixel_shape),
                              dtype=self.pixel_dtype)
         if not self.pixels:

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import REPO
 
 SCRIPTS = sorted(glob.glob(os.path.join(REPO, "benchmarks", "*.py")))
@@ -29,3 +28,29 @@ def test_benchmark_script_prints_its_usage(script, tmp_path):
                           cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"usage: {os.path.basename(script)}"), proc.stdout
+
+
+@pytest.mark.slow
+def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
+    """``gpu_bench.py --smoke``: the GPU command's whole path on CPU with a tiny model: data,
+    both plans, the loader alone, DeepSpeed runs, and every figure filled from them. At PP=1
+    with no recompute the simulator's replay of a step is exactly the step's logged model
+    FLOPs, so its predicted time is those FLOPs at the assumed share of the given peak."""
+    import json
+
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_bench.py"),
+                           "--smoke", "--work", str(tmp_path / "work"), "--json", str(out),
+                           "--peak-tflops", "1"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert json.dumps(result) in proc.stdout.splitlines()
+    assert result["attention"] == "sdpa" and result["loader"]["tokens_per_s"] > 0
+    for algo in ("balanced", "random"):
+        run = result[algo]
+        assert run["steps"] == 2 and 0 < run["median_step_s"] <= run["p90_step_s"]
+        assert run["tokens_per_s"] > 0 and run["tiles_per_s"] > 0 and 0 < run["mfu"] < 1
+        assert run["partition"].startswith("searched") and run["recompute"] == []
+        assert run["predicted_step_s"] == pytest.approx(
+            run["model_flops_per_step"] / (1e12 * result["sustained_share"]), rel=1e-9)
+        assert f"{algo:<9} {run['median_step_s']:>9.3f}" in proc.stdout

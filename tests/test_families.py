@@ -408,6 +408,10 @@ def test_pixel_values_are_the_models(family, shards, folders):
 
     exact = ShardDataset(shards[family][1], pad_to_caps=False).collate(record)
     assert exact["input_ids"].shape == (batch["num_tokens"],)
+    real_pixels = ShardDataset(shards[family][1], pad_pixels=False).collate(record)
+    assert real_pixels["input_ids"].shape == batch["input_ids"].shape  # tokens to the caps
+    assert torch.equal(real_pixels["pixel_values"], exact["pixel_values"])
+    assert (batch["tile_cap"], real_pixels["tile_cap"]) == (dataset.manifest.qv,) * 2
     assert len(exact["pixel_values"]) == rows and exact["pixel_values"].dtype == torch.float32
     np.testing.assert_allclose(exact["pixel_values"][:len(want)].numpy(), want, atol=1e-5)
 

@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from vlmshard.shards.loader import ShardDataset
 from vlmshard.shards.model_inputs import next_token_targets, supervised_tokens
-from vlmshard.train.attention import Spans, packed_sdpa
+from vlmshard.train.attention import Spans
 from vlmshard.train.hf_model import model_layers
 from vlmshard.train.micro import HostMeta, pack, unpack, wire_inputs
 from vlmshard.train.pipeline import run_layers
@@ -133,7 +133,7 @@ def test_a_stage_never_reads_the_device(setup):
     cut = model.names.index("embed_tokens") + 2  # a stage boundary inside the LLM
     batch = next(iter(ShardDataset(shards, pixel_dtype=torch.float32)))
     wire = wire_inputs(batch)
-    host = HostMeta.of_batch(batch, model.geometry.pixel_rows_per_tile)
+    host = HostMeta.of_batch(batch)
     for lo, hi in ((0, cut), (cut, len(funcs))):
         received = tuple(t.as_subclass(Tracked) for t in wire)
         if lo:  # as DeepSpeed hands them over: every float tensor a leaf that takes a gradient
@@ -183,9 +183,24 @@ def test_profile_runs_each_layer_on_what_the_previous_made(setup):
         assert costs["llm_block_0"].input_bytes > costs["final_norm"].input_bytes
 
 
-def test_packed_attention_equals_each_sample_alone():
-    """The packed SDPA over segments against torch's SDPA run on each segment by hand: causal
-    (the LLM, grouped-query heads) and full."""
+ATTENTION_CASES = [(device, dtype, backend)
+                   for device, dtype in (("cpu", torch.float32), ("cuda", torch.bfloat16))
+                   for backend in ("sdpa", "varlen", "flash")]
+
+
+@pytest.mark.parametrize("device, dtype, backend", ATTENTION_CASES)
+def test_packed_attention_equals_each_sample_alone(device, dtype, backend):
+    """Each backend's packed attention over segments against torch's SDPA run on each segment
+    by hand, outputs and gradients: causal (the LLM, grouped-query heads) and full. Each runs
+    where it can (varlen and flash: CUDA in bf16; on this CPU, SDPA)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from vlmshard.train.attention import available_backends, implementation
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device here")
+    if backend not in available_backends(device, dtype):
+        pytest.skip(f"{backend} does not run on {device} in {dtype} (or is not installed)")
     torch.manual_seed(0)
     lengths = [5, 1, 9, 3]
     n = sum(lengths)
@@ -194,20 +209,29 @@ def test_packed_attention_equals_each_sample_alone():
         is_causal = True
         num_key_value_groups = 2
 
+    attend = ALL_ATTENTION_FUNCTIONS[implementation(backend)]
     for causal in (True, False):
-        q = torch.randn(1, 4, n, 8)
-        k, v = torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
-        spans = Spans.from_lengths(lengths, "sdpa", torch.device("cpu"))
-        out, _ = packed_sdpa(Module(), q, k, v, None, is_causal=None if causal else False,
-                              **spans.kwargs())
-        start = 0
+        q = torch.randn(1, 4, n, 8, device=device, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(1, 2, n, 8, device=device, dtype=dtype, requires_grad=True)
+                for _ in range(2))
+        spans = Spans.from_lengths(lengths, backend, torch.device(device))
+        out, _ = attend(Module(), q, k, v, None, is_causal=None if causal else False,
+                        **spans.kwargs())
+        weights = torch.randn_like(out)
+        grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+        expected, start = [], 0
         for length in lengths:
             part = slice(start, start + length)
-            expected = torch.nn.functional.scaled_dot_product_attention(
+            expected.append(torch.nn.functional.scaled_dot_product_attention(
                 q[:, :, part], k[:, :, part].repeat_interleave(2, 1),
-                v[:, :, part].repeat_interleave(2, 1), is_causal=causal)
-            torch.testing.assert_close(out[:, part], expected.transpose(1, 2))
+                v[:, :, part].repeat_interleave(2, 1), is_causal=causal).transpose(1, 2))
             start += length
+        expected = torch.cat(expected, dim=1)
+        reference = torch.autograd.grad((expected * weights).sum(), (q, k, v))
+        tolerance = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+        torch.testing.assert_close(out, expected, **tolerance)
+        for got, want in zip(grads, reference):
+            torch.testing.assert_close(got, want, **tolerance)
 
 
 def test_targets_never_cross_samples():

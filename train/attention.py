@@ -1,15 +1,21 @@
-"""Attention over packed samples without a Python loop: one backend, chosen when the model is built.
+"""Attention over packed samples: one backend, chosen when the model is built.
 
 Packed samples must never attend to each other. The real ``transformers`` attention modules
 compute q, k and v; the kernel they call is named by ``config._attn_implementation``:
 
 - ``flash``: ``flash_attention_2`` (flash-attn's varlen kernel, CUDA only), given each sample's
   boundaries as ``cu_seq_lens_q/k`` and ``max_length_q/k``;
+- ``varlen``: ``vlmshard_packed_varlen``, registered here: torch's own variable-length flash
+  attention (``torch.nn.attention.varlen``, CUDA, bf16/fp16; grouped-query heads, causal by
+  its window) over the whole micro-batch in one call, given the same boundaries; one Qwen ViT
+  image or window at a time goes to SDPA, which takes its flash kernel without a mask;
 - ``sdpa``: ``vlmshard_packed_sdpa``, registered here: ``scaled_dot_product_attention`` on
   each sample alone (the LLM, causal; the boundaries on the host), and in a Qwen ViT on each
-  image or window alone, as ``transformers`` runs it given the boundaries on the host. Σ len²
-  work, where one call with a block-diagonal mask over the micro-batch did (Σ len)²: at 10⁴
-  tokens or patches a micro-batch that made a fuller micro-batch cost more than its share.
+  image or window alone, as ``transformers`` runs it given the boundaries on the host.
+
+Every backend does Σ len² work, where one call with a block-diagonal mask over the micro-batch
+did (Σ len)² (and SDPA then could not take its flash kernel): at 10⁴ tokens or patches a
+micro-batch that made a fuller micro-batch cost more than its share.
 
 ``Spans`` holds one segmentation (its boundaries, on the device and the host) and gives the
 keyword arguments each layer passes to its ``transformers`` module.
@@ -25,23 +31,30 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 PACKED_SDPA = "vlmshard_packed_sdpa"
-BACKENDS = ("flash", "sdpa")
+PACKED_VARLEN = "vlmshard_packed_varlen"
+IMPLEMENTATIONS = {"flash": "flash_attention_2", "varlen": PACKED_VARLEN, "sdpa": PACKED_SDPA}
+
+
+def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[str]:
+    """The backends that run on ``device`` in ``dtype``, best first: the varlen kernels take
+    bf16/fp16 on CUDA only, flash-attn only where it is installed."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    cuda = torch.device(device).type == "cuda"
+    flash = cuda and half and importlib.util.find_spec("flash_attn") is not None
+    return ["flash"] * flash + ["varlen"] * (cuda and half) + ["sdpa"]
 
 
 def choose_backend(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
-    """``flash`` on CUDA in bf16/fp16 when flash-attn is installed (its kernels take no fp32),
-    else ``sdpa``."""
-    if (torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-            and importlib.util.find_spec("flash_attn")):
-        return "flash"
-    return "sdpa"
+    """The best of ``available_backends``."""
+    return available_backends(device, dtype)[0]
 
 
 def implementation(backend: str) -> str:
     """The ``attn_implementation`` name ``transformers`` uses for ``backend``."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; known: {', '.join(BACKENDS)}")
-    return "flash_attention_2" if backend == "flash" else PACKED_SDPA
+    if backend not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention backend {backend!r}; known: "
+                         f"{', '.join(IMPLEMENTATIONS)}")
+    return IMPLEMENTATIONS[backend]
 
 
 def packed_sdpa(module, query, key, value, attention_mask, *, packed_lengths=None, **kwargs):
@@ -57,7 +70,36 @@ def packed_sdpa(module, query, key, value, attention_mask, *, packed_lengths=Non
     return torch.cat(outputs, dim=1), None
 
 
+def packed_varlen(module, query, key, value, attention_mask, *, cu_seq_lens_q=None,
+                  max_length_q=None, scaling=None, is_causal=None, **kwargs):
+    """torch's varlen flash attention over every packed segment in one call (``cu_seq_lens_q``,
+    on the device); a single segment (``transformers`` runs a Qwen ViT image by image) goes to
+    SDPA, which takes its own flash kernel when given no mask."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    for name in ("cu_seq_lens_k", "max_length_k", "packed_lengths"):
+        kwargs.pop(name, None)
+    if cu_seq_lens_q is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    q, k, v = (t.transpose(1, 2).squeeze(0) for t in (query, key, value))  # [tokens, heads, d]
+    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q,
+                      scale=scaling, window_size=(-1, 0) if causal else (-1, -1),
+                      enable_gqa=q.shape[1] != k.shape[1])
+    return out.unsqueeze(0), None
+
+
 AttentionInterface.register(PACKED_SDPA, packed_sdpa)
+AttentionInterface.register(PACKED_VARLEN, packed_varlen)
+
+
+def from_host(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the device: on CUDA through pinned
+    memory, asynchronously (a copy from pageable memory waits for the device's queue)."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -73,7 +115,7 @@ class Spans:
     @classmethod
     def from_lengths(cls, lengths: list[int], backend: str, device: torch.device) -> "Spans":
         cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        return cls(cu.to(device), cu, max(lengths, default=0), list(lengths), backend)
+        return cls(from_host(cu, device), cu, max(lengths, default=0), list(lengths), backend)
 
     def kwargs(self) -> dict:
         """Keyword arguments for a ``transformers`` attention layer call."""

@@ -12,6 +12,7 @@ kernels), and ``take`` synchronises once to read them all.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -99,3 +100,27 @@ class StageClock:
 
 
 CLOCK = StageClock()
+
+
+class HostSyncs:
+    """Counts the synchronizing CUDA calls made inside ``with`` (``torch.cuda``'s sync debug
+    mode warns at each: a ``.item()``, a copy from the device, a pageable copy to it); a
+    no-op off CUDA or when not ``enabled``."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and torch.cuda.is_available()
+        self.count = 0
+
+    def __enter__(self) -> "HostSyncs":
+        if self.enabled:
+            self._warnings = warnings.catch_warnings(record=True)
+            self._caught = self._warnings.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            torch.cuda.set_sync_debug_mode("default")
+            self._warnings.__exit__(*exc)
+            self.count = sum("synchronizing" in str(w.message) for w in self._caught)

@@ -73,6 +73,9 @@ class TrainConfig:
                   "steps (YAML null: at the end only)")
     save_checkpoints: bool = option(True, help="save DeepSpeed checkpoints at all (off for short "
                                                "validation runs)")
+    count_host_syncs: bool = option(
+        False, help="on GPU, count each step's synchronizing CUDA calls (torch.cuda's sync "
+                    "debug mode) and log them per rank as host_syncs (slows the step)")
     hostfile: str | None = option(
         None, help="DeepSpeed hostfile ('HOST slots=N' per line): start every node from this one "
                    "over passwordless ssh. Without it, a job started on every node (srun, or "

@@ -49,7 +49,7 @@ class ModelLayers:
         """A loader batch as the first layer's micro-batch, where one process runs every layer
         (the profile, tests)."""
         wire = tuple(t.to(device) for t in wire_inputs(batch))
-        host = HostMeta.of_batch(batch, self.geometry.pixel_rows_per_tile)
+        host = HostMeta.of_batch(batch)
         return unpack(wire, host, self.input_phase(0), self.backend)
 
     def parameter_count(self, index: int) -> int:

@@ -54,13 +54,12 @@ class HostMeta:
     sample_lengths: list[int]
 
     @classmethod
-    def of_batch(cls, batch: dict, pixel_rows_per_tile: int) -> "HostMeta":
+    def of_batch(cls, batch: dict) -> "HostMeta":
         """A collated micro-batch's (``vlmshard.shards.loader``, padded to the caps)."""
         samples = batch["num_samples"]
         cu = batch["cu_seqlens"][:samples + 1].tolist()
         return cls(
-            qv=batch["pixel_values"].shape[0] // pixel_rows_per_tile,
-            qt=batch["input_ids"].shape[0], tiles=batch["num_tiles"],
+            qv=batch["tile_cap"], qt=batch["input_ids"].shape[0], tiles=batch["num_tiles"],
             tokens=batch["num_tokens"], image_tokens=int(batch["image_token_mask"].sum()),
             supervised=supervised_tokens(batch),
             grids=[tuple(g) for g in batch.get("image_grid_thw", torch.zeros(0, 3)).tolist()],

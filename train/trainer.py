@@ -87,7 +87,7 @@ def repeated(cfg: TrainConfig, rank: int, start: int, cuda: bool) -> Iterator[di
     first = start % steps
     while True:
         yield from make_loader(cfg.shards, rank, cfg.dp, first, num_workers=cfg.loader_workers,
-                               pin_memory=cuda, pixel_dtype=cfg.dtype)
+                               pin_memory=cuda, pixel_dtype=cfg.dtype, pad_pixels=False)
         first = 0
 
 
@@ -120,7 +120,7 @@ def run(cfg: TrainConfig) -> None:
     from vlmshard.shards.loader import ShardDataset
 
     from .attention import choose_backend
-    from .clock import CLOCK
+    from .clock import CLOCK, HostSyncs
     from .hf_model import model_layers
     from .micro import HostMeta
     from .pipeline import AveTokenLoss, VLMPipeline, no_inputs, pipeline_inputs
@@ -141,7 +141,8 @@ def run(cfg: TrainConfig) -> None:
     if not cfg.model:  # the launcher resolves and checks it once, before starting the processes
         raise ConfigError("the training config names no model folder: start training with "
                           "`vlmshard train`")
-    model = model_layers(cfg.model, choose_backend("cuda" if cuda else "cpu", cfg.dtype))
+    model = model_layers(cfg.model, choose_backend(device, cfg.dtype))
+    log.info("attention backend: %s (vlmshard.train.attention)", model.backend)
     check_shards_fit(probe, model)
     gas = probe.micro_batches_per_step
     steps = cfg.max_steps or probe.steps
@@ -194,14 +195,13 @@ def run(cfg: TrainConfig) -> None:
         write_json_atomic(os.path.join(cfg.out, PIPELINE_NAME),
                           pipeline_record(sizes.to_dict(), stages, chosen.source))
     vocab = model.config.get_text_config().vocab_size
-    rows = model.geometry.pixel_rows_per_tile
     for step in range(first_step, steps):
         start = time.perf_counter()
         micro = [check_vocabulary(next(batches), vocab) for _ in range(gas)] if reads else []
         inputs = [pipeline_inputs(b, engine.device) for b in micro] or \
             [no_inputs() for _ in range(gas)]
         # Each micro-batch's sizes, from the first stage to the others on the host
-        hosts = from_first_stage([HostMeta.of_batch(b, rows) for b in micro] if reads else None,
+        hosts = from_first_stage([HostMeta.of_batch(b) for b in micro] if reads else None,
                                  groups)
         net.expect(hosts)
         # The Ave-Token denominator: the first stages' counts, summed over the whole world
@@ -212,13 +212,21 @@ def run(cfg: TrainConfig) -> None:
         torch.distributed.barrier()  # the step's clock starts on every rank together
         start = time.perf_counter()
         CLOCK.start_step()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
         lr = schedule.get_last_lr()[0]  # this step's: DeepSpeed steps the schedule after it
-        value = float(engine.train_batch(iter(inputs)))
+        with HostSyncs(cfg.count_host_syncs) as syncs:
+            value = engine.train_batch(iter(inputs))
+        value = float(value)
         times = CLOCK.take()  # synchronises: the step ends when the device is done with it
         seconds = time.perf_counter() - start
         mine = rank_timing(rank=engine.global_rank, stage=engine.stage_id, dp_rank=dp_rank,
                            forward_s=times.forward_s, backward_s=times.backward_s,
                            pipeline_s=times.pipeline_s, step_time_s=seconds, load_s=load_s)
+        if cuda:
+            mine["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+        if syncs.enabled:
+            mine["host_syncs"] = syncs.count
         if reads:
             mine["data"] = rank_data(micro)
         ranks = [None] * torch.distributed.get_world_size()

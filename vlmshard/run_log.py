@@ -6,9 +6,11 @@ without importing the trainer. A record holds every rank's timings and, for each
 rank, what its first stage trained:
 
 ``{"step", "loss", "lr", "step_time_s", "load_s", "tokens", "tokens_per_s",
-"end_to_end_tokens_per_s", "model_flops", "model_flops_per_s", "ranks": [{"rank", "stage", "dp_rank", "forward_s",
-"backward_s", "pipeline_s", "wait_s", "step_time_s", "load_s"}],
-"data": [{"dp_rank", "tokens", "plan_steps", "micro_sizes", "sample_ids"}]}``
+"end_to_end_tokens_per_s", "model_flops", "model_flops_per_s", "ranks": [{"rank", "stage",
+"dp_rank", "forward_s", "backward_s", "pipeline_s", "wait_s", "step_time_s", "load_s"}],
+"data": [{"dp_rank", "tokens", "plan_steps", "micro_sizes", "sample_ids"}]}``; on GPU a rank
+also logs ``peak_memory_bytes`` (the allocator's peak in the step) and, when counted,
+``host_syncs``.
 
 ``pipeline.json`` says what the stages held and where that partition came from (``{"model",
 "partition_source", "stages": [{"stage", "layers", "recompute"}]}``): what a replay of the run

@@ -22,7 +22,7 @@ from transformers.vision_utils import (
     get_vision_window_index,
 )
 
-from ..attention import Spans
+from ..attention import Spans, from_host
 from ..micro import Micro, Phase
 from .layers import Detached, Geometry, HFLayer, LayerDef, language_layers
 
@@ -61,7 +61,7 @@ class VisionGeometry:
         device, backend = micro.x.device, micro.backend
         cu = get_vision_cu_seqlens(grids)
         images = Spans.from_lengths((cu[1:] - cu[:-1]).tolist(), backend, device)
-        positions = get_vision_position_ids(grids, self.merge).to(device)
+        positions = from_host(get_vision_position_ids(grids, self.merge), device)
         rope = self.rotary(micro.x, positions)
         windows = window_index = None
         if self.windowed:
@@ -69,7 +69,7 @@ class VisionGeometry:
                 grids, self.merge, self.window_size, self.patch_size)
             windows = Spans.from_lengths((cu_windows[1:] - cu_windows[:-1]).tolist(), backend,
                                          device)
-            window_index = window_index.to(device)
+            window_index = from_host(window_index, device)
             rope = tuple(self.window_order(t, window_index) for t in rope)
         return VisionMeta(rope, images, windows, window_index, grids)
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
+from ..attention import from_host
 from ..micro import LayerOutput, Micro, Phase
 from .layers import DecoderLayer, Detached, Geometry, LayerDef, LMHead, language_layers
 from .qwen2vl import VISION, Merger, VisionBlock, VisionEmbedding, VisionGeometry
@@ -44,7 +45,7 @@ class PositionedEmbedding(VisionEmbedding):
     def forward(self, micro: Micro) -> torch.Tensor:
         hidden = super().forward(micro)
         indices, weights = micro.cached("vision_positions", lambda: tuple(
-            t.to(hidden.device) for t in get_vision_interpolation_indices_and_weights(
+            from_host(t, hidden.device) for t in get_vision_interpolation_indices_and_weights(
                 self.geometry.meta(micro).grids, self.side, mode=self.mode,
                 align_corners=self.align_corners, spatial_merge_size=self.geometry.merge)))
         positions = (self.pos_embed(indices) * weights[:, :, None]).sum(1)  # as the model

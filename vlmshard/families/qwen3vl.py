@@ -68,10 +68,12 @@ class Qwen3VL(Qwen2VL):
     def tiny_folder(self, path: str, model_type: str = "qwen3_vl", *,
                     min_pixels: int = 64 * 64, max_pixels: int = 32 * 32 * 64,
                     corpus: list[str] = CORPUS, vocab_size: int = 420, seed: int = 0,
-                    init_std: float = 0.2) -> str:
+                    init_std: float = 0.2, text_sizes: dict | None = None,
+                    vision_sizes: dict | None = None, weights_dtype: str = "float32") -> str:
         """Three ViT blocks, DeepStack from blocks 0 and 1 into LLM layers 0 and 1 of three
         (of four for MoE); LLM heads of 16 (not hidden / heads), as Qwen3 sets ``head_dim``
-        apart."""
+        apart. ``text_sizes`` and ``vision_sizes`` override the configs' sizes (a benchmark's
+        published model with random weights; its embedding may exceed the tokenizer)."""
         from transformers import AutoConfig
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
             Qwen2VLImageProcessorPil,
@@ -92,12 +94,14 @@ class Qwen3VL(Qwen2VL):
                         moe_intermediate_size=24,
                         decoder_sparse_step=1, mlp_only_layers=[0], output_router_logits=True,
                         router_aux_loss_coef=0.05)
+        text.update(text_sizes or {})
+        vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
+                      out_hidden_size=32, patch_size=16, spatial_merge_size=2,
+                      temporal_patch_size=2, num_position_embeddings=16,
+                      deepstack_visual_indexes=[0, 1])
+        vision.update(vision_sizes or {})
         config = AutoConfig.for_model(
-            model_type, text_config=text,
-            vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
-                               out_hidden_size=32, patch_size=16, spatial_merge_size=2,
-                               temporal_patch_size=2, num_position_embeddings=16,
-                               deepstack_visual_indexes=[0, 1]),
+            model_type, text_config=text, vision_config=vision,
             image_token_id=vocab - 2, video_token_id=vocab - 1,
             vision_start_token_id=vocab - 4, vision_end_token_id=vocab - 3,
             tie_word_embeddings=False)
@@ -105,5 +109,5 @@ class Qwen3VL(Qwen2VL):
         Qwen2VLImageProcessorPil(patch_size=16, image_mean=list(QWEN3_MEAN),
                                  image_std=list(QWEN3_STD), min_pixels=min_pixels,
                                  max_pixels=max_pixels).save_pretrained(path)
-        save_random_weights(path, seed, init_std)
+        save_random_weights(path, seed, init_std, weights_dtype)
         return path

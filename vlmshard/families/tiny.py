@@ -60,8 +60,10 @@ def save_tokenizer(path: str, special: list[str], template: str, named: dict[str
     return tok.get_vocab_size()
 
 
-def save_random_weights(path: str, seed: int, init_std: float) -> None:
-    """Random weights for the folder's config, saved as safetensors with ``save_pretrained``."""
+def save_random_weights(path: str, seed: int, init_std: float,
+                        dtype: str = "float32") -> None:
+    """Random weights for the folder's config, saved in ``dtype`` as safetensors with
+    ``save_pretrained``."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -71,6 +73,6 @@ def save_random_weights(path: str, seed: int, init_std: float) -> None:
             sub.initializer_range = init_std
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config)
-    model.save_pretrained(path)
+    model.to(getattr(torch, dtype)).save_pretrained(path)
 
 

@@ -1,0 +1,246 @@
+"""One command for a GPU's first hour: vlmshard's trainer on one device, on a balanced and a
+random plan of the same samples, and the figures users judge a trainer by.
+
+    python benchmarks/gpu_bench.py            # on a GPU: Qwen3-VL-2B's sizes, random weights
+    python benchmarks/gpu_bench.py --smoke    # the same path on CPU with a tiny model: seconds
+
+The GPU machine needs a CUDA build of torch, DeepSpeed and transformers installed (it has no
+network: install them, or carry a virtual environment built for it). Nothing is downloaded.
+
+1. Model: ``--model DIR``, or Qwen3-VL-2B's published sizes (its LLM is Qwen3-1.7B's: 28
+   layers of 2048, GQA 16/8, head_dim 128, vocabulary 151,936; a 24-block ViT of 1024 with
+   DeepStack from blocks 5, 11, 17) with random weights; ``--smoke``: the tests' tiny folder.
+2. Data: the demo generator at ``--scale`` (captions, document QA with long answers, multi-image
+   and text-only chat), preprocessed for the model; packed ``random`` (``--target-samples`` a
+   micro-batch) and ``balanced`` under the random plan's caps, for one rank, ``--micro-batches``
+   a step.
+3. The loader alone: the balanced shards through the trainer's loader (its workers, pinned
+   memory, real pixel rows), no model: micro-batches, tokens and tiles per second.
+4. Each plan trains ``--steps`` steps (PP=1, DP=1, the partition and recompute vlmshard searches
+   by default, host syncs counted); the first ``--warmup`` steps are dropped.
+5. One JSON line and a table: device; torch, CUDA, NCCL, DeepSpeed, transformers versions;
+   attention backend; median and p90 step time; real tokens/s and tiles/s; MFU (the step's
+   model FLOPs over step time × the device's dense bf16 peak, from ``vlmshard.hardware`` or
+   ``--peak-tflops``); peak memory; loader throughput; host syncs per step; and the simulator's
+   predicted step time (the run replayed with the analytic FLOPs at the assumed sustained
+   share of the peak, ``vlmshard.hardware.SUSTAINED_SHARE``) beside the measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from vlmshard.io import read_json  # noqa: E402
+
+# Qwen3-VL-2B-Instruct's config.json sizes (text: Qwen3-1.7B's)
+QWEN3_VL_2B = {
+    "text_sizes": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       vocab_size=151936,
+                       rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                        "mrope_section": [24, 20, 20],
+                                        "mrope_interleaved": True}),
+    "vision_sizes": dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
+                         out_hidden_size=2048, num_position_embeddings=2304,
+                         deepstack_visual_indexes=[5, 11, 17]),
+}
+# Images up to 1024 merged patches (~1 Mpx): the demo's photos and documents keep their size.
+BENCH_MAX_PIXELS = 32 * 32 * 1024
+
+
+def prepare(args) -> dict:
+    """Model folder, preprocessed demo data, and the two plans' shards."""
+    from vlmshard.families import tiny_folder
+    from vlmshard.packing.config import PackConfig
+    from vlmshard.packing.plan import run_pack
+    from vlmshard.preprocess import PreprocessConfig, run_preprocess
+    from vlmshard.preprocess.demo_data import demo_model, generate
+    from vlmshard.shards.config import WriteConfig
+    from vlmshard.shards.writer import run_write
+
+    work = args.work
+    shutil.rmtree(work, ignore_errors=True)
+    data = generate(os.path.join(work, "data"), seed=0, scale=args.scale)
+    if args.model:
+        model = args.model
+    elif args.smoke:
+        model = demo_model("qwen3_vl", os.path.join(work, "model"))
+    else:
+        model = tiny_folder("qwen3_vl", os.path.join(work, "model"), max_pixels=BENCH_MAX_PIXELS,
+                            init_std=0.02, weights_dtype="bfloat16", **QWEN3_VL_2B)
+    pre = os.path.join(work, "preprocess")
+    run_preprocess(PreprocessConfig(inputs=[data.meta], out=pre, model=model, keep_tokens=True,
+                                    max_seq_len=args.max_seq_len, part_size=256))
+    shards = {}
+    caps = {}
+    for algo in ("random", "balanced"):
+        plan = os.path.join(work, f"plan-{algo}")
+        run_pack(PackConfig(stats=pre, dp=1, out=plan, algo=algo,
+                            micro_batches=args.micro_batches,
+                            target_samples=args.target_samples, **caps))
+        if algo == "random":  # the balanced plan packs under the same memory bound
+            metrics = read_json(os.path.join(plan, "plan.json"))["metrics"]
+            caps = {"max_qv": int(metrics["qv"]), "max_qt": int(metrics["qt"])}
+        shards[algo] = os.path.join(work, f"shards-{algo}")
+        run_write(WriteConfig(plan=plan, stats=pre, out=shards[algo], workers=1))
+    return {"model": model, "shards": shards, "caps": caps}
+
+
+def loader_throughput(shards: str, workers: int, cuda: bool, dtype) -> dict:
+    """The trainer's loader alone over one pass of the shards."""
+    from vlmshard.shards.loader import make_loader
+
+    start, batches, tokens, tiles = time.perf_counter(), 0, 0, 0
+    for batch in make_loader(shards, num_workers=workers, pin_memory=cuda, pixel_dtype=dtype,
+                             pad_pixels=False):
+        batches += 1
+        tokens += batch["num_tokens"]
+        tiles += batch["num_tiles"]
+    seconds = time.perf_counter() - start
+    return {"micro_batches_per_s": batches / seconds, "tokens_per_s": tokens / seconds,
+            "tiles_per_s": tiles / seconds}
+
+
+def train_plan(args, setup: dict, algo: str) -> dict:
+    """Train one plan; its step statistics after the warm-up steps."""
+    from vlmshard.simulate.replay import replay_run
+    from vlmshard.train.config import TrainConfig
+    from vlmshard.train.launcher import train
+
+    out = os.path.join(args.work, f"run-{algo}")
+    records = train(TrainConfig(shards=setup["shards"][algo], out=out, model=setup["model"],
+                                pp=1, dp=1, max_steps=args.steps, save_checkpoints=False,
+                                count_host_syncs=True), output=out + ".log")
+    kept = records[args.warmup:]
+    times = sorted(r["step_time_s"] for r in kept)
+    seconds = sum(times)
+    tiles = sum(m["tiles"] for r in kept for d in r["data"] for m in d["micro_sizes"])
+    syncs = [x["host_syncs"] for r in kept for x in r["ranks"] if "host_syncs" in x]
+    peaks = [x["peak_memory_bytes"] for r in kept for x in r["ranks"]
+             if "peak_memory_bytes" in x]
+    # the simulator's replay (it drops the first step): analytic FLOPs per step on one stage
+    replay = replay_run(os.path.join(out, "train_log.jsonl"))
+    flops = replay.predicted.makespan.max(axis=1)[args.warmup - 1:] if args.warmup else \
+        replay.predicted.makespan.max(axis=1)
+    pipeline = read_json(os.path.join(out, "pipeline.json"))
+    return {"steps": len(kept), "median_step_s": statistics.median(times),
+            "p90_step_s": times[min(len(times) - 1, int(0.9 * len(times)))],
+            "tokens_per_s": sum(r["tokens"] for r in kept) / seconds,
+            "tiles_per_s": tiles / seconds,
+            "model_flops_per_step": statistics.median(r["model_flops"] for r in kept),
+            "mfu_flops_per_s": statistics.median(r["model_flops_per_s"] for r in kept),
+            "replay_flops_per_step": float(statistics.median(flops)),
+            "peak_memory_bytes": max(peaks) if peaks else None,
+            "host_syncs_per_step": statistics.median(syncs) if syncs else None,
+            "loss": [r["loss"] for r in records],
+            "partition": pipeline.get("partition_source", ""),
+            "recompute": [n for s in pipeline["stages"] for n in s["recompute"]]}
+
+
+def environment(cuda: bool) -> dict:
+    import deepspeed
+    import torch
+    import transformers
+
+    return {"device": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
+            "host": platform.node(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+            "deepspeed": deepspeed.__version__, "transformers": transformers.__version__}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true",
+                   help="the same path on CPU with the tests' tiny model, in seconds")
+    p.add_argument("--model", help="a model folder to train (default: Qwen3-VL-2B's sizes "
+                                   "with random weights)")
+    p.add_argument("--work", default=os.path.join(REPO, "build", "gpu_bench"))
+    p.add_argument("--scale", type=int, default=None, help="demo data scale (default 4; "
+                                                            "smoke 1)")
+    p.add_argument("--steps", type=int, default=None, help="steps per plan (default 13; "
+                                                            "smoke 3)")
+    p.add_argument("--warmup", type=int, default=None, help="steps dropped (default 3; "
+                                                             "smoke 1)")
+    p.add_argument("--micro-batches", type=int, default=4, help="per step")
+    p.add_argument("--target-samples", type=int, default=8, help="samples per random "
+                                                                 "micro-batch")
+    p.add_argument("--max-seq-len", type=int, default=8192)
+    p.add_argument("--loader-workers", type=int, default=None,
+                   help="the trainer's default: 4 on GPU, 0 on CPU")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="dense bf16 peak of the device (default: vlmshard.hardware's table)")
+    p.add_argument("--json", help="also write the result here")
+    args = p.parse_args()
+    smoke = args.smoke
+    args.scale = args.scale or (1 if smoke else 4)
+    args.steps = args.steps or (3 if smoke else 13)
+    args.warmup = 1 if smoke and args.warmup is None else (3 if args.warmup is None
+                                                           else args.warmup)
+    if args.steps <= args.warmup:
+        p.error("--steps must exceed --warmup")
+
+    import torch
+
+    from vlmshard.hardware import SUSTAINED_SHARE, gpu_named
+    from vlmshard.train.attention import choose_backend
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not smoke:
+        p.error("no CUDA device: run with --smoke on CPU")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    gpu = gpu_named(torch.cuda.get_device_name(0)) if cuda else None
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else (gpu.peak_flops if gpu else None)
+    setup = prepare(args)
+    workers = args.loader_workers if args.loader_workers is not None else (4 if cuda else 0)
+    result = {**environment(cuda), "attention": choose_backend("cuda" if cuda else "cpu", dtype),
+              "model": os.path.basename(setup["model"].rstrip("/")), "caps": setup["caps"],
+              "peak_flops": peak, "sustained_share": SUSTAINED_SHARE,
+              "loader": loader_throughput(setup["shards"]["balanced"], workers, cuda, dtype)}
+    for algo in ("balanced", "random"):
+        run = train_plan(args, setup, algo)
+        if peak:
+            run["mfu"] = run["mfu_flops_per_s"] / peak
+            run["predicted_step_s"] = run["replay_flops_per_step"] / (peak * SUSTAINED_SHARE)
+        result[algo] = run
+    print(json.dumps(result))
+    print(table(result))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+
+
+def table(result: dict) -> str:
+    def fmt(value, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    lines = [f"{result['device']} | torch {result['torch']} CUDA {result['cuda']} NCCL "
+             f"{result['nccl']} | DeepSpeed {result['deepspeed']} | transformers "
+             f"{result['transformers']} | attention {result['attention']}",
+             f"loader alone: {result['loader']['tokens_per_s']:,.0f} tokens/s, "
+             f"{result['loader']['tiles_per_s']:,.0f} tiles/s",
+             f"{'plan':<9} {'median s':>9} {'p90 s':>7} {'tokens/s':>9} {'tiles/s':>8} "
+             f"{'MFU':>6} {'peak GiB':>8} {'syncs':>5} {'predicted s':>11}"]
+    for algo in ("balanced", "random"):
+        r = result[algo]
+        peak = r["peak_memory_bytes"] / 2**30 if r["peak_memory_bytes"] else None
+        lines.append(f"{algo:<9} {r['median_step_s']:>9.3f} {r['p90_step_s']:>7.3f} "
+                     f"{r['tokens_per_s']:>9,.0f} {r['tiles_per_s']:>8,.0f} "
+                     f"{fmt(r.get('mfu'), '.1%'):>6} {fmt(peak, '.1f'):>8} "
+                     f"{fmt(r['host_syncs_per_step'], '.0f'):>5} "
+                     f"{fmt(r.get('predicted_step_s'), '.3f'):>11}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
