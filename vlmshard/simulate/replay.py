@@ -100,7 +100,7 @@ def described_partition(stages: list[dict]) -> tuple[list[str], Partition]:
 def _configured_partition(config: dict, profile: dict) -> Partition:
     """For a run without ``pipeline.json``: the stage bounds and recompute its
     ``train_config.json`` asked for (DeepSpeed's 'parameters' when it gave none, as the
-    trainer does), over the profile's layers."""
+    trainer did before it wrote ``pipeline.json``), over the profile's layers."""
     from vlmshard.partition import LayerCost, deepspeed_bounds
 
     bounds = config.get("bounds") or deepspeed_bounds(
