@@ -383,6 +383,49 @@ def test_two_data_parallel_ranks_learn_from_exactly_their_plan(small_shards, tmp
 
 
 @pytest.mark.slow
+def test_zero_2_and_3_at_pp_1_train_as_zero_1_does(small_shards, tmp_path):
+    """Data parallel alone (DP=2, PP=1) through DeepSpeed's plain engine with gradients (ZeRO-2)
+    and also parameters (ZeRO-3) sharded: the same losses as the pipeline engine's ZeRO-1 run of
+    the same steps, and ZeRO-3's saved folder, gathered from both ranks' partitions, loads with
+    from_pretrained and holds the same weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    common = ["--config", CONFIG, "--shards", small_shards, "--pp", "1", "--dp", "2",
+              "--max-steps", "2"]
+    losses = {}
+    for zero in (1, 2, 3):
+        extra = ["--no-save-checkpoints"] if zero == 2 else []
+        vlmshard("train", *common, "--zero", str(zero), *extra, "--out", str(tmp_path / str(zero)))
+        losses[zero] = [r["loss"] for r in _log(tmp_path / str(zero) / "train_log.jsonl")]
+    assert losses[1][1] < losses[1][0]  # it learned
+    assert losses[2] == pytest.approx(losses[1], rel=1e-6)
+    assert losses[3] == pytest.approx(losses[1], rel=1e-6)
+
+    def saved(run: str) -> dict[str, torch.Tensor]:
+        files = sorted((tmp_path / run / "hf").glob("*.safetensors"))
+        return {k: t for f in files for k, t in load_file(f).items()}
+
+    assert saved("3").keys() == saved("1").keys()
+    three, info = AutoModelForImageTextToText.from_pretrained(tmp_path / "3" / "hf",
+                                                             output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    one = AutoModelForImageTextToText.from_pretrained(tmp_path / "1" / "hf").state_dict()
+    for name, tensor in three.state_dict().items():
+        torch.testing.assert_close(tensor, one[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_zero_2_and_3_need_one_stage():
+    from vlmshard.errors import ConfigError
+    from vlmshard.train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="DeepSpeed's pipeline engine takes ZeRO-1 only"):
+        TrainConfig(shards="s", out="o", pp=2, zero=3)
+    with pytest.raises(ConfigError, match="--zero takes 1, 2 or 3"):
+        TrainConfig(shards="s", out="o", zero=4)
+
+
+@pytest.mark.slow
 def test_bf16_training_tracks_fp32(small_shards, tmp_path):
     """The same 12 steps at PP=2 in bf16 (bf16 weights, activations and pixels; fp32 master
     weights, gradient accumulation and Adam states) and in fp32. The first loss (a forward alone)

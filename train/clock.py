@@ -56,6 +56,11 @@ class StageClock:
     def forward_done(self, start) -> None:
         self._forward.append((start, self.mark()))
 
+    def backward_done(self, start) -> None:
+        """A backward timed around its call (the plain engine's; a pipeline stage's backward is
+        timed by the hooks below, as DeepSpeed runs it)."""
+        self._backward.append((start, self.mark()))
+
     def watch(self, parameters) -> None:
         for p in parameters:
             p.register_post_accumulate_grad_hook(self._on_parameter_grad)

@@ -31,6 +31,11 @@ class TrainConfig:
     max_steps: int | None = option(None, help="optimizer steps; more than the shards hold "
                                               "repeats them",
                                    default_text="one pass over the shards")
+    zero: int = option(
+        1, help="DeepSpeed ZeRO stage: 1 shards the optimizer states over the DP ranks (with "
+                "bf16; the only stage DeepSpeed's pipeline engine takes); 2 also the gradients "
+                "and 3 also the parameters, at --pp 1, through DeepSpeed's plain engine (each "
+                "rank loads the whole model once, then ZeRO-3 partitions it)")
     lr: float = option(1e-5, help="AdamW peak learning rate (fine-tuning a pretrained "
                                   "checkpoint; a tiny model trained from scratch wants ~1e-3)")
     lr_scheduler_type: SchedulerName = option(
@@ -93,6 +98,12 @@ class TrainConfig:
                 raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.loader_workers is not None and self.loader_workers < 0:
             raise ConfigError(f"--loader-workers must be at least 0, got {self.loader_workers}")
+        if self.zero not in (1, 2, 3):
+            raise ConfigError(f"--zero takes 1, 2 or 3, got {self.zero}")
+        if self.zero > 1 and self.pp != 1:
+            raise ConfigError(f"--zero {self.zero} shards what pipeline stages already split: "
+                              "DeepSpeed's pipeline engine takes ZeRO-1 only; use --pp 1 "
+                              "(data parallel alone) or --zero 1")
         if self.warmup_steps < 0 or (self.warmup_steps >= 1
                                      and self.warmup_steps != int(self.warmup_steps)):
             raise ConfigError("--warmup-steps takes a whole number of steps or a fraction in "
@@ -111,7 +122,9 @@ class TrainConfig:
 
     def warmup_steps_of(self, steps: int) -> int:
         """The warm-up steps of a run of ``steps`` optimizer steps (Hugging Face's
-        ``TrainingArguments.get_warmup_steps`` rule)."""
+        ``TrainingArguments.get_warmup_steps`` rule; the constant schedule has none)."""
+        if self.lr_scheduler_type == "constant":
+            return 0
         if self.warmup_steps >= 1:
             return int(self.warmup_steps)
         return math.ceil(steps * self.warmup_steps)

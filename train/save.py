@@ -17,6 +17,7 @@ import shutil
 import torch
 
 from . import deepspeed_compat as ds
+from .hf_model import ModelLayers
 from .pipeline import VLMPipeline
 from .weights import write_index, write_shard
 
@@ -37,24 +38,46 @@ def stage_tensors(net: VLMPipeline) -> dict[str, torch.Tensor]:
 
 def save_hf(net: VLMPipeline, engine, folder: str) -> None:
     """Write ``folder`` from every stage (a collective: every rank calls it)."""
+    tensors = stage_tensors(net) if engine.grid.get_data_parallel_id() == 0 else None
+    write_folder(net.model, tensors, engine.stage_id, engine.num_stages, folder)
+
+
+def save_hf_data_parallel(model, zero_stage: int, folder: str) -> None:
+    """Write ``folder`` from a ``VLMModel`` (``--pp 1``): rank 0 writes every tensor, gathered
+    from the ranks' partitions under ZeRO-3 (a collective: every rank calls it)."""
+    import contextlib
+
+    import deepspeed
+
+    gathered = (deepspeed.zero.GatheredParameters(list(model.parameters()))
+                if zero_stage == 3 else contextlib.nullcontext())
+    with gathered:
+        tensors = ({k: t.detach().clone() for k, t in model.tensors().items()}
+                   if torch.distributed.get_rank() == 0 else None)
+    write_folder(model.model, tensors, 0, 1, folder)
+
+
+def write_folder(model: ModelLayers, tensors: dict[str, torch.Tensor] | None, stage: int,
+                 stages: int, folder: str) -> None:
+    """Each stage's ``tensors`` (None on the ranks that write none) as its shard of ``folder``;
+    rank 0 adds the index and the folder's other files (a collective)."""
     dist = torch.distributed
     partial = folder + ".partial"
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
     weight_map = {}
-    if engine.grid.get_data_parallel_id() == 0:
+    if tensors is not None:
         from transformers.core_model_loading import revert_weight_conversion
 
-        tensors = stage_tensors(net)
-        dtypes = net.model.checkpoint.dtypes(list(tensors))
+        dtypes = model.checkpoint.dtypes(list(tensors))
         tensors = {name: tensor.to(dtypes[name]) for name, tensor in tensors.items()}
-        tensors = revert_weight_conversion(net.model.meta, tensors)
-        weight_map = write_shard(partial, engine.stage_id, engine.num_stages, tensors)
+        tensors = revert_weight_conversion(model.meta, tensors)
+        weight_map = write_shard(partial, stage, stages, tensors)
     maps = [None] * dist.get_world_size()
     dist.all_gather_object(maps, weight_map)
     if dist.get_rank() == 0:
-        write_index(partial, net.model.path, {k: v for m in maps for k, v in m.items()})
+        write_index(partial, model.path, {k: v for m in maps for k, v in m.items()})
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(partial, folder)
     dist.barrier()

@@ -31,8 +31,21 @@ from vlmshard.run_log import PIPELINE_NAME
 
 from .config import TrainConfig
 from .default_partition import given_partition, searched_partition
-from .distributed import from_first_stage, init_distributed, on_rank_0, rank_device, side_groups
-from .train_log import open_log, pipeline_record, rank_data, rank_timing, step_record, write_record
+from .distributed import (
+    from_first_stage,
+    init_distributed,
+    on_rank_0,
+    rank_device,
+    side_groups,
+)
+from .train_log import (
+    open_log,
+    pipeline_record,
+    rank_data,
+    rank_timing,
+    step_record,
+    write_record,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +120,9 @@ def deepspeed_config(cfg: TrainConfig, gas: int) -> dict:
         config["bf16"] = {"enabled": True}
         config["data_types"] = {"grad_accum_dtype": cfg.grad_accum}
         config["zero_optimization"] = {"stage": 1}
+    if cfg.zero > 1:  # the plain engine (--pp 1); torch's AdamW is a "client" optimizer to it
+        config["zero_optimization"] = {"stage": cfg.zero}
+        config["zero_allow_untested_optimizer"] = True
     return config
 
 
@@ -121,10 +137,11 @@ def run(cfg: TrainConfig) -> None:
 
     from .attention import choose_backend
     from .clock import CLOCK, HostSyncs
+    from .data_parallel import VLMModel, train_batch
     from .hf_model import model_layers
     from .micro import HostMeta
     from .pipeline import AveTokenLoss, VLMPipeline, no_inputs, pipeline_inputs
-    from .save import save_hf
+    from .save import save_hf, save_hf_data_parallel
 
     cuda = torch.cuda.is_available()
     cfg.resolve_device_defaults(cuda)
@@ -154,9 +171,16 @@ def run(cfg: TrainConfig) -> None:
              chosen.source)
 
     loss = AveTokenLoss()
-    net = VLMPipeline(model, cfg.pp, loss, backend=model.backend, dtype=cfg.dtype,
-                      device=device, bounds=chosen.bounds, recompute=set(chosen.recompute),
-                      topology=topology)
+    pipelined = cfg.zero == 1
+    if pipelined:
+        net = VLMPipeline(model, cfg.pp, loss, backend=model.backend, dtype=cfg.dtype,
+                          device=device, bounds=chosen.bounds, recompute=set(chosen.recompute),
+                          topology=topology)
+    else:
+        net = VLMModel(model, loss, device=device, dtype=cfg.dtype,
+                       recompute=set(chosen.recompute))
+        if cfg.zero == 3:
+            net.register_external_weights()
     trained = [p for p in net.parameters() if p.requires_grad]
     # torch's own AdamW (fused kernels): DeepSpeed's "AdamW" compiles its fused_adam op on
     # first use (nvcc on GPU, minutes of ninja on CPU).
@@ -182,14 +206,22 @@ def run(cfg: TrainConfig) -> None:
         if state is None:
             raise FileNotFoundError(f"{cfg.resume}: no checkpoint to resume from")
         first_step = state["step"]
-    dp_rank = engine.grid.get_data_parallel_id()
-    reads = engine.is_first_stage()
+
+    def save(folder: str) -> None:
+        if pipelined:
+            save_hf(net, engine, folder)
+        else:
+            save_hf_data_parallel(net, cfg.zero, folder)
+
+    dp_rank = engine.grid.get_data_parallel_id() if pipelined else engine.global_rank
+    stage_id = engine.stage_id if pipelined else 0
+    reads = engine.is_first_stage() if pipelined else True
     batches = repeated(cfg, dp_rank, first_step, cuda) if reads else None
     log_file = open_log(cfg.out, first_step) if engine.global_rank == 0 else None
     sizes = model_sizes(read_json(os.path.join(model.path, "config.json")), model.path)
     flops = training_flops(sizes)
     stages = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(stages, (engine.stage_id, net.stage_layer_names, [
+    torch.distributed.all_gather_object(stages, (stage_id, net.stage_layer_names, [
         n for n, again in zip(net.stage_layer_names, net.recompute) if again]))
     if engine.global_rank == 0:
         write_json_atomic(os.path.join(cfg.out, PIPELINE_NAME),
@@ -203,7 +235,6 @@ def run(cfg: TrainConfig) -> None:
         # Each micro-batch's sizes, from the first stage to the others on the host
         hosts = from_first_stage([HostMeta.of_batch(b) for b in micro] if reads else None,
                                  groups)
-        net.expect(hosts)
         # The Ave-Token denominator: the first stages' counts, summed over the whole world
         tokens = torch.tensor([sum(h.supervised for h in hosts) if reads else 0])
         torch.distributed.all_reduce(tokens, group=groups.world)
@@ -216,11 +247,15 @@ def run(cfg: TrainConfig) -> None:
             torch.cuda.reset_peak_memory_stats(device)
         lr = schedule.get_last_lr()[0]  # this step's: DeepSpeed steps the schedule after it
         with HostSyncs(cfg.count_host_syncs) as syncs:
-            value = engine.train_batch(iter(inputs))
+            if pipelined:
+                net.expect(hosts)
+                value = engine.train_batch(iter(inputs))
+            else:
+                value = train_batch(engine, inputs, hosts)
         value = float(value)
         times = CLOCK.take()  # synchronises: the step ends when the device is done with it
         seconds = time.perf_counter() - start
-        mine = rank_timing(rank=engine.global_rank, stage=engine.stage_id, dp_rank=dp_rank,
+        mine = rank_timing(rank=engine.global_rank, stage=stage_id, dp_rank=dp_rank,
                            forward_s=times.forward_s, backward_s=times.backward_s,
                            pipeline_s=times.pipeline_s, step_time_s=seconds, load_s=load_s)
         if cuda:
@@ -239,9 +274,9 @@ def run(cfg: TrainConfig) -> None:
             tag = f"step-{step + 1}"
             engine.save_checkpoint(checkpoints, tag=tag, client_state={
                 "step": step + 1, "parameters": trained_names})
-            save_hf(net, engine, os.path.join(checkpoints, tag, "hf"))
+            save(os.path.join(checkpoints, tag, "hf"))
     if cfg.save_checkpoints:
-        save_hf(net, engine, os.path.join(cfg.out, "hf"))
+        save(os.path.join(cfg.out, "hf"))
     if log_file:
         log_file.close()
     # Leave together and join the communication threads before the interpreter exits: a rank

@@ -1,0 +1,85 @@
+"""Data parallelism alone (``--pp 1``) under ZeRO-2 or ZeRO-3: DeepSpeed's plain engine over the
+model folder's layers in one module, on the same shards, layers, loss and log as the pipeline.
+
+DeepSpeed's pipeline engine takes ZeRO-1 only. At one stage there is no pipeline to keep, so a
+run that wants its gradients (ZeRO-2) or also its parameters (ZeRO-3) sharded over the DP ranks
+takes the plain engine: per micro-batch a forward, ``engine.backward`` and ``engine.step``, which
+steps the optimizer at the gradient-accumulation boundary, after the step's micro-batches, as the
+pipeline does. Each rank builds and loads the whole model once, then ZeRO-3 partitions it: the
+model's weights must fit one device before training (its gradients and optimizer states never
+need to).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .clock import CLOCK
+from .hf_model import ModelLayers
+from .micro import HostMeta, unpack
+from .pipeline import run_layers
+
+
+class VLMModel(nn.Module):
+    """Every layer of a model folder in one module, run in order on one micro-batch; returns the
+    loss ``loss_fn`` makes of the head's output and the labels."""
+
+    def __init__(self, model: ModelLayers, loss_fn, *, device: torch.device | str,
+                 dtype: torch.dtype, recompute: set[str] = frozenset()) -> None:
+        super().__init__()
+        built = model.build_all(device, dtype)  # a tied head is the embedding's module
+        unique = list({id(m): m for m in built}.values())
+        self.layers = nn.ModuleList(unique)
+        self.order = [next(i for i, u in enumerate(unique) if u is m) for m in built]
+        self.model = model
+        self.loss_fn = loss_fn
+        self.recompute = [name in recompute for name in model.names]
+
+    @property
+    def stage_layer_names(self) -> list[str]:
+        return list(self.model.names)
+
+    def forward(self, wire: tuple, host: HostMeta) -> torch.Tensor:
+        micro = unpack(wire, host, self.model.input_phase(0), self.model.backend)
+        layers = [self.layers[i] for i in self.order]
+        micro = run_layers(layers, self.model.defs, micro, self.recompute)
+        return self.loss_fn(micro.x, wire[3])
+
+    def register_external_weights(self) -> None:
+        """For ZeRO-3: a layer that reads a weight outside the submodule holding it (the LM head
+        computes its logits from the weight, chunk by chunk) declares it, so DeepSpeed gathers
+        it whenever the layer runs."""
+        import deepspeed
+
+        for layer in self.layers:
+            weight = getattr(type(layer), "weight", None)
+            if isinstance(weight, property):
+                deepspeed.zero.register_external_parameter(layer, layer.weight)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor under its checkpoint name (a tied weight once)."""
+        out = {}
+        for i in range(len(self.model.defs)):
+            if self.model.first_of_tie(i):
+                layer = self.layers[self.order[i]]
+                for local, tensor in layer.state_dict().items():
+                    out[layer.hf_name(local)] = tensor
+        return out
+
+
+def train_batch(engine, inputs: list[tuple], hosts: list[HostMeta]) -> torch.Tensor:
+    """One step of the plan's micro-batches; the loss the pipeline engine would report (the
+    mean over micro-batches, averaged over the DP ranks: every rank is one)."""
+    total = torch.zeros((), device=engine.device)
+    for (wire, _), host in zip(inputs, hosts):
+        begin = CLOCK.mark()
+        loss = engine(wire, host)
+        CLOCK.forward_done(begin)
+        begin = CLOCK.mark()
+        engine.backward(loss)
+        CLOCK.backward_done(begin)
+        engine.step()
+        total += loss.detach().float()
+    torch.distributed.all_reduce(total)
+    return total / (len(inputs) * torch.distributed.get_world_size())
