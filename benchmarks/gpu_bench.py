@@ -9,7 +9,9 @@ network: install them, or carry a virtual environment built for it). Nothing is 
 
 1. Model: ``--model DIR``, or Qwen3-VL-2B's published sizes (its LLM is Qwen3-1.7B's: 28
    layers of 2048, GQA 16/8, head_dim 128, vocabulary 151,936; a 24-block ViT of 1024 with
-   DeepStack from blocks 5, 11, 17) with random weights; ``--smoke``: the tests' tiny folder.
+   DeepStack from blocks 5, 11, 17) with random weights and, unlike the published model, an LM
+   head of its own (0.3B more parameters than its tied one); ``--smoke``: the tests' tiny
+   folder.
 2. Data: the demo generator at ``--scale`` (captions, document QA with long answers, multi-image
    and text-only chat), preprocessed for the model; packed ``random`` (``--target-samples`` a
    micro-batch) and ``balanced`` under the random plan's caps, for one rank, ``--micro-batches``
