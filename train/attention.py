@@ -83,7 +83,8 @@ def packed_varlen(module, query, key, value, attention_mask, *, cu_seq_lens_q=No
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    q, k, v = (t.transpose(1, 2).squeeze(0) for t in (query, key, value))  # [tokens, heads, d]
+    # [tokens, heads, d], as the kernel takes them (no copy where the layout already is)
+    q, k, v = (t.transpose(1, 2).squeeze(0).contiguous() for t in (query, key, value))
     out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q,
                       scale=scaling, window_size=(-1, 0) if causal else (-1, -1),
                       enable_gqa=q.shape[1] != k.shape[1])
