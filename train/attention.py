@@ -37,11 +37,13 @@ IMPLEMENTATIONS = {"flash": "flash_attention_2", "varlen": PACKED_VARLEN, "sdpa"
 
 def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[str]:
     """The backends that run on ``device`` in ``dtype``, best first: the varlen kernels take
-    bf16/fp16 on CUDA only, flash-attn only where it is installed."""
+    bf16/fp16 on CUDA only, flash-attn and torch's varlen only where installed (torch's since
+    2.10)."""
     half = dtype in (torch.bfloat16, torch.float16)
     cuda = torch.device(device).type == "cuda"
     flash = cuda and half and importlib.util.find_spec("flash_attn") is not None
-    return ["flash"] * flash + ["varlen"] * (cuda and half) + ["sdpa"]
+    varlen = cuda and half and importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    return ["flash"] * flash + ["varlen"] * varlen + ["sdpa"]
 
 
 def choose_backend(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
