@@ -39,6 +39,12 @@ class VisionConfig:
     position_embeddings: int = -1
     temporal_patch: int = 1  # frames a patch spans (Qwen's 2: an image's frame repeated)
     deepstack: tuple[int, ...] = ()  # blocks whose output a DeepStack merger reads (Qwen3-VL)
+    gated_mlp: bool = False  # a SwiGLU MLP (gate, up, down) of mlp_ratio × hidden (Qwen2.5-VL)
+    rms_norm: bool = False  # RMSNorms, no bias (Qwen2.5-VL), instead of LayerNorms
+    patch_bias: bool = True  # the patch embedding's bias (Qwen2-VL's and Qwen2.5-VL's have none)
+    qkv_bias: bool = True  # biases on q, k and v (InternViT-6B and HF's InternViT default: none)
+    layer_scale: bool = False  # a learned scale per channel on each residual branch (InternViT)
+    cls_token: bool = False  # a class token and its position row (InternViT)
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class LLMConfig:
     rms_eps: float = 1e-6
     head_dim: int = 0  # 0: hidden / heads; Qwen3 states its own
     qk_norm: bool = False  # an RMSNorm over each head's queries and keys (Qwen3)
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     # Mixture of experts: a router over ``experts`` SwiGLU experts of ``moe_intermediate``, each
     # token through ``experts_per_token`` of them, in every layer but ``dense_layers``
     experts: int = 0
@@ -86,6 +93,8 @@ class LLMConfig:
                    rms_eps=float(text.get("rms_norm_eps", 1e-6)),
                    head_dim=text.get("head_dim") or 0,
                    qk_norm=text.get("model_type", "").startswith("qwen3"),
+                   qkv_bias=bool(text.get("attention_bias",
+                                          text.get("model_type", "").startswith("qwen2"))),
                    experts=experts, experts_per_token=text.get("num_experts_per_tok") or 0,
                    moe_intermediate=text.get("moe_intermediate_size") or 0,
                    dense_layers=dense if experts else ())
@@ -166,7 +175,7 @@ PRESETS = {
     # InternVL2-2B: InternViT-300M-448px + InternLM2-1.8B.
     "internvl2-2b": ModelConfig(
         name="internvl2-2b",
-        vision=VisionConfig(hidden=1024, layers=24, heads=16),
+        vision=VisionConfig(hidden=1024, layers=24, heads=16, layer_scale=True, cls_token=True),
         llm=LLMConfig(vocab_size=92553, hidden=2048, layers=24, heads=16, kv_heads=8,
                       intermediate=8192)),
     # Qwen2-VL-2B: its 675M ViT + Qwen2-1.5B. The ViT unit is a merged patch (28 px: 2×2
@@ -175,9 +184,9 @@ PRESETS = {
     "qwen2-vl-2b": ModelConfig(
         name="qwen2-vl-2b",
         vision=VisionConfig(image_size=28, patch_size=14, hidden=1280, layers=32, heads=16,
-                            position_embeddings=0, temporal_patch=2),
+                            position_embeddings=0, temporal_patch=2, patch_bias=False),
         llm=LLMConfig(vocab_size=151936, hidden=1536, layers=28, heads=12, kv_heads=2,
-                      intermediate=8960),
+                      intermediate=8960, qkv_bias=True),
         downsample_ratio=0.5, projector="merger"),
     # Qwen3-VL-8B-Instruct's config.json: its ViT + Qwen3-8B (head_dim 128, q/k norms).
     "qwen3-vl-8b": ModelConfig(
@@ -198,7 +207,8 @@ PRESETS = {
     # InternVL-Chat-V1.5: InternViT-6B-448px-V1-5 + InternLM2-Chat-20B (OmniBal's main setting).
     "internvl-chat-1.5": ModelConfig(
         name="internvl-chat-1.5",
-        vision=VisionConfig(hidden=3200, layers=45, heads=25),
+        vision=VisionConfig(hidden=3200, layers=45, heads=25, qkv_bias=False, layer_scale=True,
+                            cls_token=True),
         llm=LLMConfig(vocab_size=92544, hidden=6144, layers=48, heads=48, kv_heads=8,
                       intermediate=16384)),
 }
@@ -261,35 +271,41 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
 
     patch_in = 3 * v.temporal_patch * v.patch_size ** 2
     positions = patches if v.position_embeddings < 0 else v.position_embeddings
-    embed_params = patch_in * v.hidden + v.hidden + positions * v.hidden
-    vit_linear = 4 * v.hidden ** 2 + 2 * v.hidden * mlp
-    vit_params = vit_linear + 5 * v.hidden + mlp + 4 * v.hidden  # + biases and two norms
+    embed_params = (patch_in * v.hidden + v.patch_bias * v.hidden + positions * v.hidden
+                    + v.cls_token * (2 if v.position_embeddings < 0 else 1) * v.hidden)
+    mlp_matrices = 3 if v.gated_mlp else 2
+    vit_linear = 4 * v.hidden ** 2 + mlp_matrices * v.hidden * mlp
+    norm = 1 if v.rms_norm else 2  # parameters per channel of a norm
+    # + biases (q, k, v, o; the MLP's), two norms and the layer scales
+    vit_params = (vit_linear + (3 * v.qkv_bias + 2) * v.hidden + (mlp_matrices - 1) * mlp
+                  + 2 * norm * v.hidden + 2 * v.layer_scale * v.hidden)
     if config.projector == "mlp":  # norm(width), width -> hidden -> hidden
         projector_linear = width * t.hidden + t.hidden ** 2
         projector_params = projector_linear + 2 * width + 2 * t.hidden
     else:  # norm(patch), width -> width -> hidden
         projector_linear = width * width + width * t.hidden
-        projector_params = projector_linear + 2 * v.hidden + width + t.hidden
+        projector_params = projector_linear + norm * v.hidden + width + t.hidden
     # a DeepStack merger: the merger with its norm over the width
     deepstack_params = projector_linear + 2 * width + width + t.hidden
     attention_linear = 2 * t.hidden * q + 2 * t.hidden * kv
-    llm_norms = 2 * t.hidden + (2 * head_dim if t.qk_norm else 0)
+    llm_norms_biases = 2 * t.hidden + (2 * head_dim if t.qk_norm else 0) + (q + 2 * kv) * t.qkv_bias
     llm_linear = attention_linear + 3 * t.hidden * t.intermediate
     # a MoE layer: the router, and each token through its experts (active), all of them held
     expert = 3 * t.hidden * t.moe_intermediate
     moe_active = attention_linear + t.hidden * t.experts + t.experts_per_token * expert
-    moe_params = attention_linear + t.hidden * t.experts + t.experts * expert + llm_norms
+    moe_params = attention_linear + t.hidden * t.experts + t.experts * expert + llm_norms_biases
 
     embed = LayerWork(
         "vit_embed", embed_params,
         flops=Size(tiles=2 * patch_in * v.hidden * patches),
         activation_bytes=Size(tiles=a * 3 * v.image_size ** 2),  # the conv keeps its pixels
         output_bytes=vit_out)
-    # Per patch: two norm inputs and outputs, q/k/v, attention output, the MLP's two hiddens.
+    # Per patch: two norm inputs and outputs, q/k/v, attention output, the MLP's two hiddens
+    # (a SwiGLU's gate, up, activation and product).
     vit_block = dict(
         params=vit_params,
         flops=Size(tiles=2 * patches * vit_linear + 4 * patches ** 2 * v.hidden),
-        activation_bytes=Size(tiles=a * patches * (8 * v.hidden + 2 * mlp)),
+        activation_bytes=Size(tiles=a * patches * (8 * v.hidden + 2 * (mlp_matrices - 1) * mlp)),
         output_bytes=vit_out)
     projector = LayerWork(
         "projector_merge", projector_params + t.vocab_size * t.hidden,
@@ -299,7 +315,7 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
     # Per token: hidden and two norm outputs, q/k/v, attention output, the residual sum, the
     # SwiGLU gate, up, activation and product. Causal attention is 2·s²·heads·head_dim per sample.
     llm_block = dict(
-        params=llm_linear + llm_norms,
+        params=llm_linear + llm_norms_biases,
         flops=Size(tokens=2 * llm_linear, squares=2 * q),
         activation_bytes=Size(tokens=a * (6 * t.hidden + 2 * kv + 4 * t.intermediate)),
         output_bytes=llm_out)

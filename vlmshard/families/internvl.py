@@ -162,7 +162,9 @@ class InternVL(Family):
         vit = VisionConfig(image_size=_first(vision["image_size"]),
                            patch_size=_first(vision["patch_size"]), hidden=hidden,
                            layers=vision["num_hidden_layers"], heads=vision["num_attention_heads"],
-                           mlp_ratio=vision["intermediate_size"] / hidden)
+                           mlp_ratio=vision["intermediate_size"] / hidden,
+                           qkv_bias=bool(vision.get("attention_bias", False)), layer_scale=True,
+                           cls_token=True)
         model = ModelConfig(name=name, vision=vit, llm=LLMConfig.from_hf_config(config),
                             downsample_ratio=float(config.get("downsample_ratio", 0.5)))
         model.validate()

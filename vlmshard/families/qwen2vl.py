@@ -154,19 +154,21 @@ class Qwen2VL(Family):
             else vision["hidden_size"]
         mlp = vision.get("mlp_ratio") or vision["intermediate_size"] / hidden
         merge = vision.get("spatial_merge_size", 2)
+        swiglu = config["model_type"] == "qwen2_5_vl"  # its ViT: SwiGLU MLPs and RMSNorms
         vit = VisionConfig(image_size=vision["patch_size"] * merge,
                            patch_size=vision["patch_size"], hidden=hidden, layers=vision["depth"],
                            heads=vision["num_heads"], mlp_ratio=mlp,
                            temporal_patch=vision.get("temporal_patch_size", 2),
-                           **self.vision_extras(vision))
+                           gated_mlp=swiglu, rms_norm=swiglu, **self.vision_extras(vision))
         model = ModelConfig(name=name, vision=vit, llm=LLMConfig.from_hf_config(config),
                             downsample_ratio=1 / merge, projector="merger")
         model.validate()
         return model
 
     def vision_extras(self, vision: dict) -> dict:
-        """``VisionConfig`` fields the family's ViT sets beyond Qwen2-VL's (none: rotary only)."""
-        return {"position_embeddings": 0}
+        """``VisionConfig`` fields the family's ViT sets: Qwen2-VL's has rotary positions only and
+        a patch embedding without bias."""
+        return {"position_embeddings": 0, "patch_bias": False}
 
     def tiny_folder(self, path: str, model_type: str = "qwen2_vl", *,
                     min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 64,
