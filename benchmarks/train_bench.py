@@ -21,6 +21,9 @@ Data: the demo dataset (``--scale``), preprocessed for that model with kept toke
    part of the waiting that imbalance causes.
 4. PP=2 (DP=1) on the balanced shards: each partition trains ``--steps`` steps, alternating,
    ``--repeats`` times; the measured step time is the median after the first (warm-up) step.
+   The partitions: the profiled search's, DeepSpeed's ``parameters`` and ``uniform``, and
+   ``analytic``, what a run takes when it names none (the search over the model's analytic
+   costs, ``vlmshard.train.default_partition``).
 5. Padding: the ``random`` shards again with the manifest's caps doubled (a copy whose
    ``manifest.json`` says 2·Qv and 2·Qt: the same records, which the loader then pads to twice
    the tiles and tokens), DP=1 PP=1, alternating with the original, ``--steps`` steps each: the
@@ -159,8 +162,13 @@ def bench_padding(work: str, setup: dict, steps: int, repeats: int) -> dict:
 
 
 def bench_partitions(work: str, setup: dict, steps: int, repeats: int) -> dict:
+    """The profiled search's partition, DeepSpeed's, and the one a run takes when it names none
+    (``analytic``: the search over the model's analytic costs), modelled with the profile."""
+    from vlmshard.partition import LayerCost, Machine, evaluate
+    from vlmshard.train.profile import describe
+
     partitions = read_json(os.path.join(setup["profile"], "partition.json"))
-    names = [n for n in ("search", "parameters", "uniform") if partitions[n]]
+    names = [n for n in ("search", "parameters", "uniform") if partitions[n]] + ["analytic"]
     times = {name: [] for name in names}
     errors = []
     for i in range(repeats):
@@ -168,11 +176,21 @@ def bench_partitions(work: str, setup: dict, steps: int, repeats: int) -> dict:
             cfg = TrainConfig(shards=setup["shards"]["balanced"], model=setup["model"], pp=2,
                               dp=1, max_steps=steps, save_checkpoints=False,
                               out=os.path.join(work, "runs", f"pp-{name}-{i}"))
-            cfg.use_partition(partitions[name])
+            if name != "analytic":
+                cfg.use_partition(partitions[name])
             summary = summarize(train(cfg), cfg.out, setup["profile"])
             times[name].append(summary["median_step_s"])
             errors.append(summary["simulated_median_step_error"])
             print(f"  pp=2 {name:<10} repeat {i}: {times[name][-1]:.3f} s/step", flush=True)
+            if name == "analytic" and i == 0:  # as the profile models it
+                stages = read_json(os.path.join(cfg.out, "pipeline.json"))["stages"]
+                bounds = [0]
+                for stage in stages:
+                    bounds.append(bounds[-1] + len(stage["layers"]))
+                layers = [LayerCost(**c) for c in read_json(
+                    os.path.join(setup["profile"], "profile.json"))["layers"]]
+                modelled = evaluate(layers, bounds, Machine(**partitions["machine"]))
+                partitions[name] = describe(modelled, layers, name)
     result = {name: {"bounds": partitions[name]["bounds"],
                    "recompute": [r for s in partitions[name]["stages"] for r in s["recompute"]],
                    "modelled_max_stage_s": partitions[name]["max_stage_s"],
@@ -203,26 +221,28 @@ def main() -> None:
                              "pads pixels to them: 1TB is fine for 448-px tiles, far too much "
                              "for a 32-px unit)")
     parser.add_argument("--only", default="balance,padding,partition",
-                        help="the measurements to run (balance is always run)")
+                        help="the measurements to run")
     args = parser.parse_args()
     setup = prepare(args.work, args.scale, args.model_type, args.memory_budget)
     only = set(args.only.split(","))
     result = {"machine": f"{platform.node()} {os.cpu_count()} CPUs, {platform.processor()}",
-              "model_type": args.model_type, "plans": setup["plans"],
-              "balance": bench_balance(args.work, setup, args.dp_steps, args.repeats)}
+              "model_type": args.model_type, "plans": setup["plans"]}
+    if "balance" in only:
+        result["balance"] = bench_balance(args.work, setup, args.dp_steps, args.repeats)
     if "padding" in only:
         result["padding"] = bench_padding(args.work, setup, args.steps, args.repeats)
     if "partition" in only:
         result["partition"] = bench_partitions(args.work, setup, args.steps, args.repeats)
-    balance = result["balance"]
-    print(f"\n{'dp=2 plan':<10} {'tokens/s':>9} {'max wait':>9} {'mean wait':>9} "
-          f"{'imbalance':>9} {'plan cost eff':>13}")
-    for name in ("balanced", "random"):
-        b = balance[name]
-        print(f"{name:<10} {b['tokens_per_s']:>9.0f} {b['wait_fraction']:>9.3f} "
-              f"{b['mean_wait_fraction']:>9.3f} {b['imbalance_fraction']:>9.3f} "
-              f"{b['predicted_cost_efficiency']:>13.3f}")
-    print(f"balanced / random throughput: {balance['throughput_ratio']:.3f}")
+    if "balance" in result:
+        balance = result["balance"]
+        print(f"\n{'dp=2 plan':<10} {'tokens/s':>9} {'max wait':>9} {'mean wait':>9} "
+              f"{'imbalance':>9} {'plan cost eff':>13}")
+        for name in ("balanced", "random"):
+            b = balance[name]
+            print(f"{name:<10} {b['tokens_per_s']:>9.0f} {b['wait_fraction']:>9.3f} "
+                  f"{b['mean_wait_fraction']:>9.3f} {b['imbalance_fraction']:>9.3f} "
+                  f"{b['predicted_cost_efficiency']:>13.3f}")
+        print(f"balanced / random throughput: {balance['throughput_ratio']:.3f}")
     if "padding" in result:
         padding = result["padding"]
         print(f"\n{'same batches':<13} {'token fill':>10} {'step s':>8}")
@@ -239,11 +259,12 @@ def main() -> None:
             print(f"{name:<15} {str(p['bounds']):<16} {p['modelled_max_stage_s']:>10.3f} "
                   f"{p['median_step_s']:>8.3f} {p['vs_search']:>8.3f}")
     errors = [r["simulated_median_step_error"] for name in ("balanced", "random")
-              for r in balance[name]["runs"]]
-    print(f"\nsimulator (measured layer times) vs measured step times: median per-step error "
-          f"{statistics.median(errors):.1%} (dp=2 runs)"
-          + (f", {result['partition']['simulated_median_step_error']:.1%} (pp=2 runs)"
-             if "partition" in result else ""))
+              for r in result["balance"][name]["runs"]] if "balance" in result else []
+    parts = ([f"{statistics.median(errors):.1%} (dp=2 runs)"] if errors else []) + (
+        [f"{result['partition']['simulated_median_step_error']:.1%} (pp=2 runs)"]
+        if "partition" in result else [])
+    print("\nsimulator (measured layer times) vs measured step times: median per-step error "
+          + ", ".join(parts))
     if args.json:
         write_json_atomic(args.json, result)
 
