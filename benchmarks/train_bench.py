@@ -165,6 +165,7 @@ def bench_partitions(work: str, setup: dict, steps: int, repeats: int) -> dict:
     """The profiled search's partition, DeepSpeed's, and the one a run takes when it names none
     (``analytic``: the search over the model's analytic costs), modelled with the profile."""
     from vlmshard.partition import LayerCost, Machine, evaluate
+    from vlmshard.run_log import stage_bounds
     from vlmshard.train.profile import describe
 
     partitions = read_json(os.path.join(setup["profile"], "partition.json"))
@@ -183,10 +184,7 @@ def bench_partitions(work: str, setup: dict, steps: int, repeats: int) -> dict:
             errors.append(summary["simulated_median_step_error"])
             print(f"  pp=2 {name:<10} repeat {i}: {times[name][-1]:.3f} s/step", flush=True)
             if name == "analytic" and i == 0:  # as the profile models it
-                stages = read_json(os.path.join(cfg.out, "pipeline.json"))["stages"]
-                bounds = [0]
-                for stage in stages:
-                    bounds.append(bounds[-1] + len(stage["layers"]))
+                bounds = stage_bounds(read_json(os.path.join(cfg.out, "pipeline.json"))["stages"])
                 layers = [LayerCost(**c) for c in read_json(
                     os.path.join(setup["profile"], "profile.json"))["layers"]]
                 modelled = evaluate(layers, bounds, Machine(**partitions["machine"]))

@@ -18,6 +18,20 @@ from dataclasses import dataclass
 import torch
 
 
+def mark(cuda: bool):
+    """A point in time on the compute stream: a recorded CUDA event, or the host clock."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def seconds(start, end, cuda: bool) -> float:
+    """Between two ``mark``s (CUDA events: once both are done on the device)."""
+    return end - start if not cuda else start.elapsed_time(end) / 1000.0
+
+
 @dataclass(frozen=True)
 class StageTimes:
     """One step of one stage, in seconds."""
@@ -41,12 +55,7 @@ class StageClock:
         self.cuda = cuda
 
     def mark(self):
-        """A point in time on the compute stream: a recorded CUDA event, or the host clock."""
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return mark(self.cuda)
 
     def start_step(self) -> None:
         """Forget earlier intervals and mark the step's start."""
@@ -101,7 +110,7 @@ class StageClock:
         return out
 
     def _seconds(self, start, end) -> float:
-        return end - start if not self.cuda else start.elapsed_time(end) / 1000.0
+        return seconds(start, end, self.cuda)
 
 
 CLOCK = StageClock()

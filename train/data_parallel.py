@@ -29,9 +29,8 @@ class VLMModel(nn.Module):
                  dtype: torch.dtype, recompute: set[str] = frozenset()) -> None:
         super().__init__()
         built = model.build_all(device, dtype)  # a tied head is the embedding's module
-        unique = list({id(m): m for m in built}.values())
-        self.layers = nn.ModuleList(unique)
-        self.order = [next(i for i, u in enumerate(unique) if u is m) for m in built]
+        self.layers = nn.ModuleList({id(m): m for m in built}.values())  # each module once
+        self.ordered = built  # a plain list: the layers in pipeline order, not registered again
         self.model = model
         self.loss_fn = loss_fn
         self.recompute = [name in recompute for name in model.names]
@@ -42,8 +41,7 @@ class VLMModel(nn.Module):
 
     def forward(self, wire: tuple, host: HostMeta) -> torch.Tensor:
         micro = unpack(wire, host, self.model.input_phase(0), self.model.backend)
-        layers = [self.layers[i] for i in self.order]
-        micro = run_layers(layers, self.model.defs, micro, self.recompute)
+        micro = run_layers(self.ordered, self.model.defs, micro, self.recompute)
         return self.loss_fn(micro.x, wire[3])
 
     def register_external_weights(self) -> None:
@@ -56,16 +54,6 @@ class VLMModel(nn.Module):
             weight = getattr(type(layer), "weight", None)
             if isinstance(weight, property):
                 deepspeed.zero.register_external_parameter(layer, layer.weight)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor under its checkpoint name (a tied weight once)."""
-        out = {}
-        for i in range(len(self.model.defs)):
-            if self.model.first_of_tie(i):
-                layer = self.layers[self.order[i]]
-                for local, tensor in layer.state_dict().items():
-                    out[layer.hf_name(local)] = tensor
-        return out
 
 
 def train_batch(engine, inputs: list[tuple], hosts: list[HostMeta]) -> torch.Tensor:

@@ -12,11 +12,9 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
-import numpy as np
-
 from vlmshard.errors import ConfigError, InputError, JobError
 from vlmshard.io import read_json, write_json_atomic
-from vlmshard.run_log import LOG_NAME, PIPELINE_NAME, read_log
+from vlmshard.run_log import LOG_NAME, PIPELINE_NAME, read_log, stage_bounds
 from vlmshard.stage import Result
 
 from .cluster import Cluster
@@ -49,9 +47,9 @@ def run_train(cfg: TrainConfig, output: str | None = None) -> TrainResult:
         os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
     records = train(cfg, output)
     pipeline = read_json(os.path.join(cfg.out, PIPELINE_NAME))
-    bounds = np.cumsum([0] + [len(s["layers"]) for s in pipeline["stages"]]).tolist()
     return TrainResult(cfg.out, len(records), records[0]["loss"] if records else None,
-                       records[-1]["loss"] if records else None, output, bounds,
+                       records[-1]["loss"] if records else None, output,
+                       stage_bounds(pipeline["stages"]),
                        pipeline.get("partition_source", ""))
 
 
@@ -133,8 +131,8 @@ def launcher_command(cluster: Cluster, visible_devices: str | None = None) -> li
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", cluster.hostfile,
                "--master_port", str(cluster.master_port)]
         return cmd + (["--master_addr", cluster.master_addr] if cluster.master_addr else [])
-    world = base64.urlsafe_b64encode(json.dumps(cluster.world_info(visible_devices)).encode())
-    world = world.decode()
+    info = json.dumps(cluster.world_info(visible_devices))
+    world = base64.urlsafe_b64encode(info.encode()).decode()
     return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
             f"--node_rank={cluster.node_rank}", f"--master_addr={cluster.master_addr}",
             f"--master_port={cluster.master_port}"]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -44,6 +43,7 @@ from vlmshard.partition import (
 from vlmshard.stage import Result
 
 from .attention import choose_backend
+from .clock import mark, seconds
 from .config import ProfileConfig
 from .hf_model import ModelLayers, model_layers
 from .launcher import model_folder
@@ -216,9 +216,10 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
 
 
 class _Clock:
-    """Lap times of one layer run: CUDA events on a GPU (read once at the end, one sync per
-    run, the host's launch overhead not counted as the device's time), the host clock on CPU;
-    and on a GPU the allocator's peak above what was allocated when the run began."""
+    """Lap times of one layer run on ``clock.mark``s: CUDA events on a GPU (read once at the
+    end, one sync per run, the host's launch overhead not counted as the device's time), the
+    host clock on CPU; and on a GPU the allocator's peak above what was allocated when the run
+    began."""
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
@@ -227,25 +228,17 @@ class _Clock:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
-            self.marks = [torch.cuda.Event(enable_timing=True)]
-            self.marks[0].record()
-        else:
-            self.marks = [time.perf_counter()]
+        self.marks = [mark(cuda)]
 
     def lap(self) -> None:
-        if self.cuda:
-            self.marks.append(torch.cuda.Event(enable_timing=True))
-            self.marks[-1].record()
-        else:
-            self.marks.append(time.perf_counter())
+        self.marks.append(mark(self.cuda))
 
     def read(self) -> list[float]:
         """Seconds between consecutive laps."""
-        if not self.cuda:
-            return [b - a for a, b in zip(self.marks, self.marks[1:])]
-        torch.cuda.synchronize()
-        self.peak_bytes = torch.cuda.max_memory_allocated() - self.base
-        return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak_bytes = torch.cuda.max_memory_allocated() - self.base
+        return [seconds(a, b, self.cuda) for a, b in zip(self.marks, self.marks[1:])]
 
 
 class _SavedBytes:

@@ -22,23 +22,25 @@ from .pipeline import VLMPipeline
 from .weights import write_index, write_shard
 
 
-def stage_tensors(net: VLMPipeline) -> dict[str, torch.Tensor]:
-    """This stage's tensors under their checkpoint names (a tied head's copy left out: the
-    embedding's stage writes it)."""
+def checkpoint_tensors(model: ModelLayers, layers: dict[int, torch.nn.Module]
+                       ) -> dict[str, torch.Tensor]:
+    """The tensors of ``layers`` (layer index -> its built layer) under their checkpoint names;
+    a tied head's copy left out, since the embedding's layer holds the weight."""
     out = {}
-    for i in net.layer_indices:
-        d = net.model.defs[i]
-        if not net.model.first_of_tie(i):
-            continue
-        layer = ds.layer_module(net, i, d.tied_key).inner
-        for local, tensor in layer.state_dict().items():
-            out[layer.hf_name(local)] = tensor
+    for i, layer in layers.items():
+        if model.first_of_tie(i):
+            for local, tensor in layer.state_dict().items():
+                out[layer.hf_name(local)] = tensor
     return out
 
 
 def save_hf(net: VLMPipeline, engine, folder: str) -> None:
     """Write ``folder`` from every stage (a collective: every rank calls it)."""
-    tensors = stage_tensors(net) if engine.grid.get_data_parallel_id() == 0 else None
+    tensors = None
+    if engine.grid.get_data_parallel_id() == 0:
+        tensors = checkpoint_tensors(net.model, {
+            i: ds.layer_module(net, i, net.model.defs[i].tied_key).inner
+            for i in net.layer_indices})
     write_folder(net.model, tensors, engine.stage_id, engine.num_stages, folder)
 
 
@@ -51,8 +53,9 @@ def save_hf_data_parallel(model, zero_stage: int, folder: str) -> None:
 
     gathered = (deepspeed.zero.GatheredParameters(list(model.parameters()))
                 if zero_stage == 3 else contextlib.nullcontext())
-    with gathered:
-        tensors = ({k: t.detach().clone() for k, t in model.tensors().items()}
+    with gathered:  # copies: ZeRO-3 frees the gathered parameters on leaving
+        tensors = ({k: t.detach().clone() for k, t in checkpoint_tensors(
+            model.model, dict(enumerate(model.ordered))).items()}
                    if torch.distributed.get_rank() == 0 else None)
     write_folder(model.model, tensors, 0, 1, folder)
 

@@ -63,3 +63,12 @@ def read_numbered(path: str) -> list[tuple[int, dict]]:
 def read_log(path: str) -> list[dict]:
     """The records of a ``train_log.jsonl``, one per step."""
     return [record for _, record in read_numbered(path)]
+
+
+def stage_bounds(stages: list[dict]) -> list[int]:
+    """The stage bounds (layer indices, one more than stages) that ``pipeline.json``'s stages
+    describe."""
+    bounds = [0]
+    for stage in stages:
+        bounds.append(bounds[-1] + len(stage["layers"]))
+    return bounds

@@ -29,7 +29,7 @@ import numpy as np
 from vlmshard.errors import ConfigError, InputError
 from vlmshard.model_sizes import ModelConfig, trainer_layer_work
 from vlmshard.partition import Partition, Stage
-from vlmshard.run_log import PIPELINE_NAME, read_log
+from vlmshard.run_log import PIPELINE_NAME, read_log, stage_bounds
 
 from .model import LayerRates, PipelineTimes, StageModel, pipeline_times, share
 
@@ -93,8 +93,8 @@ def _partition(names: list[str], bounds: list[int], recompute: list[str]) -> Par
 def described_partition(stages: list[dict]) -> tuple[list[str], Partition]:
     """The layer names and partition ``pipeline.json``'s stages describe."""
     names = [n for s in stages for n in s["layers"]]
-    bounds = np.cumsum([0] + [len(s["layers"]) for s in stages]).tolist()
-    return names, _partition(names, bounds, [n for s in stages for n in s["recompute"]])
+    return names, _partition(names, stage_bounds(stages),
+                             [n for s in stages for n in s["recompute"]])
 
 
 def _configured_partition(config: dict, profile: dict) -> Partition:
