@@ -5,11 +5,17 @@ How, per conversation:
 
 1. Messages in ``transformers``' multimodal form: a turn of text items and ``{"type": "image"}``
    items (``vlmshard.preprocess.conversation``), a plain string where the source gave one. Text
-   is kept as written, with one exception: where the template itself puts whitespace right
+   is kept as written, with two exceptions. Where the template itself puts whitespace right
    after an image item (InternVL's ``<IMG_CONTEXT>\\n``), the line break that data writes after
    an ``<image>`` placeholder is dropped, as the family's own training code renders it once.
+   Where the template trims whitespace (``|trim``: Qwen3.5 the edges of each message's
+   content, Gemma 3 each text item), the text is trimmed the same way first, since the template
+   cannot trim a marker's text. Both are found by rendering a probe conversation once.
 2. The template is rendered by ``tokenizer.apply_chat_template`` with a marker in place of each
-   text item, so the template's own text and the data text are told apart by position.
+   text item, so the template's own text and the data text are told apart by position. A
+   conversation whose text the template would itself rewrite (Qwen3.5 moves a ``<think>``
+   block in an answer into its reasoning) is rejected: the template is rendered once more with
+   the text in place, and the two renderings must agree.
 3. The template text is split at the vocabulary's special tokens (as ``tokenizers`` does for the
    whole string); each image placeholder becomes the family's expansion. Everything between two
    special tokens, template and data text together, is encoded with special-token parsing off:
@@ -26,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 
 from vlmshard.families import ModelFolderError, ModelSpec
 from vlmshard.rejects import Reject
@@ -41,25 +48,54 @@ PAD_TOKENS = ("<|endoftext|>", "<pad>")  # when the tokenizer names no pad_token
 _KEEPS_TEXT = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
 
 
-def to_messages(turns: list[Turn], break_after_image: bool = False
+@dataclass(frozen=True)
+class TextRules:
+    """How a template treats the text around its items, as ``to_messages`` must mirror it."""
+
+    break_after_image: bool = False  # it writes whitespace after an image item
+    trim_items: bool = False  # it trims each text item (``item.text | trim``)
+    trim_content: bool = False  # it trims each message's rendered content
+
+
+def _trimmed(parts: list, rules: TextRules) -> list:
+    """A turn's parts (text and images) with the whitespace the template would trim removed."""
+    if rules.trim_items:
+        return [p if isinstance(p, ImageItem) else p.strip() for p in parts]
+    if not rules.trim_content:
+        return parts
+    parts = list(parts)
+    for order, strip in ((range(len(parts)), str.lstrip),
+                         (range(len(parts) - 1, -1, -1), str.rstrip)):
+        for i in order:  # from the edge inward, through text that trims to nothing
+            if isinstance(parts[i], ImageItem):
+                break
+            parts[i] = strip(parts[i])
+            if parts[i]:
+                break
+    return parts
+
+
+def to_messages(turns: list[Turn], rules: TextRules = TextRules(), marked: bool = True
                 ) -> tuple[list[dict], list[tuple[str, str]]]:
-    """(messages with a marker per text item, the (role, text) of each marker in order).
-    ``break_after_image``: the template puts whitespace after an image item, so the line break
-    data writes after an ``<image>`` placeholder is dropped."""
+    """(messages with a marker per text item, the (role, text) of each marker in order), with
+    the template's ``rules`` applied to the text; ``marked=False``: the text in place."""
     messages, texts = [], []
     for turn in turns:
         content: list[dict] = []
         after_placeholder = False
+        parts = []
         for part in turn.content:
+            if not isinstance(part, ImageItem) and after_placeholder and \
+                    rules.break_after_image and part.startswith("\n"):
+                part = part[1:]
+            after_placeholder = isinstance(part, ImageItem) and part.placeholder
+            parts.append(part)
+        for part in _trimmed(parts, rules):
             if isinstance(part, ImageItem):
                 content.append({"type": "image"})
-                after_placeholder = part.placeholder
-                continue
-            if after_placeholder and break_after_image and part.startswith("\n"):
-                part = part[1:]
-            after_placeholder = False
-            if part:
-                content.append({"type": "text", "text": _MARK.format(len(texts))})
+            elif part:
+                content.append({"type": "text",
+                                 "text": _MARK.format(len(texts)) if marked else part})
                 texts.append((turn.role, part))
         if not turn.typed:
             content = content[0]["text"] if content else ""
@@ -98,7 +134,7 @@ class ChatTemplateEncoder:
         self._suffix = [self.special[t] for t in layout.suffix]
         self._placeholder = layout.placeholder
         self._max_token_chars = _max_token_chars(self.backend)
-        self._break_after_image = self._template_breaks_after_image()
+        self._rules = TextRules(self._template_breaks_after_image(), *self._template_trims())
 
     @property
     def pad_token_id(self) -> int:
@@ -122,6 +158,25 @@ class ChatTemplateEncoder:
         gap = "".join(self._split.split(after)[0::2])  # without the family's image tokens
         return gap != "" and gap.isspace()
 
+    def _template_trims(self) -> tuple[bool, bool]:
+        """(trims each text item, trims each message's content), from where the whitespace
+        around a probe's text items survives: a template that trims content strips only
+        the outer edges of [text, image, text]."""
+        spaced = [f" {_MARK.format(k)} " for k in range(3)]
+        probe = [{"role": "user", "content": [{"type": "text", "text": spaced[0]},
+                                              {"type": "image"},
+                                              {"type": "text", "text": spaced[1]}]},
+                 {"role": "assistant", "content": spaced[2]}]
+        try:
+            rendered = self.hf.apply_chat_template(probe, tokenize=False)
+        except Exception:  # a template that refuses the probe: no trimming known
+            return False, False
+        kept = [(f" {_MARK.format(k)}" in rendered, f"{_MARK.format(k)} " in rendered)
+                for k in range(2)]
+        inner = not kept[0][1] and not kept[1][0]  # whitespace between the items went
+        outer = not kept[0][0] and not kept[1][1]
+        return inner, outer and not inner
+
     def min_text_tokens(self, turns: list[Turn]) -> int:
         """A lower bound of ``encode``'s ``text_tokens`` that renders and tokenizes nothing (a 10
         MB turn takes seconds), or 0 where the tokenizer may drop or fuse text: each token of a
@@ -131,16 +186,18 @@ class ChatTemplateEncoder:
             return 0
         normalizer = self.backend.normalizer
         chars = 0
-        for _, text in to_messages(turns, self._break_after_image)[1]:
+        for _, text in to_messages(turns, self._rules)[1]:
             # Less one per text: normalization may join its edge to the template's next character.
             chars += len(normalizer.normalize_str(text) if normalizer else text) - 1
         return max(0, chars) // self._max_token_chars
 
     def render(self, turns: list[Turn]) -> tuple[list[str], list[tuple[str, str]]]:
         """The template's text between the markers (one more than texts), and the texts."""
-        messages, texts = to_messages(turns, self._break_after_image)
+        messages, texts = to_messages(turns, self._rules)
         try:
             rendered = self.hf.apply_chat_template(messages, tokenize=False)
+            in_place = self.hf.apply_chat_template(to_messages(turns, self._rules, False)[0],
+                                                   tokenize=False)
         except Exception as e:  # jinja's raise_exception, undefined variables, ...
             raise Reject("template_error", f"the chat template refuses this conversation: {e}")
         pieces = _MARKS.split(rendered)
@@ -148,7 +205,13 @@ class ChatTemplateEncoder:
         if order != list(range(len(texts))):
             raise Reject("template_error", "the chat template drops, repeats or reorders message "
                                            "text; vlmshard needs each text once, in order")
-        return pieces[0::2], texts
+        template = pieces[0::2]
+        if in_place != "".join(p + t for p, (_, t) in zip(template, texts)) + template[-1]:
+            raise Reject("template_error", "the chat template rewrites this conversation's text "
+                                           "(e.g. a <think> block in an answer becomes its "
+                                           "reasoning), so its text and the template's cannot "
+                                           "be told apart")
+        return template, texts
 
     def encode(self, turns: list[Turn], image_tokens: list[int],
                keep_tokens: bool) -> EncodedSample:

@@ -22,7 +22,7 @@ from vlmshard.shards.config import WriteConfig
 from vlmshard.shards.writer import run_write
 
 FAMILIES = ("internvl", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
-            "internvl3_5_moe")
+            "internvl3_5_moe", "qwen3_5", "qwen3_5_moe")
 
 
 def _photo(name: str) -> str:
@@ -56,7 +56,7 @@ def make_folder(family: str, path: str) -> str:
         return tiny_folder("internvl", path, max_patches=2)
     if family == "internvl3_5_moe":
         return tiny_folder("internvl", path, max_patches=2, llm="qwen3_moe")
-    if family.startswith("qwen3_vl"):
+    if family.startswith(("qwen3_vl", "qwen3_5")):
         return tiny_folder(family, path, max_pixels=32 * 32 * 64)
     return tiny_folder(family, path, max_pixels=28 * 28 * 64)
 
@@ -153,3 +153,15 @@ def hf_loss_and_grads(folder: str, batches: list[dict], tokens_per_tile: int,
         total += weighted.detach().double()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return float(total), count, grads
+
+
+def assert_grad_close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """A pipeline gradient against the HF model's (fp32): rtol 1e-4, atol 1e-5 of the largest.
+    A Gated DeltaNet's per-head decay parameters (``A_log``, ``dt_bias``) sum their gradient
+    through every token's state of every sample, and in the tiny MoE model rounding moves them
+    most: HF's own gradients move by 4e-5 of the largest when every weight is perturbed by 1e-7
+    (float32's rounding), so 1e-4 there (a sample leaking into the next moved them by 48%)."""
+    decay = name.endswith(("linear_attn.A_log", "linear_attn.dt_bias"))
+    torch.testing.assert_close(got, want, rtol=1e-4,
+                               atol=(1e-4 if decay else 1e-5) * float(want.abs().max()),
+                               msg=lambda m: f"{name}: {m}")

@@ -27,7 +27,7 @@ from vlmshard.shards.loader import ShardDataset
 from vlmshard.shards.verify import verify_shards
 from vlmshard.shards.writer import run_write
 
-FAMILIES = ("internvl", "qwen2vl", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("internvl", "qwen2vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 INTERNVL_MAX_PATCHES = 6
 QWEN_MAX_PIXELS = 28 * 28 * 64
 # Qwen3-VL: limits other than its published 256²..4096² px (64×64 px up to 64 merged patches)
@@ -46,7 +46,9 @@ def folders(tmp_path_factory) -> dict[str, str]:
             "qwen2_5_vl": tiny_folder("qwen2_5_vl", str(root / "qwen2_5_vl"),
                                       max_pixels=QWEN_MAX_PIXELS),
             "qwen3_vl": tiny_folder("qwen3_vl", str(root / "qwen3_vl"),
-                                    min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS)}
+                                    min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS),
+            "qwen3_5": tiny_folder("qwen3_5", str(root / "qwen3_5"),
+                                   min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS)}
 
 
 def _photo(name: str) -> str:
@@ -148,7 +150,7 @@ def _image_tokens(family: str, path: str) -> int:
     if family == "internvl":
         cols, rows = ref.internvl_grid(width, height, 1, INTERNVL_MAX_PATCHES, 448)
         return 256 * (cols * rows + (cols * rows > 1))
-    if family == "qwen3_vl":
+    if family in ("qwen3_vl", "qwen3_5"):
         h, w = ref.smart_resize(width, height, 32, QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS)
         return (h // 32) * (w // 32)
     h, w = ref.smart_resize(width, height, 28, 56 * 56, QWEN_MAX_PIXELS)
@@ -233,6 +235,39 @@ def test_labels_are_each_answer_and_its_end_of_turn(family, folders, preprocesse
         assert sample["loss_tokens"] == sum(map(len, runs))
 
 
+def test_a_trimming_template_trims_the_text_and_a_rewriting_one_rejects(folders, tmp_path):
+    """Qwen3.5's template trims each message's content and moves a <think> block out of an
+    answer: whitespace at the edges of a turn's text goes (the ids equal transformers' own
+    rendering of the untrimmed messages), inner whitespace stays, and an answer holding its own
+    <think> block is rejected with a reason rather than tokenized otherwise than the template
+    does. The template's empty think block before the last answer is context, not target."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "  Look:\n"},
+                                             {"type": "image"},
+                                             {"type": "text", "text": "\n  what is it?  \n"}]},
+                {"role": "assistant", "content": " \nA cat.\n\n"},
+                {"role": "user", "content": "  And now?  "},
+                {"role": "assistant", "content": "Still a cat. "}]
+    rows = [{"image": _photo("chelsea.png"), "conversations": [
+        {"from": "human", "value": "  Look:\n<image>\n  what is it?  \n"},
+        {"from": "gpt", "value": " \nA cat.\n\n"}, {"from": "human", "value": "  And now?  "},
+        {"from": "gpt", "value": "Still a cat. "}]},
+        {"conversations": [{"from": "human", "value": "Why?"},
+                           {"from": "gpt", "value": "<think>\nBecause.\n</think>\n\nSo."}]}]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = run_preprocess(PreprocessConfig(inputs=[str(data)], out=str(tmp_path / "pre"),
+                                             model=folders["qwen3_5"], workers=1,
+                                             keep_tokens=True))
+    assert (result.accepted, result.rejected_by_reason) == (1, {"template_error": 1})
+    sample = _stats(str(tmp_path / "pre"))[0]
+    tok = _tokenizer(folders["qwen3_5"])
+    assert sample["input_ids"] == _expected_ids("qwen3_5", tok, messages,
+                                                [_photo("chelsea.png")])
+    supervised = [i for i, label in zip(sample["input_ids"], sample["labels"]) if label != -100]
+    assert tok.decode(supervised) == "A cat.<|im_end|>Still a cat.<|im_end|>"
+    assert "<think>\n\n</think>\n\nStill a cat." in tok.decode(sample["input_ids"])
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_control_token_text_in_the_data_stays_text(family, folders, preprocessed, rows):
     tok = _tokenizer(folders[family])
@@ -315,7 +350,7 @@ def shards(data, folders, tmp_path_factory) -> dict[str, tuple[str, str]]:
     """Per family: (preprocess out without kept tokens, so the writer re-tokenizes; shards)."""
     root = tmp_path_factory.mktemp("shards")
     out = {}
-    for name in ("internvl", "qwen2vl", "qwen3_vl"):
+    for name in ("internvl", "qwen2vl", "qwen3_vl", "qwen3_5"):
         pre = _preprocess(data, folders[name], root / f"{name}-pre")
         run_pack(PackConfig(stats=pre, dp=1, micro_batches=1, out=str(root / f"{name}-plan"),
                             target_samples=2))
@@ -343,7 +378,7 @@ def test_records_hold_the_preprocessed_tokens(family, shards, preprocessed):
     assert result.ok and result.samples == len(kept), result.problems
 
 
-@pytest.mark.parametrize("family", ["qwen2vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2vl", "qwen3_vl", "qwen3_5"])
 def test_qwen_position_ids_equal_get_rope_index_per_sample(family, shards, folders):
     from transformers import AutoConfig, AutoModel
 
@@ -378,7 +413,7 @@ def test_qwen_position_ids_equal_get_rope_index_per_sample(family, shards, folde
     assert checked >= 4
 
 
-@pytest.mark.parametrize("family", ["internvl", "qwen2vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["internvl", "qwen2vl", "qwen3_vl", "qwen3_5"])
 def test_pixel_values_are_the_models(family, shards, folders):
     dataset = ShardDataset(shards[family][1], pixel_dtype=torch.bfloat16)
     stats = {s["sample_id"]: s for s in _stats(shards[family][0])}
@@ -392,7 +427,7 @@ def test_pixel_values_are_the_models(family, shards, folders):
         assert batch["pixel_values"].shape == (dataset.manifest.qv, 3, 448, 448)
         assert "image_grid_thw" not in batch
     else:
-        if family == "qwen3_vl":  # 16-px patches, mean and std 0.5, its folder's limits
+        if family in ("qwen3_vl", "qwen3_5"):  # 16-px patches, mean/std 0.5, the folder's limits
             want, grid = ref.qwen2vl_pixels(image, min_pixels=QWEN3_MIN_PIXELS,
                                             max_pixels=QWEN3_MAX_PIXELS, patch=16,
                                             mean=(0.5,) * 3, std=(0.5,) * 3)
@@ -468,6 +503,25 @@ def test_pack_costs_the_model_the_stats_were_made_for(shards, folders, tmp_path)
              "--model", "qwen2-vl-2b")
     assert json.load(open(tmp_path / "q" / "plan.json"))["cost_model"]["origin"] == \
         "flops:qwen2-vl-2b"
+
+def test_pack_charges_attention_to_the_full_attention_layers_only(shards, folders):
+    """Qwen3.5's plan costs its tiny folder by hand: one full-attention layer of four has the
+    quadratic term; the three Gated DeltaNet layers cost linear in tokens (projections, the
+    conv, the chunked delta rule)."""
+    plan = json.load(open(os.path.join(os.path.dirname(shards["qwen3_5"][1]), "qwen3_5-plan",
+                                       "plan.json")))
+    cost = plan["cost_model"]
+    text = json.load(open(os.path.join(folders["qwen3_5"], "config.json")))["text_config"]
+    assert text["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    h, inter, q, kv = 32, 64, 4 * 16, 2 * 16  # 4 heads and 2 kv heads of 16
+    mlp = 2 * 3 * h * inter
+    full = 2 * (3 * h * q + 2 * h * kv) + mlp  # q_proj doubled by the output gate
+    k_heads, v_heads, dk, dv, conv = 2, 4, 8, 8, 2 * 2 * 8 + 4 * 8
+    delta = 2 * v_heads * (2.5 * 64 * dk + 1.5 * 64 * dv + 3 * dk * dv)  # chunks of 64
+    linear = 2 * h * (conv + 2 * v_heads * dv + 2 * v_heads) + 2 * conv * 4 + delta + mlp
+    assert cost["a_t"] == 3 * (3 * linear + full + 2 * h * text["vocab_size"])
+    assert cost["b"] == 3 * 2 * q  # one layer: 2·s²·heads·head_dim forward, ×3 with backward
+
 
 def test_pack_refuses_a_cost_model_of_another_patch_size(shards, tmp_path):
     """Qwen3-VL stats count 32-px merged patches: Qwen2-VL's preset (28 px) would weigh them

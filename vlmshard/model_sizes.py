@@ -2,17 +2,18 @@
 packing (its default cost model), train (model shapes, FLOPs per step) and simulate.
 
 Presets: ``tiny`` for CPU tests, real sizes (``internvl2-2b``, ``internvl-chat-1.5``,
-``qwen2-vl-2b``, ``qwen3-vl-8b``, ``qwen3-vl-30b-a3b``) for profiling, the packer's FLOPs cost
-model and simulation; a model folder's sizes come from its family (``vlmshard.families``). A
-preset's ViT unit (``image_size``) must be the one the stats count: a 448-px InternVL tile, or a
-28-px Qwen2-VL or 32-px Qwen3-VL merged patch (each family names its ``default_preset``). The
-vision side must turn one tile into exactly the ``tokens_per_tile`` image tokens the shards were
-tokenized with: (image_size / patch_size x downsample_ratio)^2. An LLM's FLOPs count what a
-token runs through: for a MoE layer its router and its ``experts_per_token`` experts (active
-parameters), while its memory holds all of them.
+``qwen2-vl-2b``, ``qwen3-vl-8b``, ``qwen3-vl-30b-a3b``, ``qwen3.5-9b``) for profiling, the packer's
+FLOPs cost model and simulation; a model folder's sizes come from its family
+(``vlmshard.families``). A preset's ViT unit (``image_size``) must be the one the stats count: a
+448-px InternVL tile, or a 28-px Qwen2-VL or 32-px Qwen3-VL merged patch (each family names its
+``default_preset``). The vision side must turn one tile into exactly the ``tokens_per_tile`` image
+tokens the shards were tokenized with: (image_size / patch_size x downsample_ratio)^2. An LLM's
+FLOPs count what a token runs through: for a MoE layer its router and its ``experts_per_token``
+experts (active parameters), while its memory holds all of them.
 
 Every layer cost is linear in three sizes of a micro-batch, the same three the packer balances:
-Σtiles, Σtokens and Σseq_len² (packed samples attend only within themselves). ``vlmshard train
+Σtiles, Σtokens and Σseq_len² (packed samples attend only within themselves; only attention
+layers have the last term, a linear-attention layer costs linear in tokens). ``vlmshard train
 profile`` measures the same quantities on a real device; the functions here are its analytic
 twin. Conventions: forward FLOPs count a multiply-add as 2 (backward is 2x forward); activations
 are bf16 (2 bytes) with memory-efficient attention, so no score matrix is kept; parameters cost
@@ -66,6 +67,17 @@ class LLMConfig:
     experts_per_token: int = 0
     moe_intermediate: int = 0
     dense_layers: tuple[int, ...] = ()
+    shared_expert_intermediate: int = 0  # an always-on SwiGLU expert, gated (Qwen3.5-MoE)
+    attention_gate: bool = False  # attention output gated per channel by q_proj (Qwen3.5)
+    # Linear attention (Gated DeltaNet, Qwen3.5): these layers mix tokens by a causal depthwise
+    # conv1d of ``linear_conv_kernel`` and a recurrent state per value head: no attention, so
+    # nothing quadratic in a sample's length
+    linear_layers: tuple[int, ...] = ()
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 4
 
     @property
     def head_size(self) -> int:
@@ -73,6 +85,9 @@ class LLMConfig:
 
     def is_moe(self, layer: int) -> bool:
         return self.experts > 0 and layer not in self.dense_layers
+
+    def is_linear(self, layer: int) -> bool:
+        return layer in self.linear_layers
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "LLMConfig":
@@ -86,6 +101,8 @@ class LLMConfig:
         step = text.get("decoder_sparse_step") or 1
         dense = tuple(i for i in range(text["num_hidden_layers"])
                       if i in (text.get("mlp_only_layers") or ()) or (i + 1) % step)
+        linear = tuple(i for i, kind in enumerate(text.get("layer_types") or ())
+                       if kind == "linear_attention")
         return cls(vocab_size=text["vocab_size"], hidden=text["hidden_size"],
                    layers=text["num_hidden_layers"], heads=heads,
                    kv_heads=text.get("num_key_value_heads") or heads,
@@ -97,7 +114,16 @@ class LLMConfig:
                                           text.get("model_type", "").startswith("qwen2"))),
                    experts=experts, experts_per_token=text.get("num_experts_per_tok") or 0,
                    moe_intermediate=text.get("moe_intermediate_size") or 0,
-                   dense_layers=dense if experts else ())
+                   dense_layers=dense if experts else (),
+                   shared_expert_intermediate=text.get("shared_expert_intermediate_size") or 0,
+                   # Qwen3.5's full attention is Qwen3-Next's: its output always gated
+                   attention_gate=text.get("model_type", "").startswith("qwen3_5"),
+                   linear_layers=linear,
+                   linear_key_heads=text.get("linear_num_key_heads", 0) if linear else 0,
+                   linear_value_heads=text.get("linear_num_value_heads", 0) if linear else 0,
+                   linear_key_dim=text.get("linear_key_head_dim", 0) if linear else 0,
+                   linear_value_dim=text.get("linear_value_head_dim", 0) if linear else 0,
+                   linear_conv_kernel=text.get("linear_conv_kernel_dim", 4))
 
 
 @dataclass(frozen=True)
@@ -204,6 +230,19 @@ PRESETS = {
                       intermediate=6144, rope_theta=5e6, head_dim=128, qk_norm=True,
                       experts=128, experts_per_token=8, moe_intermediate=768),
         downsample_ratio=0.5, projector="merger"),
+    # Qwen3.5-9B (its config.json's first lines and model card): Qwen3-VL's ViT without
+    # DeepStack + 32 layers, each fourth gated full attention (16 heads of 256, 4 kv heads),
+    # the others Gated DeltaNet (16 key and 32 value heads of 128).
+    "qwen3.5-9b": ModelConfig(
+        name="qwen3.5-9b",
+        vision=replace(QWEN3_VL_VIT, deepstack=()),
+        llm=LLMConfig(vocab_size=248320, hidden=4096, layers=32, heads=16, kv_heads=4,
+                      intermediate=12288, rope_theta=1e7, head_dim=256, qk_norm=True,
+                      attention_gate=True,
+                      linear_layers=tuple(i for i in range(32) if (i + 1) % 4),
+                      linear_key_heads=16, linear_value_heads=32, linear_key_dim=128,
+                      linear_value_dim=128),
+        downsample_ratio=0.5, projector="merger"),
     # InternVL-Chat-V1.5: InternViT-6B-448px-V1-5 + InternLM2-Chat-20B (OmniBal's main setting).
     "internvl-chat-1.5": ModelConfig(
         name="internvl-chat-1.5",
@@ -240,6 +279,16 @@ class Size:
 
     def dot(self, other: "Size") -> float:
         return self.tiles * other.tiles + self.tokens * other.tokens + self.squares * other.squares
+
+
+@dataclass(frozen=True)
+class Mixer:
+    """Half of an LLM layer (its token or its channel mixer): parameters, forward FLOPs per unit
+    of ``Size``, and the activations it keeps for backward per token, in values."""
+
+    params: float
+    flops: Size
+    kept: float
 
 
 @dataclass(frozen=True)
@@ -287,13 +336,53 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
         projector_params = projector_linear + norm * v.hidden + width + t.hidden
     # a DeepStack merger: the merger with its norm over the width
     deepstack_params = projector_linear + 2 * width + width + t.hidden
-    attention_linear = 2 * t.hidden * q + 2 * t.hidden * kv
-    llm_norms_biases = 2 * t.hidden + (2 * head_dim if t.qk_norm else 0) + (q + 2 * kv) * t.qkv_bias
-    llm_linear = attention_linear + 3 * t.hidden * t.intermediate
-    # a MoE layer: the router, and each token through its experts (active), all of them held
+    # The token mixers. Attention: q (doubled when gated), k, v, o; causal attention is
+    # 2·s²·heads·head_dim per sample. Keeps: norm output, q/k/v, attention output.
+    attention_linear = (2 + t.attention_gate) * t.hidden * q + 2 * t.hidden * kv
+    attention = Mixer(
+        params=attention_linear + (2 * head_dim if t.qk_norm else 0) + (q + 2 * kv) * t.qkv_bias,
+        flops=Size(tokens=2 * attention_linear, squares=2 * q),
+        kept=t.hidden + 2 * kv + q * (2 + t.attention_gate))
+    # Gated DeltaNet: projections to q/k/v (through the conv), the output gate z, a and b per
+    # value head; the conv; the chunked delta rule (chunks of C = 64 tokens: per token and value
+    # head about 2.5·C·dk + 1.5·C·dv + 3·dk·dv multiply-adds, each sample rounded up to whole
+    # chunks not counted). Keeps: norm output, q/k/v before and after the conv, z, the core
+    # output and its gated norm.
+    key_dim = t.linear_key_heads * t.linear_key_dim
+    value_dim = t.linear_value_heads * t.linear_value_dim
+    conv_dim = 2 * key_dim + value_dim
+    linear_linear = t.hidden * (conv_dim + 2 * value_dim + 2 * t.linear_value_heads)
+    chunk, dk, dv = 64, t.linear_key_dim, t.linear_value_dim
+    linear = Mixer(
+        params=linear_linear + conv_dim * t.linear_conv_kernel + 2 * t.linear_value_heads + dv,
+        flops=Size(tokens=2 * linear_linear + 2 * conv_dim * t.linear_conv_kernel
+                   + 2 * t.linear_value_heads * (2.5 * chunk * dk + 1.5 * chunk * dv
+                                                 + 3 * dk * dv)),
+        kept=t.hidden + 2 * conv_dim + 3 * value_dim)
+    # The channel mixers: a SwiGLU MLP, or a MoE layer's router and each token through its
+    # experts (active; all of them held), plus a gated shared expert where there is one.
+    # Keeps: the residual sum and norm output, the SwiGLU gate, up, activation and product
+    # (the router's logits and each chosen expert's, with its input).
+    dense = Mixer(params=3 * t.hidden * t.intermediate,
+                  flops=Size(tokens=2 * 3 * t.hidden * t.intermediate),
+                  kept=2 * t.hidden + 4 * t.intermediate)
+    shared = 3 * t.hidden * t.shared_expert_intermediate + (t.hidden if
+                                                            t.shared_expert_intermediate else 0)
     expert = 3 * t.hidden * t.moe_intermediate
-    moe_active = attention_linear + t.hidden * t.experts + t.experts_per_token * expert
-    moe_params = attention_linear + t.hidden * t.experts + t.experts * expert + llm_norms_biases
+    sparse = Mixer(
+        params=t.hidden * t.experts + t.experts * expert + shared,
+        flops=Size(tokens=2 * (t.hidden * t.experts + t.experts_per_token * expert + shared)),
+        kept=2 * t.hidden + t.experts + t.experts_per_token * (4 * t.moe_intermediate + t.hidden)
+        + 4 * t.shared_expert_intermediate)
+
+    def llm_block(i: int) -> dict:
+        """Layer i: its token and channel mixers, two norms, and the hidden it hands on."""
+        mixers = (linear if t.is_linear(i) else attention, sparse if t.is_moe(i) else dense)
+        return dict(params=sum(m.params for m in mixers) + 2 * t.hidden,
+                    flops=Size(tokens=sum(m.flops.tokens for m in mixers),
+                               squares=sum(m.flops.squares for m in mixers)),
+                    activation_bytes=Size(tokens=a * (t.hidden + sum(m.kept for m in mixers))),
+                    output_bytes=llm_out)
 
     embed = LayerWork(
         "vit_embed", embed_params,
@@ -312,21 +401,6 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
         flops=Size(tiles=2 * tokens * projector_linear),
         activation_bytes=Size(tiles=a * tokens * (2 * width + 2 * t.hidden)),
         output_bytes=llm_out)
-    # Per token: hidden and two norm outputs, q/k/v, attention output, the residual sum, the
-    # SwiGLU gate, up, activation and product. Causal attention is 2·s²·heads·head_dim per sample.
-    llm_block = dict(
-        params=llm_linear + llm_norms_biases,
-        flops=Size(tokens=2 * llm_linear, squares=2 * q),
-        activation_bytes=Size(tokens=a * (6 * t.hidden + 2 * kv + 4 * t.intermediate)),
-        output_bytes=llm_out)
-    # a MoE layer keeps the router's logits and each chosen expert's SwiGLU activations
-    moe_block = dict(
-        params=moe_params,
-        flops=Size(tokens=2 * moe_active, squares=2 * q),
-        activation_bytes=Size(tokens=a * (6 * t.hidden + 2 * kv + t.experts
-                                          + t.experts_per_token * (4 * t.moe_intermediate
-                                                                   + t.hidden))),
-        output_bytes=llm_out)
     head = LayerWork(
         "head", t.hidden * t.vocab_size + t.hidden,
         flops=Size(tokens=2 * t.hidden * t.vocab_size),
@@ -341,8 +415,7 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
         output_bytes=Size(tiles=vit_out.tiles + a * tokens * t.hidden))
     vit = [LayerWork(f"vit_block_{i}", **(deepstack if i in v.deepstack else vit_block))
            for i in range(v.layers)]
-    llm = [LayerWork(f"llm_block_{i}", **(moe_block if t.is_moe(i) else llm_block))
-           for i in range(t.layers)]
+    llm = [LayerWork(f"llm_block_{i}", **llm_block(i)) for i in range(t.layers)]
     return [embed, *vit, projector, *llm, head]
 
 

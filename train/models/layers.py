@@ -90,6 +90,10 @@ class DecoderLayer(HFLayer):
         self.rotary = rotary
 
     def forward(self, micro: Micro) -> torch.Tensor:
+        return self.decode(micro)
+
+    def decode(self, micro: Micro) -> torch.Tensor:
+        """The ``transformers`` layer on the packed tokens: the new hidden states."""
         positions = micro.position_ids[..., None, :]  # a batch of one: [1, n] or [3, 1, n]
         rope = micro.cached("text_rope", lambda: self.rotary(micro.x[None], positions))
         out = self.layer(micro.x[None], attention_mask=None, position_embeddings=rope,

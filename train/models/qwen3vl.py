@@ -1,5 +1,6 @@
-"""Qwen3-VL and Qwen3-VL-MoE (``Qwen3VLForConditionalGeneration``, ``Qwen3VLMoe...``) as
-pipeline layers, over Qwen2-VL's ViT layers (same patches, rotary positions and merger).
+"""Qwen3-VL and Qwen3-VL-MoE (``Qwen3VLForConditionalGeneration``, ``Qwen3VLMoe...``), and
+Qwen3.5 and Qwen3.5-MoE (``Qwen3_5ForConditionalGeneration``, ``Qwen3_5Moe...``) as pipeline
+layers, over Qwen2-VL's ViT layers (same patches, rotary positions and merger).
 
 What Qwen3-VL adds, each as its own model does it:
 
@@ -14,6 +15,11 @@ What Qwen3-VL adds, each as its own model does it:
   when the config asks for the router's auxiliary loss (``output_router_logits``), each MoE
   layer adds its router statistics to sums carried like the DeepStack features, and the head
   adds ``router_aux_loss_coef`` × the loss ``load_balancing_loss_func`` makes of them.
+
+Qwen3.5 is Qwen3-VL's ViT without DeepStack, and an LLM whose layers are mostly Gated DeltaNet
+(linear attention, ``linear_attention``: each packed sample's conv window and recurrent state
+start fresh) with a gated full-attention layer every few (``config.text_config.layer_types``),
+which attends within each sample as every family's does.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from transformers.vision_utils import get_vision_interpolation_indices_and_weigh
 from ..attention import from_host
 from ..micro import LayerOutput, Micro, Phase
 from .layers import DecoderLayer, Detached, Geometry, LayerDef, LMHead, language_layers
+from .linear_attention import is_linear_attention, linear_attention_block
 from .qwen2vl import VISION, Merger, VisionBlock, VisionEmbedding, VisionGeometry
 
 
@@ -71,11 +78,12 @@ class DeepStackBlock(VisionBlock):
 
 
 class Qwen3DecoderLayer(DecoderLayer):
-    """A decoder layer of Qwen3-VL's LLM. ``deepstack``: it then adds the first pending DeepStack
-    level at the image tokens, as ``Qwen3VLTextModel`` does after its first layers. ``routed``:
-    a MoE layer whose router statistics join the carried sums, as
+    """A decoder layer of Qwen3-VL's or Qwen3.5's LLM. ``deepstack``: it then adds the first
+    pending DeepStack level at the image tokens, as ``Qwen3VLTextModel`` does after its first
+    layers. ``routed``: a MoE layer whose router statistics join the carried sums, as
     ``load_balancing_loss_func`` accumulates them over the layers (when the config asks for the
-    auxiliary loss)."""
+    auxiliary loss). A Qwen3.5 linear-attention layer keeps each packed sample's conv window and
+    recurrent state apart (``linear_attention``)."""
 
     def __init__(self, model: nn.Module, path: str, rotary, image_token_id: int,
                  deepstack: bool, routed: bool) -> None:
@@ -83,6 +91,7 @@ class Qwen3DecoderLayer(DecoderLayer):
         self.image_token_id = image_token_id
         self.deepstack = deepstack
         self.routed = routed
+        self.linear = is_linear_attention(self.layer)
         if routed:
             self.top_k = self.layer.mlp.gate.top_k
             self.layer.mlp.gate.register_forward_hook(self._keep_logits)
@@ -90,8 +99,11 @@ class Qwen3DecoderLayer(DecoderLayer):
     def _keep_logits(self, module, args, out) -> None:
         self._logits = out[0]
 
+    def decode(self, micro: Micro) -> torch.Tensor:
+        return linear_attention_block(self.layer, micro) if self.linear else super().decode(micro)
+
     def forward(self, micro: Micro) -> LayerOutput:
-        hidden = super().forward(micro)
+        hidden = self.decode(micro)
         carry = dict(micro.carry)
         if self.deepstack:
             levels = carry.pop("deepstack", None)
@@ -143,7 +155,8 @@ class AuxLossHead(LMHead):
 def layers(model: nn.Module) -> tuple[list[LayerDef], Geometry]:
     geometry = VisionGeometry(model)
     vision = model.get_submodule(VISION)
-    levels = {block: level for level, block in enumerate(vision.deepstack_visual_indexes)}
+    levels = {block: level for level, block in
+              enumerate(getattr(vision, "deepstack_visual_indexes", ()))}  # none in Qwen3.5
     patches = Phase("vision", geometry.merge ** 2)
     defs = [LayerDef("vit_embed", functools.partial(PositionedEmbedding, geometry=geometry),
                      patches)]
@@ -160,11 +173,14 @@ def layers(model: nn.Module) -> tuple[list[LayerDef], Geometry]:
     text = model.config.text_config
     rotary = Detached(type(model.get_submodule(f"{lm}.rotary_emb"))(
         model.get_submodule(f"{lm}.rotary_emb").config))
-    moe = [hasattr(block.mlp, "gate") for block in model.get_submodule(f"{lm}.layers")]
+    blocks = model.get_submodule(f"{lm}.layers")
+    moe = [hasattr(block.mlp, "gate") for block in blocks]
+    linear = [is_linear_attention(block) for block in blocks]
     routed = [m and bool(getattr(text, "output_router_logits", False)) for m in moe]
 
     def decoder(index: int):
-        kind = "_".join(k for k, on in (("deepstack", index < len(levels)),
+        kind = "_".join(k for k, on in (("linear", linear[index]),
+                                        ("deepstack", index < len(levels)),
                                         ("moe", moe[index])) if on)
         return functools.partial(Qwen3DecoderLayer, image_token_id=model.config.image_token_id,
                                  deepstack=index < len(levels), routed=routed[index]), kind

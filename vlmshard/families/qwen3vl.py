@@ -14,6 +14,7 @@ mergers feeding the first LLM layers, q/k norms, an explicit ``head_dim``, spars
 from __future__ import annotations
 
 import os
+from typing import ClassVar
 
 from .qwen2vl import TOKENS, Qwen2VL, Qwen2VLTiling
 from .tiny import CHAT_TOKENS, CORPUS, save_random_weights, save_tokenizer
@@ -58,12 +59,27 @@ class Qwen3VL(Qwen2VL):
     # Qwen3-VL's preprocessor_config.json: 256² to 4096² pixels
     defaults = Qwen2VLTiling(mean=QWEN3_MEAN, std=QWEN3_STD, patch_size=16,
                              min_pixels=65536, max_pixels=16777216)
+    template: ClassVar[str] = TEMPLATE  # the tiny folders' chat template
+    plain_tokens: ClassVar[tuple[str, ...]] = ()  # their added tokens that are not special
 
     def vision_extras(self, vision: dict) -> dict:
         """Its learned position table and DeepStack mergers (each the merger's size, after the
         block it reads)."""
         return {"position_embeddings": vision.get("num_position_embeddings", 0),
                 "deepstack": tuple(vision.get("deepstack_visual_indexes", ()))}
+
+    def tiny_text(self, model_type: str) -> dict:
+        """The tiny LLM's sizes beyond the dense Qwen3 ones all share."""
+        if model_type == "qwen3_vl_moe":  # 4 experts, 2 a token, layers 1 to 3 of 4 sparse;
+            # trained with the router's auxiliary loss, weighed so that it shows in the loss
+            return dict(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=24, decoder_sparse_step=1, mlp_only_layers=[0],
+                        output_router_logits=True, router_aux_loss_coef=0.05)
+        return {}
+
+    def tiny_vision(self) -> dict:
+        """The tiny ViT's settings beyond the sizes all share: DeepStack after blocks 0 and 1."""
+        return dict(deepstack_visual_indexes=[0, 1])
 
     def tiny_folder(self, path: str, model_type: str = "qwen3_vl", *,
                     min_pixels: int = 64 * 64, max_pixels: int = 32 * 32 * 64,
@@ -80,25 +96,20 @@ class Qwen3VL(Qwen2VL):
         )
 
         os.makedirs(path, exist_ok=True)
-        vocab = save_tokenizer(path, TOKENS, TEMPLATE, {"image_token": "<|image_pad|>"}, corpus,
-                               vocab_size)
+        vocab = save_tokenizer(path, TOKENS, self.template, {"image_token": "<|image_pad|>"},
+                               corpus, vocab_size, self.plain_tokens)
         ids = {t: i for i, t in enumerate(CHAT_TOKENS)}
         text = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                     rope_parameters={"rope_type": "default", "rope_theta": 5e6,
                                      "mrope_section": [4, 2, 2], "mrope_interleaved": True},
                     bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
-        if model_type == "qwen3_vl_moe":  # 4 experts, 2 a token, layers 1 to 3 of 4 sparse;
-            # trained with the router's auxiliary loss, weighed so that it shows in the loss
-            text.update(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
-                        moe_intermediate_size=24,
-                        decoder_sparse_step=1, mlp_only_layers=[0], output_router_logits=True,
-                        router_aux_loss_coef=0.05)
+        text.update(self.tiny_text(model_type))
         text.update(text_sizes or {})
         vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
                       out_hidden_size=32, patch_size=16, spatial_merge_size=2,
                       temporal_patch_size=2, num_position_embeddings=16,
-                      deepstack_visual_indexes=[0, 1])
+                      **self.tiny_vision())
         vision.update(vision_sizes or {})
         config = AutoConfig.for_model(
             model_type, text_config=text, vision_config=vision,

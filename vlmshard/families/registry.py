@@ -1,6 +1,6 @@
 """The model families by name: the one place the stages ask about a model.
 
-Built in: ``internvl``, ``qwen2vl`` and ``qwen3vl``. More come from the modules that the
+Built in: ``internvl``, ``qwen2vl``, ``qwen3vl`` and ``qwen3_5``. More come from the modules that the
 environment variable ``VLMSHARD_FAMILIES`` names (comma-separated, importable), each calling
 ``register`` when imported: a family defined outside this package then goes through every
 stage, in every process a job starts (they inherit the environment). A registered family takes
@@ -53,9 +53,10 @@ def _load() -> None:
     """Register the built-in families, then import the modules ``VLMSHARD_FAMILIES`` names."""
     from .internvl import InternVL
     from .qwen2vl import Qwen2VL
+    from .qwen3_5 import Qwen3_5
     from .qwen3vl import Qwen3VL
 
-    for family in (InternVL(), Qwen2VL(), Qwen3VL()):
+    for family in (InternVL(), Qwen2VL(), Qwen3VL(), Qwen3_5()):
         register(family, built_in=True)
     for module in filter(None, os.environ.get(PLUGINS_VARIABLE, "").split(",")):
         try:

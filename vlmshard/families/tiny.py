@@ -22,7 +22,7 @@ CORPUS = ["What is in the image? A photo of a cat sitting on the mat.",
 CHAT_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def _tokenizer(special: list[str], corpus: list[str], vocab_size: int):
+def _tokenizer(special: list[str], corpus: list[str], vocab_size: int, plain: list[str]):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -32,17 +32,20 @@ def _tokenizer(special: list[str], corpus: list[str], vocab_size: int):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(corpus, trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     return tok
 
 
 def save_tokenizer(path: str, special: list[str], template: str, named: dict[str, str],
-                    corpus: list[str], vocab_size: int) -> int:
+                   corpus: list[str], vocab_size: int, plain: list[str] = ()) -> int:
     """Save tokenizer.json + tokenizer_config.json (the template inside it, as hub folders
-    have it) + special_tokens_map.json; returns the vocabulary size."""
+    have it) + special_tokens_map.json; returns the vocabulary size. ``plain``: added tokens
+    that are not special (Qwen's ``<think>``), numbered before the ``special`` ones, which
+    end the vocabulary."""
     from transformers import PreTrainedTokenizerFast
 
-    tok = _tokenizer(special, corpus, vocab_size)
+    tok = _tokenizer(special, corpus, vocab_size, list(plain))
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                                  pad_token="<|endoftext|>", **named)
     hf.save_pretrained(path)
