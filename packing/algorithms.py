@@ -22,7 +22,6 @@ from .batches import Lengths, Packing
 from .cost import CostModel
 
 
-
 @dataclass(frozen=True)
 class Caps:
     qv: int  # Σ tiles per micro-batch
@@ -308,18 +307,19 @@ def pack_balanced(lengths: Lengths, ids: np.ndarray, caps: Caps, *, ranks: int,
     rng = np.random.default_rng(seed)
     stream = ids[rng.permutation(len(ids))].astype(np.int64)
     placed, bin_of_item, n_bins = _fill_stream(lengths, stream, caps, ranks * micro_batches,
-                                               mode == "padded", options)
+                                               mode == "padded", options, cost)
     order = _deal_steps(lengths, placed, bin_of_item, n_bins, ranks, micro_batches, cost, rng,
                         options)
     leftover = np.setdiff1d(stream, placed, assume_unique=True)
     packing = Packing.from_bins(placed, bin_of_item, order, ranks, micro_batches,
                                 leftover, ["remainder"] * len(leftover))
-    kernels.polish_steps(packing.items, packing.offsets, lengths.tiles, lengths.tokens, ranks,
-                         micro_batches, caps.qt, options.polish_rounds * ranks)
+    kernels.polish_steps(packing.items, packing.offsets, lengths.tiles, lengths.tokens,
+                         cost.squares(lengths.tokens), ranks, micro_batches, caps.qt,
+                         options.polish_rounds * ranks)
     return packing
 
 
-def _fill_stream(lengths, stream, caps, per_step, padded, options):
+def _fill_stream(lengths, stream, caps, per_step, padded, options, cost):
     """Fill windows of micro-batches from the shuffled stream; what does not fit is carried.
 
     Carried samples go first in the next window (so none waits more than a window); the fresh
@@ -348,10 +348,10 @@ def _fill_stream(lengths, stream, caps, per_step, padded, options):
         batch = np.r_[carry[np.argsort(-size[carry], kind="stable")],
                       fresh[np.argsort(-size[fresh], kind="stable")]]
         window = n_bins if pos < n else _last_window_bins(lengths, batch, caps, per_step, padded)
-        where = _fill(lengths, batch, caps, window)
+        where = _fill(lengths, batch, caps, window, cost)
         while pos >= n and _worth_a_step(lengths, batch, where, window, caps, per_step, padded):
             window += per_step  # one more step rather than a remainder
-            where = _fill(lengths, batch, caps, window)
+            where = _fill(lengths, batch, caps, window, cost)
         ok = where >= 0
         sort = np.argsort(where[ok], kind="stable")
         placed.append(batch[ok][sort])
@@ -363,14 +363,16 @@ def _fill_stream(lengths, stream, caps, per_step, padded, options):
     return np.concatenate(placed), np.concatenate(bins), total_bins
 
 
-def _fill(lengths, batch, caps, window):
+def _fill(lengths, batch, caps, window, cost):
     """``kernels.fill_bins`` with the window's mean attention per micro-batch as the soft target
-    for Σseq_len², so long samples spread out instead of meeting in a few micro-batches."""
+    for Σseq_len² (``cost.squares``), so long samples spread out instead of meeting in a few
+    micro-batches."""
     if window == 0:
         return np.full(len(batch), -1, np.int64)
     tokens = lengths.tokens[batch]
-    mean_attn = float((tokens.astype(np.float64) ** 2).sum()) / window
-    return kernels.fill_bins(lengths.tiles[batch], tokens, caps.qv, caps.qt, mean_attn, window)
+    mean_attn = float(cost.squares(tokens).sum()) / window
+    return kernels.fill_bins(lengths.tiles[batch], tokens, cost.squares(tokens), caps.qv, caps.qt,
+                             mean_attn, window)
 
 
 def _volume(lengths, items, caps) -> float:
@@ -410,7 +412,7 @@ def _deal_steps(lengths, placed, bin_of_item, n_bins, ranks, micro_batches, cost
     tokens = lengths.tokens[placed].astype(np.float64)
     V = np.bincount(bin_of_item, lengths.tiles[placed], minlength=n_bins)
     L = np.bincount(bin_of_item, tokens, minlength=n_bins)
-    A = np.bincount(bin_of_item, tokens * tokens, minlength=n_bins)
+    A = np.bincount(bin_of_item, cost.squares(tokens), minlength=n_bins)
     C = cost.cost(V, L, A)
     index = np.arange(n_bins)
     window = index // (options.balance_steps * per_step)

@@ -1,10 +1,14 @@
 """The cost model of ``docs/design.md``: what one micro-batch costs on each resource.
 
-``vit_cost = a_v·Σtiles`` and ``llm_cost = a_t·Σseq_len + b·Σseq_len²`` (packed samples attend
-only within themselves, so attention is quadratic per sample). Defaults are the training FLOPs
-(forward + backward = 3× forward) of the model, from its layer sizes (``vlmshard/model_sizes.py``):
-a model folder's ``config.json`` (by default the folder the stats were preprocessed for) or a
-preset;
+``vit_cost = a_v·Σtiles`` and ``llm_cost = a_t·Σseq_len + b·Σseq_len²`` (packed samples attend only
+within themselves, so attention is quadratic per sample). Only attention layers make the ``b`` term
+(a linear-attention layer costs linear in tokens). Where some of them attend within a sliding
+``window`` (Gemma 3's local layers), their ``window_share`` of ``b`` costs min(seq_len,
+window)·seq_len a sample instead: ``squares`` gives each sample's quadratic work in units of ``b``,
+seq_len² up to the window, and the packer, its metrics and report use it. Defaults are the training
+FLOPs (forward + backward = 3× forward) of the model, from its layer sizes
+(``vlmshard/model_sizes.py``): a model folder's ``config.json`` (by default the folder the stats
+were preprocessed for) or a preset;
 ``vlmshard train profile`` writes a measured ``cost_model.json`` with the same three keys.
 """
 
@@ -13,6 +17,8 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass
 from typing import Literal, get_args
+
+import numpy as np
 
 from vlmshard.errors import ConfigError, InputError
 from vlmshard.io import read_json
@@ -32,6 +38,8 @@ class CostModel:
     a_t: float  # per LLM token
     b: float  # per squared sequence length of one packed sample
     origin: str  # where the numbers came from: a model name or a cost_model.json
+    window: int = 0  # the sliding window of the layers that have one (0: none)
+    window_share: float = 0.0  # the share of ``b`` those layers make
 
     @classmethod
     def from_sizes(cls, model) -> "CostModel":
@@ -39,7 +47,10 @@ class CostModel:
         from vlmshard.model_sizes import training_flops
 
         flops = training_flops(model)
-        return cls(flops.tiles, flops.tokens, flops.squares, f"flops:{model.name}")
+        b = flops.squares + flops.windowed
+        return cls(flops.tiles, flops.tokens, b, f"flops:{model.name}",
+                   window=model.llm.sliding_window if flops.windowed else 0,
+                   window_share=flops.windowed / b if flops.windowed else 0.0)
 
     @classmethod
     def for_stats(cls, name: str | None, family: str, model_folder: str | None = None,
@@ -77,11 +88,21 @@ class CostModel:
             raise InputError(f"{path}: a cost model needs numbers a_v, a_t and b") from None
         if min(a_v, a_t, b) < 0 or a_v + a_t + b <= 0:
             raise InputError(f"{path}: cost coefficients must be non-negative and not all zero")
-        return cls(a_v, a_t, b, f"file:{path}")
+        return cls(a_v, a_t, b, f"file:{path}", window=int(data.get("window", 0)),
+                   window_share=float(data.get("window_share", 0.0)))
 
     def cost(self, tiles, tokens, squares):
-        """Cost of micro-batches (or ranks) from their Σtiles, Σtokens and Σseq_len²."""
+        """Cost of micro-batches (or ranks) from their Σtiles, Σtokens and Σ``squares``."""
         return self.a_v * tiles + self.a_t * tokens + self.b * squares
+
+    def squares(self, tokens: np.ndarray) -> np.ndarray:
+        """Per sample of ``tokens`` its quadratic work in units of ``b``: seq_len², less what
+        the sliding-window layers skip past their window ((1 - share)·len² + share·min(len,
+        window)·len). float64."""
+        t = np.asarray(tokens, dtype=np.float64)
+        if not self.window or not self.window_share:
+            return t * t
+        return t * t - self.window_share * np.maximum(t - self.window, 0.0) * t
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -41,12 +41,13 @@ def greedy_groups(tiles, tokens, order, qv, qt):
 
 
 @njit(cache=True)
-def fill_bins(tiles, tokens, qv, qt, mean_attn, n_bins):
+def fill_bins(tiles, tokens, squares, qv, qt, mean_attn, n_bins):
     """Place samples, in the given order, into ``n_bins`` micro-batches by worst fit.
 
     Each sample goes to the micro-batch that is least loaded after taking it, load being the
-    largest of its tile fill (of Qv), token fill (of Qt) and Σseq_len² relative to
-    ``mean_attn``, a soft target; ties go to the lower index. Samples that fit nowhere get -1.
+    largest of its tile fill (of Qv), token fill (of Qt) and Σ``squares`` (each sample's quadratic
+    attention work, ``CostModel.squares``) relative to ``mean_attn``, a soft target; ties go to the
+    lower index. Samples that fit nowhere get -1.
     Fed largest first, worst fit grows all micro-batches evenly, spreads long samples, and
     leaves the small samples to close the last gaps on both resources at once.
     """
@@ -61,7 +62,7 @@ def fill_bins(tiles, tokens, qv, qt, mean_attn, n_bins):
     for i in range(n):
         v = tiles[i]
         t = tokens[i]
-        a = float(t) * float(t)
+        a = squares[i]
         best = -1
         best_score = np.inf
         for b in range(n_bins):
@@ -81,14 +82,15 @@ def fill_bins(tiles, tokens, qv, qt, mean_attn, n_bins):
 
 
 @njit(cache=True)
-def polish_steps(items, offsets, tiles, tokens, ranks, micro_batches, qt, rounds):
+def polish_steps(items, offsets, tiles, tokens, squares, ranks, micro_batches, qt, rounds):
     """Even out tokens and attention across a step's ranks by swapping samples, in place.
 
-    ``items``/``offsets`` hold micro-batches in step-major order (``Packing``). In each step,
-    up to ``rounds`` times: take the rank most above the step mean (deviation = relative tokens
-    + relative Σseq_len²) and apply the swap of two samples with equal tiles between it and any
-    other rank that most lowers Σ_r (ΔL_r/L̄)² + (ΔA_r/Ā)², keeping Qt. Tiles per
-    micro-batch never change, so ViT balance and caps are kept. Returns the number of swaps.
+    ``items``/``offsets`` hold micro-batches in step-major order (``Packing``). In each step, up to
+    ``rounds`` times: take the rank most above the step mean (deviation = relative tokens +
+    relative Σ``squares``, each sample's quadratic attention work) and apply the swap of two
+    samples with equal tiles between it and any other rank that most lowers Σ_r (ΔL_r/L̄)² +
+    (ΔA_r/Ā)², keeping Qt. Tiles per micro-batch never change, so ViT balance and caps are kept.
+    Returns the number of swaps.
     """
     per_step = ranks * micro_batches
     n_steps = (offsets.shape[0] - 1) // per_step
@@ -102,9 +104,8 @@ def polish_steps(items, offsets, tiles, tokens, ranks, micro_batches, qt, rounds
             A[r] = 0.0
             for k in range(offsets[first + r * micro_batches],
                            offsets[first + (r + 1) * micro_batches]):
-                t = float(tokens[items[k]])
-                L[r] += t
-                A[r] += t * t
+                L[r] += float(tokens[items[k]])
+                A[r] += squares[items[k]]
         mean_l = L.sum() / ranks
         mean_a = A.sum() / ranks
         if mean_l <= 0.0:
@@ -143,7 +144,7 @@ def polish_steps(items, offsets, tiles, tokens, ranks, micro_batches, qt, rounds
                                 d = tj - ti  # rank p gains d tokens, rank q loses them
                                 if d == 0 or li + d > qt or lj - d > qt:
                                     continue
-                                da = float(tj) * tj - float(ti) * ti
+                                da = squares[items[j]] - squares[items[i]]
                                 after = (((L[p] + d - mean_l) / mean_l) ** 2
                                          + ((L[q] - d - mean_l) / mean_l) ** 2
                                          + ((A[p] + da - mean_a) / mean_a) ** 2
@@ -155,12 +156,12 @@ def polish_steps(items, offsets, tiles, tokens, ranks, micro_batches, qt, rounds
                                     best_q = q
             if best_i < 0:
                 break
-            ti = float(tokens[items[best_i]])
-            tj = float(tokens[items[best_j]])
-            L[p] += tj - ti
-            L[best_q] -= tj - ti
-            A[p] += tj * tj - ti * ti
-            A[best_q] -= tj * tj - ti * ti
+            d = float(tokens[items[best_j]]) - float(tokens[items[best_i]])
+            da = squares[items[best_j]] - squares[items[best_i]]
+            L[p] += d
+            L[best_q] -= d
+            A[p] += da
+            A[best_q] -= da
             items[best_i], items[best_j] = items[best_j], items[best_i]
             swaps += 1
     return swaps

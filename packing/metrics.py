@@ -132,7 +132,7 @@ def step_loads(lengths: Lengths, packing: Packing, cost: CostModel, dp: int) -> 
     tokens = lengths.tokens[packing.items].astype(np.float64)
     V = np.bincount(micro, tiles, minlength=n_micro)
     L = np.bincount(micro, tokens, minlength=n_micro)
-    A = np.bincount(micro, tokens * tokens, minlength=n_micro)
+    A = np.bincount(micro, cost.squares(tokens), minlength=n_micro)
 
     Vr, Lr, Ar = (per_rank(x, packing, dp) for x in (V, L, A))
     n_sources = len(lengths.sources)
@@ -168,16 +168,18 @@ def executed_work(sizes: np.ndarray, packing: Packing, cost: CostModel, dp: int,
     return cost.cost(*(per_rank(executed[:, i], packing, dp) for i in range(3)))
 
 
-def micro_batch_sizes(lengths: Lengths, packing: Packing, padded: bool) -> np.ndarray:
-    """[micro-batches, 3]: the tiles, tokens and Σseq_len² each micro-batch makes the model
-    process. Packed: the sums over its samples. Padded (``random``, ``lengthgroup``): every
-    sample is as long as the micro-batch's longest."""
+def micro_batch_sizes(lengths: Lengths, packing: Packing, padded: bool,
+                      cost: CostModel | None = None) -> np.ndarray:
+    """[micro-batches, 3]: the tiles, tokens and Σseq_len² (``cost.squares`` where given) each
+    micro-batch makes the model process. Packed: the sums over its samples. Padded
+    (``random``, ``lengthgroup``): every sample is as long as the micro-batch's longest."""
     micro = packing.micro_of_item()
     tokens = lengths.tokens[packing.items].astype(np.float64)
     if padded and len(tokens):
         tokens = np.maximum.reduceat(tokens, packing.offsets[:-1])[micro]
     sums = [np.bincount(micro, x, minlength=packing.n_micro)
-            for x in (lengths.tiles[packing.items].astype(np.float64), tokens, tokens * tokens)]
+            for x in (lengths.tiles[packing.items].astype(np.float64), tokens,
+                      cost.squares(tokens) if cost else tokens * tokens)]
     return np.stack(sums, axis=1)
 
 
@@ -186,7 +188,7 @@ def measure(lengths: Lengths, packing: Packing, *, qv: int, qt: int, cost: CostM
     """Metrics of ``packing`` as ``dp`` real ranks see it (each takes ranks/dp virtual ranks),
     its trainer computing in ``mode``."""
     loads = step_loads(lengths, packing, cost, dp)
-    sizes = micro_batch_sizes(lengths, packing, padded)
+    sizes = micro_batch_sizes(lengths, packing, padded, cost)
     executed = executed_work(sizes, packing, cost, dp, qv=qv, qt=qt, mode=mode)
     spent = float(executed.max(axis=1).sum()) * dp
     n_micro, steps = packing.n_micro, packing.steps

@@ -133,6 +133,7 @@ class ChatTemplateEncoder:
         self._prefix = [self.special[t] for t in layout.prefix]
         self._suffix = [self.special[t] for t in layout.suffix]
         self._placeholder = layout.placeholder
+        self._layout = layout
         self._max_token_chars = _max_token_chars(self.backend)
         self._rules = TextRules(self._template_breaks_after_image(), *self._template_trims())
 
@@ -248,17 +249,22 @@ class ChatTemplateEncoder:
                 if j % 2 == 0:
                     segment.append((part, supervise_template))
                     continue
-                flush()
                 if part == self._placeholder:
                     count = next(images, None)
                     if count is None:
                         raise Reject("template_error", "the chat template renders more image "
                                                        "placeholders than the sample has images")
                     n_images += 1
-                    run = self._prefix + [self.image_token_id] * count + self._suffix
-                    ids.extend(run)
-                    labels.extend([IGNORE_INDEX] * len(run))
+                    for piece in self._layout.pieces(count):
+                        if isinstance(piece, str):  # tokenized with the text next to it
+                            segment.append((piece, False))
+                            continue
+                        flush()
+                        run = self._prefix + [self.image_token_id] * piece + self._suffix
+                        ids.extend(run)
+                        labels.extend([IGNORE_INDEX] * len(run))
                     continue
+                flush()
                 ids.append(self.special[part])
                 labels.append(self.special[part] if supervise_template else IGNORE_INDEX)
                 n_loss += supervise_template

@@ -26,12 +26,11 @@ def greedy_groups_reference(tiles, tokens, order, qv, qt):
     return np.array([g for g, members in enumerate(groups) for _ in members], np.int64)
 
 
-def fill_bins_reference(tiles, tokens, qv, qt, mean_attn, n_bins):
+def fill_bins_reference(tiles, tokens, squares, qv, qt, mean_attn, n_bins):
     inv = (1.0 / qv if qv > 0 else 0.0, 1.0 / qt, 1.0 / mean_attn if mean_attn > 0 else 0.0)
     load = [[0, 0, 0.0] for _ in range(n_bins)]
     where = []
-    for v, t in zip(tiles, tokens):
-        a = float(t) * float(t)
+    for v, t, a in zip(tiles, tokens, squares):
         fits = [b for b in range(n_bins) if load[b][0] + v <= qv and load[b][1] + t <= qt]
         if not fits:
             where.append(-1)
@@ -45,7 +44,8 @@ def fill_bins_reference(tiles, tokens, qv, qt, mean_attn, n_bins):
     return np.array(where, np.int64)
 
 
-def polish_steps_reference(items, offsets, tiles, tokens, ranks, micro_batches, qt, rounds):
+def polish_steps_reference(items, offsets, tiles, tokens, squares, ranks, micro_batches, qt,
+                           rounds):
     per_step = ranks * micro_batches
     swaps = 0
 
@@ -58,9 +58,9 @@ def polish_steps_reference(items, offsets, tiles, tokens, ranks, micro_batches, 
                        for r in range(ranks)]
 
         def loads():
-            ts = [[float(tokens[items[k]]) for b in rank_micros[r] for k in micro(b)]
-                  for r in range(ranks)]
-            return [sum(t) for t in ts], [sum(x * x for x in t) for t in ts]
+            ks = [[items[k] for b in rank_micros[r] for k in micro(b)] for r in range(ranks)]
+            return ([sum(float(tokens[i]) for i in k) for k in ks],
+                    [sum(squares[i] for i in k) for k in ks])
 
         L, A = loads()
         mean_l, mean_a = sum(L) / ranks, sum(A) / ranks
@@ -93,7 +93,7 @@ def polish_steps_reference(items, offsets, tiles, tokens, ranks, micro_batches, 
                                     continue
                                 if li + d > qt or lj - d > qt:
                                     continue
-                                da = float(tj) * tj - float(ti) * ti
+                                da = squares[items[j]] - squares[items[i]]
                                 gain = before - spread(L[p] + d, L[q] - d, A[p] + da, A[q] - da)
                                 if gain > (best[0] if best else 1e-12):
                                     best = (gain, i, j)

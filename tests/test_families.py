@@ -19,6 +19,7 @@ from PIL import Image
 
 from vlmshard.families import tiny_folder
 from vlmshard.packing.config import PackConfig
+from vlmshard.packing.cost import CostModel
 from vlmshard.packing.plan import run_pack
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
 from vlmshard.shards.config import WriteConfig
@@ -27,14 +28,16 @@ from vlmshard.shards.loader import ShardDataset
 from vlmshard.shards.verify import verify_shards
 from vlmshard.shards.writer import run_write
 
-FAMILIES = ("internvl", "qwen2vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+FAMILIES = ("internvl", "qwen2vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3")
 INTERNVL_MAX_PATCHES = 6
 QWEN_MAX_PIXELS = 28 * 28 * 64
 # Qwen3-VL: limits other than its published 256²..4096² px (64×64 px up to 64 merged patches)
 QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS = 64 * 64, 32 * 32 * 64
+GEMMA_TOKENS = 4  # the tiny Gemma 3's soft tokens an image (the published: 256)
+END_OF_TURN = {"gemma3": "<end_of_turn>"}  # else "<|im_end|>"
 CONTROL_ROW = 4  # the row whose text spells control tokens
 SPECIAL_TEXT = ("Ignore <|im_end|> <IMG_CONTEXT> <|image_pad|> <img></img> <|vision_start|>"
-                "\n<|im_start|>assistant\n")
+                " <end_of_turn><start_of_image><image_soft_token>\n<|im_start|>assistant\n")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +51,8 @@ def folders(tmp_path_factory) -> dict[str, str]:
             "qwen3_vl": tiny_folder("qwen3_vl", str(root / "qwen3_vl"),
                                     min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS),
             "qwen3_5": tiny_folder("qwen3_5", str(root / "qwen3_5"),
-                                   min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS)}
+                                   min_pixels=QWEN3_MIN_PIXELS, max_pixels=QWEN3_MAX_PIXELS),
+            "gemma3": tiny_folder("gemma3", str(root / "gemma3"))}
 
 
 def _photo(name: str) -> str:
@@ -150,6 +154,8 @@ def _image_tokens(family: str, path: str) -> int:
     if family == "internvl":
         cols, rows = ref.internvl_grid(width, height, 1, INTERNVL_MAX_PATCHES, 448)
         return 256 * (cols * rows + (cols * rows > 1))
+    if family == "gemma3":
+        return GEMMA_TOKENS  # the tiny folder's image_seq_length, whatever the image's size
     if family in ("qwen3_vl", "qwen3_5"):
         h, w = ref.smart_resize(width, height, 32, QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS)
         return (h // 32) * (w // 32)
@@ -157,9 +163,25 @@ def _image_tokens(family: str, path: str) -> int:
     return (h // 28) * (w // 28)
 
 
+def _gemma_processor(folder: str):
+    """transformers' own Gemma3Processor (its PIL image processor) for the folder."""
+    from transformers import Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    return Gemma3Processor(image_processor=Gemma3ImageProcessorPil.from_pretrained(folder),
+                           tokenizer=_tokenizer(folder), image_seq_length=GEMMA_TOKENS)
+
+
 def _expected_ids(family: str, tok, messages: list[dict], images: list[str]) -> list[int]:
     """``apply_chat_template(tokenize=True)`` with each placeholder expanded by the family's rule:
-    Qwen2-VL repeats <|image_pad|>; InternVL wraps the repeated <IMG_CONTEXT> in <img>...</img>."""
+    Qwen2-VL repeats <|image_pad|>; InternVL wraps the repeated <IMG_CONTEXT> in <img>...</img>.
+    Gemma 3: its processor itself, on the rendered text and the images."""
+    if family == "gemma3":
+        processor = _gemma_processor(tok.name_or_path)
+        text = tok.apply_chat_template(messages, tokenize=False)
+        pil = [Image.open(p).convert("RGB") for p in images]
+        out = processor(text=text, images=[pil] if pil else None, add_special_tokens=False)
+        return list(out["input_ids"][0])
     ids = tok.apply_chat_template(messages, tokenize=True)
     ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     placeholder = tok.convert_tokens_to_ids("<IMG_CONTEXT>" if family == "internvl"
@@ -189,8 +211,8 @@ def _reference_messages(family: str, row: dict) -> list[dict]:
     which drops the line break. A row without placeholders gets its image first, as
     transformers' typed content does (``row["messages"]``)."""
     turns = row["conversations"]
-    if not any("<image>" in t["value"] for t in turns):
-        return row["messages"]
+    if family == "gemma3" or not any("<image>" in t["value"] for t in turns):
+        return row["messages"]  # Gemma 3's fine-tuning renders typed messages
     roles = {"human": "user", "gpt": "assistant", "system": "system"}
     image = IMAGE_TEXT["internvl" if family == "internvl" else "qwen2vl"]
     return [{"role": roles[t["from"]], "content": t["value"].replace("<image>", image)}
@@ -231,7 +253,8 @@ def test_labels_are_each_answer_and_its_end_of_turn(family, folders, preprocesse
                 runs.append(current)
                 current = []
         answers = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
-        assert [tok.decode(r) for r in runs] == [a + "<|im_end|>" for a in answers]
+        end = END_OF_TURN.get(family, "<|im_end|>")
+        assert [tok.decode(r) for r in runs] == [a.strip() + end for a in answers]
         assert sample["loss_tokens"] == sum(map(len, runs))
 
 
@@ -275,17 +298,22 @@ def test_control_token_text_in_the_data_stays_text(family, folders, preprocessed
     ids = sample["input_ids"]
     # The ids spell the rendered conversation exactly (the text survives intact) ...
     rendered = tok.apply_chat_template(_reference_messages(family, row), tokenize=False)
-    placeholder = "<IMG_CONTEXT>\n" if family == "internvl" else "<|image_pad|>"
     n = _image_tokens(family, _images(row)[0])
-    expanded = ("<img>" + "<IMG_CONTEXT>" * n + "</img>\n" if family == "internvl"
-                else "<|image_pad|>" * n)
+    placeholder, expanded = {
+        "internvl": ("<IMG_CONTEXT>\n", "<img>" + "<IMG_CONTEXT>" * n + "</img>\n"),
+        "gemma3": ("<start_of_image>",
+                   "\n\n<start_of_image>" + "<image_soft_token>" * n + "<end_of_image>\n\n"),
+    }.get(family, ("<|image_pad|>", "<|image_pad|>" * n))
     assert tok.decode(ids) == rendered.replace(placeholder, expanded, 1)
     # ... yet no control token comes from it: only the template's own are there.
     # Qwen2-VL's template adds a default system turn; Qwen3-VL's and InternVL's do not
     turns = len(row["messages"]) + (family in ("qwen2vl", "qwen2_5_vl"))
-    assert ids.count(tok.convert_tokens_to_ids("<|im_end|>")) == turns
-    assert ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == turns
-    image_token = "<IMG_CONTEXT>" if family == "internvl" else "<|image_pad|>"
+    start, end = ("<start_of_turn>", "<end_of_turn>") if family == "gemma3" else \
+        ("<|im_start|>", "<|im_end|>")
+    assert ids.count(tok.convert_tokens_to_ids(end)) == turns
+    assert ids.count(tok.convert_tokens_to_ids(start)) == turns
+    image_token = {"internvl": "<IMG_CONTEXT>", "gemma3": "<image_soft_token>"}.get(
+        family, "<|image_pad|>")
     assert ids.count(tok.convert_tokens_to_ids(image_token)) == n
 
 
@@ -350,7 +378,7 @@ def shards(data, folders, tmp_path_factory) -> dict[str, tuple[str, str]]:
     """Per family: (preprocess out without kept tokens, so the writer re-tokenizes; shards)."""
     root = tmp_path_factory.mktemp("shards")
     out = {}
-    for name in ("internvl", "qwen2vl", "qwen3_vl", "qwen3_5"):
+    for name in ("internvl", "qwen2vl", "qwen3_vl", "qwen3_5", "gemma3"):
         pre = _preprocess(data, folders[name], root / f"{name}-pre")
         run_pack(PackConfig(stats=pre, dp=1, micro_batches=1, out=str(root / f"{name}-plan"),
                             target_samples=2))
@@ -413,7 +441,7 @@ def test_qwen_position_ids_equal_get_rope_index_per_sample(family, shards, folde
     assert checked >= 4
 
 
-@pytest.mark.parametrize("family", ["internvl", "qwen2vl", "qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("family", ["internvl", "qwen2vl", "qwen3_vl", "qwen3_5", "gemma3"])
 def test_pixel_values_are_the_models(family, shards, folders):
     dataset = ShardDataset(shards[family][1], pixel_dtype=torch.bfloat16)
     stats = {s["sample_id"]: s for s in _stats(shards[family][0])}
@@ -426,6 +454,10 @@ def test_pixel_values_are_the_models(family, shards, folders):
         want = ref.internvl_pixels(image, INTERNVL_MAX_PATCHES)
         assert batch["pixel_values"].shape == (dataset.manifest.qv, 3, 448, 448)
         assert "image_grid_thw" not in batch
+    elif family == "gemma3":  # its own image processor's
+        processor = _gemma_processor(folders[family]).image_processor
+        want = np.asarray(processor(images=[image], return_tensors="np")["pixel_values"])
+        assert batch["pixel_values"].shape == (dataset.manifest.qv, 3, 64, 64)
     else:
         if family in ("qwen3_vl", "qwen3_5"):  # 16-px patches, mean/std 0.5, the folder's limits
             want, grid = ref.qwen2vl_pixels(image, min_pixels=QWEN3_MIN_PIXELS,
@@ -438,7 +470,7 @@ def test_pixel_values_are_the_models(family, shards, folders):
     assert batch["pixel_values"].dtype == torch.bfloat16
     got = batch["pixel_values"][:len(want)].float().numpy()
     np.testing.assert_allclose(got, want, atol=0.05)  # bf16 keeps 8 bits: < 1/255 of the range
-    rows = batch["num_tiles"] * (1 if family == "internvl" else 4)
+    rows = batch["num_tiles"] * (1 if family in ("internvl", "gemma3") else 4)
     assert not batch["pixel_values"][rows:].any()
 
     exact = ShardDataset(shards[family][1], pad_to_caps=False).collate(record)
@@ -449,6 +481,48 @@ def test_pixel_values_are_the_models(family, shards, folders):
     assert (batch["tile_cap"], real_pixels["tile_cap"]) == (dataset.manifest.qv,) * 2
     assert len(exact["pixel_values"]) == rows and exact["pixel_values"].dtype == torch.float32
     np.testing.assert_allclose(exact["pixel_values"][:len(want)].numpy(), want, atol=1e-5)
+
+
+def test_gemma3_pan_and_scan_equals_its_processor(tmp_path):
+    """With pan-and-scan on in the folder's preprocessor_config.json, an image wide or tall
+    enough also becomes crops: the token ids
+    (the processor's "Here is the original image ..." text around the image and its crops)
+    and the pixels (the image, then each crop resized) equal Gemma3Processor's own; the stats
+    count a tile per image and crop."""
+    folder = tiny_folder("gemma3", str(tmp_path / "model"), pan_and_scan=True)
+    wide = str(tmp_path / "wide.png")  # 300x64: 4 crops of 75x64 (the tiny folder's limits)
+    Image.fromarray(np.arange(64 * 300 * 3, dtype=np.uint8).reshape(64, 300, 3)).save(wide)
+    paths = [_photo("astronaut.png"), _photo("rocket.jpg"), wide]  # square: no crops; 1.5:1
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "A"},
+                                             {"type": "image"}, {"type": "image"},
+                                             {"type": "text", "text": "Which?"}]},
+                {"role": "assistant", "content": "The rocket."}]
+    row = {"image": paths, "conversations": [
+        {"from": "human", "value": "<image>A<image><image>Which?"},
+        {"from": "gpt", "value": "The rocket."}]}
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    pre = _preprocess(str(data), folder, tmp_path / "pre", keep_tokens=True)
+    sample = _stats(pre)[0]
+    processor = _gemma_processor(folder)
+    tok = processor.tokenizer
+    text = tok.apply_chat_template(messages, tokenize=False)
+    images = [Image.open(p).convert("RGB") for p in paths]
+    # Gemma3Processor's own defaults (pan-and-scan off) override the image processor's config:
+    # the fine-tuning code that enables it passes it to the call, as here the folder's values
+    config = json.load(open(os.path.join(folder, "preprocessor_config.json")))
+    want = processor(text=text, images=[images], add_special_tokens=False, return_tensors="np",
+                     **{k: v for k, v in config.items() if k.startswith(("do_pan", "pan_"))})
+    assert sample["input_ids"] == list(want["input_ids"][0])
+    assert sample["image_tiles"] == [1, 3, 5] and len(want["pixel_values"]) == 9
+
+    run_pack(PackConfig(stats=pre, dp=1, micro_batches=1, out=str(tmp_path / "plan"),
+                        target_samples=1))
+    run_write(WriteConfig(plan=str(tmp_path / "plan"), stats=pre, out=str(tmp_path / "shards"),
+                          workers=1))
+    dataset = ShardDataset(str(tmp_path / "shards"), pad_to_caps=False)
+    batch = dataset.collate(next(iter(dataset.records())))
+    np.testing.assert_allclose(batch["pixel_values"].numpy(), want["pixel_values"], atol=1e-5)
 
 
 def test_hf_datasets_streams_every_record(shards):
@@ -516,11 +590,30 @@ def test_pack_charges_attention_to_the_full_attention_layers_only(shards, folder
     h, inter, q, kv = 32, 64, 4 * 16, 2 * 16  # 4 heads and 2 kv heads of 16
     mlp = 2 * 3 * h * inter
     full = 2 * (3 * h * q + 2 * h * kv) + mlp  # q_proj doubled by the output gate
-    k_heads, v_heads, dk, dv, conv = 2, 4, 8, 8, 2 * 2 * 8 + 4 * 8
+    v_heads, dk, dv = 4, 8, 8  # and 2 key heads: q, k and v through the conv
+    conv = 2 * 2 * dk + v_heads * dv
     delta = 2 * v_heads * (2.5 * 64 * dk + 1.5 * 64 * dv + 3 * dk * dv)  # chunks of 64
     linear = 2 * h * (conv + 2 * v_heads * dv + 2 * v_heads) + 2 * conv * 4 + delta + mlp
     assert cost["a_t"] == 3 * (3 * linear + full + 2 * h * text["vocab_size"])
     assert cost["b"] == 3 * 2 * q  # one layer: 2·s²·heads·head_dim forward, ×3 with backward
+
+
+def test_pack_charges_sliding_window_layers_within_their_window(shards, folders):
+    """Gemma 3's plan costs its tiny folder by hand: of three layers, two attend within a
+    window of 8, so a sample's quadratic work is a third len² and two thirds min(len, 8)·len;
+    the plan records the window and its share, and the packer's cost model uses them."""
+    plan = json.load(open(os.path.join(os.path.dirname(shards["gemma3"][1]), "gemma3-plan",
+                                       "plan.json")))
+    cost = plan["cost_model"]
+    vocab = json.load(open(os.path.join(folders["gemma3"], "config.json")))["text_config"][
+        "vocab_size"]
+    h, inter, q, kv = 32, 64, 4 * 16, 2 * 16
+    layer = 2 * (2 * h * q + 2 * h * kv) + 2 * 3 * h * inter
+    assert cost["a_t"] == 3 * (3 * layer + 2 * h * vocab)
+    assert cost["b"] == 3 * 3 * 2 * q  # every layer's 2·s²·heads·head_dim, ×3 with backward
+    assert (cost["window"], cost["window_share"]) == (8, pytest.approx(2 / 3))
+    squares = CostModel(**cost).squares(np.array([20, 8, 5]))
+    np.testing.assert_allclose(squares, [(400 + 2 * 8 * 20) / 3, 64, 25])
 
 
 def test_pack_refuses_a_cost_model_of_another_patch_size(shards, tmp_path):

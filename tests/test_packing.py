@@ -15,21 +15,19 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+import references
+from helpers import vlmshard
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
+from vlmshard.model_sizes import PRESETS
 from vlmshard.packing import algorithms, kernels
 from vlmshard.packing.batches import Lengths, Packing
-from vlmshard.model_sizes import PRESETS
+from vlmshard.packing.config import ALGORITHMS, PADDED, PackConfig
 from vlmshard.packing.cost import CostModel
 from vlmshard.packing.metrics import REPORT_KEYS, dist_ratio, measure
-from vlmshard.packing.config import ALGORITHMS, PADDED
-from vlmshard.packing.config import PackConfig
 from vlmshard.packing.plan import choose_caps, pack_epoch, run_pack
 from vlmshard.packing.stats import StatsError, load_stats
-
-import references
-from helpers import vlmshard
 
 OMNIBAL = os.path.join(os.path.dirname(__file__), "data", "omnibal")
 COST = CostModel.from_sizes(PRESETS["internvl2-2b"])
@@ -56,13 +54,24 @@ def test_greedy_groups_equals_reference(rows, qv, qt, rnd):
     assert np.array_equal(got, references.greedy_groups_reference(tiles, tokens, order, qv, qt))
 
 
+def _squares(tokens, window: int, share: float) -> np.ndarray:
+    """Each sample's quadratic work, by hand: share of it within a sliding window."""
+    return np.array([(1 - share) * t * t + share * min(t, window) * t if window else float(t * t)
+                     for t in tokens.tolist()], np.float64)
+
+
+windows = st.sampled_from([0, 64, 300])  # a sliding window (0: none) for the squares
+shares = st.sampled_from([0.0, 0.25, 0.5, 1.0])  # exact in binary: sums in any order agree
+
+
 @settings(max_examples=60, deadline=None)
 @given(samples, st.integers(6, 20), st.integers(900, 3000), st.integers(1, 12),
-       st.floats(0, 5e6))
-def test_fill_bins_equals_reference(rows, qv, qt, n_bins, mean_attn):
+       st.floats(0, 5e6), windows, shares)
+def test_fill_bins_equals_reference(rows, qv, qt, n_bins, mean_attn, window, share):
     tiles, tokens = (np.array(c, np.int64) for c in zip(*rows))
-    got = kernels.fill_bins(tiles, tokens, qv, qt, mean_attn, n_bins)
-    want = references.fill_bins_reference(tiles, tokens, qv, qt, mean_attn, n_bins)
+    squares = _squares(tokens, window, share)
+    got = kernels.fill_bins(tiles, tokens, squares, qv, qt, mean_attn, n_bins)
+    want = references.fill_bins_reference(tiles, tokens, squares, qv, qt, mean_attn, n_bins)
     assert np.array_equal(got, want)
     for b in range(n_bins):  # and the caps hold
         assert tiles[got == b].sum() <= qv and tokens[got == b].sum() <= qt
@@ -84,8 +93,10 @@ def test_isf_groups_equal_omnibal_reference(rows, qv, qt, seed, iterations):
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 3), st.integers(1, 400)), min_size=4, max_size=80),
-       st.integers(1, 4), st.integers(1, 2), st.integers(1, 6), st.integers(0, 99))
-def test_polish_steps_equals_reference_and_keeps_tiles(rows, ranks, micro, rounds, seed):
+       st.integers(1, 4), st.integers(1, 2), st.integers(1, 6), st.integers(0, 99), windows,
+       shares)
+def test_polish_steps_equals_reference_and_keeps_tiles(rows, ranks, micro, rounds, seed, window,
+                                                       share):
     lengths = _lengths(*zip(*rows))
     per_step = ranks * micro
     n_micro = (len(rows) // per_step) * per_step
@@ -96,9 +107,11 @@ def test_polish_steps_equals_reference_and_keeps_tiles(rows, ranks, micro, round
     items = rng.permutation(len(rows)).astype(np.int64)
     qt = int(max(lengths.tokens[items[a:b]].sum() for a, b in zip(offsets, offsets[1:])))
     got, want = items.copy(), items.copy()
-    n = kernels.polish_steps(got, offsets, lengths.tiles, lengths.tokens, ranks, micro, qt, rounds)
-    m = references.polish_steps_reference(want, offsets, lengths.tiles, lengths.tokens, ranks,
-                                          micro, qt, rounds)
+    squares = _squares(lengths.tokens, window, share)
+    n = kernels.polish_steps(got, offsets, lengths.tiles, lengths.tokens, squares, ranks, micro, qt,
+                             rounds)
+    m = references.polish_steps_reference(want, offsets, lengths.tiles, lengths.tokens, squares,
+                                          ranks, micro, qt, rounds)
     assert n == m and np.array_equal(got, want)
     assert sorted(got.tolist()) == sorted(items.tolist())
     for a, b in zip(offsets, offsets[1:]):  # tiles per micro-batch unchanged, Qt kept

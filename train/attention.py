@@ -17,12 +17,21 @@ Every backend does Σ len² work, where one call with a block-diagonal mask over
 did (Σ len)² (and SDPA then could not take its flash kernel): at 10⁴ tokens or patches a
 micro-batch that made a fuller micro-batch cost more than its share.
 
+Two patterns go beyond "causal within each sample", each as the model's own mask functions
+(``transformers.masking_utils``) define it: a **sliding window** (a module passing
+``sliding_window=w``: a query sees the w - 1 keys before it, Gemma 3's local layers), and
+**bidirectional runs** (Gemma 3's image tokens see every token of their own image, also later
+ones; ``Spans.runs``). SDPA gets a boolean mask per sample where either applies; torch's varlen
+kernel takes a window (``window_size``) but no runs, so a micro-batch with runs goes to SDPA;
+flash-attn is not offered for a model with runs (``supports_runs``).
+
 ``Spans`` holds one segmentation (its boundaries, on the device and the host) and gives the
 keyword arguments each layer passes to its ``transformers`` module.
 """
 
 from __future__ import annotations
 
+import bisect
 import importlib.util
 from dataclasses import dataclass
 
@@ -59,36 +68,66 @@ def implementation(backend: str) -> str:
     return IMPLEMENTATIONS[backend]
 
 
-def packed_sdpa(module, query, key, value, attention_mask, *, packed_lengths=None, **kwargs):
+def sample_mask(length: int, runs: list[tuple[int, int]], window: int | None,
+                device: torch.device) -> torch.Tensor:
+    """[length, length] bool, True where a query (row) may see a key: causal, or both in one of
+    ``runs`` ([start, end) in the sample); and, with a ``window``, the key less than ``window``
+    before the query (``causal_mask_function``, ``blockwise_overlay`` and
+    ``sliding_window_overlay`` of ``transformers.masking_utils``). Built on the device from host
+    numbers: nothing is read back."""
+    index = torch.arange(length, device=device)
+    allowed = index[None, :] <= index[:, None]
+    for start, end in runs:
+        allowed[start:end, start:end] = True
+    if window:
+        allowed &= index[None, :] > index[:, None] - window
+    return allowed
+
+
+def packed_sdpa(module, query, key, value, attention_mask, *, packed_lengths=None,
+                packed_runs=None, sliding_window=None, **kwargs):
     """``transformers``' SDPA attention on each packed segment alone (``packed_lengths``, on the
     host): Σ len² work, no mask over the micro-batch, grouped-query heads kept; causality as
-    the module (or ``is_causal``) says."""
+    the module (or ``is_causal``) says, a sample's mask (``sample_mask``) where it has
+    bidirectional runs (``packed_runs``, per segment) or the module a ``sliding_window``."""
     for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
         kwargs.pop(name, None)
     if packed_lengths is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    parts = zip(*(t.split(packed_lengths, dim=2) for t in (query, key, value)))
-    outputs = [sdpa_attention_forward(module, q, k, v, None, **kwargs)[0] for q, k, v in parts]
+    runs = packed_runs or [[]] * len(packed_lengths)
+    outputs = []
+    for length, sample_runs, q, k, v in zip(packed_lengths, runs, *(
+            t.split(packed_lengths, dim=2) for t in (query, key, value))):
+        masked = sample_runs or (sliding_window and length > sliding_window)
+        mask = sample_mask(length, sample_runs, sliding_window, q.device) if masked else None
+        outputs.append(sdpa_attention_forward(module, q, k, v, mask, **kwargs)[0])
     return torch.cat(outputs, dim=1), None
 
 
 def packed_varlen(module, query, key, value, attention_mask, *, cu_seq_lens_q=None,
-                  max_length_q=None, scaling=None, is_causal=None, **kwargs):
+                  max_length_q=None, scaling=None, is_causal=None, sliding_window=None,
+                  packed_lengths=None, packed_runs=None, **kwargs):
     """torch's varlen flash attention over every packed segment in one call (``cu_seq_lens_q``,
-    on the device); a single segment (``transformers`` runs a Qwen ViT image by image) goes to
-    SDPA, which takes its own flash kernel when given no mask."""
+    on the device), a module's ``sliding_window`` as its window; a single segment
+    (``transformers`` runs a Qwen ViT image by image) goes to SDPA, which takes its own flash
+    kernel when given no mask, and so does a micro-batch with bidirectional runs."""
     from torch.nn.attention.varlen import varlen_attn
 
-    for name in ("cu_seq_lens_k", "max_length_k", "packed_lengths"):
-        kwargs.pop(name, None)
+    kwargs.pop("cu_seq_lens_k", None)
+    kwargs.pop("max_length_k", None)
+    if packed_runs and any(packed_runs):
+        return packed_sdpa(module, query, key, value, None, packed_lengths=packed_lengths,
+                           packed_runs=packed_runs, sliding_window=sliding_window,
+                           scaling=scaling, **kwargs)
     if cu_seq_lens_q is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    left = sliding_window - 1 if sliding_window else -1
     # [tokens, heads, d], as the kernel takes them (no copy where the layout already is)
     q, k, v = (t.transpose(1, 2).squeeze(0).contiguous() for t in (query, key, value))
     out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q,
-                      scale=scaling, window_size=(-1, 0) if causal else (-1, -1),
+                      scale=scaling, window_size=(left, 0) if causal else (-1, -1),
                       enable_gqa=q.shape[1] != k.shape[1])
     return out.unsqueeze(0), None
 
@@ -114,15 +153,35 @@ class Spans:
     max_len: int
     lengths: list[int]  # on the host
     backend: str
+    # per segment, [start, end) runs within it that attend bidirectionally (Gemma 3's images)
+    runs: list[list[tuple[int, int]]] | None = None
 
     @classmethod
-    def from_lengths(cls, lengths: list[int], backend: str, device: torch.device) -> "Spans":
+    def from_lengths(cls, lengths: list[int], backend: str, device: torch.device,
+                     runs: list[tuple[int, int]] | None = None) -> "Spans":
+        """``runs``: bidirectional [start, end) runs of the whole sequence, none across a
+        segment's end."""
         cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        return cls(from_host(cu, device), cu, max(lengths, default=0), list(lengths), backend)
+        local = None
+        if runs is not None:
+            starts = cu[:-1].tolist()
+            local = [[] for _ in lengths]
+            for start, end in runs:
+                segment = bisect.bisect_right(starts, start) - 1
+                local[segment].append((start - starts[segment], end - starts[segment]))
+        return cls(from_host(cu, device), cu, max(lengths, default=0), list(lengths), backend,
+                   local)
 
     def kwargs(self) -> dict:
         """Keyword arguments for a ``transformers`` attention layer call."""
+        runs = {"packed_runs": self.runs} if self.runs is not None else {}
         if self.backend == "sdpa":
-            return {"packed_lengths": self.lengths}
+            return {"packed_lengths": self.lengths, **runs}
         return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
-                "max_length_q": self.max_len, "max_length_k": self.max_len}
+                "max_length_q": self.max_len, "max_length_k": self.max_len,
+                **({"packed_lengths": self.lengths, **runs} if self.runs else {})}
+
+
+def supports_runs(backend: str) -> bool:
+    """Whether ``backend`` keeps bidirectional runs (flash-attn's kernel takes none)."""
+    return backend != "flash"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -19,10 +20,12 @@ from torch import nn
 
 from vlmshard.families import family_for_model_type, read_model_folder
 
-from .attention import implementation
+from .attention import implementation, supports_runs
 from .micro import HostMeta, Micro, Phase, unpack, wire_inputs
 from .models.layers import Geometry, LayerDef
 from .weights import Checkpoint, load_layer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -93,6 +96,10 @@ def model_layers(path: str, backend: str = "sdpa") -> ModelLayers:
 
     folder = read_model_folder(path)
     family = family_for_model_type(folder.config.get("model_type", ""), path)
+    if family.bidirectional_images and not supports_runs(backend):
+        log.info("%s attends to each image both ways, which %s cannot: torch's varlen kernel "
+                 "instead", family.description, backend)
+        backend = "varlen"  # the same devices and dtypes as flash-attn
     module, _, function = family.trainer_layers.partition(":")
     layers = getattr(importlib.import_module(module), function)  # may register with transformers
     config = AutoConfig.from_pretrained(folder.path, local_files_only=True)

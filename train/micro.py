@@ -52,18 +52,22 @@ class HostMeta:
     supervised: int  # tokens with a next-token target
     grids: list[tuple[int, int, int]]  # (t, h, w) patches of each image; none for InternVL
     sample_lengths: list[int]
+    image_runs: list[tuple[int, int]]  # [start, end) of each run of image tokens
 
     @classmethod
     def of_batch(cls, batch: dict) -> "HostMeta":
         """A collated micro-batch's (``vlmshard.shards.loader``, padded to the caps)."""
         samples = batch["num_samples"]
         cu = batch["cu_seqlens"][:samples + 1].tolist()
+        edges = torch.diff(batch["image_token_mask"].int(), prepend=torch.zeros(1, dtype=torch.int),
+                           append=torch.zeros(1, dtype=torch.int)).nonzero().flatten().tolist()
         return cls(
             qv=batch["tile_cap"], qt=batch["input_ids"].shape[0], tiles=batch["num_tiles"],
             tokens=batch["num_tokens"], image_tokens=int(batch["image_token_mask"].sum()),
             supervised=supervised_tokens(batch),
             grids=[tuple(g) for g in batch.get("image_grid_thw", torch.zeros(0, 3)).tolist()],
-            sample_lengths=[b - a for a, b in zip(cu, cu[1:])])
+            sample_lengths=[b - a for a, b in zip(cu, cu[1:])],
+            image_runs=list(zip(edges[0::2], edges[1::2])))
 
 
 @dataclass
@@ -104,10 +108,12 @@ class Micro:
             self.cache[key] = compute()
         return self.cache[key]
 
-    def text_spans(self) -> Spans:
-        """The packed samples, each attending within itself."""
-        return self.cached("text_spans", lambda: Spans.from_lengths(
-            self.host.sample_lengths, self.backend, self.x.device))
+    def text_spans(self, bidirectional_images: bool = False) -> Spans:
+        """The packed samples, each attending within itself; ``bidirectional_images``: each run
+        of image tokens also sees itself whole (Gemma 3)."""
+        return self.cached(f"text_spans_{bidirectional_images}", lambda: Spans.from_lengths(
+            self.host.sample_lengths, self.backend, self.x.device,
+            self.host.image_runs if bidirectional_images else None))
 
 
 class LayerOutput(NamedTuple):

@@ -156,7 +156,8 @@ def load_layer(layer: nn.Module, checkpoint: Checkpoint, device: torch.device | 
                dtype: torch.dtype = torch.float32) -> nn.Module:
     """Allocate a meta-built layer on ``device`` and fill every tensor from the checkpoint."""
     local = layer.state_dict()
-    unsaved = [n for n, _ in layer.named_buffers() if n not in local]
+    restored = layer.restored_buffers()
+    unsaved = [n for n, _ in layer.named_buffers() if n not in local and n not in restored]
     if unsaved:
         raise WeightsError(f"{type(layer).__name__} holds buffers no checkpoint stores: "
                            f"{unsaved}")
@@ -164,6 +165,9 @@ def load_layer(layer: nn.Module, checkpoint: Checkpoint, device: torch.device | 
     tensors = checkpoint.read(list(names.values()))
     layer.to_empty(device=device)
     layer.load_state_dict({n: tensors[hf].to(dtype) for n, hf in names.items()}, strict=True)
+    for name, make in restored.items():
+        buffer = layer.get_buffer(name)
+        buffer.copy_(make().to(buffer.dtype))
     return layer
 
 

@@ -2,14 +2,14 @@
 packing (its default cost model), train (model shapes, FLOPs per step) and simulate.
 
 Presets: ``tiny`` for CPU tests, real sizes (``internvl2-2b``, ``internvl-chat-1.5``,
-``qwen2-vl-2b``, ``qwen3-vl-8b``, ``qwen3-vl-30b-a3b``, ``qwen3.5-9b``) for profiling, the packer's
-FLOPs cost model and simulation; a model folder's sizes come from its family
-(``vlmshard.families``). A preset's ViT unit (``image_size``) must be the one the stats count: a
-448-px InternVL tile, or a 28-px Qwen2-VL or 32-px Qwen3-VL merged patch (each family names its
-``default_preset``). The vision side must turn one tile into exactly the ``tokens_per_tile`` image
-tokens the shards were tokenized with: (image_size / patch_size x downsample_ratio)^2. An LLM's
-FLOPs count what a token runs through: for a MoE layer its router and its ``experts_per_token``
-experts (active parameters), while its memory holds all of them.
+``qwen2-vl-2b``, ``qwen3-vl-8b``, ``qwen3-vl-30b-a3b``, ``qwen3.5-9b``, ``gemma-3-4b``) for
+profiling, the packer's FLOPs cost model and simulation; a model folder's sizes come from its
+family (``vlmshard.families``). A preset's ViT unit (``image_size``) must be the one the stats
+count: a 448-px InternVL tile, or a 28-px Qwen2-VL or 32-px Qwen3-VL merged patch (each family
+names its ``default_preset``). The vision side must turn one tile into exactly the
+``tokens_per_tile`` image tokens the shards were tokenized with: (image_size / patch_size x
+downsample_ratio)^2. An LLM's FLOPs count what a token runs through: for a MoE layer its router and
+its ``experts_per_token`` experts (active parameters), while its memory holds all of them.
 
 Every layer cost is linear in three sizes of a micro-batch, the same three the packer balances:
 Σtiles, Σtokens and Σseq_len² (packed samples attend only within themselves; only attention
@@ -78,6 +78,11 @@ class LLMConfig:
     linear_key_dim: int = 0
     linear_value_dim: int = 0
     linear_conv_kernel: int = 4
+    # Sliding-window attention (Gemma 3's local layers): a query sees the ``sliding_window``
+    # tokens up to it, so these layers cost min(len, window)·len a sample, not len²
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma)
 
     @property
     def head_size(self) -> int:
@@ -88,6 +93,9 @@ class LLMConfig:
 
     def is_linear(self, layer: int) -> bool:
         return layer in self.linear_layers
+
+    def is_sliding(self, layer: int) -> bool:
+        return layer in self.sliding_layers
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "LLMConfig":
@@ -101,15 +109,17 @@ class LLMConfig:
         step = text.get("decoder_sparse_step") or 1
         dense = tuple(i for i in range(text["num_hidden_layers"])
                       if i in (text.get("mlp_only_layers") or ()) or (i + 1) % step)
-        linear = tuple(i for i, kind in enumerate(text.get("layer_types") or ())
-                       if kind == "linear_attention")
+        kinds = list(enumerate(text.get("layer_types") or ()))
+        linear = tuple(i for i, kind in kinds if kind == "linear_attention")
+        sliding = tuple(i for i, kind in kinds if kind == "sliding_attention")
+        model_type = text.get("model_type", "")
         return cls(vocab_size=text["vocab_size"], hidden=text["hidden_size"],
                    layers=text["num_hidden_layers"], heads=heads,
                    kv_heads=text.get("num_key_value_heads") or heads,
                    intermediate=text["intermediate_size"], rope_theta=float(rope or 1e6),
                    rms_eps=float(text.get("rms_norm_eps", 1e-6)),
                    head_dim=text.get("head_dim") or 0,
-                   qk_norm=text.get("model_type", "").startswith("qwen3"),
+                   qk_norm=model_type.startswith(("qwen3", "gemma3")),
                    qkv_bias=bool(text.get("attention_bias",
                                           text.get("model_type", "").startswith("qwen2"))),
                    experts=experts, experts_per_token=text.get("num_experts_per_tok") or 0,
@@ -117,13 +127,15 @@ class LLMConfig:
                    dense_layers=dense if experts else (),
                    shared_expert_intermediate=text.get("shared_expert_intermediate_size") or 0,
                    # Qwen3.5's full attention is Qwen3-Next's: its output always gated
-                   attention_gate=text.get("model_type", "").startswith("qwen3_5"),
+                   attention_gate=model_type.startswith("qwen3_5"),
                    linear_layers=linear,
                    linear_key_heads=text.get("linear_num_key_heads", 0) if linear else 0,
                    linear_value_heads=text.get("linear_num_value_heads", 0) if linear else 0,
                    linear_key_dim=text.get("linear_key_head_dim", 0) if linear else 0,
                    linear_value_dim=text.get("linear_value_head_dim", 0) if linear else 0,
-                   linear_conv_kernel=text.get("linear_conv_kernel_dim", 4))
+                   linear_conv_kernel=text.get("linear_conv_kernel_dim", 4),
+                   sliding_window=(text.get("sliding_window") or 0) if sliding else 0,
+                   sliding_layers=sliding, sandwich_norms=model_type.startswith("gemma"))
 
 
 @dataclass(frozen=True)
@@ -134,7 +146,9 @@ class ModelConfig:
     downsample_ratio: float = 0.5  # InternVL's pixel shuffle: 4 patches -> 1 token
     # The projector over the shuffled channels (width): "mlp" width -> hidden -> hidden after a
     # norm of the width (InternVL's mlp1); "merger" width -> width -> hidden after a norm of
-    # each patch (Qwen's PatchMerger; a DeepStack merger norms the width instead)
+    # each patch (Qwen's PatchMerger; a DeepStack merger norms the width instead); "pool" the
+    # ViT's final norm, an average over each token's patches, a norm, one matrix Hv -> hidden
+    # (Gemma 3's projector)
     projector: str = "mlp"
 
     @property
@@ -152,8 +166,8 @@ class ModelConfig:
         if t.experts and not (0 < t.experts_per_token <= t.experts and t.moe_intermediate):
             raise ConfigError("a MoE LLM needs experts_per_token in 1..experts and a "
                               "moe_intermediate size")
-        if self.projector not in ("mlp", "merger"):
-            raise ConfigError(f"projector {self.projector!r} is not mlp or merger")
+        if self.projector not in ("mlp", "merger", "pool"):
+            raise ConfigError(f"projector {self.projector!r} is not mlp, merger or pool")
         if any(not 0 <= i < v.layers for i in v.deepstack):
             raise ConfigError(f"deepstack blocks {list(v.deepstack)} are not ViT blocks "
                               f"0..{v.layers - 1}")
@@ -243,6 +257,18 @@ PRESETS = {
                       linear_key_heads=16, linear_value_heads=32, linear_key_dim=128,
                       linear_value_dim=128),
         downsample_ratio=0.5, projector="merger"),
+    # Gemma 3 4B (gemma-3-4b-it's config.json, the rest transformers' Gemma3TextConfig
+    # defaults): SigLIP-400M at 896 px pooled to 256 tokens + 34 layers, each sixth global, the
+    # others local in a window of 1024. The ViT unit: one 896-px image (or crop).
+    "gemma-3-4b": ModelConfig(
+        name="gemma-3-4b",
+        vision=VisionConfig(image_size=896, patch_size=14, hidden=1152, layers=27, heads=16,
+                            mlp_ratio=4304 / 1152),
+        llm=LLMConfig(vocab_size=262208, hidden=2560, layers=34, heads=8, kv_heads=4,
+                      intermediate=10240, head_dim=256, qk_norm=True, sandwich_norms=True,
+                      sliding_window=1024,
+                      sliding_layers=tuple(i for i in range(34) if (i + 1) % 6)),
+        downsample_ratio=0.25, projector="pool"),
     # InternVL-Chat-V1.5: InternViT-6B-448px-V1-5 + InternLM2-Chat-20B (OmniBal's main setting).
     "internvl-chat-1.5": ModelConfig(
         name="internvl-chat-1.5",
@@ -276,9 +302,11 @@ class Size:
     tiles: float = 0.0
     tokens: float = 0.0
     squares: float = 0.0  # Σ seq_len² over packed samples
+    windowed: float = 0.0  # Σ min(seq_len, window)·seq_len (a sliding-window layer's)
 
     def dot(self, other: "Size") -> float:
-        return self.tiles * other.tiles + self.tokens * other.tokens + self.squares * other.squares
+        return (self.tiles * other.tiles + self.tokens * other.tokens
+                + self.squares * other.squares + self.windowed * other.windowed)
 
 
 @dataclass(frozen=True)
@@ -328,9 +356,15 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
     # + biases (q, k, v, o; the MLP's), two norms and the layer scales
     vit_params = (vit_linear + (3 * v.qkv_bias + 2) * v.hidden + (mlp_matrices - 1) * mlp
                   + 2 * norm * v.hidden + 2 * v.layer_scale * v.hidden)
+    # per tile, the values the projector keeps: its norms' inputs and the matrices' inputs
+    projector_kept = tokens * (2 * width + 2 * t.hidden)
     if config.projector == "mlp":  # norm(width), width -> hidden -> hidden
         projector_linear = width * t.hidden + t.hidden ** 2
         projector_params = projector_linear + 2 * width + 2 * t.hidden
+    elif config.projector == "pool":  # the ViT's final norm, pool, RMSNorm, Hv -> hidden
+        projector_linear = v.hidden * t.hidden
+        projector_params = projector_linear + 2 * v.hidden + v.hidden
+        projector_kept = 2 * patches * v.hidden + tokens * 2 * v.hidden
     else:  # norm(patch), width -> width -> hidden
         projector_linear = width * width + width * t.hidden
         projector_params = projector_linear + norm * v.hidden + width + t.hidden
@@ -343,6 +377,8 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
         params=attention_linear + (2 * head_dim if t.qk_norm else 0) + (q + 2 * kv) * t.qkv_bias,
         flops=Size(tokens=2 * attention_linear, squares=2 * q),
         kept=t.hidden + 2 * kv + q * (2 + t.attention_gate))
+    # sliding-window attention: the same, its quadratic term within the window
+    sliding = replace(attention, flops=Size(tokens=2 * attention_linear, windowed=2 * q))
     # Gated DeltaNet: projections to q/k/v (through the conv), the output gate z, a and b per
     # value head; the conv; the chunked delta rule (chunks of C = 64 tokens: per token and value
     # head about 2.5·C·dk + 1.5·C·dv + 3·dk·dv multiply-adds, each sample rounded up to whole
@@ -376,11 +412,14 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
         + 4 * t.shared_expert_intermediate)
 
     def llm_block(i: int) -> dict:
-        """Layer i: its token and channel mixers, two norms, and the hidden it hands on."""
-        mixers = (linear if t.is_linear(i) else attention, sparse if t.is_moe(i) else dense)
-        return dict(params=sum(m.params for m in mixers) + 2 * t.hidden,
+        """Layer i: its token and channel mixers, two norms (four with sandwich norms), and the
+        hidden it hands on."""
+        token_mixer = (linear if t.is_linear(i) else sliding if t.is_sliding(i) else attention)
+        mixers = (token_mixer, sparse if t.is_moe(i) else dense)
+        return dict(params=sum(m.params for m in mixers) + (2 + 2 * t.sandwich_norms) * t.hidden,
                     flops=Size(tokens=sum(m.flops.tokens for m in mixers),
-                               squares=sum(m.flops.squares for m in mixers)),
+                               squares=sum(m.flops.squares for m in mixers),
+                               windowed=sum(m.flops.windowed for m in mixers)),
                     activation_bytes=Size(tokens=a * (t.hidden + sum(m.kept for m in mixers))),
                     output_bytes=llm_out)
 
@@ -399,7 +438,7 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
     projector = LayerWork(
         "projector_merge", projector_params + t.vocab_size * t.hidden,
         flops=Size(tiles=2 * tokens * projector_linear),
-        activation_bytes=Size(tiles=a * tokens * (2 * width + 2 * t.hidden)),
+        activation_bytes=Size(tiles=a * projector_kept),
         output_bytes=llm_out)
     head = LayerWork(
         "head", t.hidden * t.vocab_size + t.hidden,
@@ -466,4 +505,4 @@ def training_flops(config: ModelConfig) -> Size:
     the packer's default cost model (``a_v``, ``a_t``, ``b``)."""
     work = layer_work(config)
     return Size(*(3 * sum(getattr(lay.flops, k) for lay in work)
-                  for k in ("tiles", "tokens", "squares")))
+                  for k in ("tiles", "tokens", "squares", "windowed")))

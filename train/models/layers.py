@@ -47,6 +47,12 @@ class HFLayer(nn.Module):
         attr, _, rest = local.partition(".")
         return f"{self.paths[attr]}.{rest}"
 
+    def restored_buffers(self) -> dict[str, Callable[[], torch.Tensor]]:
+        """Buffers no checkpoint stores (``persistent=False``), by local name, each with how
+        its module computes it at construction: set after loading (the layer is built on the
+        meta device, where they hold nothing)."""
+        return {}
+
     def forward(self, micro: Micro) -> torch.Tensor:
         raise NotImplementedError
 
@@ -63,6 +69,12 @@ class TokenEmbedding(HFLayer):
     @property
     def weight(self) -> torch.Tensor:
         return self.embed.weight
+
+    def restored_buffers(self) -> dict[str, Callable[[], torch.Tensor]]:
+        """A scaled embedding's scale (Gemma's √hidden), kept as a number too."""
+        if hasattr(self.embed, "scalar_embed_scale"):
+            return {"embed.embed_scale": lambda: torch.tensor(self.embed.scalar_embed_scale)}
+        return {}
 
     def forward(self, micro: Micro) -> torch.Tensor:
         if micro.phase.name == "features":

@@ -99,6 +99,26 @@ class Normalized:
         return {"name": self.name, **asdict(self)}
 
 
+class SquareTiles:
+    """A policy whose tile is a square of ``image_size`` px, one row [3, S, S] of pixel_values
+    each, and whose model takes no image grid (InternVL's crops, Gemma 3's images)."""
+
+    image_size: int
+    rows_per_tile: ClassVar[int] = 1
+    takes_grid: ClassVar[bool] = False
+
+    @property
+    def tile_size(self) -> int:
+        return self.image_size
+
+    @property
+    def pixel_shape(self) -> tuple[int, ...]:
+        return 3, self.image_size, self.image_size
+
+    def grid_thw(self, width: int, height: int) -> None:
+        return None  # the model's forward takes tiles, no grid
+
+
 def to_rgb(image: "Image.Image") -> "Image.Image":
     """RGB as ``transformers`` converts: transparency composited onto white."""
     from PIL import Image
@@ -113,12 +133,30 @@ def to_rgb(image: "Image.Image") -> "Image.Image":
 @dataclass(frozen=True)
 class ImageLayout:
     """An image's tokens: the chat template renders ``placeholder`` once per image, and it
-    becomes ``prefix`` + ``token`` × (the image's tokens) + ``suffix``."""
+    becomes ``prefix`` + ``token`` × (the image's tokens) + ``suffix``, with the text ``around``
+    it (Gemma 3's processor writes ``"\\n\\n"`` on each side; the text is tokenized together
+    with the template's next to it, as the processor's string replacement has it). An image of
+    several ``tile_tokens`` runs (Gemma 3's pan-and-scan: the image, then its crops) becomes
+    ``crops[0]``, the first run, ``crops[1]``, then the others joined by ``crops[2]``."""
 
     placeholder: str
     token: str
     prefix: tuple[str, ...] = ()
     suffix: tuple[str, ...] = ()
+    around: tuple[str, str] = ("", "")
+    tile_tokens: int = 0  # the tokens of one run, where an image may have several
+    crops: tuple[str, str, str] = ("", "", "")
+
+    def pieces(self, count: int) -> list[str | int]:
+        """An image of ``count`` tokens as text (str) and runs of ``token`` (int), in order;
+        each run is wrapped in ``prefix`` and ``suffix``."""
+        if not self.tile_tokens or count <= self.tile_tokens:
+            return [self.around[0], count, self.around[1]]
+        run = [self.around[0], self.tile_tokens, self.around[1]]
+        out = [self.crops[0], *run, self.crops[1]]
+        for i in range(count // self.tile_tokens - 1):
+            out += ([self.crops[2]] if i else []) + run
+        return out
 
 
 @dataclass(frozen=True)
@@ -138,10 +176,8 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelSpec":
-        layout = d["layout"]
-        return cls(**{**d, "layout": ImageLayout(
-            layout["placeholder"], layout["token"], tuple(layout["prefix"]),
-            tuple(layout["suffix"]))})
+        layout = {k: tuple(v) if isinstance(v, list) else v for k, v in d["layout"].items()}
+        return cls(**{**d, "layout": ImageLayout(**layout)})
 
     def unchanged(self) -> bool:
         """Whether the folder's files are still there with the same sha256."""
@@ -160,6 +196,9 @@ class Family:
     trainer_layers: ClassVar[str]  # "module:function" giving the trainer's layer list
     description: ClassVar[str]  # a few words for help texts ("Qwen2-VL, Qwen2.5-VL")
     demo_limits: ClassVar[dict] = {}  # ``tiny_folder`` sizes of the demo's model
+    # its image tokens attend to their whole image in the LLM (Gemma 3): the trainer needs an
+    # attention backend that keeps such runs
+    bidirectional_images: ClassVar[bool] = False
 
     def tiling(self, folder: "ModelFolder") -> TilingPolicy:
         """The tiling policy with the limits of the folder's processor config."""

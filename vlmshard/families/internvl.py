@@ -19,7 +19,16 @@ import numpy as np
 
 from vlmshard.model_sizes import LLMConfig, ModelConfig, VisionConfig
 
-from .base import BICUBIC, IMAGENET_MEAN, IMAGENET_STD, Family, ImageLayout, Normalized, TileBudget
+from .base import (
+    BICUBIC,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    Family,
+    ImageLayout,
+    Normalized,
+    SquareTiles,
+    TileBudget,
+)
 from .folder import ModelFolder, processor_value
 from .tiny import CORPUS, save_random_weights, save_tokenizer
 
@@ -28,7 +37,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class InternVLTiling(Normalized):
+class InternVLTiling(SquareTiles, Normalized):
     """``transformers``' InternVL processing: crop to a grid of tiles chosen by aspect ratio, then
     a thumbnail of the whole image when there is more than one tile."""
 
@@ -41,17 +50,6 @@ class InternVLTiling(Normalized):
     tokens_per_tile: int = 256
     budget: TileBudget = "per-image"
     name: ClassVar[str] = "internvl"
-
-    rows_per_tile: ClassVar[int] = 1
-    takes_grid: ClassVar[bool] = False
-
-    @property
-    def tile_size(self) -> int:
-        return self.image_size
-
-    @property
-    def pixel_shape(self) -> tuple[int, ...]:
-        return 3, self.image_size, self.image_size
 
     def with_limits(self, max_patches: int | None = None,
                     budget: TileBudget | None = None) -> "InternVLTiling":
@@ -71,9 +69,6 @@ class InternVLTiling(Normalized):
     def tiles(self, width: int, height: int, n_images: int) -> int:
         cols, rows = self.grid(width, height, n_images)
         return cols * rows + (cols * rows != 1)  # the thumbnail
-
-    def grid_thw(self, width: int, height: int) -> None:
-        return None  # InternVL's forward takes tiles, no grid
 
     def pixels(self, image: "Image.Image", n_images: int) -> np.ndarray:
         """[tiles, 3, S, S]: the crops row-major, then the thumbnail."""

@@ -1,10 +1,10 @@
 """The model families by name: the one place the stages ask about a model.
 
-Built in: ``internvl``, ``qwen2vl``, ``qwen3vl`` and ``qwen3_5``. More come from the modules that the
-environment variable ``VLMSHARD_FAMILIES`` names (comma-separated, importable), each calling
-``register`` when imported: a family defined outside this package then goes through every
-stage, in every process a job starts (they inherit the environment). A registered family takes
-over the ``model_type`` values it lists from a built-in one.
+Built in: ``internvl``, ``qwen2vl``, ``qwen3vl``, ``qwen3_5`` and ``gemma3``. More come from the
+modules that the environment variable ``VLMSHARD_FAMILIES`` names (comma-separated, importable),
+each calling ``register`` when imported: a family defined outside this package then goes through
+every stage, in every process a job starts (they inherit the environment). A registered family
+takes over the ``model_type`` values it lists from a built-in one.
 """
 
 from __future__ import annotations
@@ -51,12 +51,13 @@ def register(family: Family, *, built_in: bool = False) -> Family:
 @functools.cache
 def _load() -> None:
     """Register the built-in families, then import the modules ``VLMSHARD_FAMILIES`` names."""
+    from .gemma3 import Gemma3
     from .internvl import InternVL
     from .qwen2vl import Qwen2VL
     from .qwen3_5 import Qwen3_5
     from .qwen3vl import Qwen3VL
 
-    for family in (InternVL(), Qwen2VL(), Qwen3VL(), Qwen3_5()):
+    for family in (InternVL(), Qwen2VL(), Qwen3VL(), Qwen3_5(), Gemma3()):
         register(family, built_in=True)
     for module in filter(None, os.environ.get(PLUGINS_VARIABLE, "").split(",")):
         try:

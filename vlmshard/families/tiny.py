@@ -19,16 +19,20 @@ CORPUS = ["What is in the image? A photo of a cat sitting on the mat.",
           "Describe both pictures. The first shows a rocket, the second an astronaut.",
           "You are a helpful assistant. Answer briefly and precisely, please."] * 20
 
-CHAT_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML's special tokens, first in the vocabulary, by role (those ending in _token name the
+# tokenizer's own; "im_start" is only a token)
+CHATML = {"pad_token": "<|endoftext|>", "im_start": "<|im_start|>", "eos_token": "<|im_end|>"}
+CHAT_TOKENS = list(CHATML.values())
 
 
-def _tokenizer(special: list[str], corpus: list[str], vocab_size: int, plain: list[str]):
+def _tokenizer(special: list[str], corpus: list[str], vocab_size: int, plain: list[str],
+               chat: list[str]):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHAT_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=chat,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(corpus, trainer)
@@ -38,16 +42,19 @@ def _tokenizer(special: list[str], corpus: list[str], vocab_size: int, plain: li
 
 
 def save_tokenizer(path: str, special: list[str], template: str, named: dict[str, str],
-                   corpus: list[str], vocab_size: int, plain: list[str] = ()) -> int:
+                   corpus: list[str], vocab_size: int, plain: list[str] = (),
+                   chat: dict[str, str] | None = None) -> int:
     """Save tokenizer.json + tokenizer_config.json (the template inside it, as hub folders
     have it) + special_tokens_map.json; returns the vocabulary size. ``plain``: added tokens
     that are not special (Qwen's ``<think>``), numbered before the ``special`` ones, which
-    end the vocabulary."""
+    end the vocabulary. ``chat``: the special tokens that begin it, by role (``eos_token``,
+    ``pad_token``, ``bos_token``, or a name of its own; default: ChatML's)."""
     from transformers import PreTrainedTokenizerFast
 
-    tok = _tokenizer(special, corpus, vocab_size, list(plain))
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                 pad_token="<|endoftext|>", **named)
+    chat = chat or CHATML
+    tok = _tokenizer(special, corpus, vocab_size, list(plain), list(chat.values()))
+    roles = {k: v for k, v in chat.items() if k.endswith("_token")}
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, **roles, **named)
     hf.save_pretrained(path)
     config_path = os.path.join(path, "tokenizer_config.json")
     with open(config_path) as f:
@@ -59,14 +66,15 @@ def save_tokenizer(path: str, special: list[str], template: str, named: dict[str
     if os.path.exists(jinja):
         os.unlink(jinja)
     with open(os.path.join(path, "special_tokens_map.json"), "w") as f:
-        json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, f)
+        json.dump(roles, f)
     return tok.get_vocab_size()
 
 
 def save_random_weights(path: str, seed: int, init_std: float,
-                        dtype: str = "float32") -> None:
+                        dtype: str = "float32", randomize: tuple[str, ...] = ()) -> None:
     """Random weights for the folder's config, saved in ``dtype`` as safetensors with
-    ``save_pretrained``."""
+    ``save_pretrained``. ``randomize``: parameters the model initializes to zero that would
+    stop every gradient behind them (Gemma 3's projection), drawn with ``init_std`` too."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -76,6 +84,9 @@ def save_random_weights(path: str, seed: int, init_std: float,
             sub.initializer_range = init_std
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config)
+    with torch.no_grad():
+        for name in randomize:
+            model.get_parameter(name).normal_(0.0, init_std)
     model.to(getattr(torch, dtype)).save_pretrained(path)
 
 
