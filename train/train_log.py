@@ -19,13 +19,17 @@ from vlmshard.run_log import LOG_NAME
 log = logging.getLogger(__name__)
 
 
-def micro_batch_size(batch: dict) -> dict:
-    """The three sizes the cost model and the simulator read: tiles, tokens, Σseq_len²."""
+def micro_batch_size(batch: dict, window: int = 0) -> dict:
+    """The sizes the cost model and the simulator read: tiles, tokens, Σseq_len², and for a
+    model with sliding-window layers (``window``) Σmin(seq_len, window)·seq_len."""
     import numpy as np
 
     lens = np.diff(np.asarray(batch["cu_seqlens"][:batch["num_samples"] + 1], dtype=np.int64))
-    return {"tiles": int(batch["num_tiles"]), "tokens": int(batch["num_tokens"]),
-            "squares": int((lens ** 2).sum())}
+    sizes = {"tiles": int(batch["num_tiles"]), "tokens": int(batch["num_tokens"]),
+             "squares": int((lens ** 2).sum())}
+    if window:
+        sizes["windowed"] = int((np.minimum(lens, window) * lens).sum())
+    return sizes
 
 
 def rank_timing(*, rank: int, stage: int, dp_rank: int, forward_s: float, backward_s: float,
@@ -40,11 +44,12 @@ def rank_timing(*, rank: int, stage: int, dp_rank: int, forward_s: float, backwa
             "step_time_s": step_time_s, "load_s": load_s}
 
 
-def rank_data(micro: list[dict]) -> dict:
-    """What a data-parallel rank's first stage trained in a step, from its loader batches."""
+def rank_data(micro: list[dict], window: int = 0) -> dict:
+    """What a data-parallel rank's first stage trained in a step, from its loader batches
+    (``window``: the model's sliding window, see ``micro_batch_size``)."""
     return {"tokens": sum(b["num_tokens"] for b in micro),
             "plan_steps": [b["step"] for b in micro],
-            "micro_sizes": [micro_batch_size(b) for b in micro],
+            "micro_sizes": [micro_batch_size(b, window) for b in micro],
             "sample_ids": [b["sample_ids"].tolist() for b in micro]}
 
 

@@ -263,7 +263,7 @@ def run(cfg: TrainConfig) -> None:
         if syncs.enabled:
             mine["host_syncs"] = syncs.count
         if reads:
-            mine["data"] = rank_data(micro)
+            mine["data"] = rank_data(micro, sizes.llm.sliding_window)
         ranks = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(ranks, mine, group=groups.world)
         if log_file:

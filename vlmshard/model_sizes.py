@@ -308,6 +308,12 @@ class Size:
         return (self.tiles * other.tiles + self.tokens * other.tokens
                 + self.squares * other.squares + self.windowed * other.windowed)
 
+    def windows_as_full(self) -> "Size":
+        """These FLOPs with sliding-window layers charged as full attention: for sizes that
+        know only Σseq_len² (the simulator's, the default partition's), exact for samples no
+        longer than the window and an upper bound beyond."""
+        return Size(self.tiles, self.tokens, self.squares + self.windowed)
+
 
 @dataclass(frozen=True)
 class Mixer:

@@ -110,7 +110,7 @@ def analytic_layer_costs(work: list[LayerWork], *, time_size: Size, memory_size:
     that must fit). The first layer's input is the pixels its activation already keeps."""
     costs = []
     for i, w in enumerate(work):
-        forward = w.flops.dot(time_size) / flops_per_s
+        forward = w.flops.windows_as_full().dot(time_size) / flops_per_s
         inputs = work[i - 1].output_bytes if i else w.activation_bytes
         costs.append(LayerCost(
             w.name, forward, 2 * forward, int(w.activation_bytes.dot(memory_size)),

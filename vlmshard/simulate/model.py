@@ -170,6 +170,7 @@ class StageModel:
 
 
 def _vector(size: Size) -> np.ndarray:
+    size = size.windows_as_full()  # the simulator's sizes know Σseq_len² only
     return np.array([size.tiles, size.tokens, size.squares], dtype=np.float64)
 
 
