@@ -29,13 +29,12 @@ import platform
 import sys
 from dataclasses import replace
 
-import numpy as np
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
 from length_mixes import SYNTHETIC, mix  # noqa: E402
+
 from vlmshard.model_sizes import PRESETS  # noqa: E402
 from vlmshard.packing.batches import Lengths  # noqa: E402
 from vlmshard.packing.config import PackConfig  # noqa: E402
