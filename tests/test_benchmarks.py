@@ -54,3 +54,29 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
         assert run["predicted_step_s"] == pytest.approx(
             run["model_flops_per_step"] / (1e12 * result["sustained_share"]), rel=1e-9)
         assert f"{algo:<9} {run['median_step_s']:>9.3f}" in proc.stdout
+
+
+def test_layer_kinds_bench_costs_less_attention_by_kind(tmp_path):
+    """Under the by-kind cost model attention is no larger a share of any mix's work than an
+    all-attention FLOPs model claims, and smaller wherever linear-attention layers or samples
+    past Gemma 3's window are; Qwen3.5's plans are the same either way (``balanced``
+    weighs each sample's quadratic work against the window's mean, whatever scales it)."""
+    import json
+
+    out = tmp_path / "kinds.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks",
+                                                        "layer_kinds_bench.py"),
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    pairs = {}
+    for row in rows:
+        pairs.setdefault((row["model"], row["mix"]), {})[row["packed_with"]] = row
+    assert len(pairs) == 10
+    for (model, mix), pair in pairs.items():
+        kind, full = pair["by kind"], pair["all attention"]
+        assert kind["attention_share"] <= full["attention_share"]
+        if model.startswith("qwen3.5") or mix == "text-heavy":
+            assert kind["attention_share"] < full["attention_share"]
+        if model.startswith("qwen3.5"):
+            assert (kind["qt"], kind["step_efficiency"]) == (full["qt"], full["step_efficiency"])
