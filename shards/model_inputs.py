@@ -14,9 +14,14 @@ attention implementation (``model.config._attn_implementation``):
   and ``max_length_q/k``, which ``transformers`` hands to flash-attn's varlen kernel;
 - ``sdpa`` and ``eager``: a 4-D additive mask [1, 1, n, n] in the model's dtype, causal within each
   sample and ``-inf`` across them (``transformers`` takes a 4-D mask as it is). It costs n²
-  memory: for long micro-batches, use flash-attn on a GPU.
+  memory: for long micro-batches, use flash-attn on a GPU. A model whose layers attend
+  differently gets one mask per layer kind, as its own forward takes them (Gemma 3: each image's
+  tokens see their whole image, and its ``sliding_attention`` layers a window).
 
-Any other implementation is refused, since nothing tells it where samples end. Position ids
+Any other implementation is refused, since nothing tells it where samples end; so are flash-attn
+for a model whose images attend both ways (its kernel cannot), and a model with linear-attention
+layers (Qwen3.5: ``transformers``' own forward carries their state across packed samples; train
+it with ``vlmshard train``, or give it each sample alone, ``split_batch``). Position ids
 restart at each sample (Qwen2-VL's 3-D mRoPE ids as ``get_rope_index`` computes them for each
 sample alone); ``transformers``' own detection of packing from position ids misses 3-D ids, so
 the boundaries are always given explicitly. Labels are shifted here (``shift_labels``), never
@@ -71,6 +76,16 @@ def model_inputs(batch: dict, model, num_items_in_batch: int | float | None = No
         raise ConfigError(f"attention implementation {implementation!r} cannot keep packed "
                           f"samples apart; load the model with attn_implementation= one of "
                           f"{', '.join(FLASH + MASKED)}")
+    kinds = set(getattr(model.config.get_text_config(), "layer_types", None) or ())
+    if "linear_attention" in kinds:
+        raise ConfigError(f"{model.config.model_type}: transformers' own forward carries its "
+                          "linear-attention layers' state from one packed sample into the next; "
+                          "train it with vlmshard train, or run each sample alone (split_batch)")
+    runs = _bidirectional_images(model)
+    if runs and implementation in FLASH:
+        raise ConfigError(f"{model.config.model_type} attends to each image both ways, which "
+                          "flash-attn's varlen kernel cannot; load it with "
+                          "attn_implementation='sdpa'")
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     cu = batch["cu_seqlens"].to(device)
@@ -95,6 +110,11 @@ def model_inputs(batch: dict, model, num_items_in_batch: int | float | None = No
         longest = int((cu[1:] - cu[:-1]).max())
         inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
                       max_length_k=longest)
+    elif runs or "sliding_attention" in kinds:  # a mask per layer kind, as the model takes it
+        window = model.config.get_text_config().sliding_window
+        image = inputs["input_ids"][0] == model.config.image_token_id if runs else None
+        inputs["attention_mask"] = {kind: packed_mask(
+            cu, dtype, image, window if kind == "sliding_attention" else None) for kind in kinds}
     else:
         inputs["attention_mask"] = packed_mask(cu, dtype)
     if num_items_in_batch is not None:
@@ -131,12 +151,39 @@ def _takes_token_types(model_class: type) -> bool:
     return "mm_token_type_ids" in inspect.signature(model_class.forward).parameters
 
 
-def packed_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The additive [1, 1, n, n] mask: 0 where a token may attend (an earlier or the same token
-    of its own sample), the dtype's lowest value elsewhere."""
+def packed_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype, image: torch.Tensor | None = None,
+                window: int | None = None) -> torch.Tensor:
+    """The additive [1, 1, n, n] mask: 0 where a token may attend (``allowed_keys``: an earlier
+    or the same token of its own sample; where ``image`` [n] marks image tokens, every token of
+    the same image; within a ``window``), the dtype's lowest value elsewhere."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     segment = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device),
                                       lengths)
-    allowed = (segment[:, None] == segment[None, :]).tril()
+    run = torch.full_like(segment, -1)
+    if image is not None:  # consecutive image tokens form one image's run
+        starts = image & ~torch.nn.functional.pad(image, (1, 0))[:-1]
+        run = torch.where(image, torch.cumsum(starts.long(), 0), run)
+    allowed = allowed_keys(segment, run, window)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=cu_seqlens.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def allowed_keys(segment: torch.Tensor, run: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[n, n] bool, True where query i may see key j, as ``transformers.masking_utils`` defines
+    it: both in one sample (``segment`` ids), and j ≤ i or both in one bidirectional run (``run``
+    ids, -1 for none: ``blockwise_overlay``), and with a ``window`` j > i - window
+    (``sliding_window_overlay``)."""
+    index = torch.arange(len(segment), device=segment.device)
+    allowed = (index[None, :] <= index[:, None]) | ((run[:, None] == run[None, :])
+                                                    & (run[:, None] >= 0))
+    allowed &= segment[:, None] == segment[None, :]
+    if window:
+        allowed &= index[None, :] > index[:, None] - window
+    return allowed
+
+
+def _bidirectional_images(model) -> bool:
+    """Whether the model's family attends to each image both ways (Gemma 3)."""
+    from vlmshard.families import family_for_model_type
+
+    return family_for_model_type(model.config.model_type, "the model").bidirectional_images

@@ -1,7 +1,8 @@
 """The shards in a plain ``transformers`` forward: with ``model_inputs``, each packed sample's
 logits and loss equal the HF model's own on that sample alone (``hf_reference.split_samples``),
-under SDPA and eager attention, for InternVL (1-D position ids) and Qwen2-VL (3-D mRoPE ids,
-which ``transformers``' own packing detection misses)."""
+under SDPA and eager attention, for InternVL (1-D position ids), Qwen2-VL (3-D mRoPE ids,
+which ``transformers``' own packing detection misses) and Gemma 3 (images attended both ways,
+sliding-window layers: a mask per layer kind)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from vlmshard.errors import ConfigError
 from vlmshard.shards.loader import ShardDataset
 from vlmshard.shards.model_inputs import model_inputs
 
-UNITS = {"internvl": (256, 1), "qwen2_vl": (1, 4)}  # (tokens per tile, pixel rows per tile)
+# (tokens per tile, pixel rows per tile)
+UNITS = {"internvl": (256, 1), "qwen2_vl": (1, 4), "gemma3": (4, 1)}
 
 
 @pytest.fixture(scope="module", params=sorted(UNITS))
@@ -35,7 +37,11 @@ def _model(folder: str, implementation: str):
 
 
 def _alone(model, family: str, batch: dict) -> list[dict]:
-    return split_samples(batch, model.config.image_token_id, *UNITS[family])
+    samples = split_samples(batch, model.config.image_token_id, *UNITS[family])
+    if family == "gemma3":  # its processor's token types: the image tokens, for its masks
+        for sample in samples:
+            sample["token_type_ids"] = (sample["input_ids"] == model.config.image_token_id).long()
+    return samples
 
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
@@ -67,6 +73,8 @@ def test_padding_to_the_caps_changes_nothing(packed):
 
 def test_flash_gets_the_boundaries_and_other_kernels_are_refused(packed):
     family, folder, _, batch = packed
+    if family == "gemma3":
+        pytest.skip("refused for Gemma 3 (test_models_that_packing_breaks_are_refused)")
     model = _model(folder, "sdpa")
     lengths = [s["input_ids"].shape[1] for s in _alone(model, family, batch)]
     for config in (model.config, model.config.get_text_config()):
@@ -94,3 +102,21 @@ def test_split_batch_gives_each_sample_as_the_reference_cuts_it(packed):
         assert torch.equal(g["labels"], w["labels"])
         for key in ("pixel_values", "image_grid_thw"):
             assert (key in g) == (key in w) and (key not in g or torch.equal(g[key], w[key]))
+
+
+def test_models_that_packing_breaks_are_refused(tmp_path):
+    """Qwen3.5's linear-attention layers carry their state across packed samples in
+    transformers' own forward, and flash-attn cannot attend Gemma 3's images both ways: one
+    line each, rather than a silent leak."""
+    for family, implementation, message in (
+            ("qwen3_5", "sdpa", "linear-attention layers' state"),
+            ("gemma3", "flash_attention_2", "attends to each image both ways")):
+        root = tmp_path / family
+        folder = make_folder(family, str(root / "model"))
+        shards = make_shards(folder, root, micro_batches=1)
+        batch = next(iter(ShardDataset(shards, pad_to_caps=False)))
+        model = _model(folder, "sdpa")
+        for config in (model.config, model.config.get_text_config()):
+            config._attn_implementation = implementation
+        with pytest.raises(ConfigError, match=message):
+            model_inputs(batch, model)

@@ -39,6 +39,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from vlmshard.shards.model_inputs import allowed_keys
+
 PACKED_SDPA = "vlmshard_packed_sdpa"
 PACKED_VARLEN = "vlmshard_packed_varlen"
 IMPLEMENTATIONS = {"flash": "flash_attention_2", "varlen": PACKED_VARLEN, "sdpa": PACKED_SDPA}
@@ -70,18 +72,13 @@ def implementation(backend: str) -> str:
 
 def sample_mask(length: int, runs: list[tuple[int, int]], window: int | None,
                 device: torch.device) -> torch.Tensor:
-    """[length, length] bool, True where a query (row) may see a key: causal, or both in one of
-    ``runs`` ([start, end) in the sample); and, with a ``window``, the key less than ``window``
-    before the query (``causal_mask_function``, ``blockwise_overlay`` and
-    ``sliding_window_overlay`` of ``transformers.masking_utils``). Built on the device from host
-    numbers: nothing is read back."""
-    index = torch.arange(length, device=device)
-    allowed = index[None, :] <= index[:, None]
-    for start, end in runs:
-        allowed[start:end, start:end] = True
-    if window:
-        allowed &= index[None, :] > index[:, None] - window
-    return allowed
+    """[length, length] bool for one sample (``allowed_keys``): causal, or both in one of
+    ``runs`` ([start, end) in the sample); with a ``window``, within it. Built on the device
+    from host numbers: nothing is read back."""
+    run = torch.full((length,), -1, dtype=torch.long, device=device)
+    for k, (start, end) in enumerate(runs):
+        run[start:end] = k
+    return allowed_keys(torch.zeros_like(run), run, window)
 
 
 def packed_sdpa(module, query, key, value, attention_mask, *, packed_lengths=None,
