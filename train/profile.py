@@ -121,7 +121,7 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
         partitions["validated"] = validate_candidates(
             cfg, [partitions["search"], *partitions["omnibal"]][:cfg.validate_top])
         partitions["chosen"] = min(partitions["validated"], key=lambda p: p["measured_step_s"])
-    cost = {**fit_cost_model(profile.micro_batches),
+    cost = {**fit_cost_model(profile.micro_batches), **layer_kind_window(folder),
             **memory_caps(profile, partitions["chosen"]["bounds"], machine)}
     os.makedirs(cfg.out, exist_ok=True)
     write_json_atomic(os.path.join(cfg.out, "profile.json"),
@@ -259,6 +259,20 @@ class _SavedBytes:
     @staticmethod
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t
+
+
+def layer_kind_window(folder: str) -> dict:
+    """The sliding window and its share of ``b`` from the model's layer kinds (analytic), for a
+    model that has one: the fit measures ``b`` over all attention layers, and the packer then
+    charges the window's share min(len, window)·len (``CostModel.squares``)."""
+    from vlmshard.families import model_sizes
+    from vlmshard.io import read_json
+    from vlmshard.packing.cost import CostModel
+
+    analytic = CostModel.from_sizes(model_sizes(read_json(os.path.join(folder, "config.json")),
+                                                folder))
+    return {"window": analytic.window, "window_share": analytic.window_share} \
+        if analytic.window else {}
 
 
 def fit_cost_model(micro_batches: list[dict]) -> dict:
