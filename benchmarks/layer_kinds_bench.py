@@ -8,7 +8,8 @@ mix of ``tests/length_mixes.py`` (20,000 samples; a 256-token image unit: one Ge
 crop, 256 merged patches of Qwen3.5), ``balanced`` packs the samples twice for R=8 ranks, M=1:
 
 - **by kind**: the cost model this code derives (only attention layers have the quadratic term;
-  Gemma 3's local layers charge min(len, 1024)·len);
+  Gemma 3's local layers charge 1024·(2·len − 1024) past their window, where full causal
+  attention is len²);
 - **all attention**: the same sizes costed as if every layer were full softmax attention (what a
   FLOPs model without layer kinds charges).
 

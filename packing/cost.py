@@ -3,12 +3,12 @@
 ``vit_cost = a_v·Σtiles`` and ``llm_cost = a_t·Σseq_len + b·Σseq_len²`` (packed samples attend only
 within themselves, so attention is quadratic per sample). Only attention layers make the ``b`` term
 (a linear-attention layer costs linear in tokens). Where some of them attend within a sliding
-``window`` (Gemma 3's local layers), their ``window_share`` of ``b`` costs min(seq_len,
-window)·seq_len a sample instead: ``squares`` gives each sample's quadratic work in units of ``b``,
-seq_len² up to the window, and the packer, its metrics and report use it. Defaults are the training
-FLOPs (forward + backward = 3× forward) of the model, from its layer sizes
-(``vlmshard/model_sizes.py``): a model folder's ``config.json`` (by default the folder the stats
-were preprocessed for) or a preset;
+``window`` w (Gemma 3's local layers), their ``window_share`` of ``b`` costs w·(2·seq_len − w) a
+sample past the window instead (causal pairs, as seq_len² counts them for full attention):
+``squares`` gives each sample's quadratic work in units of ``b``, seq_len² up to the window, and
+the packer, its metrics and report use it. Defaults are the training FLOPs (forward + backward = 3×
+forward) of the model, from its layer sizes (``vlmshard/model_sizes.py``): a model folder's
+``config.json`` (by default the folder the stats were preprocessed for) or a preset;
 ``vlmshard train profile`` writes a measured ``cost_model.json`` with the same three keys.
 """
 
@@ -88,8 +88,14 @@ class CostModel:
             raise InputError(f"{path}: a cost model needs numbers a_v, a_t and b") from None
         if min(a_v, a_t, b) < 0 or a_v + a_t + b <= 0:
             raise InputError(f"{path}: cost coefficients must be non-negative and not all zero")
-        return cls(a_v, a_t, b, f"file:{path}", window=int(data.get("window", 0)),
-                   window_share=float(data.get("window_share", 0.0)))
+        try:
+            window, share = int(data.get("window", 0)), float(data.get("window_share", 0.0))
+        except (TypeError, ValueError):
+            raise InputError(f"{path}: window must be a whole number of tokens and window_share "
+                             "a number") from None
+        if window < 0 or not 0.0 <= share <= 1.0:
+            raise InputError(f"{path}: window must be >= 0 and window_share within [0, 1]")
+        return cls(a_v, a_t, b, f"file:{path}", window=window, window_share=share)
 
     def cost(self, tiles, tokens, squares):
         """Cost of micro-batches (or ranks) from their Σtiles, Σtokens and Σ``squares``."""
@@ -97,12 +103,13 @@ class CostModel:
 
     def squares(self, tokens: np.ndarray) -> np.ndarray:
         """Per sample of ``tokens`` its quadratic work in units of ``b``: seq_len², less what
-        the sliding-window layers skip past their window ((1 - share)·len² + share·min(len,
-        window)·len). float64."""
+        the sliding-window layers skip past their window: causal attention within a window w
+        is w·(2·len − w) in the units where full causal attention is len² (both twice the
+        query-key pairs), len² − (len − w)². float64."""
         t = np.asarray(tokens, dtype=np.float64)
         if not self.window or not self.window_share:
             return t * t
-        return t * t - self.window_share * np.maximum(t - self.window, 0.0) * t
+        return t * t - self.window_share * np.maximum(t - self.window, 0.0) ** 2
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -9,13 +9,15 @@ How, per conversation:
    after an image item (InternVL's ``<IMG_CONTEXT>\\n``), the line break that data writes after
    an ``<image>`` placeholder is dropped, as the family's own training code renders it once.
    Where the template trims whitespace (``|trim``: Qwen3.5 the edges of each message's
-   content, Gemma 3 each text item), the text is trimmed the same way first, since the template
-   cannot trim a marker's text. Both are found by rendering a probe conversation once.
+   content, Gemma 3 each text item but not the system turn), the text is trimmed the same way
+   first, since the template cannot trim a marker's text. Both are found by rendering probe
+   conversations once.
 2. The template is rendered by ``tokenizer.apply_chat_template`` with a marker in place of each
    text item, so the template's own text and the data text are told apart by position. A
    conversation whose text the template would itself rewrite (Qwen3.5 moves a ``<think>``
    block in an answer into its reasoning) is rejected: the template is rendered once more with
-   the text in place, and the two renderings must agree.
+   the text in place, as written, and must give the marked rendering with the (trimmed) text
+   put back.
 3. The template text is split at the vocabulary's special tokens (as ``tokenizers`` does for the
    whole string); each image placeholder becomes the family's expansion. Everything between two
    special tokens, template and data text together, is encoded with special-token parsing off:
@@ -55,10 +57,13 @@ class TextRules:
     break_after_image: bool = False  # it writes whitespace after an image item
     trim_items: bool = False  # it trims each text item (``item.text | trim``)
     trim_content: bool = False  # it trims each message's rendered content
+    trim_system: bool = False  # either also for the system turn (Gemma 3 writes it as given)
 
 
-def _trimmed(parts: list, rules: TextRules) -> list:
+def _trimmed(parts: list, rules: TextRules, role: str) -> list:
     """A turn's parts (text and images) with the whitespace the template would trim removed."""
+    if role == "system" and not rules.trim_system:
+        return parts
     if rules.trim_items:
         return [p if isinstance(p, ImageItem) else p.strip() for p in parts]
     if not rules.trim_content:
@@ -90,7 +95,7 @@ def to_messages(turns: list[Turn], rules: TextRules = TextRules(), marked: bool 
                 part = part[1:]
             after_placeholder = isinstance(part, ImageItem) and part.placeholder
             parts.append(part)
-        for part in _trimmed(parts, rules):
+        for part in _trimmed(parts, rules, turn.role):
             if isinstance(part, ImageItem):
                 content.append({"type": "image"})
             elif part:
@@ -159,24 +164,30 @@ class ChatTemplateEncoder:
         gap = "".join(self._split.split(after)[0::2])  # without the family's image tokens
         return gap != "" and gap.isspace()
 
-    def _template_trims(self) -> tuple[bool, bool]:
-        """(trims each text item, trims each message's content), from where the whitespace
-        around a probe's text items survives: a template that trims content strips only
-        the outer edges of [text, image, text]."""
-        spaced = [f" {_MARK.format(k)} " for k in range(3)]
-        probe = [{"role": "user", "content": [{"type": "text", "text": spaced[0]},
+    def _template_trims(self) -> tuple[bool, bool, bool]:
+        """(trims each text item, trims each message's content, trims the system turn too),
+        from where the whitespace around a probe's text items survives: a template that trims
+        content strips only the outer edges of [text, image, text]."""
+        spaced = [f" {_MARK.format(k)} " for k in range(4)]
+
+        def kept(probe: list[dict], k: int) -> tuple[bool, bool] | None:
+            try:
+                rendered = self.hf.apply_chat_template(probe, tokenize=False)
+            except Exception:  # a template that refuses the probe: no trimming known
+                return None
+            return f" {_MARK.format(k)}" in rendered, f"{_MARK.format(k)} " in rendered
+
+        turns = [{"role": "user", "content": [{"type": "text", "text": spaced[0]},
                                               {"type": "image"},
                                               {"type": "text", "text": spaced[1]}]},
                  {"role": "assistant", "content": spaced[2]}]
-        try:
-            rendered = self.hf.apply_chat_template(probe, tokenize=False)
-        except Exception:  # a template that refuses the probe: no trimming known
-            return False, False
-        kept = [(f" {_MARK.format(k)}" in rendered, f"{_MARK.format(k)} " in rendered)
-                for k in range(2)]
-        inner = not kept[0][1] and not kept[1][0]  # whitespace between the items went
-        outer = not kept[0][0] and not kept[1][1]
-        return inner, outer and not inner
+        first, second = kept(turns, 0), kept(turns, 1)
+        if first is None:
+            return False, False, False
+        inner = not first[1] and not second[0]  # whitespace between the items went
+        outer = not first[0] and not second[1]
+        system = kept([{"role": "system", "content": spaced[3]}, *turns], 3)
+        return inner, outer and not inner, system is not None and not any(system)
 
     def min_text_tokens(self, turns: list[Turn]) -> int:
         """A lower bound of ``encode``'s ``text_tokens`` that renders and tokenizes nothing (a 10
@@ -197,7 +208,9 @@ class ChatTemplateEncoder:
         messages, texts = to_messages(turns, self._rules)
         try:
             rendered = self.hf.apply_chat_template(messages, tokenize=False)
-            in_place = self.hf.apply_chat_template(to_messages(turns, self._rules, False)[0],
+            # the text as written: the template's own trimming must give what the markers got
+            as_written = TextRules(break_after_image=self._rules.break_after_image)
+            in_place = self.hf.apply_chat_template(to_messages(turns, as_written, False)[0],
                                                    tokenize=False)
         except Exception as e:  # jinja's raise_exception, undefined variables, ...
             raise Reject("template_error", f"the chat template refuses this conversation: {e}")

@@ -183,7 +183,11 @@ def allowed_keys(segment: torch.Tensor, run: torch.Tensor, window: int | None) -
 
 
 def _bidirectional_images(model) -> bool:
-    """Whether the model's family attends to each image both ways (Gemma 3)."""
-    from vlmshard.families import family_for_model_type
+    """Whether the model's family attends to each image both ways (Gemma 3); a model no family
+    serves is taken as the others are."""
+    from vlmshard.families import model_types
+    from vlmshard.families.registry import family_for_model_type
 
-    return family_for_model_type(model.config.model_type, "the model").bidirectional_images
+    model_type = model.config.model_type
+    return model_type in model_types() and family_for_model_type(
+        model_type, "the model").bidirectional_images

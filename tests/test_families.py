@@ -291,6 +291,29 @@ def test_a_trimming_template_trims_the_text_and_a_rewriting_one_rejects(folders,
     assert "<think>\n\n</think>\n\nStill a cat." in tok.decode(sample["input_ids"])
 
 
+def test_gemma3_trims_each_item_but_not_the_system_turn(folders, tmp_path):
+    """Gemma 3's template trims every text item of user and model turns but writes the system
+    turn as given (folded into the first user turn): the ids equal its processor's on the
+    untrimmed messages."""
+    row = {"image": _photo("chelsea.png"), "conversations": [
+        {"from": "system", "value": " Be brief. \n"},
+        {"from": "human", "value": "  Look: <image>\n what is it?  "},
+        {"from": "gpt", "value": "\nA cat. "}]}
+    messages = [{"role": "system", "content": " Be brief. \n"},
+                {"role": "user", "content": [{"type": "text", "text": "  Look: "},
+                                             {"type": "image"},
+                                             {"type": "text", "text": "\n what is it?  "}]},
+                {"role": "assistant", "content": "\nA cat. "}]
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    sample = _stats(_preprocess(str(data), folders["gemma3"], tmp_path / "pre",
+                                keep_tokens=True))[0]
+    tok = _tokenizer(folders["gemma3"])
+    want = _expected_ids("gemma3", tok, messages, [_photo("chelsea.png")])
+    assert sample["input_ids"] == want
+    assert tok.decode(want).startswith("<bos><start_of_turn>user\n Be brief. \n\n\nLook:")
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_control_token_text_in_the_data_stays_text(family, folders, preprocessed, rows):
     tok = _tokenizer(folders[family])
@@ -599,9 +622,10 @@ def test_pack_charges_attention_to_the_full_attention_layers_only(shards, folder
 
 
 def test_pack_charges_sliding_window_layers_within_their_window(shards, folders):
-    """Gemma 3's plan costs its tiny folder by hand: of three layers, two attend within a
-    window of 8, so a sample's quadratic work is a third len² and two thirds min(len, 8)·len;
-    the plan records the window and its share, and the packer's cost model uses them."""
+    """Gemma 3's plan costs its tiny folder by hand: of three layers, two attend causally
+    within a window of 8, so a sample's quadratic work is a third len² and two thirds 8·(2·len −
+    8) past the window (causal pairs, counted as len² counts them); the plan records the window
+    and its share, and the packer's cost model uses them."""
     plan = json.load(open(os.path.join(os.path.dirname(shards["gemma3"][1]), "gemma3-plan",
                                        "plan.json")))
     cost = plan["cost_model"]
@@ -613,7 +637,7 @@ def test_pack_charges_sliding_window_layers_within_their_window(shards, folders)
     assert cost["b"] == 3 * 3 * 2 * q  # every layer's 2·s²·heads·head_dim, ×3 with backward
     assert (cost["window"], cost["window_share"]) == (8, pytest.approx(2 / 3))
     squares = CostModel(**cost).squares(np.array([20, 8, 5]))
-    np.testing.assert_allclose(squares, [(400 + 2 * 8 * 20) / 3, 64, 25])
+    np.testing.assert_allclose(squares, [(400 + 2 * 8 * (2 * 20 - 8)) / 3, 64, 25])
 
 
 def test_pack_refuses_a_cost_model_of_another_patch_size(shards, tmp_path):

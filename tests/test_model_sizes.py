@@ -5,6 +5,7 @@ model (on the meta device: no memory) and counting, never from the formulas unde
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -143,3 +144,20 @@ def test_the_qwen3_vl_8b_preset_is_the_published_model():
     preset = PRESETS["qwen3-vl-8b"]
     assert sum(w.params for w in layer_work(preset)) == real
     assert model_sizes(config.to_dict(), "qwen3-vl-8b") == preset
+
+
+@pytest.mark.parametrize("name, preset, window, linear", [
+    ("gemma-3-4b-it.json", "gemma-3-4b", 1024, 0), ("qwen3.5-0.8b.json", None, 0, 18)])
+def test_published_configs_read_with_transformers_defaults(name, preset, window, linear):
+    """A published config.json states only what differs from transformers' defaults (Gemma 3's
+    has no head counts at all): its sizes are read as transformers reads the file, layer kinds
+    included. Gemma 3 4B's equal the preset's; Qwen3.5-0.8B has 18 Gated DeltaNet layers of 24."""
+    from helpers import REPO
+
+    with open(os.path.join(REPO, "tests", "data", "configs", name)) as f:
+        config = json.load(f)
+    sizes = model_sizes(config, name)
+    assert sizes.llm.sliding_window == window and len(sizes.llm.linear_layers) == linear
+    if preset:
+        assert sizes.llm == PRESETS[preset].llm and sizes.vision == PRESETS[preset].vision
+        assert sizes.tokens_per_tile == PRESETS[preset].tokens_per_tile == 256

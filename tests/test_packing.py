@@ -55,8 +55,8 @@ def test_greedy_groups_equals_reference(rows, qv, qt, rnd):
 
 
 def _squares(tokens, window: int, share: float) -> np.ndarray:
-    """Each sample's quadratic work, by hand: share of it within a sliding window."""
-    return np.array([(1 - share) * t * t + share * min(t, window) * t if window else float(t * t)
+    """Each sample's quadratic work, by hand: a share of it causal within a sliding window."""
+    return np.array([t * t - share * max(t - window, 0) ** 2 if window else float(t * t)
                      for t in tokens.tolist()], np.float64)
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import bisect
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
@@ -82,28 +82,34 @@ def sample_mask(length: int, runs: list[tuple[int, int]], window: int | None,
 
 
 def packed_sdpa(module, query, key, value, attention_mask, *, packed_lengths=None,
-                packed_runs=None, sliding_window=None, **kwargs):
+                packed_runs=None, packed_masks=None, sliding_window=None, **kwargs):
     """``transformers``' SDPA attention on each packed segment alone (``packed_lengths``, on the
     host): Σ len² work, no mask over the micro-batch, grouped-query heads kept; causality as
     the module (or ``is_causal``) says, a sample's mask (``sample_mask``) where it has
-    bidirectional runs (``packed_runs``, per segment) or the module a ``sliding_window``."""
+    bidirectional runs (``packed_runs``, per segment) or the module a ``sliding_window``, made
+    once per micro-batch and window and shared by the layers (``packed_masks``, the spans')."""
     for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
         kwargs.pop(name, None)
     if packed_lengths is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     runs = packed_runs or [[]] * len(packed_lengths)
+    masks = {} if packed_masks is None else packed_masks
     outputs = []
-    for length, sample_runs, q, k, v in zip(packed_lengths, runs, *(
-            t.split(packed_lengths, dim=2) for t in (query, key, value))):
-        masked = sample_runs or (sliding_window and length > sliding_window)
-        mask = sample_mask(length, sample_runs, sliding_window, q.device) if masked else None
+    for index, (length, sample_runs, q, k, v) in enumerate(zip(packed_lengths, runs, *(
+            t.split(packed_lengths, dim=2) for t in (query, key, value)))):
+        window = sliding_window if sliding_window and length > sliding_window else None
+        mask = None
+        if sample_runs or window:
+            if (index, window) not in masks:
+                masks[index, window] = sample_mask(length, sample_runs, window, q.device)
+            mask = masks[index, window]
         outputs.append(sdpa_attention_forward(module, q, k, v, mask, **kwargs)[0])
     return torch.cat(outputs, dim=1), None
 
 
 def packed_varlen(module, query, key, value, attention_mask, *, cu_seq_lens_q=None,
                   max_length_q=None, scaling=None, is_causal=None, sliding_window=None,
-                  packed_lengths=None, packed_runs=None, **kwargs):
+                  packed_lengths=None, packed_runs=None, packed_masks=None, **kwargs):
     """torch's varlen flash attention over every packed segment in one call (``cu_seq_lens_q``,
     on the device), a module's ``sliding_window`` as its window; a single segment
     (``transformers`` runs a Qwen ViT image by image) goes to SDPA, which takes its own flash
@@ -114,8 +120,8 @@ def packed_varlen(module, query, key, value, attention_mask, *, cu_seq_lens_q=No
     kwargs.pop("max_length_k", None)
     if packed_runs and any(packed_runs):
         return packed_sdpa(module, query, key, value, None, packed_lengths=packed_lengths,
-                           packed_runs=packed_runs, sliding_window=sliding_window,
-                           scaling=scaling, **kwargs)
+                           packed_runs=packed_runs, packed_masks=packed_masks,
+                           sliding_window=sliding_window, scaling=scaling, **kwargs)
     if cu_seq_lens_q is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
@@ -152,6 +158,8 @@ class Spans:
     backend: str
     # per segment, [start, end) runs within it that attend bidirectionally (Gemma 3's images)
     runs: list[list[tuple[int, int]]] | None = None
+    # SDPA's masks by (segment, window), made by the first layer that needs one
+    masks: dict = field(default_factory=dict)
 
     @classmethod
     def from_lengths(cls, lengths: list[int], backend: str, device: torch.device,
@@ -171,7 +179,8 @@ class Spans:
 
     def kwargs(self) -> dict:
         """Keyword arguments for a ``transformers`` attention layer call."""
-        runs = {"packed_runs": self.runs} if self.runs is not None else {}
+        runs = {"packed_runs": self.runs, "packed_masks": self.masks} \
+            if self.runs is not None else {}
         if self.backend == "sdpa":
             return {"packed_lengths": self.lengths, **runs}
         return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,

@@ -109,9 +109,11 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
         raise InputError(f"{folder}: {e}") from None
     batches = list(islice(ShardDataset(cfg.shards, 0, 1, pixel_dtype=cfg.dtype),
                           cfg.micro_batches))
+    window = layer_kind_window(folder)
     profile = profile_layers(model, batches, device, cfg.dtype, cfg.repeats, cfg.warmup,
                              param_bytes=bytes_per_param(cfg.precision, cfg.dp,
-                                                         cfg.grad_accum))
+                                                         cfg.grad_accum),
+                             window=window.get("window", 0))
     try:
         machine = Machine.for_device(parse_size(cfg.memory_budget), cfg.link_bytes_per_s)
     except ValueError as e:  # a budget the CUDA context and buffers take whole
@@ -121,7 +123,7 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
         partitions["validated"] = validate_candidates(
             cfg, [partitions["search"], *partitions["omnibal"]][:cfg.validate_top])
         partitions["chosen"] = min(partitions["validated"], key=lambda p: p["measured_step_s"])
-    cost = {**fit_cost_model(profile.micro_batches), **layer_kind_window(folder),
+    cost = {**fit_cost_model(profile.micro_batches, window.get("window_share", 0.0)), **window,
             **memory_caps(profile, partitions["chosen"]["bounds"], machine)}
     os.makedirs(cfg.out, exist_ok=True)
     write_json_atomic(os.path.join(cfg.out, "profile.json"),
@@ -167,10 +169,11 @@ def _detached(out: LayerOutput | Micro, requires_grad: bool = False) -> LayerOut
 
 def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
                    dtype: torch.dtype = torch.float32, repeats: int = 3, warmup: int = 1,
-                   param_bytes: float = 16.0) -> Profile:
+                   param_bytes: float = 16.0, window: int = 0) -> Profile:
     """Time and measure every layer on each batch (collated micro-batches from the loader), each
     on the real rows the previous layer produced, as a pipeline stage runs it: ``warmup``
-    untimed runs (cuBLAS heuristics, allocator growth), then the median of ``repeats``."""
+    untimed runs (cuBLAS heuristics, allocator growth), then the median of ``repeats``.
+    ``window``: the model's sliding window, for the micro-batch sizes (``micro_batch_size``)."""
     funcs = model.build_all(device, dtype, one_per_kind=True)
     vision = sum(1 for d in model.defs if d.output.per_tile)  # ViT layers and the projector
     sums = np.zeros((len(funcs), 6))  # forward, backward, activation, input, output, peak
@@ -206,7 +209,7 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
             times.append(forward + backward)
             micro = micro.with_output(_detached(out) if isinstance(out, LayerOutput)
                                       else out.detach(), model.defs[i].output)
-        per_batch.append({**micro_batch_size(batch), "vit_s": float(sum(times[:vision])),
+        per_batch.append({**micro_batch_size(batch, window), "vit_s": float(sum(times[:vision])),
                           "llm_s": float(sum(times[vision:]))})
     means = sums / max(1, len(batches))
     costs = [LayerCost(name, float(f), float(b), int(act), int(inp), int(out),
@@ -263,8 +266,8 @@ class _SavedBytes:
 
 def layer_kind_window(folder: str) -> dict:
     """The sliding window and its share of ``b`` from the model's layer kinds (analytic), for a
-    model that has one: the fit measures ``b`` over all attention layers, and the packer then
-    charges the window's share min(len, window)·len (``CostModel.squares``)."""
+    model that has one: ``b`` is then fitted to each micro-batch's quadratic work as
+    ``CostModel.squares`` counts it, which the packer charges."""
     from vlmshard.families import model_sizes
     from vlmshard.io import read_json
     from vlmshard.packing.cost import CostModel
@@ -275,13 +278,16 @@ def layer_kind_window(folder: str) -> dict:
         if analytic.window else {}
 
 
-def fit_cost_model(micro_batches: list[dict]) -> dict:
-    """``a_v``, ``a_t``, ``b`` in seconds, by non-negative least squares over micro-batches."""
+def fit_cost_model(micro_batches: list[dict], window_share: float = 0.0) -> dict:
+    """``a_v``, ``a_t``, ``b`` in seconds, by non-negative least squares over micro-batches;
+    ``b`` per unit of quadratic work as ``CostModel.squares`` counts it (``window_share`` of it
+    within the window: the micro-batch's ``windowed`` size)."""
     from scipy.optimize import nnls
 
     tiles = np.array([m["tiles"] for m in micro_batches], dtype=float)
     vit = np.array([m["vit_s"] for m in micro_batches])
-    llm_x = np.array([[m["tokens"], m["squares"]] for m in micro_batches], dtype=float)
+    llm_x = np.array([[m["tokens"], m["squares"] - window_share * (
+        m["squares"] - m.get("windowed", m["squares"]))] for m in micro_batches], dtype=float)
     llm = np.array([m["llm_s"] for m in micro_batches])
     a_v = float(vit @ tiles / max(tiles @ tiles, 1e-12))
     scale = llm_x.max(axis=0).clip(min=1.0)  # conditioning: tokens and squares differ by 1e4

@@ -21,14 +21,16 @@ log = logging.getLogger(__name__)
 
 def micro_batch_size(batch: dict, window: int = 0) -> dict:
     """The sizes the cost model and the simulator read: tiles, tokens, Σseq_len², and for a
-    model with sliding-window layers (``window``) Σmin(seq_len, window)·seq_len."""
+    model with sliding-window layers (``window``) their Σ m·(2·seq_len − m), m = min(seq_len,
+    window) (``model_sizes.Size.windowed``)."""
     import numpy as np
 
     lens = np.diff(np.asarray(batch["cu_seqlens"][:batch["num_samples"] + 1], dtype=np.int64))
     sizes = {"tiles": int(batch["num_tiles"]), "tokens": int(batch["num_tokens"]),
              "squares": int((lens ** 2).sum())}
     if window:
-        sizes["windowed"] = int((np.minimum(lens, window) * lens).sum())
+        m = np.minimum(lens, window)
+        sizes["windowed"] = int((m * (2 * lens - m)).sum())
     return sizes
 
 

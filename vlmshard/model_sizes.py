@@ -79,7 +79,7 @@ class LLMConfig:
     linear_value_dim: int = 0
     linear_conv_kernel: int = 4
     # Sliding-window attention (Gemma 3's local layers): a query sees the ``sliding_window``
-    # tokens up to it, so these layers cost min(len, window)·len a sample, not len²
+    # tokens up to it, so these layers cost w·(2·len − w) a sample past the window, not len²
     sliding_window: int = 0
     sliding_layers: tuple[int, ...] = ()
     sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma)
@@ -302,7 +302,9 @@ class Size:
     tiles: float = 0.0
     tokens: float = 0.0
     squares: float = 0.0  # Σ seq_len² over packed samples
-    windowed: float = 0.0  # Σ min(seq_len, window)·seq_len (a sliding-window layer's)
+    # Σ m·(2·seq_len − m), m = min(seq_len, window): a causal sliding-window layer's pairs in
+    # the units where full causal attention's are seq_len² (= seq_len² up to the window)
+    windowed: float = 0.0
 
     def dot(self, other: "Size") -> float:
         return (self.tiles * other.tiles + self.tokens * other.tokens

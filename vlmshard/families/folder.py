@@ -78,6 +78,19 @@ def read_model_folder(path: str) -> ModelFolder:
                        image_processor=image_processor, processor=processor)
 
 
+def with_defaults(config: dict, path: str) -> dict:
+    """``config.json`` as ``transformers`` reads it: its config classes' defaults filled in (a
+    published file may state only what differs from them, as Gemma 3's does, or leave its
+    layer kinds to a pattern, as ``full_attention_interval``). ``path`` names the file in the
+    error."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.for_model(**config).to_dict()
+    except (ValueError, TypeError, KeyError) as e:
+        raise ModelFolderError(f"{path}: transformers cannot read this config: {e}") from None
+
+
 def processor_value(folder: ModelFolder, key: str, default):
     """A value of the image processor config, else of processor_config.json, else ``default``
     (the default of ``transformers``' own processor class)."""

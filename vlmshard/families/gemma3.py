@@ -24,7 +24,7 @@ import numpy as np
 from vlmshard.model_sizes import LLMConfig, ModelConfig, VisionConfig
 
 from .base import Family, ImageLayout, Normalized, SquareTiles
-from .folder import ModelFolder, processor_value
+from .folder import ModelFolder, processor_value, with_defaults
 from .tiny import CORPUS, save_random_weights, save_tokenizer
 
 if TYPE_CHECKING:
@@ -175,6 +175,7 @@ class Gemma3(Family):
     def model_sizes(self, config: dict, name: str) -> ModelConfig:
         """The unit: one image (or crop) of ``image_size`` px, ``mm_tokens_per_image`` tokens
         after the projector's pooling."""
+        config = with_defaults(config, name)
         vision = config["vision_config"]
         hidden = vision["hidden_size"]
         side = vision["image_size"] // vision["patch_size"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from .folder import with_defaults
 from .qwen3vl import Qwen3VL
 
 # Qwen3.5's published chat template (Qwen3.5-4B and larger, thinking on by default; as
@@ -90,6 +91,11 @@ class Qwen3_5(Qwen3VL):
     description = "Qwen3.5, Qwen3.5-MoE"
     template: ClassVar[str] = TEMPLATE
     plain_tokens = ("<think>", "</think>")  # added tokens, not special, as in Qwen's vocabulary
+
+    def model_sizes(self, config: dict, name: str):
+        """As Qwen3-VL's, read with ``transformers``' defaults (the layer kinds may be stated
+        by ``full_attention_interval`` alone)."""
+        return super().model_sizes(with_defaults(config, name), name)
 
     def tiny_text(self, model_type: str) -> dict:
         """Four layers: three Gated DeltaNet, then full attention (Qwen3.5's own 3:1 pattern);
