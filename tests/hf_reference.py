@@ -102,6 +102,15 @@ def split_samples(batch: dict, image_token_id: int, tokens_per_tile: int,
     return samples
 
 
+def with_token_types(model, samples: list[dict]) -> list[dict]:
+    """``samples`` with the ``token_type_ids`` Gemma 3's processor adds (its image tokens: the
+    runs its mask attends both ways); other models' unchanged."""
+    if model.config.model_type == "gemma3":
+        for sample in samples:
+            sample["token_type_ids"] = (sample["input_ids"] == model.config.image_token_id).long()
+    return samples
+
+
 def supervised(sample: dict) -> int:
     return int((sample["labels"][0, 1:] != -100).sum())
 
@@ -137,11 +146,9 @@ def hf_loss_and_grads(folder: str, batches: list[dict], tokens_per_tile: int,
     image_token_id = model.config.image_token_id
     total = torch.zeros((), dtype=torch.float64)
     count = 0
-    micro = [split_samples(batch, image_token_id, tokens_per_tile, rows_per_tile)
+    micro = [with_token_types(model, split_samples(batch, image_token_id, tokens_per_tile,
+                                                   rows_per_tile))
              for batch in batches]
-    if model.config.model_type == "gemma3":  # its processor's: the image tokens, for the mask
-        for sample in (s for samples in micro for s in samples):
-            sample["token_type_ids"] = (sample["input_ids"] == image_token_id).long()
     for samples in micro:
         for sample in samples:
             n = supervised(sample)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import make_folder, make_shards, split_samples, supervised
+from hf_reference import make_folder, make_shards, split_samples, supervised, with_token_types
 from transformers import AutoModelForImageTextToText
 
 from vlmshard.errors import ConfigError
@@ -37,11 +37,8 @@ def _model(folder: str, implementation: str):
 
 
 def _alone(model, family: str, batch: dict) -> list[dict]:
-    samples = split_samples(batch, model.config.image_token_id, *UNITS[family])
-    if family == "gemma3":  # its processor's token types: the image tokens, for its masks
-        for sample in samples:
-            sample["token_type_ids"] = (sample["input_ids"] == model.config.image_token_id).long()
-    return samples
+    return with_token_types(model, split_samples(batch, model.config.image_token_id,
+                                                 *UNITS[family]))
 
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])

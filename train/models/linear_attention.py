@@ -21,6 +21,7 @@ the result against the ``transformers`` model run on each sample alone.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -32,9 +33,15 @@ from ..micro import Micro
 FAST_KERNELS = ("fla", "causal_conv1d")  # flash-linear-attention, causal-conv1d
 
 
+@functools.cache
+def _kernels_installed() -> bool:
+    return all(importlib.util.find_spec(m) for m in FAST_KERNELS)
+
+
 def varlen_kernels(device: torch.device) -> bool:
-    """Whether the mixer can take the whole micro-batch with its boundaries on ``device``."""
-    return device.type == "cuda" and all(importlib.util.find_spec(m) for m in FAST_KERNELS)
+    """Whether the mixer can take the whole micro-batch with its boundaries on ``device``
+    (asked per layer and micro-batch: the package lookup is done once)."""
+    return device.type == "cuda" and _kernels_installed()
 
 
 def is_linear_attention(block: nn.Module) -> bool:
