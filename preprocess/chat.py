@@ -32,15 +32,22 @@ each placeholder expanded (``tests/test_families.py`` checks it per family).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from vlmshard.families import ModelFolderError, ModelSpec
+from vlmshard.families import ModelFolderError, ModelSpec, family
 from vlmshard.rejects import Reject
 
-from .conversation import ImageItem, Turn
+from .conversation import ImageItem, Turn, VideoItem
 from .tokenize import IGNORE_INDEX, EncodedSample
+
+if TYPE_CHECKING:
+    from vlmshard.families.base import SampledVideo
+
+log = logging.getLogger(__name__)
 
 _MARK = "\ue000{}\ue001"  # private-use code points: never produced by a template
 _MARKS = re.compile("\ue000(\\d+)\ue001")
@@ -97,7 +104,7 @@ def to_messages(turns: list[Turn], rules: TextRules = TextRules(), marked: bool 
             parts.append(part)
         for part in _trimmed(parts, rules, turn.role):
             if isinstance(part, ImageItem):
-                content.append({"type": "image"})
+                content.append({"type": "video" if isinstance(part, VideoItem) else "image"})
             elif part:
                 content.append({"type": "text",
                                  "text": _MARK.format(len(texts)) if marked else part})
@@ -135,12 +142,26 @@ class ChatTemplateEncoder:
         self._split = re.compile("(" + "|".join(
             re.escape(t) for t in sorted(self.special, key=len, reverse=True)) + ")")
         self.image_token_id = self.special[layout.token]
-        self._prefix = [self.special[t] for t in layout.prefix]
-        self._suffix = [self.special[t] for t in layout.suffix]
         self._placeholder = layout.placeholder
         self._layout = layout
+        video = model.video_layout
+        missing = [t for t in (video.placeholder, video.token, *video.prefix, *video.suffix)
+                   if t not in self.special] if video is not None else []
+        if missing:
+            log.warning("%s: the tokenizer has no special token %r, which the %s video layout "
+                        "needs: videos are rejected", model.path, missing[0], model.family)
+        self._video_layout = None if missing else video
+        self._family = family(model.family)
         self._max_token_chars = _max_token_chars(self.backend)
         self._rules = TextRules(self._template_breaks_after_image(), *self._template_trims())
+
+    @property
+    def takes_videos(self) -> bool:
+        return self._video_layout is not None
+
+    @property
+    def name(self) -> str:
+        return f"the {self.model.family} family ({self.model.model_type})"
 
     @property
     def pad_token_id(self) -> int:
@@ -227,15 +248,18 @@ class ChatTemplateEncoder:
                                            "be told apart")
         return template, texts
 
-    def encode(self, turns: list[Turn], image_tokens: list[int],
-               keep_tokens: bool) -> EncodedSample:
-        """``image_tokens[k]``: how many ``token`` the k-th image takes. ``text_tokens`` counts
-        every other token (the template's, the text's, the image prefix and suffix)."""
+    def encode(self, turns: list[Turn], image_tokens: list[int], keep_tokens: bool,
+               videos: list["SampledVideo"] = ()) -> EncodedSample:
+        """``image_tokens[k]``: how many ``token`` the k-th image takes; ``videos``: each video
+        as its family's rule sampled it (its tokens and text: ``Family.video_pieces``).
+        ``text_tokens`` counts every other token (the template's, the text's, the image and
+        video prefixes and suffixes, a video's frame texts)."""
         template, texts = self.render(turns)
         ids: list[int] = []
         labels: list[int] = []
         segment: list[tuple[str, bool]] = []  # text pieces between special tokens, supervised?
         images = iter(image_tokens)
+        video_items = iter(videos)
         n_loss = 0  # supervised tokens so far
         supervise_template = False  # after assistant text, until the end-of-turn token
         n_images = 0
@@ -257,6 +281,21 @@ class ChatTemplateEncoder:
                 labels.extend(seg_labels)
             segment.clear()
 
+        def expand(layout, pieces: list[str | int]) -> None:
+            """An image's or video's pieces: text goes with the text next to it; each run of
+            the layout's token, in its prefix and suffix, is unsupervised."""
+            for piece in pieces:
+                if isinstance(piece, str):
+                    segment.append((piece, False))
+                    continue
+                flush()
+                run = ([self.special[t] for t in layout.prefix]
+                       + [self.special[layout.token]] * piece
+                       + [self.special[t] for t in layout.suffix])
+                ids.extend(run)
+                labels.extend([IGNORE_INDEX] * len(run))
+
+        n_videos = 0
         for k, piece in enumerate(template):
             for j, part in enumerate(self._split.split(piece)):
                 if j % 2 == 0:
@@ -268,14 +307,16 @@ class ChatTemplateEncoder:
                         raise Reject("template_error", "the chat template renders more image "
                                                        "placeholders than the sample has images")
                     n_images += 1
-                    for piece in self._layout.pieces(count):
-                        if isinstance(piece, str):  # tokenized with the text next to it
-                            segment.append((piece, False))
-                            continue
-                        flush()
-                        run = self._prefix + [self.image_token_id] * piece + self._suffix
-                        ids.extend(run)
-                        labels.extend([IGNORE_INDEX] * len(run))
+                    expand(self._layout, self._layout.pieces(count))
+                    continue
+                if self._video_layout is not None and part == self._video_layout.placeholder:
+                    video = next(video_items, None)
+                    if video is None:
+                        raise Reject("template_error", "the chat template renders more video "
+                                                       "placeholders than the sample has videos")
+                    n_videos += 1
+                    expand(self._video_layout,
+                           self._family.video_pieces(video, self._video_layout))
                     continue
                 flush()
                 ids.append(self.special[part])
@@ -287,10 +328,13 @@ class ChatTemplateEncoder:
                 segment.append((text, role == "assistant"))
                 supervise_template = role == "assistant"
         flush()
-        if n_images != len(image_tokens):
-            raise Reject("template_error", f"the chat template rendered {n_images} image "
-                                           f"placeholder(s) for {len(image_tokens)} image(s)")
-        return EncodedSample(text_tokens=len(ids) - sum(image_tokens), loss_tokens=n_loss,
+        if n_images != len(image_tokens) or n_videos != len(videos):
+            raise Reject("template_error", f"the chat template rendered {n_images} image and "
+                                           f"{n_videos} video placeholder(s) for "
+                                           f"{len(image_tokens)} image(s) and {len(videos)} "
+                                           "video(s)")
+        visual = sum(image_tokens) + sum(v.tokens for v in videos)
+        return EncodedSample(text_tokens=len(ids) - visual, loss_tokens=n_loss,
                              input_ids=ids if keep_tokens else None,
                              labels=labels if keep_tokens else None)
 

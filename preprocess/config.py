@@ -70,6 +70,10 @@ class PreprocessConfig(EngineOptions):
     max_image_pixels: int = option(DEFAULT_MAX_IMAGE_PIXELS,
                                    help="reject images with more pixels, as decompression bombs "
                                         "(Pillow's limit)")
+    max_video_seconds: float | None = option(
+        None, help="reject videos that run longer than this many seconds (a 'video_too_long' "
+                   "reject; read from the container, before any frame is decoded)",
+        default_text="no limit")
     allow_outside_image_root: bool = option(
         False, help="read relative image paths whose '..' leads out of their image root "
                     "(otherwise such a row is a 'path_outside_root' reject)")

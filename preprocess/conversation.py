@@ -13,8 +13,12 @@ Formats (``RowFormat.name``; ``auto`` takes the first one whose turn list a row 
   Idefics3/SmolVLM's fine-tuning puts them.
 
 In text, ``<image>`` is a placeholder for the next image of the row's ``images`` (or ``image``)
-column; in a typed content list, text is text and images are items. An image is a path, a URL, a
-``data:`` URI, or a ``datasets`` ``Image`` value ``{"bytes", "path"}`` (bytes win). Column and
+column and ``<video>`` for the next of its ``videos`` (or ``video``); in a typed content list,
+text is text and images and videos are items (``{"type": "video", "video"|"url"|"path": ...}``,
+``{"type": "video_url", "video_url": {"url": ...}}``). An image is a path, a URL, a ``data:`` URI,
+or a ``datasets`` ``Image`` value ``{"bytes", "path"}`` (bytes win); a video is one of those (a
+container file: MP4, MKV, WebM, ...) or a list of frame images, taken as already sampled (an item's
+or the row's ``fps`` says at what rate; else the family's own). Column and
 key names can be renamed per source (``RowFormat.columns``), as LLaMA-Factory's
 ``dataset_info.json`` does, and extra role names mapped (``RowFormat.roles``).
 
@@ -26,12 +30,15 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from dataclasses import dataclass, field
 
 from vlmshard.errors import ConfigError
 from vlmshard.rejects import Reject
 
 IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
+_PLACEHOLDERS = re.compile(f"({IMAGE_PLACEHOLDER}|{VIDEO_PLACEHOLDER})")
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
          "system": "system"}
 FORMATS = {
@@ -43,7 +50,8 @@ FORMATS = {
 }
 PAIR_ROLES = ("system", "user", "assistant")
 IMAGE_COLUMNS = ("images", "image")
-COLUMN_KEYS = ("messages", "images", "role", "content")  # what RowFormat.columns may rename
+VIDEO_COLUMNS = ("videos", "video")
+COLUMN_KEYS = ("messages", "images", "videos", "role", "content")  # what RowFormat.columns renames
 EMBEDDED = "embedded:"  # stats image_paths prefix of an image whose bytes are in the source row
 # How rows become text, recorded by preprocess: re-tokenizing a run of another one would not give
 # its ids. 2: text kept as written (the line break after <image> as the template decides).
@@ -57,6 +65,11 @@ class ImageItem:
     drops the data's); otherwise a typed item, or the image InternVL's rule puts first."""
 
     placeholder: bool
+
+
+@dataclass(frozen=True)
+class VideoItem(ImageItem):
+    """Where a video sits in a turn: a ``<video>`` placeholder or a typed video item."""
 
 
 @dataclass(frozen=True)
@@ -87,9 +100,25 @@ class ImageRef:
 
 
 @dataclass(frozen=True)
+class VideoRef:
+    """A video of a row: a container file (``file``), or frame images taken as sampled
+    (``frames``) at ``fps`` where the row states it."""
+
+    file: ImageRef | None = None
+    frames: tuple[ImageRef, ...] = ()
+    fps: float | None = None
+
+    @property
+    def refs(self) -> tuple[ImageRef, ...]:
+        """The files it reads: the container, or each frame."""
+        return (self.file,) if self.file is not None else self.frames
+
+
+@dataclass(frozen=True)
 class Conversation:
     turns: list[Turn]
     images: list[ImageRef]
+    videos: list[VideoRef] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -146,6 +175,11 @@ class RowFormat:
         renamed = dict(self.columns).get("images")
         return (renamed,) if renamed else IMAGE_COLUMNS
 
+    @property
+    def video_columns(self) -> tuple[str, ...]:
+        renamed = dict(self.columns).get("videos")
+        return (renamed,) if renamed else VIDEO_COLUMNS
+
     def role(self, name) -> str | None:
         if not isinstance(name, str):
             return None
@@ -163,8 +197,11 @@ def parse_conversation(record: dict, fmt: RowFormat) -> Conversation:
         raise Reject("bad_field", f"{column!r} must be a non-empty list of turns")
     image_column = next((c for c in fmt.image_columns if record.get(c) is not None), None)
     listed = _image_values(record[image_column], image_column) if image_column else []
+    video_column = next((c for c in fmt.video_columns if record.get(c) is not None), None)
+    listed_videos = (_video_values(record[video_column], video_column, record.get("fps"))
+                     if video_column else [])
     turns: list[Turn] = []
-    inline: list[ImageRef | None] = []  # per image item in order: its own image, or None
+    inline: list = []  # per image or video item in order: its own image or video, or None
     pairs = fmt.name == "texts" or (fmt.name == "auto" and _is_pair(raw[0], fmt))
     for i, message in enumerate(raw):
         new = _parse_pair(message, i) if pairs else [_parse_turn(message, i, fmt)]
@@ -175,20 +212,26 @@ def parse_conversation(record: dict, fmt: RowFormat) -> Conversation:
         raise Reject("no_assistant_turn", "no gpt/assistant turn to supervise")
     if not any(t.role == "assistant" and "".join(t.texts).strip() for t in turns):
         raise Reject("no_assistant_turn", "every gpt/assistant turn is empty or blank")
-    return Conversation(*_place_images(turns, inline, listed, all_first=pairs))
+    kinds = [isinstance(p, VideoItem) for t in turns for p in t.content
+             if isinstance(p, ImageItem)]
+    turns, images = _place_images(turns, [r for r, v in zip(inline, kinds) if not v], listed,
+                                  all_first=pairs, item=ImageItem)
+    turns, videos = _place_images(turns, [r for r, v in zip(inline, kinds) if v],
+                                  listed_videos, all_first=pairs, item=VideoItem)
+    return Conversation(turns, images, videos)
 
 
 def text_turn(role: str, text: str, where: str = "turn") -> Turn:
-    """A turn of text whose ``<image>`` placeholders become image items."""
+    """A turn of text whose ``<image>`` and ``<video>`` placeholders become items."""
     _check_text(text, where)
-    chunks = text.split(IMAGE_PLACEHOLDER)
+    chunks = _PLACEHOLDERS.split(text)
     if len(chunks) == 1:
         return Turn(role, (text,) if text else (), typed=False)
     content: list[str | ImageItem] = []
     for k, chunk in enumerate(chunks):
-        if k:
-            content.append(ImageItem(placeholder=True))
-        if chunk:
+        if k % 2:
+            content.append((VideoItem if chunk == VIDEO_PLACEHOLDER else ImageItem)(True))
+        elif chunk:
             content.append(chunk)
     return Turn(role, tuple(content), typed=True)
 
@@ -252,10 +295,13 @@ def _parse_turn(message, i: int, fmt: RowFormat) -> tuple[Turn, list[ImageRef | 
         elif kind in ("image", "image_url"):
             parts.append(ImageItem(placeholder=False))
             refs.append(_item_image(item, kind, where))
+        elif kind in ("video", "video_url"):
+            parts.append(VideoItem(placeholder=False))
+            refs.append(_item_video(item, kind, where))
         else:
             what = f"type {kind!r}" if kind is not None else "no 'type'"
-            raise Reject("bad_field", f"{where} has {what}; the types read are text, image and "
-                                      "image_url")
+            raise Reject("bad_field", f"{where} has {what}; the types read are text, image, "
+                                      "image_url, video and video_url")
     return Turn(role, tuple(parts), typed=True), refs
 
 
@@ -271,11 +317,23 @@ def _item_image(item: dict, kind: str, where: str) -> ImageRef | None:
     return None if value is None else _image_value(value, where)
 
 
-def _place_images(turns: list[Turn], inline: list[ImageRef | None], listed: list[ImageRef],
-                  all_first: bool) -> tuple[list[Turn], list[ImageRef]]:
-    """Each image item gets its image: its own, else the next of the images column. A row
-    with one listed image and no item gets it before its first user text (InternVL's rule);
-    with ``all_first`` (turn pairs), every listed image does."""
+def _item_video(item: dict, kind: str, where: str) -> VideoRef | None:
+    """The video an item names itself, or None (it takes the next of the videos column)."""
+    if kind == "video_url":
+        value = item.get("video_url")
+        value = value.get("url") if isinstance(value, dict) else value
+        if value is None:
+            raise Reject("bad_field", f"{where}: a video_url item without a url")
+        return _video_value(value, where, item.get("fps"))
+    value = next((item[k] for k in ("video", "url", "path") if item.get(k) is not None), None)
+    return None if value is None else _video_value(value, where, item.get("fps"))
+
+
+def _place_images(turns: list[Turn], inline: list, listed: list, all_first: bool,
+                  item: type[ImageItem]) -> tuple[list[Turn], list]:
+    """Each image (video) item gets its image (video): its own, else the next of the images
+    (videos) column. A row with one listed image and no item gets it before its first user
+    text (InternVL's rule); with ``all_first`` (turn pairs), every listed image does."""
     wanting = inline.count(None)
     if wanting == len(listed):
         it = iter(listed)
@@ -283,14 +341,15 @@ def _place_images(turns: list[Turn], inline: list[ImageRef | None], listed: list
     if not inline and (len(listed) == 1 or all_first):
         k = next(k for k, t in enumerate(turns) if t.role != "system")
         first = turns[k]
-        items = (ImageItem(False),) * len(listed)
+        items = (item(False),) * len(listed)
         turns = [*turns[:k], Turn(first.role, (*items, *first.content), True), *turns[k + 1:]]
         return turns, listed
     named = len(inline) - wanting
-    raise Reject("image_count_mismatch",
-                 f"{wanting} <image> placeholder(s) or image item(s) without an image for "
-                 f"{len(listed)} image(s) in the images column"
-                 + (f" ({named} more item(s) name their own image)" if named else ""))
+    what = "video" if item is VideoItem else "image"
+    raise Reject(f"{what}_count_mismatch",
+                 f"{wanting} <{what}> placeholder(s) or {what} item(s) without their {what} for "
+                 f"{len(listed)} {what}(s) in the {what}s column"
+                 + (f" ({named} more item(s) name their own {what})" if named else ""))
 
 
 def _image_values(value, column: str) -> list[ImageRef]:
@@ -298,7 +357,29 @@ def _image_values(value, column: str) -> list[ImageRef]:
     return [_image_value(v, f"{column} {k}") for k, v in enumerate(values)]
 
 
-def _image_value(value, where: str) -> ImageRef:
+def _video_values(value, column: str, fps) -> list[VideoRef]:
+    """A videos column: one video, or a list of them (a list of lists: frame lists)."""
+    if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+        return [_video_value(v, f"{column} {k}", fps) for k, v in enumerate(value)]
+    values = value if isinstance(value, list) else [value]
+    return [_video_value(v, f"{column} {k}", fps) for k, v in enumerate(values)]
+
+
+def _video_value(value, where: str, fps) -> VideoRef:
+    """A container file as an image value is (path, URL, ``data:`` URI, ``{bytes, path}``), or a
+    list of frame images (at ``fps``, where given)."""
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float))
+                            or not fps > 0):
+        raise Reject("bad_field", f"video {where}: fps {fps!r} is not a positive number")
+    if isinstance(value, list):
+        if not value:
+            raise Reject("empty_video", f"video {where} is an empty list of frames")
+        frames = tuple(_image_value(v, f"{where} frame {k}") for k, v in enumerate(value))
+        return VideoRef(frames=frames, fps=None if fps is None else float(fps))
+    return VideoRef(file=_image_value(value, where, "video"))
+
+
+def _image_value(value, where: str, what: str = "image") -> ImageRef:
     """A path or URL, a ``data:`` URI, or a ``datasets`` ``Image`` value ``{bytes, path}``."""
     if isinstance(value, dict):
         data, path = value.get("bytes"), value.get("path")
@@ -306,28 +387,28 @@ def _image_value(value, where: str) -> ImageRef:
             return ImageRef(path=path if isinstance(path, str) and path else None,
                             data=bytes(data))
         if data is not None:
-            raise Reject("bad_field", f"image {where}: 'bytes' is a {type(data).__name__}")
+            raise Reject("bad_field", f"{what} {where}: 'bytes' is a {type(data).__name__}")
         if not isinstance(path, str) or not path:
-            raise Reject("bad_field", f"image {where} has neither bytes nor a path")
+            raise Reject("bad_field", f"{what} {where} has neither bytes nor a path")
         value = path
     if not isinstance(value, str) or not value:
-        raise Reject("bad_field", f"image {where} is {type(value).__name__} {value!r:.40}; "
-                                  "expected a path, a URL or an image value {bytes, path}")
+        raise Reject("bad_field", f"{what} {where} is {type(value).__name__} {value!r:.40}; "
+                                  f"expected a path, a URL or a value {{bytes, path}}")
     if value.startswith("data:"):
         header, _, payload = value.partition(",")
         if not header.endswith(";base64"):
-            raise Reject("bad_field", f"image {where}: a data URI that is not base64")
+            raise Reject("bad_field", f"{what} {where}: a data URI that is not base64")
         try:
             return ImageRef(data=base64.b64decode(payload, validate=True))
         except (binascii.Error, ValueError) as e:
-            raise Reject("corrupt_image", f"image {where}: its base64 data does not decode: "
-                                          f"{e}") from None
+            raise Reject(f"corrupt_{what}", f"{what} {where}: its base64 data does not decode: "
+                                            f"{e}") from None
     if "\0" in value:
-        raise Reject("nul_in_text", f"image {where} path {value!r} holds a NUL character")
+        raise Reject("nul_in_text", f"{what} {where} path {value!r} holds a NUL character")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise Reject("undecodable_text", f"image {where} path {value!r} is not valid UTF-8: "
+        raise Reject("undecodable_text", f"{what} {where} path {value!r} is not valid UTF-8: "
                                          f"{e}") from None
     return ImageRef(path=value)
 

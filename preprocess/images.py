@@ -125,20 +125,20 @@ def _inspect(f, path: str, max_pixels: int) -> ImageHeader:
     return ImageHeader(path=path, width=width, height=height, format=fmt, bytes=size)
 
 
-def _check_regular_file(path: str) -> None:
+def _check_regular_file(path: str, what: str = "image") -> None:
     """Reject a local path that is not a regular file before opening it: opening a FIFO would
     block forever, a symlink loop or a folder cannot be read."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise Reject("missing_image", f"image not found: {path}") from None
+        raise Reject(f"missing_{what}", f"{what} not found: {path}") from None
     except (OSError, ValueError) as e:  # ELOOP, EACCES, ENAMETOOLONG; ValueError: a NUL byte
-        raise Reject("missing_image",
-                     f"cannot open image {path}: {getattr(e, 'strerror', None) or e}") from None
+        raise Reject(f"missing_{what}",
+                     f"cannot open {what} {path}: {getattr(e, 'strerror', None) or e}") from None
     if not stat.S_ISREG(st.st_mode):
         kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
                 else "a device or socket")
-        raise Reject("missing_image", f"image {path} is {kind}, not a file")
+        raise Reject(f"missing_{what}", f"{what} {path} is {kind}, not a file")
 
 
 def _tiff_data_end(im: Image.Image) -> int:

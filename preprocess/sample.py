@@ -1,24 +1,32 @@
-"""The work for one conversation row: validate, read image headers, count tiles, tokenize."""
+"""The work for one conversation row: validate, read image and video headers, count tiles and
+frames, tokenize."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from vlmshard.families import ModelSpec, TilingPolicy, policy_from_dict, source_tiling
 from vlmshard.rejects import Reject
 
 from .config import DEFAULT_MAX_IMAGE_PIXELS
-from .conversation import EMBEDDED, ImageRef, Turn, parse_conversation
+from .conversation import EMBEDDED, ImageItem, ImageRef, Turn, VideoItem, VideoRef, \
+    parse_conversation
 from .images import read_image_header, resolve_image_path
 from .schema import MAX_IMAGES_PER_SAMPLE
+from .videos import read_video_header
 from .sources import Source
 from .tokenize import TekkenEncoder, TokenizerConfig
+
+if TYPE_CHECKING:
+    from vlmshard.families.base import SampledVideo
 
 
 @dataclass(frozen=True)
 class SampleLimits:
     max_seq_len: int | None = None
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_video_seconds: float | None = None
     allow_outside_image_root: bool = False
 
 
@@ -61,11 +69,15 @@ class SampleProcessor:
                               self.encoder, self.spec.limits, keep_tokens)
 
 
+# The rate a frame list without an ``fps`` was sampled at: Qwen's (qwen-vl-utils' FPS).
+FRAME_LIST_FPS = 2.0
+
+
 def min_seq_len(turns: list[Turn], n_images: int, tiling: TilingPolicy,
                 encoder) -> int:
     """A lower bound of the sample's sequence length that reads no image and tokenizes nothing:
-    every image makes at least one tile (under both policies), and the encoder's own bound on
-    its text where it has one (Tekken: no token spans more bytes than its longest)."""
+    every image and video makes at least one tile (under every policy), and the encoder's own
+    bound on its text where it has one (Tekken: no token spans more bytes than its longest)."""
     text_bound = getattr(encoder, "min_text_tokens", None)
     return n_images * tiling.tokens_per_tile + (text_bound(turns) if text_bound else 0)
 
@@ -78,6 +90,53 @@ def image_path(image: ImageRef, root: str, allow_outside_root: bool) -> str:
     return resolve_image_path(image.path, root, allow_outside_root)
 
 
+def video_stats(video: VideoRef, index: int, item: int, root: str, tiling: TilingPolicy,
+                limits: SampleLimits) -> dict:
+    """A ``videos`` entry of the stats row: the files, the probe's counts and the frames the
+    family's rule samples (``SampledVideo``); raises ``Reject``."""
+    paths = [image_path(ref, root, limits.allow_outside_image_root) for ref in video.refs]
+    name = f"video {index}"
+    if video.file is not None:
+        ref = video.file
+        header = read_video_header(paths[0] if not ref.embedded else
+                                   f"embedded {name}" + (f" ({ref.path})" if ref.path else ""),
+                                   ref.data, limits.max_video_seconds)
+        frames, fps, width, height = header.frames, header.fps, header.width, header.height
+        sizes = [header.bytes]
+    else:
+        headers = [read_image_header(f"embedded {name} frame {k}" if ref.embedded else path,
+                                     limits.max_image_pixels, ref.data)
+                   for k, (ref, path) in enumerate(zip(video.frames, paths))]
+        shapes = {(h.width, h.height) for h in headers}
+        if len(shapes) > 1:
+            raise Reject("corrupt_video", f"{name}: its frames differ in size "
+                                          f"({', '.join(f'{w}x{h}' for w, h in sorted(shapes))})")
+        (width, height), = shapes
+        frames, fps = len(headers), video.fps or FRAME_LIST_FPS
+        if limits.max_video_seconds is not None and frames / fps > limits.max_video_seconds:
+            raise Reject("video_too_long", f"{name}: {frames} frames at {fps:g} fps run "
+                                           f"{frames / fps:.1f} s, over --max-video-seconds "
+                                           f"{limits.max_video_seconds:g}")
+        sizes = [h.bytes for h in headers]
+    try:
+        sampled = tiling.sample_video(frames, fps, width, height, given=video.file is None)
+    except Reject as e:  # bad_aspect_ratio: name the video
+        raise Reject(e.reason, f"{name}: {e.message}") from None
+    return {"paths": paths, "frames": list(sampled.indices), "total_frames": frames,
+            "fps": fps, "w": width, "h": height, "grid": list(sampled.grid),
+            "tiles": sampled.tiles, "tokens": sampled.tokens,
+            "seconds_per_step": sampled.seconds_per_step, "bytes": sizes, "item": item}
+
+
+def sampled_video(entry: dict) -> "SampledVideo":
+    """The ``SampledVideo`` a stats ``videos`` entry records."""
+    from vlmshard.families.base import SampledVideo
+
+    return SampledVideo(indices=tuple(entry["frames"]), width=0, height=0,
+                        grid=tuple(entry["grid"]), tiles=entry["tiles"], tokens=entry["tokens"],
+                        seconds_per_step=entry["seconds_per_step"], fps=entry["fps"])
+
+
 def process_record(record: dict, source: Source, tiling: TilingPolicy, encoder,
                    limits: SampleLimits, keep_tokens: bool) -> dict:
     """One stats row (Contract 1 of ``docs/design.md``, without ``sample_id`` and ``row``) for a
@@ -86,13 +145,17 @@ def process_record(record: dict, source: Source, tiling: TilingPolicy, encoder,
     Cheap checks first: a row doomed by its fields, its text or its image count (10,000 images,
     a 10 MB turn) is rejected before any image is read or any text tokenized."""
     conversation = parse_conversation(record, source.format)
-    turns, images = conversation.turns, conversation.images
+    turns, images, videos = conversation.turns, conversation.images, conversation.videos
     if len(images) > MAX_IMAGES_PER_SAMPLE:
         raise Reject("too_many_images", f"{len(images):,} images; a sample holds at most "
                                         f"{MAX_IMAGES_PER_SAMPLE:,}")
+    if videos and not encoder.takes_videos:
+        raise Reject("unsupported_video", f"{len(videos)} video(s), and {encoder.name} takes "
+                                          "none (video is read for Qwen2-VL, Qwen2.5-VL and "
+                                          "InternVL models)")
     paths = [image_path(im, source.image_root, limits.allow_outside_image_root) for im in images]
     if limits.max_seq_len is not None:
-        bound = min_seq_len(turns, len(images), tiling, encoder)
+        bound = min_seq_len(turns, len(images) + len(videos), tiling, encoder)
         if bound > limits.max_seq_len:
             chars = sum(len(text) for turn in turns for text in turn.texts)
             raise Reject("too_long", f"sequence length at least {bound} > --max-seq-len "
@@ -108,24 +171,32 @@ def process_record(record: dict, source: Source, tiling: TilingPolicy, encoder,
             tiles.append(tiling.tiles(header.width, header.height, len(headers)))
         except Reject as e:  # bad_aspect_ratio: name the image
             raise Reject(e.reason, f"image {header.path}: {e.message}") from None
+    items = [isinstance(p, VideoItem) for t in turns for p in t.content
+             if isinstance(p, ImageItem)]  # per image or video item in order: a video?
+    order = [k for k, is_video in enumerate(items) if is_video]
+    video_rows = [video_stats(v, k, order[k], source.image_root, tiling, limits)
+                  for k, v in enumerate(videos)]
     image_tokens = [t * tiling.tokens_per_tile for t in tiles]
-    encoded = encoder.encode(turns, image_tokens, keep_tokens)
+    encoded = encoder.encode(turns, image_tokens, keep_tokens,
+                             [sampled_video(v) for v in video_rows])
     if encoded.loss_tokens == 0:
         raise Reject("no_assistant_turn", "the assistant turns are empty")
-    seq_len = encoded.text_tokens + sum(image_tokens)
+    video_tokens = sum(v["tokens"] for v in video_rows)
+    seq_len = encoded.text_tokens + sum(image_tokens) + video_tokens
     if limits.max_seq_len is not None and seq_len > limits.max_seq_len:
         raise Reject("too_long", f"sequence length {seq_len} > --max-seq-len {limits.max_seq_len}")
     row = {
         "source": source.name,
         "n_images": len(headers),
         "image_tiles": tiles,
-        "vit_tiles": sum(tiles),
+        "vit_tiles": sum(tiles) + sum(v["tiles"] for v in video_rows),
         "text_tokens": encoded.text_tokens,
         "seq_len": seq_len,
         "loss_tokens": encoded.loss_tokens,
         "image_paths": paths,
         "image_sizes": [{"w": h.width, "h": h.height} for h in headers],
         "image_bytes": [h.bytes for h in headers],
+        "videos": video_rows,
     }
     if keep_tokens:
         row["input_ids"] = encoded.input_ids

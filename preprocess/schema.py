@@ -5,6 +5,23 @@ from __future__ import annotations
 import pyarrow as pa
 
 IMAGE_SIZE = pa.struct([("w", pa.int32()), ("h", pa.int32())])
+# A video: its files (one container, or its frame images), the frames the family's rule keeps
+# (indices, the last repeated to whole temporal patches), the probe's counts, the model's grid,
+# ViT units and LLM tokens, and its place among the sample's image and video items.
+VIDEO = pa.struct([
+    ("paths", pa.list_(pa.string())),
+    ("frames", pa.list_(pa.int32())),
+    ("total_frames", pa.int32()),
+    ("fps", pa.float64()),
+    ("w", pa.int32()),
+    ("h", pa.int32()),
+    ("grid", pa.list_(pa.int32())),
+    ("tiles", pa.int32()),
+    ("tokens", pa.int32()),
+    ("seconds_per_step", pa.float64()),
+    ("bytes", pa.list_(pa.int64())),
+    ("item", pa.int16()),
+])
 MAX_IMAGES_PER_SAMPLE = 2**15 - 1  # n_images is an int16: a row with more is a reject
 
 STATS_FIELDS = [
@@ -20,6 +37,7 @@ STATS_FIELDS = [
     pa.field("image_paths", pa.list_(pa.string()), nullable=False),
     pa.field("image_sizes", pa.list_(IMAGE_SIZE), nullable=False),
     pa.field("image_bytes", pa.list_(pa.int64()), nullable=False),
+    pa.field("videos", pa.list_(VIDEO), nullable=False),
 ]
 TOKEN_FIELDS = [
     pa.field("input_ids", pa.list_(pa.int32()), nullable=False),

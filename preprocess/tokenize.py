@@ -120,6 +120,8 @@ class TekkenEncoder:
     """The demo's encoder: Tekken with the mistral template, ``[IMG]`` per image token."""
 
     PAD = "<pad>"
+    name = "the demo's Tekken tokenizer"
+    takes_videos = False  # the mistral template has no video layout
 
     def __init__(self, config: TokenizerConfig) -> None:
         self.config = config
@@ -149,8 +151,8 @@ class TekkenEncoder:
         n_bytes = sum(len(text.encode("utf-8")) for turn in turns for text in turn.texts)
         return -(-n_bytes // self.tokenizer.max_token_bytes)
 
-    def encode(self, turns: list[Turn], image_tokens: list[int],
-               keep_tokens: bool) -> EncodedSample:
+    def encode(self, turns: list[Turn], image_tokens: list[int], keep_tokens: bool,
+               videos: list = ()) -> EncodedSample:
         """``image_tokens[k]`` is the token count of the k-th image item in turn order. The
         text is encoded as written (the template puts nothing after an image). Returned
         ``text_tokens`` exclude image tokens; ``seq_len`` = text_tokens + Σimage_tokens.

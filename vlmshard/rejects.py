@@ -36,6 +36,19 @@ REASONS = {
                        "header declares",
     "decompression_bomb": "an image has more pixels than --max-image-pixels",
     "bad_aspect_ratio": "an image is more elongated than the tiling policy allows",
+    "video_count_mismatch": "the <video> placeholders and video items differ in number from the "
+                            "videos",
+    "unsupported_video": "a video for a model whose family has no video layout (the offline "
+                         "demo's tokenizer, Gemma 3)",
+    "missing_video": "a video file or URL does not exist, or is not a file that can be opened",
+    "unreachable_video": "a video URL still failed after every retry",
+    "empty_video": "a video file has zero bytes or its video stream holds no frame",
+    "corrupt_video": "a video container or stream that FFmpeg (PyAV) cannot read, or frames "
+                     "of a frame-list video that differ in size",
+    "truncated_video": "a video file ends before the data or frames its container declares",
+    "no_video_stream": "a video file holds no video stream (audio only)",
+    "unsupported_codec": "a video's codec has no decoder in FFmpeg (PyAV's build)",
+    "video_too_long": "a video runs longer than --max-video-seconds",
     "template_error": "the model's chat template refuses the conversation or drops its text",
     "too_long": "the sample's sequence length exceeds --max-seq-len",
 }

@@ -15,6 +15,7 @@ makes the model's ``pixel_values`` with ``pixels``, so the pixels always match t
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
@@ -160,6 +161,29 @@ class ImageLayout:
 
 
 @dataclass(frozen=True)
+class SampledVideo:
+    """A video as one family takes it: the frames it keeps (indices into the decoded stream, or
+    into a frame list; the last repeated where the model needs whole temporal patches), their
+    resized size, the model's grid and the video's ViT units and LLM tokens."""
+
+    indices: tuple[int, ...]
+    width: int
+    height: int
+    grid: tuple[int, int, int]  # (t, h, w): Qwen's video_grid_thw; (frames, 1, 1) for tiles
+    tiles: int  # ViT units, in the family's unit (as image tiles count)
+    tokens: int  # LLM tokens its embeddings fill
+    seconds_per_step: float  # time between temporal steps (Qwen2.5-VL's second_per_grid_ts)
+    fps: float  # the source's frame rate (frame index / fps = time)
+
+
+def float_arange(start: float, stop: float, step: float) -> np.ndarray:
+    """``torch.arange(start, stop, step).int()`` as the video processors compute frame indices:
+    the points in float32 (torch's default dtype), truncated."""
+    count = max(0, math.ceil((stop - start) / step))
+    return (start + np.arange(count) * step).astype(np.float32).astype(np.int64)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """What preprocessing recorded about the model: the family, its image layout, and the
     folder's files by sha256 (a later stage that re-tokenizes checks they did not change)."""
@@ -168,6 +192,7 @@ class ModelSpec:
     path: str | None  # None: the offline Tekken demo
     model_type: str = ""
     layout: ImageLayout = field(default_factory=lambda: ImageLayout("[IMG]", "[IMG]"))
+    video_layout: ImageLayout | None = None  # None: the family takes no video
     dtype: str = "float32"
     files: dict[str, str] = field(default_factory=dict)
 
@@ -176,8 +201,12 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelSpec":
-        layout = {k: tuple(v) if isinstance(v, list) else v for k, v in d["layout"].items()}
-        return cls(**{**d, "layout": ImageLayout(**layout)})
+        def layout(value: dict | None) -> ImageLayout | None:
+            return None if value is None else ImageLayout(
+                **{k: tuple(v) if isinstance(v, list) else v for k, v in value.items()})
+
+        return cls(**{**d, "layout": layout(d["layout"]),
+                      "video_layout": layout(d.get("video_layout"))})
 
     def unchanged(self) -> bool:
         """Whether the folder's files are still there with the same sha256."""
@@ -211,10 +240,22 @@ class Family:
     def layout(self, folder: "ModelFolder") -> ImageLayout:
         raise NotImplementedError
 
-    def position_ids(self, input_ids: np.ndarray, image_token_id: int,
-                     grids: list[tuple[int, int, int]], policy: TilingPolicy) -> np.ndarray:
-        """Position ids of one sample alone, [n] or [3, n]; ``grids`` are its images'
-        (t, h, w) ViT patch grids in token order."""
+    def video_layout(self, folder: "ModelFolder") -> ImageLayout | None:
+        """How the template's video placeholder becomes tokens, or None: the family takes no
+        video (a video is then a reject, ``unsupported_video``)."""
+        return None
+
+    def video_pieces(self, video: SampledVideo, layout: ImageLayout) -> list[str | int]:
+        """A video as text (str) and runs of ``layout.token`` (int), each run wrapped in the
+        layout's prefix and suffix, as the family's processor writes it."""
+        return [video.tokens]
+
+    def position_ids(self, input_ids: np.ndarray, visual_ids: tuple[int, ...],
+                     grids: list[tuple[int, int, int]], policy: TilingPolicy,
+                     steps: list[float] | None = None) -> np.ndarray:
+        """Position ids of one sample alone, [n] or [3, n]; ``grids`` are the (t, h, w) ViT
+        patch grids of its images and videos in token order, whose tokens are those in
+        ``visual_ids``; ``steps``: each one's time between temporal steps (0 for an image)."""
         return np.arange(len(input_ids), dtype=np.int64)
 
     def model_sizes(self, config: dict, name: str) -> "ModelConfig":

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vlmshard.errors import InputError
 from vlmshard.io import read_json
 
 REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+VIDEO_PROCESSOR_FILE = "video_preprocessor_config.json"
 
 
 class ModelFolderError(InputError):
@@ -31,6 +32,8 @@ class ModelFolder:
     tokenizer_config: dict
     image_processor: dict  # preprocessor_config.json, or processor_config.json's image_processor
     processor: dict  # processor_config.json (image_seq_length, ...), or {}
+    # video_preprocessor_config.json, or processor_config.json's video_processor, or {}
+    video_processor: dict = field(default_factory=dict)
 
     def special_tokens(self) -> dict[str, str]:
         """Named tokens of tokenizer_config.json (``image_token``, ``start_image_token``, ...):
@@ -72,10 +75,14 @@ def read_model_folder(path: str) -> ModelFolder:
     if not isinstance(image_processor, dict):
         raise ModelFolderError(f"{os.path.join(path, PROCESSOR_FILES[1])}: no image_processor "
                                "section")
+    video = os.path.join(path, VIDEO_PROCESSOR_FILE)
+    video_processor = (_read_json(video) if os.path.isfile(video)
+                       else processor.get("video_processor") or {})
     return ModelFolder(path=os.path.abspath(path),
                        config=_read_json(os.path.join(path, "config.json")),
                        tokenizer_config=_read_json(os.path.join(path, "tokenizer_config.json")),
-                       image_processor=image_processor, processor=processor)
+                       image_processor=image_processor, processor=processor,
+                       video_processor=video_processor)
 
 
 def with_defaults(config: dict, path: str) -> dict:
@@ -89,6 +96,12 @@ def with_defaults(config: dict, path: str) -> dict:
         return AutoConfig.for_model(**config).to_dict()
     except (ValueError, TypeError, KeyError) as e:
         raise ModelFolderError(f"{path}: transformers cannot read this config: {e}") from None
+
+
+def video_value(folder: ModelFolder, key: str, default):
+    """A value of the video processor config, else ``default``."""
+    value = folder.video_processor.get(key)
+    return default if value is None else value
 
 
 def processor_value(folder: ModelFolder, key: str, default):

@@ -26,11 +26,13 @@ from .base import (
     Family,
     ImageLayout,
     Normalized,
+    SampledVideo,
     SquareTiles,
     TileBudget,
+    float_arange,
 )
-from .folder import ModelFolder, processor_value
-from .tiny import CORPUS, save_random_weights, save_tokenizer
+from .folder import ModelFolder, processor_value, video_value
+from .tiny import CORPUS, save_random_weights, save_tokenizer, save_video_config
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -49,6 +51,8 @@ class InternVLTiling(SquareTiles, Normalized):
     crop_to_patches: bool = True
     tokens_per_tile: int = 256
     budget: TileBudget = "per-image"
+    num_frames: int = 8  # frames sampled per video (InternVL's own num_segments)
+    video_size: int = 448  # each frame resized whole to one tile of this side
     name: ClassVar[str] = "internvl"
 
     def with_limits(self, max_patches: int | None = None,
@@ -79,6 +83,21 @@ class InternVLTiling(SquareTiles, Normalized):
             tiles = np.concatenate([tiles, self.resize(image, size, size)[None]])
         return self.normalize(tiles)
 
+    def sample_video(self, frames: int, fps: float, width: int, height: int,
+                     given: bool = False) -> SampledVideo:
+        """``InternVLVideoProcessor.sample_frames`` with ``num_frames`` (the middle of each of
+        as many equal segments); each frame one tile. ``given``: a frame list, all kept."""
+        n = frames if given else min(self.num_frames, frames)
+        indices = range(frames) if given else float_arange(frames / n / 2, frames, frames / n)
+        return SampledVideo(indices=tuple(int(i) for i in indices), width=self.video_size,
+                            height=self.video_size, grid=(n, 1, 1), tiles=n,
+                            tokens=n * self.tokens_per_tile, seconds_per_step=1 / fps, fps=fps)
+
+    def video_pixels(self, frames: list["Image.Image"], video: SampledVideo) -> np.ndarray:
+        """[frames, 3, S, S]: each frame resized whole, as the video processor does."""
+        return self.normalize(np.stack([self.resize(f, video.width, video.height)
+                                        for f in frames]))
+
 
 @lru_cache(maxsize=65536)
 def tiled_canvas(width: int, height: int, min_tiles: int, max_tiles: int,
@@ -108,12 +127,14 @@ def _cut_grid(pixels: np.ndarray, rows: int, cols: int, size: int) -> np.ndarray
             .reshape(rows * cols, size, size, 3))
 
 
-# transformers' InternVL (-hf checkpoints) template: '<IMG_CONTEXT>\n' per image.
+# transformers' InternVL (-hf checkpoints) template: '<IMG_CONTEXT>\n' per image, '<video>\n'
+# per video.
 TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for content in message['content'] %}"
     "{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\n' }}"
+    "{% elif content['type'] == 'video' %}{{ '<video>\n' }}"
     "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
     "{% endfor %}{% endif %}{{'<|im_end|>\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{'<|im_start|>assistant\n' }}{% endif %}")
@@ -141,7 +162,23 @@ class InternVL(Family):
             mean=tuple(processor_value(folder, "image_mean", IMAGENET_MEAN)),
             std=tuple(processor_value(folder, "image_std", IMAGENET_STD)),
             resample=int(processor_value(folder, "resample", BICUBIC)),
-            rescale_factor=float(processor_value(folder, "rescale_factor", 1 / 255)))
+            rescale_factor=float(processor_value(folder, "rescale_factor", 1 / 255)),
+            num_frames=int(video_value(folder, "num_frames", 8)),
+            video_size=int(video_value(folder, "size", size)["height"]))
+
+    def video_layout(self, folder: ModelFolder) -> ImageLayout:
+        """``<video>`` becomes a ``Frame{i}: <img>…</img>`` line per frame (``video_pieces``)."""
+        image = self.layout(folder)
+        return ImageLayout(placeholder=folder.special_tokens().get("video_token", "<video>"),
+                           token=image.token, prefix=image.prefix, suffix=image.suffix)
+
+    def video_pieces(self, video: SampledVideo, layout: ImageLayout) -> list[str | int]:
+        """``InternVLProcessor``: the frames' lines joined by line breaks."""
+        per_frame = video.tokens // video.tiles
+        pieces: list[str | int] = []
+        for i in range(video.tiles):
+            pieces += [("\n" if i else "") + f"Frame{i + 1}: ", per_frame]
+        return pieces
 
     def layout(self, folder: ModelFolder) -> ImageLayout:
         tokens = folder.special_tokens()
@@ -194,6 +231,10 @@ class InternVL(Family):
                                  image_std=list(IMAGENET_STD)).save_pretrained(path)
         with open(os.path.join(path, "processor_config.json"), "w") as f:
             json.dump({"image_seq_length": 256, "processor_class": "InternVLProcessor"}, f)
+        save_video_config(path, "InternVLVideoProcessor", {
+            "size": {"height": 448, "width": 448}, "num_frames": 4, "do_sample_frames": True,
+            "initial_shift": True, "image_mean": list(IMAGENET_MEAN),
+            "image_std": list(IMAGENET_STD)})
         save_random_weights(path, seed, init_std)
         return path
 

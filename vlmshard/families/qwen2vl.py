@@ -20,9 +20,17 @@ import numpy as np
 from vlmshard.model_sizes import LLMConfig, ModelConfig, VisionConfig
 from vlmshard.rejects import Reject
 
-from .base import CLIP_MEAN, CLIP_STD, Family, ImageLayout, Normalized
-from .folder import ModelFolder, processor_value
-from .tiny import CHAT_TOKENS, CORPUS, save_random_weights, save_tokenizer
+from .base import (
+    CLIP_MEAN,
+    CLIP_STD,
+    Family,
+    ImageLayout,
+    Normalized,
+    SampledVideo,
+    float_arange,
+)
+from .folder import ModelFolder, processor_value, video_value
+from .tiny import CHAT_TOKENS, CORPUS, save_random_weights, save_tokenizer, save_video_config
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -40,6 +48,15 @@ class Qwen2VLTiling(Normalized):
     temporal_patch_size: int = 2
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
+    # videos (Qwen2VLVideoProcessor's defaults; frames sampled at ``fps`` as qwen-vl-utils does)
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    video_min_pixels: int = 128 * 28 * 28
+    video_max_pixels: int = 768 * 28 * 28
+    cap_pixels_per_frame: bool = True  # each frame's share of a total budget (qwen-vl-utils)
+    max_video_tokens: int = 128000
+    tokens_per_second: float = 0  # Qwen2.5-VL's temporal position step per second; 0: none
     tokens_per_tile: ClassVar[int] = 1
     takes_grid: ClassVar[bool] = True
     name: ClassVar[str] = "qwen2vl"
@@ -65,20 +82,23 @@ class Qwen2VLTiling(Normalized):
         h, w = self.resized(width, height)
         return 1, h // self.patch_size, w // self.patch_size
 
-    def resized(self, width: int, height: int) -> tuple[int, int]:
+    def resized(self, width: int, height: int, min_pixels: int | None = None,
+                max_pixels: int | None = None) -> tuple[int, int]:
         """(height, width) after ``smart_resize``. Tiny images are scaled up to ``min_pixels``,
         as current ``transformers`` does; only an aspect ratio over 200 is refused."""
         f = self.tile_size
+        min_pixels = self.min_pixels if min_pixels is None else min_pixels
+        max_pixels = self.max_pixels if max_pixels is None else max_pixels
         if max(height, width) / min(height, width) > 200:
             raise Reject("bad_aspect_ratio", f"{width}x{height} exceeds the 200:1 aspect ratio "
                                              "Qwen2-VL's processor accepts")
         h_bar, w_bar = round(height / f) * f, round(width / f) * f
-        if h_bar * w_bar > self.max_pixels:
-            beta = math.sqrt(height * width / self.max_pixels)
+        if h_bar * w_bar > max_pixels:
+            beta = math.sqrt(height * width / max_pixels)
             h_bar = max(f, math.floor(height / beta / f) * f)
             w_bar = max(f, math.floor(width / beta / f) * f)
-        elif h_bar * w_bar < self.min_pixels:
-            beta = math.sqrt(self.min_pixels / (height * width))
+        elif h_bar * w_bar < min_pixels:
+            beta = math.sqrt(min_pixels / (height * width))
             h_bar = math.ceil(height * beta / f) * f
             w_bar = math.ceil(width * beta / f) * f
         return h_bar, w_bar
@@ -93,8 +113,45 @@ class Qwen2VLTiling(Normalized):
         x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], t, p, p))
         return np.ascontiguousarray(x).reshape(-1, 3 * t * p * p)
 
+    def sample_video(self, frames: int, fps: float, width: int, height: int,
+                     given: bool = False) -> SampledVideo:
+        """``Qwen2VLVideoProcessor.sample_frames`` at ``fps`` (clamped to [min_frames,
+        max_frames], floored to whole temporal patches; a clip too short for one keeps its
+        frames), then its ``resize`` with the per-frame share of the total pixel budget, and
+        the last frame repeated to a whole temporal patch. ``given``: a frame list, all kept."""
+        t = self.temporal_patch_size
+        if given:
+            n = frames
+            indices = list(range(frames))
+        else:
+            most = math.floor(min(self.max_frames, frames) / t) * t
+            n = math.floor(min(max(frames / fps * self.fps, self.min_frames), most, frames)
+                           / t) * t
+            n = n or frames
+            indices = float_arange(0, frames, frames / n).tolist()
+        max_pixels = self.video_max_pixels
+        if self.cap_pixels_per_frame:
+            total = int(self.max_video_tokens * self.tile_size ** 2 * 0.9)
+            max_pixels = max(min(max_pixels, total * t // n), int(self.video_min_pixels * 1.05))
+        h, w = self.resized(width, height, self.video_min_pixels, max_pixels)
+        indices += indices[-1:] * (-len(indices) % t)
+        grid = (len(indices) // t, h // self.patch_size, w // self.patch_size)
+        tokens = grid[0] * grid[1] * grid[2] // self.merge_size ** 2
+        sampled_fps = n / frames * fps if not given else fps
+        return SampledVideo(indices=tuple(indices), width=w, height=h, grid=grid, tiles=tokens,
+                            tokens=tokens, seconds_per_step=t / sampled_fps, fps=fps)
 
-# Qwen2-VL-Instruct's template (images and text items, default system prompt), without video.
+    def video_pixels(self, frames: list["Image.Image"], video: SampledVideo) -> np.ndarray:
+        """[patches, 3·T·P·P]: ``Qwen2VLVideoProcessor``'s layout, two consecutive frames per
+        temporal patch, patches ordered by temporal step, then as an image's."""
+        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        x = self.normalize(np.stack([self.resize(f, video.width, video.height) for f in frames]))
+        gt, gh, gw = video.grid
+        x = x.reshape(gt, t, 3, gh // m, m, p, gw // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        return np.ascontiguousarray(x).reshape(-1, 3 * t * p * p)
+
+
+# Qwen2-VL-Instruct's template (image, video and text items, default system prompt).
 TEMPLATE = (
     "{% set image_count = namespace(value=0) %}"
     "{% for message in messages %}"
@@ -106,6 +163,8 @@ TEMPLATE = (
     "{% if content['type'] == 'image' or 'image' in content %}"
     "{% set image_count.value = image_count.value + 1 %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
     "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -141,7 +200,32 @@ class Qwen2VL(Family):
             mean=tuple(processor_value(folder, "image_mean", d.mean)),
             std=tuple(processor_value(folder, "image_std", d.std)),
             resample=int(processor_value(folder, "resample", d.resample)),
-            rescale_factor=float(processor_value(folder, "rescale_factor", d.rescale_factor)))
+            rescale_factor=float(processor_value(folder, "rescale_factor", d.rescale_factor)),
+            **self.video_rules(folder))
+
+    def video_rules(self, folder: ModelFolder) -> dict:
+        """The video processor config's sampling and size limits, and the model's temporal
+        position step (Qwen2.5-VL's ``vision_config.tokens_per_second``)."""
+        d = self.defaults
+        size = video_value(folder, "size", None) or {}
+        vision = folder.config.get("vision_config") or {}
+        return dict(
+            fps=float(video_value(folder, "fps", d.fps)),
+            min_frames=int(video_value(folder, "min_frames", d.min_frames)),
+            max_frames=int(video_value(folder, "max_frames", d.max_frames)),
+            video_min_pixels=int(video_value(folder, "min_pixels",
+                                             size.get("shortest_edge", d.video_min_pixels))),
+            video_max_pixels=int(video_value(folder, "max_pixels",
+                                             size.get("longest_edge", d.video_max_pixels))),
+            cap_pixels_per_frame=bool(video_value(folder, "cap_pixels_per_frame",
+                                                  d.cap_pixels_per_frame)),
+            max_video_tokens=int(video_value(folder, "max_video_tokens", d.max_video_tokens)),
+            tokens_per_second=float(vision.get("tokens_per_second", 0)
+                                    if folder.config.get("model_type") == "qwen2_5_vl" else 0))
+
+    def video_layout(self, folder: ModelFolder) -> ImageLayout:
+        token = folder.special_tokens().get("video_token", "<|video_pad|>")
+        return ImageLayout(placeholder=token, token=token)
 
     def layout(self, folder: ModelFolder) -> ImageLayout:
         token = folder.special_tokens().get("image_token", "<|image_pad|>")
@@ -180,8 +264,9 @@ class Qwen2VL(Family):
         )
 
         os.makedirs(path, exist_ok=True)
-        vocab = save_tokenizer(path, TOKENS, TEMPLATE, {"image_token": "<|image_pad|>"}, corpus,
-                               vocab_size)
+        vocab = save_tokenizer(path, TOKENS, TEMPLATE, {"image_token": "<|image_pad|>",
+                                                        "video_token": "<|video_pad|>"},
+                               corpus, vocab_size)
         ids = {t: i for i, t in enumerate(CHAT_TOKENS)}
         if model_type == "qwen2_vl":
             config_class = Qwen2VLConfig
@@ -202,34 +287,45 @@ class Qwen2VL(Family):
         config.save_pretrained(path)
         Qwen2VLImageProcessorPil(min_pixels=min_pixels,
                                  max_pixels=max_pixels).save_pretrained(path)
+        save_video_config(path, "Qwen2VLVideoProcessor", {
+            "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}, "fps": 2.0,
+            "min_frames": 4, "max_frames": 768, "do_sample_frames": True,
+            "cap_pixels_per_frame": True, "patch_size": 14, "temporal_patch_size": 2,
+            "merge_size": 2, "image_mean": list(CLIP_MEAN), "image_std": list(CLIP_STD)})
         save_random_weights(path, seed, init_std)
         return path
 
-    def position_ids(self, input_ids: np.ndarray, image_token_id: int,
-                     grids: list[tuple[int, int, int]], policy: Qwen2VLTiling) -> np.ndarray:
-        """[3, n] mRoPE ids: text runs count up on all three axes; an image's tokens take
-        (t, row, column) of its merged grid offset by the position it starts at, and the text
-        after it resumes at that offset + max(rows, columns)."""
+    def position_ids(self, input_ids: np.ndarray, visual_ids: tuple[int, ...],
+                     grids: list[tuple[int, int, int]], policy: Qwen2VLTiling,
+                     steps: list[float] | None = None) -> np.ndarray:
+        """[3, n] mRoPE ids as ``transformers``' ``get_rope_index`` numbers them: text runs
+        count up on all three axes; an image's or video's tokens take (t, row, column) of its
+        merged grid offset by the position it starts at, the temporal axis scaled by
+        ``tokens_per_second`` × its seconds per temporal step (Qwen2.5-VL's videos; float32,
+        truncated); the text after it resumes at that offset + max(rows, columns)."""
         n, merge = len(input_ids), policy.merge_size
         out = np.empty((3, n), dtype=np.int64)
-        is_image = input_ids == image_token_id
+        is_visual = np.isin(input_ids, visual_ids)
         i = pos = 0
-        images = iter(grids)
+        items = iter(zip(grids, steps or [0.0] * len(grids)))
         while i < n:
-            if not is_image[i]:
-                later = np.flatnonzero(is_image[i:])
+            if not is_visual[i]:
+                later = np.flatnonzero(is_visual[i:])
                 j = i + int(later[0]) if len(later) else n
                 out[:, i:j] = pos + np.arange(j - i)
                 pos += j - i
                 i = j
                 continue
-            t, h, w = next(images)
+            (t, h, w), step = next(items)
             rows, cols = h // merge, w // merge
             count = t * rows * cols
-            if i + count > n or not is_image[i:i + count].all():
-                raise ValueError(f"image tokens at {i} do not hold the {count} of grid {t}x{h}x{w}")
-            tt, hh, ww = np.meshgrid(np.arange(t), np.arange(rows), np.arange(cols),
-                                     indexing="ij")
+            if i + count > n or not is_visual[i:i + count].all():
+                raise ValueError(f"visual tokens at {i} do not hold the {count} of grid "
+                                 f"{t}x{h}x{w}")
+            interval = np.float32(policy.tokens_per_second * np.float32(step)) \
+                if step and policy.tokens_per_second else np.float32(1)
+            temporal = (np.arange(t, dtype=np.float32) * interval).astype(np.int64)
+            tt, hh, ww = np.meshgrid(temporal, np.arange(rows), np.arange(cols), indexing="ij")
             out[:, i:i + count] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + pos
             pos += max(rows, cols)
             i += count

@@ -62,6 +62,10 @@ class Qwen3VL(Qwen2VL):
     template: ClassVar[str] = TEMPLATE  # the tiny folders' chat template
     plain_tokens: ClassVar[tuple[str, ...]] = ()  # their added tokens that are not special
 
+    def video_layout(self, folder) -> None:
+        """Qwen3-VL's videos (a timestamp text per temporal step) are not built yet."""
+        return None
+
     def vision_extras(self, vision: dict) -> dict:
         """Its learned position table and DeepStack mergers (each the merger's size, after the
         block it reads)."""

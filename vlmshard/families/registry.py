@@ -107,7 +107,8 @@ def load_model(path: str) -> tuple[ModelSpec, TilingPolicy]:
              if n.endswith((".json", ".jinja")) and not n.endswith(".index.json")]
     dtype = folder.config.get("dtype") or folder.config.get("torch_dtype") or "float32"
     spec = ModelSpec(family=fam.name, path=folder.path, model_type=model_type,
-                     layout=fam.layout(folder), dtype=str(dtype),
+                     layout=fam.layout(folder), video_layout=fam.video_layout(folder),
+                     dtype=str(dtype),
                      files={n: sha256_file(os.path.join(folder.path, n)) for n in names})
     return spec, fam.tiling(folder)
 

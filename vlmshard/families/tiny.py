@@ -90,3 +90,11 @@ def save_random_weights(path: str, seed: int, init_std: float,
     model.to(getattr(torch, dtype)).save_pretrained(path)
 
 
+
+
+def save_video_config(path: str, processor_type: str, settings: dict) -> None:
+    """The folder's ``video_preprocessor_config.json``, written as the video processor class
+    saves it (``transformers``' video processors need torchvision, which this torch lacks)."""
+    with open(os.path.join(path, "video_preprocessor_config.json"), "w") as f:
+        json.dump({"video_processor_type": processor_type, **settings}, f, indent=2,
+                  sort_keys=True)
