@@ -160,6 +160,11 @@ class ChatTemplateEncoder:
         return self._video_layout is not None
 
     @property
+    def video_token_id(self) -> int | None:
+        """The token a video's embeddings fill (InternVL: the image token)."""
+        return None if self._video_layout is None else self.special[self._video_layout.token]
+
+    @property
     def name(self) -> str:
         return f"the {self.model.family} family ({self.model.model_type})"
 

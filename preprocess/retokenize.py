@@ -10,7 +10,7 @@ the recorded ``seq_len`` and tiles::
     ids, labels = Retokenizer(spec).encode(row, records[(row["source"], row["row"])])
 
 A sample that no longer preprocesses, or no longer to what the stats say, raises
-``RetokenizeError`` naming it. ``SourceRows.embedded_images`` gives a record's embedded image
+``RetokenizeError`` naming it. ``SourceRows.embedded_media`` gives a record's embedded image
 bytes, which the writer copies into the shards.
 """
 
@@ -66,10 +66,11 @@ class RecordedPreprocess:
         path = self.tokenizer.path
         return os.path.isfile(path) and sha256_file(path) == self.tokenizer.sha256
 
-    def token_ids(self) -> tuple[int, int]:
-        """(image token id, padding id) of the recorded tokenizer and template."""
+    def token_ids(self) -> tuple[int, int, int | None]:
+        """(image token id, padding id, video token id or None) of the recorded tokenizer and
+        template."""
         encoder = make_encoder(self.tokenizer, self.model)
-        return encoder.image_token_id, encoder.pad_token_id
+        return encoder.image_token_id, encoder.pad_token_id, encoder.video_token_id
 
     def source_tilings(self) -> dict[str, dict]:
         """Source name -> the tiling policy (as a dict) its images were counted with."""
@@ -112,16 +113,19 @@ class SourceRows:
                 records[(name, number)] = record
         return records
 
-    def embedded_images(self, name: str, number: int, record) -> list[bytes | None]:
-        """Each image's embedded bytes in a record of source ``name`` (None for a file)."""
+    def embedded_media(self, name: str, number: int, record
+                       ) -> tuple[list[bytes | None], list[list[bytes | None]]]:
+        """Each image's embedded bytes in a record of source ``name`` (None for a file), and
+        each video's, per file it reads (its container, or each frame)."""
         try:
             if isinstance(record, Reject):
                 raise record
-            found = parse_conversation(record, self.sources[name].format).images
+            found = parse_conversation(record, self.sources[name].format)
         except Reject as r:
             raise RetokenizeError(f"{name} row {number} no longer reads ({r.reason}: "
                                   f"{r.message}); the source changed since packing") from None
-        return [image.data for image in found]
+        return ([image.data for image in found.images],
+                [[ref.data for ref in video.refs] for video in found.videos])
 
 
 class Retokenizer:

@@ -91,9 +91,9 @@ def image_path(image: ImageRef, root: str, allow_outside_root: bool) -> str:
 
 
 def video_stats(video: VideoRef, index: int, item: int, root: str, tiling: TilingPolicy,
-                limits: SampleLimits) -> dict:
-    """A ``videos`` entry of the stats row: the files, the probe's counts and the frames the
-    family's rule samples (``SampledVideo``); raises ``Reject``."""
+                limits: SampleLimits) -> tuple[dict, "SampledVideo"]:
+    """A ``videos`` entry of the stats row (the files, the probe's counts and the frames the
+    family's rule samples) and the ``SampledVideo`` itself; raises ``Reject``."""
     paths = [image_path(ref, root, limits.allow_outside_image_root) for ref in video.refs]
     name = f"video {index}"
     if video.file is not None:
@@ -122,19 +122,11 @@ def video_stats(video: VideoRef, index: int, item: int, root: str, tiling: Tilin
         sampled = tiling.sample_video(frames, fps, width, height, given=video.file is None)
     except Reject as e:  # bad_aspect_ratio: name the video
         raise Reject(e.reason, f"{name}: {e.message}") from None
-    return {"paths": paths, "frames": list(sampled.indices), "total_frames": frames,
+    return {"paths": paths, "frame_list": video.file is None,
+            "frames": list(sampled.indices), "total_frames": frames,
             "fps": fps, "w": width, "h": height, "grid": list(sampled.grid),
             "tiles": sampled.tiles, "tokens": sampled.tokens,
-            "seconds_per_step": sampled.seconds_per_step, "bytes": sizes, "item": item}
-
-
-def sampled_video(entry: dict) -> "SampledVideo":
-    """The ``SampledVideo`` a stats ``videos`` entry records."""
-    from vlmshard.families.base import SampledVideo
-
-    return SampledVideo(indices=tuple(entry["frames"]), width=0, height=0,
-                        grid=tuple(entry["grid"]), tiles=entry["tiles"], tokens=entry["tokens"],
-                        seconds_per_step=entry["seconds_per_step"], fps=entry["fps"])
+            "seconds_per_step": sampled.seconds_per_step, "bytes": sizes, "item": item}, sampled
 
 
 def process_record(record: dict, source: Source, tiling: TilingPolicy, encoder,
@@ -174,11 +166,10 @@ def process_record(record: dict, source: Source, tiling: TilingPolicy, encoder,
     items = [isinstance(p, VideoItem) for t in turns for p in t.content
              if isinstance(p, ImageItem)]  # per image or video item in order: a video?
     order = [k for k, is_video in enumerate(items) if is_video]
-    video_rows = [video_stats(v, k, order[k], source.image_root, tiling, limits)
-                  for k, v in enumerate(videos)]
+    video_rows, sampled = zip(*[video_stats(v, k, order[k], source.image_root, tiling, limits)
+                                for k, v in enumerate(videos)]) if videos else ((), ())
     image_tokens = [t * tiling.tokens_per_tile for t in tiles]
-    encoded = encoder.encode(turns, image_tokens, keep_tokens,
-                             [sampled_video(v) for v in video_rows])
+    encoded = encoder.encode(turns, image_tokens, keep_tokens, list(sampled))
     if encoded.loss_tokens == 0:
         raise Reject("no_assistant_turn", "the assistant turns are empty")
     video_tokens = sum(v["tokens"] for v in video_rows)
@@ -196,7 +187,7 @@ def process_record(record: dict, source: Source, tiling: TilingPolicy, encoder,
         "image_paths": paths,
         "image_sizes": [{"w": h.width, "h": h.height} for h in headers],
         "image_bytes": [h.bytes for h in headers],
-        "videos": video_rows,
+        "videos": list(video_rows),
     }
     if keep_tokens:
         row["input_ids"] = encoded.input_ids

@@ -10,6 +10,7 @@ IMAGE_SIZE = pa.struct([("w", pa.int32()), ("h", pa.int32())])
 # ViT units and LLM tokens, and its place among the sample's image and video items.
 VIDEO = pa.struct([
     ("paths", pa.list_(pa.string())),
+    ("frame_list", pa.bool_()),
     ("frames", pa.list_(pa.int32())),
     ("total_frames", pa.int32()),
     ("fps", pa.float64()),

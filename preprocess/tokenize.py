@@ -122,6 +122,7 @@ class TekkenEncoder:
     PAD = "<pad>"
     name = "the demo's Tekken tokenizer"
     takes_videos = False  # the mistral template has no video layout
+    video_token_id = None
 
     def __init__(self, config: TokenizerConfig) -> None:
         self.config = config

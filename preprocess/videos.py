@@ -74,8 +74,8 @@ def read_video_header(path: str, data: bytes | None = None,
                                             f"{_stream_kinds(container)})")
         stream = container.streams.video[0]
         if stream.codec_context is None:
-            raise Reject("unsupported_codec", f"{path}: no decoder for its video codec "
-                                              f"(tag {stream.codec_tag!r})")
+            raise Reject("unsupported_codec", f"{path}: FFmpeg has no decoder for its video "
+                                              "codec")
         rate = stream.average_rate or stream.guessed_rate
         if not rate or rate <= 0:
             raise Reject("corrupt_video", f"{path}: its video stream states no frame rate")

@@ -93,6 +93,13 @@ class Manifest:
     fingerprint: str = ""  # of what determines the bytes: plan, stats, shard size (a rerun skips)
     format: str = FORMAT
     vlmshard_version: str = ""
+    video_token_id: int | None = None  # the token video embeddings fill (None: no video layout)
+
+    @property
+    def visual_token_ids(self) -> tuple[int, ...]:
+        """The tokens image and video embeddings fill."""
+        return tuple(dict.fromkeys(t for t in (self.image_token_id, self.video_token_id)
+                                   if t is not None))
 
     def rank_shards(self, rank: int) -> list[ShardEntry]:
         return sorted((s for s in self.shards if s.rank == rank), key=lambda s: s.index)

@@ -12,11 +12,16 @@ whose input has no static shape to keep, so the copy to the GPU moves the real t
   sample alone;
 - ``cu_seqlens`` [samples + 1, or + 2 with padding] int32: sample boundaries, ending at Qt (the
   padding is a segment of its own, so varlen attention kernels can take the tensors as they are);
-- ``image_token_mask`` [Qt] bool: where the image embeddings go, in image order;
+- ``image_token_mask`` [Qt] bool: where the image and video embeddings go, in token order;
 - ``pixel_values``: each image decoded, its tile count checked against the plan, resized with the
   model's filter and normalized with its mean and std, in the model's dtype (``pixel_dtype``):
   InternVL [Qv, 3, 448, 448] tiles; Qwen2-VL [Qv·merge², 3·2·14·14] flattened patches, plus
-  ``image_grid_thw`` [images, 3]. Rows after ``num_tiles`` (× merge²) are zero;
+  ``image_grid_thw`` [images, 3]. Rows after ``num_tiles`` (× merge²) are zero. A video's frames
+  (decoded PNGs, checked against the frames and grid its policy samples) are rows of the same
+  tensor at its place in token order, as the model's ViT takes them: a 448-px tile per frame for
+  InternVL; for Qwen its ``pixel_values_videos`` rows, its ``video_grid_thw`` a row of
+  ``image_grid_thw``; ``media_is_video`` and ``media_seconds_per_step`` [images and videos] tell
+  them apart (``model_inputs`` splits them for a plain ``transformers`` model);
 - ``tile_cap``: the Qv the wire is padded to after the first stage (``num_tiles`` unpadded);
 - ``num_tokens``, ``num_tiles``, ``num_pixel_rows`` (the real rows of ``pixel_values``),
   ``num_samples``, ``sample_ids``, ``sample_images`` and ``sample_pixel_rows`` (per sample),
@@ -51,7 +56,14 @@ from vlmshard.preprocess.tokenize import IGNORE_INDEX
 
 from .layout import Manifest, ShardEntry, read_manifest
 from .reader import SeekingShard, ShardError, iter_shard
-from .records import DecodedImage, Record, RecordError, check_image_tokens, decoded_images
+from .records import (
+    DecodedImage,
+    DecodedVideo,
+    Record,
+    RecordError,
+    check_image_tokens,
+    decoded_images,
+)
 
 
 class ShardDataset(IterableDataset):
@@ -186,27 +198,32 @@ class ShardDataset(IterableDataset):
         pad = qt - n
         if pad < 0:
             raise RecordError(f"{record.where}: {n} tokens exceed Qt {m.qt}")
-        check_image_tokens(record, m.image_token_id, self.policies)
+        check_image_tokens(record, m.visual_token_ids, self.policies)
         input_ids = torch.full((qt,), m.pad_token_id, dtype=torch.long)
         input_ids[:n] = torch.from_numpy(record.input_ids.astype(np.int64))
         labels = torch.full((qt,), IGNORE_INDEX, dtype=torch.long)
         labels[:n] = torch.from_numpy(record.labels.astype(np.int64))
-        images = list(decoded_images(record, self.policies, rgb=self.pixels))
-        grids = [im.policy.grid_thw(im.width, im.height) for im in images]  # None for InternVL
-        num_tiles = sum(t for s in record.samples for t in s["image_tiles"])
+        images = list(decoded_images(record, self.policies, rgb=self.pixels))  # and videos
+        grids = [im.grid for im in images]  # None for InternVL
+        steps = [im.video.seconds_per_step if im.is_video else 0.0 for im in images]
+        num_tiles = sum(im.tiles for im in images)
+        sample_items = [len(s["images"]) + len(s.get("videos", ())) for s in record.samples]
         batch = {
             "input_ids": input_ids, "labels": labels,
-            "position_ids": self._position_ids(record, grids, pad),
+            "position_ids": self._position_ids(record, grids, steps, pad),
             "cu_seqlens": torch.tensor(record.cu_seqlens + ([qt] if pad else []),
                                        dtype=torch.int32),
-            "image_token_mask": input_ids == m.image_token_id,
+            "image_token_mask": torch.isin(input_ids, torch.tensor(m.visual_token_ids)),
             "pixel_values": self._pixel_values(record, images, num_tiles),
             "num_tokens": n, "num_tiles": num_tiles,
             "tile_cap": m.qv if self.pad_to_caps else num_tiles,
             "num_pixel_rows": num_tiles * self.rows_per_tile, "num_samples": len(record.samples),
-            "sample_images": torch.tensor([len(s["image_tiles"]) for s in record.samples]),
-            "sample_pixel_rows": torch.tensor([sum(s["image_tiles"]) * self.rows_per_tile
-                                               for s in record.samples]),
+            "sample_images": torch.tensor(sample_items),
+            "sample_pixel_rows": torch.tensor(
+                [sum(im.tiles for im in items) * self.rows_per_tile
+                 for items in _split(images, sample_items)]),
+            "media_is_video": torch.tensor([im.is_video for im in images], dtype=torch.bool),
+            "media_seconds_per_step": torch.tensor(steps, dtype=torch.float32),
             "sample_ids": torch.tensor([s["sample_id"] for s in record.samples]),
             "step": record.step, "rank": record.rank, "micro": record.micro,
         }
@@ -216,23 +233,25 @@ class ShardDataset(IterableDataset):
             batch["image_grid_thw"] = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
         return batch
 
-    def _position_ids(self, record: Record, grids: list, pad: int) -> torch.Tensor:
+    def _position_ids(self, record: Record, grids: list, steps: list[float],
+                      pad: int) -> torch.Tensor:
         """Each sample's position ids computed for it alone, then the padding's 0..pad-1;
-        ``grids`` are the record's images' grids in order, sample by sample."""
-        parts, start, image = [], 0, 0
+        ``grids`` and ``steps`` are the record's images' and videos' grids and seconds per
+        temporal step in token order, sample by sample."""
+        parts, start, item = [], 0, 0
         for sample in record.samples:
             ids = record.input_ids[start:start + sample["seq_len"]]
             start += sample["seq_len"]
-            n_images = len(sample["images"])
+            n = len(sample["images"]) + len(sample.get("videos", ()))
             parts.append(self.family.position_ids(
-                ids, self.manifest.image_token_id, grids[image:image + n_images],
-                self.policies[sample["source"]]))
-            image += n_images
+                ids, self.manifest.visual_token_ids, grids[item:item + n],
+                self.policies[sample["source"]], steps[item:item + n]))
+            item += n
         if pad:
             parts.append(np.broadcast_to(np.arange(pad), (*parts[0].shape[:-1], pad)))
         return torch.from_numpy(np.concatenate(parts, axis=-1).astype(np.int64))
 
-    def _pixel_values(self, record: Record, images: list[DecodedImage],
+    def _pixel_values(self, record: Record, images: list[DecodedImage | DecodedVideo],
                       num_tiles: int) -> torch.Tensor:
         tiles = self.manifest.qv if self.pad_pixels else num_tiles
         pixels = torch.zeros((tiles * self.rows_per_tile, *self.pixel_shape),
@@ -247,6 +266,12 @@ class ShardDataset(IterableDataset):
             pixels[row:row + len(rows)] = rows
             row += len(rows)
         return pixels
+
+
+def _split(items: list, counts: list[int]) -> list[list]:
+    """``items`` cut into consecutive runs of ``counts``."""
+    bounds = np.cumsum([0, *counts])
+    return [items[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def make_loader(root: str, rank: int = 0, world_size: int = 1, start_step: int = 0, *,

@@ -100,11 +100,12 @@ def model_inputs(batch: dict, model, num_items_in_batch: int | float | None = No
     }
     rows = batch["num_pixel_rows"]
     if rows:
-        inputs["pixel_values"] = batch["pixel_values"][:rows]
-        if "image_grid_thw" in batch:
-            inputs["image_grid_thw"] = batch["image_grid_thw"]
+        inputs.update(visual_inputs(model, batch["pixel_values"][:rows],
+                                    batch.get("image_grid_thw"), batch["media_is_video"],
+                                    batch["media_seconds_per_step"]))
     if _takes_token_types(type(model)):
-        inputs["mm_token_type_ids"] = batch["image_token_mask"].long()[None]
+        inputs["mm_token_type_ids"] = token_types(model, batch["input_ids"],
+                                                  batch["image_token_mask"])[None]
     inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     if implementation in FLASH:
         longest = int((cu[1:] - cu[:-1]).max())
@@ -122,14 +123,44 @@ def model_inputs(batch: dict, model, num_items_in_batch: int | float | None = No
     return inputs
 
 
-def split_batch(batch: dict) -> list[dict]:
+def visual_inputs(model, pixels: torch.Tensor, grids: torch.Tensor | None,
+                  is_video: torch.Tensor, seconds: torch.Tensor) -> dict:
+    """The pixel arguments of a model's forward for images and videos in token order: for a
+    model with grids (Qwen) the videos' rows go to ``pixel_values_videos`` with their
+    ``video_grid_thw`` (and Qwen2.5-VL's ``second_per_grid_ts``); InternVL takes its frames as
+    tiles of ``pixel_values`` as they come."""
+    if grids is None:
+        return {"pixel_values": pixels}
+    if not bool(is_video.any()):
+        return {"pixel_values": pixels, "image_grid_thw": grids}
+    parts = pixels.split(grids.prod(-1).tolist())
+    out = {}
+    if not bool(is_video.all()):
+        out["pixel_values"] = torch.cat([p for p, v in zip(parts, is_video) if not v])
+        out["image_grid_thw"] = grids[~is_video]
+    out["pixel_values_videos"] = torch.cat([p for p, v in zip(parts, is_video) if v])
+    out["video_grid_thw"] = grids[is_video]
+    if "second_per_grid_ts" in inspect.signature(type(model).forward).parameters:
+        out["second_per_grid_ts"] = seconds[is_video]
+    return out
+
+
+def token_types(model, input_ids: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
+    """``mm_token_type_ids``: 1 on image tokens, 2 on video tokens, 0 elsewhere."""
+    video = getattr(model.config, "video_token_id", None)
+    types = visual.long()
+    return types if video is None else types.masked_fill(input_ids == video, 2)
+
+
+def split_batch(batch: dict, model=None) -> list[dict]:
     """The packed samples of a micro-batch, each alone: ``input_ids`` and ``labels`` [1, len],
-    its own ``pixel_values`` rows and ``image_grid_thw`` (when it has images), and
+    its own ``pixel_values`` rows and ``image_grid_thw`` (when it has images; its videos' as
+    ``visual_inputs`` gives them to ``model``, which a sample with videos needs), and
     ``image_token_mask`` [1, len]: what to give the model to run one sample by itself (its own
     position ids and causal mask are then the model's own)."""
     cu = batch["cu_seqlens"].tolist()
     grids = batch.get("image_grid_thw")
-    samples, row, image = [], 0, 0
+    samples, row, image = [], 0, 0  # image: the next image or video
     for k in range(batch["num_samples"]):
         a, b = cu[k], cu[k + 1]
         rows, images = int(batch["sample_pixel_rows"][k]), int(batch["sample_images"][k])
@@ -137,9 +168,19 @@ def split_batch(batch: dict) -> list[dict]:
                   "labels": batch["labels"][a:b][None],
                   "image_token_mask": batch["image_token_mask"][a:b][None]}
         if rows:
-            sample["pixel_values"] = batch["pixel_values"][row:row + rows]
-            if grids is not None:
-                sample["image_grid_thw"] = grids[image:image + images]
+            is_video = batch["media_is_video"][image:image + images]
+            pixels = batch["pixel_values"][row:row + rows]
+            mine = None if grids is None else grids[image:image + images]
+            if model is not None:
+                sample.update(visual_inputs(model, pixels, mine, is_video,
+                                            batch["media_seconds_per_step"][image:image + images]))
+            elif bool(is_video.any()):
+                raise ValueError("a sample with videos: pass the model, whose forward decides "
+                                 "where their pixels go")
+            else:
+                sample["pixel_values"] = pixels
+                if mine is not None:
+                    sample["image_grid_thw"] = mine
         samples.append(sample)
         row, image = row + rows, image + images
     return samples

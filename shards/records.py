@@ -4,12 +4,15 @@ Every record has the same four members (tar order is sorted by member name, as
 ``webdataset.TarWriter`` writes), so generic WebDataset readers (HF ``datasets``, Energon) take the
 shards as they are:
 
-- ``KEY.images.mp``: a msgpack list of each image's original encoded bytes, in token order (an
-  empty list for a micro-batch without images);
+- ``KEY.images.mp``: a msgpack list of each image's original encoded bytes and each video's
+  sampled frames (lossless PNGs decoded once at write time; a frame list's own files), in token
+  order (an empty list for a micro-batch without images);
 - ``KEY.input_ids.npy``, ``KEY.labels.npy``: the packed samples' ids back to back (int32, no
   padding; labels are -100 outside assistant turns);
 - ``KEY.json``: step, rank, micro, the samples (id, source, row, seq_len, loss_tokens, tiles per
-  image, image names), ``seq_lens``, ``cu_seqlens`` and a CRC-32 of every other member, so a
+  image, image names; per video its frame names, frame indices, grid, tiles, tokens, frame rate
+  and place among the sample's items), ``seq_lens``, ``cu_seqlens`` and a CRC-32 of every
+  other member, so a
   flipped byte is caught at the record that holds it, not only by the shard's sha256.
 """
 
@@ -19,7 +22,7 @@ import io
 import json
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, ClassVar, Iterator
 
 import numpy as np
 
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
     from PIL import Image
 
     from vlmshard.families import TilingPolicy
+    from vlmshard.families.base import SampledVideo
 
 JSON = "json"
 INPUT_IDS = "input_ids.npy"
@@ -133,9 +137,10 @@ def decode_record(sample: dict, where: str) -> Record:
         record = Record(shard=shard, key=key, step=meta["step"], rank=meta["rank"],
                         micro=meta["micro"], samples=samples, input_ids=input_ids, labels=labels,
                         images=images, cu_seqlens=meta["cu_seqlens"])
-        if len(images) != sum(len(s["images"]) for s in samples):
-            raise ValueError(f"{len(images)} images for the samples' "
-                             f"{sum(len(s['images']) for s in samples)}")
+        want = sum(len(s["images"]) + sum(len(v["frames"]) for v in s.get("videos", ()))
+                   for s in samples)
+        if len(images) != want:
+            raise ValueError(f"{len(images)} images and frames for the samples' {want}")
     except (KeyError, TypeError, ValueError, msgpack.UnpackException) as e:
         raise RecordError(f"{where}: malformed record: {e!r}") from None
     if parse_key(key) != (record.step, record.micro):
@@ -147,19 +152,21 @@ def decode_record(sample: dict, where: str) -> Record:
     return record
 
 
-def check_image_tokens(record: Record, image_token_id: int,
+def check_image_tokens(record: Record, visual_ids: tuple[int, ...],
                        policies: dict[str, "TilingPolicy"]) -> None:
-    """Each sample's image-token count must equal its tiles × the source policy's tokens per tile:
-    that is what places every tile's embedding on its own token."""
+    """Each sample's image- and video-token count must equal its image tiles × the source
+    policy's tokens per tile plus its videos' tokens: that is what places every tile's and
+    frame's embedding on its own token."""
     start = 0
     for sample in record.samples:
         span = record.input_ids[start:start + sample["seq_len"]]
         start += sample["seq_len"]
-        have = int(np.count_nonzero(span == image_token_id))
-        want = sum(sample["image_tiles"]) * policies[sample["source"]].tokens_per_tile
+        have = int(np.count_nonzero(np.isin(span, visual_ids)))
+        want = (sum(sample["image_tiles"]) * policies[sample["source"]].tokens_per_tile
+                + sum(v["tokens"] for v in sample.get("videos", ())))
         if have != want:
             raise RecordError(f"{record.where}: sample {sample['sample_id']} has {have} image "
-                              f"tokens, its tiles need {want}")
+                              f"and video tokens, its tiles and frames need {want}")
 
 
 @dataclass
@@ -170,32 +177,58 @@ class DecodedImage:
     height: int
     rgb: "Image.Image | None"  # converted as transformers converts, when asked for
 
+    is_video: ClassVar[bool] = False
+
     def pixels(self) -> np.ndarray:
         """The model's float32 pixel rows for this image (see ``TilingPolicy.pixels``)."""
         return self.policy.pixels(self.rgb, self.n_images)
 
+    @property
+    def grid(self) -> tuple[int, int, int] | None:
+        return self.policy.grid_thw(self.width, self.height)
+
+    @property
+    def tiles(self) -> int:
+        return self.policy.tiles(self.width, self.height, self.n_images)
+
+
+@dataclass
+class DecodedVideo:
+    policy: "TilingPolicy"
+    video: "SampledVideo"  # as the source's policy samples it again
+    frames: list  # RGB PIL images in order (empty without rgb)
+    is_video: ClassVar[bool] = True
+
+    def pixels(self) -> np.ndarray:
+        """The model's float32 pixel rows for this video's frames."""
+        return self.policy.video_pixels(self.frames, self.video)
+
+    @property
+    def grid(self) -> tuple[int, int, int] | None:
+        return self.video.grid if self.policy.takes_grid else None
+
+    @property
+    def tiles(self) -> int:
+        return self.video.tiles
+
 
 def decoded_images(record: Record, policies: dict[str, "TilingPolicy"], *,
-                   rgb: bool = True) -> Iterator[DecodedImage]:
-    """Decode each image of ``record`` in full, in token order, and check that it makes the tiles
-    the plan has under its source's policy; RGB pixels only with ``rgb``. The one decode of the
-    loader and ``verify``."""
-    from PIL import Image
-
-    from vlmshard.families import to_rgb
-
-    images = iter(record.images)
+                   rgb: bool = True) -> Iterator["DecodedImage | DecodedVideo"]:
+    """Decode each image and video frame of ``record`` in full, in token order, and check that
+    each image makes the tiles the plan has under its source's policy and each video the frames
+    and grid; RGB pixels only with ``rgb``. The one decode of the loader and ``verify``."""
+    data = iter(record.images)
     for sample in record.samples:
         policy = policies[sample["source"]]
         n_images = len(sample["images"])
-        for name, planned in zip(sample["images"], sample["image_tiles"]):
-            try:
-                with Image.open(io.BytesIO(next(images))) as im:
-                    im.load()
-                    width, height = im.size
-                    converted = to_rgb(im) if rgb else None
-            except Exception as e:
-                raise RecordError(f"{record.where}: image {name} does not decode: {e}") from None
+        images = iter(zip(sample["images"], sample["image_tiles"]))
+        videos = {v["item"]: v for v in sample.get("videos", ())}
+        for item in range(n_images + len(videos)):
+            if item in videos:
+                yield _decoded_video(record, sample, videos[item], policy, data, rgb)
+                continue
+            name, planned = next(images)
+            width, height, converted = _decode(record, name, next(data), rgb)
             try:
                 tiles = policy.tiles(width, height, n_images)
             except Reject as e:
@@ -205,3 +238,41 @@ def decoded_images(record: Record, policies: dict[str, "TilingPolicy"], *,
                                   f"{sample['sample_id']} makes {tiles} tiles, the plan has "
                                   f"{planned}")
             yield DecodedImage(policy, n_images, width, height, converted)
+
+
+def _decode(record: Record, name: str, data: bytes, rgb: bool):
+    """(width, height, the RGB image or None) of an image's bytes."""
+    from PIL import Image
+
+    from vlmshard.families import to_rgb
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()
+            return *im.size, to_rgb(im) if rgb else None
+    except Exception as e:
+        raise RecordError(f"{record.where}: image {name} does not decode: {e}") from None
+
+
+def _decoded_video(record: Record, sample: dict, video: dict, policy, data, rgb: bool
+                   ) -> DecodedVideo:
+    """A video's frames, checked to be the frames, size and grid its policy samples."""
+    where = f"{record.where}: video {video['item']} of sample {sample['sample_id']}"
+    try:
+        sampled = policy.sample_video(video["total_frames"], video["fps"], video["w"],
+                                      video["h"], given=video["frame_list"])
+    except Reject as e:
+        raise RecordError(f"{where}: {e.message}") from None
+    if list(sampled.indices) != video["indices"] or list(sampled.grid) != video["grid"]:
+        raise RecordError(f"{where}: its policy samples frames {list(sampled.indices)} as grid "
+                          f"{list(sampled.grid)}, the plan has {video['indices']} as "
+                          f"{video['grid']}")
+    frames = []
+    for name in video["frames"]:
+        width, height, converted = _decode(record, name, next(data), rgb)
+        if (width, height) != (video["w"], video["h"]):
+            raise RecordError(f"{where}: frame {name} is {width}x{height}, the video "
+                              f"{video['w']}x{video['h']}")
+        if rgb:
+            frames.append(converted)
+    return DecodedVideo(policy, sampled, frames)

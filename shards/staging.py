@@ -30,10 +30,12 @@ UNIT_SAMPLES = 8192
 SCHEMA = pa.schema([
     pa.field("sample_id", pa.int64()),
     pa.field("images", pa.list_(pa.binary())),  # null: no embedded image; a null item: a file
+    # per video, per file it reads (container or frames); null: nothing embedded; null item: a file
+    pa.field("videos", pa.list_(pa.list_(pa.binary()))),
     pa.field("input_ids", pa.list_(pa.int32())),  # null when the stats keep the tokens
     pa.field("labels", pa.list_(pa.int32())),
 ])
-ROW_COLUMNS = ["sample_id", "source", "row", "seq_len", "image_tiles", "image_paths"]
+ROW_COLUMNS = ["sample_id", "source", "row", "seq_len", "image_tiles", "image_paths", "videos"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,16 @@ def plan_units(table: pa.Table, tokens: bool) -> list[StageUnit]:
     owner = pc.list_parent_indices(paths).to_numpy()[embedded]
     sizes = (pc.list_flatten(table["image_bytes"].combine_chunks()).to_numpy()[embedded]
              if "image_bytes" in table.column_names else np.zeros(len(owner)))
+    if "videos" in table.column_names:  # each video file's row and size
+        videos = table["videos"].combine_chunks()
+        flat = pc.list_flatten(videos)
+        files = flat.field("paths")
+        in_row = pc.list_parent_indices(videos).to_numpy()[pc.list_parent_indices(files)]
+        video_embedded = pc.starts_with(pc.list_flatten(files), EMBEDDED).to_numpy(
+            zero_copy_only=False)
+        owner = np.concatenate([owner, in_row[video_embedded]])
+        sizes = np.concatenate([sizes, pc.list_flatten(flat.field("bytes")).to_numpy()[
+            video_embedded]])
     n = table.num_rows
     has_embedded = np.bincount(owner, minlength=n) > 0
     keep = np.ones(n, bool) if tokens else has_embedded
@@ -97,12 +109,15 @@ class Stager:
         columns: dict[str, list] = {name: [] for name in SCHEMA.names}
         for row in rows:
             record = records[(row["source"], row["row"])]
-            embeds = any(p.startswith(EMBEDDED) for p in row["image_paths"])
+            files = [*row["image_paths"], *(p for v in row.get("videos") or [] for p in v["paths"])]
+            embeds = any(p.startswith(EMBEDDED) for p in files)
             ids, labels = self.retokenizer.encode(row, record) if self.retokenizer else (None,
                                                                                        None)
+            images, videos = (self.rows.embedded_media(row["source"], row["row"], record)
+                              if embeds else (None, None))
             columns["sample_id"].append(row["sample_id"])
-            columns["images"].append(self.rows.embedded_images(row["source"], row["row"], record)
-                                     if embeds else None)
+            columns["images"].append(images)
+            columns["videos"].append(videos)
             columns["input_ids"].append(ids)
             columns["labels"].append(labels)
         table = pa.table(columns, schema=SCHEMA)
@@ -125,7 +140,8 @@ class StagedRows:
         self.first = np.array([ids[0] for ids in self.ids], np.int64)
 
     def get(self, sample_id: int) -> dict | None:
-        """The sample's staged ``images``, ``input_ids`` and ``labels`` (None where not staged),
+        """The sample's staged ``images``, ``videos``, ``input_ids`` and ``labels`` (None where
+        not staged),
         or None if the sample was not staged."""
         u = int(np.searchsorted(self.first, sample_id, side="right")) - 1
         if u < 0:

@@ -70,7 +70,7 @@ log = logging.getLogger(__name__)
 
 TAR_MTIME = 0  # every member's mtime: the same plan must give the same bytes
 SAMPLE_COLUMNS = ["sample_id", "source", "row", "image_tiles", "seq_len", "loss_tokens",
-                  "image_paths", "image_sizes", "image_bytes"]
+                  "image_paths", "image_sizes", "image_bytes", "videos"]
 TOKEN_COLUMNS = ["input_ids", "labels"]
 
 
@@ -296,6 +296,9 @@ def _estimated_sample_bytes(table: pa.Table) -> np.ndarray:
             file_bytes = dict(zip(unique, pool.map(_file_size, unique)))
         sizes = [[file_bytes[p] for p in ps] for ps in paths]
     images = np.array([sum(ss) + 1024 * len(ss) for ss in sizes], dtype=np.int64)
+    if "videos" in table.column_names:  # PNG frames: about half their RGB bytes
+        images += np.array([sum(len(v["frames"]) * (v["w"] * v["h"] * 3 // 2 + 1024) for v in vs)
+                            for vs in table["videos"].to_pylist()], dtype=np.int64)
     return 8 * tokens + images + 256
 
 
@@ -341,13 +344,14 @@ def _recorded_preprocess(preprocess: dict) -> RecordedPreprocess:
 def _manifest(cfg: WriteConfig, plan_json: dict, recorded: RecordedPreprocess, identity: dict,
               fingerprint: str, ranks: int, micro: int, steps: int, shard_bytes: int,
               entries: list[ShardEntry]) -> Manifest:
-    image_token_id, pad = recorded.token_ids()
+    image_token_id, pad, video_token_id = recorded.token_ids()
     params = plan_json["params"]
     return Manifest(
         ranks=ranks, dp=params["dp"], micro_batches=micro, steps=steps,
         qv=params["qv"], qt=params["qt"], model=recorded.model.to_dict(),
         tokenizer=recorded.tokenizer.to_dict(),
-        image_token_id=image_token_id, pad_token_id=pad, tiling=recorded.source_tilings(),
+        image_token_id=image_token_id, pad_token_id=pad, video_token_id=video_token_id,
+        tiling=recorded.source_tilings(),
         plan={"path": os.path.abspath(cfg.plan), "algorithm": plan_json["algorithm"],
               "sha256": identity["plan_sha256"]},
         stats={"path": os.path.abspath(cfg.stats), "sha256": identity["stats_sha256"]},
@@ -406,17 +410,92 @@ class ShardWriter:
                           else (staged["input_ids"], staged["labels"]))
             names = []
             own = staged.get("images") or []
+            own_videos = staged.get("videos") or []
+            videos = row.get("videos") or []
+            media = iter(sorted([(v["item"], k) for k, v in enumerate(videos)]))
+            next_video = next(media, None)
+            video_meta = []
             for k, (path, size) in enumerate(zip(row["image_paths"], row["image_sizes"])):
+                while next_video is not None and next_video[0] == k + len(video_meta):
+                    video_meta.append(self._video(row, videos[next_video[1]], next_video[1],
+                                                  own_videos, images))
+                    next_video = next(media, None)
                 data, fmt = _read_image(row, path, size, own[k] if k < len(own) else None)
                 names.append(image_name(len(images), path, fmt))
                 images.append(data)
-            samples.append({"sample_id": row["sample_id"], "source": row["source"],
-                            "row": row["row"], "seq_len": row["seq_len"],
-                            "loss_tokens": row["loss_tokens"], "image_tiles": row["image_tiles"],
-                            "images": names})
+            while next_video is not None:
+                video_meta.append(self._video(row, videos[next_video[1]], next_video[1],
+                                              own_videos, images))
+                next_video = next(media, None)
+            sample = {"sample_id": row["sample_id"], "source": row["source"], "row": row["row"],
+                      "seq_len": row["seq_len"], "loss_tokens": row["loss_tokens"],
+                      "image_tiles": row["image_tiles"], "images": names}
+            if video_meta:
+                sample["videos"] = video_meta
+            samples.append(sample)
         input_ids = np.concatenate([np.asarray(t[0], np.int32) for t in tokens])
         labels = np.concatenate([np.asarray(t[1], np.int32) for t in tokens])
         return encode_record(step, rank, micro, samples, input_ids, labels, images)
+
+
+    def _video(self, row: dict, video: dict, index: int, staged: list, images: list[bytes]
+               ) -> dict:
+        """Append a video's sampled frames to ``images`` (lossless PNGs decoded from its
+        container; a frame list's own files' bytes) and return its record entry."""
+        own = staged[index] if index < len(staged) and staged[index] else [None] * len(
+            video["paths"])
+        if not video["frame_list"]:
+            frames = _video_frames(row, video, own[0])
+        else:
+            frames = [_read_image(row, video["paths"][i], {"w": video["w"], "h": video["h"]},
+                                  own[i]) for i in video["frames"]]
+        names = []
+        for data, fmt in frames:
+            names.append(image_name(len(images), video["paths"][0], fmt))
+            images.append(data)
+        keys = ("frame_list", "total_frames", "fps", "w", "h", "grid", "tiles", "tokens",
+                "seconds_per_step", "item")
+        return {"frames": names, "indices": video["frames"], **{k: video[k] for k in keys}}
+
+
+def _video_frames(row: dict, video: dict, data: bytes | None) -> list[tuple[bytes, str]]:
+    """A container's sampled frames as PNGs, decoded once, checked to be the video the plan was
+    made from (same size and frame count)."""
+    from vlmshard.preprocess.videos import read_video_header, sampled_frames
+    from vlmshard.rejects import Reject
+
+    path = video["paths"][0]
+    if data is None and path.startswith(EMBEDDED):
+        raise WriteError(f"{sample_where(row)}: the row no longer embeds video {path}; the "
+                         "source changed since packing: preprocess and pack again")
+    data = _file_bytes(row, path) if data is None else data
+    try:
+        header = read_video_header(path, data)
+        if (header.width, header.height, header.frames) != (video["w"], video["h"],
+                                                           video["total_frames"]):
+            raise WriteError(f"{sample_where(row)}: video {path} is {header.width}x"
+                             f"{header.height}, {header.frames} frames now but was {video['w']}x"
+                             f"{video['h']}, {video['total_frames']} frames when preprocessed; "
+                             "preprocess and pack again")
+        frames = list(sampled_frames(data, video["frames"], path))
+    except Reject as e:
+        raise WriteError(f"{sample_where(row)}: video {path} no longer reads ({e.reason}: "
+                         f"{e.message}); restore it, or preprocess and pack again") from None
+    return [(_png(frame), "PNG") for frame in frames]
+
+
+def _png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def _file_bytes(row: dict, path: str) -> bytes:
+    try:
+        return read_bytes(path)
+    except Exception as e:  # OSError locally; fsspec and aiohttp raise their own kinds
+        raise WriteError(f"{sample_where(row)}: file vanished since preprocessing: {path} ({e}); "
+                         "restore it, or preprocess and pack again") from None
 
 
 def _read_image(row: dict, path: str, size: dict, data: bytes | None) -> tuple[bytes, str]:

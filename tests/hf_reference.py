@@ -64,6 +64,7 @@ def make_folder(family: str, path: str) -> str:
 
 
 def make_shards(folder: str, root, rows=ROWS, **pack) -> str:
+    rows = video_rows(root) if rows == "videos" else rows
     with open(root / "rows.jsonl", "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
@@ -75,9 +76,45 @@ def make_shards(folder: str, root, rows=ROWS, **pack) -> str:
     return str(root / "shards")
 
 
+def video_rows(root) -> list[dict]:
+    """Rows with videos, their clips made here from the photos: an MP4 pan (20 frames at 8 fps)
+    asked about alone, an MKV zoom (12 frames) after an image in one user turn, a list of three
+    frame images (an odd count: Qwen repeats the last), and a text-only row."""
+    from PIL import Image
+
+    from vlmshard.preprocess.clips import Clip, make_clip
+
+    clips = {"pan.mp4": ("astronaut.png", Clip(frames=20, fps=8)),
+             "zoom.mkv": ("coffee.png", Clip(frames=12, fps=6, motion="zoom", container="mkv"))}
+    for name, (photo, clip) in clips.items():
+        with Image.open(_photo(photo)) as im:
+            (root / name).write_bytes(make_clip(im, clip))
+    frames = []
+    for k, photo in enumerate(("chelsea.png", "rocket.jpg", "camera.png")):
+        with Image.open(_photo(photo)) as im:
+            im.convert("RGB").resize((112, 84)).save(root / f"frame{k}.png")
+        frames.append(str(root / f"frame{k}.png"))
+    return [
+        {"videos": [str(root / "pan.mp4")], "conversations": [
+            {"from": "human", "value": "<video>\nWhere does the camera move?"},
+            {"from": "gpt", "value": "From left to right."}]},
+        {"images": [_photo("motorcycle_left.png")], "videos": [str(root / "zoom.mkv")],
+         "conversations": [{"from": "human", "value": "<image>\nAnd <video>: the same cup?"},
+                           {"from": "gpt", "value": "No: a motorcycle, then a cup."}]},
+        {"videos": [frames], "conversations": [
+            {"from": "human", "value": "<video>\nName the three scenes."},
+            {"from": "gpt", "value": "A cat, a rocket, a photographer."}]},
+        ROWS[2],
+    ]
+
+
 def split_samples(batch: dict, image_token_id: int, tokens_per_tile: int,
-                  rows_per_tile: int) -> list[dict]:
-    """The samples of a collated micro-batch, each with its own inputs for the HF model."""
+                  rows_per_tile: int, video_token_id: int | None = None) -> list[dict]:
+    """The samples of a collated micro-batch, each with its own inputs for the HF model. With
+    ``video_token_id`` (Qwen), each run of image or video tokens takes the next grid; a video's
+    rows go to ``pixel_values_videos`` with its ``video_grid_thw`` and seconds per step."""
+    if video_token_id is not None and bool(batch["media_is_video"].any()):
+        return _split_with_videos(batch, image_token_id, video_token_id)
     cu = batch["cu_seqlens"].tolist()
     grids = list(batch.get("image_grid_thw", []))
     samples, row = [], 0
@@ -98,6 +135,44 @@ def split_samples(batch: dict, image_token_id: int, tokens_per_tile: int,
                     rows -= int(mine[-1].prod())
                 sample["image_grid_thw"] = torch.stack(mine)
                 sample["mm_token_type_ids"] = (ids == image_token_id).int()[None]
+        samples.append(sample)
+    return samples
+
+
+def _split_with_videos(batch: dict, image_token_id: int, video_token_id: int) -> list[dict]:
+    cu = batch["cu_seqlens"].tolist()
+    grids = iter(batch["image_grid_thw"])
+    seconds = iter(batch["media_seconds_per_step"])
+    samples, row = [], 0
+    for start, end in zip(cu, cu[1:]):
+        if start >= batch["num_tokens"]:
+            break
+        ids = batch["input_ids"][start:end]
+        sample = {"input_ids": ids[None], "labels": batch["labels"][start:end][None],
+                  "mm_token_type_ids": ((ids == image_token_id).int()
+                                        + 2 * (ids == video_token_id).int())[None]}
+        parts: dict[str, list] = {"pixel_values": [], "image_grid_thw": [],
+                                  "pixel_values_videos": [], "video_grid_thw": [],
+                                  "second_per_grid_ts": []}
+        i = 0
+        while i < len(ids):
+            token = int(ids[i])
+            if token not in (image_token_id, video_token_id):
+                i += 1
+                continue
+            grid, step = next(grids), next(seconds)
+            rows = int(grid.prod())
+            video = token == video_token_id
+            parts["pixel_values_videos" if video else "pixel_values"].append(
+                batch["pixel_values"][row:row + rows])
+            parts["video_grid_thw" if video else "image_grid_thw"].append(grid)
+            if video:
+                parts["second_per_grid_ts"].append(step)
+            row += rows
+            i += rows // 4
+        for key, value in parts.items():
+            if value:
+                sample[key] = torch.cat(value) if key.startswith("pixel") else torch.stack(value)
         samples.append(sample)
     return samples
 
@@ -144,11 +219,15 @@ def hf_loss_and_grads(folder: str, batches: list[dict], tokens_per_tile: int,
     text = model.config.get_text_config()
     coef = text.router_aux_loss_coef if getattr(text, "output_router_logits", False) else 0.0
     image_token_id = model.config.image_token_id
+    video_token_id = getattr(model.config, "video_token_id", None)
     total = torch.zeros((), dtype=torch.float64)
     count = 0
     micro = [with_token_types(model, split_samples(batch, image_token_id, tokens_per_tile,
-                                                   rows_per_tile))
+                                                   rows_per_tile, video_token_id))
              for batch in batches]
+    if model.config.model_type == "qwen2_vl":  # its forward takes no seconds per step
+        for sample in (s for samples in micro for s in samples):
+            sample.pop("second_per_grid_ts", None)
     for samples in micro:
         for sample in samples:
             n = supervised(sample)

@@ -1,0 +1,239 @@
+"""Videos through preprocess, pack, write and the loader (issue 27: Qwen2/2.5-VL and InternVL).
+
+Expected values come from outside the code under test: PyAV decoding every frame (the probe's
+counts, the frames at the recorded indices), the video processors' sampling and resize rules
+written out here from ``transformers``' source (``torch.arange`` as they call it), and
+``get_rope_index`` of the model itself for positions.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import av
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hf_reference import make_folder, make_shards
+from image_references import smart_resize
+from PIL import Image
+
+from vlmshard.families.internvl import InternVLTiling
+from vlmshard.families.qwen2vl import Qwen2VLTiling
+from vlmshard.preprocess import PreprocessConfig, run_preprocess
+from vlmshard.preprocess.clips import Clip, make_clip
+from vlmshard.preprocess.videos import read_video_header
+from vlmshard.shards.loader import ShardDataset
+
+FAMILIES = ("qwen2_5_vl", "internvl")
+
+
+def _photo() -> Image.Image:
+    from skimage import data
+
+    return Image.fromarray(data.astronaut())
+
+
+def _decode_all(data: bytes) -> list[np.ndarray]:
+    with av.open(io.BytesIO(data)) as container:
+        return [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+
+
+@pytest.mark.parametrize("container", ["mp4", "mkv", "webm", "avi"])
+def test_probe_counts_what_decoding_every_frame_finds(container):
+    clip = Clip(frames=13, fps=6, width=96, height=64, container=container)
+    data = make_clip(_photo(), clip)
+    header = read_video_header(f"clip.{container}", data)
+    frames = _decode_all(data)
+    assert header.frames == len(frames) == 13
+    assert (header.width, header.height) == (96, 64) == frames[0].shape[1::-1]
+    assert header.fps == pytest.approx(6)
+    assert make_clip(_photo(), clip) == data  # same arguments, same bytes
+
+
+def _qwen_reference(total: int, fps: float, width: int, height: int, *, target=2.0,
+                    min_frames=4, max_frames=768, min_pixels=128 * 28 * 28,
+                    max_pixels=768 * 28 * 28, max_video_tokens=128000):
+    """Qwen2VLVideoProcessor.sample_frames (fps), resize with cap_pixels_per_frame, padding."""
+    most = math.floor(min(max_frames, total) / 2) * 2
+    n = math.floor(min(max(total / fps * target, min_frames), most, total) / 2) * 2
+    indices = torch.arange(0, total, total / n).int().tolist()
+    budget = int(max_video_tokens * 28 * 28 * 0.9)
+    cap = max(min(max_pixels, budget * 2 // n), int(min_pixels * 1.05))
+    h, w = smart_resize(width, height, 28, min_pixels, cap)
+    indices += indices[-1:] * (len(indices) % 2)
+    grid = (len(indices) // 2, h // 14, w // 14)
+    return indices, grid, 2 / (n / total * fps)
+
+
+@pytest.mark.parametrize("total,fps,width,height", [
+    (300, 30, 640, 480), (48, 24, 1280, 720), (9, 30, 64, 48), (7000, 25, 1920, 1080),
+    (101, 29.97, 480, 854), (20, 8, 128, 96)])
+def test_frame_sampling_follows_each_video_processor(total, fps, width, height):
+    indices, grid, seconds = _qwen_reference(total, fps, width, height)
+    got = Qwen2VLTiling().sample_video(total, fps, width, height)
+    assert list(got.indices) == indices and got.grid == grid
+    assert got.tokens == got.tiles == grid[0] * grid[1] * grid[2] // 4
+    assert got.seconds_per_step == pytest.approx(seconds)
+    # InternVLVideoProcessor.sample_frames: the middle of num_frames equal segments
+    n = min(8, total)
+    want = torch.arange(total / n / 2, total, total / n).int().tolist()
+    got = InternVLTiling().sample_video(total, fps, width, height)
+    assert list(got.indices) == want and got.tiles == n and got.tokens == 256 * n
+    # a frame list is taken as sampled: every frame, the last repeated to whole patches
+    got = Qwen2VLTiling().sample_video(3, 2.0, width, height, given=True)
+    assert got.indices == (0, 1, 2, 2) and got.seconds_per_step == 1.0
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> dict[str, tuple[str, str]]:
+    out = {}
+    for family in FAMILIES:
+        root = tmp_path_factory.mktemp(family)
+        folder = make_folder(family, str(root / "model"))
+        out[family] = folder, make_shards(folder, root, rows="videos", target_samples=4)
+    return out
+
+
+def _stats(shards_root: str) -> dict[int, dict]:
+    pre = shards_root.rsplit("/", 1)[0] + "/pre"
+    return {r["sample_id"]: r for r in pq.read_table(f"{pre}/stats").to_pylist()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loader_frames_are_the_frames_at_the_recorded_indices(family, shards):
+    folder, root = shards[family]
+    dataset = ShardDataset(root, pixel_dtype=torch.float32, pad_to_caps=False)
+    policy = next(iter(dataset.policies.values()))
+    stats = _stats(root)
+    seen = 0
+    for record in dataset.records():
+        batch = dataset.collate(record)
+        row = 0
+        for sample in record.samples:
+            stat = stats[sample["sample_id"]]
+            videos = {v["item"]: v for v in stat["videos"]}
+            for item in range(stat["n_images"] + len(videos)):
+                if item not in videos:
+                    k = sum(1 for i in range(item) if i not in videos)
+                    row += stat["image_tiles"][k] * dataset.rows_per_tile
+                    continue
+                video = videos[item]
+                if video["frame_list"]:
+                    frames = [np.asarray(Image.open(p).convert("RGB")) for p in video["paths"]]
+                else:
+                    with open(video["paths"][0], "rb") as f:
+                        frames = _decode_all(f.read())
+                assert video["total_frames"] == len(frames)
+                want = policy.video_pixels([Image.fromarray(frames[i]) for i in video["frames"]],
+                                           policy.sample_video(video["total_frames"],
+                                                               video["fps"], video["w"],
+                                                               video["h"], video["frame_list"]))
+                rows = video["tiles"] * dataset.rows_per_tile
+                got = batch["pixel_values"][row:row + rows].numpy()
+                np.testing.assert_array_equal(got, want.reshape(got.shape))
+                row += rows
+                seen += 1
+    assert seen == 3
+
+
+def test_video_positions_equal_get_rope_index(shards):
+    """Qwen2.5-VL: the temporal axis steps by tokens_per_second × seconds per temporal patch;
+    the text after a video resumes as the model's own ``get_rope_index`` has it."""
+    from transformers import AutoConfig, AutoModel
+
+    folder, root = shards["qwen2_5_vl"]
+    with torch.device("meta"):
+        model = AutoModel.from_config(AutoConfig.from_pretrained(folder))
+    dataset = ShardDataset(root)
+    image, video = model.config.image_token_id, model.config.video_token_id
+    checked = 0
+    for record in dataset.records():
+        batch = dataset.collate(record)
+        cu = batch["cu_seqlens"].tolist()
+        items = 0
+        for sample, lo, hi in zip(record.samples, cu, cu[1:]):
+            ids = batch["input_ids"][lo:hi]
+            n = len(sample["images"]) + len(sample.get("videos", ()))
+            grids = batch["image_grid_thw"][items:items + n]
+            is_video = batch["media_is_video"][items:items + n]
+            seconds = batch["media_seconds_per_step"][items:items + n]
+            items += n
+            if not n:
+                continue
+            kwargs = {"image_grid_thw": grids[~is_video] if (~is_video).any() else None,
+                      "video_grid_thw": grids[is_video] if is_video.any() else None,
+                      "second_per_grid_ts": seconds[is_video] if is_video.any() else None}
+            want, _ = model.get_rope_index(
+                ids[None], mm_token_type_ids=((ids == image).int() + 2 * (ids == video).int())[None],
+                **kwargs)
+            assert torch.equal(batch["position_ids"][:, lo:hi], want[:, 0]), record.where
+            checked += bool(is_video.any())
+    assert checked == 3
+
+
+BAD = {  # row id: (what the row holds, the reason it must get)
+    "corrupt": ("garbage.mp4", "corrupt_video"),
+    "truncated": ("cut.mp4", "truncated_video"),
+    "audio_only": ("audio.m4a", "no_video_stream"),
+    "codec": ("unknown.mp4", "unsupported_codec"),
+    "long": ("long.mp4", "video_too_long"),
+    "missing": ("nowhere.mp4", "missing_video"),
+    "mismatch": ("pan.mp4", "video_count_mismatch"),
+    "sizes": (["a.png", "b.png"], "corrupt_video"),
+    "empty_list": ([], "empty_video"),
+}
+
+
+def _bad_files(root) -> None:
+    pan = make_clip(_photo(), Clip(frames=16, fps=8))
+    (root / "pan.mp4").write_bytes(pan)
+    (root / "garbage.mp4").write_bytes(b"not a video, " * 64)
+    # moov at the end: half the file has its header but not the index
+    (root / "cut.mp4").write_bytes(pan[: len(pan) // 2])
+    (root / "unknown.mp4").write_bytes(pan.replace(b"avc1", b"zzzz"))
+    (root / "long.mp4").write_bytes(make_clip(_photo(), Clip(frames=40, fps=8)))  # 5 s
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as c:
+        stream = c.add_stream("aac", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp",
+                                           layout="mono")
+        frame.sample_rate = 8000
+        c.mux(stream.encode(frame))
+        c.mux(stream.encode())
+    (root / "audio.m4a").write_bytes(buf.getvalue())
+    _photo().resize((64, 48)).save(root / "a.png")
+    _photo().resize((48, 64)).save(root / "b.png")
+
+
+def test_bad_videos_are_rejects_with_their_reason(tmp_path):
+    folder = make_folder("qwen2_5_vl", str(tmp_path / "model"))
+    _bad_files(tmp_path)
+    rows = []
+    for name, (value, _) in BAD.items():
+        text = "<video><video>" if name == "mismatch" else "<video>"
+        rows.append({"id": name, "videos": [value], "conversations": [
+            {"from": "human", "value": f"{text} What is it?"}, {"from": "gpt", "value": "No."}]})
+    rows.append({"id": "good", "videos": ["pan.mp4"], "conversations": [
+        {"from": "human", "value": "<video> What is it?"}, {"from": "gpt", "value": "A pan."}]})
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = run_preprocess(PreprocessConfig(inputs=[str(path)], out=str(tmp_path / "pre"),
+                                             model=folder, workers=1, image_root=str(tmp_path),
+                                             max_video_seconds=4))
+    assert result.accepted + result.rejected == len(rows)
+    assert result.accepted == 1
+    rejects = pq.read_table(tmp_path / "pre" / "rejects.parquet").to_pylist()
+    got = {list(BAD)[r["row"]]: r["reason"] for r in rejects}
+    assert got == {name: reason for name, (_, reason) in BAD.items()}
+    # the demo's Tekken tokenizer has no video layout: a reject naming it, not a crash
+    text = {"id": "text", "conversations": [{"from": "human", "value": "Hi"},
+                                            {"from": "gpt", "value": "Hello."}]}
+    path.write_text(json.dumps(rows[-1]) + "\n" + json.dumps(text) + "\n")
+    tekken = run_preprocess(PreprocessConfig(inputs=[str(path)], out=str(tmp_path / "tekken"),
+                                             workers=1, image_root=str(tmp_path)))
+    reasons = pq.read_table(tmp_path / "tekken" / "rejects.parquet").column("reason").to_pylist()
+    assert reasons == ["unsupported_video"] and tekken.accepted == 1
