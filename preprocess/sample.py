@@ -10,13 +10,20 @@ from vlmshard.families import ModelSpec, TilingPolicy, policy_from_dict, source_
 from vlmshard.rejects import Reject
 
 from .config import DEFAULT_MAX_IMAGE_PIXELS
-from .conversation import EMBEDDED, ImageItem, ImageRef, Turn, VideoItem, VideoRef, \
-    parse_conversation
+from .conversation import (
+    EMBEDDED,
+    ImageItem,
+    ImageRef,
+    Turn,
+    VideoItem,
+    VideoRef,
+    parse_conversation,
+)
 from .images import read_image_header, resolve_image_path
 from .schema import MAX_IMAGES_PER_SAMPLE
-from .videos import read_video_header
 from .sources import Source
 from .tokenize import TekkenEncoder, TokenizerConfig
+from .videos import read_video_header
 
 if TYPE_CHECKING:
     from vlmshard.families.base import SampledVideo

@@ -139,7 +139,7 @@ def _full_check(root: str, entry: ShardEntry,
     rows = []
     try:
         for record in iter_shard(root, entry, manifest):
-            check_image_tokens(record, manifest.image_token_id, policies)
+            check_image_tokens(record, manifest.visual_token_ids, policies)
             for _ in decoded_images(record, policies, rgb=False):
                 pass
             rows += [(record.step, record.rank, record.micro, slot, s["sample_id"])

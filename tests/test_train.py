@@ -568,6 +568,31 @@ def _stage_grads(run, model) -> dict[str, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "internvl"])
+def test_first_pipeline_step_on_videos_equals_the_hf_model(family, tmp_path):
+    """PP=2 on micro-batches holding videos (an MP4, an MKV after an image, a frame list):
+    the logged loss is the transformers model's own on each sample alone (its videos as
+    ``pixel_values_videos``, ``video_grid_thw`` and ``second_per_grid_ts`` for Qwen2.5-VL,
+    frames as tiles for InternVL) and every gradient equals its gradient."""
+    folder = make_folder(family, str(tmp_path / "model"))
+    shards = make_shards(folder, tmp_path, rows="videos", target_samples=2, micro_batches=2)
+    run = tmp_path / "run"
+    vlmshard("train", "--shards", shards, "--pp", "2", "--max-steps", "1", "--lr", "0.001",
+             "--warmup-steps", "0", "--max-grad-norm", "0", "--out", str(run))
+    model = model_layers(folder)
+    batches = list(ShardDataset(shards, pixel_dtype=torch.float32))[:2]
+    assert any(bool(b["media_is_video"].any()) for b in batches)
+    loss, count, ref_grads = hf_loss_and_grads(folder, batches, model.geometry.tokens_per_tile,
+                                               model.geometry.pixel_rows_per_tile)
+    assert _log(run / "train_log.jsonl")[0]["loss"] == pytest.approx(loss / count, rel=1e-5)
+    grads = {k: v for g in _stage_grads(run, model).values() for k, v in g.items()}
+    assert set(grads) == set(ref_grads)
+    floor = grad_floor(ref_grads)
+    for name, grad in ref_grads.items():
+        assert_grad_close(name, grads[name] * count, grad, floor)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_first_pipeline_step_equals_the_hf_model(family, tmp_path):
     """PP=2 through DeepSpeed on a step of two packed micro-batches: the logged loss is the

@@ -167,9 +167,8 @@ def test_video_positions_equal_get_rope_index(shards):
             kwargs = {"image_grid_thw": grids[~is_video] if (~is_video).any() else None,
                       "video_grid_thw": grids[is_video] if is_video.any() else None,
                       "second_per_grid_ts": seconds[is_video] if is_video.any() else None}
-            want, _ = model.get_rope_index(
-                ids[None], mm_token_type_ids=((ids == image).int() + 2 * (ids == video).int())[None],
-                **kwargs)
+            types = (ids == image).int() + 2 * (ids == video).int()
+            want, _ = model.get_rope_index(ids[None], mm_token_type_ids=types[None], **kwargs)
             assert torch.equal(batch["position_ids"][:, lo:hi], want[:, 0]), record.where
             checked += bool(is_video.any())
     assert checked == 3

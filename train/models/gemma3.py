@@ -23,7 +23,15 @@ import torch
 from torch import nn
 
 from ..micro import Micro, Phase
-from .layers import DecoderLayer, Detached, Geometry, HFLayer, LayerDef, language_layers
+from .layers import (
+    DecoderLayer,
+    Detached,
+    Geometry,
+    HFLayer,
+    LayerDef,
+    language_layers,
+    visual_token_ids,
+)
 
 VISION = "model.vision_tower"
 LM = "model.language_model"
@@ -97,6 +105,6 @@ def layers(model: nn.Module) -> tuple[list[LayerDef], Geometry]:
     def decoder(index: int):
         return GemmaDecoderLayer, "sliding" if kinds[index] == "sliding_attention" else ""
 
-    defs += language_layers(model, LM, config.image_token_id,
+    defs += language_layers(model, LM, visual_token_ids(config),
                             Detached(type(rotary)(rotary.config)), decoder)
     return defs, Geometry(pixel_rows_per_tile=1, tokens_per_tile=config.mm_tokens_per_image)

@@ -16,7 +16,7 @@ from transformers.models.internvl.modeling_internvl import InternVLModel
 from vlmshard.errors import InputError
 
 from ..micro import Micro, Phase
-from .layers import Detached, Geometry, HFLayer, LayerDef, language_layers
+from .layers import Detached, Geometry, HFLayer, LayerDef, language_layers, visual_token_ids
 
 VISION = "model.vision_tower"
 
@@ -75,6 +75,6 @@ def layers(model: nn.Module) -> tuple[list[LayerDef], Geometry]:
              for i in range(vision.num_hidden_layers)]
     defs.append(LayerDef("projector", Projector, Phase("features", tokens_per_tile)))
     rotary = model.get_submodule("model.language_model.rotary_emb")
-    defs += language_layers(model, "model.language_model", config.image_token_id,
+    defs += language_layers(model, "model.language_model", visual_token_ids(config),
                             Detached(type(rotary)(rotary.config)))
     return defs, Geometry(pixel_rows_per_tile=1, tokens_per_tile=tokens_per_tile)

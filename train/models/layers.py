@@ -62,9 +62,9 @@ class TokenEmbedding(HFLayer):
     its weights, also its LM head, given the final hidden states (DeepSpeed then keeps the first
     and last stages' copies equal)."""
 
-    def __init__(self, model: nn.Module, path: str, image_token_id: int) -> None:
+    def __init__(self, model: nn.Module, path: str, visual_ids: tuple[int, ...]) -> None:
         super().__init__(model, {"embed": path})
-        self.image_token_id = image_token_id
+        self.visual_ids = visual_ids
 
     @property
     def weight(self) -> torch.Tensor:
@@ -83,9 +83,10 @@ class TokenEmbedding(HFLayer):
 
 
 def embed_tokens(module: TokenEmbedding, micro: Micro) -> torch.Tensor:
-    """Token embeddings with each image's features written over its image tokens, in order."""
+    """Token embeddings with each image's and video's features written over its tokens, in
+    order."""
     hidden = module.embed(micro.input_ids)
-    image = micro.input_ids == module.image_token_id
+    image = torch.isin(micro.input_ids, torch.tensor(module.visual_ids, device=hidden.device))
     features = micro.x.to(hidden.dtype)
     if features.shape[0] != micro.host.image_tokens:
         raise ValueError(f"{micro.num_tiles} tiles give {features.shape[0]} image features for "
@@ -184,7 +185,14 @@ class Geometry:
     tokens_per_tile: int
 
 
-def language_layers(model: nn.Module, lm: str, image_token_id: int, rotary: Callable,
+def visual_token_ids(config) -> tuple[int, ...]:
+    """The tokens image and video features fill: the image token, and Qwen's video token."""
+    video = getattr(config, "video_token_id", None)
+    return (config.image_token_id,) + ((video,) if video is not None else ())
+
+
+def language_layers(model: nn.Module, lm: str, visual_ids: tuple[int, ...],
+                    rotary: Callable,
                     decoder: Callable[[int], tuple[Callable, str]] | None = None
                     ) -> list[LayerDef]:
     """The LLM's layers (token embedding to LM head) of a model whose language model sits at
@@ -193,8 +201,7 @@ def language_layers(model: nn.Module, lm: str, image_token_id: int, rotary: Call
     decoder = decoder or (lambda index: (DecoderLayer, ""))
     embed_path = f"{lm}.embed_tokens"
     tied = model.lm_head.weight is model.get_submodule(embed_path).weight
-    make_embedding = functools.partial(TokenEmbedding, path=embed_path,
-                                       image_token_id=image_token_id)
+    make_embedding = functools.partial(TokenEmbedding, path=embed_path, visual_ids=visual_ids)
     tied_key = "embed" if tied else None
     layers = [LayerDef("embed_tokens", make_embedding, TOKENS, tied_key)]
     for i in range(len(model.get_submodule(f"{lm}.layers"))):

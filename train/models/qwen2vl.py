@@ -24,7 +24,7 @@ from transformers.vision_utils import (
 
 from ..attention import Spans, from_host
 from ..micro import Micro, Phase
-from .layers import Detached, Geometry, HFLayer, LayerDef, language_layers
+from .layers import Detached, Geometry, HFLayer, LayerDef, language_layers, visual_token_ids
 
 VISION = "model.visual"
 
@@ -136,6 +136,6 @@ def layers(model: nn.Module) -> tuple[list[LayerDef], Geometry]:
     defs.append(LayerDef("projector", functools.partial(Merger, geometry=geometry),
                          Phase("features", 1)))
     rotary = model.get_submodule("model.language_model.rotary_emb")
-    defs += language_layers(model, "model.language_model", model.config.image_token_id,
+    defs += language_layers(model, "model.language_model", visual_token_ids(model.config),
                             Detached(type(rotary)(rotary.config)))
     return defs, Geometry(pixel_rows_per_tile=unit, tokens_per_tile=1)

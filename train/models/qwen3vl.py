@@ -185,7 +185,7 @@ def layers(model: nn.Module) -> tuple[list[LayerDef], Geometry]:
         return functools.partial(Qwen3DecoderLayer, image_token_id=model.config.image_token_id,
                                  deepstack=index < len(levels), routed=routed[index]), kind
 
-    defs += language_layers(model, lm, model.config.image_token_id, rotary, decoder)
+    defs += language_layers(model, lm, (model.config.image_token_id,), rotary, decoder)
     if any(routed):
         defs[-1] = replace(defs[-1], build=functools.partial(
             AuxLossHead, path="lm_head", layers=sum(routed), coef=text.router_aux_loss_coef))
