@@ -11,6 +11,9 @@ five sources in every supported input format:
 - ``noisy`` (JSONL): one row per reject reason; each row's ``id`` names the reason it must get
 - ``hub`` (Parquet as the Hugging Face Hub holds it): ``messages`` of role/content with
   ``<image>`` placeholders, the images embedded as a ``datasets`` ``Sequence(Image())`` column
+- ``clips`` (JSONL): short videos made here from the photos (pans and zooms as MP4, MKV and
+  WebM, a few embedded as ``data:`` URIs, some frame lists), asked about alone or beside an
+  image: about a tenth of the demo's samples
 
 ``meta.json`` names them all, InternVL style. Same seed, same bytes.
 """
@@ -32,6 +35,7 @@ from PIL import Image
 from vlmshard.errors import JobError
 from vlmshard.stage import Result, stage_command
 
+from .clips import Clip, clip_frames, make_clip
 from .config import DemoDataConfig, DemoModelConfig
 
 log = logging.getLogger(__name__)
@@ -155,6 +159,75 @@ def _make_images(out: str, rng: random.Random) -> list[str]:
     return names
 
 
+VIDEO_QUESTIONS = ["What happens in the video?", "Where does the camera move?",
+                   "Describe the clip.", "What is shown at the end?"]
+
+
+def _make_clips(out: str, rng: random.Random) -> tuple[list[str], list[str]]:
+    """Clips of the photos (a pan or a zoom each, 1 to 4 s at 8 fps, as MP4, MKV or WebM), and
+    the six frames of one more zoom as JPEG files (a frame list)."""
+    photo_dir = skimage_photo_dir()
+    os.makedirs(os.path.join(out, "clips"), exist_ok=True)
+    names = []
+    for k, photo in enumerate(PHOTOS[:8]):
+        path = os.path.join(photo_dir, photo)
+        if not os.path.exists(path):
+            continue
+        container = ("mp4", "mkv", "webm")[k % 3]
+        clip = Clip(frames=rng.choice((8, 16, 24, 32)), fps=8, width=rng.choice((160, 256)),
+                    height=rng.choice((120, 144)), motion=("pan", "zoom")[k % 2],
+                    container=container)
+        with Image.open(path) as im:
+            data = make_clip(im, clip)
+        name = f"clips/{clip.motion}-{k:02d}.{container}"
+        _write_if_changed(os.path.join(out, name), data)
+        names.append(name)
+    frames = []
+    with Image.open(os.path.join(photo_dir, PHOTOS[0])) as im:
+        for j, frame in enumerate(clip_frames(im, Clip(frames=6, width=224, height=168,
+                                                       motion="zoom"))):
+            buf = io.BytesIO()
+            frame.save(buf, format="JPEG", quality=90)
+            frames.append(f"clips/frames/{j:03d}.jpg")
+            os.makedirs(os.path.join(out, "clips", "frames"), exist_ok=True)
+            _write_if_changed(os.path.join(out, frames[-1]), buf.getvalue())
+    return names, frames
+
+
+def _clip_rows(out: str, clips: list[str], frames: list[str], images: list[str],
+               rng: random.Random, n: int) -> list[dict]:
+    """Rows with a video: a clip alone (LLaVA ``<video>``), a clip after an image, a clip as
+    an embedded ``data:`` URI in a typed item, or the frame list at 2 fps."""
+    import base64
+
+    rows = []
+    for i in range(n):
+        kind = i % 5
+        clip = rng.choice(clips)
+        answer = _answer(rng, 10, 120)
+        if kind == 3:
+            with open(os.path.join(out, clip), "rb") as f:
+                uri = "data:video/mp4;base64," + base64.b64encode(f.read()).decode()
+            rows.append({"id": f"clip-{i}", "messages": [
+                {"role": "user", "content": [{"type": "video", "video": uri},
+                                             {"type": "text", "text": rng.choice(
+                                                 VIDEO_QUESTIONS)}]},
+                {"role": "assistant", "content": answer}]})
+        elif kind == 4:
+            rows.append({"id": f"clip-{i}", "videos": [frames], "fps": 2, "conversations": [
+                {"from": "human", "value": "<video>\nWhat changes?"},
+                {"from": "gpt", "value": answer}]})
+        else:
+            image = "<image>\n" if kind == 2 else ""
+            row = {"id": f"clip-{i}", "videos": [clip], "conversations": [
+                {"from": "human", "value": f"{image}<video>\n{rng.choice(VIDEO_QUESTIONS)}"},
+                {"from": "gpt", "value": answer}]}
+            if image:
+                row["image"] = rng.choice(images)
+            rows.append(row)
+    return rows
+
+
 def _conv(question: str, answer: str, n_images: int) -> list[dict]:
     tags = "".join("<image>\n" for _ in range(n_images))
     return [{"from": "human", "value": tags + question}, {"from": "gpt", "value": answer}]
@@ -182,6 +255,13 @@ def _bad_images(out: str) -> dict[str, str]:
     for reason, data in files.items():
         ext = "png" if reason == "decompression_bomb" else "jpg"
         paths[reason] = f"images/bad/{reason}.{ext}"
+        _write_if_changed(os.path.join(out, paths[reason]), data)
+    with Image.open(good) as im:
+        clip = make_clip(im, Clip(frames=8))
+    videos = {"clip": clip, "truncated_video": clip[: len(clip) // 2],
+              "corrupt_video": b"this is not a video either\n" * 8}
+    for reason, data in videos.items():
+        paths[reason] = f"images/bad/{reason}.mp4"
         _write_if_changed(os.path.join(out, paths[reason]), data)
     return paths
 
@@ -216,8 +296,14 @@ def _noisy_rows(bad: dict[str, str], good_image: str) -> list[bytes]:
         line({"id": "image_count_mismatch", "image": good_image,
               "conversations": _conv("Compare.", "Same.", 2)}),
         line({"id": "missing_image", "image": "images/does-not-exist.jpg", "conversations": ok}),
-        *[line({"id": reason, "image": path, "conversations": ok}) for reason, path in bad.items()],
+        *[line({"id": reason, "image": path, "conversations": ok}) for reason, path in bad.items()
+          if reason.endswith("_image") or reason == "decompression_bomb"],
         line({"id": "too_long", "conversations": _conv("Write a lot.", "word " * 9000, 0)}),
+        line({"id": "video_count_mismatch", "videos": [bad["clip"]], "conversations": [
+            {"from": "human", "value": "<video><video>Compare."}, {"from": "gpt", "value": "."}]}),
+        *[line({"id": reason, "videos": [bad[reason]], "conversations": [
+            {"from": "human", "value": "<video>What happens?"}, {"from": "gpt", "value": "."}]})
+          for reason in ("truncated_video", "corrupt_video")],
         line({"id": "accepted-2", "conversations": _conv("Say hi.", "Hi.", 0)}),
     ]
     return rows
@@ -228,6 +314,7 @@ def generate(out: str, seed: int = 0, scale: int = 1) -> DemoDataset:
     rng = random.Random(seed)
     os.makedirs(out, exist_ok=True)
     images = _make_images(out, rng)
+    clips, frames = _make_clips(out, random.Random(seed + 1))
     by_label: dict[str, list[str]] = {}
     for name in images:
         by_label.setdefault(os.path.basename(name).split("-")[0], []).append(name)
@@ -262,6 +349,7 @@ def generate(out: str, seed: int = 0, scale: int = 1) -> DemoDataset:
         messages += [{"role": "user", "content": "<image>" * k + rng.choice(QUESTIONS)},
                      {"role": "assistant", "content": _answer(rng, 10, 120)}]
         hub.append({"images": rng.sample(small, k), "messages": messages})
+    clip_rows = _clip_rows(out, clips, frames, images, random.Random(seed + 2), 28 * scale)
 
     sources = {
         "captions": "captions.jsonl",
@@ -270,6 +358,7 @@ def generate(out: str, seed: int = 0, scale: int = 1) -> DemoDataset:
         "chat": "chat.jsonl",
         "noisy": "noisy.jsonl",
         "hub": "hub.parquet",
+        "clips": "clips.jsonl",
     }
     _write_jsonl(os.path.join(out, sources["captions"]), captions)
     _write_if_changed(os.path.join(out, sources["docqa"]), json.dumps(docqa, indent=1).encode())
@@ -283,13 +372,15 @@ def generate(out: str, seed: int = 0, scale: int = 1) -> DemoDataset:
     _write_if_changed(os.path.join(out, sources["noisy"]),
                       b"\n".join(_noisy_rows(_bad_images(out), images[1])) + b"\n")
     _write_if_changed(os.path.join(out, sources["hub"]), _hub_parquet(out, hub))
+    _write_jsonl(os.path.join(out, sources["clips"]), clip_rows)
 
     meta = {name: {"root": ".", "annotation": path, "repeat_time": 1}
             for name, path in sources.items()}
     meta["chat"]["repeat_time"] = 0.5  # subsampled, as InternVL meta files allow
     meta_path = os.path.join(out, "meta.json")
     _write_if_changed(meta_path, json.dumps(meta, indent=1).encode())
-    log.info("demo dataset: %d images, %d sources -> %s", len(images), len(sources), out)
+    log.info("demo dataset: %d images, %d clips, %d sources -> %s", len(images), len(clips),
+             len(sources), out)
     return DemoDataset(root=out, meta=meta_path, images=images, sources=sources)
 
 

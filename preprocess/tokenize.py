@@ -15,7 +15,7 @@ from functools import cached_property
 
 from vlmshard.io import sha256_file
 
-from .conversation import Turn
+from .conversation import Turn, VideoItem
 
 IGNORE_INDEX = -100
 
@@ -121,8 +121,8 @@ class TekkenEncoder:
 
     PAD = "<pad>"
     name = "the demo's Tekken tokenizer"
-    takes_videos = False  # the mistral template has no video layout
-    video_token_id = None
+    takes_videos = True  # as the demo family (InternVL) writes them, its frames [IMG] runs
+    video_token_id = None  # video frames fill the image token
 
     def __init__(self, config: TokenizerConfig) -> None:
         self.config = config
@@ -154,15 +154,20 @@ class TekkenEncoder:
 
     def encode(self, turns: list[Turn], image_tokens: list[int], keep_tokens: bool,
                videos: list = ()) -> EncodedSample:
-        """``image_tokens[k]`` is the token count of the k-th image item in turn order. The
-        text is encoded as written (the template puts nothing after an image). Returned
-        ``text_tokens`` exclude image tokens; ``seq_len`` = text_tokens + Σimage_tokens.
+        """``image_tokens[k]`` is the token count of the k-th image item in turn order; each of
+        ``videos`` becomes the demo family's frame lines (InternVL's ``Frame{i}: `` text and a
+        run of ``[IMG]`` per frame). The text is encoded as written (the template puts nothing
+        after an image). Returned ``text_tokens`` exclude image and video tokens; ``seq_len`` =
+        text_tokens + Σimage_tokens + Σ video tokens.
         """
+        from vlmshard.families import DEMO_FAMILY, family
+
         p = self._pieces
         ids: list[int] = [] if keep_tokens else None
         labels: list[int] = [] if keep_tokens else None
         n_text = n_loss = 0
         next_image = 0
+        next_video = iter(videos)
 
         def add(chunk: list[int], supervised: bool) -> None:
             nonlocal n_text, n_loss
@@ -178,7 +183,14 @@ class TekkenEncoder:
             supervised = turn.role == "assistant"
             add(p[f"{turn.role}_prefix"], False)
             for part in turn.content:
-                if not isinstance(part, str):
+                if isinstance(part, VideoItem):
+                    for piece in family(DEMO_FAMILY).video_pieces(next(next_video), None):
+                        if isinstance(piece, str):
+                            add(self.tokenizer.encode(piece), False)
+                        elif keep_tokens:
+                            ids.extend([self.image_token_id] * piece)
+                            labels.extend([IGNORE_INDEX] * piece)
+                elif not isinstance(part, str):
                     count = image_tokens[next_image]
                     next_image += 1
                     if keep_tokens:

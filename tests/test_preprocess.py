@@ -59,12 +59,13 @@ def test_stats_table_contract(demo_out):
     t = _stats(demo_out)
     rows = t.to_pylist()
     assert [r["sample_id"] for r in rows] == list(range(len(rows)))
-    order = ["captions", "docqa", "multi", "chat", "noisy", "hub"]
+    order = ["captions", "docqa", "multi", "chat", "noisy", "hub", "clips"]
     keys = [(order.index(r["source"]), r["row"]) for r in rows]
     assert keys == sorted(keys)
     for r in rows:
         assert r["n_images"] == len(r["image_tiles"]) == len(r["image_paths"]) == len(r["image_sizes"])
-        assert r["vit_tiles"] == sum(r["image_tiles"])
+        # a video's frames are 448-px tiles of 256 tokens each, as InternVL (the demo) has them
+        assert r["vit_tiles"] == sum(r["image_tiles"]) + sum(len(v["frames"]) for v in r["videos"])
         assert r["seq_len"] == r["text_tokens"] + 256 * r["vit_tiles"] == len(r["input_ids"])
         assert r["loss_tokens"] == sum(1 for label in r["labels"] if label != -100) > 0
         if r["source"] == "hub":  # embedded: named by the row's own path for them
@@ -72,6 +73,9 @@ def test_stats_table_contract(demo_out):
         else:
             assert all(os.path.isabs(p) and os.path.exists(p) for p in r["image_paths"])
     assert {r["n_images"] for r in rows} >= {0, 1, 2, 3, 4}
+    videos = [v for r in rows for v in r["videos"]]
+    assert len(videos) >= 20 and {v["frame_list"] for v in videos} == {False, True}
+    assert any(p.startswith("embedded:") for v in videos for p in v["paths"])
 
 
 def test_bytes_identical_for_1_and_2_workers(demo, demo_out, tmp_path):
@@ -141,7 +145,7 @@ def test_jsonl_blank_lines_and_json_list_surrogates(tmp_path):
 
 def test_max_reject_ratio_fails_loudly(demo, tmp_path):
     noisy = os.path.join(demo.root, "noisy.jsonl")
-    with pytest.raises(RejectRatioExceeded, match=r"13 of 15 rows rejected .* top reasons"):
+    with pytest.raises(RejectRatioExceeded, match=r"16 of 18 rows rejected .* top reasons"):
         run_preprocess(PreprocessConfig(inputs=[noisy], out=str(tmp_path / "o"), workers=1,
                                         max_seq_len=8192, max_reject_ratio=0.5))
     proc = vlmshard("preprocess", noisy, "--out", str(tmp_path / "p"), "--max-reject-ratio", "0.1",

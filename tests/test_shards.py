@@ -120,8 +120,10 @@ def test_same_bytes_with_more_workers_and_plain_readers_agree(shards, plan, demo
         meta = json.loads(s["json"])
         ids = np.load(__import__("io").BytesIO(s["input_ids.npy"]))
         assert len(ids) == meta["cu_seqlens"][-1] == sum(meta["seq_lens"])
-        images = msgpack.unpackb(s["images.mp"])
-        assert len(images) == sum(len(sample["images"]) for sample in meta["samples"])
+        images = msgpack.unpackb(s["images.mp"])  # the images, and the videos' sampled frames
+        assert len(images) == sum(len(sample["images"]) + sum(len(v["frames"]) for v in
+                                                               sample.get("videos", ()))
+                                  for sample in meta["samples"])
         for data in images:
             with Image.open(__import__("io").BytesIO(data)) as im:
                 im.load()  # the original encoded bytes, whole

@@ -228,11 +228,12 @@ def test_bad_videos_are_rejects_with_their_reason(tmp_path):
     rejects = pq.read_table(tmp_path / "pre" / "rejects.parquet").to_pylist()
     got = {list(BAD)[r["row"]]: r["reason"] for r in rejects}
     assert got == {name: reason for name, (_, reason) in BAD.items()}
-    # the demo's Tekken tokenizer has no video layout: a reject naming it, not a crash
+    # a family without a video layout (Gemma 3): a reject naming it, not a crash
     text = {"id": "text", "conversations": [{"from": "human", "value": "Hi"},
                                             {"from": "gpt", "value": "Hello."}]}
     path.write_text(json.dumps(rows[-1]) + "\n" + json.dumps(text) + "\n")
-    tekken = run_preprocess(PreprocessConfig(inputs=[str(path)], out=str(tmp_path / "tekken"),
-                                             workers=1, image_root=str(tmp_path)))
-    reasons = pq.read_table(tmp_path / "tekken" / "rejects.parquet").column("reason").to_pylist()
-    assert reasons == ["unsupported_video"] and tekken.accepted == 1
+    gemma = run_preprocess(PreprocessConfig(inputs=[str(path)], out=str(tmp_path / "gemma"),
+                                            model=make_folder("gemma3", str(tmp_path / "g")),
+                                            workers=1, image_root=str(tmp_path)))
+    reasons = pq.read_table(tmp_path / "gemma" / "rejects.parquet").column("reason").to_pylist()
+    assert reasons == ["unsupported_video"] and gemma.accepted == 1
