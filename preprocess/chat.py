@@ -260,6 +260,10 @@ class ChatTemplateEncoder:
         ``text_tokens`` counts every other token (the template's, the text's, the image and
         video prefixes and suffixes, a video's frame texts)."""
         template, texts = self.render(turns)
+        video = self._video_layout
+        if video is not None and any(video.replaces):  # its expansion brings its own wrapper
+            wrapped = video.replaces[0] + video.placeholder + video.replaces[1]
+            template = [piece.replace(wrapped, video.placeholder) for piece in template]
         ids: list[int] = []
         labels: list[int] = []
         segment: list[tuple[str, bool]] = []  # text pieces between special tokens, supervised?

@@ -27,6 +27,11 @@ class Clip:
     motion: Motion = "pan"
     container: str = "mp4"  # mp4, mkv, webm or avi
 
+    def __post_init__(self) -> None:
+        if self.width % 2 or self.height % 4:
+            raise ValueError(f"clip size {self.width}x{self.height}: yuv420p planes need an "
+                             "even width and a height divisible by 4")
+
 
 def clip_frames(photo: "Image.Image", clip: Clip) -> list["Image.Image"]:
     """The clip's frames as RGB images: a window over the photo that moves left to right
@@ -57,15 +62,33 @@ def encode_clip(frames: list["Image.Image"], clip: Clip) -> bytes:
     buf = io.BytesIO()
     with av.open(buf, "w", format=FORMATS[clip.container],
                  options={"fflags": "+bitexact"}) as container:
-        stream = container.add_stream(CODECS[clip.container], rate=round(clip.fps))
+        # one encoder thread: x264's and libvpx's output then cannot depend on scheduling
+        stream = container.add_stream(CODECS[clip.container], rate=round(clip.fps),
+                                      options={"threads": "1"})
         stream.width, stream.height, stream.pix_fmt = clip.width, clip.height, "yuv420p"
         stream.codec_context.flags |= av.codec.context.Flags.bitexact
-        stream.thread_count = 1
         for image in frames:
-            frame = av.VideoFrame.from_ndarray(np.asarray(image), format="rgb24")
+            frame = av.VideoFrame.from_ndarray(yuv420p(np.asarray(image)), format="yuv420p")
             container.mux(stream.encode(frame))
         container.mux(stream.encode())
     return buf.getvalue()
+
+
+def yuv420p(rgb: np.ndarray) -> np.ndarray:
+    """RGB [H, W, 3] uint8 (even sides) as yuv420p planes stacked [H·3/2, W]: BT.601 limited
+    range in integers, chroma averaged over 2×2 pixels. Done here rather than by swscale, whose
+    output PyAV's shared conversion contexts can make depend on what was converted before."""
+    r, g, b = (rgb[..., k].astype(np.int32) for k in range(3))
+    y = ((66 * r + 129 * g + 25 * b + 128) >> 8) + 16
+    u = ((-38 * r - 74 * g + 112 * b + 128) >> 8) + 128
+    v = ((112 * r - 94 * g - 18 * b + 128) >> 8) + 128
+    h, w = y.shape
+
+    def half(plane: np.ndarray) -> np.ndarray:
+        return (plane.reshape(h // 2, 2, w // 2, 2).sum(axis=(1, 3)) + 2) >> 2
+
+    chroma = np.concatenate([half(u).reshape(h // 4, w), half(v).reshape(h // 4, w)])
+    return np.concatenate([y, chroma]).astype(np.uint8)
 
 
 def make_clip(photo: "Image.Image", clip: Clip = Clip()) -> bytes:

@@ -8,6 +8,7 @@ supervised tokens is its summed loss; the gradients are those of the sum over al
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 
@@ -169,7 +170,10 @@ def _split_with_videos(batch: dict, image_token_id: int, video_token_id: int) ->
             if video:
                 parts["second_per_grid_ts"].append(step)
             row += rows
-            i += rows // 4
+            left = rows // 4  # its tokens; Qwen3-VL's frames are runs apart, text between
+            while left:
+                left -= int(ids[i]) == token
+                i += 1
         for key, value in parts.items():
             if value:
                 sample[key] = torch.cat(value) if key.startswith("pixel") else torch.stack(value)
@@ -225,7 +229,7 @@ def hf_loss_and_grads(folder: str, batches: list[dict], tokens_per_tile: int,
     micro = [with_token_types(model, split_samples(batch, image_token_id, tokens_per_tile,
                                                    rows_per_tile, video_token_id))
              for batch in batches]
-    if model.config.model_type == "qwen2_vl":  # its forward takes no seconds per step
+    if "second_per_grid_ts" not in inspect.signature(type(model).forward).parameters:
         for sample in (s for samples in micro for s in samples):
             sample.pop("second_per_grid_ts", None)
     for samples in micro:

@@ -568,7 +568,7 @@ def _stage_grads(run, model) -> dict[str, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "internvl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "internvl", "qwen3_vl", "qwen3_5"])
 def test_first_pipeline_step_on_videos_equals_the_hf_model(family, tmp_path):
     """PP=2 on micro-batches holding videos (an MP4, an MKV after an image, a frame list):
     the logged loss is the transformers model's own on each sample alone (its videos as

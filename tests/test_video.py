@@ -23,12 +23,13 @@ from PIL import Image
 
 from vlmshard.families.internvl import InternVLTiling
 from vlmshard.families.qwen2vl import Qwen2VLTiling
+from vlmshard.families.qwen3vl import Qwen3VLTiling
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
 from vlmshard.preprocess.clips import Clip, make_clip
 from vlmshard.preprocess.videos import read_video_header
 from vlmshard.shards.loader import ShardDataset
 
-FAMILIES = ("qwen2_5_vl", "internvl")
+FAMILIES = ("qwen2_5_vl", "internvl", "qwen3_vl")
 
 
 def _photo() -> Image.Image:
@@ -86,6 +87,32 @@ def test_frame_sampling_follows_each_video_processor(total, fps, width, height):
     # a frame list is taken as sampled: every frame, the last repeated to whole patches
     got = Qwen2VLTiling().sample_video(3, 2.0, width, height, given=True)
     assert got.indices == (0, 1, 2, 2) and got.seconds_per_step == 1.0
+    # Qwen3VLVideoProcessor: linspace over the clip, rounded; one pixel budget for all frames
+    n = min(max(int(total / fps * 2), 4), 768, total)
+    want = np.linspace(0, total - 1, n).round().astype(int).tolist()
+    h, w = _qwen3_resize(n, width, height)
+    want += want[-1:] * (n % 2)
+    policy = Qwen3VLTiling(patch_size=16, video_min_pixels=4096, video_max_pixels=25165824)
+    got = policy.sample_video(total, fps, width, height)
+    assert list(got.indices) == want and got.grid == (len(want) // 2, h // 16, w // 16)
+    times = [(want[k] / fps + want[k + 1] / fps) / 2 for k in range(0, len(want), 2)]
+    assert got.timestamps == pytest.approx(times)
+
+
+def _qwen3_resize(n: int, width: int, height: int, min_pixels=4096, max_pixels=25165824):
+    """Qwen3-VL's video smart_resize: the budget over round(n / 2) · 2 frames of 32-px units."""
+    if height < 32 or width < 32:
+        scale = max(32 / height, 32 / width)
+        height, width = int(height * scale), int(width * scale)
+    h, w, t = round(height / 32) * 32, round(width / 32) * 32, round(n / 2) * 2
+    if t * h * w > max_pixels:
+        beta = math.sqrt(n * height * width / max_pixels)
+        h = max(32, math.floor(height / beta / 32) * 32)
+        w = max(32, math.floor(width / beta / 32) * 32)
+    elif t * h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (n * height * width))
+        h, w = math.ceil(height * beta / 32) * 32, math.ceil(width * beta / 32) * 32
+    return h, w
 
 
 @pytest.fixture(scope="module")
@@ -140,12 +167,14 @@ def test_loader_frames_are_the_frames_at_the_recorded_indices(family, shards):
     assert seen == 3
 
 
-def test_video_positions_equal_get_rope_index(shards):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_video_positions_equal_get_rope_index(family, shards):
     """Qwen2.5-VL: the temporal axis steps by tokens_per_second × seconds per temporal patch;
-    the text after a video resumes as the model's own ``get_rope_index`` has it."""
+    Qwen3-VL: each temporal step a grid of its own between its timestamp texts; the text after
+    a video resumes as the model's own ``get_rope_index`` has it."""
     from transformers import AutoConfig, AutoModel
 
-    folder, root = shards["qwen2_5_vl"]
+    folder, root = shards[family]
     with torch.device("meta"):
         model = AutoModel.from_config(AutoConfig.from_pretrained(folder))
     dataset = ShardDataset(root)
@@ -165,8 +194,9 @@ def test_video_positions_equal_get_rope_index(shards):
             if not n:
                 continue
             kwargs = {"image_grid_thw": grids[~is_video] if (~is_video).any() else None,
-                      "video_grid_thw": grids[is_video] if is_video.any() else None,
-                      "second_per_grid_ts": seconds[is_video] if is_video.any() else None}
+                      "video_grid_thw": grids[is_video] if is_video.any() else None}
+            if family == "qwen2_5_vl":
+                kwargs["second_per_grid_ts"] = seconds[is_video] if is_video.any() else None
             types = (ids == image).int() + 2 * (ids == video).int()
             want, _ = model.get_rope_index(ids[None], mm_token_type_ids=types[None], **kwargs)
             assert torch.equal(batch["position_ids"][:, lo:hi], want[:, 0]), record.where
@@ -237,3 +267,34 @@ def test_bad_videos_are_rejects_with_their_reason(tmp_path):
                                             workers=1, image_root=str(tmp_path)))
     reasons = pq.read_table(tmp_path / "gemma" / "rejects.parquet").column("reason").to_pylist()
     assert reasons == ["unsupported_video"] and gemma.accepted == 1
+
+
+def test_qwen3_vl_writes_each_temporal_step_after_its_time(shards):
+    """Each temporal step: ``<t.t seconds>`` (the mean of its two frames' index / fps), then its
+    own ``<|vision_start|>``, h·w/4 ``<|video_pad|>``, ``<|vision_end|>``; the template's own
+    pair around the video is replaced, as Qwen's processor (transformers 4.57) writes it."""
+    from transformers import AutoTokenizer
+
+    folder, root = shards["qwen3_vl"]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    dataset = ShardDataset(root, pad_to_caps=False)
+    stats = _stats(root)
+    seen = 0
+    for record in dataset.records():
+        start = 0
+        for sample in record.samples:
+            ids = record.input_ids[start:start + sample["seq_len"]]
+            start += sample["seq_len"]
+            for video in stats[sample["sample_id"]]["videos"]:
+                frames = video["frames"]
+                steps = []
+                for k in range(0, len(frames), 2):
+                    seconds = (frames[k] / video["fps"] + frames[k + 1] / video["fps"]) / 2
+                    pads = "<|video_pad|>" * (video["grid"][1] * video["grid"][2] // 4)
+                    steps.append(f"<{seconds:.1f} seconds><|vision_start|>{pads}<|vision_end|>")
+                text = tokenizer.decode(ids.tolist())
+                assert "".join(steps) in text
+                assert "<|vision_start|><0." not in text
+                assert "<|vision_end|><|vision_end|>" not in text
+                seen += 1
+    assert seen == 3

@@ -38,8 +38,7 @@ REASONS = {
     "bad_aspect_ratio": "an image is more elongated than the tiling policy allows",
     "video_count_mismatch": "the <video> placeholders and video items differ in number from the "
                             "videos",
-    "unsupported_video": "a video for a model whose family has no video layout (Gemma 3, and "
-                         "Qwen3-VL and Qwen3.5 until their timestamped frames are built)",
+    "unsupported_video": "a video for a model whose family has no video layout (Gemma 3)",
     "missing_video": "a video file or URL does not exist, or is not a file that can be opened",
     "unreachable_video": "a video URL still failed after every retry",
     "empty_video": "a video file has zero bytes or its video stream holds no frame",

@@ -33,7 +33,15 @@ from transformers.vision_utils import get_vision_interpolation_indices_and_weigh
 
 from ..attention import from_host
 from ..micro import LayerOutput, Micro, Phase
-from .layers import DecoderLayer, Detached, Geometry, LayerDef, LMHead, language_layers
+from .layers import (
+    DecoderLayer,
+    Detached,
+    Geometry,
+    LayerDef,
+    LMHead,
+    language_layers,
+    visual_token_ids,
+)
 from .linear_attention import is_linear_attention, linear_attention_block
 from .qwen2vl import VISION, Merger, VisionBlock, VisionEmbedding, VisionGeometry
 
@@ -85,10 +93,10 @@ class Qwen3DecoderLayer(DecoderLayer):
     auxiliary loss). A Qwen3.5 linear-attention layer keeps each packed sample's conv window and
     recurrent state apart (``linear_attention``)."""
 
-    def __init__(self, model: nn.Module, path: str, rotary, image_token_id: int,
+    def __init__(self, model: nn.Module, path: str, rotary, visual_ids: tuple[int, ...],
                  deepstack: bool, routed: bool) -> None:
         super().__init__(model, path, rotary)
-        self.image_token_id = image_token_id
+        self.visual_ids = visual_ids
         self.deepstack = deepstack
         self.routed = routed
         self.linear = is_linear_attention(self.layer)
@@ -111,8 +119,9 @@ class Qwen3DecoderLayer(DecoderLayer):
                 raise ValueError("a DeepStack layer got no DeepStack features: the ViT blocks "
                                  "that make them did not run before it")
             # the image rows, their count known on the host: no read back of the mask
-            rows = torch.nonzero_static(micro.input_ids == self.image_token_id,
-                                        size=micro.host.image_tokens).flatten()
+            visual = torch.isin(micro.input_ids,
+                                torch.tensor(self.visual_ids, device=micro.input_ids.device))
+            rows = torch.nonzero_static(visual, size=micro.host.image_tokens).flatten()
             hidden = hidden.index_add(0, rows, levels[0].to(hidden.dtype))
             if levels.shape[0] > 1:
                 carry["deepstack"] = levels[1:]
@@ -182,10 +191,10 @@ def layers(model: nn.Module) -> tuple[list[LayerDef], Geometry]:
         kind = "_".join(k for k, on in (("linear", linear[index]),
                                         ("deepstack", index < len(levels)),
                                         ("moe", moe[index])) if on)
-        return functools.partial(Qwen3DecoderLayer, image_token_id=model.config.image_token_id,
+        return functools.partial(Qwen3DecoderLayer, visual_ids=visual_token_ids(model.config),
                                  deepstack=index < len(levels), routed=routed[index]), kind
 
-    defs += language_layers(model, lm, (model.config.image_token_id,), rotary, decoder)
+    defs += language_layers(model, lm, visual_token_ids(model.config), rotary, decoder)
     if any(routed):
         defs[-1] = replace(defs[-1], build=functools.partial(
             AuxLossHead, path="lm_head", layers=sum(routed), coef=text.router_aux_loss_coef))

@@ -147,6 +147,9 @@ class ImageLayout:
     around: tuple[str, str] = ("", "")
     tile_tokens: int = 0  # the tokens of one run, where an image may have several
     crops: tuple[str, str, str] = ("", "", "")
+    # the template's tokens right around the placeholder that its expansion replaces (Qwen3-VL's
+    # video: each frame brings its own <|vision_start|>…<|vision_end|>)
+    replaces: tuple[str, str] = ("", "")
 
     def pieces(self, count: int) -> list[str | int]:
         """An image of ``count`` tokens as text (str) and runs of ``token`` (int), in order;
@@ -174,6 +177,7 @@ class SampledVideo:
     tokens: int  # LLM tokens its embeddings fill
     seconds_per_step: float  # time between temporal steps (Qwen2.5-VL's second_per_grid_ts)
     fps: float  # the source's frame rate (frame index / fps = time)
+    timestamps: tuple[float, ...] = ()  # each temporal step's time, where the text says it
 
 
 def float_arange(start: float, stop: float, step: float) -> np.ndarray:

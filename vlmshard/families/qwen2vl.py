@@ -191,7 +191,7 @@ class Qwen2VL(Family):
         # transformers: min_pixels / max_pixels, when given, override size's edges
         min_pixels = processor_value(folder, "min_pixels", size.get("shortest_edge", d.min_pixels))
         max_pixels = processor_value(folder, "max_pixels", size.get("longest_edge", d.max_pixels))
-        return Qwen2VLTiling(
+        return type(d)(
             patch_size=int(processor_value(folder, "patch_size", d.patch_size)),
             merge_size=int(processor_value(folder, "merge_size", d.merge_size)),
             temporal_patch_size=int(processor_value(folder, "temporal_patch_size",

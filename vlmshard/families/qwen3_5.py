@@ -18,12 +18,13 @@ from .folder import with_defaults
 from .qwen3vl import Qwen3VL
 
 # Qwen3.5's published chat template (Qwen3.5-4B and larger, thinking on by default; as
-# huggingface/trl keeps it byte for byte in trl/chat_templates/qwen3_5_think.jinja) for images
-# and text, its tool and video branches left out: no default system turn; each message's content
+# huggingface/trl keeps it byte for byte in trl/chat_templates/qwen3_5_think.jinja) for images,
+# videos and text, its tool branches left out: no default system turn; each message's content
 # trimmed; an assistant turn after the last user turn opens with a think block (empty when it
 # has no reasoning), earlier ones lose theirs.
 TEMPLATE = (
     "{%- set image_count = namespace(value=0) %}"
+    "{%- set video_count = namespace(value=0) %}"
     "{%- macro render_content(content, do_vision_count, is_system_content=false) %}"
     "{%- if content is string %}{{- content }}"
     "{%- elif content is iterable and content is not mapping %}{%- for item in content %}"
@@ -33,6 +34,12 @@ TEMPLATE = (
     "{%- if do_vision_count %}{%- set image_count.value = image_count.value + 1 %}{%- endif %}"
     "{%- if add_vision_id %}{{- 'Picture ' ~ image_count.value ~ ': ' }}{%- endif %}"
     "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif 'video' in item or item.type == 'video' %}"
+    "{%- if is_system_content %}{{- raise_exception('System message cannot contain videos.') }}"
+    "{%- endif %}"
+    "{%- if do_vision_count %}{%- set video_count.value = video_count.value + 1 %}{%- endif %}"
+    "{%- if add_vision_id %}{{- 'Video ' ~ video_count.value ~ ': ' }}{%- endif %}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{%- elif 'text' in item %}{{- item.text }}"
     "{%- else %}{{- raise_exception('Unexpected item type in content.') }}{%- endif %}"
     "{%- endfor %}"

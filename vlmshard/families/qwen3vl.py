@@ -13,15 +13,86 @@ mergers feeding the first LLM layers, q/k norms, an explicit ``head_dim``, spars
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
+
+from vlmshard.rejects import Reject
+
+from .base import ImageLayout, SampledVideo
+from .folder import ModelFolder
 from .qwen2vl import TOKENS, Qwen2VL, Qwen2VLTiling
-from .tiny import CHAT_TOKENS, CORPUS, save_random_weights, save_tokenizer
+from .tiny import CHAT_TOKENS, CORPUS, save_random_weights, save_tokenizer, save_video_config
 
 QWEN3_MEAN = QWEN3_STD = (0.5, 0.5, 0.5)
 
-# Qwen3-VL-Instruct's published template for images and text (its tool and video branches left
+
+@dataclass(frozen=True)
+class Qwen3VLTiling(Qwen2VLTiling):
+    """Qwen3-VL's processing: images as Qwen2-VL's; videos as ``Qwen3VLVideoProcessor`` samples
+    and resizes them (``sample_video``), with its defaults."""
+
+    video_min_pixels: int = 128 * 32 * 32
+    video_max_pixels: int = 32 * 32 * 768  # over all frames: t·h·w (published: 25,165,824)
+    cap_pixels_per_frame: bool = False  # transformers' default (None: no per-frame cap)
+    max_video_tokens: int = 768  # the per-frame token ceiling, with cap_pixels_per_frame
+    name: ClassVar[str] = "qwen3vl"
+
+    def sample_video(self, frames: int, fps: float, width: int, height: int,
+                     given: bool = False) -> SampledVideo:
+        """``Qwen3VLVideoProcessor.sample_frames`` at ``fps`` (``linspace`` over the clip,
+        rounded: first and last frame), its ``smart_resize`` over all the frames' pixels
+        (``t·h·w`` within the video size; a frame list too), the last frame repeated to a whole
+        temporal patch, and each temporal step's time (the mean of its frames' index / fps), as
+        its processor writes it in the text. ``given``: a frame list, all kept."""
+        t, f = self.temporal_patch_size, self.tile_size
+        if given:
+            n, indices = frames, list(range(frames))
+        else:
+            n = min(max(int(frames / fps * self.fps), self.min_frames), self.max_frames, frames)
+            indices = np.linspace(0, frames - 1, n).round().astype(int).tolist()
+        max_pixels = self.video_max_pixels
+        if self.cap_pixels_per_frame:
+            per_frame = max(min(self.max_video_tokens * f * f, self.video_max_pixels // n),
+                            int(self.video_min_pixels * 1.05))
+            max_pixels = per_frame * n
+        h, w = self.resized_clip(max(n, t), width, height, self.video_min_pixels, max_pixels)
+        indices += indices[-1:] * (-len(indices) % t)
+        grid = (len(indices) // t, h // self.patch_size, w // self.patch_size)
+        tokens = grid[0] * grid[1] * grid[2] // self.merge_size ** 2
+        seconds = [i / fps for i in indices]
+        steps = tuple((seconds[k] + seconds[k + t - 1]) / 2 for k in range(0, len(seconds), t))
+        return SampledVideo(indices=tuple(indices), width=w, height=h, grid=grid, tiles=tokens,
+                            tokens=tokens, seconds_per_step=t * frames / (n * fps) if not given
+                            else t / fps, fps=fps, timestamps=steps)
+
+    def resized_clip(self, frames: int, width: int, height: int, min_pixels: int,
+                     max_pixels: int) -> tuple[int, int]:
+        """(height, width) of every frame: Qwen3-VL's video ``smart_resize``, whose pixel budget
+        is over ``round(frames / 2) · 2`` frames (sides under a factor scaled up first)."""
+        f, t = self.tile_size, self.temporal_patch_size
+        if height < f or width < f:
+            scale = max(f / height, f / width)
+            height, width = int(height * scale), int(width * scale)
+        if max(height, width) / min(height, width) > 200:
+            raise Reject("bad_aspect_ratio", f"{width}x{height} exceeds the 200:1 aspect ratio "
+                                             "Qwen3-VL's video processor accepts")
+        h_bar, w_bar = round(height / f) * f, round(width / f) * f
+        t_bar = round(frames / t) * t
+        if t_bar * h_bar * w_bar > max_pixels:
+            beta = math.sqrt(frames * height * width / max_pixels)
+            h_bar = max(f, math.floor(height / beta / f) * f)
+            w_bar = max(f, math.floor(width / beta / f) * f)
+        elif t_bar * h_bar * w_bar < min_pixels:
+            beta = math.sqrt(min_pixels / (frames * height * width))
+            h_bar = math.ceil(height * beta / f) * f
+            w_bar = math.ceil(width * beta / f) * f
+        return h_bar, w_bar
+
+# Qwen3-VL-Instruct's published template for images, videos and text (its tool branch left
 # out): a system turn only when the conversation has one; text items rendered as written.
 TEMPLATE = (
     "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' }}"
@@ -30,6 +101,7 @@ TEMPLATE = (
     "{%- if 'text' in content %}{{- content.text }}{%- endif %}{%- endfor %}{%- endif %}"
     "{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- set image_count = namespace(value=0) %}"
+    "{%- set video_count = namespace(value=0) %}"
     "{%- for message in messages %}"
     "{%- if message.role == 'user' %}{{- '<|im_start|>' + message.role + '\\n' }}"
     "{%- if message.content is string %}{{- message.content }}"
@@ -38,6 +110,10 @@ TEMPLATE = (
     "{%- set image_count.value = image_count.value + 1 %}"
     "{%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}"
     "<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif content.type == 'video' or 'video' in content %}"
+    "{%- set video_count.value = video_count.value + 1 %}"
+    "{%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
     "{%- elif 'text' in content %}{{- content.text }}{%- endif %}{%- endfor %}{%- endif %}"
     "{{- '<|im_end|>\\n' }}"
     "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role + '\\n' }}"
@@ -57,14 +133,39 @@ class Qwen3VL(Qwen2VL):
     description = "Qwen3-VL, Qwen3-VL-MoE"
     demo_limits = {"max_pixels": 32 * 32 * 256}  # up to 256 merged patches an image
     # Qwen3-VL's preprocessor_config.json: 256² to 4096² pixels
-    defaults = Qwen2VLTiling(mean=QWEN3_MEAN, std=QWEN3_STD, patch_size=16,
+    policies = (Qwen3VLTiling,)
+    defaults = Qwen3VLTiling(mean=QWEN3_MEAN, std=QWEN3_STD, patch_size=16,
                              min_pixels=65536, max_pixels=16777216)
     template: ClassVar[str] = TEMPLATE  # the tiny folders' chat template
     plain_tokens: ClassVar[tuple[str, ...]] = ()  # their added tokens that are not special
 
-    def video_layout(self, folder) -> None:
-        """Qwen3-VL's videos (a timestamp text per temporal step) are not built yet."""
-        return None
+    def video_layout(self, folder: ModelFolder) -> ImageLayout:
+        """Each temporal step is its own ``<|vision_start|>…<|vision_end|>`` after its time:
+        the template's wrapper around the placeholder is replaced, as Qwen's own processor
+        (``transformers`` 4.57, which its fine-tuning code pins; vLLM) does. ``transformers``
+        5.23 leaves the template's pair around them too (``docs/video.md``)."""
+        tokens = folder.special_tokens()
+        token = tokens.get("video_token", "<|video_pad|>")
+        start = tokens.get("vision_start_token", "<|vision_start|>")
+        end = tokens.get("vision_end_token", "<|vision_end|>")
+        return ImageLayout(placeholder=token, token=token, prefix=(start,), suffix=(end,),
+                           replaces=(start, end))
+
+    def video_pieces(self, video: SampledVideo, layout: ImageLayout) -> list[str | int]:
+        """``<t.t seconds>`` and the step's tokens, per temporal step."""
+        per_step = video.tokens // video.grid[0]
+        pieces: list[str | int] = []
+        for seconds in video.timestamps:
+            pieces += [f"<{seconds:.1f} seconds>", per_step]
+        return pieces
+
+    def position_ids(self, input_ids: np.ndarray, visual_ids: tuple[int, ...],
+                     grids: list[tuple[int, int, int]], policy: Qwen2VLTiling,
+                     steps: list[float] | None = None) -> np.ndarray:
+        """As Qwen2-VL's, with each temporal step of a video its own [1, h, w] grid (its time
+        is in the text): ``get_rope_index`` splits ``video_grid_thw`` so."""
+        frames = [(1, h, w) for t, h, w in grids for _ in range(t)]
+        return super().position_ids(input_ids, visual_ids, frames, policy)
 
     def vision_extras(self, vision: dict) -> dict:
         """Its learned position table and DeepStack mergers (each the merger's size, after the
@@ -100,7 +201,8 @@ class Qwen3VL(Qwen2VL):
         )
 
         os.makedirs(path, exist_ok=True)
-        vocab = save_tokenizer(path, TOKENS, self.template, {"image_token": "<|image_pad|>"},
+        vocab = save_tokenizer(path, TOKENS, self.template, {"image_token": "<|image_pad|>",
+                                                             "video_token": "<|video_pad|>"},
                                corpus, vocab_size, self.plain_tokens)
         ids = {t: i for i, t in enumerate(CHAT_TOKENS)}
         text = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
@@ -124,5 +226,10 @@ class Qwen3VL(Qwen2VL):
         Qwen2VLImageProcessorPil(patch_size=16, image_mean=list(QWEN3_MEAN),
                                  image_std=list(QWEN3_STD), min_pixels=min_pixels,
                                  max_pixels=max_pixels).save_pretrained(path)
+        save_video_config(path, "Qwen3VLVideoProcessor", {  # a budget of four frames' pixels
+            "size": {"shortest_edge": min_pixels, "longest_edge": 4 * max_pixels}, "fps": 2.0,
+            "min_frames": 4, "max_frames": 768, "do_sample_frames": True, "patch_size": 16,
+            "temporal_patch_size": 2, "merge_size": 2, "image_mean": list(QWEN3_MEAN),
+            "image_std": list(QWEN3_STD)})
         save_random_weights(path, seed, init_std, weights_dtype)
         return path
