@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/pack_bench.py --json build/bench/pack.json
 	$(PY) benchmarks/layer_kinds_bench.py --json build/bench/layer_kinds.json
 	$(PY) benchmarks/shards_bench.py --json build/bench/shards.json
+	$(PY) benchmarks/video_bench.py --json build/bench/video.json
 	$(PY) benchmarks/train_bench.py --json build/bench/train.json
 	$(PY) benchmarks/simulate_bench.py --json build/bench/simulate.json
 

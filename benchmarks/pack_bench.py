@@ -66,16 +66,16 @@ def resample(lengths: Lengths, n: int, seed: int = 0) -> Lengths:
 
 
 def plan(lengths: Lengths, algo: str, ranks: int, micro: int, seed: int = 0,
-         mode: str = "padding-free", **bound):
+         mode: str = "padding-free", cost: CostModel = COST, **bound):
     """Caps (automatic or searched, inside ``bound``: max_qv, max_qt) + one epoch + metrics
-    (the trainer computing in ``mode``), timed like ``vlmshard pack``."""
+    (the trainer computing in ``mode``; ``cost``: the model's), timed like ``vlmshard pack``."""
     cfg = PackConfig(stats="-", dp=ranks, out="-", micro_batches=micro, algo=algo, seed=seed,
                      compute_mode=mode, **bound)
     t0 = time.perf_counter()
-    caps, _, _ = choose_caps(cfg, lengths, COST)
-    packing = pack_epoch(cfg, lengths, caps, COST, seed=seed)
+    caps, _, _ = choose_caps(cfg, lengths, cost)
+    packing = pack_epoch(cfg, lengths, caps, cost, seed=seed)
     seconds = time.perf_counter() - t0
-    return measure(lengths, packing, qv=caps.qv, qt=caps.qt, cost=COST,
+    return measure(lengths, packing, qv=caps.qv, qt=caps.qt, cost=cost,
                    padded=algo in PADDED, dp=ranks, pack_seconds=seconds, mode=mode)
 
 

@@ -80,3 +80,28 @@ def test_layer_kinds_bench_costs_less_attention_by_kind(tmp_path):
             assert kind["attention_share"] < full["attention_share"]
         if model.startswith("qwen3.5"):
             assert (kind["qt"], kind["step_efficiency"]) == (full["qt"], full["step_efficiency"])
+
+
+@pytest.mark.slow
+def test_video_bench_balances_videos_and_probes_without_decoding(tmp_path):
+    """``video_bench.py`` on a small mix: balanced places every sample and beats random and
+    isf at its own caps on step_efficiency with videos in the mix; probing a clip takes less
+    than decoding all its frames, and the gap grows with the clip."""
+    import json
+
+    out = tmp_path / "video.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "video_bench.py"),
+                           "--samples", "1500", "--repeats", "1", "--clips", "2,8",
+                           "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    runs = result["packing"]["runs"]
+    for micro in (1, 4):
+        run = {algo: runs[f"M={micro} with video {algo}"]
+               for algo in ("random", "isf at balanced's caps", "balanced")}
+        assert run["balanced"]["unplaced"] == 0
+        assert run["balanced"]["step_efficiency"] > run["isf at balanced's caps"][
+            "step_efficiency"] > run["random"]["step_efficiency"]
+    short, long = result["probe"]["2 s"], result["probe"]["8 s"]
+    assert long["frames"] == 240 and long["probe_ms"] < long["decode_all_ms"]
+    assert long["decode_all_ms"] / long["probe_ms"] > short["decode_all_ms"] / short["probe_ms"]
