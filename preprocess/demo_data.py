@@ -2,7 +2,7 @@
 
 The photos ship inside the ``scikit-image`` wheel (``skimage/data``), so nothing is downloaded.
 They are cropped and resized to many sizes and aspect ratios (wide, tall, tiny, huge) and used by
-five sources in every supported input format:
+the sources below, in every supported input format:
 
 - ``captions`` (JSONL): one image, short question and answer
 - ``docqa`` (JSON list): one wide, tall or huge image, long answers

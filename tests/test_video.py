@@ -213,6 +213,7 @@ BAD = {  # row id: (what the row holds, the reason it must get)
     "missing": ("nowhere.mp4", "missing_video"),
     "mismatch": ("pan.mp4", "video_count_mismatch"),
     "sizes": (["a.png", "b.png"], "corrupt_video"),
+    "zero_frames": ("empty.mkv", "empty_video"),
     "empty_list": ([], "empty_video"),
 }
 
@@ -234,6 +235,15 @@ def _bad_files(root) -> None:
         c.mux(stream.encode(frame))
         c.mux(stream.encode())
     (root / "audio.m4a").write_bytes(buf.getvalue())
+    buf = io.BytesIO()  # a video stream that holds no frame (the audio writes the header)
+    with av.open(buf, "w", format="matroska") as c:
+        video = c.add_stream("libx264", rate=8)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        audio = c.add_stream("aac", rate=8000)
+        c.mux(audio.encode(frame))
+        c.mux(audio.encode())
+        c.mux(video.encode())
+    (root / "empty.mkv").write_bytes(buf.getvalue())
     _photo().resize((64, 48)).save(root / "a.png")
     _photo().resize((48, 64)).save(root / "b.png")
 
@@ -298,3 +308,31 @@ def test_qwen3_vl_writes_each_temporal_step_after_its_time(shards):
                 assert "<|vision_end|><|vision_end|>" not in text
                 seen += 1
     assert seen == 3
+
+
+def test_a_video_url_is_read_as_a_file_is(tmp_path):
+    """A clip named by URL: fetched whole (with the image reader's retries), probed and sampled
+    exactly as the same file on disk."""
+    from helpers import serve_http
+
+    folder = make_folder("internvl", str(tmp_path / "model"))
+    (tmp_path / "www").mkdir()
+    (tmp_path / "www" / "pan.mp4").write_bytes(make_clip(_photo(), Clip(frames=16, fps=8)))
+    stats = {}
+    with serve_http(tmp_path / "www") as base:
+        for name, value in (("url", f"{base}/pan.mp4"), ("file", str(tmp_path / "www" /
+                                                                      "pan.mp4"))):
+            path = tmp_path / f"{name}.jsonl"
+            path.write_text(json.dumps({"videos": [value], "conversations": [
+                {"from": "human", "value": "<video>What moves?"},
+                {"from": "gpt", "value": "The camera."}]}) + "\n")
+            run_preprocess(PreprocessConfig(inputs=[str(path)], out=str(tmp_path / name),
+                                            model=folder, workers=1))
+            (row,) = pq.read_table(tmp_path / name / "stats").to_pylist()
+            stats[name] = row
+    assert stats["url"]["videos"][0]["paths"] == [f"{base}/pan.mp4"]
+    for key in ("seq_len", "vit_tiles", "text_tokens"):
+        assert stats["url"][key] == stats["file"][key]
+    keys = ("frames", "total_frames", "fps", "w", "h", "tiles", "tokens", "bytes")
+    assert {k: stats["url"]["videos"][0][k] for k in keys} == \
+        {k: stats["file"]["videos"][0][k] for k in keys}
