@@ -74,6 +74,10 @@ class PreprocessConfig(EngineOptions):
         None, help="reject videos that run longer than this many seconds (a 'video_too_long' "
                    "reject; read from the container, before any frame is decoded)",
         default_text="no limit")
+    decode_videos: bool = option(
+        False, help="decode each video's sampled frames too, so a stream corrupt past its first "
+                    "frame is a reject here rather than an error when writing shards (the probe "
+                    "alone reads the container and decodes one frame: much cheaper)")
     allow_outside_image_root: bool = option(
         False, help="read relative image paths whose '..' leads out of their image root "
                     "(otherwise such a row is a 'path_outside_root' reject)")

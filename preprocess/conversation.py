@@ -55,7 +55,8 @@ COLUMN_KEYS = ("messages", "images", "videos", "role", "content")  # what RowFor
 EMBEDDED = "embedded:"  # stats image_paths prefix of an image whose bytes are in the source row
 # How rows become text, recorded by preprocess: re-tokenizing a run of another one would not give
 # its ids. 2: text kept as written (the line break after <image> as the template decides).
-TEXT_ENCODING = 2
+# 3: <video> in text is a placeholder.
+TEXT_ENCODING = 3
 
 
 @dataclass(frozen=True)

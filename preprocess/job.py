@@ -105,6 +105,7 @@ def _preprocess(cfg: PreprocessConfig, start: float) -> PreprocessResult:
         raise ConfigError(str(e)) from None
     limits = SampleLimits(max_seq_len=cfg.max_seq_len, max_image_pixels=cfg.max_image_pixels,
                           max_video_seconds=cfg.max_video_seconds,
+                          decode_videos=cfg.decode_videos,
                           allow_outside_image_root=cfg.allow_outside_image_root)
     identity = _job_identity(cfg, sources, model, tokenizer, tiling, limits)
     fingerprint, done = claim_output(cfg.out, "preprocess.json", identity, error=ConfigError)

@@ -23,7 +23,7 @@ from .images import read_image_header, resolve_image_path
 from .schema import MAX_IMAGES_PER_SAMPLE
 from .sources import Source
 from .tokenize import TekkenEncoder, TokenizerConfig
-from .videos import read_video_header
+from .videos import read_video_header, sampled_frames, video_bytes
 
 if TYPE_CHECKING:
     from vlmshard.families.base import SampledVideo
@@ -34,6 +34,7 @@ class SampleLimits:
     max_seq_len: int | None = None
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_video_seconds: float | None = None
+    decode_videos: bool = False
     allow_outside_image_root: bool = False
 
 
@@ -103,11 +104,13 @@ def video_stats(video: VideoRef, index: int, item: int, root: str, tiling: Tilin
     family's rule samples) and the ``SampledVideo`` itself; raises ``Reject``."""
     paths = [image_path(ref, root, limits.allow_outside_image_root) for ref in video.refs]
     name = f"video {index}"
+    data = None
     if video.file is not None:
         ref = video.file
-        header = read_video_header(paths[0] if not ref.embedded else
-                                   f"embedded {name}" + (f" ({ref.path})" if ref.path else ""),
-                                   ref.data, limits.max_video_seconds)
+        where = paths[0] if not ref.embedded else f"embedded {name}" + (
+            f" ({ref.path})" if ref.path else "")
+        data = video_bytes(where, ref.data)
+        header = read_video_header(where, data, limits.max_video_seconds)
         frames, fps, width, height = header.frames, header.fps, header.width, header.height
         sizes = [header.bytes]
     else:
@@ -129,6 +132,9 @@ def video_stats(video: VideoRef, index: int, item: int, root: str, tiling: Tilin
         sampled = tiling.sample_video(frames, fps, width, height, given=video.file is None)
     except Reject as e:  # bad_aspect_ratio: name the video
         raise Reject(e.reason, f"{name}: {e.message}") from None
+    if data is not None and limits.decode_videos:  # what the writer will decode, decoded now
+        for _ in sampled_frames(data, list(sampled.indices), where):
+            pass
     return {"paths": paths, "frame_list": video.file is None,
             "frames": list(sampled.indices), "total_frames": frames,
             "fps": fps, "w": width, "h": height, "grid": list(sampled.grid),
@@ -145,9 +151,9 @@ def process_record(record: dict, source: Source, tiling: TilingPolicy, encoder,
     a 10 MB turn) is rejected before any image is read or any text tokenized."""
     conversation = parse_conversation(record, source.format)
     turns, images, videos = conversation.turns, conversation.images, conversation.videos
-    if len(images) > MAX_IMAGES_PER_SAMPLE:
-        raise Reject("too_many_images", f"{len(images):,} images; a sample holds at most "
-                                        f"{MAX_IMAGES_PER_SAMPLE:,}")
+    if len(images) + len(videos) > MAX_IMAGES_PER_SAMPLE:
+        raise Reject("too_many_images", f"{len(images):,} images and {len(videos):,} videos; a "
+                                        f"sample holds at most {MAX_IMAGES_PER_SAMPLE:,}")
     if videos and not encoder.takes_videos:
         raise Reject("unsupported_video", f"{len(videos)} video(s), and {encoder.name} takes "
                                           "none (video is read for Qwen2-VL, Qwen2.5-VL, "

@@ -29,6 +29,13 @@ if TYPE_CHECKING:
 
 logging.getLogger("libav").setLevel(logging.ERROR)  # FFmpeg's own chatter on malformed input
 
+# FFmpeg's demuxers of single images: such a file is a still, not a video (GIF, animated, is read)
+STILL_FORMATS = {"image2", "jpeg_pipe", "png_pipe", "webp_pipe", "bmp_pipe", "tiff_pipe",
+                 "jpegxl_pipe", "qoi_pipe", "pam_pipe", "ppm_pipe", "pgm_pipe", "svg_pipe"}
+# A container stating no frame count (MKV, WebM) is cut short when its frames fall this far below
+# its duration × rate (its audio may run a little longer than its video)
+SHORT_OF_DURATION = 0.9
+
 
 @dataclass(frozen=True)
 class VideoHeader:
@@ -69,10 +76,13 @@ def read_video_header(path: str, data: bytes | None = None,
     if not data:
         raise Reject("empty_video", f"video has zero bytes: {path}")
     with _open(data, path) as container:
-        if not container.streams.video:
+        stream = _video_stream(container)
+        if stream is None:
             raise Reject("no_video_stream", f"{path} holds no video stream (streams: "
                                             f"{_stream_kinds(container)})")
-        stream = container.streams.video[0]
+        if container.format.name in STILL_FORMATS:
+            raise Reject("no_video_stream", f"{path} is a still image "
+                                            f"({container.format.name}), not a video")
         if stream.codec_context is None:
             raise Reject("unsupported_codec", f"{path}: FFmpeg has no decoder for its video "
                                               "codec")
@@ -89,14 +99,19 @@ def read_video_header(path: str, data: bytes | None = None,
         width, height = stream.codec_context.width, stream.codec_context.height
         codec = stream.codec_context.name
         try:
-            frames = sum(1 for packet in container.demux(stream) if packet.size)
+            # packets an edit list discards (a trimmed copy) are never shown: not frames
+            shown = [not packet.is_discard for packet in container.demux(stream) if packet.size]
         except Exception as e:  # av.FFmpegError subclasses: the data stops making sense
             raise _broken(data, path, f"its packets stop parsing: {e}", e) from None
+    frames = sum(shown)
     if frames == 0:
         raise Reject("empty_video", f"{path} holds no video frame")
-    if declared and frames < declared:
+    if declared and len(shown) < declared:
         raise Reject("truncated_video", f"{path}: its header declares {declared} frames, the "
-                                        f"file holds {frames}: the file is cut short")
+                                        f"file holds {len(shown)}: the file is cut short")
+    if not declared and stated and len(shown) < SHORT_OF_DURATION * stated * fps - 2:
+        raise Reject("truncated_video", f"{path}: it states {stated:.2f} s at {fps:g} fps, the "
+                                        f"file holds {len(shown)} frames: the file is cut short")
     if width <= 0 or height <= 0:
         raise Reject("corrupt_video", f"{path}: its frames are {width}x{height}")
     if max_seconds is not None and frames / fps > max_seconds:
@@ -116,7 +131,7 @@ def sampled_frames(data: bytes, indices: list[int], path: str) -> Iterator["Imag
     if not wanted:
         return
     with _open(data, path) as container:
-        stream = container.streams.video[0]
+        stream = _video_stream(container)
         stream.thread_type = "AUTO"
         k = 0
         try:
@@ -167,6 +182,15 @@ def _broken(data: bytes, path: str, what: str, error: Exception) -> Reject:
     if isinstance(error, av.DecoderNotFoundError):
         return Reject("unsupported_codec", f"video {path}: no decoder for its codec: {error}")
     return Reject("corrupt_video", f"video {path}: {what}")
+
+
+def _video_stream(container):
+    """The container's first video stream that is not cover art (an attached picture), or
+    None."""
+    import av
+
+    cover = av.stream.Disposition.attached_pic
+    return next((s for s in container.streams.video if not s.disposition & cover), None)
 
 
 def _stream_kinds(container) -> str:

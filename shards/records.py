@@ -66,6 +66,12 @@ class Record:
         return [s["seq_len"] for s in self.samples]
 
     @property
+    def tiles(self) -> int:
+        """The ViT units of its images and videos."""
+        return sum(sum(s["image_tiles"]) + sum(v["tiles"] for v in s.get("videos", ()))
+                   for s in self.samples)
+
+    @property
     def where(self) -> str:
         return f"{self.shard}: record {self.key}"
 

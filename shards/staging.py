@@ -104,7 +104,8 @@ class Stager:
 
     def process(self, unit: StageUnit) -> dict:
         """Stage one unit; raises ``RetokenizeError`` naming a row that no longer reads."""
-        rows = self.table.select(ROW_COLUMNS).take(pa.array(unit.sample_ids)).to_pylist()
+        columns = [c for c in ROW_COLUMNS if c in self.table.column_names]  # older stats: no videos
+        rows = self.table.select(columns).take(pa.array(unit.sample_ids)).to_pylist()
         records = self.rows.records((r["source"], r["row"]) for r in rows)
         columns: dict[str, list] = {name: [] for name in SCHEMA.names}
         for row in rows:

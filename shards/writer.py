@@ -477,11 +477,11 @@ def _video_frames(row: dict, video: dict, data: bytes | None) -> list[tuple[byte
                              f"{header.height}, {header.frames} frames now but was {video['w']}x"
                              f"{video['h']}, {video['total_frames']} frames when preprocessed; "
                              "preprocess and pack again")
-        frames = list(sampled_frames(data, video["frames"], path))
+        return [(_png(frame), "PNG") for frame in sampled_frames(data, video["frames"], path)]
     except Reject as e:
-        raise WriteError(f"{sample_where(row)}: video {path} no longer reads ({e.reason}: "
-                         f"{e.message}); restore it, or preprocess and pack again") from None
-    return [(_png(frame), "PNG") for frame in frames]
+        raise WriteError(f"{sample_where(row)}: video {path} does not decode ({e.reason}: "
+                         f"{e.message}); restore it, or preprocess (with --decode-videos, which "
+                         "rejects streams that stop decoding) and pack again") from None
 
 
 def _png(image) -> bytes:

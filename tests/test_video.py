@@ -61,18 +61,19 @@ def _qwen_reference(total: int, fps: float, width: int, height: int, *, target=2
     """Qwen2VLVideoProcessor.sample_frames (fps), resize with cap_pixels_per_frame, padding."""
     most = math.floor(min(max_frames, total) / 2) * 2
     n = math.floor(min(max(total / fps * target, min_frames), most, total) / 2) * 2
-    indices = torch.arange(0, total, total / n).int().tolist()
+    indices = torch.arange(0, total, total / n).int().tolist()  # may hold n + 1
+    sampled = len(indices)  # what the processor's resize and sampled_fps count
     budget = int(max_video_tokens * 28 * 28 * 0.9)
-    cap = max(min(max_pixels, budget * 2 // n), int(min_pixels * 1.05))
+    cap = max(min(max_pixels, budget * 2 // sampled), int(min_pixels * 1.05))
     h, w = smart_resize(width, height, 28, min_pixels, cap)
     indices += indices[-1:] * (len(indices) % 2)
     grid = (len(indices) // 2, h // 14, w // 14)
-    return indices, grid, 2 / (n / total * fps)
+    return indices, grid, 2 / (sampled / total * fps)
 
 
 @pytest.mark.parametrize("total,fps,width,height", [
     (300, 30, 640, 480), (48, 24, 1280, 720), (9, 30, 64, 48), (7000, 25, 1920, 1080),
-    (101, 29.97, 480, 854), (20, 8, 128, 96)])
+    (101, 29.97, 480, 854), (20, 8, 128, 96), (230, 30, 640, 360)])
 def test_frame_sampling_follows_each_video_processor(total, fps, width, height):
     indices, grid, seconds = _qwen_reference(total, fps, width, height)
     got = Qwen2VLTiling().sample_video(total, fps, width, height)
@@ -214,6 +215,8 @@ BAD = {  # row id: (what the row holds, the reason it must get)
     "mismatch": ("pan.mp4", "video_count_mismatch"),
     "sizes": (["a.png", "b.png"], "corrupt_video"),
     "zero_frames": ("empty.mkv", "empty_video"),
+    "cut_mkv": ("cut.mkv", "truncated_video"),  # MKV states no frame count: its duration
+    "still": ("a.png", "no_video_stream"),
     "empty_list": ([], "empty_video"),
 }
 
@@ -244,6 +247,8 @@ def _bad_files(root) -> None:
         c.mux(audio.encode())
         c.mux(video.encode())
     (root / "empty.mkv").write_bytes(buf.getvalue())
+    mkv = make_clip(_photo(), Clip(frames=16, fps=8, container="mkv"))
+    (root / "cut.mkv").write_bytes(mkv[: len(mkv) * 8 // 10])
     _photo().resize((64, 48)).save(root / "a.png")
     _photo().resize((48, 64)).save(root / "b.png")
 
@@ -336,3 +341,51 @@ def test_a_video_url_is_read_as_a_file_is(tmp_path):
     keys = ("frames", "total_frames", "fps", "w", "h", "tiles", "tokens", "bytes")
     assert {k: stats["url"]["videos"][0][k] for k in keys} == \
         {k: stats["file"]["videos"][0][k] for k in keys}
+
+
+def _remuxed_with_first_frames_trimmed(clip: bytes, trimmed: int, fps: int) -> bytes:
+    """``clip`` remuxed with its first ``trimmed`` packets before time 0, as a ``-c copy`` cut
+    leaves them: an edit list tells the decoder to drop them."""
+    out = io.BytesIO()
+    with av.open(io.BytesIO(clip)) as source, av.open(out, "w", format="mp4") as target:
+        stream = source.streams.video[0]
+        copy = target.add_stream_from_template(stream)
+        shift = trimmed * int(1 / (fps * stream.time_base))
+        for packet in source.demux(stream):
+            if packet.dts is None:
+                continue
+            packet.pts -= shift
+            packet.dts -= shift
+            packet.stream = copy
+            target.mux(packet)
+    return out.getvalue()
+
+
+def test_a_trimmed_copy_counts_the_frames_it_shows():
+    clip = _remuxed_with_first_frames_trimmed(make_clip(_photo(), Clip(frames=12, fps=8)), 3, 8)
+    header = read_video_header("trimmed.mp4", clip)
+    assert header.frames == len(_decode_all(clip)) == 9
+
+
+def test_decode_videos_rejects_a_stream_that_stops_decoding(tmp_path):
+    """A clip whose bytes are damaged past its first frames passes the probe (header, packets,
+    first frame); ``--decode-videos`` decodes its sampled frames too and rejects it."""
+    clip = bytearray(make_clip(_photo(), Clip(frames=16, fps=8)))
+    start = len(clip) * 7 // 10
+    clip[start:start + 200] = bytes(b ^ 0x5A for b in clip[start:start + 200])
+    (tmp_path / "damaged.mp4").write_bytes(bytes(clip))
+    assert read_video_header("damaged.mp4", bytes(clip)).frames == 16
+    folder = make_folder("internvl", str(tmp_path / "model"))
+    path = tmp_path / "rows.jsonl"
+    rows = [{"videos": ["damaged.mp4"], "conversations": [
+        {"from": "human", "value": "<video>What moves?"}, {"from": "gpt", "value": "It."}]},
+        {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hi."}]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for decode, accepted in ((False, 2), (True, 1)):
+        out = tmp_path / f"pre-{decode}"
+        result = run_preprocess(PreprocessConfig(inputs=[str(path)], out=str(out), model=folder,
+                                                 workers=1, image_root=str(tmp_path),
+                                                 decode_videos=decode))
+        assert result.accepted == accepted
+    reasons = pq.read_table(tmp_path / "pre-True" / "rejects.parquet").column("reason")
+    assert reasons.to_pylist() == ["corrupt_video"]

@@ -70,8 +70,8 @@ def shard_sizes(shards: str) -> tuple[Size, Size]:
     dataset = ShardDataset(shards, 0, 1)
     m = dataset.manifest
     records = islice(dataset.records(), SIZE_STEPS * m.ranks * m.micro_batches)
-    sizes = np.array([(sum(t for s in r.samples for t in s["image_tiles"]), len(r.input_ids),
-                       sum(n * n for n in r.seq_lens)) for r in records], dtype=float)
+    sizes = np.array([(r.tiles, len(r.input_ids), sum(n * n for n in r.seq_lens))
+                      for r in records], dtype=float)
     # memory has no squared term: no attention backend keeps an [n x n] score matrix
     return Size(*sizes.mean(axis=0)), Size(m.qv, m.qt)
 

@@ -32,7 +32,7 @@ class ModelFolder:
     tokenizer_config: dict
     image_processor: dict  # preprocessor_config.json, or processor_config.json's image_processor
     processor: dict  # processor_config.json (image_seq_length, ...), or {}
-    # video_preprocessor_config.json, or processor_config.json's video_processor, or {}
+    # processor_config.json's video_processor, or video_preprocessor_config.json, or {}
     video_processor: dict = field(default_factory=dict)
 
     def special_tokens(self) -> dict[str, str]:
@@ -76,8 +76,8 @@ def read_model_folder(path: str) -> ModelFolder:
         raise ModelFolderError(f"{os.path.join(path, PROCESSOR_FILES[1])}: no image_processor "
                                "section")
     video = os.path.join(path, VIDEO_PROCESSOR_FILE)
-    video_processor = (_read_json(video) if os.path.isfile(video)
-                       else processor.get("video_processor") or {})
+    video_processor = processor.get("video_processor") or (
+        _read_json(video) if os.path.isfile(video) else {})
     return ModelFolder(path=os.path.abspath(path),
                        config=_read_json(os.path.join(path, "config.json")),
                        tokenizer_config=_read_json(os.path.join(path, "tokenizer_config.json")),
@@ -99,9 +99,13 @@ def with_defaults(config: dict, path: str) -> dict:
 
 
 def video_value(folder: ModelFolder, key: str, default):
-    """A value of the video processor config, else ``default``."""
-    value = folder.video_processor.get(key)
-    return default if value is None else value
+    """A value of the video processor config, else of the image processor's (where
+    ``transformers`` reads a video processor from when the folder has no config of its own),
+    else ``default``."""
+    for source in (folder.video_processor, folder.image_processor):
+        if source.get(key) is not None:
+            return source[key]
+    return default
 
 
 def processor_value(folder: ModelFolder, key: str, default):

@@ -52,7 +52,6 @@ class InternVLTiling(SquareTiles, Normalized):
     tokens_per_tile: int = 256
     budget: TileBudget = "per-image"
     num_frames: int = 8  # frames sampled per video (InternVL's own num_segments)
-    video_size: int = 448  # each frame resized whole to one tile of this side
     name: ClassVar[str] = "internvl"
 
     def with_limits(self, max_patches: int | None = None,
@@ -86,11 +85,13 @@ class InternVLTiling(SquareTiles, Normalized):
     def sample_video(self, frames: int, fps: float, width: int, height: int,
                      given: bool = False) -> SampledVideo:
         """``InternVLVideoProcessor.sample_frames`` with ``num_frames`` (the middle of each of
-        as many equal segments); each frame one tile. ``given``: a frame list, all kept."""
+        as many equal segments); each frame one tile of the model's image size (a video config
+        sizing frames otherwise would not give the model's tiles). ``given``: a frame list, all
+        kept."""
         n = frames if given else min(self.num_frames, frames)
         indices = range(frames) if given else float_arange(frames / n / 2, frames, frames / n)
-        return SampledVideo(indices=tuple(int(i) for i in indices), width=self.video_size,
-                            height=self.video_size, grid=(n, 1, 1), tiles=n,
+        return SampledVideo(indices=tuple(int(i) for i in indices), width=self.image_size,
+                            height=self.image_size, grid=(n, 1, 1), tiles=n,
                             tokens=n * self.tokens_per_tile, seconds_per_step=1 / fps, fps=fps)
 
     def video_pixels(self, frames: list["Image.Image"], video: SampledVideo) -> np.ndarray:
@@ -163,8 +164,7 @@ class InternVL(Family):
             std=tuple(processor_value(folder, "image_std", IMAGENET_STD)),
             resample=int(processor_value(folder, "resample", BICUBIC)),
             rescale_factor=float(processor_value(folder, "rescale_factor", 1 / 255)),
-            num_frames=int(video_value(folder, "num_frames", 8)),
-            video_size=int(video_value(folder, "size", size)["height"]))
+            num_frames=int(video_value(folder, "num_frames", 8)))
 
     def video_layout(self, folder: ModelFolder) -> ImageLayout:
         """``<video>`` becomes a ``Frame{i}: <img>…</img>`` line per frame (``video_pieces``)."""

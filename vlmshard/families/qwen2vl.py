@@ -128,16 +128,20 @@ class Qwen2VLTiling(Normalized):
             n = math.floor(min(max(frames / fps * self.fps, self.min_frames), most, frames)
                            / t) * t
             n = n or frames
+            # torch.arange's own count (n + 1 where total / n rounds up), as the processor
+            # then counts the frames it has
             indices = float_arange(0, frames, frames / n).tolist()
+        sampled = len(indices)
         max_pixels = self.video_max_pixels
         if self.cap_pixels_per_frame:
             total = int(self.max_video_tokens * self.tile_size ** 2 * 0.9)
-            max_pixels = max(min(max_pixels, total * t // n), int(self.video_min_pixels * 1.05))
+            max_pixels = max(min(max_pixels, total * t // sampled),
+                             int(self.video_min_pixels * 1.05))
         h, w = self.resized(width, height, self.video_min_pixels, max_pixels)
         indices += indices[-1:] * (-len(indices) % t)
         grid = (len(indices) // t, h // self.patch_size, w // self.patch_size)
         tokens = grid[0] * grid[1] * grid[2] // self.merge_size ** 2
-        sampled_fps = n / frames * fps if not given else fps
+        sampled_fps = sampled / frames * fps if not given else fps
         return SampledVideo(indices=tuple(indices), width=w, height=h, grid=grid, tiles=tokens,
                             tokens=tokens, seconds_per_step=t / sampled_fps, fps=fps)
 
@@ -220,7 +224,8 @@ class Qwen2VL(Family):
             cap_pixels_per_frame=bool(video_value(folder, "cap_pixels_per_frame",
                                                   d.cap_pixels_per_frame)),
             max_video_tokens=int(video_value(folder, "max_video_tokens", d.max_video_tokens)),
-            tokens_per_second=float(vision.get("tokens_per_second", 0)
+            # transformers' Qwen2_5_VLVisionConfig default: 4
+            tokens_per_second=float(vision.get("tokens_per_second", 4)
                                     if folder.config.get("model_type") == "qwen2_5_vl" else 0))
 
     def video_layout(self, folder: ModelFolder) -> ImageLayout:
