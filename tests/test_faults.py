@@ -210,9 +210,12 @@ def flaky_env(monkeypatch):
 
 
 def _comparable(out) -> tuple[list, list]:
-    """Stats rows less their image paths (local paths vs URLs), and the rejects' row and
-    reason."""
+    """Stats rows less their image and video paths (local paths vs URLs), and the rejects' row
+    and reason."""
     stats = pq.read_table(os.path.join(out, "stats")).drop(["image_paths"]).to_pylist()
+    for row in stats:
+        row["videos"] = [{k: v for k, v in video.items() if k != "paths"}
+                         for video in row["videos"]]
     rejects = [(r["source"], r["row"], r["reason"])
                for r in pq.read_table(os.path.join(out, "rejects.parquet")).to_pylist()]
     return stats, rejects
