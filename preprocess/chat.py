@@ -152,8 +152,15 @@ class ChatTemplateEncoder:
                         "needs: videos are rejected", model.path, missing[0], model.family)
         self._video_layout = None if missing else video
         self._family = family(model.family)
+        # (prefix ids, token id, suffix ids) of an image's and a video's runs
+        self._image_run = self._run_ids(layout)
+        self._video_run = self._run_ids(video) if self._video_layout else None
         self._max_token_chars = _max_token_chars(self.backend)
         self._rules = TextRules(self._template_breaks_after_image(), *self._template_trims())
+
+    def _run_ids(self, layout) -> tuple[list[int], int, list[int]]:
+        return ([self.special[t] for t in layout.prefix], self.special[layout.token],
+                [self.special[t] for t in layout.suffix])
 
     @property
     def takes_videos(self) -> bool:
@@ -290,17 +297,16 @@ class ChatTemplateEncoder:
                 labels.extend(seg_labels)
             segment.clear()
 
-        def expand(layout, pieces: list[str | int]) -> None:
+        def expand(run_ids: tuple[list[int], int, list[int]], pieces: list[str | int]) -> None:
             """An image's or video's pieces: text goes with the text next to it; each run of
             the layout's token, in its prefix and suffix, is unsupervised."""
+            prefix, token, suffix = run_ids
             for piece in pieces:
                 if isinstance(piece, str):
                     segment.append((piece, False))
                     continue
                 flush()
-                run = ([self.special[t] for t in layout.prefix]
-                       + [self.special[layout.token]] * piece
-                       + [self.special[t] for t in layout.suffix])
+                run = prefix + [token] * piece + suffix
                 ids.extend(run)
                 labels.extend([IGNORE_INDEX] * len(run))
 
@@ -316,7 +322,7 @@ class ChatTemplateEncoder:
                         raise Reject("template_error", "the chat template renders more image "
                                                        "placeholders than the sample has images")
                     n_images += 1
-                    expand(self._layout, self._layout.pieces(count))
+                    expand(self._image_run, self._layout.pieces(count))
                     continue
                 if self._video_layout is not None and part == self._video_layout.placeholder:
                     video = next(video_items, None)
@@ -324,8 +330,7 @@ class ChatTemplateEncoder:
                         raise Reject("template_error", "the chat template renders more video "
                                                        "placeholders than the sample has videos")
                     n_videos += 1
-                    expand(self._video_layout,
-                           self._family.video_pieces(video, self._video_layout))
+                    expand(self._video_run, self._family.video_pieces(video, self._video_layout))
                     continue
                 flush()
                 ids.append(self.special[part])

@@ -295,10 +295,12 @@ def _parse_turn(message, i: int, fmt: RowFormat) -> tuple[Turn, list[ImageRef | 
             parts.append(text)
         elif kind in ("image", "image_url"):
             parts.append(ImageItem(placeholder=False))
-            refs.append(_item_image(item, kind, where))
+            value = _item_value(item, kind, where)
+            refs.append(None if value is None else _image_value(value, where))
         elif kind in ("video", "video_url"):
             parts.append(VideoItem(placeholder=False))
-            refs.append(_item_video(item, kind, where))
+            value = _item_value(item, kind, where)
+            refs.append(None if value is None else _video_value(value, where, item.get("fps")))
         else:
             what = f"type {kind!r}" if kind is not None else "no 'type'"
             raise Reject("bad_field", f"{where} has {what}; the types read are text, image, "
@@ -306,28 +308,17 @@ def _parse_turn(message, i: int, fmt: RowFormat) -> tuple[Turn, list[ImageRef | 
     return Turn(role, tuple(parts), typed=True), refs
 
 
-def _item_image(item: dict, kind: str, where: str) -> ImageRef | None:
-    """The image an item names itself, or None (it takes the next of the images column)."""
-    if kind == "image_url":
-        value = item.get("image_url")
+def _item_value(item: dict, kind: str, where: str):
+    """What an image or video item (``kind``: image, image_url, video, video_url) names itself:
+    its ``*_url``'s url, or its ``image``/``video``, ``url`` or ``path``; None where it names
+    nothing (it takes the next of its column)."""
+    if kind.endswith("_url"):
+        value = item.get(kind)
         value = value.get("url") if isinstance(value, dict) else value
         if value is None:
-            raise Reject("bad_field", f"{where}: an image_url item without a url")
-        return _image_value(value, where)
-    value = next((item[k] for k in ("image", "url", "path") if item.get(k) is not None), None)
-    return None if value is None else _image_value(value, where)
-
-
-def _item_video(item: dict, kind: str, where: str) -> VideoRef | None:
-    """The video an item names itself, or None (it takes the next of the videos column)."""
-    if kind == "video_url":
-        value = item.get("video_url")
-        value = value.get("url") if isinstance(value, dict) else value
-        if value is None:
-            raise Reject("bad_field", f"{where}: a video_url item without a url")
-        return _video_value(value, where, item.get("fps"))
-    value = next((item[k] for k in ("video", "url", "path") if item.get(k) is not None), None)
-    return None if value is None else _video_value(value, where, item.get("fps"))
+            raise Reject("bad_field", f"{where}: {kind} item without a url")
+        return value
+    return next((item[k] for k in (kind, "url", "path") if item.get(k) is not None), None)
 
 
 def _place_images(turns: list[Turn], inline: list, listed: list, all_first: bool,

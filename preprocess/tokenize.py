@@ -13,6 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
+from vlmshard.families import DEMO_FAMILY, family
 from vlmshard.io import sha256_file
 
 from .conversation import Turn, VideoItem
@@ -129,6 +130,7 @@ class TekkenEncoder:
         self.tokenizer = TekkenTokenizer(config.path)
         self.template = MISTRAL
         self.image_token_id = self.tokenizer.special_id(self.template.image_token)
+        self._demo_family = family(DEMO_FAMILY)  # whose frame lines a video becomes
         self.pad_token_id = self.tokenizer.special_id(self.PAD) or 0
 
     @cached_property
@@ -160,8 +162,6 @@ class TekkenEncoder:
         after an image). Returned ``text_tokens`` exclude image and video tokens; ``seq_len`` =
         text_tokens + Σimage_tokens + Σ video tokens.
         """
-        from vlmshard.families import DEMO_FAMILY, family
-
         p = self._pieces
         ids: list[int] = [] if keep_tokens else None
         labels: list[int] = [] if keep_tokens else None
@@ -184,7 +184,7 @@ class TekkenEncoder:
             add(p[f"{turn.role}_prefix"], False)
             for part in turn.content:
                 if isinstance(part, VideoItem):
-                    for piece in family(DEMO_FAMILY).video_pieces(next(next_video), None):
+                    for piece in self._demo_family.video_pieces(next(next_video), None):
                         if isinstance(piece, str):
                             add(self.tokenizer.encode(piece), False)
                         elif keep_tokens:

@@ -98,11 +98,16 @@ def read_video_header(path: str, data: bytes | None = None,
                                            f"--max-video-seconds {max_seconds:g}")
         width, height = stream.codec_context.width, stream.codec_context.height
         codec = stream.codec_context.name
+        shown: list[bool] = []  # per packet with data: whether a decoder shows it
+        decoded = False  # the first frame, decoded in the same pass: it proves the codec
         try:
-            # packets an edit list discards (a trimmed copy) are never shown: not frames
-            shown = [not packet.is_discard for packet in container.demux(stream) if packet.size]
+            for packet in container.demux(stream):
+                if packet.size:  # an edit list's discarded packets (a trimmed copy): no frame
+                    shown.append(not packet.is_discard)
+                if not decoded:  # the last, empty packet flushes a decoder that holds frames
+                    decoded = bool(packet.decode())
         except Exception as e:  # av.FFmpegError subclasses: the data stops making sense
-            raise _broken(data, path, f"its packets stop parsing: {e}", e) from None
+            raise _broken(data, path, f"its packets stop parsing or decoding: {e}", e) from None
     frames = sum(shown)
     if frames == 0:
         raise Reject("empty_video", f"{path} holds no video frame")
@@ -117,8 +122,7 @@ def read_video_header(path: str, data: bytes | None = None,
     if max_seconds is not None and frames / fps > max_seconds:
         raise Reject("video_too_long", f"{path} runs {frames / fps:.1f} s ({frames} frames at "
                                        f"{fps:g} fps), over --max-video-seconds {max_seconds:g}")
-    first = next(sampled_frames(data, [0], path), None)  # proves the codec decodes
-    if first is None:
+    if not decoded:
         raise Reject("corrupt_video", f"{path}: its first frame does not decode")
     return VideoHeader(path=path, width=width, height=height, frames=frames, fps=fps,
                        duration=frames / fps, codec=codec, bytes=len(data))

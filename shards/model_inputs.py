@@ -103,7 +103,7 @@ def model_inputs(batch: dict, model, num_items_in_batch: int | float | None = No
         inputs.update(visual_inputs(model, batch["pixel_values"][:rows],
                                     batch.get("image_grid_thw"), batch["media_is_video"],
                                     batch["media_seconds_per_step"]))
-    if _takes_token_types(type(model)):
+    if _forward_takes(type(model), "mm_token_type_ids"):
         inputs["mm_token_type_ids"] = token_types(model, batch["input_ids"],
                                                   batch["image_token_mask"])[None]
     inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
@@ -140,7 +140,7 @@ def visual_inputs(model, pixels: torch.Tensor, grids: torch.Tensor | None,
         out["image_grid_thw"] = grids[~is_video]
     out["pixel_values_videos"] = torch.cat([p for p, v in zip(parts, is_video) if v])
     out["video_grid_thw"] = grids[is_video]
-    if "second_per_grid_ts" in inspect.signature(type(model).forward).parameters:
+    if _forward_takes(type(model), "second_per_grid_ts"):
         out["second_per_grid_ts"] = seconds[is_video]
     return out
 
@@ -187,9 +187,10 @@ def split_batch(batch: dict, model=None) -> list[dict]:
 
 
 @functools.lru_cache(maxsize=None)
-def _takes_token_types(model_class: type) -> bool:
-    """Whether the model's forward takes ``mm_token_type_ids`` (Qwen2-VL in transformers 5)."""
-    return "mm_token_type_ids" in inspect.signature(model_class.forward).parameters
+def _forward_takes(model_class: type, name: str) -> bool:
+    """Whether the model's forward takes argument ``name`` (``mm_token_type_ids``: Qwen2-VL in
+    transformers 5; ``second_per_grid_ts``: Qwen2.5-VL)."""
+    return name in inspect.signature(model_class.forward).parameters
 
 
 def packed_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype, image: torch.Tensor | None = None,

@@ -411,22 +411,18 @@ class ShardWriter:
             names = []
             own = staged.get("images") or []
             own_videos = staged.get("videos") or []
-            videos = row.get("videos") or []
-            media = iter(sorted([(v["item"], k) for k, v in enumerate(videos)]))
-            next_video = next(media, None)
+            videos = {v["item"]: (k, v) for k, v in enumerate(row.get("videos") or [])}
+            pictures = enumerate(zip(row["image_paths"], row["image_sizes"]))
             video_meta = []
-            for k, (path, size) in enumerate(zip(row["image_paths"], row["image_sizes"])):
-                while next_video is not None and next_video[0] == k + len(video_meta):
-                    video_meta.append(self._video(row, videos[next_video[1]], next_video[1],
-                                                  own_videos, images))
-                    next_video = next(media, None)
+            for item in range(len(row["image_paths"]) + len(videos)):  # in token order
+                if item in videos:
+                    k, video = videos[item]
+                    video_meta.append(self._video(row, video, k, own_videos, images))
+                    continue
+                k, (path, size) = next(pictures)
                 data, fmt = _read_image(row, path, size, own[k] if k < len(own) else None)
                 names.append(image_name(len(images), path, fmt))
                 images.append(data)
-            while next_video is not None:
-                video_meta.append(self._video(row, videos[next_video[1]], next_video[1],
-                                              own_videos, images))
-                next_video = next(media, None)
             sample = {"sample_id": row["sample_id"], "source": row["source"], "row": row["row"],
                       "seq_len": row["seq_len"], "loss_tokens": row["loss_tokens"],
                       "image_tiles": row["image_tiles"], "images": names}

@@ -86,7 +86,7 @@ def embed_tokens(module: TokenEmbedding, micro: Micro) -> torch.Tensor:
     """Token embeddings with each image's and video's features written over its tokens, in
     order."""
     hidden = module.embed(micro.input_ids)
-    image = torch.isin(micro.input_ids, torch.tensor(module.visual_ids, device=hidden.device))
+    image = visual_mask(micro.input_ids, module.visual_ids)
     features = micro.x.to(hidden.dtype)
     if features.shape[0] != micro.host.image_tokens:
         raise ValueError(f"{micro.num_tiles} tiles give {features.shape[0]} image features for "
@@ -183,6 +183,15 @@ class Geometry:
 
     pixel_rows_per_tile: int
     tokens_per_tile: int
+
+
+def visual_mask(input_ids: torch.Tensor, visual_ids: tuple[int, ...]) -> torch.Tensor:
+    """Where image and video features go: one comparison per token id, so no id tensor is
+    copied to the device each micro-batch."""
+    mask = input_ids == visual_ids[0]
+    for token in visual_ids[1:]:
+        mask |= input_ids == token
+    return mask
 
 
 def visual_token_ids(config) -> tuple[int, ...]:

@@ -40,6 +40,7 @@ from .layers import (
     LayerDef,
     LMHead,
     language_layers,
+    visual_mask,
     visual_token_ids,
 )
 from .linear_attention import is_linear_attention, linear_attention_block
@@ -119,9 +120,8 @@ class Qwen3DecoderLayer(DecoderLayer):
                 raise ValueError("a DeepStack layer got no DeepStack features: the ViT blocks "
                                  "that make them did not run before it")
             # the image rows, their count known on the host: no read back of the mask
-            visual = torch.isin(micro.input_ids,
-                                torch.tensor(self.visual_ids, device=micro.input_ids.device))
-            rows = torch.nonzero_static(visual, size=micro.host.image_tokens).flatten()
+            rows = torch.nonzero_static(visual_mask(micro.input_ids, self.visual_ids),
+                                        size=micro.host.image_tokens).flatten()
             hidden = hidden.index_add(0, rows, levels[0].to(hidden.dtype))
             if levels.shape[0] > 1:
                 carry["deepstack"] = levels[1:]

@@ -83,22 +83,31 @@ class Qwen2VLTiling(Normalized):
         return 1, h // self.patch_size, w // self.patch_size
 
     def resized(self, width: int, height: int, min_pixels: int | None = None,
-                max_pixels: int | None = None) -> tuple[int, int]:
+                max_pixels: int | None = None, frames: int | None = None) -> tuple[int, int]:
         """(height, width) after ``smart_resize``. Tiny images are scaled up to ``min_pixels``,
-        as current ``transformers`` does; only an aspect ratio over 200 is refused."""
+        as current ``transformers`` does; only an aspect ratio over 200 is refused. ``frames``:
+        Qwen3-VL's video ``smart_resize``, whose pixel budget is over all of a clip's frames
+        (``round(frames / 2) · 2`` of them; sides under a factor scaled up first)."""
         f = self.tile_size
         min_pixels = self.min_pixels if min_pixels is None else min_pixels
         max_pixels = self.max_pixels if max_pixels is None else max_pixels
+        t_bar = count = 1  # the frames the budget is over, rounded and as given
+        if frames is not None:
+            if height < f or width < f:
+                scale = max(f / height, f / width)
+                height, width = int(height * scale), int(width * scale)
+            t = self.temporal_patch_size
+            t_bar, count = round(frames / t) * t, frames
         if max(height, width) / min(height, width) > 200:
             raise Reject("bad_aspect_ratio", f"{width}x{height} exceeds the 200:1 aspect ratio "
-                                             "Qwen2-VL's processor accepts")
+                                             "Qwen's processors accept")
         h_bar, w_bar = round(height / f) * f, round(width / f) * f
-        if h_bar * w_bar > max_pixels:
-            beta = math.sqrt(height * width / max_pixels)
+        if t_bar * h_bar * w_bar > max_pixels:
+            beta = math.sqrt(count * height * width / max_pixels)
             h_bar = max(f, math.floor(height / beta / f) * f)
             w_bar = max(f, math.floor(width / beta / f) * f)
-        elif h_bar * w_bar < min_pixels:
-            beta = math.sqrt(min_pixels / (height * width))
+        elif t_bar * h_bar * w_bar < min_pixels:
+            beta = math.sqrt(min_pixels / (count * height * width))
             h_bar = math.ceil(height * beta / f) * f
             w_bar = math.ceil(width * beta / f) * f
         return h_bar, w_bar

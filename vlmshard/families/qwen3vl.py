@@ -13,19 +13,22 @@ mergers feeding the first LLM layers, q/k norms, an explicit ``head_dim``, spars
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
-from vlmshard.rejects import Reject
-
 from .base import ImageLayout, SampledVideo
 from .folder import ModelFolder
 from .qwen2vl import TOKENS, Qwen2VL, Qwen2VLTiling
-from .tiny import CHAT_TOKENS, CORPUS, save_random_weights, save_tokenizer, save_video_config
+from .tiny import (
+    CHAT_TOKENS,
+    CORPUS,
+    save_random_weights,
+    save_tokenizer,
+    save_video_config,
+)
 
 QWEN3_MEAN = QWEN3_STD = (0.5, 0.5, 0.5)
 
@@ -59,7 +62,7 @@ class Qwen3VLTiling(Qwen2VLTiling):
             per_frame = max(min(self.max_video_tokens * f * f, self.video_max_pixels // n),
                             int(self.video_min_pixels * 1.05))
             max_pixels = per_frame * n
-        h, w = self.resized_clip(max(n, t), width, height, self.video_min_pixels, max_pixels)
+        h, w = self.resized(width, height, self.video_min_pixels, max_pixels, frames=max(n, t))
         indices += indices[-1:] * (-len(indices) % t)
         grid = (len(indices) // t, h // self.patch_size, w // self.patch_size)
         tokens = grid[0] * grid[1] * grid[2] // self.merge_size ** 2
@@ -69,28 +72,6 @@ class Qwen3VLTiling(Qwen2VLTiling):
                             tokens=tokens, seconds_per_step=t * frames / (n * fps) if not given
                             else t / fps, fps=fps, timestamps=steps)
 
-    def resized_clip(self, frames: int, width: int, height: int, min_pixels: int,
-                     max_pixels: int) -> tuple[int, int]:
-        """(height, width) of every frame: Qwen3-VL's video ``smart_resize``, whose pixel budget
-        is over ``round(frames / 2) · 2`` frames (sides under a factor scaled up first)."""
-        f, t = self.tile_size, self.temporal_patch_size
-        if height < f or width < f:
-            scale = max(f / height, f / width)
-            height, width = int(height * scale), int(width * scale)
-        if max(height, width) / min(height, width) > 200:
-            raise Reject("bad_aspect_ratio", f"{width}x{height} exceeds the 200:1 aspect ratio "
-                                             "Qwen3-VL's video processor accepts")
-        h_bar, w_bar = round(height / f) * f, round(width / f) * f
-        t_bar = round(frames / t) * t
-        if t_bar * h_bar * w_bar > max_pixels:
-            beta = math.sqrt(frames * height * width / max_pixels)
-            h_bar = max(f, math.floor(height / beta / f) * f)
-            w_bar = max(f, math.floor(width / beta / f) * f)
-        elif t_bar * h_bar * w_bar < min_pixels:
-            beta = math.sqrt(min_pixels / (frames * height * width))
-            h_bar = math.ceil(height * beta / f) * f
-            w_bar = math.ceil(width * beta / f) * f
-        return h_bar, w_bar
 
 # Qwen3-VL-Instruct's published template for images, videos and text (its tool branch left
 # out): a system turn only when the conversation has one; text items rendered as written.
