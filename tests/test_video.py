@@ -284,13 +284,33 @@ def test_bad_videos_are_rejects_with_their_reason(tmp_path):
     assert reasons == ["unsupported_video"] and gemma.accepted == 1
 
 
-def test_qwen3_vl_writes_each_temporal_step_after_its_time(shards):
-    """Each temporal step: ``<t.t seconds>`` (the mean of its two frames' index / fps), then its
-    own ``<|vision_start|>``, h·w/4 ``<|video_pad|>``, ``<|vision_end|>``; the template's own
-    pair around the video is replaced, as Qwen's processor (transformers 4.57) writes it."""
+def _video_text(family: str, video: dict) -> str:
+    """A video's text as each family's published processor writes it, from the stats' frames,
+    rate and grid. Qwen2-VL/2.5-VL: the template's ``<|vision_start|><|video_pad|><|vision_end|>``
+    with the pad repeated t·h·w/4 times. Qwen3-VL: per temporal step ``<t.t seconds>`` (the mean
+    of its two frames' index / fps) and its own ``<|vision_start|>``, h·w/4 pads,
+    ``<|vision_end|>``, the template's pair replaced, as Qwen's processor (transformers 4.57)
+    writes it. InternVL: ``Frame{i}: <img>`` + 256 ``<IMG_CONTEXT>`` + ``</img>`` lines joined by
+    line breaks, then the template's own line break after ``<video>``."""
+    t, h, w = video["grid"]
+    if family == "qwen2_5_vl":
+        return "<|vision_start|>" + "<|video_pad|>" * (t * h * w // 4) + "<|vision_end|>"
+    if family == "qwen3_vl":
+        frames, steps = video["frames"], []
+        for k in range(0, len(frames), 2):
+            seconds = (frames[k] / video["fps"] + frames[k + 1] / video["fps"]) / 2
+            pads = "<|video_pad|>" * (h * w // 4)
+            steps.append(f"<{seconds:.1f} seconds><|vision_start|>{pads}<|vision_end|>")
+        return "".join(steps)
+    return "\n".join(f"Frame{i + 1}: <img>" + "<IMG_CONTEXT>" * 256 + "</img>"
+                     for i in range(len(video["frames"]))) + "\n"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_video_is_written_as_its_processor_writes_it(family, shards):
     from transformers import AutoTokenizer
 
-    folder, root = shards["qwen3_vl"]
+    folder, root = shards[family]
     tokenizer = AutoTokenizer.from_pretrained(folder)
     dataset = ShardDataset(root, pad_to_caps=False)
     stats = _stats(root)
@@ -300,18 +320,12 @@ def test_qwen3_vl_writes_each_temporal_step_after_its_time(shards):
         for sample in record.samples:
             ids = record.input_ids[start:start + sample["seq_len"]]
             start += sample["seq_len"]
+            text = tokenizer.decode(ids.tolist())
             for video in stats[sample["sample_id"]]["videos"]:
-                frames = video["frames"]
-                steps = []
-                for k in range(0, len(frames), 2):
-                    seconds = (frames[k] / video["fps"] + frames[k + 1] / video["fps"]) / 2
-                    pads = "<|video_pad|>" * (video["grid"][1] * video["grid"][2] // 4)
-                    steps.append(f"<{seconds:.1f} seconds><|vision_start|>{pads}<|vision_end|>")
-                text = tokenizer.decode(ids.tolist())
-                assert "".join(steps) in text
-                assert "<|vision_start|><0." not in text
-                assert "<|vision_end|><|vision_end|>" not in text
+                assert _video_text(family, video) in text
                 seen += 1
+            assert "<video>" not in text and "<|vision_start|><0." not in text
+            assert "<|vision_end|><|vision_end|>" not in text
     assert seen == 3
 
 
