@@ -6,9 +6,14 @@ compute q, k and v; the kernel they call is named by ``config._attn_implementati
 - ``flash``: ``flash_attention_2`` (flash-attn's varlen kernel, CUDA only), given each sample's
   boundaries as ``cu_seq_lens_q/k`` and ``max_length_q/k``;
 - ``varlen``: ``vlmshard_packed_varlen``, registered here: torch's own variable-length flash
-  attention (``torch.nn.attention.varlen``, CUDA, bf16/fp16; grouped-query heads, causal by
-  its window) over the whole micro-batch in one call, given the same boundaries; one Qwen ViT
-  image or window at a time goes to SDPA, which takes its flash kernel without a mask;
+  attention (``torch.nn.attention.varlen``, CUDA, bf16/fp16) over the whole micro-batch in one
+  call, given the same boundaries; one Qwen ViT image or window at a time goes to SDPA, which
+  takes its flash kernel without a mask. ``varlen_attn`` is called as the installed torch
+  defines it (its parameters read once, ``varlen_parameters``): causal by ``window_size`` where
+  it has one (2.11 on), else by ``is_causal`` (2.10, where a sliding window goes to SDPA);
+  grouped-query heads by ``enable_gqa`` where it has one (2.12 on), else K/V heads repeated to
+  the query heads (logged once; whether 2.10/2.11's kernel takes fewer K/V heads as they are is
+  unchecked: no GPU has been lent);
 - ``sdpa``: ``vlmshard_packed_sdpa``, registered here: ``scaled_dot_product_attention`` on
   each sample alone (the LLM, causal; the boundaries on the host), and in a Qwen ViT on each
   image or window alone, as ``transformers`` runs it given the boundaries on the host.
@@ -22,8 +27,9 @@ Two patterns go beyond "causal within each sample", each as the model's own mask
 ``sliding_window=w``: a query sees the w - 1 keys before it, Gemma 3's local layers), and
 **bidirectional runs** (Gemma 3's image tokens see every token of their own image, also later
 ones; ``Spans.runs``). SDPA gets a boolean mask per sample where either applies; torch's varlen
-kernel takes a window (``window_size``) but no runs, so a micro-batch with runs goes to SDPA;
-flash-attn is not offered for a model with runs (``supports_runs``).
+kernel takes a window (``window_size``, from 2.11) but no runs, so a micro-batch with runs (or a
+window, on 2.10) goes to SDPA; flash-attn is not offered for a model with runs
+(``supports_runs``).
 
 ``Spans`` holds one segmentation (its boundaries, on the device and the host) and gives the
 keyword arguments each layer passes to its ``transformers`` module.
@@ -32,7 +38,10 @@ keyword arguments each layer passes to its ``transformers`` module.
 from __future__ import annotations
 
 import bisect
+import functools
 import importlib.util
+import inspect
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +53,8 @@ from vlmshard.shards.model_inputs import allowed_keys
 PACKED_SDPA = "vlmshard_packed_sdpa"
 PACKED_VARLEN = "vlmshard_packed_varlen"
 IMPLEMENTATIONS = {"flash": "flash_attention_2", "varlen": PACKED_VARLEN, "sdpa": PACKED_SDPA}
+
+log = logging.getLogger(__name__)
 
 
 def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[str]:
@@ -107,18 +118,35 @@ def packed_sdpa(module, query, key, value, attention_mask, *, packed_lengths=Non
     return torch.cat(outputs, dim=1), None
 
 
+@functools.lru_cache(maxsize=None)
+def varlen_parameters(kernel) -> frozenset[str]:
+    """The parameter names of ``kernel`` (torch's ``varlen_attn``), read once; logs what the
+    installed release lacks and what is done instead."""
+    names = frozenset(inspect.signature(kernel).parameters)
+    if "window_size" not in names:
+        log.info("torch %s's varlen_attn has no window_size: causal by is_causal, and layers "
+                 "with a sliding window run on SDPA", torch.__version__)
+    if "enable_gqa" not in names:
+        log.info("torch %s's varlen_attn has no enable_gqa: K/V heads are repeated to the "
+                 "query heads where they are fewer", torch.__version__)
+    return names
+
+
 def packed_varlen(module, query, key, value, attention_mask, *, cu_seq_lens_q=None,
                   max_length_q=None, scaling=None, is_causal=None, sliding_window=None,
                   packed_lengths=None, packed_runs=None, packed_masks=None, **kwargs):
     """torch's varlen flash attention over every packed segment in one call (``cu_seq_lens_q``,
-    on the device), a module's ``sliding_window`` as its window; a single segment
-    (``transformers`` runs a Qwen ViT image by image) goes to SDPA, which takes its own flash
-    kernel when given no mask, and so does a micro-batch with bidirectional runs."""
+    on the device), a module's ``sliding_window`` as its window, called as the installed torch
+    defines it (``varlen_parameters``); a single segment (``transformers`` runs a Qwen ViT image
+    by image) goes to SDPA, which takes its own flash kernel when given no mask, and so does a
+    micro-batch with bidirectional runs or, where the kernel takes no window, a sliding window
+    (each sample alone: ``packed_lengths``, on the host)."""
     from torch.nn.attention.varlen import varlen_attn
 
+    names = varlen_parameters(varlen_attn)
     kwargs.pop("cu_seq_lens_k", None)
     kwargs.pop("max_length_k", None)
-    if packed_runs and any(packed_runs):
+    if (packed_runs and any(packed_runs)) or (sliding_window and "window_size" not in names):
         return packed_sdpa(module, query, key, value, None, packed_lengths=packed_lengths,
                            packed_runs=packed_runs, packed_masks=packed_masks,
                            sliding_window=sliding_window, scaling=scaling, **kwargs)
@@ -126,12 +154,21 @@ def packed_varlen(module, query, key, value, attention_mask, *, cu_seq_lens_q=No
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    left = sliding_window - 1 if sliding_window else -1
     # [tokens, heads, d], as the kernel takes them (no copy where the layout already is)
     q, k, v = (t.transpose(1, 2).squeeze(0).contiguous() for t in (query, key, value))
+    options = {"scale": scaling}
+    if "window_size" in names:
+        left = sliding_window - 1 if sliding_window else -1
+        options["window_size"] = (left, 0) if causal else (-1, -1)
+    else:
+        options["is_causal"] = causal
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in names:
+            options["enable_gqa"] = True
+        else:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q,
-                      scale=scaling, window_size=(left, 0) if causal else (-1, -1),
-                      enable_gqa=q.shape[1] != k.shape[1])
+                      **options)
     return out.unsqueeze(0), None
 
 
@@ -183,9 +220,11 @@ class Spans:
             if self.runs is not None else {}
         if self.backend == "sdpa":
             return {"packed_lengths": self.lengths, **runs}
+        # varlen sends runs, and a window where its kernel takes none, to SDPA by the lengths
+        host = {"packed_lengths": self.lengths, **runs} \
+            if self.runs or self.backend == "varlen" else {}
         return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
-                "max_length_q": self.max_len, "max_length_k": self.max_len,
-                **({"packed_lengths": self.lengths, **runs} if self.runs else {})}
+                "max_length_q": self.max_len, "max_length_k": self.max_len, **host}
 
 
 def supports_runs(backend: str) -> bool:

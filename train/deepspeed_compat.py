@@ -12,6 +12,7 @@ import inspect
 
 from torch import nn
 
+from vlmshard.compat import release
 from vlmshard.errors import JobError
 
 # The DeepSpeed releases this adapter is tested with: [low, high).
@@ -25,11 +26,6 @@ class DeepSpeedCompatError(JobError):
     """The installed DeepSpeed lacks what the trainer relies on; the message says what."""
 
 
-def _release(version: str) -> tuple[int, int]:
-    major, minor = version.split(".")[:2]
-    return int(major), int(minor)
-
-
 def check_compatible() -> None:
     """Raise ``DeepSpeedCompatError`` when the installed DeepSpeed is outside the tested range or
     lacks the internals below."""
@@ -38,7 +34,7 @@ def check_compatible() -> None:
 
     low, high = TESTED_RANGE
     tested = f">={low[0]}.{low[1]},<{high[0]}.{high[1]}"
-    if not low <= _release(deepspeed.__version__) < high:
+    if not low <= release(deepspeed.__version__) < high:
         raise DeepSpeedCompatError(
             f"deepspeed {deepspeed.__version__} is installed; vlmshard's pipeline adapter "
             f"(train/deepspeed_compat.py) is tested with deepspeed{tested}: install that range")

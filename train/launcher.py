@@ -12,6 +12,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
+from vlmshard.compat import check_torch
 from vlmshard.errors import ConfigError, InputError, JobError
 from vlmshard.io import read_json, write_json_atomic
 from vlmshard.run_log import LOG_NAME, PIPELINE_NAME, read_log, stage_bounds
@@ -97,6 +98,7 @@ def launch(cfg: TrainConfig, output: str | None = None) -> int:
 
     The processes print to this process's stdout and stderr, or append to the file ``output``
     (``vlmshard run`` keeps DeepSpeed's chatter out of its one line per stage)."""
+    check_torch()  # a torch outside the supported range is one line, before anything is built
     resolve_partition(cfg)
     cfg.model = model_folder(cfg)  # a missing folder fails here, not in every process
     import torch

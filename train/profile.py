@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from vlmshard.compat import check_torch
 from vlmshard.errors import ConfigError, InputError, VlmshardError
 from vlmshard.model_sizes import bytes_per_param
 from vlmshard.partition import (
@@ -95,6 +96,7 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
     from vlmshard.io import write_json_atomic
     from vlmshard.shards.loader import ShardDataset
 
+    check_torch()
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg.resolve_device_defaults(device.startswith("cuda"))
     if device == "cpu":  # a rank's device is its share of the cores, as in training
