@@ -164,7 +164,9 @@ def load_layer(layer: nn.Module, checkpoint: Checkpoint, device: torch.device | 
     names = {n: layer.hf_name(n) for n in local}
     tensors = checkpoint.read(list(names.values()))
     layer.to_empty(device=device)
-    layer.load_state_dict({n: tensors[hf].to(dtype) for n, hf in names.items()}, strict=True)
+    # assigned, not copied: a copy into the meta-built tensors would keep the config's dtype
+    layer.load_state_dict({n: tensors[hf].to(device, dtype) for n, hf in names.items()},
+                          strict=True, assign=True)
     for name, make in restored.items():
         buffer = layer.get_buffer(name)
         buffer.copy_(make().to(buffer.dtype))
