@@ -52,5 +52,11 @@ constraints:
 	$(VENV)/bin/uv pip compile setup.cfg constraints.in --extra dev --python-version 3.11 \
 	  -o constraints.txt --quiet
 
+# Every wheel a GPU node without internet needs, in .wheelhouse/ (scripts/wheelhouse.py --help):
+# FREEZE=FILE, the node's `pip freeze`, leaves out what it has at versions we accept.
+.PHONY: wheelhouse
+wheelhouse: $(STAMP)
+	$(PY) scripts/wheelhouse.py --out .wheelhouse $(if $(FREEZE),--freeze $(FREEZE))
+
 clean:
 	rm -rf build
