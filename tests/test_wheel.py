@@ -23,7 +23,7 @@ def wheel(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("wheel")
     source = out / "source"
     shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "*.egg-info", "__pycache__"))
+        ".git", ".venv", "build", ".wheelhouse", "*.egg-info", "__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
                     "--no-build-isolation", "--wheel-dir", str(out), str(source)], check=True,
                    capture_output=True)

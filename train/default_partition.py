@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vlmshard.hardware import GPUS, SUSTAINED_SHARE, gpu_named
-from vlmshard.model_sizes import Size, bytes_per_param, trainer_layer_work
+from vlmshard.model_sizes import Size, bytes_per_param
 from vlmshard.partition import (
     LayerCost,
     Machine,
@@ -97,13 +97,8 @@ def device_machine(device, ranks_on_node: int) -> tuple[Machine, float, str]:
 def analytic_costs(model: "ModelLayers", mean: Size, caps: Size, flops_per_s: float,
                    param_bytes: float) -> list[LayerCost]:
     """The trainer's layers costed by the analytic model of the folder's config."""
-    from vlmshard.families import model_sizes
-    from vlmshard.io import read_json
-
-    sizes = model_sizes(read_json(os.path.join(model.path, "config.json")), model.path)
-    work = trainer_layer_work(model.names, sizes)
-    return analytic_layer_costs(work, time_size=mean, memory_size=caps, flops_per_s=flops_per_s,
-                                bytes_per_param=param_bytes)
+    return analytic_layer_costs(model.analytic_work(), time_size=mean, memory_size=caps,
+                                flops_per_s=flops_per_s, bytes_per_param=param_bytes)
 
 
 def searched_partition(cfg: TrainConfig, model: "ModelLayers", device,

@@ -13,12 +13,15 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from vlmshard.families import family_for_model_type, read_model_folder
+from vlmshard.families import family_for_model_type, model_sizes, read_model_folder
+from vlmshard.io import read_json
+from vlmshard.model_sizes import LayerWork, trainer_layer_work
 
 from .attention import implementation, supports_runs
 from .micro import HostMeta, Micro, Phase, unpack, wire_inputs
@@ -54,6 +57,12 @@ class ModelLayers:
         wire = tuple(t.to(device) for t in wire_inputs(batch))
         host = HostMeta.of_batch(batch)
         return unpack(wire, host, self.input_phase(0), self.backend)
+
+    def analytic_work(self) -> list[LayerWork]:
+        """Per layer, its work in the analytic model of the folder's config (FLOPs, parameters
+        and the activation bytes it keeps: ``model_sizes.trainer_layer_work``)."""
+        sizes = model_sizes(read_json(os.path.join(self.path, "config.json")), self.path)
+        return trainer_layer_work(self.names, sizes)
 
     def parameter_count(self, index: int) -> int:
         """Layer ``index``'s parameters, counted on the meta model (nothing allocated)."""

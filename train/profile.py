@@ -30,7 +30,7 @@ import torch
 
 from vlmshard.compat import check_torch
 from vlmshard.errors import ConfigError, InputError, VlmshardError
-from vlmshard.model_sizes import bytes_per_param
+from vlmshard.model_sizes import Size, bytes_per_param
 from vlmshard.partition import (
     LayerCost,
     Machine,
@@ -48,7 +48,7 @@ from .clock import mark, seconds
 from .config import ProfileConfig
 from .hf_model import ModelLayers, model_layers
 from .launcher import model_folder
-from .micro import LayerOutput, Micro
+from .micro import HostMeta, LayerOutput, Micro
 from .train_log import micro_batch_size
 from .trainer import cpu_threads_per_rank
 
@@ -143,9 +143,14 @@ class Profile:
     layers: list[LayerCost]  # means over the profiled micro-batches
     micro_batches: list[dict]  # per micro-batch: tiles, tokens, squares, vit_s, llm_s
     device: str
+    # per layer, what the analytic model (``model_sizes``) says it keeps for the same
+    # micro-batches: the memory model's figure beside the measured ``activation_bytes``
+    analytic_activation_bytes: list[int]
 
     def to_dict(self) -> dict:
-        return {"device": self.device, "layers": [asdict(c) for c in self.layers],
+        return {"device": self.device,
+                "layers": [{**asdict(c), "analytic_activation_bytes": a}
+                           for c, a in zip(self.layers, self.analytic_activation_bytes)],
                 "micro_batches": self.micro_batches}
 
 
@@ -178,7 +183,8 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
     ``window``: the model's sliding window, for the micro-batch sizes (``micro_batch_size``)."""
     funcs = model.build_all(device, dtype, one_per_kind=True)
     vision = sum(1 for d in model.defs if d.output.per_tile)  # ViT layers and the projector
-    sums = np.zeros((len(funcs), 6))  # forward, backward, activation, input, output, peak
+    work = model.analytic_work()
+    sums = np.zeros((len(funcs), 7))  # forward, backward, activation, input, output, peak, analytic
     per_batch = []
     cuda = device.startswith("cuda")
     for batch in batches:
@@ -207,7 +213,7 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
             sums[i] += (forward, backward, saved.bytes,
                         sum(map(_tensor_bytes, _outputs(layer_in))),
                         sum(map(_tensor_bytes, _outputs(out))) if i < len(funcs) - 1 else 0,
-                        peak)
+                        peak, work[i].activation_bytes.dot(kept_size(model, i, micro.host)))
             times.append(forward + backward)
             micro = micro.with_output(_detached(out) if isinstance(out, LayerOutput)
                                       else out.detach(), model.defs[i].output)
@@ -216,8 +222,21 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
     means = sums / max(1, len(batches))
     costs = [LayerCost(name, float(f), float(b), int(act), int(inp), int(out),
                        int(param_bytes * model.parameter_count(i)), int(peak))
-             for i, (name, (f, b, act, inp, out, peak)) in enumerate(zip(model.names, means))]
-    return Profile(costs, per_batch, device)
+             for i, (name, (f, b, act, inp, out, peak, _)) in enumerate(zip(model.names, means))]
+    return Profile(costs, per_batch, device, [int(row[-1]) for row in means])
+
+
+def kept_size(model: ModelLayers, index: int, host: HostMeta) -> Size:
+    """The sizes of a micro-batch that layer ``index`` keeps activations for: its real tiles
+    and tokens; the first layer keeps the wire's pixels and the token embedding the wire's ids,
+    padded to the caps; the head only the supervised tokens' rows."""
+    if index == 0:
+        return Size(tiles=host.qv)
+    if model.input_phase(index).name == "features":
+        return Size(tokens=host.qt)
+    if index == len(model.defs) - 1:
+        return Size(tokens=host.supervised)
+    return Size(tiles=host.tiles, tokens=host.tokens)
 
 
 class _Clock:

@@ -46,6 +46,10 @@ class VisionConfig:
     qkv_bias: bool = True  # biases on q, k and v (InternViT-6B and HF's InternViT default: none)
     layer_scale: bool = False  # a learned scale per channel on each residual branch (InternViT)
     cls_token: bool = False  # a class token and its position row (InternViT)
+    # Qwen's ViTs: one qkv matrix, rotary positions (tables in fp32), attention image by image
+    # with the outputs concatenated
+    fused_qkv: bool = False
+    quick_gelu: bool = False  # x·sigmoid(1.702·x): keeps one MLP hidden more than gelu (Qwen2-VL)
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,9 @@ class LLMConfig:
     sliding_window: int = 0
     sliding_layers: tuple[int, ...] = ()
     sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma)
+    # RMSNorms scaling by (1 + weight) in fp32 (Gemma's, Qwen3.5's): they keep their normalized
+    # values in fp32, where the others keep them in the activations' dtype
+    offset_norms: bool = False
 
     @property
     def head_size(self) -> int:
@@ -135,7 +142,8 @@ class LLMConfig:
                    linear_value_dim=text.get("linear_value_head_dim", 0) if linear else 0,
                    linear_conv_kernel=text.get("linear_conv_kernel_dim", 4),
                    sliding_window=(text.get("sliding_window") or 0) if sliding else 0,
-                   sliding_layers=sliding, sandwich_norms=model_type.startswith("gemma"))
+                   sliding_layers=sliding, sandwich_norms=model_type.startswith("gemma"),
+                   offset_norms=model_type.startswith(("gemma", "qwen3_5")))
 
 
 @dataclass(frozen=True)
@@ -207,7 +215,7 @@ class ModelConfig:
 # position table, DeepStack after blocks 8, 16, 24. The unit: a 32-px merged patch.
 QWEN3_VL_VIT = VisionConfig(image_size=32, patch_size=16, hidden=1152, layers=27, heads=16,
                             mlp_ratio=4304 / 1152, position_embeddings=2304, temporal_patch=2,
-                            deepstack=(8, 16, 24))
+                            deepstack=(8, 16, 24), fused_qkv=True)
 
 PRESETS = {
     # CPU tests: every code path, seconds per step.
@@ -224,7 +232,8 @@ PRESETS = {
     "qwen2-vl-2b": ModelConfig(
         name="qwen2-vl-2b",
         vision=VisionConfig(image_size=28, patch_size=14, hidden=1280, layers=32, heads=16,
-                            position_embeddings=0, temporal_patch=2, patch_bias=False),
+                            position_embeddings=0, temporal_patch=2, patch_bias=False,
+                            fused_qkv=True, quick_gelu=True),
         llm=LLMConfig(vocab_size=151936, hidden=1536, layers=28, heads=12, kv_heads=2,
                       intermediate=8960, qkv_bias=True),
         downsample_ratio=0.5, projector="merger"),
@@ -252,7 +261,7 @@ PRESETS = {
         vision=replace(QWEN3_VL_VIT, deepstack=()),
         llm=LLMConfig(vocab_size=248320, hidden=4096, layers=32, heads=16, kv_heads=4,
                       intermediate=12288, rope_theta=1e7, head_dim=256, qk_norm=True,
-                      attention_gate=True,
+                      attention_gate=True, offset_norms=True,
                       linear_layers=tuple(i for i in range(32) if (i + 1) % 4),
                       linear_key_heads=16, linear_value_heads=32, linear_key_dim=128,
                       linear_value_dim=128),
@@ -266,6 +275,7 @@ PRESETS = {
                             mlp_ratio=4304 / 1152),
         llm=LLMConfig(vocab_size=262208, hidden=2560, layers=34, heads=8, kv_heads=4,
                       intermediate=10240, head_dim=256, qk_norm=True, sandwich_norms=True,
+                      offset_norms=True,
                       sliding_window=1024,
                       sliding_layers=tuple(i for i in range(34) if (i + 1) % 6)),
         downsample_ratio=0.25, projector="pool"),
@@ -280,6 +290,20 @@ PRESETS = {
 
 
 ACTIVATION_BYTES = 2  # bf16
+FP32 = 4
+
+
+def rms_norm_kept(width: float, rows: float = 1, offset: bool = False) -> float:
+    """Bytes a ``transformers`` RMSNorm of ``width`` keeps per token (``rows`` norms a token):
+    its input upcast to fp32, 1/rms per row, and the normalized values the weight multiplies,
+    in bf16, or in fp32 for a (1 + weight) norm (``LLMConfig.offset_norms``). What reads its
+    output keeps that apart."""
+    return FP32 * width + FP32 * rows + (FP32 if offset else ACTIVATION_BYTES) * width
+
+
+def layer_norm_kept(width: float) -> float:
+    """Bytes a LayerNorm keeps per row: its input, and the mean and 1/std in fp32."""
+    return ACTIVATION_BYTES * width + 2 * FP32
 
 
 def bytes_per_param(precision: str = "bf16", dp: int = 1, grad_accum: str = "fp32") -> float:
@@ -320,7 +344,7 @@ class Size:
 @dataclass(frozen=True)
 class Mixer:
     """Half of an LLM layer (its token or its channel mixer): parameters, forward FLOPs per unit
-    of ``Size``, and the activations it keeps for backward per token, in values."""
+    of ``Size``, and the bytes it keeps for backward per token."""
 
     params: float
     flops: Size
@@ -364,34 +388,49 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
     # + biases (q, k, v, o; the MLP's), two norms and the layer scales
     vit_params = (vit_linear + (3 * v.qkv_bias + 2) * v.hidden + (mlp_matrices - 1) * mlp
                   + 2 * norm * v.hidden + 2 * v.layer_scale * v.hidden)
-    # per tile, the values the projector keeps: its norms' inputs and the matrices' inputs
-    projector_kept = tokens * (2 * width + 2 * t.hidden)
+    vit_norm_kept = rms_norm_kept(v.hidden) if v.rms_norm else layer_norm_kept(v.hidden)
+    # per tile, the bytes the projector keeps: its norms, the matrices' inputs, the activation
     if config.projector == "mlp":  # norm(width), width -> hidden -> hidden
         projector_linear = width * t.hidden + t.hidden ** 2
         projector_params = projector_linear + 2 * width + 2 * t.hidden
+        projector_kept = tokens * (layer_norm_kept(width) + a * width + 2 * a * t.hidden)
     elif config.projector == "pool":  # the ViT's final norm, pool, RMSNorm, Hv -> hidden
         projector_linear = v.hidden * t.hidden
         projector_params = projector_linear + 2 * v.hidden + v.hidden
-        projector_kept = 2 * patches * v.hidden + tokens * 2 * v.hidden
+        projector_kept = (patches * (layer_norm_kept(v.hidden) + a * v.hidden)
+                          + tokens * (rms_norm_kept(v.hidden, offset=True) + a * v.hidden))
     else:  # norm(patch), width -> width -> hidden
         projector_linear = width * width + width * t.hidden
         projector_params = projector_linear + norm * v.hidden + width + t.hidden
+        projector_kept = patches * vit_norm_kept + tokens * 3 * a * width
     # a DeepStack merger: the merger with its norm over the width
     deepstack_params = projector_linear + 2 * width + width + t.hidden
+    # What the LLM's layers keep, in bytes per token, as ``transformers``' own modules save it
+    # for backward (tests/test_activation_memory.py holds each layer kind to the saved-tensor
+    # hooks' count): a norm, and its output as the projections' input.
+    offset = t.offset_norms
+    normed = rms_norm_kept(t.hidden, offset=offset) + a * t.hidden
     # The token mixers. Attention: q (doubled when gated), k, v, o; causal attention is
-    # 2·s²·heads·head_dim per sample. Keeps: norm output, q/k/v, attention output.
+    # 2·s²·heads·head_dim per sample. Keeps: q/k norms, the rotary tables, the kernel's q, k,
+    # v, output and log-sum-exp, o's input (and, gated, the gate's sigmoid and the ungated
+    # output).
     attention_linear = (2 + t.attention_gate) * t.hidden * q + 2 * t.hidden * kv
+    qk_norms = (rms_norm_kept(q, t.heads, offset) + rms_norm_kept(kv, t.kv_heads, offset)
+                if t.qk_norm else 0)
     attention = Mixer(
         params=attention_linear + (2 * head_dim if t.qk_norm else 0) + (q + 2 * kv) * t.qkv_bias,
         flops=Size(tokens=2 * attention_linear, squares=2 * q),
-        kept=t.hidden + 2 * kv + q * (2 + t.attention_gate))
+        kept=(normed + qk_norms + 2 * a * head_dim + a * (2 * q + 2 * kv) + FP32 * t.heads
+              + a * q * (1 + 2 * t.attention_gate)))
     # sliding-window attention: the same, its quadratic term within the window
     sliding = replace(attention, flops=Size(tokens=2 * attention_linear, windowed=2 * q))
     # Gated DeltaNet: projections to q/k/v (through the conv), the output gate z, a and b per
     # value head; the conv; the chunked delta rule (chunks of C = 64 tokens: per token and value
     # head about 2.5·C·dk + 1.5·C·dv + 3·dk·dv multiply-adds, each sample rounded up to whole
-    # chunks not counted). Keeps: norm output, q/k/v before and after the conv, z, the core
-    # output and its gated norm.
+    # chunks not counted). Keeps: q/k/v before and after the conv, b and a; in the delta rule
+    # as ``transformers``' torch kernel runs it (fp32, per value head: C×C decay, key and query
+    # products and their solved systems, a dozen key- and value-sized rows, the state per
+    # chunk); the core output's gated norm and z.
     key_dim = t.linear_key_heads * t.linear_key_dim
     value_dim = t.linear_value_heads * t.linear_value_dim
     conv_dim = 2 * key_dim + value_dim
@@ -402,63 +441,85 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
         flops=Size(tokens=2 * linear_linear + 2 * conv_dim * t.linear_conv_kernel
                    + 2 * t.linear_value_heads * (2.5 * chunk * dk + 1.5 * chunk * dv
                                                  + 3 * dk * dv)),
-        kept=t.hidden + 2 * conv_dim + 3 * value_dim)
+        kept=(normed + 2 * a * conv_dim + a * t.linear_value_heads
+              + t.linear_value_heads * FP32 * (5 * chunk + 12 * dk + 6 * dv + 10 + 2 * dk * dv
+                                               / chunk)
+              + value_dim * (3 * FP32 + 3 * a) + FP32 * t.linear_value_heads))
     # The channel mixers: a SwiGLU MLP, or a MoE layer's router and each token through its
     # experts (active; all of them held), plus a gated shared expert where there is one.
-    # Keeps: the residual sum and norm output, the SwiGLU gate, up, activation and product
-    # (the router's logits and each chosen expert's, with its input).
+    # Keeps: the norm, the SwiGLU gate, up, activation and product; a MoE layer its router's
+    # logits and probabilities, and per chosen expert its gathered input, gate/up, activation,
+    # product and output with their indices and weight.
     dense = Mixer(params=3 * t.hidden * t.intermediate,
                   flops=Size(tokens=2 * 3 * t.hidden * t.intermediate),
-                  kept=2 * t.hidden + 4 * t.intermediate)
+                  kept=normed + 4 * a * t.intermediate)
     shared = 3 * t.hidden * t.shared_expert_intermediate + (t.hidden if
                                                             t.shared_expert_intermediate else 0)
     expert = 3 * t.hidden * t.moe_intermediate
     sparse = Mixer(
         params=t.hidden * t.experts + t.experts * expert + shared,
         flops=Size(tokens=2 * (t.hidden * t.experts + t.experts_per_token * expert + shared)),
-        kept=2 * t.hidden + t.experts + t.experts_per_token * (4 * t.moe_intermediate + t.hidden)
-        + 4 * t.shared_expert_intermediate)
+        kept=(normed + (FP32 + a) * t.experts + FP32
+              + t.experts_per_token * (2 * a * t.hidden + 4 * a * t.moe_intermediate + 46)
+              + (4 * a * t.shared_expert_intermediate + a * t.hidden + 2 * a
+                 if t.shared_expert_intermediate else 0)))
 
     def llm_block(i: int) -> dict:
         """Layer i: its token and channel mixers, two norms (four with sandwich norms), and the
         hidden it hands on."""
         token_mixer = (linear if t.is_linear(i) else sliding if t.is_sliding(i) else attention)
         mixers = (token_mixer, sparse if t.is_moe(i) else dense)
+        # sandwich norms: their outputs join the residual, nothing else keeps them
+        sandwich = 2 * rms_norm_kept(t.hidden, offset=offset) if t.sandwich_norms else 0
         return dict(params=sum(m.params for m in mixers) + (2 + 2 * t.sandwich_norms) * t.hidden,
                     flops=Size(tokens=sum(m.flops.tokens for m in mixers),
                                squares=sum(m.flops.squares for m in mixers),
                                windowed=sum(m.flops.windowed for m in mixers)),
-                    activation_bytes=Size(tokens=a * (t.hidden + sum(m.kept for m in mixers))),
+                    activation_bytes=Size(tokens=sum(m.kept for m in mixers) + sandwich),
                     output_bytes=llm_out)
 
     embed = LayerWork(
         "vit_embed", embed_params,
         flops=Size(tiles=2 * patch_in * v.hidden * patches),
-        activation_bytes=Size(tiles=a * 3 * v.image_size ** 2),  # the conv keeps its pixels
+        # the conv keeps its pixels; a resampled position table its indices and weights
+        activation_bytes=Size(tiles=patches * (a * patch_in + (4 * 8 + 4 * FP32) * (
+            v.position_embeddings > 0))),  # four neighbours' int64 indices, fp32 weights
         output_bytes=vit_out)
-    # Per patch: two norm inputs and outputs, q/k/v, attention output, the MLP's two hiddens
-    # (a SwiGLU's gate, up, activation and product).
+    # Per patch: two norms and their outputs (the projections' inputs); q, k, v, the kernel's
+    # output and log-sum-exp (Qwen's: q and k rotated, the fused qkv output, the fp32 rotary
+    # tables, and the images' outputs concatenated for the projection); the layer scales'
+    # inputs; the MLP's hiddens (gelu: fc1's output and its activation; quick_gelu a sigmoid
+    # more; SwiGLU gate, up, activation and product).
+    if v.fused_qkv:
+        vit_attention = 5 * a * v.hidden + 2 * FP32 * v.hidden // v.heads + 2 * a * v.hidden
+    else:
+        vit_attention = 4 * a * v.hidden
+    mlp_hiddens = 4 if v.gated_mlp else 3 if v.quick_gelu else 2
     vit_block = dict(
         params=vit_params,
         flops=Size(tiles=2 * patches * vit_linear + 4 * patches ** 2 * v.hidden),
-        activation_bytes=Size(tiles=a * patches * (8 * v.hidden + 2 * (mlp_matrices - 1) * mlp)),
+        activation_bytes=Size(tiles=patches * (
+            2 * vit_norm_kept + 2 * a * v.hidden + vit_attention + FP32 * v.heads
+            + 2 * a * v.hidden * v.layer_scale + mlp_hiddens * a * mlp)),
         output_bytes=vit_out)
     projector = LayerWork(
         "projector_merge", projector_params + t.vocab_size * t.hidden,
         flops=Size(tiles=2 * tokens * projector_linear),
-        activation_bytes=Size(tiles=a * projector_kept),
+        activation_bytes=Size(tiles=projector_kept, tokens=_token_embedding_kept().tokens),
         output_bytes=llm_out)
     head = LayerWork(
         "head", t.hidden * t.vocab_size + t.hidden,
         flops=Size(tokens=2 * t.hidden * t.vocab_size),
-        activation_bytes=Size(tokens=a * 2 * t.hidden),  # logits are chunked and recomputed
+        # per supervised token (here: every token, the most there can be) its hidden state, its
+        # target and index; the logits are chunked and recomputed in backward
+        activation_bytes=Size(tokens=a * t.hidden + 16 + _final_norm_kept(t).tokens),
         output_bytes=Size())
 
-    deepstack = dict(  # the block, then its merger on the block's output
+    deepstack = dict(  # the block, then its merger (a norm over the width) on its output
         params=vit_params + deepstack_params,
         flops=Size(tiles=vit_block["flops"].tiles + 2 * tokens * projector_linear),
         activation_bytes=Size(tiles=vit_block["activation_bytes"].tiles
-                              + a * tokens * (2 * width + 2 * t.hidden)),
+                              + tokens * (layer_norm_kept(width) + 3 * a * width)),
         output_bytes=Size(tiles=vit_out.tiles + a * tokens * t.hidden))
     vit = [LayerWork(f"vit_block_{i}", **(deepstack if i in v.deepstack else vit_block))
            for i in range(v.layers)]
@@ -467,11 +528,20 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
 
 
 # The trainer's pipeline layers (vlmshard.train) that the analytic model names otherwise, and
-# those it counts as no layer of their own: the token embedding is a lookup (its table is
-# among projector_merge's parameters), the final norm a rounding error (its weight among the
-# head's).
+# those it counts as no layer of their own: the token embedding is a lookup (its table and
+# what it keeps are projector_merge's), the final norm a rounding error in FLOPs (its weight
+# and what it keeps are the head's).
 TRAINER_NAMES = {"projector": "projector_merge"}
 NO_LAYER_WORK = ("embed_tokens", "final_norm")
+
+
+def _token_embedding_kept() -> Size:
+    """The token embedding keeps its int64 ids and the bool mask of image tokens."""
+    return Size(tokens=8 + 1)
+
+
+def _final_norm_kept(t: LLMConfig) -> Size:
+    return Size(tokens=rms_norm_kept(t.hidden, offset=t.offset_norms))
 
 
 def trainer_layer_work(names: list[str], config: ModelConfig) -> list[LayerWork]:
@@ -482,13 +552,14 @@ def trainer_layer_work(names: list[str], config: ModelConfig) -> list[LayerWork]
     layers once each."""
     work = layer_work(config)
     index = {w.name: i for i, w in enumerate(work)}
-    moved = {"embed_tokens": ("projector_merge", config.llm.vocab_size * config.llm.hidden),
-             "final_norm": ("head", config.llm.hidden)}
+    moved = {"embed_tokens": ("projector_merge", config.llm.vocab_size * config.llm.hidden,
+                              _token_embedding_kept()),
+             "final_norm": ("head", config.llm.hidden, _final_norm_kept(config.llm))}
     hidden = Size(tokens=ACTIVATION_BYTES * config.llm.hidden)
     out, used = [], []
     for name in names:
         if name in NO_LAYER_WORK:
-            out.append(LayerWork(name, moved[name][1], Size(), Size(), hidden))
+            out.append(LayerWork(name, moved[name][1], Size(), moved[name][2], hidden))
             continue
         row = index.get(TRAINER_NAMES.get(name, name))
         if row is None:
@@ -502,9 +573,11 @@ def trainer_layer_work(names: list[str], config: ModelConfig) -> list[LayerWork]
     analytic = [TRAINER_NAMES.get(n, n) for n in names]
     for name in NO_LAYER_WORK:
         if name in names:
-            holder, params = moved[name]
+            holder, params, kept = moved[name]
             i = analytic.index(holder)
-            out[i] = replace(out[i], params=out[i].params - params)
+            held = out[i].activation_bytes
+            out[i] = replace(out[i], params=out[i].params - params, activation_bytes=Size(
+                held.tiles - kept.tiles, held.tokens - kept.tokens))
     return out
 
 

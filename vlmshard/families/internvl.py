@@ -196,7 +196,7 @@ class InternVL(Family):
                            layers=vision["num_hidden_layers"], heads=vision["num_attention_heads"],
                            mlp_ratio=vision["intermediate_size"] / hidden,
                            qkv_bias=bool(vision.get("attention_bias", False)), layer_scale=True,
-                           cls_token=True)
+                           cls_token=True, rms_norm=vision.get("norm_type") == "rms_norm")
         model = ModelConfig(name=name, vision=vit, llm=LLMConfig.from_hf_config(config),
                             downsample_ratio=float(config.get("downsample_ratio", 0.5)))
         model.validate()

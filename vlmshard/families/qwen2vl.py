@@ -257,7 +257,9 @@ class Qwen2VL(Family):
                            patch_size=vision["patch_size"], hidden=hidden, layers=vision["depth"],
                            heads=vision["num_heads"], mlp_ratio=mlp,
                            temporal_patch=vision.get("temporal_patch_size", 2),
-                           gated_mlp=swiglu, rms_norm=swiglu, **self.vision_extras(vision))
+                           gated_mlp=swiglu, rms_norm=swiglu, fused_qkv=True,
+                           quick_gelu=vision.get("hidden_act") == "quick_gelu",
+                           **self.vision_extras(vision))
         model = ModelConfig(name=name, vision=vit, llm=LLMConfig.from_hf_config(config),
                             downsample_ratio=1 / merge, projector="merger")
         model.validate()
