@@ -3,7 +3,10 @@ choose the pipeline partition and per-stage recompute.
 
 Each pipeline layer runs alone on the activations the previous layer produced, so its forward and
 backward times, the bytes autograd saves for its backward (its activation memory), its input and
-output bytes, its parameter bytes and (on a GPU) the allocator's peak while it runs are its own.
+output bytes, its parameter bytes and the most it holds at once while it runs (the allocator's
+peak on a GPU; on CPU torch's memory tracker, in one more untimed run) are its own. Beside the
+measured activation bytes, profile.json holds the analytic model's (``model_sizes``) for the
+same micro-batches: the figure the default partition trusts, checked against the measurement.
 Times are the median of ``--repeats`` runs after ``--warmup`` untimed ones, timed with CUDA
 events on a GPU. Parameters are costed at the bytes the trainer
 holds per parameter in the run's precision (``model_sizes.bytes_per_param``).
@@ -143,14 +146,16 @@ class Profile:
     layers: list[LayerCost]  # means over the profiled micro-batches
     micro_batches: list[dict]  # per micro-batch: tiles, tokens, squares, vit_s, llm_s
     device: str
-    # per layer, what the analytic model (``model_sizes``) says it keeps for the same
-    # micro-batches: the memory model's figure beside the measured ``activation_bytes``
-    analytic_activation_bytes: list[int]
+    # per layer, what the analytic model (``model_sizes``) says it keeps and holds beyond that
+    # for the same micro-batches: the memory model's figures beside the measured
+    # ``activation_bytes`` and ``transient_bytes``
+    analytic: list[dict]
 
     def to_dict(self) -> dict:
         return {"device": self.device,
-                "layers": [{**asdict(c), "analytic_activation_bytes": a}
-                           for c, a in zip(self.layers, self.analytic_activation_bytes)],
+                "layers": [{**asdict(c), "transient_bytes": c.transient_bytes,
+                            **{f"analytic_{k}": v for k, v in a.items()}}
+                           for c, a in zip(self.layers, self.analytic)],
                 "micro_batches": self.micro_batches}
 
 
@@ -184,14 +189,16 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
     funcs = model.build_all(device, dtype, one_per_kind=True)
     vision = sum(1 for d in model.defs if d.output.per_tile)  # ViT layers and the projector
     work = model.analytic_work()
-    sums = np.zeros((len(funcs), 7))  # forward, backward, activation, input, output, peak, analytic
+    # forward, backward, activation, input, output, peak; analytic activation and transient
+    sums = np.zeros((len(funcs), 8))
     per_batch = []
     cuda = device.startswith("cuda")
     for batch in batches:
         micro = model.first_micro(batch, device)
         times = []
         for i, func in enumerate(funcs):
-            x_in, carry_in = _detached(micro, requires_grad=True)
+            # the pixels are data: no gradient reaches them in training
+            x_in, carry_in = _detached(micro, requires_grad=i > 0)
             layer_in = micro.with_x(x_in, carry=carry_in)
             parameters = list(func.parameters())
             samples = []
@@ -210,10 +217,16 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
                 if run >= warmup:
                     samples.append((*clock.read(), clock.peak_bytes))
             forward, backward, peak = np.median(np.array(samples), axis=0)
+            if not cuda:
+                peak = _host_peak_bytes(func, layer_in)
+            # the parameters' gradients are counted with the parameters
+            peak = max(0, peak - sum(p.numel() * p.element_size() for p in parameters
+                                     if p.requires_grad))
             sums[i] += (forward, backward, saved.bytes,
                         sum(map(_tensor_bytes, _outputs(layer_in))),
                         sum(map(_tensor_bytes, _outputs(out))) if i < len(funcs) - 1 else 0,
-                        peak, work[i].activation_bytes.dot(kept_size(model, i, micro.host)))
+                        peak, work[i].activation_bytes.dot(kept_size(model, i, micro.host)),
+                        work[i].transient(Size(tiles=micro.num_tiles, tokens=micro.num_tokens)))
             times.append(forward + backward)
             micro = micro.with_output(_detached(out) if isinstance(out, LayerOutput)
                                       else out.detach(), model.defs[i].output)
@@ -222,8 +235,10 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
     means = sums / max(1, len(batches))
     costs = [LayerCost(name, float(f), float(b), int(act), int(inp), int(out),
                        int(param_bytes * model.parameter_count(i)), int(peak))
-             for i, (name, (f, b, act, inp, out, peak, _)) in enumerate(zip(model.names, means))]
-    return Profile(costs, per_batch, device, [int(row[-1]) for row in means])
+             for i, (name, (f, b, act, inp, out, peak, *_)) in enumerate(zip(model.names, means))]
+    return Profile(costs, per_batch, device,
+                   [{"activation_bytes": int(row[6]), "transient_bytes": int(row[7])}
+                    for row in means])
 
 
 def kept_size(model: ModelLayers, index: int, host: HostMeta) -> Size:
@@ -263,6 +278,24 @@ class _Clock:
             torch.cuda.synchronize()
             self.peak_bytes = torch.cuda.max_memory_allocated() - self.base
         return [seconds(a, b, self.cuda) for a, b in zip(self.marks, self.marks[1:])]
+
+
+def _host_peak_bytes(func, layer_in: Micro) -> int:
+    """The most one forward + backward of ``func`` holds at once in tensors it allocates (its
+    kept activations, output, gradients and temporaries), on CPU, where there is no allocator
+    peak to read: torch's own memory tracker (``torch.distributed._tools.mem_tracker``) follows
+    every storage the run makes. An untimed run of its own: the tracker slows each op."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    with tracker:
+        out = func(layer_in)
+        outputs = [t for t in _outputs(out) if t.requires_grad]
+        if outputs:
+            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+    for p in func.parameters():
+        p.grad = None
+    return int(sum(device["Total"] for device in tracker.get_tracker_snapshot("peak").values()))
 
 
 class _SavedBytes:

@@ -291,6 +291,7 @@ PRESETS = {
 
 ACTIVATION_BYTES = 2  # bf16
 FP32 = 4
+LOSS_CHUNK = 1024  # rows of logits the LM loss makes at a time (vlmshard.train's lm_loss)
 
 
 def rms_norm_kept(width: float, rows: float = 1, offset: bool = False) -> float:
@@ -301,22 +302,57 @@ def rms_norm_kept(width: float, rows: float = 1, offset: bool = False) -> float:
     return FP32 * width + FP32 * rows + (FP32 if offset else ACTIVATION_BYTES) * width
 
 
+def rms_norm_backward(width: float) -> float:
+    """Bytes an RMSNorm's backward holds per token beyond what the norm keeps: the fp32
+    gradients of its chain of ops (input, square, mean, normalized values, weight product)."""
+    return 5 * FP32 * width
+
+
 def layer_norm_kept(width: float) -> float:
     """Bytes a LayerNorm keeps per row: its input, and the mean and 1/std in fp32."""
     return ACTIVATION_BYTES * width + 2 * FP32
 
 
-def bytes_per_param(precision: str = "bf16", dp: int = 1, grad_accum: str = "fp32") -> float:
-    """Device bytes per trained parameter as ``vlmshard train`` holds them with AdamW. fp32:
-    weight, gradient and two moments (16). bf16 (DeepSpeed's BF16 optimizer): bf16 weight and
-    gradient (4), the gradient accumulator when it is fp32 (4), and the fp32 master weight and
-    moments (12), which it splits over the ``dp`` data-parallel ranks."""
-    if precision == "fp32":
-        return 16.0
-    if precision != "bf16" or grad_accum not in ("fp32", "bf16"):
+def bytes_per_param(precision: str = "bf16", dp: int = 1, grad_accum: str = "fp32",
+                    zero: int = 1) -> float:
+    """Device bytes per trained parameter that DeepSpeed holds for ``vlmshard train`` with
+    torch's AdamW (weights, gradients, master weights, both moments): the larger of what it
+    holds through backward and at the optimizer update (``deepspeed_config`` picks the
+    optimizer; ``vlmshard.train.engine_memory`` counts the engine's tensors to check this).
+    ``dp`` is the data-parallel degree ZeRO splits over. With ``zero=3`` the weights are split
+    too: the bytes are per parameter of the whole model, not of one rank's partition. Not
+    included: ZeRO's reduce buckets (fixed sizes, not per parameter) and the copies a gradient
+    reduction or flattening makes for a moment.
+
+    - fp32, ZeRO-1: the trainer configures no ZeRO in fp32, so DeepSpeed steps torch's AdamW
+      itself, nothing split: weight, gradient and two moments, 16.
+    - fp32, ZeRO-2: weight 4; ZeRO's fp32 gradient partition, master copy and moments 16/dp.
+    - fp32, ZeRO-3: weight partition, gradient partition buffer, the update's flattened gradient,
+      master copy (4/dp each) and moments (8/dp): 24/dp.
+    - bf16, ZeRO-1, fp32 accumulation (DeepSpeed's BF16_Optimizer, pipeline or not): bf16
+      weight and gradient 4, the whole fp32 accumulation buffer 4, fp32 master and moments
+      12/dp.
+    - bf16, ZeRO-1, bf16 accumulation (DeepSpeed's ZeRO-1 optimizer): bf16 weight 2, then the
+      bf16 gradient through backward (2) or the fp32 gradient partition at the update (4/dp),
+      master and moments 12/dp.
+    - bf16, ZeRO-2: bf16 weight 2; the gradient partition (4/dp at the update, either
+      accumulation), master and moments: 2 + 16/dp.
+    - bf16, ZeRO-3: weight partition 2/dp, gradient partition buffer in the accumulation dtype
+      (4/dp or 2/dp), the update's fp32 gradient 4/dp, master and moments 12/dp.
+    """
+    if precision not in ("fp32", "bf16") or grad_accum not in ("fp32", "bf16"):
         raise ConfigError(f"unknown precision {precision!r} or gradient accumulation "
-                         f"{grad_accum!r} (bf16 or fp32)")
-    return 4 + (4 if grad_accum == "fp32" else 0) + 12 / dp
+                          f"{grad_accum!r} (bf16 or fp32)")
+    if zero not in (1, 2, 3):
+        raise ConfigError(f"ZeRO stage {zero!r}: the trainer runs 1, 2 or 3")
+    accum = 4 if grad_accum == "fp32" else 2
+    if precision == "fp32":
+        return {1: 16.0, 2: 4 + 16 / dp, 3: 24 / dp}[zero]
+    if zero == 1:
+        return 8 + 12 / dp if grad_accum == "fp32" else 2 + max(2, 4 / dp) + 12 / dp
+    if zero == 2:
+        return 2 + 16 / dp
+    return (2 + accum + 4 + 12) / dp
 
 
 @dataclass(frozen=True)
@@ -344,11 +380,13 @@ class Size:
 @dataclass(frozen=True)
 class Mixer:
     """Half of an LLM layer (its token or its channel mixer): parameters, forward FLOPs per unit
-    of ``Size``, and the bytes it keeps for backward per token."""
+    of ``Size``, the bytes it keeps for backward per token, and the widest gradients its
+    backward holds at once per token."""
 
     params: float
     flops: Size
     kept: float
+    transient: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -361,6 +399,18 @@ class LayerWork:
     flops: Size
     activation_bytes: Size
     output_bytes: Size
+    # what its forward + backward hold at once beyond what it keeps and its parameters'
+    # gradients (counted with the parameters): its output and that output's gradient, its
+    # input's gradient, the widest gradients inside it; and per row of the loss's chunk (the
+    # head: logits in fp32, their log-softmax and gradient), up to ``LOSS_CHUNK`` rows
+    transient_bytes: Size = Size()
+    chunk_row_bytes: float = 0.0
+    fixed_transient_bytes: float = 0.0  # the token embedding's fp32 table gradient
+
+    def transient(self, size: Size) -> float:
+        """The transient bytes at a micro-batch of ``size``."""
+        return (self.transient_bytes.dot(size) + self.chunk_row_bytes * min(size.tokens, LOSS_CHUNK)
+                + self.fixed_transient_bytes)
 
 
 
@@ -406,10 +456,13 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
     # a DeepStack merger: the merger with its norm over the width
     deepstack_params = projector_linear + 2 * width + width + t.hidden
     # What the LLM's layers keep, in bytes per token, as ``transformers``' own modules save it
-    # for backward (tests/test_activation_memory.py holds each layer kind to the saved-tensor
-    # hooks' count): a norm, and its output as the projections' input.
+    # for backward (tests/test_model.py holds each layer kind to the saved-tensor hooks'
+    # count): a norm, and its output as the projections' input.
     offset = t.offset_norms
     normed = rms_norm_kept(t.hidden, offset=offset) + a * t.hidden
+    # Beside the widest gradients inside a layer (``Mixer.transient``), its backward holds its
+    # output, that output's gradient and its input's gradient, and a norm's fp32 gradients.
+    llm_io = 3 * a * t.hidden + rms_norm_backward(t.hidden)
     # The token mixers. Attention: q (doubled when gated), k, v, o; causal attention is
     # 2·s²·heads·head_dim per sample. Keeps: q/k norms, the rotary tables, the kernel's q, k,
     # v, output and log-sum-exp, o's input (and, gated, the gate's sigmoid and the ungated
@@ -421,7 +474,10 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
         params=attention_linear + (2 * head_dim if t.qk_norm else 0) + (q + 2 * kv) * t.qkv_bias,
         flops=Size(tokens=2 * attention_linear, squares=2 * q),
         kept=(normed + qk_norms + 2 * a * head_dim + a * (2 * q + 2 * kv) + FP32 * t.heads
-              + a * q * (1 + 2 * t.attention_gate)))
+              + a * q * (1 + 2 * t.attention_gate)),
+        # the kernel's fp32 dq accumulator and softmax rows, dq, dk, dv; the q/k norms' fp32
+        # gradients
+        transient=(FP32 * (q + t.heads) + a * (q + 2 * kv) + 2 * FP32 * (q + kv) * t.qk_norm))
     # sliding-window attention: the same, its quadratic term within the window
     sliding = replace(attention, flops=Size(tokens=2 * attention_linear, windowed=2 * q))
     # Gated DeltaNet: projections to q/k/v (through the conv), the output gate z, a and b per
@@ -444,7 +500,9 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
         kept=(normed + 2 * a * conv_dim + a * t.linear_value_heads
               + t.linear_value_heads * FP32 * (5 * chunk + 12 * dk + 6 * dv + 10 + 2 * dk * dv
                                                / chunk)
-              + value_dim * (3 * FP32 + 3 * a) + FP32 * t.linear_value_heads))
+              + value_dim * (3 * FP32 + 3 * a) + FP32 * t.linear_value_heads),
+        # the torch kernel's backward: gradients as wide as its fp32 chunk products
+        transient=t.linear_value_heads * FP32 * (5 * chunk + 12 * dk + 6 * dv))
     # The channel mixers: a SwiGLU MLP, or a MoE layer's router and each token through its
     # experts (active; all of them held), plus a gated shared expert where there is one.
     # Keeps: the norm, the SwiGLU gate, up, activation and product; a MoE layer its router's
@@ -452,7 +510,8 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
     # product and output with their indices and weight.
     dense = Mixer(params=3 * t.hidden * t.intermediate,
                   flops=Size(tokens=2 * 3 * t.hidden * t.intermediate),
-                  kept=normed + 4 * a * t.intermediate)
+                  kept=normed + 4 * a * t.intermediate,
+                  transient=3 * a * t.intermediate)
     shared = 3 * t.hidden * t.shared_expert_intermediate + (t.hidden if
                                                             t.shared_expert_intermediate else 0)
     expert = 3 * t.hidden * t.moe_intermediate
@@ -462,7 +521,10 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
         kept=(normed + (FP32 + a) * t.experts + FP32
               + t.experts_per_token * (2 * a * t.hidden + 4 * a * t.moe_intermediate + 46)
               + (4 * a * t.shared_expert_intermediate + a * t.hidden + 2 * a
-                 if t.shared_expert_intermediate else 0)))
+                 if t.shared_expert_intermediate else 0)),
+        transient=(FP32 * t.experts + t.experts_per_token * (3 * a * t.moe_intermediate
+                                                              + 2 * a * t.hidden)
+                   + 3 * a * t.shared_expert_intermediate))
 
     def llm_block(i: int) -> dict:
         """Layer i: its token and channel mixers, two norms (four with sandwich norms), and the
@@ -476,7 +538,8 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
                                squares=sum(m.flops.squares for m in mixers),
                                windowed=sum(m.flops.windowed for m in mixers)),
                     activation_bytes=Size(tokens=sum(m.kept for m in mixers) + sandwich),
-                    output_bytes=llm_out)
+                    output_bytes=llm_out,
+                    transient_bytes=Size(tokens=llm_io + max(m.transient for m in mixers)))
 
     embed = LayerWork(
         "vit_embed", embed_params,
@@ -484,7 +547,12 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
         # the conv keeps its pixels; a resampled position table its indices and weights
         activation_bytes=Size(tiles=patches * (a * patch_in + (4 * 8 + 4 * FP32) * (
             v.position_embeddings > 0))),  # four neighbours' int64 indices, fp32 weights
-        output_bytes=vit_out)
+        output_bytes=vit_out,
+        # no gradient reaches the pixels: the output and its gradient, a copy reordered (Qwen2.5's
+        # windows) and its gradient, the conv's workspace; a resampled position table's four
+        # neighbours' rows, their weighted sum and gradients
+        transient_bytes=Size(tiles=patches * a * v.hidden * (6 + 16 * (
+            v.position_embeddings > 0))))
     # Per patch: two norms and their outputs (the projections' inputs); q, k, v, the kernel's
     # output and log-sum-exp (Qwen's: q and k rotated, the fused qkv output, the fp32 rotary
     # tables, and the images' outputs concatenated for the projection); the layer scales'
@@ -495,32 +563,48 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
     else:
         vit_attention = 4 * a * v.hidden
     mlp_hiddens = 4 if v.gated_mlp else 3 if v.quick_gelu else 2
+    # backward: output, its gradient, the input's, a norm's fp32 gradients, and the wider of
+    # the MLP's hidden gradients and attention's (fp32 dq accumulator, dq, dk, dv)
+    vit_transient = patches * (3 * a * v.hidden + 2 * FP32 * v.hidden + max(
+        (mlp_hiddens + 1) * a * mlp, FP32 * v.hidden + 3 * a * v.hidden))
     vit_block = dict(
         params=vit_params,
         flops=Size(tiles=2 * patches * vit_linear + 4 * patches ** 2 * v.hidden),
         activation_bytes=Size(tiles=patches * (
             2 * vit_norm_kept + 2 * a * v.hidden + vit_attention + FP32 * v.heads
             + 2 * a * v.hidden * v.layer_scale + mlp_hiddens * a * mlp)),
-        output_bytes=vit_out)
+        output_bytes=vit_out,
+        transient_bytes=Size(tiles=vit_transient))
     projector = LayerWork(
         "projector_merge", projector_params + t.vocab_size * t.hidden,
         flops=Size(tiles=2 * tokens * projector_linear),
-        activation_bytes=Size(tiles=projector_kept, tokens=_token_embedding_kept().tokens),
-        output_bytes=llm_out)
+        activation_bytes=Size(tiles=projector_kept,
+                              tokens=_token_embedding_work(t).activation_bytes.tokens),
+        output_bytes=llm_out,
+        transient_bytes=Size(tiles=patches * (3 * a * v.hidden + rms_norm_backward(v.hidden)
+                                              * v.rms_norm)
+                             + tokens * (3 * a * width + 2 * a * t.hidden)),
+        fixed_transient_bytes=_token_embedding_work(t).fixed_transient_bytes)
     head = LayerWork(
         "head", t.hidden * t.vocab_size + t.hidden,
         flops=Size(tokens=2 * t.hidden * t.vocab_size),
         # per supervised token (here: every token, the most there can be) its hidden state, its
         # target and index; the logits are chunked and recomputed in backward
-        activation_bytes=Size(tokens=a * t.hidden + 16 + _final_norm_kept(t).tokens),
-        output_bytes=Size())
+        activation_bytes=Size(tokens=a * t.hidden + 16
+                              + _final_norm_work(t).activation_bytes.tokens),
+        output_bytes=Size(),
+        # the hidden rows' gradient, the final norm's backward; per row of a loss chunk its
+        # fp32 log-softmax, the gradient in and out of it and the bf16 logits' gradient
+        transient_bytes=_final_norm_work(t).transient_bytes,
+        chunk_row_bytes=14 * t.vocab_size)
 
     deepstack = dict(  # the block, then its merger (a norm over the width) on its output
         params=vit_params + deepstack_params,
         flops=Size(tiles=vit_block["flops"].tiles + 2 * tokens * projector_linear),
         activation_bytes=Size(tiles=vit_block["activation_bytes"].tiles
                               + tokens * (layer_norm_kept(width) + 3 * a * width)),
-        output_bytes=Size(tiles=vit_out.tiles + a * tokens * t.hidden))
+        output_bytes=Size(tiles=vit_out.tiles + a * tokens * t.hidden),
+        transient_bytes=Size(tiles=vit_transient + tokens * 3 * a * width))
     vit = [LayerWork(f"vit_block_{i}", **(deepstack if i in v.deepstack else vit_block))
            for i in range(v.layers)]
     llm = [LayerWork(f"llm_block_{i}", **llm_block(i)) for i in range(t.layers)]
@@ -535,13 +619,25 @@ TRAINER_NAMES = {"projector": "projector_merge"}
 NO_LAYER_WORK = ("embed_tokens", "final_norm")
 
 
-def _token_embedding_kept() -> Size:
-    """The token embedding keeps its int64 ids and the bool mask of image tokens."""
-    return Size(tokens=8 + 1)
+def _token_embedding_work(t: LLMConfig) -> LayerWork:
+    """The token embedding: a lookup keeping its int64 ids and the bool mask of image tokens;
+    its backward holds its output, that output's gradient with the image tokens' rows zeroed,
+    the image features' gradient, the gradient in fp32 where the table's accumulates, and the
+    table's fp32 gradient."""
+    return LayerWork("embed_tokens", t.vocab_size * t.hidden, Size(), Size(tokens=8 + 1),
+                     Size(tokens=ACTIVATION_BYTES * t.hidden),
+                     transient_bytes=Size(tokens=(3 * ACTIVATION_BYTES + FP32) * t.hidden),
+                     fixed_transient_bytes=FP32 * t.vocab_size * t.hidden)
 
 
-def _final_norm_kept(t: LLMConfig) -> Size:
-    return Size(tokens=rms_norm_kept(t.hidden, offset=t.offset_norms))
+def _final_norm_work(t: LLMConfig) -> LayerWork:
+    """The final norm: its output, that output's gradient and the input's, and the fp32
+    gradients of its backward."""
+    return LayerWork("final_norm", t.hidden, Size(),
+                     Size(tokens=rms_norm_kept(t.hidden, offset=t.offset_norms)),
+                     Size(tokens=ACTIVATION_BYTES * t.hidden),
+                     transient_bytes=Size(tokens=3 * ACTIVATION_BYTES * t.hidden
+                                          + rms_norm_backward(t.hidden)))
 
 
 def trainer_layer_work(names: list[str], config: ModelConfig) -> list[LayerWork]:
@@ -552,14 +648,12 @@ def trainer_layer_work(names: list[str], config: ModelConfig) -> list[LayerWork]
     layers once each."""
     work = layer_work(config)
     index = {w.name: i for i, w in enumerate(work)}
-    moved = {"embed_tokens": ("projector_merge", config.llm.vocab_size * config.llm.hidden,
-                              _token_embedding_kept()),
-             "final_norm": ("head", config.llm.hidden, _final_norm_kept(config.llm))}
-    hidden = Size(tokens=ACTIVATION_BYTES * config.llm.hidden)
+    moved = {"embed_tokens": ("projector_merge", _token_embedding_work(config.llm)),
+             "final_norm": ("head", _final_norm_work(config.llm))}
     out, used = [], []
     for name in names:
         if name in NO_LAYER_WORK:
-            out.append(LayerWork(name, moved[name][1], Size(), moved[name][2], hidden))
+            out.append(moved[name][1])
             continue
         row = index.get(TRAINER_NAMES.get(name, name))
         if row is None:
@@ -573,10 +667,10 @@ def trainer_layer_work(names: list[str], config: ModelConfig) -> list[LayerWork]
     analytic = [TRAINER_NAMES.get(n, n) for n in names]
     for name in NO_LAYER_WORK:
         if name in names:
-            holder, params, kept = moved[name]
+            holder, own = moved[name]
             i = analytic.index(holder)
-            held = out[i].activation_bytes
-            out[i] = replace(out[i], params=out[i].params - params, activation_bytes=Size(
+            held, kept = out[i].activation_bytes, own.activation_bytes
+            out[i] = replace(out[i], params=out[i].params - own.params, activation_bytes=Size(
                 held.tiles - kept.tiles, held.tokens - kept.tokens))
     return out
 
