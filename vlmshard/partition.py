@@ -7,7 +7,8 @@ Model of one stage s of P holding layers [first, end) under 1F1B:
 - memory = Σ parameter/optimizer bytes + (P − s) micro-batches in flight × Σ activation bytes
   kept for backward (a recomputed layer keeps only its input) + the largest recomputed layer's
   activations, rebuilt during backward one layer at a time + the largest transient a layer
-  needs while it runs (its measured peak beyond what it keeps, where profiled on a GPU).
+  needs while it runs (its peak beyond what it keeps: measured by ``train profile``, else the
+  analytic model's, ``model_sizes.LayerWork.transient``).
 
 ``choose_recompute`` picks, for one stage, the fewest layers to recompute so the stage fits the
 memory budget: recomputing the layers that save the most first is optimal for the count, since
@@ -41,8 +42,8 @@ class LayerCost:
     output_bytes: int  # sent to the next stage when a stage ends after this layer
     param_bytes: int  # parameters, gradients and optimizer states
     # the most the layer's forward and backward held at once above what was allocated before
-    # it ran (CUDA's allocator; 0 where not measured): beyond its kept activation, a transient
-    # the stage needs room for while the layer runs
+    # it ran, its parameters' gradients aside (measured, or the analytic model's): beyond its
+    # kept activation, a transient the stage needs room for while the layer runs
     peak_bytes: int = 0
 
     @property
@@ -106,16 +107,18 @@ class Partition:
 def analytic_layer_costs(work: list[LayerWork], *, time_size: Size, memory_size: Size,
                          flops_per_s: float, bytes_per_param: float) -> list[LayerCost]:
     """``LayerCost``s from the analytic model (``model_sizes.layer_work``) for the search: times
-    at a typical micro-batch (backward twice the forward), memory at the largest one (the one
-    that must fit). The first layer's input is the pixels its activation already keeps."""
+    at a typical micro-batch (backward twice the forward), memory (kept activations and the
+    transient beyond them) at the largest one (the one that must fit). The first layer's input
+    is the pixels its activation already keeps."""
     costs = []
     for i, w in enumerate(work):
         forward = w.flops.windows_as_full().dot(time_size) / flops_per_s
         inputs = work[i - 1].output_bytes if i else w.activation_bytes
+        kept = int(w.activation_bytes.dot(memory_size))
         costs.append(LayerCost(
-            w.name, forward, 2 * forward, int(w.activation_bytes.dot(memory_size)),
-            int(inputs.dot(memory_size)), int(w.output_bytes.dot(memory_size)),
-            int(w.params * bytes_per_param)))
+            w.name, forward, 2 * forward, kept, int(inputs.dot(memory_size)),
+            int(w.output_bytes.dot(memory_size)), int(w.params * bytes_per_param),
+            peak_bytes=kept + int(w.transient(memory_size))))
     return costs
 
 
@@ -156,14 +159,22 @@ def choose_recompute(layers: list[LayerCost], first: int, end: int, in_flight: i
     return None if best is None else best[2]
 
 
-def stage_memory(layers: list[LayerCost], first: int, end: int, in_flight: int,
-                 recompute: list[int]) -> int:
+def stage_memory_parts(layers: list[LayerCost], first: int, end: int, in_flight: int,
+                       recompute: list[int]) -> dict[str, int]:
+    """A stage's modelled peak by part: parameters with their gradients and optimizer states,
+    the activations its ``in_flight`` micro-batches keep (a recomputed layer its input), the
+    largest recomputed layer rebuilt in backward, and the largest transient."""
     kept = sum(layers[i].input_bytes if i in recompute else layers[i].activation_bytes
                for i in range(first, end))
-    rebuilt = max((layers[i].activation_bytes for i in recompute), default=0)
-    transient = max((layers[i].transient_bytes for i in range(first, end)), default=0)
-    return (sum(layers[i].param_bytes for i in range(first, end)) + in_flight * kept + rebuilt
-            + transient)
+    return {"params": sum(layers[i].param_bytes for i in range(first, end)),
+            "activations": in_flight * kept,
+            "rebuilt": max((layers[i].activation_bytes for i in recompute), default=0),
+            "transient": max((layers[i].transient_bytes for i in range(first, end)), default=0)}
+
+
+def stage_memory(layers: list[LayerCost], first: int, end: int, in_flight: int,
+                 recompute: list[int]) -> int:
+    return sum(stage_memory_parts(layers, first, end, in_flight, recompute).values())
 
 
 def stage_time(layers: list[LayerCost], first: int, end: int, recompute: list[int],
@@ -211,7 +222,8 @@ def largest_micro_batch_scale(layers: list[LayerCost], bounds: list[int], machin
     def fits(scale: float) -> bool:
         scaled = [replace(c, activation_bytes=math.ceil(c.activation_bytes * scale),
                           input_bytes=math.ceil(c.input_bytes * scale),
-                          output_bytes=math.ceil(c.output_bytes * scale)) for c in layers]
+                          output_bytes=math.ceil(c.output_bytes * scale),
+                          peak_bytes=math.ceil(c.peak_bytes * scale)) for c in layers]
         return evaluate(scaled, bounds, machine) is not None
 
     if not fits(0.0):
