@@ -75,7 +75,8 @@ class _Cluster:
         partition = search_for(self.work, sizes, self.cfg.pp, self.gpu,
                                flops_per_s=self.flops_per_s,
                                bytes_per_param=bytes_per_param(
-                                   "bf16", self.dp if self.cfg.zero else 1, self.cfg.grad_accum),
+                                   "bf16", self.dp if self.cfg.zero else 1, self.cfg.grad_accum,
+                                   zero=1),
                                full_recompute=full_recompute, method=method)
         batches = replica_micro_batches(sizes, self.ranks, self.micro, self.dp,
                                         self.cfg.micro_batches)

@@ -1,0 +1,142 @@
+"""What a DeepSpeed engine holds for its parameters, counted from its own tensors: the check of
+the memory model's bytes per parameter (``vlmshard.model_sizes.bytes_per_param``).
+
+Every tensor reachable from the engine (its module, the DeepSpeed optimizer wrapping torch's
+AdamW, that optimizer's ``state``, flat buffers, ZeRO's partitions and buckets) is found by
+walking attributes, lists, tuples and dicts (bounded depth, each object once) and counted once
+per storage, so views into a flat buffer and the parameters pointing into it are not counted
+twice. Storages fall into:
+
+- ``weights``: the storages of the trained parameters (ZeRO-3: their partitions, ``ds_tensor``);
+- ``gradients``: what holds gradients: the parameters' ``.grad`` and DeepSpeed's gradient
+  attributes on them (``grad_accum``, ``_hp_grad``: the fp32 accumulation buffer), and the
+  master partitions' ``.grad``;
+- ``optimizer``: every other storage the optimizer reaches: fp32 master weights, Adam's moments,
+  flat and partitioned buffers;
+- ``buckets`` (not in ``total``): ZeRO's reduce buckets (``ipg_buckets``), of a fixed size
+  (``reduce_bucket_size`` elements), not per parameter: ZeRO-3 keeps one for the whole run;
+- ``other`` (not in ``total``): the rest the engine reaches: module buffers and frozen weights,
+  the pipeline engine's send and receive buffers (micro-batch sized: the activations' part of
+  the memory model, not the parameters').
+
+``total`` is what grows with the parameters: ``model_sizes.bytes_per_param`` times ``params``.
+"""
+
+from __future__ import annotations
+
+import types
+
+# DeepSpeed's attributes on a parameter that hold gradients (stage_1_and_2's grad_accum,
+# BF16_Optimizer's _hp_grad), and those that hold its ZeRO-3 partition.
+_GRAD_ATTRS = ("grad", "grad_accum", "_hp_grad")
+_PARTITION_ATTRS = ("ds_tensor",)
+_LEAVES = (str, bytes, int, float, complex, bool, type(None), type, types.ModuleType,
+           types.FunctionType, types.BuiltinFunctionType, types.MethodType, range)
+
+
+def _storage(tensor) -> tuple[int, int] | None:
+    """(address, bytes) of a tensor's storage; None for one without memory (meta, empty)."""
+    if tensor.device.type == "meta":
+        return None
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without a plain storage
+        return None
+    if storage.nbytes() == 0:
+        return None
+    return (tensor.device.type, tensor.device.index, storage.data_ptr()), storage.nbytes()
+
+
+def _grads_of(tensor) -> list:
+    return [g for g in (getattr(tensor, a, None) for a in _GRAD_ATTRS) if g is not None]
+
+
+class _Walk:
+    """Storages reachable from roots, each credited to the first category that reaches it."""
+
+    def __init__(self, depth: int) -> None:
+        import torch
+
+        self.torch = torch
+        self.depth = depth
+        self.seen: set[int] = set()
+        self.storages: dict = {}  # key -> (bytes, category)
+
+    def add(self, tensor, category: str) -> None:
+        found = _storage(tensor)
+        if found and found[0] not in self.storages:
+            self.storages[found[0]] = (found[1], category)
+
+    def walk(self, obj, category: str, depth: int | None = None) -> None:
+        depth = self.depth if depth is None else depth
+        stack = [(obj, depth)]
+        while stack:
+            obj, left = stack.pop()
+            if isinstance(obj, _LEAVES) or id(obj) in self.seen:
+                continue
+            self.seen.add(id(obj))
+            if isinstance(obj, self.torch.Tensor):
+                self.add(obj, category)
+                children = list(getattr(obj, "__dict__", {}).values())  # a Parameter's attributes
+            elif isinstance(obj, dict):
+                children = [*obj.keys(), *obj.values()]
+            elif isinstance(obj, (list, tuple, set, frozenset)):
+                children = list(obj)
+            elif hasattr(obj, "__dict__"):
+                children = list(vars(obj).values())
+            else:
+                children = [getattr(obj, s, None) for s in getattr(type(obj), "__slots__", ())]
+            if left > 0:
+                stack.extend((c, left - 1) for c in children)
+
+
+def engine_bytes(engine, trained: list, depth: int = 12) -> dict:
+    """Bytes of the storages ``engine`` holds for its trained parameters ``trained`` (this
+    rank's), by category (see the module docstring), and ``params``: how many parameters this
+    rank trains (ZeRO-3: the whole model's, as without it; its weights are partitions)."""
+    import torch
+
+    walk = _Walk(depth)
+    for p in trained:  # the weights first: a ZeRO-3 parameter's own data is empty
+        walk.add(p, "weights")
+        for attr in _PARTITION_ATTRS:
+            part = getattr(p, attr, None)
+            if isinstance(part, torch.Tensor):
+                walk.add(part, "weights")
+    module = getattr(engine, "module", None)
+    if module is not None:  # not the optimizer's, though a ZeRO optimizer reaches the module
+        for tensor in [*module.buffers(), *(q for q in module.parameters() if not q.requires_grad)]:
+            walk.add(tensor, "other")
+    optimizer = getattr(engine, "optimizer", None)
+    masters = [q for group in getattr(optimizer, "param_groups", []) for q in group["params"]]
+    basic = getattr(engine, "basic_optimizer", None)
+    masters += [q for group in getattr(basic, "param_groups", []) for q in group["params"]]
+    for p in [*trained, *masters]:
+        for grad in _grads_of(p):
+            walk.add(grad, "gradients")
+    for root in (optimizer, basic):
+        if root is not None:
+            walk.walk(getattr(root, "ipg_buckets", None), "buckets")
+            walk.walk(root, "optimizer")
+    walk.walk(engine, "other")
+    totals = {"weights": 0, "gradients": 0, "optimizer": 0, "buckets": 0, "other": 0}
+    for nbytes, category in walk.storages.values():
+        totals[category] += nbytes
+    params = sum(int(getattr(p, "ds_numel", 0) or p.numel()) for p in trained)
+    return {"weights": totals["weights"], "gradients": totals["gradients"],
+            "optimizer": totals["optimizer"],
+            "total": totals["weights"] + totals["gradients"] + totals["optimizer"],
+            "params": params, "buckets": totals["buckets"], "other": totals["other"]}
+
+
+def on_first_step(optimizer, measure) -> None:
+    """Call ``measure()`` once, right after torch's ``optimizer`` first steps: inside
+    DeepSpeed's step, after the update and before it frees or zeroes the gradients, when
+    weights, gradients, master weights and moments are all held (the step's peak of state)."""
+    handle = None
+
+    def hook(*_):
+        handle.remove()
+        measure()
+
+    handle = optimizer.register_step_post_hook(hook)
