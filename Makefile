@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/video_bench.py --json build/bench/video.json
 	$(PY) benchmarks/train_bench.py --json build/bench/train.json
 	$(PY) benchmarks/simulate_bench.py --json build/bench/simulate.json
+	$(PY) benchmarks/memory_bench.py --layer-kinds --json build/bench/memory.json
 
 # Re-pin constraints.txt after changing setup.cfg's requirements (uv's resolver; keeps the
 # current pins where they still satisfy the requirements).

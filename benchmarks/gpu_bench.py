@@ -13,9 +13,13 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    head of its own (0.3B more parameters than its tied one); ``--smoke``: the tests' tiny
    folder.
 2. Data: the demo generator at ``--scale`` (captions, document QA with long answers, multi-image
-   and text-only chat), preprocessed for the model; packed ``random`` (``--target-samples`` a
-   micro-batch) and ``balanced`` under the random plan's caps, for one rank, ``--micro-batches``
-   a step.
+   and text-only chat), preprocessed for the model; packed ``random`` and ``balanced`` under the
+   random plan's caps, for one rank, ``--micro-batches`` a step. The caps come from the memory
+   model for the device the bench runs on: the largest micro-batch shaped like the mean sample
+   that one stage holds with every layer recomputed where it must
+   (``vlmshard.partition.largest_micro_batch``); random takes as many samples a micro-batch as
+   its padded caps (that many of the largest sample) keep inside it (``--target-samples``
+   overrides).
 3. The loader alone: the balanced shards through the trainer's loader (its workers, pinned
    memory, real pixel rows), no model: micro-batches, tokens and tiles per second.
 4. Each plan trains ``--steps`` steps (PP=1, DP=1, the partition and recompute vlmshard searches
@@ -23,9 +27,10 @@ network: install them, or carry a virtual environment built for it). Nothing is 
 5. One JSON line and a table: device; torch, CUDA, NCCL, DeepSpeed, transformers versions;
    attention backend; median and p90 step time; real tokens/s and tiles/s; MFU (the step's
    model FLOPs over step time × the device's dense bf16 peak, from ``vlmshard.hardware`` or
-   ``--peak-tflops``); peak memory; loader throughput; host syncs per step; and the simulator's
-   predicted step time (the run replayed with the analytic FLOPs at the assumed sustained
-   share of the peak, ``vlmshard.hardware.SUSTAINED_SHARE``) beside the measured.
+   ``--peak-tflops``); peak memory (``max_memory_allocated``) beside the memory model's for the
+   steps' largest micro-batches and at the caps; loader throughput; host syncs per step; and
+   the simulator's predicted step time (the run replayed with the analytic FLOPs at the assumed
+   sustained share of the peak, ``vlmshard.hardware.SUSTAINED_SHARE``) beside the measured.
 """
 
 from __future__ import annotations
@@ -60,8 +65,32 @@ QWEN3_VL_2B = {
 BENCH_MAX_PIXELS = 32 * 32 * 1024
 
 
-def prepare(args) -> dict:
-    """Model folder, preprocessed demo data, and the two plans' shards."""
+def memory_bound(model: str, pre: str, device_bytes: int) -> tuple[dict, int]:
+    """The largest micro-batch (tiles, tokens) the memory model lets one bf16 stage of
+    ``model`` hold on a device of ``device_bytes``, shaped like the mean sample of the stats
+    ``pre``; and the most samples a random micro-batch may take, its padded caps (that many of
+    the largest sample) inside it."""
+    from vlmshard.families import model_sizes
+    from vlmshard.model_sizes import Size, bytes_per_param, layer_work
+    from vlmshard.packing.algorithms import padded_caps
+    from vlmshard.packing.stats import load_stats
+    from vlmshard.partition import Machine, largest_micro_batch
+
+    lengths = load_stats(pre).lengths
+    shape = Size(float(lengths.tiles.mean()), float(lengths.tokens.mean()))
+    work = layer_work(model_sizes(read_json(os.path.join(model, "config.json")), model))
+    bound = largest_micro_batch(work, shape, Machine.for_device(device_bytes),
+                                bytes_per_param("bf16", 1))
+    samples = 1
+    while (caps := padded_caps(lengths, samples + 1)).qv <= bound.tiles and \
+            caps.qt <= bound.tokens:
+        samples += 1
+    return {"max_qv": int(bound.tiles), "max_qt": int(bound.tokens)}, samples
+
+
+def prepare(args, device_bytes: int | None) -> dict:
+    """Model folder, preprocessed demo data, and the two plans' shards. ``device_bytes``: the
+    device's memory, which sets the caps (None: ``--target-samples``, on CPU 8)."""
     from vlmshard.families import tiny_folder
     from vlmshard.packing.config import PackConfig
     from vlmshard.packing.plan import run_pack
@@ -83,19 +112,21 @@ def prepare(args) -> dict:
     pre = os.path.join(work, "preprocess")
     run_preprocess(PreprocessConfig(inputs=[data.meta], out=pre, model=model, keep_tokens=True,
                                     max_seq_len=args.max_seq_len, part_size=256))
+    bound, samples = memory_bound(model, pre, device_bytes) if device_bytes else ({}, 8)
+    samples = args.target_samples or samples
     shards = {}
     caps = {}
     for algo in ("random", "balanced"):
         plan = os.path.join(work, f"plan-{algo}")
         run_pack(PackConfig(stats=pre, dp=1, out=plan, algo=algo,
-                            micro_batches=args.micro_batches,
-                            target_samples=args.target_samples, **caps))
+                            micro_batches=args.micro_batches, target_samples=samples, **caps))
         if algo == "random":  # the balanced plan packs under the same memory bound
             metrics = read_json(os.path.join(plan, "plan.json"))["metrics"]
             caps = {"max_qv": int(metrics["qv"]), "max_qt": int(metrics["qt"])}
         shards[algo] = os.path.join(work, f"shards-{algo}")
         run_write(WriteConfig(plan=plan, stats=pre, out=shards[algo], workers=1))
-    return {"model": model, "shards": shards, "caps": caps}
+    return {"model": model, "shards": shards, "caps": caps, "memory_bound": bound,
+            "target_samples": samples}
 
 
 def loader_throughput(shards: str, workers: int, cuda: bool, dtype) -> dict:
@@ -135,6 +166,7 @@ def train_plan(args, setup: dict, algo: str) -> dict:
     flops = replay.predicted.makespan.max(axis=1)[args.warmup - 1:] if args.warmup else \
         replay.predicted.makespan.max(axis=1)
     pipeline = read_json(os.path.join(out, "pipeline.json"))
+    recompute = [n for s in pipeline["stages"] for n in s["recompute"]]
     return {"steps": len(kept), "median_step_s": statistics.median(times),
             "p90_step_s": times[min(len(times) - 1, int(0.9 * len(times)))],
             "tokens_per_s": sum(r["tokens"] for r in kept) / seconds,
@@ -143,10 +175,32 @@ def train_plan(args, setup: dict, algo: str) -> dict:
             "mfu_flops_per_s": statistics.median(r["model_flops_per_s"] for r in kept),
             "replay_flops_per_step": float(statistics.median(flops)),
             "peak_memory_bytes": max(peaks) if peaks else None,
+            "peak_reserved_bytes": max((x["peak_reserved_bytes"] for r in kept for x in r["ranks"]
+                                        if "peak_reserved_bytes" in x), default=None),
+            # the memory model: at the caps (what the partition search trusted), and at each
+            # kept step's largest micro-batch (what max_memory_allocated is held to)
+            "predicted_peak_bytes": pipeline["stages"][0]["memory"]["predicted_peak_bytes"],
+            "predicted_step_peak_bytes": predicted_step_peak(setup["model"], kept, recompute),
             "host_syncs_per_step": statistics.median(syncs) if syncs else None,
             "loss": [r["loss"] for r in records],
             "partition": pipeline.get("partition_source", ""),
-            "recompute": [n for s in pipeline["stages"] for n in s["recompute"]]}
+            "recompute": recompute}
+
+
+def predicted_step_peak(model: str, records: list[dict], recompute: list[str]) -> int:
+    """The memory model's peak for the largest micro-batch of any of ``records``' steps, one
+    bf16 stage holding the whole model and recomputing ``recompute``."""
+    from vlmshard.model_sizes import Size, bytes_per_param
+    from vlmshard.partition import predicted_stage_peak
+    from vlmshard.train.hf_model import model_layers
+
+    layers = model_layers(model)
+    again = [layers.names.index(n) for n in recompute]
+    work = layers.analytic_work()
+    return max(predicted_stage_peak(work, again, Size(max(m["tiles"] for m in d["micro_sizes"]),
+                                                      max(m["tokens"] for m in d["micro_sizes"])),
+                                    1, bytes_per_param("bf16", 1))["predicted_peak_bytes"]
+               for r in records for d in r["data"])
 
 
 def environment(cuda: bool) -> dict:
@@ -175,8 +229,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=None, help="steps dropped (default 3; "
                                                              "smoke 1)")
     p.add_argument("--micro-batches", type=int, default=4, help="per step")
-    p.add_argument("--target-samples", type=int, default=8, help="samples per random "
-                                                                 "micro-batch")
+    p.add_argument("--target-samples", type=int, default=None,
+                   help="samples per random micro-batch (default: as many as the memory model "
+                        "lets the device hold; 8 with --smoke)")
     p.add_argument("--max-seq-len", type=int, default=8192)
     p.add_argument("--loader-workers", type=int, default=None,
                    help="the trainer's default: 4 on GPU, 0 on CPU")
@@ -203,10 +258,11 @@ def main() -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     gpu = gpu_named(torch.cuda.get_device_name(0)) if cuda else None
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (gpu.peak_flops if gpu else None)
-    setup = prepare(args)
+    setup = prepare(args, torch.cuda.get_device_properties(0).total_memory if cuda else None)
     workers = args.loader_workers if args.loader_workers is not None else (4 if cuda else 0)
     result = {**environment(cuda), "attention": choose_backend("cuda" if cuda else "cpu", dtype),
               "model": os.path.basename(setup["model"].rstrip("/")), "caps": setup["caps"],
+              "memory_bound": setup["memory_bound"], "target_samples": setup["target_samples"],
               "peak_flops": peak, "sustained_share": SUSTAINED_SHARE,
               "loader": loader_throughput(setup["shards"]["balanced"], workers, cuda, dtype)}
     for algo in ("balanced", "random"):
@@ -232,13 +288,14 @@ def table(result: dict) -> str:
              f"loader alone: {result['loader']['tokens_per_s']:,.0f} tokens/s, "
              f"{result['loader']['tiles_per_s']:,.0f} tiles/s",
              f"{'plan':<9} {'median s':>9} {'p90 s':>7} {'tokens/s':>9} {'tiles/s':>8} "
-             f"{'MFU':>6} {'peak GiB':>8} {'syncs':>5} {'predicted s':>11}"]
+             f"{'MFU':>6} {'peak GiB':>8} {'model GiB':>9} {'syncs':>5} {'predicted s':>11}"]
     for algo in ("balanced", "random"):
         r = result[algo]
         peak = r["peak_memory_bytes"] / 2**30 if r["peak_memory_bytes"] else None
         lines.append(f"{algo:<9} {r['median_step_s']:>9.3f} {r['p90_step_s']:>7.3f} "
                      f"{r['tokens_per_s']:>9,.0f} {r['tiles_per_s']:>8,.0f} "
                      f"{fmt(r.get('mfu'), '.1%'):>6} {fmt(peak, '.1f'):>8} "
+                     f"{r['predicted_step_peak_bytes'] / 2**30:>9.1f} "
                      f"{fmt(r['host_syncs_per_step'], '.0f'):>5} "
                      f"{fmt(r.get('predicted_step_s'), '.3f'):>11}")
     return "\n".join(lines)

@@ -1,19 +1,26 @@
-"""The memory model against a GPU's own reading: each logged step of a real run's
-``max_memory_allocated`` beside the peak the model predicts for that step.
+"""The memory model against what is measured: a GPU's own reading of a real run, step by step,
+and every layer kind of every family against the bytes autograd saves.
 
     python benchmarks/memory_bench.py                 # the H100 run in ../shared/measurements
     python benchmarks/memory_bench.py --run DIR       # another gpu_bench.py run folder
+    python benchmarks/memory_bench.py --layer-kinds   # also the layer kinds, about 2 minutes
 
 A run folder holds what ``benchmarks/gpu_bench.py`` wrote on the device: ``gpu.json`` (the model
 it trained: Qwen3-VL-2B's sizes unless it names another; the recompute each plan ran) and the
 plans' ``*-train_log.jsonl`` (per step and rank the allocator's peak and each micro-batch's
 tiles and tokens). For every step after the first (the first has no Adam moments yet: torch
 makes them at the first optimizer step) the model's peak for one pipeline stage (PP=1) holding
-the step's largest micro-batch is ``vlmshard.partition.stage_memory_parts``: parameters with
+the step's largest micro-batch is ``vlmshard.partition.predicted_stage_peak``: parameters with
 their gradients and optimizer states (``model_sizes.bytes_per_param``), the activations the
 recompute plan keeps, the largest recomputed layer rebuilt and the largest transient
 (``model_sizes.layer_work``). Prints a table per plan and the median and worst ratio of
 predicted to measured; ``--json`` also writes them.
+
+``--layer-kinds``: each family's tiny test model (``tests/hf_reference.py``) on one micro-batch of
+the tests' rows, profiled layer by layer in bf16 on this CPU (``vlmshard train profile``'s
+``profile_layers``): per layer kind the bytes autograd saved for backward (its saved-tensor
+hooks) beside the analytic model's, and the transient beyond them (torch's memory tracker)
+beside the analytic bound.
 """
 
 from __future__ import annotations
@@ -24,12 +31,13 @@ import json
 import os
 import statistics
 import sys
+from pathlib import Path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from vlmshard.model_sizes import Size, bytes_per_param, layer_work  # noqa: E402
-from vlmshard.partition import analytic_layer_costs, stage_memory_parts  # noqa: E402
+from vlmshard.partition import predicted_stage_peak  # noqa: E402
 
 DEFAULT_RUN = os.path.join(os.path.dirname(REPO), "shared", "measurements", "h100-2026-11-26")
 
@@ -59,18 +67,58 @@ def step_rows(log: str, recompute: list[str], sizes) -> list[dict]:
     for record in records[1:]:
         micro = record["data"][0]["micro_sizes"]
         largest = Size(max(m["tiles"] for m in micro), max(m["tokens"] for m in micro))
-        costs = analytic_layer_costs(work, time_size=largest, memory_size=largest,
-                                     flops_per_s=1.0, bytes_per_param=param_bytes)
-        parts = stage_memory_parts(costs, 0, len(costs), 1, again)
+        parts = predicted_stage_peak(work, again, largest, 1, param_bytes)
         measured = max(r["peak_memory_bytes"] for r in record["ranks"])
         rows.append({"step": record["step"], "tiles": largest.tiles, "tokens": largest.tokens,
-                     "measured": measured, "predicted": sum(parts.values()), **parts})
+                     "measured": measured, "predicted": parts.pop("predicted_peak_bytes"),
+                     **parts})
     return rows
+
+
+def layer_kinds(work: str) -> dict:
+    """Per family and layer kind: measured and analytic activation and transient bytes."""
+    import torch
+
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from hf_reference import FAMILIES, make_folder, make_shards
+
+    from vlmshard.shards.loader import ShardDataset
+    from vlmshard.train.hf_model import model_layers
+    from vlmshard.train.profile import profile_layers
+
+    table = {}
+    for family in FAMILIES:
+        root = Path(work) / family
+        root.mkdir(parents=True, exist_ok=True)
+        folder = make_folder(family, str(root / "model"))
+        shards = make_shards(folder, root, target_samples=3, micro_batches=2)
+        model = model_layers(folder)
+        batches = list(ShardDataset(shards, pixel_dtype=torch.bfloat16))[:1]
+        profile = profile_layers(model, batches, dtype=torch.bfloat16, repeats=1, warmup=0)
+        kinds = table.setdefault(family, {})
+        for d, cost, analytic in zip(model.defs, profile.layers, profile.analytic):
+            kinds.setdefault(d.kind, {"activation": cost.activation_bytes,
+                                      "analytic_activation": analytic["activation_bytes"],
+                                      "transient": cost.transient_bytes,
+                                      "analytic_transient": analytic["transient_bytes"]})
+    print("\n| family | layer kind | saved for backward | analytic | ratio | transient | "
+          "analytic bound |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for family, kinds in table.items():
+        for kind, r in kinds.items():
+            print(f"| {family} | {kind} | {r['activation']:,} | {r['analytic_activation']:,} | "
+                  f"{r['analytic_activation'] / r['activation']:.3f} | {r['transient']:,} | "
+                  f"{r['analytic_transient']:,} |")
+    return table
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run", default=DEFAULT_RUN, help="a gpu_bench.py run folder")
+    p.add_argument("--layer-kinds", action="store_true",
+                   help="also profile every family's layer kinds on this CPU (bf16)")
+    p.add_argument("--work", default=os.path.join(REPO, "build", "memory_bench"),
+                   help="where --layer-kinds builds its tiny models and shards")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
     with open(os.path.join(args.run, "gpu.json"), encoding="utf-8") as f:
@@ -99,7 +147,10 @@ def main() -> None:
                   f"{r['rebuilt'] / gib:.2f} | {r['transient'] / gib:.2f} | {ratio:.3f} |")
         print(f"predicted / measured: median {statistics.median(ratios):.3f}, "
               f"range {min(ratios):.3f} .. {max(ratios):.3f}")
+    if args.layer_kinds:
+        result["layer_kinds"] = layer_kinds(args.work)
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)
 

@@ -185,7 +185,7 @@ def bench_partitions(work: str, setup: dict, steps: int, repeats: int) -> dict:
             print(f"  pp=2 {name:<10} repeat {i}: {times[name][-1]:.3f} s/step", flush=True)
             if name == "analytic" and i == 0:  # as the profile models it
                 bounds = stage_bounds(read_json(os.path.join(cfg.out, "pipeline.json"))["stages"])
-                layers = [LayerCost(**c) for c in read_json(
+                layers = [LayerCost.from_dict(c) for c in read_json(
                     os.path.join(setup["profile"], "profile.json"))["layers"]]
                 modelled = evaluate(layers, bounds, Machine(**partitions["machine"]))
                 partitions[name] = describe(modelled, layers, name)

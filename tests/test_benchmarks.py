@@ -54,6 +54,8 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
         assert run["predicted_step_s"] == pytest.approx(
             run["model_flops_per_step"] / (1e12 * result["sustained_share"]), rel=1e-9)
         assert f"{algo:<9} {run['median_step_s']:>9.3f}" in proc.stdout
+        # the memory model at the caps bounds it at the micro-batches that ran
+        assert 0 < run["predicted_step_peak_bytes"] <= run["predicted_peak_bytes"]
 
 
 def test_layer_kinds_bench_costs_less_attention_by_kind(tmp_path):

@@ -146,6 +146,32 @@ def test_the_largest_micro_batch_a_partition_holds_by_hand():
     assert largest_micro_batch_scale([free, free], [0, 1, 2], Machine(1000)) == float("inf")
 
 
+@pytest.mark.parametrize("preset, stages", [("qwen2-vl-2b", 1), ("internvl2-2b", 2),
+                                           ("qwen3-vl-8b", 4)])
+def test_the_largest_micro_batch_of_the_analytic_model_is_the_edge_of_fitting(preset, stages):
+    """``largest_micro_batch`` (the caps' memory bound before any profile): a micro-batch of its
+    size fits some partition of the real model's analytic layers on an 80 GiB device, one 1%
+    larger fits none (an 8B model's states alone fill one device: four stages); the loss's
+    chunk is costed at each size, not scaled from one."""
+    from vlmshard.model_sizes import PRESETS, Size, bytes_per_param, layer_work
+    from vlmshard.partition import analytic_layer_costs, largest_micro_batch
+
+    work = layer_work(PRESETS[preset])
+    machine = Machine.for_device(80 * 2**30)
+    shape = Size(10.0, 40.0)
+    largest = largest_micro_batch(work, shape, machine, bytes_per_param("bf16"), stages)
+    assert largest.tokens > 1000 and largest.tiles == pytest.approx(largest.tokens / 4)
+
+    def costs(size):
+        return analytic_layer_costs(work, time_size=size, memory_size=size, flops_per_s=1.0,
+                                    bytes_per_param=bytes_per_param("bf16"))
+
+    search_partition(costs(largest), stages, machine)
+    with pytest.raises(PartitionError):
+        search_partition(costs(Size(largest.tiles * 1.01, largest.tokens * 1.01)), stages,
+                         machine)
+
+
 def test_first_stages_hold_more_micro_batches_so_recompute_more():
     same = [LayerCost(f"L{i}", 1.0, 2.0, 100, 10, 10, 0) for i in range(8)]
     part = search_partition(same, 4, Machine(memory_budget=500))

@@ -22,6 +22,7 @@ from hf_reference import (
 from PIL import Image
 from pipeline_reference import replay
 
+from vlmshard.errors import ConfigError
 from vlmshard.families import tiny_folder
 from vlmshard.io import read_json
 from vlmshard.packing.config import PackConfig
@@ -80,7 +81,7 @@ def partition(small_shards, tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("profile")
     run_profile(ProfileConfig(shards=small_shards, out=str(out), pp=2, micro_batches=2,
                               memory_budget="1TB"))
-    layers = [LayerCost(**c) for c in read_json(out / "profile.json")["layers"]]
+    layers = [LayerCost.from_dict(c) for c in read_json(out / "profile.json")["layers"]]
     n = len(layers)
     # Just under what the best partition needs without recompute: every choice must recompute.
     tight = min(max(stage_memory(layers, 0, cut, 2, []), stage_memory(layers, cut, n, 1, []))
@@ -245,13 +246,14 @@ def test_validate_top_trains_each_candidate_and_chooses_the_fastest(small_shards
     assert partitions["chosen"] == min(validated, key=lambda p: p["measured_step_s"])
 
 
-def test_without_a_partition_a_run_takes_the_search_over_analytic_costs(small_shards, caplog,
+def test_without_a_partition_a_run_takes_the_search_over_analytic_costs(small_shards,
                                                                           monkeypatch):
     """No --partition, no --bounds: the min-max cut of the model's analytic layer times (FLOPs
     at the shards' mean micro-batch over the rank's rate, backward twice the forward, plus
     stage 0's send of its output at the caps), which every cut costed here by hand, from
-    ``layer_work`` and the loader's own batches, confirms. With memory for no cut at all, the
-    run takes DeepSpeed's 'parameters' partition and says why."""
+    ``layer_work`` and the loader's own batches, confirms; each stage's predicted peak is the
+    sum of its parts. With memory for no cut at all, the run is refused in one line naming the
+    stage and the bytes."""
     from vlmshard.families import model_sizes
     from vlmshard.model_sizes import ACTIVATION_BYTES, layer_work
     from vlmshard.partition import Machine
@@ -263,7 +265,7 @@ def test_without_a_partition_a_run_takes_the_search_over_analytic_costs(small_sh
     manifest = read_manifest(small_shards)
     model = model_layers(manifest.model_spec().path)
     cfg = TrainConfig(shards=small_shards, out="unused", pp=2, precision="fp32")
-    chosen = dp.searched_partition(cfg, model, torch.device("cpu"), 2)
+    chosen = dp.choose_partition(cfg, model, None, 2)
     assert chosen.source.startswith("searched: the analytic FLOPs") and chosen.recompute == []
 
     count = dp.SIZE_STEPS * manifest.ranks * manifest.micro_batches
@@ -290,10 +292,15 @@ def test_without_a_partition_a_run_takes_the_search_over_analytic_costs(small_sh
     best = min(max(stage_times(cut)) for cut in range(1, len(flops)))
     assert max(stage_times(chosen.bounds[1])) == pytest.approx(best, rel=1e-9)
 
+    # each stage's predicted peak by part, as the partition module sums it at the caps
+    assert [m["predicted_peak_bytes"] for m in chosen.memory] == [
+        sum(v for k, v in m.items() if k != "predicted_peak_bytes") for m in chosen.memory]
+    assert all(m["params"] > 0 and m["activations"] > 0 for m in chosen.memory)
+
     monkeypatch.setattr(dp, "device_machine", lambda device, ranks: (Machine(1), 1e11, "1 B"))
-    fallback = dp.searched_partition(cfg, model, torch.device("cpu"), 2)
-    assert fallback.source.startswith("DeepSpeed's 'parameters' (the search found none")
-    assert "no partition fits" in caplog.text and len(fallback.bounds) == 3
+    with pytest.raises(ConfigError, match=r"do not fit 1 B: no partition into 2 stage\(s\) "
+                                          r"fits: stage 0 \(layer \w+ alone\) needs [\d.]+ GiB"):
+        dp.choose_partition(cfg, model, None, 2)
 
 
 def _log(path) -> list[dict]:
@@ -422,6 +429,66 @@ def test_zero_2_and_3_at_pp_1_train_as_zero_1_does(small_shards, tmp_path):
         torch.testing.assert_close(tensor, one[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
+def test_engine_holds_what_the_memory_model_charges_per_parameter(small_shards, tmp_path):
+    """One bf16 step (fp32 gradient accumulation, the GPU default) of each engine the trainer
+    runs, each at DP=2 (ZeRO splits over it): the pipeline engine's BF16 optimizer (ZeRO-1:
+    master weights and moments split) at PP=1 and PP=2, the plain engine under ZeRO-2 and
+    ZeRO-3. The bytes each rank's engine holds for its parameters, counted from its tensors at
+    the first optimizer update, are the memory model's bytes per parameter times its
+    parameters, within 2%; ZeRO-3 also keeps one reduce bucket of DeepSpeed's default size,
+    which is not per parameter."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from vlmshard.model_sizes import bytes_per_param
+
+    bucket = DeepSpeedZeroConfig().reduce_bucket_size * 2  # bf16 elements
+    params = {}
+    for pp, zero in ((1, 1), (2, 1), (1, 2), (1, 3)):
+        out = tmp_path / f"pp{pp}-zero{zero}"
+        vlmshard("train", "--config", CONFIG, "--shards", small_shards, "--pp", str(pp),
+                 "--dp", "2", "--zero", str(zero), "--precision", "bf16", "--max-steps", "1",
+                 "--no-save-checkpoints", "--out", str(out))
+        ranks = _log(out / "train_log.jsonl")[0]["ranks"]
+        assert len(ranks) == pp * 2
+        for rank in ranks:
+            held = rank["engine_bytes"]
+            expected = bytes_per_param("bf16", 2, "fp32", zero) * held["params"]
+            assert held["total"] == pytest.approx(expected, rel=0.02), (pp, zero, rank)
+            assert held["total"] == held["weights"] + held["gradients"] + held["optimizer"]
+            assert held["buckets"] == (bucket if zero == 3 else 0), (pp, zero, rank)
+            params[pp, zero, rank["stage"]] = held["params"]
+    # ZeRO-3's bytes are per parameter of the whole model, which every rank counts
+    assert params[1, 1, 0] == params[1, 2, 0] == params[1, 3, 0] > params[2, 1, 0]
+
+
+def test_engine_bytes_counts_each_storage_once_by_what_holds_it():
+    """Parameters viewing one flat buffer count it once; gradients, optimizer states and a
+    reduce bucket each fall in their own part, found however deep the optimizer keeps them."""
+    from types import SimpleNamespace
+
+    from vlmshard.train.engine_memory import engine_bytes, on_first_step
+
+    flat = torch.zeros(10)
+    params = [torch.nn.Parameter(flat[:4]), torch.nn.Parameter(flat[4:])]
+    module = torch.nn.Module()
+    module.a, module.b = params
+    module.register_buffer("table", torch.zeros(3))
+    adam = torch.optim.AdamW(params)
+    wrapper = SimpleNamespace(optimizer=adam, param_groups=adam.param_groups,
+                              ipg_buckets={torch.float32: SimpleNamespace(buffer=torch.empty(7))},
+                              nested={"views": [[flat[2:5]]]})
+    engine = SimpleNamespace(module=module, optimizer=wrapper, basic_optimizer=adam)
+    measured = []
+    on_first_step(adam, lambda: measured.append(engine_bytes(engine, params)))
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        adam.step()
+    assert measured == [{"weights": 40, "gradients": 40, "optimizer": 80 + 8, "total": 168,
+                         "params": 10, "buckets": 28, "other": 12}]
+
+
 def test_zero_2_and_3_need_one_stage():
     from vlmshard.errors import ConfigError
     from vlmshard.train.config import TrainConfig
@@ -486,11 +553,11 @@ def test_two_nodes_on_localhost_train_as_one_node_does(small_shards, tmp_path):
     # Neither named a partition: both ran the search's, decided once on rank 0
     from vlmshard.shards.layout import read_manifest
     from vlmshard.train.config import TrainConfig
-    from vlmshard.train.default_partition import searched_partition
+    from vlmshard.train.default_partition import choose_partition
 
     model = model_layers(read_manifest(small_shards).model_spec().path)
-    expected = searched_partition(TrainConfig(shards=small_shards, out="unused", pp=2,
-                                              precision="fp32"), model, torch.device("cpu"), 2)
+    expected = choose_partition(TrainConfig(shards=small_shards, out="unused", pp=2,
+                                            precision="fp32"), model, None, 2)
     for run in ("nodes", "one"):  # (a node of one rank has twice the memory per rank)
         described = read_json(tmp_path / run / "pipeline.json")
         assert described["partition_source"].startswith("searched: the analytic FLOPs")

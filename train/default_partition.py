@@ -1,25 +1,34 @@
-"""The stage partition a run takes when it names none (no ``--partition``, no ``--bounds``).
+"""The stage partition and recompute a run takes, and the peak memory each stage is predicted
+to hold with them.
 
-The exact min-max search of ``vlmshard.partition`` over the model folder's analytic layer costs
-(``model_sizes.trainer_layer_work``: FLOPs for time, activation and parameter bytes for memory),
-at the micro-batch sizes the shards hold (the mean of their first steps for time, the caps for
-memory: every micro-batch must fit) and the memory of the rank's device, with the recompute each
-stage then needs. ``vlmshard train profile`` measures the layers instead; its partition.json
-(``--partition``) wins over this one. Where the analytic model finds nothing that fits, the run
-falls back to DeepSpeed's ``parameters`` partition with a warning: the estimate may be the one
-that is wrong.
+With no ``--partition`` and no ``--bounds``, the exact min-max search of ``vlmshard.partition``
+over the model folder's analytic layer costs (``model_sizes.trainer_layer_work``: FLOPs for
+time; parameters, kept activations and transients for memory), at the micro-batch sizes the
+shards hold (the mean of their first steps for time, the caps for memory: every micro-batch
+must fit) and the memory of the rank's device, with the recompute each stage then needs.
+``vlmshard train profile`` measures the layers instead; its partition.json (``--partition``)
+wins over the search. Whatever the source, each stage's predicted peak is the same analytic
+model's at the caps, by part (``vlmshard.partition.stage_memory_parts``), for pipeline.json.
+
+Caps no partition can hold at any recompute are refused before a step runs, in one line naming
+the stage and the bytes: a default never plans above the device. The launcher makes the same
+check on its node before it starts any rank (``check_fits``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from dataclasses import dataclass
+import subprocess
+import sys
+from dataclasses import dataclass, field
 from itertools import islice
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vlmshard.errors import ConfigError
 from vlmshard.hardware import GPUS, SUSTAINED_SHARE, gpu_named
 from vlmshard.model_sizes import Size, bytes_per_param
 from vlmshard.partition import (
@@ -27,8 +36,8 @@ from vlmshard.partition import (
     Machine,
     PartitionError,
     analytic_layer_costs,
-    deepspeed_bounds,
     search_partition,
+    stage_memory_parts,
 )
 
 from .config import TrainConfig
@@ -46,20 +55,44 @@ SIZE_STEPS = 4  # steps of records whose sizes stand for the run's micro-batches
 
 
 @dataclass(frozen=True)
+class Device:
+    """A rank's device as the memory model needs it: its name and memory (None: a CPU rank)."""
+
+    name: str
+    memory_bytes: int
+
+    @classmethod
+    def of_rank(cls, device) -> "Device | None":
+        """The torch ``device`` this process trains on."""
+        import torch
+
+        if device.type != "cuda":
+            return None
+        props = torch.cuda.get_device_properties(device)
+        return cls(props.name, props.total_memory)
+
+    @classmethod
+    def probe(cls) -> "Device | None":
+        """The first visible GPU, read in a child process (None without CUDA): the launcher
+        stays alive beside the ranks and must hold no CUDA context of its own."""
+        code = ("import json, torch; p = torch.cuda.get_device_properties(0) "
+                "if torch.cuda.is_available() else None; "
+                "print(json.dumps(p and [p.name, p.total_memory]))")
+        found = json.loads(subprocess.run([sys.executable, "-c", code], check=True,
+                                          capture_output=True, text=True).stdout)
+        return cls(*found) if found else None
+
+
+@dataclass(frozen=True)
 class ChosenPartition:
-    """Stage bounds and recomputed layers, and where they came from (the log, pipeline.json)."""
+    """Stage bounds and recomputed layers, where they came from, and each stage's predicted
+    peak by part at the caps (the log, pipeline.json)."""
 
     bounds: list[int]
     recompute: list[str]
     source: str
-
-
-def given_partition(cfg: TrainConfig) -> ChosenPartition | None:
-    """The partition the options name (the profile's, or ``--bounds``), or None."""
-    if cfg.bounds is None:
-        return None
-    source = f"profiled: {cfg.partition}" if cfg.partition else "--bounds"
-    return ChosenPartition(list(cfg.bounds), list(cfg.recompute), source)
+    memory: list[dict] = field(default_factory=list)
+    budget_bytes: int = 0  # what the memory model leaves a stage of this device
 
 
 def shard_sizes(shards: str) -> tuple[Size, Size]:
@@ -76,22 +109,19 @@ def shard_sizes(shards: str) -> tuple[Size, Size]:
     return Size(*sizes.mean(axis=0)), Size(m.qv, m.qt)
 
 
-def device_machine(device, ranks_on_node: int) -> tuple[Machine, float, str]:
-    """The partition search's machine for this rank's device, the FLOP rate it assumes, and
+def device_machine(device: Device | None, ranks_on_node: int) -> tuple[Machine, float, str]:
+    """The partition search's machine for a rank's ``device``, the FLOP rate it assumes, and
     the device in words. A GPU the table (``vlmshard.hardware``) does not know is costed as an
     H100 for its rate; its memory is its own."""
-    import torch
-
-    if device.type != "cuda":
+    if device is None:
         pages = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         memory = pages // max(1, ranks_on_node)
         return (Machine(memory, CPU_LINK_BYTES_PER_S), CPU_FLOPS_PER_S,
                 f"a CPU rank's share of RAM, {memory / 2**30:.1f} GiB")
-    props = torch.cuda.get_device_properties(device)
-    gpu = gpu_named(props.name) or GPUS["h100"]
-    machine = Machine.for_device(props.total_memory, gpu.link_bytes_per_s)
+    gpu = gpu_named(device.name) or GPUS["h100"]
+    machine = Machine.for_device(device.memory_bytes, gpu.link_bytes_per_s)
     return (machine, gpu.peak_flops * SUSTAINED_SHARE,
-            f"{props.name}, {props.total_memory / 2**30:.0f} GiB")
+            f"{device.name}, {device.memory_bytes / 2**30:.0f} GiB")
 
 
 def analytic_costs(model: "ModelLayers", mean: Size, caps: Size, flops_per_s: float,
@@ -101,26 +131,43 @@ def analytic_costs(model: "ModelLayers", mean: Size, caps: Size, flops_per_s: fl
                                 flops_per_s=flops_per_s, bytes_per_param=param_bytes)
 
 
-def searched_partition(cfg: TrainConfig, model: "ModelLayers", device,
-                       ranks_on_node: int) -> ChosenPartition:
-    """The search's partition for ``cfg.pp`` stages (see the module docstring); ``cfg``'s own
-    ``--recompute`` layers are recomputed as well."""
+def choose_partition(cfg: TrainConfig, model: "ModelLayers", device: Device | None,
+                     ranks_on_node: int) -> ChosenPartition:
+    """The partition ``cfg`` names (the profile's, or ``--bounds``; its own ``--recompute``
+    too), else the search's for ``cfg.pp`` stages (see the module docstring), with each
+    stage's predicted peak. Raises ConfigError where the search finds no partition that fits."""
     mean, caps = shard_sizes(cfg.shards)
     machine, flops_per_s, where = device_machine(device, ranks_on_node)
     layers = analytic_costs(model, mean, caps, flops_per_s,
-                            bytes_per_param(cfg.precision, cfg.dp, cfg.grad_accum))
+                            bytes_per_param(cfg.precision, cfg.dp, cfg.grad_accum, cfg.zero))
     basis = (f"the analytic FLOPs and memory of {os.path.basename(model.path)} at micro-batches "
              f"of {mean.tiles:.0f} tiles and {mean.tokens:.0f} tokens (caps {caps.tiles:.0f}/"
              f"{caps.tokens:.0f}), {where}")
-    try:
-        found = search_partition(layers, cfg.pp, machine)
-    except PartitionError as e:
-        bounds = deepspeed_bounds(layers, cfg.pp, "parameters")
-        log.warning("no partition fits by %s: %s; running DeepSpeed's 'parameters' partition "
-                    "%s without recompute", basis, e, bounds)
-        return ChosenPartition(bounds, list(cfg.recompute),
-                               f"DeepSpeed's 'parameters' (the search found none that fits "
-                               f"by {basis})")
-    recompute = [model.names[i] for i in found.recompute]
-    recompute += [n for n in cfg.recompute if n not in recompute]
-    return ChosenPartition(found.bounds, recompute, f"searched: {basis}")
+    if cfg.bounds is not None:
+        bounds, recompute = list(cfg.bounds), list(cfg.recompute)
+        source = f"profiled: {cfg.partition}" if cfg.partition else "--bounds"
+    else:
+        try:
+            found = search_partition(layers, cfg.pp, machine)
+        except PartitionError as e:
+            raise ConfigError(f"the shards' caps ({caps.tiles:.0f} tiles, {caps.tokens:.0f} "
+                              f"tokens a micro-batch) do not fit {where}: {e}; pack with smaller "
+                              "caps (vlmshard pack --max-qv/--max-qt) or train with more "
+                              "--pp stages") from None
+        bounds = found.bounds
+        recompute = [model.names[i] for i in found.recompute]
+        recompute += [n for n in cfg.recompute if n not in recompute]
+        source = f"searched: {basis}"
+    again = {model.names.index(n) for n in recompute if n in model.names}
+    memory = []
+    for s, (first, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        parts = stage_memory_parts(layers, first, end, len(bounds) - 1 - s,
+                                   sorted(i for i in again if first <= i < end))
+        memory.append({**parts, "predicted_peak_bytes": sum(parts.values())})
+    over = [s for s, m in enumerate(memory) if m["predicted_peak_bytes"] > machine.memory_budget]
+    if over:
+        log.warning("the partition %s is predicted to need %s GiB on stage(s) %s, above the "
+                    "%.2f GiB the memory model leaves a stage of %s", bounds,
+                    ", ".join(f"{memory[s]['predicted_peak_bytes'] / 2**30:.2f}" for s in over),
+                    over, machine.memory_budget / 2**30, where)
+    return ChosenPartition(bounds, recompute, source, memory, machine.memory_budget)

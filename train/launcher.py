@@ -20,6 +20,7 @@ from vlmshard.stage import Result
 
 from .cluster import Cluster
 from .config import TrainConfig
+from .default_partition import Device, choose_partition
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +112,21 @@ def launch(cfg: TrainConfig, output: str | None = None) -> int:
     visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
     if cuda:
         cluster.check_devices(torch.cuda.device_count(), visible_devices)
+    if cfg.bounds is None:  # caps no recompute fits are one line here, before any rank starts
+        from .hf_model import model_layers
+
+        choose_partition(cfg, model_layers(cfg.model), Device.probe() if cuda else None,
+                         cluster.procs_per_node)
     os.makedirs(cfg.out, exist_ok=True)
     config_path = os.path.join(os.path.abspath(cfg.out), "train_config.json")
     write_json_atomic(config_path, asdict(cfg.training_options()))
     env = dict(os.environ)
     if not cuda:
         env["LOCAL_SIZE"] = str(cluster.procs_per_node)  # the CPU accelerator's "devices"
+    elif not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(env):
+        # packed micro-batches change shape every step: segments that grow in place keep the
+        # allocator from fragmenting (the older name: torch 2.9's new one ignored this option)
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     cmd = launcher_command(cluster, visible_devices if cuda else None) + [
         "--module", "vlmshard.train.trainer", config_path]
     if output is None:

@@ -38,6 +38,7 @@ from vlmshard.partition import (
     LayerCost,
     Machine,
     Partition,
+    PartitionError,
     deepspeed_bounds,
     evaluate,
     largest_micro_batch_scale,
@@ -117,13 +118,16 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
     window = layer_kind_window(folder)
     profile = profile_layers(model, batches, device, cfg.dtype, cfg.repeats, cfg.warmup,
                              param_bytes=bytes_per_param(cfg.precision, cfg.dp,
-                                                         cfg.grad_accum),
+                                                         cfg.grad_accum, cfg.zero),
                              window=window.get("window", 0))
     try:
         machine = Machine.for_device(parse_size(cfg.memory_budget), cfg.link_bytes_per_s)
     except ValueError as e:  # a budget the CUDA context and buffers take whole
         raise ConfigError(f"--memory-budget {cfg.memory_budget}: {e}") from None
-    partitions = compare_partitions(profile.layers, cfg.pp, machine)
+    try:
+        partitions = compare_partitions(profile.layers, cfg.pp, machine)
+    except PartitionError as e:
+        raise PartitionError(f"{e}; raise --memory-budget or use more stages") from None
     if cfg.validate_top:
         partitions["validated"] = validate_candidates(
             cfg, [partitions["search"], *partitions["omnibal"]][:cfg.validate_top])

@@ -30,7 +30,7 @@ from vlmshard.model_sizes import training_flops
 from vlmshard.run_log import PIPELINE_NAME
 
 from .config import TrainConfig
-from .default_partition import given_partition, searched_partition
+from .default_partition import Device, choose_partition
 from .distributed import (
     from_first_stage,
     init_distributed,
@@ -38,6 +38,7 @@ from .distributed import (
     rank_device,
     side_groups,
 )
+from .engine_memory import engine_bytes, on_first_step
 from .train_log import (
     open_log,
     pipeline_record,
@@ -106,11 +107,12 @@ def repeated(cfg: TrainConfig, rank: int, start: int, cuda: bool) -> Iterator[di
 
 def deepspeed_config(cfg: TrainConfig, gas: int) -> dict:
     """The engine's configuration: one packed micro-batch per pipeline micro-step, the plan's
-    micro-batches as gradient accumulation. bf16 takes DeepSpeed's BF16 optimizer: fp32 master
-    weights and Adam states sharded over the data-parallel ranks (the ZeRO-1 setting is how
-    DeepSpeed selects it under pipeline parallelism) and gradients accumulated in fp32 (in bf16,
-    its own warning says, many accumulation steps are not safe; ``--grad-accum bf16`` takes
-    that risk for 4 bytes per parameter)."""
+    micro-batches as gradient accumulation. bf16 with gradients accumulated in fp32 takes
+    DeepSpeed's BF16 optimizer: fp32 master weights and Adam states sharded over the
+    data-parallel ranks (the ZeRO-1 setting is how DeepSpeed selects it under pipeline
+    parallelism). ``--grad-accum bf16`` (in bf16, DeepSpeed's own warning says, many
+    accumulation steps are not safe) takes DeepSpeed's ZeRO-1 optimizer instead, for up to 4
+    bytes per parameter less (``model_sizes.bytes_per_param``)."""
     config = {
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
         "train_batch_size": gas * cfg.dp, "steps_per_print": 10 ** 9,
@@ -165,8 +167,8 @@ def run(cfg: TrainConfig) -> None:
     steps = cfg.max_steps or probe.steps
     topology = PipeDataParallelTopology(num_pp=cfg.pp, num_dp=cfg.dp)
     groups = side_groups(topology)
-    chosen = given_partition(cfg) or on_rank_0(lambda: searched_partition(
-        cfg, model, device, int(os.environ.get("LOCAL_SIZE", 1))), groups)
+    chosen = on_rank_0(lambda: choose_partition(
+        cfg, model, Device.of_rank(device), int(os.environ.get("LOCAL_SIZE", 1))), groups)
     log.info("partition: bounds %s, recompute %s; %s", chosen.bounds, chosen.recompute or "none",
              chosen.source)
 
@@ -197,6 +199,10 @@ def run(cfg: TrainConfig) -> None:
                                            optimizer=optimizer, lr_scheduler=schedule,
                                            config=deepspeed_config(cfg, gas))
     loss.scale = gas * cfg.dp
+    # What the engine holds for its parameters, counted once, in the first step's optimizer
+    # update (the memory model's bytes per parameter are checked against it)
+    held: dict = {}
+    on_first_step(optimizer, lambda: held.update(engine_bytes(engine, trained)))
     # the order of the optimizer's parameters, saved with each checkpoint: which rank holds what
     trained_names = [n for n, p in net.named_parameters() if p.requires_grad]
     checkpoints = os.path.join(cfg.out, "checkpoints")
@@ -225,7 +231,8 @@ def run(cfg: TrainConfig) -> None:
         n for n, again in zip(net.stage_layer_names, net.recompute) if again]))
     if engine.global_rank == 0:
         write_json_atomic(os.path.join(cfg.out, PIPELINE_NAME),
-                          pipeline_record(sizes.to_dict(), stages, chosen.source))
+                          pipeline_record(sizes.to_dict(), stages, chosen.source,
+                                          chosen.memory, chosen.budget_bytes))
     vocab = model.config.get_text_config().vocab_size
     for step in range(first_step, steps):
         start = time.perf_counter()
@@ -260,8 +267,12 @@ def run(cfg: TrainConfig) -> None:
                            pipeline_s=times.pipeline_s, step_time_s=seconds, load_s=load_s)
         if cuda:
             mine["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+            mine["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
         if syncs.enabled:
             mine["host_syncs"] = syncs.count
+        if held:
+            mine["engine_bytes"] = dict(held)
+            held.clear()
         if reads:
             mine["data"] = rank_data(micro, sizes.llm.sliding_window)
         ranks = [None] * torch.distributed.get_world_size()

@@ -16,8 +16,9 @@ Every layer cost is linear in three sizes of a micro-batch, the same three the p
 layers have the last term, a linear-attention layer costs linear in tokens). ``vlmshard train
 profile`` measures the same quantities on a real device; the functions here are its analytic
 twin. Conventions: forward FLOPs count a multiply-add as 2 (backward is 2x forward); activations
-are bf16 (2 bytes) with memory-efficient attention, so no score matrix is kept; parameters cost
-16 bytes each for mixed-precision AdamW (bf16 weight and gradient, fp32 master and two moments).
+are bf16 (2 bytes) with memory-efficient attention, so no score matrix is kept, and are counted
+as ``transformers``' modules save them (fp32 where they upcast); parameters cost what the
+trainer's engine holds per parameter (``bytes_per_param``: 20 bytes in bf16 at DP=1).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
 
 from vlmshard.errors import ConfigError
@@ -49,6 +49,11 @@ class LayerCost:
     @property
     def transient_bytes(self) -> int:
         return max(0, self.peak_bytes - self.activation_bytes)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LayerCost":
+        """One layer of profile.json, which writes the analytic model's figures beside these."""
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 # What a training process holds on its device besides the modelled tensors: the CUDA context
@@ -177,6 +182,18 @@ def stage_memory(layers: list[LayerCost], first: int, end: int, in_flight: int,
     return sum(stage_memory_parts(layers, first, end, in_flight, recompute).values())
 
 
+def predicted_stage_peak(work: list[LayerWork], recompute: list[int], size: Size,
+                         in_flight: int, bytes_per_param: float) -> dict[str, int]:
+    """The analytic peak of one stage holding the layers ``work`` (recomputing those at the
+    indices ``recompute``) with ``in_flight`` micro-batches of ``size`` kept: by part
+    (``stage_memory_parts``) and in total (``predicted_peak_bytes``), what a run's
+    ``max_memory_allocated`` is checked against."""
+    layers = analytic_layer_costs(work, time_size=size, memory_size=size, flops_per_s=1.0,
+                                  bytes_per_param=bytes_per_param)
+    parts = stage_memory_parts(layers, 0, len(layers), in_flight, recompute)
+    return {**parts, "predicted_peak_bytes": sum(parts.values())}
+
+
 def stage_time(layers: list[LayerCost], first: int, end: int, recompute: list[int],
                machine: Machine, last: bool) -> float:
     compute = sum(layers[i].forward_s + layers[i].backward_s for i in range(first, end))
@@ -216,9 +233,9 @@ def evaluate(layers: list[LayerCost], bounds: list[int], machine: Machine) -> Pa
 def largest_micro_batch_scale(layers: list[LayerCost], bounds: list[int], machine: Machine,
                               steps: int = 40) -> float:
     """How many times the profiled micro-batch a micro-batch may hold (its activations, input
-    checkpoints and sends grow with it; parameters do not) for the partition ``bounds`` still to
-    fit ``machine``, recomputing what it must: the memory bound on the packer's caps. 0 when the
-    parameters alone do not fit."""
+    checkpoints, sends and transients grow with it; parameters do not) for the partition
+    ``bounds`` still to fit ``machine``, recomputing what it must: the memory bound on the
+    packer's caps. 0 when the parameters alone do not fit."""
     def fits(scale: float) -> bool:
         scaled = [replace(c, activation_bytes=math.ceil(c.activation_bytes * scale),
                           input_bytes=math.ceil(c.input_bytes * scale),
@@ -226,6 +243,33 @@ def largest_micro_batch_scale(layers: list[LayerCost], bounds: list[int], machin
                           peak_bytes=math.ceil(c.peak_bytes * scale)) for c in layers]
         return evaluate(scaled, bounds, machine) is not None
 
+    return _largest_scale(fits, steps)
+
+
+def largest_micro_batch(work: list[LayerWork], shape: Size, machine: Machine,
+                        bytes_per_param: float, stages: int = 1, steps: int = 40) -> Size:
+    """The largest micro-batch of ``shape`` (e.g. a mean sample's tiles and tokens) that some
+    partition of the analytic model ``work`` into ``stages`` holds in ``machine``'s memory,
+    recomputing what it must: the memory bound on the packer's caps before any profile. Each
+    candidate is costed at its own size (the loss's chunk does not grow past its rows). Zero
+    when the parameters alone do not fit."""
+    def fits(scale: float) -> bool:
+        size = Size(shape.tiles * scale, shape.tokens * scale)
+        layers = analytic_layer_costs(work, time_size=size, memory_size=size, flops_per_s=1.0,
+                                      bytes_per_param=bytes_per_param)
+        try:
+            search_partition(layers, stages, machine)
+        except PartitionError:
+            return False
+        return True
+
+    scale = _largest_scale(fits, steps)
+    return Size(shape.tiles * scale, shape.tokens * scale)
+
+
+def _largest_scale(fits, steps: int) -> float:
+    """The largest scale ``fits`` holds for (monotone), by doubling then bisection; 0 if not
+    even an empty micro-batch fits, inf if any does."""
     if not fits(0.0):
         return 0.0
     high = 1.0
@@ -318,13 +362,19 @@ def _check_stage_count(n: int, stages: int) -> None:
 
 
 def _why_infeasible(layers: list[LayerCost], stages: int, machine: Machine) -> str:
-    worst = max(range(len(layers)), key=lambda i: layers[i].param_bytes + stages *
-                layers[i].input_bytes)
-    need = stage_memory(layers, worst, worst + 1, stages, [worst])
-    return (f"no partition into {stages} stages fits {machine.memory_budget / 2**30:.2f} GiB "
-            f"per stage even with full recompute (layer {layers[worst].name} alone needs "
-            f"{need / 2**30:.2f} GiB on the first stage); raise --memory-budget or use more "
-            "stages")
+    """The stage that cannot fit and the bytes it needs with every layer recomputed: one stage
+    holds the whole model; of more, the first holds at least its most demanding layer."""
+    if stages == 1:
+        where, need = "stage 0 (every layer)", stage_memory(layers, 0, len(layers), 1,
+                                                            list(range(len(layers))))
+    else:
+        worst = max(range(len(layers)), key=lambda i: layers[i].param_bytes + stages *
+                    layers[i].input_bytes)
+        where = f"stage 0 (layer {layers[worst].name} alone)"
+        need = stage_memory(layers, worst, worst + 1, stages, [worst])
+    return (f"no partition into {stages} stage(s) fits: {where} needs {need / 2**30:.2f} GiB "
+            f"even with full recompute, above the {machine.memory_budget / 2**30:.2f} GiB a "
+            "stage has")
 
 
 def deepspeed_bounds(layers: list[LayerCost], stages: int, method: str) -> list[int]:

@@ -9,11 +9,22 @@ rank, what its first stage trained:
 "end_to_end_tokens_per_s", "model_flops", "model_flops_per_s", "ranks": [{"rank", "stage",
 "dp_rank", "forward_s", "backward_s", "pipeline_s", "wait_s", "step_time_s", "load_s"}],
 "data": [{"dp_rank", "tokens", "plan_steps", "micro_sizes", "sample_ids"}]}``; on GPU a rank
-also logs ``peak_memory_bytes`` (the allocator's peak in the step) and, when counted,
-``host_syncs``.
+also logs ``peak_memory_bytes`` and ``peak_reserved_bytes`` (the allocator's peaks in the
+step: ``max_memory_allocated``, which pipeline.json's predicted peak is checked against, and
+``max_memory_reserved``) and, when counted, ``host_syncs``.
+The first step after a start or resume also has, per rank, ``engine_bytes``:
+the bytes of the tensors the DeepSpeed engine holds at its first optimizer update, counted once
+per storage (``vlmshard.train.engine_memory``): ``{"weights", "gradients", "optimizer",
+"total", "params", "buckets", "other"}``, where ``total`` (weights, gradients, fp32 master
+weights, moments and DeepSpeed's flat buffers) is what ``model_sizes.bytes_per_param`` times
+``params`` (the trained parameters the rank's stage holds; ZeRO-3: the whole model's) predicts;
+``buckets`` are ZeRO's fixed-size reduce buckets and ``other`` the rest the engine reaches
+(module buffers, the pipeline's micro-batch buffers), neither in ``total``.
 
-``pipeline.json`` says what the stages held and where that partition came from (``{"model",
-"partition_source", "stages": [{"stage", "layers", "recompute"}]}``): what a replay of the run
+``pipeline.json`` says what the stages held, each stage's predicted peak memory by part at the
+caps, and where that partition came from (``{"model", "partition_source",
+"memory_budget_bytes", "stages": [{"stage", "layers", "recompute", "memory": {"params",
+"activations", "rebuilt", "transient", "predicted_peak_bytes"}}]}``): what a replay of the run
 (``vlmshard.simulate.replay``) needs besides the log.
 """
 

@@ -104,7 +104,7 @@ def _configured_partition(config: dict, profile: dict) -> Partition:
     from vlmshard.partition import LayerCost, deepspeed_bounds
 
     bounds = config.get("bounds") or deepspeed_bounds(
-        [LayerCost(**lay) for lay in profile["layers"]], config["pp"], "parameters")
+        [LayerCost.from_dict(lay) for lay in profile["layers"]], config["pp"], "parameters")
     return _partition([lay["name"] for lay in profile["layers"]], bounds,
                       config.get("recompute") or [])
 
