@@ -20,10 +20,11 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    (``vlmshard.partition.largest_micro_batch``); random takes as many samples a micro-batch as
    its padded caps (that many of the largest sample) keep inside it (``--target-samples``
    overrides).
-3. The loader alone: the balanced shards through the trainer's loader (its workers, pinned
-   memory, real pixel rows), no model: micro-batches, tokens and tiles per second.
-4. Each plan trains ``--steps`` steps (PP=1, DP=1, the partition and recompute vlmshard searches
+3. Each plan trains ``--steps`` steps (PP=1, DP=1, the partition and recompute vlmshard searches
    by default, host syncs counted); the first ``--warmup`` steps are dropped.
+4. Then the loader alone: the balanced shards through the trainer's loader (its workers, pinned
+   memory, real pixel rows), no model: micro-batches, tokens and tiles per second. (After the
+   training: its pinned memory makes a CUDA context in this process.)
 5. One JSON line and a table: device; torch, CUDA, NCCL, DeepSpeed, transformers versions;
    attention backend; median and p90 step time; real tokens/s and tiles/s; MFU (the step's
    model FLOPs over step time × the device's dense bf16 peak, from ``vlmshard.hardware`` or
@@ -251,22 +252,26 @@ def main() -> None:
 
     from vlmshard.hardware import SUSTAINED_SHARE, gpu_named
     from vlmshard.train.attention import choose_backend
+    from vlmshard.train.default_partition import Device
 
     cuda = torch.cuda.is_available()
     if not cuda and not smoke:
         p.error("no CUDA device: run with --smoke on CPU")
     dtype = torch.bfloat16 if cuda else torch.float32
-    gpu = gpu_named(torch.cuda.get_device_name(0)) if cuda else None
+    # This process makes no CUDA context until the plans have trained: one would hold half a
+    # GiB of the device the training process needs (the first H100 run's out-of-memory).
+    device = Device.probe() if cuda else None
+    gpu = gpu_named(device.name) if device else None
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (gpu.peak_flops if gpu else None)
-    setup = prepare(args, torch.cuda.get_device_properties(0).total_memory if cuda else None)
+    setup = prepare(args, device.memory_bytes if device else None)
+    runs = {algo: train_plan(args, setup, algo) for algo in ("balanced", "random")}
     workers = args.loader_workers if args.loader_workers is not None else (4 if cuda else 0)
     result = {**environment(cuda), "attention": choose_backend("cuda" if cuda else "cpu", dtype),
               "model": os.path.basename(setup["model"].rstrip("/")), "caps": setup["caps"],
               "memory_bound": setup["memory_bound"], "target_samples": setup["target_samples"],
               "peak_flops": peak, "sustained_share": SUSTAINED_SHARE,
               "loader": loader_throughput(setup["shards"]["balanced"], workers, cuda, dtype)}
-    for algo in ("balanced", "random"):
-        run = train_plan(args, setup, algo)
+    for algo, run in runs.items():
         if peak:
             run["mfu"] = run["mfu_flops_per_s"] / peak
             run["predicted_step_s"] = run["replay_flops_per_step"] / (peak * SUSTAINED_SHARE)
