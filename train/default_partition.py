@@ -12,7 +12,8 @@ model's at the caps, by part (``vlmshard.partition.stage_memory_parts``), for pi
 
 Caps no partition can hold at any recompute are refused before a step runs, in one line naming
 the stage and the bytes: a default never plans above the device. The launcher makes the same
-check on its node before it starts any rank (``check_fits``).
+choice on its node before it starts any rank (``vlmshard.train.launcher.launch``), so such caps
+fail there; rank 0 makes it again for the whole world.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from vlmshard.errors import ConfigError
 from vlmshard.hardware import GPUS, SUSTAINED_SHARE, gpu_named
 from vlmshard.model_sizes import Size, bytes_per_param
 from vlmshard.partition import (
-    LayerCost,
     Machine,
     PartitionError,
     analytic_layer_costs,
@@ -124,13 +124,6 @@ def device_machine(device: Device | None, ranks_on_node: int) -> tuple[Machine, 
             f"{device.name}, {device.memory_bytes / 2**30:.0f} GiB")
 
 
-def analytic_costs(model: "ModelLayers", mean: Size, caps: Size, flops_per_s: float,
-                   param_bytes: float) -> list[LayerCost]:
-    """The trainer's layers costed by the analytic model of the folder's config."""
-    return analytic_layer_costs(model.analytic_work(), time_size=mean, memory_size=caps,
-                                flops_per_s=flops_per_s, bytes_per_param=param_bytes)
-
-
 def choose_partition(cfg: TrainConfig, model: "ModelLayers", device: Device | None,
                      ranks_on_node: int) -> ChosenPartition:
     """The partition ``cfg`` names (the profile's, or ``--bounds``; its own ``--recompute``
@@ -138,8 +131,9 @@ def choose_partition(cfg: TrainConfig, model: "ModelLayers", device: Device | No
     stage's predicted peak. Raises ConfigError where the search finds no partition that fits."""
     mean, caps = shard_sizes(cfg.shards)
     machine, flops_per_s, where = device_machine(device, ranks_on_node)
-    layers = analytic_costs(model, mean, caps, flops_per_s,
-                            bytes_per_param(cfg.precision, cfg.dp, cfg.grad_accum, cfg.zero))
+    layers = analytic_layer_costs(
+        model.analytic_work(), time_size=mean, memory_size=caps, flops_per_s=flops_per_s,
+        bytes_per_param=bytes_per_param(cfg.precision, cfg.dp, cfg.grad_accum, cfg.zero))
     basis = (f"the analytic FLOPs and memory of {os.path.basename(model.path)} at micro-batches "
              f"of {mean.tiles:.0f} tiles and {mean.tokens:.0f} tokens (caps {caps.tiles:.0f}/"
              f"{caps.tokens:.0f}), {where}")
