@@ -115,8 +115,14 @@ def stats_files(path: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(folder, "part-*.parquet")))
     rejects = os.path.join(path, "rejects.parquet")
     if not files and os.path.exists(rejects):
-        raise StatsError(f"{path} holds no accepted samples: every row was rejected; see "
-                         f"{rejects} for why")
+        import pyarrow.parquet as pq
+
+        rejected = pq.ParquetFile(rejects).metadata.num_rows
+        if not rejected:
+            raise StatsError(f"{path} holds no samples: its preprocess read no rows (empty "
+                             f"inputs) and accepted nothing")
+        raise StatsError(f"{path} holds no accepted samples: all {rejected} row(s) were "
+                         f"rejected; see {rejects} for why")
     if not files:
         raise StatsError(f"{path}: no stats/part-*.parquet here; give the preprocess output "
                          f"folder, its stats/ folder, a .parquet file or OmniBal .json lengths")

@@ -196,9 +196,19 @@ def _check_columns(source: Source, index: SourceIndex) -> None:
 
 def _check_something_accepted(cfg: PreprocessConfig, sources: list[Source],
                               indexes: list[SourceIndex], report: dict) -> None:
-    """Raise ``NothingAccepted`` naming what the rows look like. The committed parts are removed
-    first, so a rerun with the right options starts clean; ``rejects.parquet`` stays."""
+    """Raise ``NothingAccepted`` naming what the rows look like, or which inputs hold no row. The
+    committed parts are removed first, so a rerun with the right options starts clean;
+    ``rejects.parquet`` stays. A source with no row beside sources with rows is a warning."""
     rejects = os.path.join(cfg.out, "rejects.parquet")
+    empty = [(s, i) for s, i in zip(sources, indexes)
+             if not report["sources"][s.name]["input_rows"]]
+    if len(empty) == len(sources):
+        shutil.rmtree(os.path.join(cfg.out, WORK))
+        raise NothingAccepted(f"no rows in {', '.join(_why_empty(s, i) for s, i in empty)}: "
+                              "the job accepted nothing")
+    for source, index in empty:
+        log.warning("source %s: no rows in %s; it adds nothing to the job",
+                    source.name, _why_empty(source, index))
     for source, index in zip(sources, indexes):
         entry = report["sources"][source.name]
         if entry["accepted"] or not entry["input_rows"]:
@@ -216,6 +226,13 @@ def _check_something_accepted(cfg: PreprocessConfig, sources: list[Source],
             f"source {source.name}: all {entry['input_rows']} row(s) rejected"
             f"{f' as {reason}' if len(reasons) == 1 else f', most as {reason}'}"
             f"{f': {hint}' if hint else ''}; see {rejects}")
+
+
+def _why_empty(source: Source, index: SourceIndex) -> str:
+    """The path of a source that gave no row, and why when its file has rows (repeat_time)."""
+    if index.n_rows:
+        return f"{source.path} (its {index.n_rows} row(s) at repeat_time {source.repeat_time:g})"
+    return source.path
 
 
 def resolve_model(cfg: PreprocessConfig) -> tuple[ModelSpec, TokenizerConfig, TilingPolicy]:

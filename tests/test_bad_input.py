@@ -496,3 +496,44 @@ def test_a_chat_template_that_refuses_a_conversation_is_template_error(qwen_fold
     assert (result.accepted, result.rejected_by_reason) == (1, {"template_error": 1})
     (reject,) = pq.read_table(tmp_path / "out/rejects.parquet").to_pylist()
     assert "System role not supported" in reject["message"]
+
+
+# Empty input: a job that reads no row accepts nothing, and that is an error (issue 39, item 4).
+
+@pytest.mark.parametrize("name,content", [("empty.jsonl", b""), ("list.json", b"[]\n"),
+                                          ("blank.jsonl", b"\n  \n\n")])
+def test_an_input_with_no_rows_fails_the_job_and_pack_says_why(tmp_path, name, content):
+    from tests.helpers import vlmshard
+
+    path = tmp_path / name
+    path.write_bytes(content)
+    out = tmp_path / "out"
+    proc = vlmshard("preprocess", str(path), "--out", str(out), "--workers", "1", check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"vlmshard preprocess: error: no rows in {path}: the job accepted nothing")
+    assert not (out / "preprocess.json").exists() and not (out / "_work").exists()
+    # pack on that folder names the empty input, not rejected rows that do not exist
+    proc = vlmshard("pack", "--stats", str(out), "--out", str(tmp_path / "plan"), "--dp", "1",
+                    check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[-1] == (
+        f"vlmshard pack: error: {out} holds no samples: its preprocess read no rows (empty "
+        f"inputs) and accepted nothing")
+    assert not (tmp_path / "plan" / "plan.json").exists()
+
+
+def test_an_empty_source_beside_good_ones_is_a_warning_naming_it(tmp_path, caplog):
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"conversations": _conv("Hi.", "Hello.")}) + "\n")
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    (tmp_path / "none.json").write_text("[]")
+    inputs = [str(good), str(tmp_path / "empty.jsonl"), str(tmp_path / "none.json")]
+    with caplog.at_level("WARNING", logger="vlmshard.preprocess.job"):
+        result = run_preprocess(PreprocessConfig(inputs=inputs, out=str(tmp_path / "out"),
+                                                 workers=1))
+    assert (result.accepted, result.rejected) == (1, 0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        f"source empty: no rows in {tmp_path}/empty.jsonl; it adds nothing to the job",
+        f"source none: no rows in {tmp_path}/none.json; it adds nothing to the job"]
