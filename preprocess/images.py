@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from PIL import Image
 
 from vlmshard.io import RemoteReadError, is_url, read_bytes, resolve
-from vlmshard.rejects import Reject
+from vlmshard.rejects import Reject, error_text
 
 from .config import DEFAULT_MAX_IMAGE_PIXELS
 
@@ -98,14 +98,15 @@ def _inspect(f, path: str, max_pixels: int) -> ImageHeader:
             fmt = im.format or ""
             declared = _tiff_data_end(im) if fmt == "TIFF" else 0
     except Image.DecompressionBombError as e:
-        raise Reject("decompression_bomb", f"{path}: {e} (raise --max-image-pixels to read "
-                                           "it)") from None
+        raise Reject("decompression_bomb", f"{path}: {error_text(e, path)} (raise "
+                                           "--max-image-pixels to read it)") from None
     except Exception as e:  # Pillow's plugins raise many kinds on malformed headers
         if _container_cut_short(f, size):
             raise Reject("truncated_image", f"image {path} ends before the data its "
                                             f"header declares ({size} bytes): the file is "
                                             "cut short") from None
-        raise Reject("corrupt_image", f"cannot parse image header of {path}: {e}") from None
+        raise Reject("corrupt_image", f"cannot parse image header of {path}: "
+                                       f"{error_text(e, path)}") from None
     if width <= 0 or height <= 0:
         raise Reject("empty_image", f"image {path} is {width}x{height}")
     if width * height > max_pixels:

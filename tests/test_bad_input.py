@@ -537,3 +537,35 @@ def test_an_empty_source_beside_good_ones_is_a_warning_naming_it(tmp_path, caplo
     assert warnings == [
         f"source empty: no rows in {tmp_path}/empty.jsonl; it adds nothing to the job",
         f"source none: no rows in {tmp_path}/none.json; it adds nothing to the job"]
+
+
+def test_rejects_parquet_is_the_same_bytes_on_every_run(tmp_path):
+    """Pillow names the file object it could not read, address and all ("cannot identify image
+    file <_io.BytesIO object at 0x7f...>"): the reject names the image instead, so two runs on
+    the same rows write the same rejects.parquet (issue 39, item 5)."""
+    import base64
+
+    from tests.helpers import vlmshard
+
+    junk = base64.b64encode(b"this is not an image" * 8).decode()
+    rows = [{"image": f"data:image/png;base64,{junk}", "conversations": _conv("Look.", "Ok.", 1)},
+            {"conversations": _conv("Hi.", "Hello.")}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    written = []
+    for run in ("a", "b"):  # separate processes: the objects live at other addresses
+        vlmshard("preprocess", str(path), "--out", str(tmp_path / run), "--workers", "1")
+        written.append((tmp_path / run / "rejects.parquet").read_bytes())
+    assert written[0] == written[1]
+    assert pq.read_table(tmp_path / "a" / "rejects.parquet").to_pylist() == [
+        {"source": "rows", "row": 0, "reason": "corrupt_image",
+         "message": "cannot parse image header of embedded image 0: cannot identify image file "
+                    "embedded image 0"}]
+
+
+def test_an_object_address_never_reaches_a_reject_message():
+    from vlmshard.rejects import Reject
+
+    r = Reject("corrupt_image", "x: <_io.BytesIO object at 0x7f7d02f41300> and <a.B object at "
+                                "0xDEAD>")
+    assert r.message == "x: <_io.BytesIO> and <a.B>"

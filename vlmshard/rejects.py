@@ -8,6 +8,8 @@ number of images) come before reading any image.
 
 from __future__ import annotations
 
+import re
+
 from .errors import InputError
 
 REASONS = {
@@ -61,10 +63,25 @@ _ESCAPES.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t",
                  0x2028: "\\u2028", 0x2029: "\\u2029"})
 
 
+# The repr of a file object a library names in its error (Pillow: "cannot identify image file
+# <_io.BytesIO object at 0x7f...>"): run-specific, so a reject message must not keep it.
+_FILE_OBJECT = re.compile(r"<_io\.\w+(?: name=(?:'[^'>]*'|\"[^\">]*\"|\d+))?[^<>]*>"
+                          r"|<[\w.]+ object at 0x[0-9a-fA-F]+>")
+_ADDRESS = re.compile(r"<([\w.]+) object at 0x[0-9a-fA-F]+>")
+
+
+def error_text(error: BaseException, name: str) -> str:
+    """A third-party error's text for a reject message about the item ``name`` (a path, or
+    "embedded image 0"): a file object it names, with its object address, becomes ``name``, so
+    two runs on the same input give the same message."""
+    return _FILE_OBJECT.sub(lambda _: name, str(error))
+
+
 def one_line(message: str) -> str:
     """``message`` as one bounded line of valid UTF-8: control characters and lone surrogates
-    (a path read with ``surrogateescape``) escaped, cut at ``MAX_MESSAGE``."""
-    message = message[: 4 * MAX_MESSAGE].translate(_ESCAPES)
+    (a path read with ``surrogateescape``) escaped, cut at ``MAX_MESSAGE``; an object address
+    left in it (``<X object at 0x...>``) is dropped to ``<X>``, which no run repeats."""
+    message = _ADDRESS.sub(r"<\1>", message[: 4 * MAX_MESSAGE]).translate(_ESCAPES)
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     if len(message) > MAX_MESSAGE:
         message = message[: MAX_MESSAGE - 1] + "…"
