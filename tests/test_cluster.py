@@ -15,8 +15,7 @@ from vlmshard.train.launcher import launcher_command
 
 def test_one_node_by_default():
     c = Cluster.resolve(4, {})
-    assert (c.nodes, c.node_rank, c.procs_per_node, c.master_addr, c.master_port) == (
-        1, 0, 4, "127.0.0.1", 29500)
+    assert (c.nodes, c.node_rank, c.procs_per_node, c.master_addr) == (1, 0, 4, "127.0.0.1")
     assert Cluster.resolve(4, {"MASTER_PORT": "31000"}).master_port == 31000
     assert Cluster.resolve(4, {"MASTER_PORT": "31000"}, master_port=32000).master_port == 32000
 
@@ -73,6 +72,61 @@ def test_a_taken_port_is_one_line():
         port = held.getsockname()[1]
         with pytest.raises(ConfigError, match=f"port {port} is in use"):
             Cluster.resolve(2, {}, master_port=port).check_port()
+
+
+def _hold(port: int) -> socket.socket | None:
+    """A socket listening on ``port`` (None when another process holds it already)."""
+    held = socket.socket()
+    try:
+        held.bind(("127.0.0.1", port))
+        held.listen()
+        return held
+    except OSError:
+        held.close()
+        return None
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+            return True
+        except OSError:
+            return False
+
+
+def test_one_node_takes_a_free_port_when_none_is_given():
+    """Another job on 29500 (the default torch.distributed and DeepSpeed share): a one-node job
+    with neither --master-port nor MASTER_PORT takes a port the system gives it, as torchrun
+    --standalone does, instead of failing in DeepSpeed's rendezvous (issue 39, item 8)."""
+    held = _hold(29500)  # None: another process on this host holds it already
+    try:
+        for env in ({}, {"NNODES": "1", "NODE_RANK": "0"}):
+            c = Cluster.resolve(4, env)
+            assert c.master_port != 29500 and 1024 < c.master_port < 65536
+            assert _free(c.master_port)
+            c.check_port()  # the port it took passes the up-front check
+            assert f"--master_port={c.master_port}" in launcher_command(c)
+        # given ports are kept, taken or not (the check says so); several nodes keep 29500
+        assert Cluster.resolve(4, {"MASTER_PORT": "29500"}).master_port == 29500
+        assert Cluster.resolve(4, {}, master_port=29500).master_port == 29500
+        env = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.7"}
+        assert Cluster.resolve(4, env).master_port == 29500
+    finally:
+        if held is not None:
+            held.close()
+    # an explicit port that is taken is still refused up front, in one line
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for cluster in (Cluster.resolve(4, {}, master_port=port),
+                        Cluster.resolve(4, {"MASTER_PORT": str(port)})):
+            with pytest.raises(ConfigError) as e:
+                cluster.check_port()
+            assert str(e.value) == (f"port {port} is in use (Address already in use): another "
+                                    "job's rendezvous? Pass another --master-port or "
+                                    "MASTER_PORT, or neither to take a free one")
 
 
 def _world(cmd: list[str]) -> dict:

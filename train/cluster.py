@@ -15,7 +15,7 @@ from typing import Mapping
 
 from vlmshard.config import ConfigError
 
-DEFAULT_PORT = 29500  # torch.distributed's and DeepSpeed's default
+DEFAULT_PORT = 29500  # torch.distributed's and DeepSpeed's default: node 0's port on many nodes
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,13 @@ class Cluster:
 
         Multi-node variables, first found wins: torchrun's ``NNODES``, ``NODE_RANK``,
         ``NPROC_PER_NODE``, ``MASTER_ADDR``, ``MASTER_PORT``; then SLURM's ``SLURM_NNODES``,
-        ``SLURM_NODEID`` and ``SLURM_JOB_NODELIST`` (its first host is the master)."""
-        port = master_port or int(env.get("MASTER_PORT") or DEFAULT_PORT)
+        ``SLURM_NODEID`` and ``SLURM_JOB_NODELIST`` (its first host is the master).
+
+        The rendezvous port is ``master_port``, else ``MASTER_PORT``; with neither, a job on one
+        node takes a free port the system gives it (as ``torchrun --standalone`` does: another
+        job on 29500 is no matter), and a job on several nodes 29500, which every node knows."""
+        given = master_port or (int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None)
+        port = given or DEFAULT_PORT
         if hostfile:
             slots = hostfile_slots(hostfile)
             if sum(slots.values()) < processes:
@@ -63,7 +68,7 @@ class Cluster:
             source = "SLURM_NNODES/SLURM_NODEID"
         else:
             return cls(nodes=1, node_rank=0, procs_per_node=processes, master_addr="127.0.0.1",
-                       master_port=port)
+                       master_port=given or free_port())
         if not 0 <= node_rank < nodes:
             raise ConfigError(f"node rank {node_rank} is outside {nodes} nodes ({source})")
         if nodes > 1 and not master:
@@ -74,7 +79,8 @@ class Cluster:
             raise ConfigError(f"{nodes} nodes × {per_node} processes per node ≠ {processes} "
                               "processes (PP × DP); set NPROC_PER_NODE or change --pp/--dp")
         return cls(nodes=nodes, node_rank=node_rank, procs_per_node=per_node,
-                   master_addr=master or "127.0.0.1", master_port=port)
+                   master_addr=master or "127.0.0.1",
+                   master_port=port if given or nodes > 1 else free_port())
 
     def world_info(self, visible_devices: str | None = None) -> dict[str, list[int | str]]:
         """DeepSpeed's per-node launcher's view: node name → local device slots, in node order.
@@ -104,10 +110,23 @@ class Cluster:
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                s.bind(("" if self.nodes > 1 else self.master_addr, self.master_port))
+                # every address, as the rendezvous store listens: a port another job holds on
+                # another address of this host fails there too
+                s.bind(("", self.master_port))
             except OSError as e:
                 raise ConfigError(f"port {self.master_port} is in use ({e.strerror}): another "
-                                  "job's rendezvous? Pass --master-port or set MASTER_PORT") from e
+                                  "job's rendezvous? Pass another --master-port or MASTER_PORT"
+                                  f"{'' if self.nodes > 1 else ', or neither to take a free one'}"
+                                  ) from e
+
+
+def free_port() -> int:
+    """A TCP port free on every address of this host now: the one the system gives a socket
+    bound to port 0 (``torchrun --standalone``'s way; the socket is closed before the job's
+    rendezvous binds it)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def hostfile_slots(path: str) -> dict[str, int]:
