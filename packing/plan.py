@@ -110,6 +110,8 @@ def _pack(cfg: PackConfig) -> PackResult:
         first_step += packing.steps
         packings.append(packing)
     over_cap = sum(r != "remainder" for r in packings[0].unplaced_reason)
+    if first_step == 0:
+        raise ConfigError(_places_nothing(cfg, packings[0], over_cap))
     if over_cap:
         log.warning("%d samples exceed the caps on their own and are not placed", over_cap)
     pack_seconds = time.perf_counter() - t_loaded
@@ -153,6 +155,25 @@ def _pack(cfg: PackConfig) -> PackResult:
              metrics.steps, cfg.ranks, cfg.micro_batches, metrics.samples, metrics.unplaced,
              cfg.out)
     return PackResult(cfg.out, metrics, by_reason)
+
+
+def _places_nothing(cfg: PackConfig, packing: Packing, over_cap: int) -> str:
+    """Why a plan has no step: the samples within the caps do not fill one step of the ranks ×
+    micro-batches (each micro-batch at least one sample, --target-samples for padded ones)."""
+    fit = len(packing.unplaced) - over_cap
+    per_micro = cfg.target_samples if cfg.algo in PADDED else 1
+    need = cfg.ranks * cfg.micro_batches * per_micro
+    ranks = f"{cfg.ranks} rank(s){'' if cfg.virtual_ranks is None else ' (--virtual-ranks)'}"
+    step = (f"{ranks} × {cfg.micro_batches} micro-batch(es)"
+            f"{f' × {per_micro} samples (--target-samples)' if per_micro > 1 else ''}")
+    over = f" ({over_cap} more exceed the caps on their own)" if over_cap else ""
+    why = (f"are too few for one step of {step}, which takes "
+           f"{'at least ' if per_micro == 1 else ''}{need}" if fit < need
+           else f"make no whole step of {step}: all are the remainder")
+    return (f"the plan places no sample: {fit} sample(s){over} {why}; lower --dp"
+            f"{'/--virtual-ranks' if cfg.virtual_ranks else ''}, --micro-batches"
+            f"{', --target-samples' if per_micro > 1 else ''} or pack more samples (no plan "
+            f"written to {cfg.out})")
 
 
 def _finished_plan(out: str, fingerprint: str) -> dict | None:

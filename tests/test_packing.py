@@ -20,6 +20,7 @@ from helpers import vlmshard
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
+from vlmshard.errors import ConfigError
 from vlmshard.model_sizes import PRESETS
 from vlmshard.packing import algorithms, kernels
 from vlmshard.packing.batches import Lengths, Packing
@@ -501,3 +502,43 @@ def test_step_order_stays_random_over_twenty_seeds(tmp_path, algo):
     mean_abs = float(np.mean(np.abs(rhos)))
     assert 0.4 * sigma < mean_abs < 1.2 * sigma, (mean_abs, sigma, rhos)
     assert max(np.abs(rhos)) < 3 * sigma, (rhos, sigma)
+
+
+# --- a plan that places nothing is an error (issue 39, item 9) ----------------------------------
+
+def _three_samples(tmp_path) -> str:
+    path = tmp_path / "three.json"
+    path.write_text(json.dumps([{"vit_num": 1, "token_num": 100}, {"vit_num": 2, "token_num": 200},
+                                {"vit_num": 0, "token_num": 50}]))
+    return str(path)
+
+
+def test_a_plan_that_places_nothing_is_an_error_naming_why(tmp_path):
+    stats, out = _three_samples(tmp_path), tmp_path / "plan"
+    proc = vlmshard("pack", "--stats", stats, "--dp", "4", "--out", str(out), check=False)
+    assert proc.returncode == 1
+    # 3 samples, 4 ranks × 1 micro-batch: every micro-batch needs one sample, so 4 at least
+    assert proc.stderr.splitlines()[-1] == (
+        f"vlmshard pack: error: the plan places no sample: 3 sample(s) are too few for one step "
+        f"of 4 rank(s) × 1 micro-batch(es), which takes at least 4; lower --dp, --micro-batches "
+        f"or pack more samples (no plan written to {out})")
+    assert not {"plan.json", "plan.parquet", "plan.run.json"} & set(os.listdir(out))
+    # random takes --target-samples (4) per micro-batch: 1 rank × 1 micro-batch takes 4
+    with pytest.raises(ConfigError) as e:
+        run_pack(PackConfig(stats=stats, dp=1, algo="random", out=str(tmp_path / "random")))
+    assert str(e.value) == (
+        f"the plan places no sample: 3 sample(s) are too few for one step of 1 rank(s) × 1 "
+        f"micro-batch(es) × 4 samples (--target-samples), which takes 4; lower --dp, "
+        f"--micro-batches, --target-samples or pack more samples (no plan written to "
+        f"{tmp_path / 'random'})")
+    # --qv 1: the 2-tile sample is over the cap; the 2 others do not fill 2 × 2 micro-batches
+    with pytest.raises(ConfigError) as e:
+        run_pack(PackConfig(stats=stats, dp=1, virtual_ranks=2, micro_batches=2, qv=1, qt=300,
+                            out=str(tmp_path / "over")))
+    assert str(e.value) == (
+        f"the plan places no sample: 2 sample(s) (1 more exceed the caps on their own) are too "
+        f"few for one step of 2 rank(s) (--virtual-ranks) × 2 micro-batch(es), which takes at "
+        f"least 4; lower --dp/--virtual-ranks, --micro-batches or pack more samples (no plan "
+        f"written to {tmp_path / 'over'})")
+    # enough ranks for the samples: a plan
+    assert run_pack(PackConfig(stats=stats, dp=3, out=str(out))).metrics.steps == 1
