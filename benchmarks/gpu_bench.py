@@ -168,6 +168,7 @@ def train_plan(args, setup: dict, algo: str) -> dict:
         replay.predicted.makespan.max(axis=1)
     pipeline = read_json(os.path.join(out, "pipeline.json"))
     recompute = [n for s in pipeline["stages"] for n in s["recompute"]]
+    selective = [n for s in pipeline["stages"] for n in s["selective"]]
     return {"steps": len(kept), "median_step_s": statistics.median(times),
             "p90_step_s": times[min(len(times) - 1, int(0.9 * len(times)))],
             "tokens_per_s": sum(r["tokens"] for r in kept) / seconds,
@@ -181,26 +182,30 @@ def train_plan(args, setup: dict, algo: str) -> dict:
             # the memory model: at the caps (what the partition search trusted), and at each
             # kept step's largest micro-batch (what max_memory_allocated is held to)
             "predicted_peak_bytes": pipeline["stages"][0]["memory"]["predicted_peak_bytes"],
-            "predicted_step_peak_bytes": predicted_step_peak(setup["model"], kept, recompute),
+            "predicted_step_peak_bytes": predicted_step_peak(setup["model"], kept, recompute,
+                                                             selective),
             "host_syncs_per_step": statistics.median(syncs) if syncs else None,
             "loss": [r["loss"] for r in records],
             "partition": pipeline.get("partition_source", ""),
-            "recompute": recompute}
+            "recompute": recompute, "selective": selective}
 
 
-def predicted_step_peak(model: str, records: list[dict], recompute: list[str]) -> int:
+def predicted_step_peak(model: str, records: list[dict], recompute: list[str],
+                        selective: list[str]) -> int:
     """The memory model's peak for the largest micro-batch of any of ``records``' steps, one
-    bf16 stage holding the whole model and recomputing ``recompute``."""
+    bf16 stage holding the whole model, recomputing ``recompute`` whole and ``selective``
+    selectively."""
     from vlmshard.model_sizes import Size, bytes_per_param
     from vlmshard.partition import predicted_stage_peak
     from vlmshard.train.hf_model import model_layers
 
     layers = model_layers(model)
     again = [layers.names.index(n) for n in recompute]
+    partly = [layers.names.index(n) for n in selective]
     work = layers.analytic_work()
     return max(predicted_stage_peak(work, again, Size(max(m["tiles"] for m in d["micro_sizes"]),
                                                       max(m["tokens"] for m in d["micro_sizes"])),
-                                    1, bytes_per_param("bf16", 1))["predicted_peak_bytes"]
+                                    1, bytes_per_param("bf16", 1), partly)["predicted_peak_bytes"]
                for r in records for d in r["data"])
 
 

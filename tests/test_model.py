@@ -24,7 +24,7 @@ from vlmshard.shards.model_inputs import next_token_targets, supervised_tokens
 from vlmshard.train.attention import Spans, supports_runs
 from vlmshard.train.hf_model import model_layers
 from vlmshard.train.micro import HostMeta, pack, unpack, wire_inputs
-from vlmshard.train.pipeline import run_layers
+from vlmshard.train.pipeline import recompute_modes, run_layers
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -35,11 +35,12 @@ def setup(request, tmp_path_factory):
     return folder, shards
 
 
-def _pipeline_loss_and_grads(model, batches, recompute: set[str]):
+def _pipeline_loss_and_grads(model, batches, recompute: set[str],
+                             selective: set[str] = frozenset()):
     """J as ``hf_loss_and_grads`` defines it: a head's second output (a MoE router's aux loss
     × coef, per micro-batch) weighs tokens / micro-batches."""
     funcs = model.build_all()
-    flags = [name in recompute for name in model.names]
+    flags = recompute_modes(model.names, recompute, selective, model)
     tokens = sum(supervised_tokens(batch) for batch in batches)
     total = 0.0
     for batch in batches:
@@ -57,14 +58,17 @@ def _pipeline_loss_and_grads(model, batches, recompute: set[str]):
 
 
 def test_packed_layers_equal_the_hf_model_sample_by_sample(setup):
-    """A step of two packed micro-batches through the layers, two of them recomputed, against
-    ``transformers`` on each sample alone: summed loss and every gradient (``assert_grad_close``,
-    fp32)."""
+    """A step of two packed micro-batches through the layers, two of them recomputed whole and
+    every other ViT and LLM block selectively (their matmuls' and attention's outputs kept),
+    against ``transformers`` on each sample alone: summed loss and every gradient
+    (``assert_grad_close``, fp32)."""
     folder, shards = setup
     model = model_layers(folder)
     batches = list(ShardDataset(shards, pixel_dtype=torch.float32))[:2]
     assert sum(b["num_samples"] for b in batches) >= 4 and any(b["num_tiles"] for b in batches)
-    loss, grads = _pipeline_loss_and_grads(model, batches, {"vit_block_0", "llm_block_1"})
+    whole = {"vit_block_0", "llm_block_1"}
+    blocks = {n for n in model.names if n.startswith(("vit_block_", "llm_block_"))} - whole
+    loss, grads = _pipeline_loss_and_grads(model, batches, whole, blocks)
     ref_loss, _, ref_grads = hf_loss_and_grads(folder, batches, model.geometry.tokens_per_tile,
                                                model.geometry.pixel_rows_per_tile)
     assert loss == pytest.approx(ref_loss, rel=1e-5)
@@ -97,7 +101,7 @@ def test_padding_takes_no_compute(setup):
     for batch in (tight, padded):
         micro = model.first_micro(batch)
         with FlopCounterMode(display=False) as counter:
-            loss = run_layers(funcs, model.defs, micro, [False] * len(funcs)).x.sum()
+            loss = run_layers(funcs, model.defs, micro, [None] * len(funcs)).x.sum()
             loss.backward()
         results.append((float(loss.detach()), counter.get_total_flops()))
     (loss, flops), (padded_loss, padded_flops) = results
@@ -151,7 +155,7 @@ def test_a_stage_never_reads_the_device(setup):
                              for t in received)
         Tracked.reads = []
         micro = unpack(received, host, model.input_phase(lo), model.backend)
-        micro = run_layers(funcs[lo:hi], model.defs[lo:hi], micro, [True] * (hi - lo))
+        micro = run_layers(funcs[lo:hi], model.defs[lo:hi], micro, ["full"] * (hi - lo))
         outputs = [micro.x, *micro.carry.values()]
         torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
         assert Tracked.reads == [], (model.names[lo], Tracked.reads)
@@ -198,9 +202,10 @@ def test_analytic_memory_matches_what_a_layer_holds(setup):
     against each layer run in bf16 by the profile: the activations within 15% of the bytes
     autograd saves for backward (its saved-tensor hooks), for every layer kind of every family
     (ViT blocks on pre-merge patches, DeepStack, MoE, linear attention, sliding windows,
-    projectors, the head's supervised rows); the transient never below what the layer's
-    forward + backward held beyond them (torch's memory tracker, gradients of parameters
-    aside)."""
+    projectors, the head's supervised rows); under selective recompute, what each ViT and
+    LLM block keeps beyond its input within 15% of what its forward left alive; the transient
+    never below what the layer's forward + backward held beyond its activations (torch's
+    memory tracker, parameters and their gradients aside)."""
     from vlmshard.train.profile import profile_layers
 
     folder, shards = setup
@@ -215,6 +220,14 @@ def test_analytic_memory_matches_what_a_layer_holds(setup):
             for kind, (c, a) in kinds.items()
             if abs(a["activation_bytes"] - c.activation_bytes) > 0.15 * c.activation_bytes}
     assert not kept, f"analytic / measured activation bytes: {kept}"
+    # selective recompute: what the blocks keep beyond their input, the same way
+    blocks = {kind: (c.selective_bytes - c.input_bytes, a["selective_bytes"])
+              for kind, (c, a) in kinds.items() if c.selective_bytes is not None}
+    assert {k for k in kinds if k.startswith(("vit_block", "llm_block"))
+            and "linear" not in k} == set(blocks)
+    selective = {kind: f"{analytic / measured:.2f}" for kind, (measured, analytic)
+                 in blocks.items() if abs(analytic - measured) > 0.15 * measured}
+    assert not selective, f"analytic / measured selective bytes: {selective}"
     under = {kind: f"{a['transient_bytes']} < {c.transient_bytes}"
              for kind, (c, a) in kinds.items() if a["transient_bytes"] < c.transient_bytes}
     assert not under, f"analytic transient bytes below the measured: {under}"

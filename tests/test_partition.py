@@ -172,6 +172,34 @@ def test_the_largest_micro_batch_of_the_analytic_model_is_the_edge_of_fitting(pr
                          machine)
 
 
+def test_selective_recompute_comes_before_whole_layers_by_hand():
+    """Layers A (keeps 100, 40 selectively), B (80, 50) and C (60, no selective mode), inputs
+    of 10, no transient, one micro-batch in flight. A selective layer keeps its selective bytes
+    and rebuilds the rest in its backward (a transient: A's 60, B's 30). Stage memory: kept +
+    the largest rebuilt whole layer + the largest transient.
+    - 240: fits as it is.
+    - 230: A selective keeps 40 + 80 + 60 = 180, + A's 60 rebuilt = 240, too much; A and B
+      selective 40 + 50 + 60 = 150 + 60 = 210: both, no whole layer.
+    - 200: both selective is 210; then the fewest whole layers on top: one is not enough (A:
+      10 + 50 + 60 + its full 100 rebuilt + B's 30 = 250; B: 40 + 10 + 60 + 80 + A's 60 = 250;
+      C: 40 + 50 + 10 + 60 + 60 = 220), two are: B and C, 40 + 10 + 10 + 80 + A's 60 = 200.
+    - 100: even all three whole need 10 + 10 + 10 + 100 = 130."""
+    from vlmshard.partition import make_stage, stage_memory
+
+    layers = [LayerCost("A", 1.0, 2.0, 100, 10, 10, 0, 100, selective_bytes=40),
+              LayerCost("B", 1.0, 2.0, 80, 10, 10, 0, 80, selective_bytes=50),
+              LayerCost("C", 1.0, 2.0, 60, 10, 10, 0, 60)]
+    for budget, whole, selective, memory in ((240, [], [], 240), (230, [], [0, 1], 210),
+                                             (215, [], [0, 1], 210), (200, [1, 2], [0], 200)):
+        stage = make_stage(layers, 0, 3, 0, 1, Machine(memory_budget=budget))
+        assert (stage.recompute, stage.selective, stage.memory_bytes) == (
+            whole, selective, memory), budget
+        assert stage_memory(layers, 0, 3, 1, whole, selective) == memory
+        # selective recompute costs no matrix FLOPs: only the whole layers' forwards are added
+        assert stage.time_s == pytest.approx(9.0 + len(whole))
+    assert make_stage(layers, 0, 3, 0, 1, Machine(memory_budget=100)) is None
+
+
 def test_first_stages_hold_more_micro_batches_so_recompute_more():
     same = [LayerCost(f"L{i}", 1.0, 2.0, 100, 10, 10, 0) for i in range(8)]
     part = search_partition(same, 4, Machine(memory_budget=500))

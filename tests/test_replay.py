@@ -121,13 +121,15 @@ def test_analytic_layers_map_onto_the_trainers_layers(family, tmp_path):
 
 def test_pipeline_json_keeps_the_model_sizes_and_each_stages_layers():
     model = PRESETS["internvl2-2b"]
-    record = pipeline_record(model.to_dict(), [(1, ["llm_block_0", "head"], ["head"]),
-                                               (0, ["vit_embed", "projector"], []),
-                                               (1, ["llm_block_0", "head"], ["head"])])
+    record = pipeline_record(model.to_dict(), [
+        (1, ["llm_block_0", "head"], ["head"], ["llm_block_0"]),
+        (0, ["vit_embed", "projector"], [], []),
+        (1, ["llm_block_0", "head"], ["head"], ["llm_block_0"])])
     assert ModelConfig.from_dict(json.loads(json.dumps(record["model"]))) == model
     assert record["stages"] == [
-        {"stage": 0, "layers": ["vit_embed", "projector"], "recompute": []},
-        {"stage": 1, "layers": ["llm_block_0", "head"], "recompute": ["head"]}]
+        {"stage": 0, "layers": ["vit_embed", "projector"], "recompute": [], "selective": []},
+        {"stage": 1, "layers": ["llm_block_0", "head"], "recompute": ["head"],
+         "selective": ["llm_block_0"]}]
 
 
 def test_a_run_with_its_pipeline_json_replays_with_a_profile(tmp_path):
@@ -149,7 +151,7 @@ def test_a_run_with_its_pipeline_json_replays_with_a_profile(tmp_path):
     read = lambda name: json.load(open(os.path.join(recorded, name)))  # noqa: E731
     profile = read("profile.json")
     names = [lay["name"] for lay in profile["layers"]]
-    stages = [(0, names[:5], []), (1, names[5:], ["head"])]
+    stages = [(0, names[:5], [], []), (1, names[5:], ["head"], [])]
     (run / PIPELINE_NAME).write_text(json.dumps(pipeline_record(PRESETS["tiny"].to_dict(),
                                                                 stages)))
     replay = replay_run(str(run / "train_log.jsonl"), recorded)
@@ -159,7 +161,7 @@ def test_a_run_with_its_pipeline_json_replays_with_a_profile(tmp_path):
     assert replay.predicted.makespan.max(axis=1) == pytest.approx(want, rel=1e-9)
     assert compare(replay)["step_seconds"]["per_step"][0]["predicted_s"] == \
         pytest.approx(want[0], rel=1e-9)
-    stages = [(0, names[:5], []), (1, names[5:-1] + ["lm_head"], [])]
+    stages = [(0, names[:5], [], []), (1, names[5:-1] + ["lm_head"], [], [])]
     (run / PIPELINE_NAME).write_text(json.dumps(pipeline_record(PRESETS["tiny"].to_dict(),
                                                                 stages)))
     with pytest.raises(ValueError, match="profiles other layers"):

@@ -164,7 +164,7 @@ def write_train_log(plan_dir: Path, path: Path, dp: int, pp: int = 2,
                              for v in range(d * per_dp, (d + 1) * per_dp) for m in range(micro)])
                     timings.append(timing)
             write_record(f, step_record(step, 2.0, 1e-5, timings, flops))
-    stages = [(stage, layers, []) for stage, layers in enumerate(_stage_layers())]
+    stages = [(stage, layers, [], []) for stage, layers in enumerate(_stage_layers())]
     (path.parent / PIPELINE_NAME).write_text(json.dumps(pipeline_record(MODEL.to_dict(),
                                                                         stages)))
 

@@ -204,7 +204,8 @@ def test_profile_calibrates_and_recomputes_to_fit(partition, small_shards, tmp_p
     budget = chosen["machine"]["memory_budget"]
     search = chosen["search"]
     assert all(s["memory_bytes"] <= budget for s in search["stages"])
-    assert any(s["recompute"] for s in search["stages"])
+    # the budget allows none of them without recompute: selective first, whole layers beyond
+    assert any(s["recompute"] or s["selective"] for s in search["stages"])
     for other in ("parameters", "uniform"):
         if chosen[other] is not None:
             assert search["max_stage_s"] <= chosen[other]["max_stage_s"] + 1e-12
@@ -319,14 +320,16 @@ def _shm_segments() -> set[str]:
 
 @pytest.mark.slow
 def test_pipeline_of_two_stages_learns_from_its_plan(small_shards, partition, tmp_path):
-    """The searched partition, with its per-stage recompute, trains on DeepSpeed's engine, and
-    leaves none of DeepSpeed's shared-memory segments behind (69 MB of RAM per rank per run)."""
+    """The searched partition, with its per-stage recompute (whole or selective layers), trains
+    on DeepSpeed's engine, and leaves none of DeepSpeed's shared-memory segments behind (69 MB
+    of RAM per rank per run)."""
     segments_before = _shm_segments()
     vlmshard("train", "--config", CONFIG, "--shards", small_shards, "--pp", "2", "--dp", "1",
              "--max-steps", "20", "--lr", "0.003", "--partition", partition,
              "--out", str(tmp_path / "run"))
     config = read_json(tmp_path / "run" / "train_config.json")
-    assert config["bounds"] == read_json(partition)["chosen"]["bounds"] and config["recompute"]
+    assert config["bounds"] == read_json(partition)["chosen"]["bounds"]
+    assert config["recompute"] or config["selective"]
     log = _log(tmp_path / "run" / "train_log.jsonl")
     assert [r["step"] for r in log] == list(range(20))
     first, last = (sum(r["loss"] for r in part) / 5 for part in (log[:5], log[-5:]))
@@ -350,8 +353,8 @@ def test_pipeline_of_two_stages_learns_from_its_plan(small_shards, partition, tm
     bounds = config["bounds"]
     assert [s["layers"] for s in described["stages"]] == [names[a:b] for a, b in
                                                           zip(bounds, bounds[1:])]
-    assert sorted(n for s in described["stages"] for n in s["recompute"]) == \
-        sorted(config["recompute"])
+    for mode in ("recompute", "selective"):
+        assert sorted(n for s in described["stages"] for n in s[mode]) == sorted(config[mode])
     assert seen == [plan[i % len(plan)] for i in range(len(seen))]
     assert _shm_segments() <= segments_before
     # The simulator replays this run's logged steps with the run's own partition. Live CPU

@@ -73,6 +73,10 @@ class TrainConfig:
     recompute: list[str] = option(factory=list,
                                   help="layer names whose activations are recomputed in backward "
                                        "(besides those a searched partition recomputes)")
+    selective: list[str] = option(
+        factory=list, help="layer names recomputed selectively in backward: the outputs of "
+                           "their matmuls and attention kernels kept, the elementwise work "
+                           "between them recomputed (besides those a searched partition picks)")
     checkpoint_every: int | None = option(
         200, help="also save a DeepSpeed checkpoint every N steps, so a crash loses at most N "
                   "steps (YAML null: at the end only)")
@@ -147,6 +151,8 @@ class TrainConfig:
         it."""
         self.bounds = described["bounds"]
         self.recompute = [name for stage in described["stages"] for name in stage["recompute"]]
+        self.selective = [name for stage in described["stages"]
+                          for name in stage.get("selective", [])]
 
 
 @dataclass(kw_only=True)

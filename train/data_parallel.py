@@ -18,7 +18,7 @@ from torch import nn
 from .clock import CLOCK
 from .hf_model import ModelLayers
 from .micro import HostMeta, unpack
-from .pipeline import run_layers
+from .pipeline import recompute_modes, run_layers
 
 
 class VLMModel(nn.Module):
@@ -26,14 +26,15 @@ class VLMModel(nn.Module):
     loss ``loss_fn`` makes of the head's output and the labels."""
 
     def __init__(self, model: ModelLayers, loss_fn, *, device: torch.device | str,
-                 dtype: torch.dtype, recompute: set[str] = frozenset()) -> None:
+                 dtype: torch.dtype, recompute: set[str] = frozenset(),
+                 selective: set[str] = frozenset()) -> None:
         super().__init__()
         built = model.build_all(device, dtype)  # a tied head is the embedding's module
         self.layers = nn.ModuleList({id(m): m for m in built}.values())  # each module once
         self.ordered = built  # a plain list: the layers in pipeline order, not registered again
         self.model = model
         self.loss_fn = loss_fn
-        self.recompute = [name in recompute for name in model.names]
+        self.recompute = recompute_modes(model.names, recompute, selective, model)
 
     @property
     def stage_layer_names(self) -> list[str]:

@@ -91,6 +91,7 @@ class ChosenPartition:
     bounds: list[int]
     recompute: list[str]
     source: str
+    selective: list[str] = field(default_factory=list)  # recomputed selectively
     memory: list[dict] = field(default_factory=list)
     budget_bytes: int = 0  # what the memory model leaves a stage of this device
 
@@ -138,7 +139,7 @@ def choose_partition(cfg: TrainConfig, model: "ModelLayers", device: Device | No
              f"of {mean.tiles:.0f} tiles and {mean.tokens:.0f} tokens (caps {caps.tiles:.0f}/"
              f"{caps.tokens:.0f}), {where}")
     if cfg.bounds is not None:
-        bounds, recompute = list(cfg.bounds), list(cfg.recompute)
+        bounds, recompute, selective = list(cfg.bounds), list(cfg.recompute), list(cfg.selective)
         source = f"profiled: {cfg.partition}" if cfg.partition else "--bounds"
     else:
         try:
@@ -151,12 +152,16 @@ def choose_partition(cfg: TrainConfig, model: "ModelLayers", device: Device | No
         bounds = found.bounds
         recompute = [model.names[i] for i in found.recompute]
         recompute += [n for n in cfg.recompute if n not in recompute]
+        selective = [model.names[i] for i in found.selective]
+        selective += [n for n in cfg.selective if n not in selective + recompute]
         source = f"searched: {basis}"
     again = {model.names.index(n) for n in recompute if n in model.names}
+    partly = {model.names.index(n) for n in selective if n in model.names} - again
     memory = []
     for s, (first, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         parts = stage_memory_parts(layers, first, end, len(bounds) - 1 - s,
-                                   sorted(i for i in again if first <= i < end))
+                                   sorted(i for i in again if first <= i < end),
+                                   sorted(i for i in partly if first <= i < end))
         memory.append({**parts, "predicted_peak_bytes": sum(parts.values())})
     over = [s for s, m in enumerate(memory) if m["predicted_peak_bytes"] > machine.memory_budget]
     if over:
@@ -164,4 +169,4 @@ def choose_partition(cfg: TrainConfig, model: "ModelLayers", device: Device | No
                     "%.2f GiB the memory model leaves a stage of %s", bounds,
                     ", ".join(f"{memory[s]['predicted_peak_bytes'] / 2**30:.2f}" for s in over),
                     over, machine.memory_budget / 2**30, where)
-    return ChosenPartition(bounds, recompute, source, memory, machine.memory_budget)
+    return ChosenPartition(bounds, recompute, source, selective, memory, machine.memory_budget)

@@ -4,7 +4,8 @@ per-layer recompute, padding-free stages and the Ave-Token loss.
 DeepSpeed's own ``partition_method`` offers uniform / parameters / type: only, and its recompute is
 one global ``activation_checkpoint_interval``. ``VLMPipeline`` extends ``PipelineModule`` (no
 patch) with ``partition_method="bounds"``, taking the stage boundaries from vlmshard's search;
-each layer named in ``recompute`` runs under ``torch.utils.checkpoint`` on its own.
+each layer named in ``recompute`` (or ``selective``) runs under ``torch.utils.checkpoint`` on its
+own (``vlmshard.train.recompute``).
 
 Each stage builds and loads only its own layers (``LayerSpec`` builds lazily, per stage). A tied
 token embedding / LM head is a ``TiedLayerSpec``: the first and last stages each hold a copy and
@@ -24,7 +25,6 @@ from collections import deque
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from vlmshard.errors import ConfigError
 
@@ -33,6 +33,7 @@ from .clock import CLOCK
 from .hf_model import ModelLayers, model_layers
 from .micro import HostMeta, Micro, pack, unpack, wire_inputs
 from .models.layers import LayerDef
+from .recompute import run_layer
 
 
 class PipeLayer(nn.Module):
@@ -53,17 +54,24 @@ class PipeLayer(nn.Module):
         return self.inner(micro)
 
 
+def recompute_modes(names: list[str], recompute: set[str], selective: set[str],
+                    model: ModelLayers) -> list[str | None]:
+    """Per layer of ``names``, how it is recomputed (``vlmshard.train.recompute``): ``full``
+    where named in ``recompute``, else ``selective`` where named there, else not at all."""
+    unknown = (set(recompute) | set(selective)) - set(model.names)
+    if unknown:
+        raise ConfigError(f"recompute names {sorted(unknown)} are not layers of {model.path} "
+                          f"({', '.join(model.names)})")
+    return ["full" if n in recompute else "selective" if n in selective else None for n in names]
+
+
 def run_layers(layers: list[nn.Module], defs: list[LayerDef], micro: Micro,
-               recompute: list[bool]) -> Micro:
-    """The layers in order on one micro-batch, those flagged in ``recompute`` under activation
-    checkpointing. Each returns its output rows (the loss, for the head), or a ``LayerOutput``
-    when it also makes or uses carried features."""
-    for layer, d, again in zip(layers, defs, recompute):
-        if again and torch.is_grad_enabled():
-            out = checkpoint(layer, micro, use_reentrant=False)
-        else:
-            out = layer(micro)
-        micro = micro.with_output(out, d.output)
+               modes: list[str | None]) -> Micro:
+    """The layers in order on one micro-batch, each recomputed in backward as its mode says
+    (``recompute_modes``). Each returns its output rows (the loss, for the head), or a
+    ``LayerOutput`` when it also makes or uses carried features."""
+    for layer, d, mode in zip(layers, defs, modes):
+        micro = micro.with_output(run_layer(layer, micro, mode), d.output)
     return micro
 
 
@@ -75,11 +83,8 @@ class VLMPipeline(PipelineModule):
     def __init__(self, model: ModelLayers, stages: int, loss_fn, *, backend: str,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  bounds: list[int] | None = None, recompute: set[str] = frozenset(),
-                 **kwargs) -> None:
-        unknown = set(recompute) - set(model.names)
-        if unknown:
-            raise ConfigError(f"recompute names {sorted(unknown)} are not layers of {model.path} "
-                              f"({', '.join(model.names)})")
+                 selective: set[str] = frozenset(), **kwargs) -> None:
+        recompute_modes([], recompute, selective, model)  # unknown names fail before building
         ds.check_compatible()
         self._vlmshard_bounds = bounds
         self.model = model
@@ -95,7 +100,7 @@ class VLMPipeline(PipelineModule):
                          partition_method="bounds" if bounds else "parameters", **kwargs)
         self.layer_indices = ds.local_layers(self)
         self._hosts: deque[HostMeta] = deque()
-        self.recompute = [model.names[i] in recompute for i in self.layer_indices]
+        self.recompute = recompute_modes(self.stage_layer_names, recompute, selective, model)
         CLOCK.watch(p for p in self.parameters() if p.requires_grad)
 
     def _partition_layers(self, method: str = "uniform") -> None:

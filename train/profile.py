@@ -33,7 +33,7 @@ import torch
 
 from vlmshard.compat import check_torch
 from vlmshard.errors import ConfigError, InputError, VlmshardError
-from vlmshard.model_sizes import Size, bytes_per_param
+from vlmshard.model_sizes import CHECKPOINT_STATE_BYTES, Size, bytes_per_param
 from vlmshard.partition import (
     LayerCost,
     Machine,
@@ -53,6 +53,7 @@ from .config import ProfileConfig
 from .hf_model import ModelLayers, model_layers
 from .launcher import model_folder
 from .micro import HostMeta, LayerOutput, Micro
+from .recompute import run_layer
 from .train_log import micro_batch_size
 from .trainer import cpu_threads_per_rank
 
@@ -193,8 +194,10 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
     funcs = model.build_all(device, dtype, one_per_kind=True)
     vision = sum(1 for d in model.defs if d.output.per_tile)  # ViT layers and the projector
     work = model.analytic_work()
-    # forward, backward, activation, input, output, peak; analytic activation and transient
-    sums = np.zeros((len(funcs), 8))
+    # forward, backward, activation, input, output, peak; analytic activation and transient;
+    # measured and analytic bytes kept under selective recompute beyond the input
+    sums = np.zeros((len(funcs), 10))
+    selective = [w.selective_bytes is not None for w in work]
     per_batch = []
     cuda = device.startswith("cuda")
     for batch in batches:
@@ -221,16 +224,19 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
                 if run >= warmup:
                     samples.append((*clock.read(), clock.peak_bytes))
             forward, backward, peak = np.median(np.array(samples), axis=0)
-            if not cuda:
+            if cuda:  # the parameters' gradients are counted with the parameters
+                peak = max(0, peak - sum(p.numel() * p.element_size() for p in parameters
+                                         if p.requires_grad))
+            else:
                 peak = _host_peak_bytes(func, layer_in)
-            # the parameters' gradients are counted with the parameters
-            peak = max(0, peak - sum(p.numel() * p.element_size() for p in parameters
-                                     if p.requires_grad))
             sums[i] += (forward, backward, saved.bytes,
                         sum(map(_tensor_bytes, _outputs(layer_in))),
                         sum(map(_tensor_bytes, _outputs(out))) if i < len(funcs) - 1 else 0,
                         peak, work[i].activation_bytes.dot(kept_size(model, i, micro.host)),
-                        work[i].transient(Size(tiles=micro.num_tiles, tokens=micro.num_tokens)))
+                        work[i].transient(size := Size(micro.num_tiles, micro.num_tokens)),
+                        _selective_bytes(func, layer_in, cuda) if selective[i] else 0,
+                        work[i].selective_bytes.dot(size) + CHECKPOINT_STATE_BYTES
+                        if selective[i] else 0)
             times.append(forward + backward)
             micro = micro.with_output(_detached(out) if isinstance(out, LayerOutput)
                                       else out.detach(), model.defs[i].output)
@@ -238,11 +244,14 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
                           "llm_s": float(sum(times[vision:]))})
     means = sums / max(1, len(batches))
     costs = [LayerCost(name, float(f), float(b), int(act), int(inp), int(out),
-                       int(param_bytes * model.parameter_count(i)), int(peak))
-             for i, (name, (f, b, act, inp, out, peak, *_)) in enumerate(zip(model.names, means))]
+                       int(param_bytes * model.parameter_count(i)), int(peak),
+                       int(inp + kept) if selective[i] else None)
+             for i, (name, (f, b, act, inp, out, peak, _, _, kept, _))
+             in enumerate(zip(model.names, means))]
     return Profile(costs, per_batch, device,
-                   [{"activation_bytes": int(row[6]), "transient_bytes": int(row[7])}
-                    for row in means])
+                   [{"activation_bytes": int(row[6]), "transient_bytes": int(row[7]),
+                     **({"selective_bytes": int(row[9])} if selective[i] else {})}
+                    for i, row in enumerate(means)])
 
 
 def kept_size(model: ModelLayers, index: int, host: HostMeta) -> Size:
@@ -289,7 +298,7 @@ def _host_peak_bytes(func, layer_in: Micro) -> int:
     kept activations, output, gradients and temporaries), on CPU, where there is no allocator
     peak to read: torch's own memory tracker (``torch.distributed._tools.mem_tracker``) follows
     every storage the run makes. An untimed run of its own: the tracker slows each op."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
     tracker = MemTracker()
     with tracker:
@@ -299,7 +308,35 @@ def _host_peak_bytes(func, layer_in: Micro) -> int:
             torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
     for p in func.parameters():
         p.grad = None
-    return int(sum(device["Total"] for device in tracker.get_tracker_snapshot("peak").values()))
+    # activations and temporaries: the tracker counts the parameters and their gradients apart
+    return int(sum(device[kind] for device in tracker.get_tracker_snapshot("peak").values()
+                   for kind in (_MemRefType.ACT, _MemRefType.TEMP, _MemRefType.OTH)))
+
+
+def _selective_bytes(func, layer_in: Micro, cuda: bool) -> int:
+    """What one forward of ``func`` under selective recompute keeps beyond its input (the
+    outputs of its matmuls and attention kernels, ``vlmshard.train.recompute``), its output
+    aside: on a GPU what the allocator holds more after it, on CPU the storages of the tensors
+    alive after it that were not before."""
+    if cuda:
+        before = torch.cuda.memory_allocated()
+        out = run_layer(func, layer_in, "selective")
+        return torch.cuda.memory_allocated() - before - sum(
+            t.untyped_storage().nbytes() for t in _outputs(out))
+    before = _live_storages()
+    out = run_layer(func, layer_in, "selective")
+    kept = {ptr: size for ptr, size in _live_storages().items() if ptr not in before}
+    for t in _outputs(out):
+        kept.pop(t.untyped_storage().data_ptr(), None)
+    return sum(kept.values())
+
+
+def _live_storages() -> dict[int, int]:
+    """The storage (address: bytes) of every tensor Python holds."""
+    import gc
+
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in gc.get_objects() if isinstance(t, torch.Tensor)}
 
 
 class _SavedBytes:
@@ -407,5 +444,6 @@ def describe(partition: Partition, layers: list[LayerCost], name: str) -> dict:
             "max_stage_s": partition.max_time_s,
             "stages": [{"layers": [layers[i].name for i in range(s.first, s.end)],
                         "recompute": [layers[i].name for i in s.recompute],
+                        "selective": [layers[i].name for i in s.selective],
                         "time_s": s.time_s, "memory_bytes": s.memory_bytes}
                        for s in partition.stages]}

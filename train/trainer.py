@@ -169,18 +169,18 @@ def run(cfg: TrainConfig) -> None:
     groups = side_groups(topology)
     chosen = on_rank_0(lambda: choose_partition(
         cfg, model, Device.of_rank(device), int(os.environ.get("LOCAL_SIZE", 1))), groups)
-    log.info("partition: bounds %s, recompute %s; %s", chosen.bounds, chosen.recompute or "none",
-             chosen.source)
+    log.info("partition: bounds %s, recompute %s, selective %s; %s", chosen.bounds,
+             chosen.recompute or "none", chosen.selective or "none", chosen.source)
 
     loss = AveTokenLoss()
     pipelined = cfg.zero == 1
     if pipelined:
         net = VLMPipeline(model, cfg.pp, loss, backend=model.backend, dtype=cfg.dtype,
                           device=device, bounds=chosen.bounds, recompute=set(chosen.recompute),
-                          topology=topology)
+                          selective=set(chosen.selective), topology=topology)
     else:
         net = VLMModel(model, loss, device=device, dtype=cfg.dtype,
-                       recompute=set(chosen.recompute))
+                       recompute=set(chosen.recompute), selective=set(chosen.selective))
         if cfg.zero == 3:
             net.register_external_weights()
     trained = [p for p in net.parameters() if p.requires_grad]
@@ -228,7 +228,8 @@ def run(cfg: TrainConfig) -> None:
     flops = training_flops(sizes)
     stages = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(stages, (stage_id, net.stage_layer_names, [
-        n for n, again in zip(net.stage_layer_names, net.recompute) if again]))
+        n for n, mode in zip(net.stage_layer_names, net.recompute) if mode == "full"], [
+        n for n, mode in zip(net.stage_layer_names, net.recompute) if mode == "selective"]))
     if engine.global_rank == 0:
         write_json_atomic(os.path.join(cfg.out, PIPELINE_NAME),
                           pipeline_record(sizes.to_dict(), stages, chosen.source,

@@ -293,6 +293,9 @@ PRESETS = {
 ACTIVATION_BYTES = 2  # bf16
 FP32 = 4
 LOSS_CHUNK = 1024  # rows of logits the LM loss makes at a time (vlmshard.train's lm_loss)
+# what a checkpointed (recomputed) layer keeps besides tensors: the CPU generator's state,
+# saved to replay its randomness (torch's Mersenne Twister: 5056 bytes)
+CHECKPOINT_STATE_BYTES = 5056
 
 
 def rms_norm_kept(width: float, rows: float = 1, offset: bool = False) -> float:
@@ -388,6 +391,9 @@ class Mixer:
     flops: Size
     kept: float
     transient: float = 0.0
+    # per token, the outputs of its matmuls and attention kernel: what selective recompute keeps
+    # (None: no selective mode, e.g. linear attention's chunked kernel)
+    selective: float | None = None
 
 
 @dataclass(frozen=True)
@@ -407,6 +413,9 @@ class LayerWork:
     transient_bytes: Size = Size()
     chunk_row_bytes: float = 0.0
     fixed_transient_bytes: float = 0.0  # the token embedding's fp32 table gradient
+    # kept under selective recompute besides the layer's input: its matmuls' and attention
+    # kernels' outputs (``vlmshard.train.recompute``); None where a layer has no such mode
+    selective_bytes: Size | None = None
 
     def transient(self, size: Size) -> float:
         """The transient bytes at a micro-batch of ``size``."""
@@ -478,7 +487,9 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
               + a * q * (1 + 2 * t.attention_gate)),
         # the kernel's fp32 dq accumulator and softmax rows, dq, dk, dv; the q/k norms' fp32
         # gradients
-        transient=(FP32 * (q + t.heads) + a * (q + 2 * kv) + 2 * FP32 * (q + kv) * t.qk_norm))
+        transient=(FP32 * (q + t.heads) + a * (q + 2 * kv) + 2 * FP32 * (q + kv) * t.qk_norm),
+        # q (with its gate), k, v; the kernel's output and log-sum-exp; o
+        selective=a * ((1 + t.attention_gate) * q + 2 * kv + q + t.hidden) + FP32 * t.heads)
     # sliding-window attention: the same, its quadratic term within the window
     sliding = replace(attention, flops=Size(tokens=2 * attention_linear, windowed=2 * q))
     # Gated DeltaNet: projections to q/k/v (through the conv), the output gate z, a and b per
@@ -512,7 +523,8 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
     dense = Mixer(params=3 * t.hidden * t.intermediate,
                   flops=Size(tokens=2 * 3 * t.hidden * t.intermediate),
                   kept=normed + 4 * a * t.intermediate,
-                  transient=3 * a * t.intermediate)
+                  transient=3 * a * t.intermediate,
+                  selective=a * (2 * t.intermediate + t.hidden))  # gate, up, down
     shared = 3 * t.hidden * t.shared_expert_intermediate + (t.hidden if
                                                             t.shared_expert_intermediate else 0)
     expert = 3 * t.hidden * t.moe_intermediate
@@ -525,7 +537,11 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
                  if t.shared_expert_intermediate else 0)),
         transient=(FP32 * t.experts + t.experts_per_token * (3 * a * t.moe_intermediate
                                                               + 2 * a * t.hidden)
-                   + 3 * a * t.shared_expert_intermediate))
+                   + 3 * a * t.shared_expert_intermediate),
+        # the router's logits; per chosen expert its gate/up and down; the shared expert's
+        selective=(a * t.experts + t.experts_per_token * a * (2 * t.moe_intermediate + t.hidden)
+                   + (a * (2 * t.shared_expert_intermediate + t.hidden + 1)
+                      if t.shared_expert_intermediate else 0)))
 
     def llm_block(i: int) -> dict:
         """Layer i: its token and channel mixers, two norms (four with sandwich norms), and the
@@ -534,13 +550,16 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
         mixers = (token_mixer, sparse if t.is_moe(i) else dense)
         # sandwich norms: their outputs join the residual, nothing else keeps them
         sandwich = 2 * rms_norm_kept(t.hidden, offset=offset) if t.sandwich_norms else 0
+        selective = (None if any(m.selective is None for m in mixers)
+                     else Size(tokens=sum(m.selective for m in mixers)))
         return dict(params=sum(m.params for m in mixers) + (2 + 2 * t.sandwich_norms) * t.hidden,
                     flops=Size(tokens=sum(m.flops.tokens for m in mixers),
                                squares=sum(m.flops.squares for m in mixers),
                                windowed=sum(m.flops.windowed for m in mixers)),
                     activation_bytes=Size(tokens=sum(m.kept for m in mixers) + sandwich),
                     output_bytes=llm_out,
-                    transient_bytes=Size(tokens=llm_io + max(m.transient for m in mixers)))
+                    transient_bytes=Size(tokens=llm_io + max(m.transient for m in mixers)),
+                    selective_bytes=selective)
 
     embed = LayerWork(
         "vit_embed", embed_params,
@@ -575,7 +594,11 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
             2 * vit_norm_kept + 2 * a * v.hidden + vit_attention + FP32 * v.heads
             + 2 * a * v.hidden * v.layer_scale + mlp_hiddens * a * mlp)),
         output_bytes=vit_out,
-        transient_bytes=Size(tiles=vit_transient))
+        transient_bytes=Size(tiles=vit_transient),
+        # q, k, v; the kernel's output and log-sum-exp; the projection; the MLP's first matmul
+        # (two, gated) and its second
+        selective_bytes=Size(tiles=patches * (a * 6 * v.hidden + FP32 * v.heads
+                                              + (1 + v.gated_mlp) * a * mlp)))
     projector = LayerWork(
         "projector_merge", projector_params + t.vocab_size * t.hidden,
         flops=Size(tiles=2 * tokens * projector_linear),
@@ -605,7 +628,9 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
         activation_bytes=Size(tiles=vit_block["activation_bytes"].tiles
                               + tokens * (layer_norm_kept(width) + 3 * a * width)),
         output_bytes=Size(tiles=vit_out.tiles + a * tokens * t.hidden),
-        transient_bytes=Size(tiles=vit_transient + tokens * 3 * a * width))
+        transient_bytes=Size(tiles=vit_transient + tokens * 3 * a * width),
+        selective_bytes=Size(tiles=vit_block["selective_bytes"].tiles
+                             + tokens * a * (width + t.hidden)))
     vit = [LayerWork(f"vit_block_{i}", **(deepstack if i in v.deepstack else vit_block))
            for i in range(v.layers)]
     llm = [LayerWork(f"llm_block_{i}", **llm_block(i)) for i in range(t.layers)]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
 
 from vlmshard.errors import ConfigError
-from vlmshard.model_sizes import LayerWork, Size
+from vlmshard.model_sizes import CHECKPOINT_STATE_BYTES, LayerWork, Size
 
 
 @dataclass(frozen=True)
@@ -45,10 +45,18 @@ class LayerCost:
     # it ran, its parameters' gradients aside (measured, or the analytic model's): beyond its
     # kept activation, a transient the stage needs room for while the layer runs
     peak_bytes: int = 0
+    # kept under selective recompute (its matmuls' and attention's outputs, and its input:
+    # ``vlmshard.train.recompute``); None: the layer has no selective mode
+    selective_bytes: int | None = None
 
     @property
     def transient_bytes(self) -> int:
         return max(0, self.peak_bytes - self.activation_bytes)
+
+    def selectively(self) -> "LayerCost":
+        """This layer recomputed selectively: it keeps ``selective_bytes``, and its backward
+        rebuilds the rest beside its transient, so its peak is unchanged."""
+        return replace(self, activation_bytes=self.selective_bytes, selective_bytes=None)
 
     @classmethod
     def from_dict(cls, d: dict) -> "LayerCost":
@@ -91,6 +99,7 @@ class Stage:
     recompute: list[int] = field(default_factory=list)
     time_s: float = 0.0
     memory_bytes: int = 0
+    selective: list[int] = field(default_factory=list)  # recomputed selectively
 
 
 @dataclass
@@ -108,6 +117,10 @@ class Partition:
     def recompute(self) -> list[int]:
         return [i for s in self.stages for i in s.recompute]
 
+    @property
+    def selective(self) -> list[int]:
+        return [i for s in self.stages for i in s.selective]
+
 
 def analytic_layer_costs(work: list[LayerWork], *, time_size: Size, memory_size: Size,
                          flops_per_s: float, bytes_per_param: float) -> list[LayerCost]:
@@ -119,11 +132,13 @@ def analytic_layer_costs(work: list[LayerWork], *, time_size: Size, memory_size:
     for i, w in enumerate(work):
         forward = w.flops.windows_as_full().dot(time_size) / flops_per_s
         inputs = work[i - 1].output_bytes if i else w.activation_bytes
-        kept = int(w.activation_bytes.dot(memory_size))
+        kept, held = int(w.activation_bytes.dot(memory_size)), int(inputs.dot(memory_size))
+        selective = None if w.selective_bytes is None else min(
+            kept, held + int(w.selective_bytes.dot(memory_size)) + CHECKPOINT_STATE_BYTES)
         costs.append(LayerCost(
-            w.name, forward, 2 * forward, kept, int(inputs.dot(memory_size)),
+            w.name, forward, 2 * forward, kept, held,
             int(w.output_bytes.dot(memory_size)), int(w.params * bytes_per_param),
-            peak_bytes=kept + int(w.transient(memory_size))))
+            peak_bytes=kept + int(w.transient(memory_size)), selective_bytes=selective))
     return costs
 
 
@@ -132,27 +147,30 @@ class PartitionError(ConfigError):
 
 
 def choose_recompute(layers: list[LayerCost], first: int, end: int, in_flight: int,
-                     budget: int) -> list[int] | None:
+                     budget: int, rebuilt: list[int] | None = None) -> list[int] | None:
     """Fewest layers of [first, end) to recompute so the stage fits ``budget`` (of those, the
     least memory); None if even recomputing every layer does not fit.
 
     Recomputing layer i saves ``in_flight × (activation − input)`` but the backward pass then
     rebuilds the largest recomputed activation. So for each candidate largest layer j, the best
     set of k layers is j and the k − 1 largest savings among layers no larger than j; the answer
-    is the best over j. Exact, O(n²) per stage."""
+    is the best over j. Exact, O(n²) per stage. ``rebuilt``: per layer what a whole recompute
+    rebuilds, where it is more than the activation it keeps otherwise (a selective layer's)."""
     span = range(first, end)
     if stage_memory(layers, first, end, in_flight, []) <= budget:
         return []
+    rebuilt = rebuilt or [c.activation_bytes for c in layers]
     fixed = (sum(layers[i].param_bytes + in_flight * layers[i].activation_bytes for i in span)
              + max(layers[i].transient_bytes for i in span))
     by_saving = sorted(span, key=lambda i: (-(layers[i].activation_bytes
                                               - layers[i].input_bytes), i))
     best: tuple[int, int, list[int]] | None = None  # (layers, memory, chosen)
     for peak in span:
-        cap = layers[peak].activation_bytes
+        cap = rebuilt[peak]
         chosen = [peak]
-        memory = fixed + cap - in_flight * (cap - layers[peak].input_bytes)
-        others = (i for i in by_saving if i != peak and layers[i].activation_bytes <= cap)
+        memory = fixed + cap - in_flight * (layers[peak].activation_bytes
+                                            - layers[peak].input_bytes)
+        others = (i for i in by_saving if i != peak and rebuilt[i] <= cap)
         while memory > budget:
             i = next(others, None)
             if i is None:
@@ -165,10 +183,12 @@ def choose_recompute(layers: list[LayerCost], first: int, end: int, in_flight: i
 
 
 def stage_memory_parts(layers: list[LayerCost], first: int, end: int, in_flight: int,
-                       recompute: list[int]) -> dict[str, int]:
+                       recompute: list[int], selective: list[int] = ()) -> dict[str, int]:
     """A stage's modelled peak by part: parameters with their gradients and optimizer states,
-    the activations its ``in_flight`` micro-batches keep (a recomputed layer its input), the
-    largest recomputed layer rebuilt in backward, and the largest transient."""
+    the activations its ``in_flight`` micro-batches keep (a recomputed layer its input, a
+    selective one its matmuls' outputs), the largest recomputed layer rebuilt in backward, and
+    the largest transient (a selective layer's rebuild among them)."""
+    layers = with_selective(layers, selective)
     kept = sum(layers[i].input_bytes if i in recompute else layers[i].activation_bytes
                for i in range(first, end))
     return {"params": sum(layers[i].param_bytes for i in range(first, end)),
@@ -178,20 +198,42 @@ def stage_memory_parts(layers: list[LayerCost], first: int, end: int, in_flight:
 
 
 def stage_memory(layers: list[LayerCost], first: int, end: int, in_flight: int,
-                 recompute: list[int]) -> int:
-    return sum(stage_memory_parts(layers, first, end, in_flight, recompute).values())
+                 recompute: list[int], selective: list[int] = ()) -> int:
+    return sum(stage_memory_parts(layers, first, end, in_flight, recompute, selective).values())
 
 
-def predicted_stage_peak(work: list[LayerWork], recompute: list[int], size: Size,
-                         in_flight: int, bytes_per_param: float) -> dict[str, int]:
-    """The analytic peak of one stage holding the layers ``work`` (recomputing those at the
-    indices ``recompute``) with ``in_flight`` micro-batches of ``size`` kept: by part
-    (``stage_memory_parts``) and in total (``predicted_peak_bytes``), what a run's
-    ``max_memory_allocated`` is checked against."""
-    layers = analytic_layer_costs(work, time_size=size, memory_size=size, flops_per_s=1.0,
-                                  bytes_per_param=bytes_per_param)
-    parts = stage_memory_parts(layers, 0, len(layers), in_flight, recompute)
-    return {**parts, "predicted_peak_bytes": sum(parts.values())}
+def with_selective(layers: list[LayerCost], selective) -> list[LayerCost]:
+    """``layers`` with those at the indices ``selective`` recomputed selectively."""
+    chosen = set(selective)
+    return [c.selectively() if i in chosen else c for i, c in enumerate(layers)]
+
+
+def choose_selective(layers: list[LayerCost], first: int, end: int, in_flight: int,
+                     budget: int) -> tuple[list[int], list[int]] | None:
+    """Recompute for a stage that does not fit as it is: (whole layers, selective layers).
+    Selective recompute costs no matrix FLOPs, so it comes first: the fewest layers with a
+    selective mode, largest saving first, that make the stage fit; where all of them are not
+    enough, the fewest whole layers on top (``choose_recompute`` over the layers as selective
+    recompute leaves them, a whole layer rebuilding its full activation). None if nothing
+    fits."""
+    eligible = sorted((i for i in range(first, end) if layers[i].selective_bytes is not None),
+                      key=lambda i: (-(layers[i].activation_bytes - layers[i].selective_bytes), i))
+    # stage_memory with ``chosen`` selective, kept up as each joins
+    params = sum(layers[i].param_bytes for i in range(first, end))
+    kept = in_flight * sum(layers[i].activation_bytes for i in range(first, end))
+    transient = max(layers[i].transient_bytes for i in range(first, end))
+    chosen: list[int] = []
+    for i in eligible:
+        chosen.append(i)
+        kept -= in_flight * (layers[i].activation_bytes - layers[i].selective_bytes)
+        transient = max(transient, layers[i].selectively().transient_bytes)
+        if params + kept + transient <= budget:
+            return [], sorted(chosen)
+    whole = choose_recompute(with_selective(layers, eligible), first, end, in_flight, budget,
+                             [c.activation_bytes for c in layers])
+    if whole is None:
+        return None
+    return whole, sorted(i for i in eligible if i not in whole)
 
 
 def stage_time(layers: list[LayerCost], first: int, end: int, recompute: list[int],
@@ -205,17 +247,21 @@ def make_stage(layers: list[LayerCost], first: int, end: int, index: int, stages
                machine: Machine) -> Stage | None:
     """Stage ``index`` of ``stages`` over [first, end) with its recompute; None if it cannot fit."""
     in_flight = stages - index
+    selective: list[int] = []
     if machine.full_recompute:
         recompute = list(range(first, end))
         if stage_memory(layers, first, end, in_flight, recompute) > machine.memory_budget:
             return None
+    elif stage_memory(layers, first, end, in_flight, []) <= machine.memory_budget:
+        recompute = []
     else:
-        recompute = choose_recompute(layers, first, end, in_flight, machine.memory_budget)
-    if recompute is None:
-        return None
+        found = choose_selective(layers, first, end, in_flight, machine.memory_budget)
+        if found is None:
+            return None
+        recompute, selective = found
     return Stage(first, end, recompute,
                  stage_time(layers, first, end, recompute, machine, index == stages - 1),
-                 stage_memory(layers, first, end, in_flight, recompute))
+                 stage_memory(layers, first, end, in_flight, recompute, selective), selective)
 
 
 def evaluate(layers: list[LayerCost], bounds: list[int], machine: Machine) -> Partition | None:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from vlmshard.model_sizes import LOSS_CHUNK
 from vlmshard.preprocess.tokenize import IGNORE_INDEX
 from vlmshard.shards.model_inputs import next_token_targets
 
@@ -136,7 +137,7 @@ class LMHead(HFLayer):
         return lm_loss(self, micro)
 
 
-def lm_loss(module: nn.Module, micro: Micro, chunk: int = 1024) -> torch.Tensor:
+def lm_loss(module: nn.Module, micro: Micro, chunk: int = LOSS_CHUNK) -> torch.Tensor:
     """Next-token cross entropy summed over the supervised tokens (the target of token t is label
     t + 1 of the same sample). Logits exist only for supervised tokens, ``chunk`` rows at a time,
     recomputed in backward: a [tokens, vocab] tensor would not fit."""

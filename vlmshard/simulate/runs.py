@@ -164,6 +164,7 @@ def repack(info: dict, lengths, algo: str, mode: str):
 def _describe(partition: Partition, work) -> dict:
     return {"bounds": partition.bounds,
             "recompute": [len(s.recompute) for s in partition.stages],
+            "selective": [len(s.selective) for s in partition.stages],
             "stage_layers": [s.end - s.first for s in partition.stages],
             "memory_gib": [round(s.memory_bytes / 2 ** 30, 1) for s in partition.stages]}
 

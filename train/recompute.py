@@ -1,0 +1,53 @@
+"""How a layer's activations are recomputed in backward: not at all, in ``full`` (the layer keeps
+only its input and runs its forward again), or ``selective``.
+
+``selective`` is op-level selective checkpointing (``torch.utils.checkpoint``'s
+``create_selective_checkpoint_contexts``, as torchtitan's "op" policy): the outputs of the
+matrix multiplies and of the attention kernels are kept, everything between them (norms, rotary
+embeddings, activation functions, residual sums, reshapes) is recomputed from them in backward.
+With flash attention there is no score matrix whose recompute would pay (what Megatron's
+selective recompute drops); what is cheap to recompute is the elementwise work, and it holds
+most of a block's bytes: a norm keeps its input in fp32, an MLP its gate, up and activation.
+``vlmshard.model_sizes`` costs each mode (``LayerWork.selective_bytes``); the partition search
+takes ``selective`` before ``full``, since its recompute costs no matrix FLOPs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+MODES = ("full", "selective")
+
+# Kept under ``selective``: the ops whose outputs took the FLOPs, as this torch names them
+# (matmuls, grouped expert matmuls, SDPA's kernels, the varlen and flash kernels).
+_SAVED = [("aten", "mm"), ("aten", "addmm"), ("aten", "bmm"), ("aten", "_grouped_mm"),
+          ("aten", "_scaled_dot_product_flash_attention"),
+          ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
+          ("aten", "_scaled_dot_product_efficient_attention"),
+          ("aten", "_scaled_dot_product_cudnn_attention"),
+          ("aten", "_flash_attention_forward"), ("aten", "_efficient_attention_forward"),
+          ("torch_attn", "_varlen_attn"), ("flash_attn", "_flash_attn_varlen_forward")]
+
+
+@functools.cache
+def saved_ops() -> list:
+    """The ops of ``_SAVED`` this torch (and flash-attn, where installed) defines."""
+    found = []
+    for namespace, name in _SAVED:
+        packet = getattr(getattr(torch.ops, namespace, None), name, None)
+        if packet is not None:
+            found.append(packet.default if hasattr(packet, "default") else packet)
+    return found
+
+
+def run_layer(layer, micro, mode: str | None):
+    """``layer(micro)``, its activations recomputed in backward as ``mode`` says."""
+    if not mode or not torch.is_grad_enabled():
+        return layer(micro)
+    if mode == "selective":
+        return checkpoint(layer, micro, use_reentrant=False, context_fn=functools.partial(
+            create_selective_checkpoint_contexts, saved_ops()))
+    return checkpoint(layer, micro, use_reentrant=False)
