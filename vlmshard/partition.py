@@ -236,6 +236,19 @@ def choose_selective(layers: list[LayerCost], first: int, end: int, in_flight: i
     return whole, sorted(i for i in eligible if i not in whole)
 
 
+def predicted_stage_peak(work: list[LayerWork], recompute: list[int], size: Size,
+                         in_flight: int, bytes_per_param: float,
+                         selective: list[int] = ()) -> dict[str, int]:
+    """The analytic peak of one stage holding the layers ``work`` (recomputing those at the
+    indices ``recompute`` whole, at ``selective`` selectively) with ``in_flight``
+    micro-batches of ``size`` kept: by part (``stage_memory_parts``) and in total
+    (``predicted_peak_bytes``), what a run's ``max_memory_allocated`` is checked against."""
+    layers = analytic_layer_costs(work, time_size=size, memory_size=size, flops_per_s=1.0,
+                                  bytes_per_param=bytes_per_param)
+    parts = stage_memory_parts(layers, 0, len(layers), in_flight, recompute, selective)
+    return {**parts, "predicted_peak_bytes": sum(parts.values())}
+
+
 def stage_time(layers: list[LayerCost], first: int, end: int, recompute: list[int],
                machine: Machine, last: bool) -> float:
     compute = sum(layers[i].forward_s + layers[i].backward_s for i in range(first, end))
