@@ -297,6 +297,14 @@ def test_without_a_partition_a_run_takes_the_search_over_analytic_costs(small_sh
     assert [m["predicted_peak_bytes"] for m in chosen.memory] == [
         sum(v for k, v in m.items() if k != "predicted_peak_bytes") for m in chosen.memory]
     assert all(m["params"] > 0 and m["activations"] > 0 for m in chosen.memory)
+    # a given partition is costed with the modes it names; a layer without a selective mode
+    # (the head) is costed as kept whole, a block by what selective recompute keeps of it
+    given = dp.choose_partition(TrainConfig(shards=small_shards, out="unused", pp=2,
+                                            precision="fp32", bounds=chosen.bounds,
+                                            selective=["head", "llm_block_0"]), model, None, 2)
+    assert given.source == "--bounds" and given.selective == ["head", "llm_block_0"]
+    last = chosen.memory[-1]["activations"]
+    assert given.memory[:-1] == chosen.memory[:-1] and given.memory[-1]["activations"] < last
 
     monkeypatch.setattr(dp, "device_machine", lambda device, ranks: (Machine(1), 1e11, "1 B"))
     with pytest.raises(ConfigError, match=r"do not fit 1 B: no partition into 2 stage\(s\) "

@@ -19,8 +19,6 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-MODES = ("full", "selective")
-
 # Kept under ``selective``: the ops whose outputs took the FLOPs, as this torch names them
 # (matmuls, grouped expert matmuls, SDPA's kernels, the varlen and flash kernels).
 _SAVED = [("aten", "mm"), ("aten", "addmm"), ("aten", "bmm"), ("aten", "_grouped_mm"),

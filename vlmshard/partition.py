@@ -203,9 +203,11 @@ def stage_memory(layers: list[LayerCost], first: int, end: int, in_flight: int,
 
 
 def with_selective(layers: list[LayerCost], selective) -> list[LayerCost]:
-    """``layers`` with those at the indices ``selective`` recomputed selectively."""
+    """``layers`` with those at the indices ``selective`` recomputed selectively (one without a
+    selective mode costed as it is: it keeps at most what it keeps unrecomputed)."""
     chosen = set(selective)
-    return [c.selectively() if i in chosen else c for i, c in enumerate(layers)]
+    return [c.selectively() if i in chosen and c.selective_bytes is not None else c
+            for i, c in enumerate(layers)]
 
 
 def choose_selective(layers: list[LayerCost], first: int, end: int, in_flight: int,
