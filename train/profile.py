@@ -294,10 +294,11 @@ class _Clock:
 
 
 def _host_peak_bytes(func, layer_in: Micro) -> int:
-    """The most one forward + backward of ``func`` holds at once in tensors it allocates (its
-    kept activations, output, gradients and temporaries), on CPU, where there is no allocator
-    peak to read: torch's own memory tracker (``torch.distributed._tools.mem_tracker``) follows
-    every storage the run makes. An untimed run of its own: the tracker slows each op."""
+    """The most one forward + backward of ``func`` holds at once in activations and temporaries
+    it allocates (its kept activations, output and activation gradients; parameters and their
+    gradients are counted apart), on CPU, where there is no allocator peak to read: torch's own
+    memory tracker (``torch.distributed._tools.mem_tracker``) follows every storage the run
+    makes. An untimed run of its own: the tracker slows each op."""
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
     tracker = MemTracker()
