@@ -1,167 +1,126 @@
-"""The packer's hot loops as Numba kernels.
+"""The packer's hot loops (``loops.py``), compiled by Numba ahead of time.
 
-Each kernel has a pure-Python twin written for clarity, not speed, in ``tests/references.py``;
-the tests hold each kernel to its twin on random inputs, so a change to one without the other
-fails. Everything that is not a loop over samples stays in NumPy in ``algorithms.py``.
+``vlmshard pack`` is a short command: importing Numba and setting up its JIT target costs about
+a second each run, more than packing 18k samples takes, even with the JIT's on-disk cache. So
+the loops are compiled once by Numba's ahead-of-time compiler (``numba.pycc``) into an extension
+module cached per loop source, Numba version and Python, and later runs load that module with
+NumPy alone. Where no C compiler is at hand, or once a Numba release drops ``pycc`` (pending
+deprecation since 0.57, its replacement not yet released), the same loops run under
+``numba.njit(cache=True)``.
 
-Conventions: ``tiles`` and ``tokens`` are int32/int64 arrays of per-sample ViT tiles and LLM
-sequence length; caps are ``qv`` (tiles) and ``qt`` (tokens) per micro-batch; no sample passed in
-is over a cap on its own (the caller lists those as unplaced first).
+The wrappers below give each loop the exact types its signature names (``loops.SIGNATURES``).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import sys
+import sysconfig
+import tempfile
+import warnings
+from types import SimpleNamespace
+
 import numpy as np
-from numba import njit
+
+from . import loops
+
+log = logging.getLogger(__name__)
 
 
-@njit(cache=True)
-def greedy_groups(tiles, tokens, order, qv, qt):
-    """Cut ``order`` into consecutive groups, opening a new one when a cap would be exceeded.
-
-    This is OmniBal's ISF grouping step. Returns the group number of each position of ``order``.
-    """
-    n = order.shape[0]
-    group = np.empty(n, np.int64)
-    g = 0
-    v_sum = 0
-    t_sum = 0
-    for k in range(n):
-        i = order[k]
-        v = tiles[i]
-        t = tokens[i]
-        if k > 0 and (v_sum + v > qv or t_sum + t > qt):
-            g += 1
-            v_sum = 0
-            t_sum = 0
-        v_sum += v
-        t_sum += t
-        group[k] = g
-    return group
+def greedy_groups(tiles, tokens, order, qv, qt) -> np.ndarray:
+    """``loops.greedy_groups``: OmniBal's ISF grouping, the group number of each position."""
+    return _compiled().greedy_groups(_i8(tiles), _i8(tokens), _i8(order), int(qv), int(qt))
 
 
-@njit(cache=True)
-def fill_bins(tiles, tokens, squares, qv, qt, mean_attn, n_bins):
-    """Place samples, in the given order, into ``n_bins`` micro-batches by worst fit.
-
-    Each sample goes to the micro-batch that is least loaded after taking it, load being the
-    largest of its tile fill (of Qv), token fill (of Qt) and Σ``squares`` (each sample's quadratic
-    attention work, ``CostModel.squares``) relative to ``mean_attn``, a soft target; ties go to the
-    lower index. Samples that fit nowhere get -1.
-    Fed largest first, worst fit grows all micro-batches evenly, spreads long samples, and
-    leaves the small samples to close the last gaps on both resources at once.
-    """
-    n = tiles.shape[0]
-    inv_v = 1.0 / qv if qv > 0 else 0.0
-    inv_t = 1.0 / qt
-    inv_a = 1.0 / mean_attn if mean_attn > 0 else 0.0
-    v_load = np.zeros(n_bins, np.int64)
-    t_load = np.zeros(n_bins, np.int64)
-    a_load = np.zeros(n_bins, np.float64)
-    where = np.full(n, -1, np.int64)
-    for i in range(n):
-        v = tiles[i]
-        t = tokens[i]
-        a = squares[i]
-        best = -1
-        best_score = np.inf
-        for b in range(n_bins):
-            nv = v_load[b] + v
-            nt = t_load[b] + t
-            if nv <= qv and nt <= qt:
-                score = max(max(nv * inv_v, nt * inv_t), (a_load[b] + a) * inv_a)
-                if best < 0 or score < best_score:
-                    best_score = score
-                    best = b
-        if best >= 0:
-            v_load[best] += v
-            t_load[best] += t
-            a_load[best] += a
-            where[i] = best
-    return where
+def fill_bins(tiles, tokens, squares, qv, qt, mean_attn, n_bins) -> np.ndarray:
+    """``loops.fill_bins``: worst-fit placement into ``n_bins`` micro-batches (-1: nowhere)."""
+    return _compiled().fill_bins(_i8(tiles), _i8(tokens), np.asarray(squares, np.float64),
+                                 int(qv), int(qt), float(mean_attn), int(n_bins))
 
 
-@njit(cache=True)
-def polish_steps(items, offsets, tiles, tokens, squares, ranks, micro_batches, qt, rounds):
-    """Even out tokens and attention across a step's ranks by swapping samples, in place.
+def polish_steps(items, offsets, tiles, tokens, squares, ranks, micro_batches, qt,
+                 rounds) -> int:
+    """``loops.polish_steps``: swaps that even out each step's ranks, in place on ``items``."""
+    if items.dtype != np.int64:  # a converted copy would be polished, not the caller's array
+        raise TypeError(f"polish_steps works in place on int64 items, not {items.dtype}")
+    return _compiled().polish_steps(items, _i8(offsets), _i8(tiles), _i8(tokens),
+                                    np.asarray(squares, np.float64), int(ranks),
+                                    int(micro_batches), int(qt), int(rounds))
 
-    ``items``/``offsets`` hold micro-batches in step-major order (``Packing``). In each step, up to
-    ``rounds`` times: take the rank most above the step mean (deviation = relative tokens +
-    relative Σ``squares``, each sample's quadratic attention work) and apply the swap of two
-    samples with equal tiles between it and any other rank that most lowers Σ_r (ΔL_r/L̄)² +
-    (ΔA_r/Ā)², keeping Qt. Tiles per micro-batch never change, so ViT balance and caps are kept.
-    Returns the number of swaps.
-    """
-    per_step = ranks * micro_batches
-    n_steps = (offsets.shape[0] - 1) // per_step
-    L = np.zeros(ranks)
-    A = np.zeros(ranks)
-    swaps = 0
-    for s in range(n_steps):
-        first = s * per_step
-        for r in range(ranks):
-            L[r] = 0.0
-            A[r] = 0.0
-            for k in range(offsets[first + r * micro_batches],
-                           offsets[first + (r + 1) * micro_batches]):
-                L[r] += float(tokens[items[k]])
-                A[r] += squares[items[k]]
-        mean_l = L.sum() / ranks
-        mean_a = A.sum() / ranks
-        if mean_l <= 0.0:
-            continue
-        for _ in range(rounds):
-            p = 0
-            dev_p = (L[0] - mean_l) / mean_l + (A[0] - mean_a) / mean_a
-            for r in range(1, ranks):
-                dev = (L[r] - mean_l) / mean_l + (A[r] - mean_a) / mean_a
-                if dev > dev_p:
-                    p = r
-                    dev_p = dev
-            best_gain = 1e-12
-            best_i = -1
-            best_j = -1
-            best_q = -1
-            for q in range(ranks):
-                if q == p:
-                    continue
-                before = (((L[p] - mean_l) / mean_l) ** 2 + ((L[q] - mean_l) / mean_l) ** 2
-                          + ((A[p] - mean_a) / mean_a) ** 2 + ((A[q] - mean_a) / mean_a) ** 2)
-                for bi in range(first + p * micro_batches, first + (p + 1) * micro_batches):
-                    li = 0
-                    for k in range(offsets[bi], offsets[bi + 1]):
-                        li += tokens[items[k]]
-                    for bj in range(first + q * micro_batches, first + (q + 1) * micro_batches):
-                        lj = 0
-                        for k in range(offsets[bj], offsets[bj + 1]):
-                            lj += tokens[items[k]]
-                        for i in range(offsets[bi], offsets[bi + 1]):
-                            for j in range(offsets[bj], offsets[bj + 1]):
-                                if tiles[items[i]] != tiles[items[j]]:
-                                    continue
-                                ti = tokens[items[i]]
-                                tj = tokens[items[j]]
-                                d = tj - ti  # rank p gains d tokens, rank q loses them
-                                if d == 0 or li + d > qt or lj - d > qt:
-                                    continue
-                                da = squares[items[j]] - squares[items[i]]
-                                after = (((L[p] + d - mean_l) / mean_l) ** 2
-                                         + ((L[q] - d - mean_l) / mean_l) ** 2
-                                         + ((A[p] + da - mean_a) / mean_a) ** 2
-                                         + ((A[q] - da - mean_a) / mean_a) ** 2)
-                                if before - after > best_gain:
-                                    best_gain = before - after
-                                    best_i = i
-                                    best_j = j
-                                    best_q = q
-            if best_i < 0:
-                break
-            d = float(tokens[items[best_j]]) - float(tokens[items[best_i]])
-            da = squares[items[best_j]] - squares[items[best_i]]
-            L[p] += d
-            L[best_q] -= d
-            A[p] += da
-            A[best_q] -= da
-            items[best_i], items[best_j] = items[best_j], items[best_i]
-            swaps += 1
-    return swaps
+
+def _i8(a) -> np.ndarray:
+    return np.asarray(a, np.int64)
+
+
+def cache_dir() -> str:
+    """Where compiled kernels are kept: ``$VLMSHARD_KERNEL_CACHE``, else the user's cache."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("VLMSHARD_KERNEL_CACHE") or os.path.join(base, "vlmshard", "kernels")
+
+
+def module_name() -> str:
+    """The extension's name: a digest of what its machine code depends on."""
+    from importlib.metadata import version
+
+    with open(loops.__file__, "rb") as f:
+        source = f.read()
+    key = b"\0".join([source, version("numba").encode(), sys.implementation.cache_tag.encode(),
+                      sysconfig.get_platform().encode()])
+    return "_packing_kernels_" + hashlib.sha256(key).hexdigest()[:16]
+
+
+@functools.cache
+def _compiled():
+    name = module_name()
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    path = os.path.join(cache_dir(), name + suffix)
+    if not os.path.exists(path):
+        try:
+            _build(name, path)
+        except Exception as e:  # the C compiler and distutils raise their own kinds
+            log.warning("packing kernels: ahead-of-time build failed (%s); using Numba's JIT", e)
+            return _jitted()
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(name: str, path: str) -> None:
+    """Compile ``loops`` with ``numba.pycc`` into ``path``, atomically: concurrent builders each
+    write their own and the last rename wins, with identical code."""
+    with warnings.catch_warnings():  # pending deprecation: the JIT is the way out (above)
+        warnings.simplefilter("ignore")
+        from numba.pycc import CC
+
+    log.info("packing kernels: compiling ahead of time into %s (once)", path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    probes = logging.getLogger("compilers")  # setuptools logs each compiler probe at INFO
+    level = probes.level
+    probes.setLevel(logging.WARNING)
+    try:
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:
+            cc = CC(name)
+            cc.output_dir = tmp
+            cc.verbose = False
+            for fn, signature in loops.SIGNATURES.items():
+                cc.export(fn, signature)(getattr(loops, fn))
+            cc.compile()
+            built = [f for f in os.listdir(tmp) if f.startswith(name)]
+            if len(built) != 1:
+                raise RuntimeError(f"numba.pycc wrote {built or 'nothing'} for {name}")
+            os.replace(os.path.join(tmp, built[0]), path)  # tmp is beside path: one rename
+    finally:
+        probes.setLevel(level)
+
+
+def _jitted() -> SimpleNamespace:
+    from numba import njit
+
+    return SimpleNamespace(**{fn: njit(signature, cache=True)(getattr(loops, fn))
+                              for fn, signature in loops.SIGNATURES.items()})

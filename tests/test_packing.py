@@ -120,6 +120,41 @@ def test_polish_steps_equals_reference_and_keeps_tiles(rows, ranks, micro, round
         assert lengths.tokens[got[a:b]].sum() <= qt
 
 
+def test_pack_command_runs_compiled_kernels_without_importing_numba(tmp_path):
+    """`vlmshard pack` loads the ahead-of-time kernels as an extension module: Numba's import and
+    JIT set-up (about a second a run) stay out of the command."""
+    meta = os.path.join(OMNIBAL, "meta.json")
+    script = ("import sys; from vlmshard.cli import main; from vlmshard.packing import kernels; "
+              "code = main(['-q', 'pack', '--stats', sys.argv[1], '--dp', '2', '--out', "
+              "sys.argv[2]]); import importlib.machinery as m; "
+              "assert isinstance(kernels._compiled().__loader__, m.ExtensionFileLoader); "
+              "print(code, sorted(n for n in sys.modules if n.split('.')[0] == 'numba'))")
+    out = subprocess.run([sys.executable, "-c", script, meta, str(tmp_path / "plan")],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.split()[-2:] == ["0", "[]"] and (tmp_path / "plan" / "plan.parquet").exists()
+
+
+def test_numba_jit_fallback_equals_the_compiled_kernels(tmp_path, monkeypatch):
+    """Without a C compiler the same loops run under Numba's JIT, with the same results."""
+    rng = np.random.default_rng(0)
+    tiles, tokens = rng.integers(0, 6, 200), rng.integers(1, 900, 200)
+    squares = tokens.astype(np.float64) ** 2
+    args = (tiles, tokens, squares, 12, 2000, float(squares.sum()) / 16, 16)
+    compiled = kernels.fill_bins(*args)
+    monkeypatch.setenv("VLMSHARD_KERNEL_CACHE", str(tmp_path))
+
+    def no_compiler(name, path):
+        raise OSError("no C compiler")
+
+    monkeypatch.setattr(kernels, "_build", no_compiler)
+    kernels._compiled.cache_clear()
+    try:
+        assert not hasattr(kernels._compiled(), "__loader__")  # the JIT's dispatchers
+        assert np.array_equal(kernels.fill_bins(*args), compiled)
+    finally:
+        kernels._compiled.cache_clear()
+
+
 # --- the plan contract for every algorithm ------------------------------------------------------
 
 def _check_contract(lengths: Lengths, packing: Packing, caps: algorithms.Caps, ranks: int,
