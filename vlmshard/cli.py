@@ -58,18 +58,24 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def parse(argv: list[str]) -> argparse.Namespace:
+    """A command line parsed, nothing run; a bad one exits with the command's own usage (the
+    top-level usage only when no command is named)."""
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in SUBCOMMANDS else None)
     args, unknown = parser.parse_known_args(argv)
-    if unknown:  # the command's own usage, not the top-level one
+    if unknown:
         getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     func = args.func
-    for key in ("verbose", "quiet", "command", "func", "parser"):
+    for key in ("verbose", "quiet", "command", "func", "parser", "config_cls"):
         delattr(args, key)
     return func(args)
 

@@ -69,13 +69,14 @@ def stage_command(command: str, config_cls: type, stage: str
 
 def add_stage_arguments(parser: argparse.ArgumentParser, config_cls: type) -> None:
     """The config's options, ``--json``, which has this one meaning in every command, and the
-    global options. The parser is recorded in the parsed arguments (``parser``), so that an
-    unrecognized argument is reported with this command's usage, not the top-level one."""
+    global options. The parser and the config class are recorded in the parsed arguments
+    (``parser``, ``config_cls``): an unrecognized argument is reported with this command's usage,
+    not the top-level one, and a command line can be checked without running it."""
     add_options(parser, config_cls)
     parser.add_argument("--json", action="store_true",
                         help="print the result as JSON on stdout instead of the summary")
     add_global_options(parser)
-    parser.set_defaults(parser=parser)
+    parser.set_defaults(parser=parser, config_cls=config_cls)
 
 
 # Options every command takes, before its name or after it: (flags, help).
