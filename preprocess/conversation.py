@@ -338,10 +338,16 @@ def _place_images(turns: list[Turn], inline: list, listed: list, all_first: bool
         return turns, listed
     named = len(inline) - wanting
     what = "video" if item is VideoItem else "image"
+    # A placeholder: a <image> (<video>) in text, or an item naming no image of its own.
     raise Reject(f"{what}_count_mismatch",
-                 f"{wanting} <{what}> placeholder(s) or {what} item(s) without their {what} for "
-                 f"{len(listed)} {what}(s) in the {what}s column"
-                 + (f" ({named} more item(s) name their own {what})" if named else ""))
+                 f"{_count(wanting, 'placeholder')}, {_count(len(listed), what)} in the "
+                 f"{what}s column" + (f" ({_count(named, 'more ' + what + ' item')} naming "
+                                      "its own)" if named else ""))
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 image``, ``2 images``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _image_values(value, column: str) -> list[ImageRef]:
@@ -457,4 +463,17 @@ def format_hint(record: dict, fmt: RowFormat) -> str | None:
         keys = ", ".join(map(repr, sorted(first)))
         return (f"turns have {keys}, not {_names(fmt.role_keys)} and "
                 f"{_names(fmt.content_keys)}: name them with --columns role=... content=...")
-    return None
+    return _role_hint(record[present[0]], fmt)
+
+
+def _role_hint(turns: list, fmt: RowFormat) -> str | None:
+    """``--roles NAME=ROLE`` for the first role that no mapping names, ROLE guessed from its
+    place: after any system turn, a conversation alternates user and assistant."""
+    said = [next((t[k] for k in fmt.role_keys if t.get(k) is not None), None)
+            for t in turns if isinstance(t, dict)]
+    said = [r for r in said if isinstance(r, str) and fmt.role(r) != "system"]
+    i, name = next(((i, r) for i, r in enumerate(said) if fmt.role(r) is None), (0, None))
+    if name is None:
+        return None
+    return (f"turns have role {name!r}, which is not user, assistant or system: map it with "
+            f"--roles {name}={('user', 'assistant')[i % 2]}")

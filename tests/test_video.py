@@ -1,4 +1,4 @@
-"""Videos through preprocess, pack, write and the loader (issue 27: Qwen2/2.5-VL and InternVL).
+"""Videos through preprocess, pack, write and the loader (Qwen2/2.5-VL, Qwen3-VL and InternVL).
 
 Expected values come from outside the code under test: PyAV decoding every frame (the probe's
 counts, the frames at the recorded indices), the video processors' sampling and resize rules

@@ -51,10 +51,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_stage_arguments(p, TrainConfig)
 
 
+def continue_in_resumed(args: argparse.Namespace) -> None:
+    """``--resume RUN`` without ``--out`` continues in RUN."""
+    if hasattr(args, "resume") and not hasattr(args, "out"):
+        args.out = args.resume
+
+
 def main(args: argparse.Namespace) -> int:
     action = args.__dict__.pop("action", None)
-    if hasattr(args, "resume") and not hasattr(args, "out"):
-        args.out = args.resume  # continue in the folder being resumed
+    continue_in_resumed(args)
     if action == "profile":
         return run_command("train profile", ProfileConfig,
                            resolve("vlmshard.train.profile:run_profile"), args)

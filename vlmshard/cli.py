@@ -12,6 +12,7 @@ import sys
 from importlib import import_module
 
 from vlmshard import __version__
+from vlmshard.stage import add_global_options
 
 # name: (module, one-line help). Each module has DESCRIPTION, add_arguments(parser) and
 # main(args) -> exit status.
@@ -44,8 +45,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         description="Pre-balanced WebDataset shards and balanced pipeline training for VLMs. "
                     "Run `vlmshard COMMAND --help` for a command's options.")
     parser.add_argument("--version", action="version", version=f"vlmshard {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    add_global_options(parser, default=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text,
@@ -58,15 +58,24 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def parse(argv: list[str]) -> argparse.Namespace:
+    """A command line parsed, nothing run; a bad one exits with the command's own usage (the
+    top-level usage only when no command is named)."""
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command if command in SUBCOMMANDS else None).parse_args(argv)
+    parser = build_parser(command if command in SUBCOMMANDS else None)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     func = args.func
-    for key in ("verbose", "quiet", "command", "func"):
+    for key in ("verbose", "quiet", "command", "func", "parser", "config_cls"):
         delattr(args, key)
     return func(args)
 

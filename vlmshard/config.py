@@ -163,22 +163,27 @@ def load_config(cls: type[T], args: argparse.Namespace | dict[str, Any]) -> T:
     values = _checked(cls, read_yaml_mapping(config_file), where) if config_file else {}
     values.update({k: check_value(cls, k, v, _flag_name(cls, k)) for k, v in flags.items()
                    if k in names})
-    return build(cls, values, f"{where} (pass them as flags or in --config)" if config_file
-                 else "pass them as flags or in a --config file")
-
-
-def build(cls: type[T], values: dict[str, Any], where: str) -> T:
-    """``cls(**values)`` once every required field is there; the dataclass then checks its
-    values together in ``__post_init__`` (a ``ConfigError``), so a config that exists is valid."""
-    _require(cls, values, where)
+    where = (f"{where} (pass them on the command line or in --config)" if config_file
+             else "pass them on the command line or in a --config file")
+    _require(cls, values, where, as_typed=True)
     return cls(**values)
 
 
-def _require(cls: type, values: dict[str, Any], where: str) -> None:
+def _require(cls: type, values: dict[str, Any], where: str, as_typed: bool = False) -> None:
+    """A one-line error naming the required fields ``values`` lacks: as the user types them on
+    the command line (``as_typed``: ``--out``, a positional ``SHARDS``), else as YAML keys.
+    Once every required field is there, the dataclass checks its values in ``__post_init__``."""
     missing = [f.name for f in dataclasses.fields(cls) if f.name not in values
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    if missing:
+    if not missing:
+        return
+    if not as_typed:
         raise ConfigError(f"missing required option(s) {', '.join(missing)}: {where}")
+    positional = [_flag_name(cls, n) for n in missing if _field(cls, n).metadata.get("positional")]
+    flags = [_flag_name(cls, n) for n in missing if not _field(cls, n).metadata.get("positional")]
+    parts = ([f"missing required argument {', '.join(positional)}"] if positional else []) \
+        + ([f"missing required option(s) {', '.join(flags)}"] if flags else [])
+    raise ConfigError(f"{'; '.join(parts)}: {where}")
 
 
 def _checked(cls: type, values: dict[str, Any], where: str, hidden: set[str] = frozenset()
@@ -237,9 +242,13 @@ def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(_flag_name(cls, f.name), dest=f.name, **kwargs)
 
 
+def _field(cls: type, name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(cls) if f.name == name)
+
+
 def _flag_name(cls: type, name: str) -> str:
     """How the user typed option ``name``: ``--max-seq-len``, or ``INPUTS`` for a positional."""
-    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    field = _field(cls, name)
     return name.upper() if field.metadata.get("positional") else "--" + name.replace("_", "-")
 
 

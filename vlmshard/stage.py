@@ -68,10 +68,30 @@ def stage_command(command: str, config_cls: type, stage: str
 
 
 def add_stage_arguments(parser: argparse.ArgumentParser, config_cls: type) -> None:
-    """The config's options and ``--json``, which has this one meaning in every command."""
+    """The config's options, ``--json``, which has this one meaning in every command, and the
+    global options. The parser and the config class are recorded in the parsed arguments
+    (``parser``, ``config_cls``): an unrecognized argument is reported with this command's usage,
+    not the top-level one, and a command line can be checked without running it."""
     add_options(parser, config_cls)
     parser.add_argument("--json", action="store_true",
                         help="print the result as JSON on stdout instead of the summary")
+    add_global_options(parser)
+    parser.set_defaults(parser=parser, config_cls=config_cls)
+
+
+# Options every command takes, before its name or after it: (flags, help).
+GLOBAL_OPTIONS = ((("-v", "--verbose"), "debug logging"),
+                  (("-q", "--quiet"), "warnings and errors only"))
+
+
+def add_global_options(parser: argparse.ArgumentParser, default: Any = argparse.SUPPRESS
+                       ) -> None:
+    """:data:`GLOBAL_OPTIONS` as flags. The top-level parser defaults them to False; a command's
+    parser leaves them unset unless they are typed after the command's name (``SUPPRESS``), so
+    it never resets one typed before it."""
+    group = parser.add_argument_group("global options")
+    for flags, help_text in GLOBAL_OPTIONS:
+        group.add_argument(*flags, action="store_true", default=default, help=help_text)
 
 
 def run_command(command: str, config_cls: type[C], stage: Callable[[C], Result],

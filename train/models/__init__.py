@@ -1,5 +1,6 @@
-"""Each family's trainer layer map: a module per family (``internvl``, ``qwen2vl``,
-``qwen3vl``) whose ``layers(model)`` lists the pipeline layers of its ``transformers`` model in
+"""Each family's trainer layer map: a module per map (every module here but the shared
+``layers`` and ``linear_attention``; families that share one, as Qwen3-VL and Qwen3.5 do, name
+the same) whose ``layers(model)`` lists the pipeline layers of its ``transformers`` model in
 order, over the shared layers of ``layers``; a family names its map in ``trainer_layers``
 (``vlmshard.families``).
 
