@@ -1,7 +1,8 @@
-"""Each family's trainer layer map: a module per family (``internvl``, ``qwen2vl``,
-``qwen3vl``) whose ``layers(model)`` lists the pipeline layers of its ``transformers`` model in
-order, over the shared layers of ``layers``; a family names its map in ``trainer_layers``
-(``vlmshard.families``).
+"""Each family's trainer layer map: a module per family (the one its ``trainer_layers`` names,
+``vlmshard.families``) whose ``layers(model)`` lists the pipeline layers of its
+``transformers`` model in order, over the shared layers of ``layers``. Weights are read as
+``transformers``' own conversion mapping renames them (``vlmshard.train.weights``), so a map
+holds no checkpoint names of its own.
 
     vision embedding, each vision block, projector / merger        (``Phase`` per tile)
     token embedding with the image features scattered in,
