@@ -673,3 +673,20 @@ def test_a_family_name_registers_once_unless_replaced():
     finally:
         register(builtin, replace=True, built_in=True)
     assert family_for_model_type("internvl", "folder") is builtin
+
+
+def test_a_family_registers_only_with_its_default_preset():
+    """The packer costs a family's stats with its default preset when no model folder is
+    there: a family whose default is none of its presets is refused when it registers, not
+    when a pack fails later."""
+    from vlmshard.errors import ConfigError
+    from vlmshard.families import families, register
+    from vlmshard.families.internvl import InternVL
+
+    class Unpriced(InternVL):
+        name = "unpriced"
+        default_preset = "no-such-preset"
+
+    with pytest.raises(ConfigError, match="default_preset 'no-such-preset' is none of its"):
+        register(Unpriced())
+    assert "unpriced" not in families()

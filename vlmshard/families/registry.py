@@ -38,6 +38,10 @@ def register(family: Family, *, replace: bool = False, built_in: bool = False) -
     already is refused unless ``replace``: then ``family`` takes its place."""
     if not built_in:
         _built_ins()
+    if family.default_preset not in family.presets:
+        raise ConfigError(f"model family {family.name}: its default_preset "
+                          f"{family.default_preset!r} is none of its presets "
+                          f"({', '.join(family.presets) or 'none'})")
     if family.name in _FAMILIES:
         if not replace:
             raise ConfigError(f"model family {family.name!r} is registered already (by "
