@@ -147,7 +147,8 @@ class LLMConfig:
 @dataclass(frozen=True)
 class LLMFeatures:
     """What an LLM's layers are built with that its ``config.json`` does not say (its
-    ``transformers`` modeling code does): the family states them (``vlmshard.families``)."""
+    ``transformers`` modeling code does), each as ``LLMConfig``'s field of that name: the
+    family states them (``vlmshard.families``), so a new family's are never guessed."""
 
     qk_norm: bool = False
     qkv_bias: bool = False  # where config.json has no ``attention_bias`` (Qwen2's: biases)

@@ -208,6 +208,7 @@ class Qwen2VL(Family):
     policies = (Qwen2VLTiling,)
     presets = PRESETS
     default_preset = "qwen2-vl-2b"
+    # its LLM's features config.json does not state (each Qwen family below states its own)
     llm_features: ClassVar[LLMFeatures] = LLM_FEATURES
     trainer_layers = "vlmshard.train.models.qwen2vl:layers"
     description = "Qwen2-VL, Qwen2.5-VL"
