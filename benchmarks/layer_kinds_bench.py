@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(REPO, "tests"))
 
 from length_mixes import SYNTHETIC, mix  # noqa: E402
 
-from vlmshard.model_sizes import PRESETS  # noqa: E402
+from vlmshard.families import presets  # noqa: E402
 from vlmshard.packing.batches import Lengths  # noqa: E402
 from vlmshard.packing.config import PackConfig  # noqa: E402
 from vlmshard.packing.cost import CostModel  # noqa: E402
@@ -49,7 +49,7 @@ RANKS, MICRO, SAMPLES = 8, 1, 20_000
 
 def all_attention(name: str) -> CostModel:
     """The preset's sizes with every LLM layer costed as full softmax attention."""
-    model = PRESETS[name]
+    model = presets()[name]
     llm = replace(model.llm, linear_layers=(), sliding_layers=(), sliding_window=0)
     return CostModel.from_sizes(replace(model, llm=llm))
 
@@ -85,7 +85,7 @@ def main() -> None:
           "attention's share of the work under it |")
     print("|---|---|---|---:|---:|---:|---:|")
     for model, units in MODELS.items():
-        truth, naive = CostModel.from_sizes(PRESETS[model]), all_attention(model)
+        truth, naive = CostModel.from_sizes(presets()[model]), all_attention(model)
         for name in SYNTHETIC:
             lengths = lengths_for(name, units)
             for label, cost in (("by kind", truth), ("all attention", naive)):

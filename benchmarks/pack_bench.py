@@ -33,7 +33,7 @@ sys.path.insert(0, REPO)
 
 from vlmshard.packing import algorithms  # noqa: E402
 from vlmshard.packing.batches import Lengths  # noqa: E402
-from vlmshard.model_sizes import PRESETS  # noqa: E402
+from vlmshard.families import presets  # noqa: E402
 from vlmshard.packing.cost import CostModel  # noqa: E402
 from vlmshard.packing.config import ALGORITHMS, PADDED, PackConfig  # noqa: E402
 from vlmshard.packing.plan import choose_caps, pack_epoch  # noqa: E402
@@ -46,7 +46,7 @@ from length_mixes import MIXES, mix  # noqa: E402  (the caps matrix's data mixes
 
 DATA = os.path.join(REPO, "..", "shared", "data", "omnibal-lengths")
 FILES = ("ai2d_train_12k.json", "docvqa_train_10k.json")
-COST = CostModel.from_sizes(PRESETS["internvl2-2b"])
+COST = CostModel.from_sizes(presets()["internvl2-2b"])
 SETTINGS = ((8, 1), (64, 1), (8, 4))
 COLUMNS = ("vit_dist_ratio", "llm_dist_ratio", "attn_dist_ratio", "vit_fill", "llm_fill",
            "pad_ratio", "cost_efficiency", "order_spearman", "source_mix_tv", "qv", "qt",

@@ -40,12 +40,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from pack_bench import plan  # noqa: E402  (caps + one epoch + metrics, as vlmshard pack)
 
+from vlmshard.families import presets  # noqa: E402
 from vlmshard.families.qwen2vl import Qwen2VLTiling  # noqa: E402
-from vlmshard.model_sizes import PRESETS  # noqa: E402
 from vlmshard.packing.batches import Lengths  # noqa: E402
 from vlmshard.packing.cost import CostModel  # noqa: E402
 
-COST = CostModel.from_sizes(PRESETS["qwen2-vl-2b"])
+COST = CostModel.from_sizes(presets()["qwen2-vl-2b"])
 POLICY = Qwen2VLTiling()  # transformers' defaults: images up to 1280 tokens, video 2 fps
 MAX_SEQ_LEN = 32768
 IMAGE_SIZES = ((640, 480), (1024, 768), (448, 448), (1280, 720), (800, 1200), (1700, 2200),

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from vlmshard.config import ConfigError, option
-from vlmshard.model_sizes import PRESETS
+from vlmshard.families import families, presets
 
 from .cost import ComputeMode
 
@@ -15,6 +15,11 @@ ALGORITHMS: tuple[str, ...] = get_args(Algorithm)
 PADDED = ("random", "lengthgroup")  # micro-batches padded per sample, not packed
 SEARCHED_CAPS = ("searched: balanced's for the best step_efficiency under --max-qv/--max-qt, "
                  "isf's by OmniBal's search")
+
+
+# each family's ViT unit, as its stats count it (its default preset's)
+_UNITS = "; ".join(f"{f.presets[f.default_preset].vision.image_size} px for {f.description}"
+                   for f in families().values())
 
 
 @dataclass(kw_only=True)
@@ -58,11 +63,10 @@ class PackConfig:
                                     default_text="the FLOPs of --model")
     model: str | None = option(
         None, help=f"model whose FLOPs set the default cost model: a Hugging Face model folder "
-                   f"(its config.json's sizes) or a preset ({', '.join(PRESETS)}); its ViT unit "
-                   "must be the stats' (448-px tiles for InternVL, 28-px merged patches for "
-                   "Qwen2-VL, 32-px for Qwen3-VL)",
+                   f"(its config.json's sizes) or a preset ({', '.join(presets())}); its ViT unit "
+                   f"must be the stats' ({_UNITS})",
         default_text="the model folder the stats were preprocessed for; else the family's "
-                     "preset: internvl2-2b, qwen2-vl-2b or qwen3-vl-8b")
+                     f"preset ({', '.join(f.default_preset for f in families().values())})")
 
     def __post_init__(self) -> None:
         for name in ("dp", "micro_batches", "epochs", "target_samples"):

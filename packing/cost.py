@@ -62,7 +62,7 @@ class CostModel:
         import os
 
         from vlmshard.families import family as family_named
-        from vlmshard.model_sizes import PRESETS
+        from vlmshard.families import presets
 
         preset = family_named(family).default_preset
         if not name and model_folder and not os.path.isdir(model_folder):
@@ -70,8 +70,9 @@ class CostModel:
                         model_folder, preset)
             model_folder = None
         name = name or model_folder or preset
-        model = _model_sizes(name, PRESETS)
-        unit = unit_px or PRESETS[preset].vision.image_size
+        known = presets()
+        model = _model_sizes(name, known)
+        unit = unit_px or known[preset].vision.image_size
         if model.vision.image_size != unit:
             raise ConfigError(f"model {name!r} counts {model.vision.image_size}-px ViT units, but "
                               f"the stats count {family}'s {unit}-px units: pass the model "

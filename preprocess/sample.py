@@ -156,9 +156,8 @@ def process_record(record: dict, source: Source, tiling: TilingPolicy, encoder,
                                         f"sample holds at most {MAX_IMAGES_PER_SAMPLE:,}")
     if videos and not encoder.takes_videos:
         raise Reject("unsupported_video", f"{len(videos)} video(s), and {encoder.name} takes "
-                                          "none (video is read for Qwen2-VL, Qwen2.5-VL, "
-                                          "Qwen3-VL, Qwen3.5 and InternVL models and the demo "
-                                          "tokenizer)")
+                                          "none (its family has no video layout, or its "
+                                          "tokenizer lacks the layout's tokens)")
     paths = [image_path(im, source.image_root, limits.allow_outside_image_root) for im in images]
     if limits.max_seq_len is not None:
         bound = min_seq_len(turns, len(images) + len(videos), tiling, encoder)

@@ -17,14 +17,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vlmshard.model_sizes import PRESETS
+from vlmshard.families import presets
 from vlmshard.packing.config import PackConfig
 from vlmshard.packing.cost import CostModel
 from vlmshard.packing.plan import choose_caps, pack_epoch
 
 from length_mixes import MIXES, mix
 
-COST = CostModel.from_sizes(PRESETS["internvl2-2b"])
+COST = CostModel.from_sizes(presets()["internvl2-2b"])
 DP = 8
 
 

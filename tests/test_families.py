@@ -652,3 +652,41 @@ def test_pack_refuses_a_cost_model_of_another_patch_size(shards, tmp_path):
              "--model", "qwen3-vl-8b")
     assert json.load(open(tmp_path / "q" / "plan.json"))["cost_model"]["origin"] == \
         "flops:qwen3-vl-8b"
+
+
+def test_a_family_name_registers_once_unless_replaced():
+    """A second family of a registered name is refused (it would silently take the first's
+    place); replacing one is asked for by name, and the replacement serves its model types."""
+    from vlmshard.errors import ConfigError
+    from vlmshard.families import family, family_for_model_type, register
+    from vlmshard.families.internvl import InternVL
+
+    builtin = family("internvl")
+    with pytest.raises(ConfigError, match="'internvl' is registered already"):
+        register(InternVL())
+    assert family("internvl") is builtin
+    replacement = InternVL()
+    try:
+        assert register(replacement, replace=True) is replacement
+        assert family("internvl") is replacement
+        assert family_for_model_type("internvl", "folder") is replacement
+    finally:
+        register(builtin, replace=True, built_in=True)
+    assert family_for_model_type("internvl", "folder") is builtin
+
+
+def test_a_family_registers_only_with_its_default_preset():
+    """The packer costs a family's stats with its default preset when no model folder is
+    there: a family whose default is none of its presets is refused when it registers, not
+    when a pack fails later."""
+    from vlmshard.errors import ConfigError
+    from vlmshard.families import families, register
+    from vlmshard.families.internvl import InternVL
+
+    class Unpriced(InternVL):
+        name = "unpriced"
+        default_preset = "no-such-preset"
+
+    with pytest.raises(ConfigError, match="default_preset 'no-such-preset' is none of its"):
+        register(Unpriced())
+    assert "unpriced" not in families()

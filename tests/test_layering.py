@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 
@@ -121,6 +122,28 @@ def test_modules_cite_only_documents_a_clone_has():
         found += [f"{module} cites {name}" for name in ("../shared", "DESIGN.md") if name in text]
     assert not found, "\n".join(found)
     assert os.path.isfile(os.path.join(REPO, "docs", "design.md"))
+
+
+def test_only_a_familys_own_modules_name_it():
+    """Everything about a family lives in its modules (``vlmshard/families/``, the trainer's
+    ``train/models/``): a family's name or a model_type it serves written anywhere else is a
+    fact the next family would have to be added to. Lists of families come from the registry.
+    (A preset's name, ``internvl-chat-1.5``, is no family name.)"""
+    from vlmshard.families import families
+
+    names = {n for f in families().values() for n in (f.name, *f.model_types)}
+    word = re.compile(r"(?<![\w-])(" + "|".join(sorted(names, key=len, reverse=True))
+                      + r")(?![\w-])")
+    found = []
+    for module, path in _modules():
+        if any(module == home or module.startswith(home + ".")
+               for home in ("vlmshard.families", "vlmshard.train.models")):
+            continue
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                found += [f"{os.path.relpath(path, REPO)}:{number}: {m.group(1)}"
+                          for m in word.finditer(line)]
+    assert not found, "\n".join(found)
 
 
 def test_the_distribution_owns_only_the_vlmshard_name():

@@ -11,9 +11,8 @@ import pytest
 import torch
 from hf_reference import FAMILIES, make_folder
 
-from vlmshard.families import model_sizes, tiny_folder
+from vlmshard.families import model_sizes, presets, tiny_folder
 from vlmshard.model_sizes import (
-    PRESETS,
     LLMConfig,
     ModelConfig,
     layer_work,
@@ -99,7 +98,7 @@ def test_the_qwen3_vl_30b_a3b_preset_is_the_published_model():
     with torch.device("meta"):
         model = Qwen3VLMoeForConditionalGeneration(config)
     real = sum(p.numel() for p in model.parameters())
-    preset = PRESETS["qwen3-vl-30b-a3b"]
+    preset = presets()["qwen3-vl-30b-a3b"]
     work = layer_work(preset)
     assert sum(w.params for w in work) == real
     assert real == pytest.approx(31e9, rel=0.02)
@@ -115,35 +114,56 @@ def test_an_explicit_head_dim_is_counted():
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
+    from vlmshard.families.internvl import LLM_FEATURES
+
     sizes = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                  head_dim=128)
     with torch.device("meta"):
         layer = Qwen3DecoderLayer(Qwen3Config(**sizes), 0)
     real = sum(p.numel() for p in layer.parameters())
-    llm = LLMConfig.from_hf_config({**sizes, "model_type": "qwen3"})
+    llm = LLMConfig.from_hf_config(sizes, LLM_FEATURES["qwen3"])
     work = {w.name: w.params for w in layer_work(ModelConfig(llm=llm))}
     assert work["llm_block_0"] == real
     assert real == pytest.approx(15.73e6, rel=1e-3)
 
 
-def test_the_qwen3_vl_8b_preset_is_the_published_model():
-    """The preset's layers hold as many parameters as ``transformers`` builds from
-    Qwen3-VL-8B-Instruct's published config.json."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+def _qwen3_vl_8b_config():
+    """Qwen3-VL-8B-Instruct's published config.json, as ``transformers`` reads it."""
+    from transformers import Qwen3VLConfig
 
-    config = Qwen3VLConfig(
+    return Qwen3VLConfig(
         text_config=dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                          num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                          head_dim=128, rope_parameters=ROPE),
         vision_config={**VIT, "out_hidden_size": 4096},
         tie_word_embeddings=False)
+
+
+def test_the_qwen3_vl_8b_preset_is_the_published_model():
+    """The preset's layers hold as many parameters as ``transformers`` builds from
+    Qwen3-VL-8B-Instruct's published config.json."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    config = _qwen3_vl_8b_config()
     with torch.device("meta"):
         model = Qwen3VLForConditionalGeneration(config)
     real = sum(p.numel() for p in model.parameters())
-    preset = PRESETS["qwen3-vl-8b"]
+    preset = presets()["qwen3-vl-8b"]
     assert sum(w.params for w in layer_work(preset)) == real
     assert model_sizes(config.to_dict(), "qwen3-vl-8b") == preset
+
+
+def test_the_family_states_the_llm_features_whatever_its_model_type_is_called():
+    """The LLM's features that config.json does not state (Qwen3's q/k norms here) are the
+    family's word, not guessed from how the model_type is spelled: Qwen3-VL-8B's config.json
+    under model_type names of its own (a user's family built on Qwen3-VL) reads as the preset,
+    whose parameters ``transformers`` builds (the test above)."""
+    from vlmshard.families.qwen3vl import Qwen3VL
+
+    config = _qwen3_vl_8b_config().to_dict()
+    config["model_type"], config["text_config"]["model_type"] = "my_vlm", "my_vlm_text"
+    assert Qwen3VL().model_sizes(config, "qwen3-vl-8b") == presets()["qwen3-vl-8b"]
 
 
 @pytest.mark.parametrize("name, preset, window, linear", [
@@ -159,5 +179,5 @@ def test_published_configs_read_with_transformers_defaults(name, preset, window,
     sizes = model_sizes(config, name)
     assert sizes.llm.sliding_window == window and len(sizes.llm.linear_layers) == linear
     if preset:
-        assert sizes.llm == PRESETS[preset].llm and sizes.vision == PRESETS[preset].vision
-        assert sizes.tokens_per_tile == PRESETS[preset].tokens_per_tile == 256
+        assert sizes.llm == presets()[preset].llm and sizes.vision == presets()[preset].vision
+        assert sizes.tokens_per_tile == presets()[preset].tokens_per_tile == 256

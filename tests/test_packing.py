@@ -21,7 +21,7 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from vlmshard.errors import ConfigError
-from vlmshard.model_sizes import PRESETS
+from vlmshard.families import presets
 from vlmshard.packing import algorithms, kernels
 from vlmshard.packing.batches import Lengths, Packing
 from vlmshard.packing.config import ALGORITHMS, PADDED, PackConfig
@@ -31,7 +31,7 @@ from vlmshard.packing.plan import choose_caps, pack_epoch, run_pack
 from vlmshard.packing.stats import StatsError, load_stats
 
 OMNIBAL = os.path.join(os.path.dirname(__file__), "data", "omnibal")
-COST = CostModel.from_sizes(PRESETS["internvl2-2b"])
+COST = CostModel.from_sizes(presets()["internvl2-2b"])
 
 
 def _lengths(tiles, tokens, n_sources=2) -> Lengths:

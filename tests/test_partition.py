@@ -153,10 +153,11 @@ def test_the_largest_micro_batch_of_the_analytic_model_is_the_edge_of_fitting(pr
     size fits some partition of the real model's analytic layers on an 80 GiB device, one 1%
     larger fits none (an 8B model's states alone fill one device: four stages); the loss's
     chunk is costed at each size, not scaled from one."""
-    from vlmshard.model_sizes import PRESETS, Size, bytes_per_param, layer_work
+    from vlmshard.families import presets
+    from vlmshard.model_sizes import Size, bytes_per_param, layer_work
     from vlmshard.partition import analytic_layer_costs, largest_micro_batch
 
-    work = layer_work(PRESETS[preset])
+    work = layer_work(presets()[preset])
     machine = Machine.for_device(80 * 2**30)
     shape = Size(10.0, 40.0)
     largest = largest_micro_batch(work, shape, machine, bytes_per_param("bf16"), stages)

@@ -11,9 +11,9 @@ import os
 import numpy as np
 import pytest
 
+from vlmshard.families import presets
 from vlmshard.model_sizes import (
     NO_LAYER_WORK,
-    PRESETS,
     ModelConfig,
     layer_work,
     training_flops,
@@ -120,7 +120,7 @@ def test_analytic_layers_map_onto_the_trainers_layers(family, tmp_path):
 
 
 def test_pipeline_json_keeps_the_model_sizes_and_each_stages_layers():
-    model = PRESETS["internvl2-2b"]
+    model = presets()["internvl2-2b"]
     record = pipeline_record(model.to_dict(), [
         (1, ["llm_block_0", "head"], ["head"], ["llm_block_0"]),
         (0, ["vit_embed", "projector"], [], []),
@@ -152,7 +152,7 @@ def test_a_run_with_its_pipeline_json_replays_with_a_profile(tmp_path):
     profile = read("profile.json")
     names = [lay["name"] for lay in profile["layers"]]
     stages = [(0, names[:5], [], []), (1, names[5:], ["head"], [])]
-    (run / PIPELINE_NAME).write_text(json.dumps(pipeline_record(PRESETS["tiny"].to_dict(),
+    (run / PIPELINE_NAME).write_text(json.dumps(pipeline_record(presets()["tiny"].to_dict(),
                                                                 stages)))
     replay = replay_run(str(run / "train_log.jsonl"), recorded)
     assert replay.in_seconds and replay.stage_layers == [names[:5], names[5:]]
@@ -162,7 +162,7 @@ def test_a_run_with_its_pipeline_json_replays_with_a_profile(tmp_path):
     assert compare(replay)["step_seconds"]["per_step"][0]["predicted_s"] == \
         pytest.approx(want[0], rel=1e-9)
     stages = [(0, names[:5], [], []), (1, names[5:-1] + ["lm_head"], [], [])]
-    (run / PIPELINE_NAME).write_text(json.dumps(pipeline_record(PRESETS["tiny"].to_dict(),
+    (run / PIPELINE_NAME).write_text(json.dumps(pipeline_record(presets()["tiny"].to_dict(),
                                                                 stages)))
     with pytest.raises(ValueError, match="profiles other layers"):
         replay_run(str(run / "train_log.jsonl"), recorded)

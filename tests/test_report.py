@@ -27,7 +27,8 @@ from vlmshard.packing.plan import read_plan, run_pack
 from vlmshard.report.report import load_plan, make_report, plan_labels
 from vlmshard.report.series import PlanSeries, plan_series
 from vlmshard.packing.stats import load_stats
-from vlmshard.model_sizes import PRESETS, training_flops
+from vlmshard.families import presets
+from vlmshard.model_sizes import training_flops
 from vlmshard.simulate.model import PipelineTimes
 from vlmshard.run_log import PIPELINE_NAME
 from vlmshard.simulate.replay import Replay, replay_run
@@ -93,7 +94,7 @@ def _expected_waits(plan_dir: Path, dp: int) -> np.ndarray:
 
 BUBBLE_S = 0.1  # the synthetic run's pipelines last this longer than their busiest stage
 OTHER_S = 0.05  # and its steps this longer than their longest pipeline
-MODEL = PRESETS["internvl2-2b"]
+MODEL = presets()["internvl2-2b"]
 
 
 def _compute_seconds(plan_dir: Path, dp: int, pp: int, steps: int) -> np.ndarray:

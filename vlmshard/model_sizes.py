@@ -1,15 +1,15 @@
 """Model sizes and what each pipeline layer costs, computed from them: torch-free, read by
 packing (its default cost model), train (model shapes, FLOPs per step) and simulate.
 
-Presets: ``tiny`` for CPU tests, real sizes (``internvl2-2b``, ``internvl-chat-1.5``,
-``qwen2-vl-2b``, ``qwen3-vl-8b``, ``qwen3-vl-30b-a3b``, ``qwen3.5-9b``, ``gemma-3-4b``) for
-profiling, the packer's FLOPs cost model and simulation; a model folder's sizes come from its
-family (``vlmshard.families``). A preset's ViT unit (``image_size``) must be the one the stats
-count: a 448-px InternVL tile, or a 28-px Qwen2-VL or 32-px Qwen3-VL merged patch (each family
-names its ``default_preset``). The vision side must turn one tile into exactly the
-``tokens_per_tile`` image tokens the shards were tokenized with: (image_size / patch_size x
-downsample_ratio)^2. An LLM's FLOPs count what a token runs through: for a MoE layer its router and
-its ``experts_per_token`` experts (active parameters), while its memory holds all of them.
+The sizes of a model come from its family (``vlmshard.families``): those a model folder's
+``config.json`` states, with the features the family knows its layers have (``LLMFeatures``),
+or one of the family's named presets, for profiling, the packer's FLOPs cost model and
+simulation. A model's ViT unit (``image_size``) must be the one its family's stats count (a
+448-px tile, a 28-px or 32-px merged patch, a whole image). The vision side must turn one tile
+into exactly the ``tokens_per_tile`` image tokens the shards were tokenized with: (image_size /
+patch_size x downsample_ratio)^2. An LLM's FLOPs count what a token runs through: for a MoE layer
+its router and its ``experts_per_token`` experts (active parameters), while its memory holds all
+of them.
 
 Every layer cost is linear in three sizes of a micro-batch, the same three the packer balances:
 Σtiles, Σtokens and Σseq_len² (packed samples attend only within themselves; only attention
@@ -106,9 +106,9 @@ class LLMConfig:
         return layer in self.sliding_layers
 
     @classmethod
-    def from_hf_config(cls, config: dict) -> "LLMConfig":
+    def from_hf_config(cls, config: dict, features: "LLMFeatures") -> "LLMConfig":
         """The LLM sizes of a Hugging Face VLM ``config.json``: its ``text_config`` (older
-        Qwen2-VL files keep them at the top level)."""
+        Qwen2-VL files keep them at the top level), with the ``features`` its family states."""
         text = {**{k: v for k, v in config.items() if k not in ("vision_config", "text_config")},
                 **(config.get("text_config") or {})}
         heads = text["num_attention_heads"]
@@ -120,22 +120,19 @@ class LLMConfig:
         kinds = list(enumerate(text.get("layer_types") or ()))
         linear = tuple(i for i, kind in kinds if kind == "linear_attention")
         sliding = tuple(i for i, kind in kinds if kind == "sliding_attention")
-        model_type = text.get("model_type", "")
         return cls(vocab_size=text["vocab_size"], hidden=text["hidden_size"],
                    layers=text["num_hidden_layers"], heads=heads,
                    kv_heads=text.get("num_key_value_heads") or heads,
                    intermediate=text["intermediate_size"], rope_theta=float(rope or 1e6),
                    rms_eps=float(text.get("rms_norm_eps", 1e-6)),
                    head_dim=text.get("head_dim") or 0,
-                   qk_norm=model_type.startswith(("qwen3", "gemma3")),
-                   qkv_bias=bool(text.get("attention_bias",
-                                          text.get("model_type", "").startswith("qwen2"))),
+                   qk_norm=features.qk_norm,
+                   qkv_bias=bool(text.get("attention_bias", features.qkv_bias)),
                    experts=experts, experts_per_token=text.get("num_experts_per_tok") or 0,
                    moe_intermediate=text.get("moe_intermediate_size") or 0,
                    dense_layers=dense if experts else (),
                    shared_expert_intermediate=text.get("shared_expert_intermediate_size") or 0,
-                   # Qwen3.5's full attention is Qwen3-Next's: its output always gated
-                   attention_gate=model_type.startswith("qwen3_5"),
+                   attention_gate=features.attention_gate,
                    linear_layers=linear,
                    linear_key_heads=text.get("linear_num_key_heads", 0) if linear else 0,
                    linear_value_heads=text.get("linear_num_value_heads", 0) if linear else 0,
@@ -143,8 +140,21 @@ class LLMConfig:
                    linear_value_dim=text.get("linear_value_head_dim", 0) if linear else 0,
                    linear_conv_kernel=text.get("linear_conv_kernel_dim", 4),
                    sliding_window=(text.get("sliding_window") or 0) if sliding else 0,
-                   sliding_layers=sliding, sandwich_norms=model_type.startswith("gemma"),
-                   offset_norms=model_type.startswith(("gemma", "qwen3_5")))
+                   sliding_layers=sliding, sandwich_norms=features.sandwich_norms,
+                   offset_norms=features.offset_norms)
+
+
+@dataclass(frozen=True)
+class LLMFeatures:
+    """What an LLM's layers are built with that its ``config.json`` does not say (its
+    ``transformers`` modeling code does), each as ``LLMConfig``'s field of that name: the
+    family states them (``vlmshard.families``), so a new family's are never guessed."""
+
+    qk_norm: bool = False
+    qkv_bias: bool = False  # where config.json has no ``attention_bias`` (Qwen2's: biases)
+    attention_gate: bool = False
+    sandwich_norms: bool = False
+    offset_norms: bool = False
 
 
 @dataclass(frozen=True)
@@ -153,17 +163,23 @@ class ModelConfig:
     vision: VisionConfig = field(default_factory=VisionConfig)
     llm: LLMConfig = field(default_factory=LLMConfig)
     downsample_ratio: float = 0.5  # InternVL's pixel shuffle: 4 patches -> 1 token
-    # The projector over the shuffled channels (width): "mlp" width -> hidden -> hidden after a
-    # norm of the width (InternVL's mlp1); "merger" width -> width -> hidden after a norm of
-    # each patch (Qwen's PatchMerger; a DeepStack merger norms the width instead); "pool" the
-    # ViT's final norm, an average over each token's patches, a norm, one matrix Hv -> hidden
-    # (Gemma 3's projector)
+    # the projector over the ViT's patches: a kind of ``PROJECTORS``, which the family names
     projector: str = "mlp"
 
     @property
     def tokens_per_tile(self) -> int:
         side = self.vision.image_size // self.vision.patch_size
         return int(side * self.downsample_ratio) ** 2
+
+    @property
+    def patches_per_tile(self) -> int:
+        return (self.vision.image_size // self.vision.patch_size) ** 2
+
+    @property
+    def shuffled_width(self) -> int:
+        """The channels of an image token before the projector: the ViT's hidden of the
+        1 / downsample_ratio² patches it merges (InternVL's pixel shuffle, Qwen's merger)."""
+        return int(self.vision.hidden / self.downsample_ratio ** 2)
 
     def validate(self) -> None:
         v, t = self.vision, self.llm
@@ -175,8 +191,8 @@ class ModelConfig:
         if t.experts and not (0 < t.experts_per_token <= t.experts and t.moe_intermediate):
             raise ConfigError("a MoE LLM needs experts_per_token in 1..experts and a "
                               "moe_intermediate size")
-        if self.projector not in ("mlp", "merger", "pool"):
-            raise ConfigError(f"projector {self.projector!r} is not mlp, merger or pool")
+        if self.projector not in PROJECTORS:
+            raise ConfigError(f"projector {self.projector!r} is none of {', '.join(PROJECTORS)}")
         if any(not 0 <= i < v.layers for i in v.deepstack):
             raise ConfigError(f"deepstack blocks {list(v.deepstack)} are not ViT blocks "
                               f"0..{v.layers - 1}")
@@ -193,16 +209,12 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict | str) -> "ModelConfig":
-        """From YAML: a preset name, or sizes over a preset (``{"preset": "tiny", "llm": ...}``)."""
-        if isinstance(d, str):
-            d = {"preset": d}
-        d = dict(d)
-        if d.get("preset", "tiny") not in PRESETS:
-            raise ConfigError(f"unknown model preset {d['preset']!r}; known: {', '.join(PRESETS)}")
-        from .config import load_section  # every size type-checked, as the other options
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """Inverse of ``to_dict`` (pipeline.json's record): sizes over the defaults, every one
+        type-checked, as the other options."""
+        from .config import load_section
 
-        base = PRESETS[d.pop("preset")] if "preset" in d else cls()
+        d, base = dict(d), cls()
         vision = load_section(VisionConfig, {**asdict(base.vision), **d.pop("vision", {})},
                               "model.vision")
         llm = load_section(LLMConfig, {**asdict(base.llm), **d.pop("llm", {})}, "model.llm")
@@ -210,84 +222,6 @@ class ModelConfig:
         config = load_section(cls, {**top, **d}, "model", vision=vision, llm=llm)
         config.validate()
         return config
-
-
-# Qwen3-VL's ViT (every size of the family): 27 blocks, 16-px patches, a 48×48 learned
-# position table, DeepStack after blocks 8, 16, 24. The unit: a 32-px merged patch.
-QWEN3_VL_VIT = VisionConfig(image_size=32, patch_size=16, hidden=1152, layers=27, heads=16,
-                            mlp_ratio=4304 / 1152, position_embeddings=2304, temporal_patch=2,
-                            deepstack=(8, 16, 24), fused_qkv=True)
-
-PRESETS = {
-    # CPU tests: every code path, seconds per step.
-    "tiny": ModelConfig(),
-    # InternVL2-2B: InternViT-300M-448px + InternLM2-1.8B.
-    "internvl2-2b": ModelConfig(
-        name="internvl2-2b",
-        vision=VisionConfig(hidden=1024, layers=24, heads=16, layer_scale=True, cls_token=True),
-        llm=LLMConfig(vocab_size=92553, hidden=2048, layers=24, heads=16, kv_heads=8,
-                      intermediate=8192)),
-    # Qwen2-VL-2B: its 675M ViT + Qwen2-1.5B. The ViT unit is a merged patch (28 px: 2×2
-    # patches of 14 px, one LLM token after the merger), as the Qwen2-VL stats count it. ViT
-    # attention is modeled within the unit; the real one spans the image (see BENCHMARKS.md).
-    "qwen2-vl-2b": ModelConfig(
-        name="qwen2-vl-2b",
-        vision=VisionConfig(image_size=28, patch_size=14, hidden=1280, layers=32, heads=16,
-                            position_embeddings=0, temporal_patch=2, patch_bias=False,
-                            fused_qkv=True, quick_gelu=True),
-        llm=LLMConfig(vocab_size=151936, hidden=1536, layers=28, heads=12, kv_heads=2,
-                      intermediate=8960, qkv_bias=True),
-        downsample_ratio=0.5, projector="merger"),
-    # Qwen3-VL-8B-Instruct's config.json: its ViT + Qwen3-8B (head_dim 128, q/k norms).
-    "qwen3-vl-8b": ModelConfig(
-        name="qwen3-vl-8b",
-        vision=QWEN3_VL_VIT,
-        llm=LLMConfig(vocab_size=151936, hidden=4096, layers=36, heads=32, kv_heads=8,
-                      intermediate=12288, rope_theta=5e6, head_dim=128, qk_norm=True),
-        downsample_ratio=0.5, projector="merger"),
-    # Qwen3-VL-30B-A3B-Instruct's config.json: its ViT + Qwen3-30B-A3B (48 MoE layers of
-    # 128 experts, 8 a token): about 31B parameters held, 3B active per token.
-    "qwen3-vl-30b-a3b": ModelConfig(
-        name="qwen3-vl-30b-a3b",
-        vision=QWEN3_VL_VIT,
-        llm=LLMConfig(vocab_size=151936, hidden=2048, layers=48, heads=32, kv_heads=4,
-                      intermediate=6144, rope_theta=5e6, head_dim=128, qk_norm=True,
-                      experts=128, experts_per_token=8, moe_intermediate=768),
-        downsample_ratio=0.5, projector="merger"),
-    # Qwen3.5-9B (its config.json's first lines and model card): Qwen3-VL's ViT without
-    # DeepStack + 32 layers, each fourth gated full attention (16 heads of 256, 4 kv heads),
-    # the others Gated DeltaNet (16 key and 32 value heads of 128).
-    "qwen3.5-9b": ModelConfig(
-        name="qwen3.5-9b",
-        vision=replace(QWEN3_VL_VIT, deepstack=()),
-        llm=LLMConfig(vocab_size=248320, hidden=4096, layers=32, heads=16, kv_heads=4,
-                      intermediate=12288, rope_theta=1e7, head_dim=256, qk_norm=True,
-                      attention_gate=True, offset_norms=True,
-                      linear_layers=tuple(i for i in range(32) if (i + 1) % 4),
-                      linear_key_heads=16, linear_value_heads=32, linear_key_dim=128,
-                      linear_value_dim=128),
-        downsample_ratio=0.5, projector="merger"),
-    # Gemma 3 4B (gemma-3-4b-it's config.json, the rest transformers' Gemma3TextConfig
-    # defaults): SigLIP-400M at 896 px pooled to 256 tokens + 34 layers, each sixth global, the
-    # others local in a window of 1024. The ViT unit: one 896-px image (or crop).
-    "gemma-3-4b": ModelConfig(
-        name="gemma-3-4b",
-        vision=VisionConfig(image_size=896, patch_size=14, hidden=1152, layers=27, heads=16,
-                            mlp_ratio=4304 / 1152),
-        llm=LLMConfig(vocab_size=262208, hidden=2560, layers=34, heads=8, kv_heads=4,
-                      intermediate=10240, head_dim=256, qk_norm=True, sandwich_norms=True,
-                      offset_norms=True,
-                      sliding_window=1024,
-                      sliding_layers=tuple(i for i in range(34) if (i + 1) % 6)),
-        downsample_ratio=0.25, projector="pool"),
-    # InternVL-Chat-V1.5: InternViT-6B-448px-V1-5 + InternLM2-Chat-20B (OmniBal's main setting).
-    "internvl-chat-1.5": ModelConfig(
-        name="internvl-chat-1.5",
-        vision=VisionConfig(hidden=3200, layers=45, heads=25, qkv_bias=False, layer_scale=True,
-                            cls_token=True),
-        llm=LLMConfig(vocab_size=92544, hidden=6144, layers=48, heads=48, kv_heads=8,
-                      intermediate=16384)),
-}
 
 
 ACTIVATION_BYTES = 2  # bf16
@@ -424,14 +358,67 @@ class LayerWork:
 
 
 
+def _vit_norm_kept(v: VisionConfig) -> float:
+    """Bytes one of the ViT's norms keeps per patch."""
+    return rms_norm_kept(v.hidden) if v.rms_norm else layer_norm_kept(v.hidden)
+
+
+def _vit_norm_params(v: VisionConfig) -> int:
+    """Parameters per channel of one of the ViT's norms: an RMSNorm's weight, a LayerNorm's
+    weight and bias."""
+    return 1 if v.rms_norm else 2
+
+
+@dataclass(frozen=True)
+class ProjectorWork:
+    """A projector per tile: its matrices' multiply-adds per image token, its parameters, and
+    the bytes it keeps for backward."""
+
+    linear: float
+    params: float
+    kept: float
+
+
+def mlp_projector(c: ModelConfig) -> ProjectorWork:
+    """A LayerNorm of the shuffled width, width -> hidden -> hidden (InternVL's ``mlp1``)."""
+    width, hidden, a = c.shuffled_width, c.llm.hidden, ACTIVATION_BYTES
+    linear = width * hidden + hidden ** 2
+    return ProjectorWork(linear, linear + 2 * width + 2 * hidden,
+                         c.tokens_per_tile * (layer_norm_kept(width) + a * width + 2 * a * hidden))
+
+
+def merger_projector(c: ModelConfig) -> ProjectorWork:
+    """A norm of each patch, width -> width -> hidden (Qwen's PatchMerger; a DeepStack merger
+    norms the width instead)."""
+    v, width, a = c.vision, c.shuffled_width, ACTIVATION_BYTES
+    linear = width * width + width * c.llm.hidden
+    return ProjectorWork(linear, linear + _vit_norm_params(v) * v.hidden + width + c.llm.hidden,
+                         c.patches_per_tile * _vit_norm_kept(v) + c.tokens_per_tile * 3 * a * width)
+
+
+def pool_projector(c: ModelConfig) -> ProjectorWork:
+    """The ViT's final norm, an average over each token's patches, an RMSNorm and one matrix
+    Hv -> hidden (Gemma 3's projector)."""
+    v, a = c.vision, ACTIVATION_BYTES
+    linear = v.hidden * c.llm.hidden
+    return ProjectorWork(linear, linear + 2 * v.hidden + v.hidden,
+                         c.patches_per_tile * (layer_norm_kept(v.hidden) + a * v.hidden)
+                         + c.tokens_per_tile * (rms_norm_kept(v.hidden, offset=True)
+                                                + a * v.hidden))
+
+
+# the projector kinds a ``ModelConfig`` names
+PROJECTORS = {"mlp": mlp_projector, "merger": merger_projector, "pool": pool_projector}
+
+
 def layer_work(config: ModelConfig) -> list[LayerWork]:
     """Every pipeline layer of ``config``, in pipeline order (``config.layer_names()``)."""
     v, t = config.vision, config.llm
     a = ACTIVATION_BYTES
-    patches = (v.image_size // v.patch_size) ** 2  # per tile
+    patches = config.patches_per_tile
     tokens = config.tokens_per_tile  # image tokens per tile after pixel shuffle
     mlp = int(v.hidden * v.mlp_ratio)
-    width = int(v.hidden / config.downsample_ratio ** 2)  # pixel-shuffled channels
+    width = config.shuffled_width
     head_dim = t.head_size
     kv = t.kv_heads * head_dim
     q = t.heads * head_dim
@@ -444,25 +431,12 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
                     + v.cls_token * (2 if v.position_embeddings < 0 else 1) * v.hidden)
     mlp_matrices = 3 if v.gated_mlp else 2
     vit_linear = 4 * v.hidden ** 2 + mlp_matrices * v.hidden * mlp
-    norm = 1 if v.rms_norm else 2  # parameters per channel of a norm
     # + biases (q, k, v, o; the MLP's), two norms and the layer scales
     vit_params = (vit_linear + (3 * v.qkv_bias + 2) * v.hidden + (mlp_matrices - 1) * mlp
-                  + 2 * norm * v.hidden + 2 * v.layer_scale * v.hidden)
-    vit_norm_kept = rms_norm_kept(v.hidden) if v.rms_norm else layer_norm_kept(v.hidden)
-    # per tile, the bytes the projector keeps: its norms, the matrices' inputs, the activation
-    if config.projector == "mlp":  # norm(width), width -> hidden -> hidden
-        projector_linear = width * t.hidden + t.hidden ** 2
-        projector_params = projector_linear + 2 * width + 2 * t.hidden
-        projector_kept = tokens * (layer_norm_kept(width) + a * width + 2 * a * t.hidden)
-    elif config.projector == "pool":  # the ViT's final norm, pool, RMSNorm, Hv -> hidden
-        projector_linear = v.hidden * t.hidden
-        projector_params = projector_linear + 2 * v.hidden + v.hidden
-        projector_kept = (patches * (layer_norm_kept(v.hidden) + a * v.hidden)
-                          + tokens * (rms_norm_kept(v.hidden, offset=True) + a * v.hidden))
-    else:  # norm(patch), width -> width -> hidden
-        projector_linear = width * width + width * t.hidden
-        projector_params = projector_linear + norm * v.hidden + width + t.hidden
-        projector_kept = patches * vit_norm_kept + tokens * 3 * a * width
+                  + 2 * _vit_norm_params(v) * v.hidden + 2 * v.layer_scale * v.hidden)
+    vit_norm_kept = _vit_norm_kept(v)
+    projector_work = PROJECTORS[config.projector](config)
+    projector_linear = projector_work.linear
     # a DeepStack merger: the merger with its norm over the width
     deepstack_params = projector_linear + 2 * width + width + t.hidden
     # What the LLM's layers keep, in bytes per token, as ``transformers``' own modules save it
@@ -600,9 +574,9 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
         selective_bytes=Size(tiles=patches * (a * 6 * v.hidden + FP32 * v.heads
                                               + (1 + v.gated_mlp) * a * mlp)))
     projector = LayerWork(
-        "projector_merge", projector_params + t.vocab_size * t.hidden,
+        "projector_merge", projector_work.params + t.vocab_size * t.hidden,
         flops=Size(tiles=2 * tokens * projector_linear),
-        activation_bytes=Size(tiles=projector_kept,
+        activation_bytes=Size(tiles=projector_work.kept,
                               tokens=_token_embedding_work(t).activation_bytes.tokens),
         output_bytes=llm_out,
         transient_bytes=Size(tiles=patches * (3 * a * v.hidden + rms_norm_backward(v.hidden)

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from vlmshard.config import load_section, option
 from vlmshard.errors import JobError, VlmshardError
+from vlmshard.families import model_types
 from vlmshard.stage import Result, add_stage_arguments, resolve, run_command
 from vlmshard.run_log import LOG_NAME
 
@@ -56,9 +57,8 @@ class RunConfig:
                                                              "dataset and preprocess it")
     demo_model: str | None = option(
         None, cli=False, help="make a tiny model folder of this model_type (config.json's) under "
-                              "OUT/model (random weights; internvl, qwen2_vl, qwen2_5_vl, "
-                              "qwen3_vl, qwen3_vl_moe): preprocess tokenizes for it and train "
-                              "fine-tunes it")
+                              f"OUT/model (random weights; {', '.join(model_types())}): "
+                              "preprocess tokenizes for it and train fine-tunes it")
     preprocess: Section = option(factory=dict, cli=False,
                                  help="needs `inputs` unless demo_data is given")
     pack: Section = option(factory=dict, cli=False, help="needs `dp`")

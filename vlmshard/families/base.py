@@ -4,8 +4,9 @@ A family (``Family``) is everything the stages need to know about one kind of mo
 ``model_type`` values of ``config.json`` it serves, how its chat template's image placeholder
 becomes tokens (``ImageLayout``), how an image becomes ViT units, LLM tokens and pixels (its
 ``TilingPolicy``, with the limits the folder's processor config sets), how position ids run,
-the model's sizes for the analytic cost model, the tiny offline folders tests and the demo use,
-and where the trainer's layer map lives. ``vlmshard.families.registry`` holds one instance per
+the model's sizes for the analytic cost model (those a ``config.json`` states, with the
+features its layers have that the file does not say, and named presets), the tiny offline
+folders tests and the demo use, and where the trainer's layer map lives. ``vlmshard.families.registry`` holds one instance per
 family; the stages ask it and name no family.
 
 Counting needs only an image's size, so preprocessing reads headers and never decodes pixels; the
@@ -225,7 +226,10 @@ class Family:
     name: ClassVar[str]  # the one name of the family everywhere (stats, plans, shards, CLI)
     model_types: ClassVar[tuple[str, ...]]  # config.json ``model_type`` values it serves
     policies: ClassVar[tuple[type, ...]]  # its TilingPolicy classes (the first: the default)
-    default_preset: ClassVar[str]  # the ``model_sizes.PRESETS`` entry costing its stats
+    # its models' sizes by name (``vlmshard.families.presets``), for profiling, the packer's
+    # FLOPs cost model and simulation; each in the ViT unit its stats count
+    presets: ClassVar[dict[str, "ModelConfig"]]
+    default_preset: ClassVar[str]  # the one of ``presets`` costing its stats
     trainer_layers: ClassVar[str]  # "module:function" giving the trainer's layer list
     description: ClassVar[str]  # a few words for help texts ("Qwen2-VL, Qwen2.5-VL")
     demo_limits: ClassVar[dict] = {}  # ``tiny_folder`` sizes of the demo's model

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from vlmshard.model_sizes import LLMConfig, ModelConfig, VisionConfig
+from vlmshard.model_sizes import LLMConfig, LLMFeatures, ModelConfig, VisionConfig
 
 from .base import Family, ImageLayout, Normalized, SquareTiles
 from .folder import ModelFolder, processor_value, with_defaults
@@ -135,10 +135,31 @@ NAMED = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
          "image_token": "<image_soft_token>"}
 
 
+# Gemma 3's layers: q/k norms, norms after attention and after the MLP too, RMSNorms scaling by
+# (1 + weight)
+LLM_FEATURES = LLMFeatures(qk_norm=True, sandwich_norms=True, offset_norms=True)
+
+PRESETS = {
+    # Gemma 3 4B (gemma-3-4b-it's config.json, the rest transformers' Gemma3TextConfig
+    # defaults): SigLIP-400M at 896 px pooled to 256 tokens + 34 layers, each sixth global, the
+    # others local in a window of 1024. The ViT unit: one 896-px image (or crop).
+    "gemma-3-4b": ModelConfig(
+        name="gemma-3-4b",
+        vision=VisionConfig(image_size=896, patch_size=14, hidden=1152, layers=27, heads=16,
+                            mlp_ratio=4304 / 1152),
+        llm=LLMConfig(vocab_size=262208, hidden=2560, layers=34, heads=8, kv_heads=4,
+                      intermediate=10240, head_dim=256, sliding_window=1024,
+                      sliding_layers=tuple(i for i in range(34) if (i + 1) % 6),
+                      **asdict(LLM_FEATURES)),
+        downsample_ratio=0.25, projector="pool"),
+}
+
+
 class Gemma3(Family):
     name = "gemma3"
     model_types = ("gemma3",)
     policies = (Gemma3Tiling,)
+    presets = PRESETS
     default_preset = "gemma-3-4b"
     trainer_layers = "vlmshard.train.models.gemma3:layers"
     description = "Gemma 3"
@@ -184,7 +205,8 @@ class Gemma3(Family):
                            hidden=hidden, layers=vision["num_hidden_layers"],
                            heads=vision["num_attention_heads"],
                            mlp_ratio=vision["intermediate_size"] / hidden)
-        model = ModelConfig(name=name, vision=vit, llm=LLMConfig.from_hf_config(config),
+        model = ModelConfig(name=name, vision=vit,
+                            llm=LLMConfig.from_hf_config(config, LLM_FEATURES),
                             downsample_ratio=math.isqrt(tokens) / side, projector="pool")
         model.validate()
         return model

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from vlmshard.model_sizes import LLMConfig, ModelConfig, VisionConfig
+from vlmshard.errors import ConfigError
+from vlmshard.model_sizes import LLMConfig, LLMFeatures, ModelConfig, VisionConfig
 
 from .base import (
     BICUBIC,
@@ -142,10 +143,35 @@ TEMPLATE = (
 TOKENS = ["<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
 
 
+# The features of the LLMs InternVL ships with (``text_config.model_type``; transformers'
+# default: qwen2), as their ``transformers`` modules build them: Qwen2's q/k/v biases, Qwen3's
+# q/k norms; InternLM2 and Llama have neither.
+LLM_FEATURES = {"qwen2": LLMFeatures(qkv_bias=True), "qwen2_moe": LLMFeatures(qkv_bias=True),
+                "qwen3": LLMFeatures(qk_norm=True), "qwen3_moe": LLMFeatures(qk_norm=True),
+                "internlm2": LLMFeatures(), "llama": LLMFeatures()}
+
+PRESETS = {
+    # InternVL2-2B: InternViT-300M-448px + InternLM2-1.8B.
+    "internvl2-2b": ModelConfig(
+        name="internvl2-2b",
+        vision=VisionConfig(hidden=1024, layers=24, heads=16, layer_scale=True, cls_token=True),
+        llm=LLMConfig(vocab_size=92553, hidden=2048, layers=24, heads=16, kv_heads=8,
+                      intermediate=8192, **asdict(LLM_FEATURES["internlm2"]))),
+    # InternVL-Chat-V1.5: InternViT-6B-448px-V1-5 + InternLM2-Chat-20B (OmniBal's main setting).
+    "internvl-chat-1.5": ModelConfig(
+        name="internvl-chat-1.5",
+        vision=VisionConfig(hidden=3200, layers=45, heads=25, qkv_bias=False, layer_scale=True,
+                            cls_token=True),
+        llm=LLMConfig(vocab_size=92544, hidden=6144, layers=48, heads=48, kv_heads=8,
+                      intermediate=16384, **asdict(LLM_FEATURES["internlm2"]))),
+}
+
+
 class InternVL(Family):
     name = "internvl"
     model_types = ("internvl",)
     policies = (InternVLTiling,)
+    presets = PRESETS
     default_preset = "internvl2-2b"
     trainer_layers = "vlmshard.train.models.internvl:layers"
     description = "InternVL"
@@ -197,7 +223,13 @@ class InternVL(Family):
                            mlp_ratio=vision["intermediate_size"] / hidden,
                            qkv_bias=bool(vision.get("attention_bias", False)), layer_scale=True,
                            cls_token=True, rms_norm=vision.get("norm_type") == "rms_norm")
-        model = ModelConfig(name=name, vision=vit, llm=LLMConfig.from_hf_config(config),
+        llm = (config.get("text_config") or {}).get("model_type", "qwen2")
+        if llm not in LLM_FEATURES:
+            raise ConfigError(f"{name}: an InternVL whose LLM is {llm!r} has features this "
+                              f"family does not know (it knows {', '.join(LLM_FEATURES)}); add "
+                              "them to LLM_FEATURES in vlmshard/families/internvl.py")
+        model = ModelConfig(name=name, vision=vit,
+                            llm=LLMConfig.from_hf_config(config, LLM_FEATURES[llm]),
                             downsample_ratio=float(config.get("downsample_ratio", 0.5)))
         model.validate()
         return model

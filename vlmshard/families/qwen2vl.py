@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from vlmshard.model_sizes import LLMConfig, ModelConfig, VisionConfig
+from vlmshard.model_sizes import LLMConfig, LLMFeatures, ModelConfig, VisionConfig
 from vlmshard.rejects import Reject
 
 from .base import (
@@ -184,11 +184,32 @@ TEMPLATE = (
 TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
+# Qwen2's attention: biases on q, k and v (its config.json states no ``attention_bias``).
+LLM_FEATURES = LLMFeatures(qkv_bias=True)
+
+PRESETS = {
+    # Qwen2-VL-2B: its 675M ViT + Qwen2-1.5B. The ViT unit is a merged patch (28 px: 2×2
+    # patches of 14 px, one LLM token after the merger), as the Qwen2-VL stats count it. ViT
+    # attention is modeled within the unit; the real one spans the image (see BENCHMARKS.md).
+    "qwen2-vl-2b": ModelConfig(
+        name="qwen2-vl-2b",
+        vision=VisionConfig(image_size=28, patch_size=14, hidden=1280, layers=32, heads=16,
+                            position_embeddings=0, temporal_patch=2, patch_bias=False,
+                            fused_qkv=True, quick_gelu=True),
+        llm=LLMConfig(vocab_size=151936, hidden=1536, layers=28, heads=12, kv_heads=2,
+                      intermediate=8960, **asdict(LLM_FEATURES)),
+        downsample_ratio=0.5, projector="merger"),
+}
+
+
 class Qwen2VL(Family):
     name = "qwen2vl"
     model_types = ("qwen2_vl", "qwen2_5_vl")
     policies = (Qwen2VLTiling,)
+    presets = PRESETS
     default_preset = "qwen2-vl-2b"
+    # its LLM's features config.json does not state (each Qwen family below states its own)
+    llm_features: ClassVar[LLMFeatures] = LLM_FEATURES
     trainer_layers = "vlmshard.train.models.qwen2vl:layers"
     description = "Qwen2-VL, Qwen2.5-VL"
     demo_limits = {"max_pixels": 28 * 28 * 256}  # up to 256 merged patches an image
@@ -260,7 +281,8 @@ class Qwen2VL(Family):
                            gated_mlp=swiglu, rms_norm=swiglu, fused_qkv=True,
                            quick_gelu=vision.get("hidden_act") == "quick_gelu",
                            **self.vision_extras(vision))
-        model = ModelConfig(name=name, vision=vit, llm=LLMConfig.from_hf_config(config),
+        model = ModelConfig(name=name, vision=vit,
+                            llm=LLMConfig.from_hf_config(config, self.llm_features),
                             downsample_ratio=1 / merge, projector="merger")
         model.validate()
         return model

@@ -12,10 +12,32 @@ quadratic term to the full-attention layers only.
 
 from __future__ import annotations
 
+from dataclasses import asdict, replace
 from typing import ClassVar
 
+from vlmshard.model_sizes import LLMConfig, LLMFeatures, ModelConfig
+
 from .folder import with_defaults
-from .qwen3vl import Qwen3VL
+from .qwen3vl import VIT, Qwen3VL
+
+# Qwen3.5's attention is Qwen3-Next's: q/k norms, its output always gated; its RMSNorms scale
+# by (1 + weight)
+LLM_FEATURES = LLMFeatures(qk_norm=True, attention_gate=True, offset_norms=True)
+
+PRESETS = {
+    # Qwen3.5-9B (its config.json's first lines and model card): Qwen3-VL's ViT without
+    # DeepStack + 32 layers, each fourth gated full attention (16 heads of 256, 4 kv heads),
+    # the others Gated DeltaNet (16 key and 32 value heads of 128).
+    "qwen3.5-9b": ModelConfig(
+        name="qwen3.5-9b",
+        vision=replace(VIT, deepstack=()),
+        llm=LLMConfig(vocab_size=248320, hidden=4096, layers=32, heads=16, kv_heads=4,
+                      intermediate=12288, rope_theta=1e7, head_dim=256,
+                      linear_layers=tuple(i for i in range(32) if (i + 1) % 4),
+                      linear_key_heads=16, linear_value_heads=32, linear_key_dim=128,
+                      linear_value_dim=128, **asdict(LLM_FEATURES)),
+        downsample_ratio=0.5, projector="merger"),
+}
 
 # Qwen3.5's published chat template (Qwen3.5-4B and larger, thinking on by default; as
 # huggingface/trl keeps it byte for byte in trl/chat_templates/qwen3_5_think.jinja) for images,
@@ -93,7 +115,9 @@ TEMPLATE = (
 class Qwen3_5(Qwen3VL):
     name = "qwen3_5"
     model_types = ("qwen3_5", "qwen3_5_moe")
+    presets = PRESETS
     default_preset = "qwen3.5-9b"
+    llm_features = LLM_FEATURES
     trainer_layers = "vlmshard.train.models.qwen3vl:layers"
     description = "Qwen3.5, Qwen3.5-MoE"
     template: ClassVar[str] = TEMPLATE

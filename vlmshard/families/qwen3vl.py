@@ -14,10 +14,12 @@ mergers feeding the first LLM layers, q/k norms, an explicit ``head_dim``, spars
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 import numpy as np
+
+from vlmshard.model_sizes import LLMConfig, LLMFeatures, ModelConfig, VisionConfig
 
 from .base import ImageLayout, SampledVideo
 from .folder import ModelFolder
@@ -31,6 +33,35 @@ from .tiny import (
 )
 
 QWEN3_MEAN = QWEN3_STD = (0.5, 0.5, 0.5)
+
+# Qwen3's attention: q/k norms (biases as config.json's ``attention_bias`` says).
+LLM_FEATURES = LLMFeatures(qk_norm=True)
+
+# Qwen3-VL's ViT (every size of the family): 27 blocks, 16-px patches, a 48×48 learned
+# position table, DeepStack after blocks 8, 16, 24. The unit: a 32-px merged patch.
+VIT = VisionConfig(image_size=32, patch_size=16, hidden=1152, layers=27, heads=16,
+                   mlp_ratio=4304 / 1152, position_embeddings=2304, temporal_patch=2,
+                   deepstack=(8, 16, 24), fused_qkv=True)
+
+PRESETS = {
+    # Qwen3-VL-8B-Instruct's config.json: its ViT + Qwen3-8B (head_dim 128, q/k norms).
+    "qwen3-vl-8b": ModelConfig(
+        name="qwen3-vl-8b",
+        vision=VIT,
+        llm=LLMConfig(vocab_size=151936, hidden=4096, layers=36, heads=32, kv_heads=8,
+                      intermediate=12288, rope_theta=5e6, head_dim=128, **asdict(LLM_FEATURES)),
+        downsample_ratio=0.5, projector="merger"),
+    # Qwen3-VL-30B-A3B-Instruct's config.json: its ViT + Qwen3-30B-A3B (48 MoE layers of
+    # 128 experts, 8 a token): about 31B parameters held, 3B active per token.
+    "qwen3-vl-30b-a3b": ModelConfig(
+        name="qwen3-vl-30b-a3b",
+        vision=VIT,
+        llm=LLMConfig(vocab_size=151936, hidden=2048, layers=48, heads=32, kv_heads=4,
+                      intermediate=6144, rope_theta=5e6, head_dim=128,
+                      experts=128, experts_per_token=8, moe_intermediate=768,
+                      **asdict(LLM_FEATURES)),
+        downsample_ratio=0.5, projector="merger"),
+}
 
 
 @dataclass(frozen=True)
@@ -109,7 +140,9 @@ TEMPLATE = (
 class Qwen3VL(Qwen2VL):
     name = "qwen3vl"
     model_types = ("qwen3_vl", "qwen3_vl_moe")
+    presets = PRESETS
     default_preset = "qwen3-vl-8b"
+    llm_features = LLM_FEATURES
     trainer_layers = "vlmshard.train.models.qwen3vl:layers"
     description = "Qwen3-VL, Qwen3-VL-MoE"
     demo_limits = {"max_pixels": 32 * 32 * 256}  # up to 256 merged patches an image

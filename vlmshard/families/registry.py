@@ -17,6 +17,7 @@ from dataclasses import fields
 
 from vlmshard.errors import ConfigError, InputError
 from vlmshard.io import sha256_file
+from vlmshard.model_sizes import ModelConfig
 
 from .base import Family, ModelSpec, TilingPolicy
 from .folder import ModelFolderError, read_model_folder
@@ -31,9 +32,24 @@ _BY_MODEL_TYPE: dict[str, str] = {}
 _BUILT_IN: set[str] = set()
 
 
-def register(family: Family, *, built_in: bool = False) -> Family:
+def register(family: Family, *, replace: bool = False, built_in: bool = False) -> Family:
     """Add ``family`` (an instance) under its name; it serves its ``model_types`` unless it is
-    built in and another registered family serves one of them already."""
+    built in and another registered family serves one of them already. A name registered
+    already is refused unless ``replace``: then ``family`` takes its place."""
+    if not built_in:
+        _built_ins()
+    if family.default_preset not in family.presets:
+        raise ConfigError(f"model family {family.name}: its default_preset "
+                          f"{family.default_preset!r} is none of its presets "
+                          f"({', '.join(family.presets) or 'none'})")
+    if family.name in _FAMILIES:
+        if not replace:
+            raise ConfigError(f"model family {family.name!r} is registered already (by "
+                              f"{type(_FAMILIES[family.name]).__module__}): give yours another "
+                              "name, or register it with replace=True to replace that one")
+        for model_type in [t for t, name in _BY_MODEL_TYPE.items() if name == family.name]:
+            del _BY_MODEL_TYPE[model_type]
+        _BUILT_IN.discard(family.name)
     _FAMILIES[family.name] = family
     for model_type in family.model_types:
         holder = _BY_MODEL_TYPE.get(model_type)
@@ -49,8 +65,9 @@ def register(family: Family, *, built_in: bool = False) -> Family:
 
 
 @functools.cache
-def _load() -> None:
-    """Register the built-in families, then import the modules ``VLMSHARD_FAMILIES`` names."""
+def _built_ins() -> None:
+    """Register the built-in families (before any other: a name is then refused or replaced
+    whatever order modules are imported in)."""
     from .gemma3 import Gemma3
     from .internvl import InternVL
     from .qwen2vl import Qwen2VL
@@ -59,6 +76,12 @@ def _load() -> None:
 
     for family in (InternVL(), Qwen2VL(), Qwen3VL(), Qwen3_5(), Gemma3()):
         register(family, built_in=True)
+
+
+@functools.cache
+def _load() -> None:
+    """Register the built-in families, then import the modules ``VLMSHARD_FAMILIES`` names."""
+    _built_ins()
     for module in filter(None, os.environ.get(PLUGINS_VARIABLE, "").split(",")):
         try:
             importlib.import_module(module.strip())
@@ -80,6 +103,19 @@ def family(name: str) -> Family:
         raise InputError(f"unknown model family {name!r}; known: {', '.join(sorted(_FAMILIES))} "
                          f"(a family of your own: name its module in {PLUGINS_VARIABLE})")
     return _FAMILIES[name]
+
+
+def presets() -> dict[str, ModelConfig]:
+    """Every registered family's named model sizes (``Family.presets``), and ``tiny``: the
+    sizes' defaults, every code path in seconds on a CPU."""
+    _load()
+    found = {"tiny": ModelConfig()}
+    for fam in _FAMILIES.values():
+        for name, sizes in fam.presets.items():
+            if found.setdefault(name, sizes) != sizes:
+                raise ConfigError(f"model preset {name!r} of family {fam.name} is another "
+                                  "family's preset name with other sizes: rename one")
+    return found
 
 
 def model_types() -> list[str]:
@@ -113,7 +149,7 @@ def load_model(path: str) -> tuple[ModelSpec, TilingPolicy]:
     return spec, fam.tiling(folder)
 
 
-def model_sizes(config: dict, folder: str):
+def model_sizes(config: dict, folder: str) -> ModelConfig:
     """The ``vlmshard.model_sizes.ModelConfig`` a ``config.json`` states (of the model folder
     ``folder``, which names it), in the ViT unit its family's stats count."""
     fam = family_for_model_type(config.get("model_type", ""), folder)

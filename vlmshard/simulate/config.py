@@ -7,10 +7,10 @@ from typing import Literal
 
 from vlmshard.config import ConfigError, option
 from vlmshard.hardware import SUSTAINED_SHARE
-from vlmshard.model_sizes import PRESETS
+from vlmshard.families import presets
 from vlmshard.packing.cost import ComputeMode
 
-ModelName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
+ModelName = Literal[tuple(presets())]  # type: ignore[valid-type]
 
 
 @dataclass(kw_only=True)

@@ -12,7 +12,8 @@ import numpy as np
 from vlmshard.errors import InputError
 from vlmshard.hardware import GPUS
 from vlmshard.io import write_json_atomic
-from vlmshard.model_sizes import PRESETS, bytes_per_param, layer_work
+from vlmshard.families import presets
+from vlmshard.model_sizes import bytes_per_param, layer_work
 from vlmshard.partition import Partition, PartitionError
 from vlmshard.stage import Result
 
@@ -63,7 +64,7 @@ class _Cluster:
     def __init__(self, cfg: SimulateConfig, ranks: int, micro: int) -> None:
         self.cfg, self.ranks, self.micro = cfg, ranks, micro
         self.dp = cfg.dp or ranks
-        self.work = layer_work(PRESETS[cfg.model])
+        self.work = layer_work(presets()[cfg.model])
         self.gpu = GPUS[cfg.gpu]
         self.flops_per_s = self.gpu.peak_flops * cfg.mfu
         self.rates = LayerRates.from_work(self.work, self.flops_per_s)
