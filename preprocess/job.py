@@ -44,6 +44,7 @@ from vlmshard.rejects import REASONS
 from vlmshard.stage import Result
 
 from .config import PreprocessConfig
+from .containers import reader
 from .conversation import TEXT_ENCODING, format_hint, missing_columns
 from .sample import SampleLimits, SampleSpec, make_encoder
 from .schema import REJECTS_SCHEMA, stats_schema
@@ -188,8 +189,8 @@ def _check_columns(source: Source, index: SourceIndex) -> None:
     if not source.format.columns:
         return
     record = first_record(source, index)
-    columnar = source.kind not in ("json", "jsonl")
-    missing = missing_columns(record, source.format, columnar) if record is not None else []
+    missing = (missing_columns(record, source.format, reader(source.kind).columnar)
+               if record is not None else [])
     if missing:
         raise ConfigError(f"source {source.name}: the column mapping names {', '.join(missing)}, "
                           f"which its first row lacks (it has: {', '.join(sorted(record))})")
