@@ -251,7 +251,7 @@ def _turn_list(record: dict, fmt: RowFormat) -> list:
 
 
 def _texts_turn(role: str, text, where: str) -> tuple[Turn, list[None]]:
-    """A turn of a string column's text, with no image of its own."""
+    """A turn of text (its placeholders' images to come from the row's columns)."""
     if not isinstance(text, str):
         raise Reject("bad_field", f"{where} is a {type(text).__name__}, not text")
     turn = text_turn(role, text, where)
@@ -314,17 +314,8 @@ def _is_pair(message, fmt: RowFormat) -> bool:
 def _parse_pair(message, i: int) -> list[tuple[Turn, list[ImageRef | None]]]:
     if not isinstance(message, dict) or not ("user" in message or "assistant" in message):
         raise Reject("missing_field", f"turn pair {i} lacks 'user' and 'assistant'")
-    turns = []
-    for role in PAIR_ROLES:
-        text = message.get(role)
-        if text is None:
-            continue
-        if not isinstance(text, str):
-            raise Reject("bad_field", f"turn pair {i} {role!r} is a {type(text).__name__}, "
-                                      "not text")
-        turn = text_turn(role, text, f"turn pair {i} {role}")
-        turns.append((turn, [None] * sum(isinstance(p, ImageItem) for p in turn.content)))
-    return turns
+    return [_texts_turn(role, message[role], f"turn pair {i} {role}") for role in PAIR_ROLES
+            if message.get(role) is not None]
 
 
 def _parse_turn(message, i: int, fmt: RowFormat) -> tuple[Turn, list[ImageRef | None]]:
@@ -345,8 +336,7 @@ def _parse_turn(message, i: int, fmt: RowFormat) -> tuple[Turn, list[ImageRef | 
                                  f"of {', '.join(known)}")
     content = message[content_key]
     if isinstance(content, str):
-        turn = text_turn(role, content, f"turn {i}")
-        return turn, [None] * sum(isinstance(p, ImageItem) for p in turn.content)
+        return _texts_turn(role, content, f"turn {i}")
     if not isinstance(content, list):
         raise Reject("bad_field", f"turn {i} {content_key!r} is a {type(content).__name__}, "
                                   "not text or a list of typed items")

@@ -475,3 +475,22 @@ def test_a_reader_registered_outside_the_package_reads_its_kind(tmp_path):
     with pytest.raises(ConfigError, match="'jsonl' is registered already"):
         register(Jsonl())
     assert sources_of(jsonl, SourceOptions(None, None))[0].kind == "jsonl"
+
+
+def test_alpaca_rows_read_as_llamafactory_converts_them():
+    """LLaMA-Factory's AlpacaDatasetConverter: history pairs first, then instruction and input
+    (the non-empty ones) joined by a line break, the output the answer, the system column."""
+    from vlmshard.preprocess.conversation import RowFormat, parse_conversation
+
+    row = {"q": "Translate.", "input": "chat", "a": "cat", "sys": "Be terse.",
+           "turns": [["Hi", "Hello."], ["Ready?", "Yes."]]}
+    fmt = RowFormat.from_options("alpaca", {"prompt": "q", "response": "a", "history": "turns",
+                                            "system": "sys"})
+    got = [(t.role, t.texts) for t in parse_conversation(row, fmt).turns]
+    assert got == [("system", ["Be terse."]), ("user", ["Hi"]), ("assistant", ["Hello."]),
+                   ("user", ["Ready?"]), ("assistant", ["Yes."]),
+                   ("user", ["Translate.\nchat"]), ("assistant", ["cat"])]
+    plain = parse_conversation({"instruction": "", "input": "Only input", "output": "ok"},
+                               RowFormat("alpaca"))
+    assert [(t.role, t.texts) for t in plain.turns] == [("user", ["Only input"]),
+                                                        ("assistant", ["ok"])]
