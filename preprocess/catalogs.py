@@ -108,7 +108,7 @@ class LlamaFactoryInfo(Container):
         base = os.path.dirname(path)
         sources = []
         for name, entry in json_object(path).items():
-            where = f"dataset_info.json {path}: entry {name!r}"
+            where = f"LLaMA-Factory file {path}: entry {name!r}"
             if not isinstance(entry, dict) or "file_name" not in entry:
                 hub = [k for k in _HUB_KEYS if isinstance(entry, dict) and k in entry]
                 raise InputError(f"{where} has no file_name" + (

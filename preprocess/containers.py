@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from vlmshard.errors import ConfigError, InputError
+from vlmshard.io import is_url
 from vlmshard.rejects import Reject
 
 from .conversation import RowFormat
@@ -110,7 +111,8 @@ class Container:
 
 class RowReader(Container):
     """A container whose sources hold rows. ``columnar``: every row has every column (a table),
-    so a renamed images column is looked for in its first row too."""
+    so a renamed column that rows may leave out (images, system) is looked for in its first row
+    too."""
 
     columnar: bool = False
     extension: str = ""  # the file name's ending, left out of the source's default name
@@ -133,8 +135,7 @@ class RowReader(Container):
 
 
 def _image_root(path: str, given: str | None) -> str:
-    from vlmshard.io import is_url
-
+    """The folder relative image paths start from: ``given``, else the input's folder."""
     root = given or (os.path.dirname(path) if not is_url(path) else path.rsplit("/", 1)[0])
     return root if is_url(root) else os.path.abspath(root)
 

@@ -413,7 +413,8 @@ def test_a_dataset_info_entry_vlmshard_cannot_read_is_named(tmp_path):
         info = tmp_path / name / "dataset_info.json"
         info.parent.mkdir()
         info.write_text(json.dumps({name: entry}))
-        with pytest.raises(ConfigError, match=rf"dataset_info.json .*entry '{name}'.*{why}"):
+        with pytest.raises(ConfigError, match=rf"LLaMA-Factory file .*dataset_info.json: "
+                                              rf"entry '{name}'.*{why}"):
             _preprocess([str(info)], tmp_path / name / "out")
 
 
