@@ -9,6 +9,9 @@
   alpaca, ``split`` train, sharegpt's ``conversations`` of ``from``/``value`` with ``human``,
   ``gpt`` and ``system`` tags; alpaca's ``instruction``, ``input``, ``output``). Images are
   found from the file's folder (LLaMA-Factory's ``media_dir`` default) or ``--image-root``.
+  Not read (refused, naming them): hub entries (``hf_hub_url``, ...), ranking and KTO data,
+  audio; turns tagged ``observation_tag`` or ``function_tag`` (tool calls and results) are
+  ``bad_role`` rejects.
 """
 
 from __future__ import annotations
@@ -90,8 +93,9 @@ class InternVLMeta(Container):
 _HUB_KEYS = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
 _SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human",
                   "assistant_tag": "gpt", "system_tag": "system"}
-_COLUMNS = {"sharegpt": ("messages", "images", "videos", "system"),
-            "alpaca": ("prompt", "query", "response", "history", "images", "videos", "system")}
+_COLUMNS = {"sharegpt": ("messages", "images", "videos", "system", "tools"),
+            "alpaca": ("prompt", "query", "response", "history", "images", "videos", "system",
+                       "tools")}
 
 
 class LlamaFactoryInfo(Container):

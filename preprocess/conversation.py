@@ -16,7 +16,9 @@ Formats (``RowFormat.name``; ``auto`` takes the first one whose turn list a row 
   them where ``columns`` names one (LLaMA-Factory's ``data/converter.py``).
 
 A row's ``system`` string (a column; LLaMA-Factory's sharegpt and alpaca ``system``) is its
-system prompt, unless its turns start with a system turn, which wins (as in LLaMA-Factory).
+system prompt, unless its turns start with a system turn, which wins (as in LLaMA-Factory). Its
+``tools`` (LLaMA-Factory's JSON string of function definitions, or a list of them) go to the chat
+template as ``apply_chat_template``'s ``tools``.
 
 In text, ``<image>`` is a placeholder for the next image of the row's ``images`` (or ``image``)
 column and ``<video>`` for the next of its ``videos`` (or ``video``); in a typed content list,
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import re
 from dataclasses import dataclass, field
 
@@ -62,11 +65,13 @@ PAIR_ROLES = ("system", "user", "assistant")
 IMAGE_COLUMNS = ("images", "image")
 VIDEO_COLUMNS = ("videos", "video")
 # What RowFormat.columns renames
-COLUMN_KEYS = ("messages", "images", "videos", "role", "content", "system", *ALPACA_COLUMNS)
+COLUMN_KEYS = ("messages", "images", "videos", "role", "content", "system", "tools",
+               *ALPACA_COLUMNS)
 EMBEDDED = "embedded:"  # stats image_paths prefix of an image whose bytes are in the source row
 # How rows become text, recorded by preprocess: re-tokenizing a run of another one would not give
 # its ids. 2: text kept as written (the line break after <image> as the template decides).
-# 3: <video> in text is a placeholder. 4: a row's system column is its system prompt.
+# 3: <video> in text is a placeholder. 4: a row's system column is its system prompt, its tools
+# column the template's tools.
 TEXT_ENCODING = 4
 
 
@@ -131,6 +136,7 @@ class Conversation:
     turns: list[Turn]
     images: list[ImageRef]
     videos: list[VideoRef] = field(default_factory=list)
+    tools: list[dict] = field(default_factory=list)  # function definitions for the template
 
 
 @dataclass(frozen=True)
@@ -196,6 +202,10 @@ class RowFormat:
     def system_column(self) -> str:
         return dict(self.columns).get("system", "system")
 
+    @property
+    def tools_column(self) -> str:
+        return dict(self.columns).get("tools", "tools")
+
     def column(self, key: str) -> str | None:
         """The source's name for an alpaca column (None: history, unnamed)."""
         return dict(self.columns).get(key, ALPACA_COLUMNS[key])
@@ -236,7 +246,7 @@ def parse_conversation(record: dict, fmt: RowFormat) -> Conversation:
                                   all_first=pairs, item=ImageItem)
     turns, videos = _place_images(turns, [r for r, v in zip(inline, kinds) if v],
                                   listed_videos, all_first=pairs, item=VideoItem)
-    return Conversation(turns, images, videos)
+    return Conversation(turns, images, videos, _tools(record, fmt.tools_column))
 
 
 def _turn_list(record: dict, fmt: RowFormat) -> list:
@@ -262,6 +272,21 @@ def _system_turn(record: dict, fmt: RowFormat) -> tuple[Turn, list[None]] | None
     """The row's system column as a system turn; None where it has none or it is empty."""
     value = record.get(fmt.system_column)
     return _texts_turn("system", value, repr(fmt.system_column)) if value else None
+
+
+def _tools(record: dict, column: str) -> list[dict]:
+    """The row's function definitions: a JSON string (LLaMA-Factory's), a list or one object;
+    none where the column is missing or empty."""
+    value = record.get(column)
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else None
+        except json.JSONDecodeError as e:
+            raise Reject("bad_field", f"{column!r} is not JSON: {e}") from None
+    value = [value] if isinstance(value, dict) else value or []
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise Reject("bad_field", f"{column!r} must hold function definitions (JSON objects)")
+    return value
 
 
 def _alpaca_turns(record: dict, fmt: RowFormat) -> list[tuple[Turn, list[None]]]:
@@ -482,11 +507,11 @@ def _names(names) -> str:
 def missing_columns(record: dict, fmt: RowFormat, columnar: bool) -> list[str]:
     """The renamed columns and turn keys (``fmt.columns``) that ``record`` lacks, as
     ``key=name``: the turn keys are looked for in its first turn. The columns a row may leave
-    out (images, system, ...) only where every row has every column (``columnar``: Parquet,
+    out (images, system, tools, ...) only where every row has every column (``columnar``: Parquet,
     Arrow)."""
     renamed = dict(fmt.columns)
-    keys = ("messages", "prompt", "response") + columnar * ("images", "videos", "system", "query",
-                                                            "history")
+    keys = ("messages", "prompt", "response") + columnar * ("images", "videos", "system", "tools",
+                                                            "query", "history")
     missing = [f"{key}={renamed[key]}" for key in keys
                if key in renamed and renamed[key] not in record]
     turns = next((record[c] for c in fmt.turn_columns if isinstance(record.get(c), list)), None)

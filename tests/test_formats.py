@@ -495,3 +495,40 @@ def test_alpaca_rows_read_as_llamafactory_converts_them():
                                RowFormat("alpaca"))
     assert [(t.role, t.texts) for t in plain.turns] == [("user", ["Only input"]),
                                                         ("assistant", ["ok"])]
+
+
+TOOLS = [{"name": "get_weather", "description": "The weather of a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                         "required": ["city"]}}]
+
+
+def test_a_rows_tools_go_to_a_template_that_takes_them(folders, tmp_path):
+    """LLaMA-Factory's ``tools`` (a JSON string) renders as ``apply_chat_template(tools=...)``
+    renders it; a template that takes no tools rejects the row rather than drop them."""
+    from transformers import AutoTokenizer
+
+    takes = str(tmp_path / "takes-tools")
+    shutil.copytree(folders["qwen2_vl"], takes)
+    config_path = os.path.join(takes, "tokenizer_config.json")
+    config = json.loads(open(config_path).read())
+    config["chat_template"] = ("{%- if tools %}<|im_start|>system\n# Tools\n{%- for tool in tools "
+                               "%}\n{{ tool | tojson }}{%- endfor %}<|im_end|>\n{% endif %}"
+                               + config["chat_template"])
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    turns = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": "Sunny."}]
+    path = _write_jsonl(tmp_path / "tools.jsonl", [{"messages": turns, "tools": json.dumps(TOOLS)},
+                                                   {"messages": turns}])
+    results = {name: run_preprocess(PreprocessConfig(inputs=[path], out=str(tmp_path / name),
+                                                     model=folder, workers=1, keep_tokens=True))
+               for name, folder in (("takes", takes), ("ignores", folders["qwen2_vl"]))}
+    sample = pq.read_table(tmp_path / "takes" / "stats").to_pylist()[0]
+    assert sample["row"] == 0
+    tok = AutoTokenizer.from_pretrained(takes, local_files_only=True)
+    rendered = tok.apply_chat_template(turns, tools=TOOLS, tokenize=False)
+    assert '"name": "get_weather"' in rendered
+    assert tok.decode(sample["input_ids"]) == rendered
+    assert results["ignores"].rejected_by_reason == {"template_error": 1}
+    (reject,) = pq.read_table(tmp_path / "ignores" / "rejects.parquet").to_pylist()
+    assert "1 tool(s) and the chat template takes none" in reject["message"]
