@@ -236,17 +236,23 @@ class ChatTemplateEncoder:
             chars += len(normalizer.normalize_str(text) if normalizer else text) - 1
         return max(0, chars) // self._max_token_chars
 
-    def render(self, turns: list[Turn]) -> tuple[list[str], list[tuple[str, str]]]:
+    def render(self, turns: list[Turn], tools: list[dict] = ()
+               ) -> tuple[list[str], list[tuple[str, str]]]:
         """The template's text between the markers (one more than texts), and the texts."""
         messages, texts = to_messages(turns, self._rules)
         try:
-            rendered = self.hf.apply_chat_template(messages, tokenize=False)
+            rendered = self.hf.apply_chat_template(messages, tools=tools or None, tokenize=False)
             # the text as written: the template's own trimming must give what the markers got
             as_written = TextRules(break_after_image=self._rules.break_after_image)
             in_place = self.hf.apply_chat_template(to_messages(turns, as_written, False)[0],
-                                                   tokenize=False)
+                                                   tools=tools or None, tokenize=False)
+            ignored = bool(tools) and rendered == self.hf.apply_chat_template(messages,
+                                                                             tokenize=False)
         except Exception as e:  # jinja's raise_exception, undefined variables, ...
             raise Reject("template_error", f"the chat template refuses this conversation: {e}")
+        if ignored:
+            raise Reject("template_error", f"the row has {len(tools)} tool(s) and the chat "
+                                           "template takes none (it renders the same without)")
         pieces = _MARKS.split(rendered)
         order = [int(k) for k in pieces[1::2]]
         if order != list(range(len(texts))):
@@ -261,12 +267,13 @@ class ChatTemplateEncoder:
         return template, texts
 
     def encode(self, turns: list[Turn], image_tokens: list[int], keep_tokens: bool,
-               videos: list["SampledVideo"] = ()) -> EncodedSample:
+               videos: list["SampledVideo"] = (), tools: list[dict] = ()) -> EncodedSample:
         """``image_tokens[k]``: how many ``token`` the k-th image takes; ``videos``: each video
-        as its family's rule sampled it (its tokens and text: ``Family.video_pieces``).
-        ``text_tokens`` counts every other token (the template's, the text's, the image and
-        video prefixes and suffixes, a video's frame texts)."""
-        template, texts = self.render(turns)
+        as its family's rule sampled it (its tokens and text: ``Family.video_pieces``);
+        ``tools``: the template's tools. ``text_tokens`` counts every other token (the
+        template's, the text's, the image and video prefixes and suffixes, a video's frame
+        texts)."""
+        template, texts = self.render(turns, tools)
         video = self._video_layout
         if video is not None and any(video.replaces):  # its expansion brings its own wrapper
             wrapped = video.replaces[0] + video.placeholder + video.replaces[1]

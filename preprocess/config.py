@@ -20,20 +20,24 @@ class PreprocessConfig(EngineOptions):
 
     inputs: list[str] = option(
         factory=list, positional=True, metavar="INPUT",
-        help="conversation files (.json/.jsonl), InternVL meta files, .parquet or .arrow files, "
-             "or datasets.save_to_disk folders (a DatasetDict with --split)")
+        help="conversation files (.json/.jsonl), InternVL meta files, LLaMA-Factory "
+             "dataset_info.json files, .parquet or .arrow files, or datasets.save_to_disk "
+             "folders (a DatasetDict with --split); more kinds from the modules named in "
+             "VLMSHARD_READERS")
     out: str = option(help="output folder")
-    format: Literal["auto", "llava", "messages", "texts"] = option(
+    format: Literal["auto", "llava", "messages", "texts", "alpaca"] = option(
         "auto", help="how rows hold conversations: llava ('conversations' of from/value), "
                      "messages ('messages' of role/content, content a string with <image> "
                      "placeholders or a list of typed items), texts ('texts' of user/assistant "
-                     "pairs, as the_cauldron and FineVision), or auto (each row by the fields it "
-                     "has); a meta file's entries may give their own 'format'")
+                     "pairs, as the_cauldron and FineVision), alpaca (LLaMA-Factory's "
+                     "instruction/input/output), or auto (each row by the fields it has; "
+                     "not alpaca); a row's 'system' string is its system prompt; a meta file's "
+                     "entries may give their own 'format'")
     columns: list[str] = option(
         factory=list, metavar="KEY=NAME",
         help="the source's own names for the fields vlmshard reads, as LLaMA-Factory's "
              f"dataset_info.json maps them; keys: {', '.join(COLUMN_KEYS)} (e.g. "
-             "messages=dialog images=pictures role=speaker content=text)")
+             "messages=dialog images=pictures role=speaker content=text system=sys)")
     roles: list[str] = option(
         factory=list, metavar="NAME=ROLE",
         help="extra role names and what they are (user, assistant or system), e.g. bot=assistant",

@@ -10,7 +10,15 @@ Formats (``RowFormat.name``; ``auto`` takes the first one whose turn list a row 
   "image"|"url"|"path": ...}``, OpenAI's ``{"type": "image_url", "image_url": {"url": ...}}``;
 - ``texts``: ``texts: [{"user": str, "assistant": str}]``, a turn pair per element (the_cauldron,
   FineVision); their images carry no placeholder and go first in the first user turn, as
-  Idefics3/SmolVLM's fine-tuning puts them.
+  Idefics3/SmolVLM's fine-tuning puts them;
+- ``alpaca``: LLaMA-Factory's alpaca rows, ``instruction`` and ``input`` (joined by a line break)
+  the user turn, ``output`` the answer, and the ``history`` column's [prompt, answer] pairs before
+  them where ``columns`` names one (LLaMA-Factory's ``data/converter.py``).
+
+A row's ``system`` string (a column; LLaMA-Factory's sharegpt and alpaca ``system``) is its
+system prompt, unless its turns start with a system turn, which wins (as in LLaMA-Factory). Its
+``tools`` (LLaMA-Factory's JSON string of function definitions, or a list of them) go to the chat
+template as ``apply_chat_template``'s ``tools``.
 
 In text, ``<image>`` is a placeholder for the next image of the row's ``images`` (or ``image``)
 column and ``<video>`` for the next of its ``videos`` (or ``video``); in a typed content list,
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import re
 from dataclasses import dataclass, field
 
@@ -47,16 +56,23 @@ FORMATS = {
     "llava": (("conversations",), ("from",), ("value",)),
     "messages": (("messages",), ("role",), ("content",)),
     "texts": (("texts",), (), ()),  # turn pairs: {"user", "assistant"(, "system")} per element
+    "alpaca": ((), (), ()),  # one exchange per row, in the columns ALPACA_COLUMNS names
 }
+# LLaMA-Factory's alpaca columns and their default names; history is read where it is named.
+ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output",
+                  "history": None}
 PAIR_ROLES = ("system", "user", "assistant")
 IMAGE_COLUMNS = ("images", "image")
 VIDEO_COLUMNS = ("videos", "video")
-COLUMN_KEYS = ("messages", "images", "videos", "role", "content")  # what RowFormat.columns renames
+# What RowFormat.columns renames
+COLUMN_KEYS = ("messages", "images", "videos", "role", "content", "system", "tools",
+               *ALPACA_COLUMNS)
 EMBEDDED = "embedded:"  # stats image_paths prefix of an image whose bytes are in the source row
 # How rows become text, recorded by preprocess: re-tokenizing a run of another one would not give
 # its ids. 2: text kept as written (the line break after <image> as the template decides).
-# 3: <video> in text is a placeholder.
-TEXT_ENCODING = 3
+# 3: <video> in text is a placeholder. 4: a row's system column is its system prompt, its tools
+# column the template's tools.
+TEXT_ENCODING = 4
 
 
 @dataclass(frozen=True)
@@ -120,6 +136,7 @@ class Conversation:
     turns: list[Turn]
     images: list[ImageRef]
     videos: list[VideoRef] = field(default_factory=list)
+    tools: list[dict] = field(default_factory=list)  # function definitions for the template
 
 
 @dataclass(frozen=True)
@@ -181,6 +198,18 @@ class RowFormat:
         renamed = dict(self.columns).get("videos")
         return (renamed,) if renamed else VIDEO_COLUMNS
 
+    @property
+    def system_column(self) -> str:
+        return dict(self.columns).get("system", "system")
+
+    @property
+    def tools_column(self) -> str:
+        return dict(self.columns).get("tools", "tools")
+
+    def column(self, key: str) -> str | None:
+        """The source's name for an alpaca column (None: history, unnamed)."""
+        return dict(self.columns).get(key, ALPACA_COLUMNS[key])
+
     def role(self, name) -> str | None:
         if not isinstance(name, str):
             return None
@@ -189,13 +218,6 @@ class RowFormat:
 
 def parse_conversation(record: dict, fmt: RowFormat) -> Conversation:
     """The row's turns and images; raises ``Reject``. Cheap: reads no image."""
-    column = next((c for c in fmt.turn_columns if record.get(c) is not None), None)
-    if column is None:
-        raise Reject("missing_field", f"no {_names(fmt.turn_columns)} field; the row has "
-                                      f"{', '.join(map(repr, sorted(record))) or 'no fields'}")
-    raw = record[column]
-    if not isinstance(raw, list) or not raw:
-        raise Reject("bad_field", f"{column!r} must be a non-empty list of turns")
     image_column = next((c for c in fmt.image_columns if record.get(c) is not None), None)
     listed = _image_values(record[image_column], image_column) if image_column else []
     video_column = next((c for c in fmt.video_columns if record.get(c) is not None), None)
@@ -203,12 +225,17 @@ def parse_conversation(record: dict, fmt: RowFormat) -> Conversation:
                      if video_column else [])
     turns: list[Turn] = []
     inline: list = []  # per image or video item in order: its own image or video, or None
-    pairs = fmt.name == "texts" or (fmt.name == "auto" and _is_pair(raw[0], fmt))
-    for i, message in enumerate(raw):
-        new = _parse_pair(message, i) if pairs else [_parse_turn(message, i, fmt)]
-        for turn, refs in new:
-            turns.append(turn)
-            inline.extend(refs)
+    if fmt.name == "alpaca":
+        new, pairs = _alpaca_turns(record, fmt), False
+    else:
+        raw = _turn_list(record, fmt)
+        pairs = fmt.name == "texts" or (fmt.name == "auto" and _is_pair(raw[0], fmt))
+        new = [t for i, message in enumerate(raw)
+               for t in (_parse_pair(message, i) if pairs else [_parse_turn(message, i, fmt)])]
+    system = _system_turn(record, fmt) if not new or new[0][0].role != "system" else None
+    for turn, refs in ([system] if system else []) + new:
+        turns.append(turn)
+        inline.extend(refs)
     if not any(t.role == "assistant" for t in turns):
         raise Reject("no_assistant_turn", "no gpt/assistant turn to supervise")
     if not any(t.role == "assistant" and "".join(t.texts).strip() for t in turns):
@@ -219,7 +246,73 @@ def parse_conversation(record: dict, fmt: RowFormat) -> Conversation:
                                   all_first=pairs, item=ImageItem)
     turns, videos = _place_images(turns, [r for r, v in zip(inline, kinds) if v],
                                   listed_videos, all_first=pairs, item=VideoItem)
-    return Conversation(turns, images, videos)
+    return Conversation(turns, images, videos, _tools(record, fmt.tools_column))
+
+
+def _turn_list(record: dict, fmt: RowFormat) -> list:
+    column = next((c for c in fmt.turn_columns if record.get(c) is not None), None)
+    if column is None:
+        raise Reject("missing_field", f"no {_names(fmt.turn_columns)} field; the row has "
+                                      f"{', '.join(map(repr, sorted(record))) or 'no fields'}")
+    raw = record[column]
+    if not isinstance(raw, list) or not raw:
+        raise Reject("bad_field", f"{column!r} must be a non-empty list of turns")
+    return raw
+
+
+def _texts_turn(role: str, text, where: str) -> tuple[Turn, list[None]]:
+    """A turn of text (its placeholders' images to come from the row's columns)."""
+    if not isinstance(text, str):
+        raise Reject("bad_field", f"{where} is a {type(text).__name__}, not text")
+    turn = text_turn(role, text, where)
+    return turn, [None] * sum(isinstance(p, ImageItem) for p in turn.content)
+
+
+def _system_turn(record: dict, fmt: RowFormat) -> tuple[Turn, list[None]] | None:
+    """The row's system column as a system turn; None where it has none or it is empty."""
+    value = record.get(fmt.system_column)
+    return _texts_turn("system", value, repr(fmt.system_column)) if value else None
+
+
+def _tools(record: dict, column: str) -> list[dict]:
+    """The row's function definitions: a JSON string (LLaMA-Factory's), a list or one object;
+    none where the column is missing or empty."""
+    value = record.get(column)
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else None
+        except json.JSONDecodeError as e:
+            raise Reject("bad_field", f"{column!r} is not JSON: {e}") from None
+    value = [value] if isinstance(value, dict) else value or []
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise Reject("bad_field", f"{column!r} must hold function definitions (JSON objects)")
+    return value
+
+
+def _alpaca_turns(record: dict, fmt: RowFormat) -> list[tuple[Turn, list[None]]]:
+    """LLaMA-Factory's alpaca row: the history's pairs, then instruction and input (the
+    non-empty ones, joined by a line break) and the output."""
+    turns = []
+    history = record.get(fmt.column("history")) if fmt.column("history") else None
+    if history is not None:
+        if not isinstance(history, list) or not all(
+                isinstance(p, (list, tuple)) and len(p) == 2 for p in history):
+            raise Reject("bad_field", f"{fmt.column('history')!r} must be a list of "
+                                      "[prompt, answer] pairs")
+        for i, (prompt, answer) in enumerate(history):
+            turns += [_texts_turn("user", prompt, f"history {i} prompt"),
+                      _texts_turn("assistant", answer, f"history {i} answer")]
+    columns = [fmt.column(k) for k in ("prompt", "query", "response")]
+    if record.get(columns[0]) is None and record.get(columns[2]) is None:
+        raise Reject("missing_field", f"no {columns[0]!r} or {columns[2]!r} field; the row has "
+                                      f"{', '.join(map(repr, sorted(record))) or 'no fields'}")
+    asked = [record[c] for c in columns[:2] if record.get(c)]
+    if not all(isinstance(a, str) for a in asked):
+        raise Reject("bad_field", f"{columns[0]!r} and {columns[1]!r} must be text")
+    turns.append(_texts_turn("user", "\n".join(asked), f"{columns[0]!r}"))
+    if record.get(columns[2]) is not None:
+        turns.append(_texts_turn("assistant", record[columns[2]], repr(columns[2])))
+    return turns
 
 
 def text_turn(role: str, text: str, where: str = "turn") -> Turn:
@@ -246,17 +339,8 @@ def _is_pair(message, fmt: RowFormat) -> bool:
 def _parse_pair(message, i: int) -> list[tuple[Turn, list[ImageRef | None]]]:
     if not isinstance(message, dict) or not ("user" in message or "assistant" in message):
         raise Reject("missing_field", f"turn pair {i} lacks 'user' and 'assistant'")
-    turns = []
-    for role in PAIR_ROLES:
-        text = message.get(role)
-        if text is None:
-            continue
-        if not isinstance(text, str):
-            raise Reject("bad_field", f"turn pair {i} {role!r} is a {type(text).__name__}, "
-                                      "not text")
-        turn = text_turn(role, text, f"turn pair {i} {role}")
-        turns.append((turn, [None] * sum(isinstance(p, ImageItem) for p in turn.content)))
-    return turns
+    return [_texts_turn(role, message[role], f"turn pair {i} {role}") for role in PAIR_ROLES
+            if message.get(role) is not None]
 
 
 def _parse_turn(message, i: int, fmt: RowFormat) -> tuple[Turn, list[ImageRef | None]]:
@@ -277,8 +361,7 @@ def _parse_turn(message, i: int, fmt: RowFormat) -> tuple[Turn, list[ImageRef | 
                                  f"of {', '.join(known)}")
     content = message[content_key]
     if isinstance(content, str):
-        turn = text_turn(role, content, f"turn {i}")
-        return turn, [None] * sum(isinstance(p, ImageItem) for p in turn.content)
+        return _texts_turn(role, content, f"turn {i}")
     if not isinstance(content, list):
         raise Reject("bad_field", f"turn {i} {content_key!r} is a {type(content).__name__}, "
                                   "not text or a list of typed items")
@@ -429,11 +512,13 @@ def _names(names) -> str:
 
 def missing_columns(record: dict, fmt: RowFormat, columnar: bool) -> list[str]:
     """The renamed columns and turn keys (``fmt.columns``) that ``record`` lacks, as
-    ``key=name``: the turn keys are looked for in its first turn. The images column only where
-    every row has every column (``columnar``: Parquet, Arrow); a JSON row without images may
-    leave it out."""
+    ``key=name``: the turn keys are looked for in its first turn. The columns a row may leave
+    out (images, system, tools, ...) only where every row has every column (``columnar``: Parquet,
+    Arrow)."""
     renamed = dict(fmt.columns)
-    missing = [f"{key}={renamed[key]}" for key in ("messages", "images")[:1 + columnar]
+    keys = ("messages", "prompt", "response") + columnar * ("images", "videos", "system", "tools",
+                                                            "query", "history")
+    missing = [f"{key}={renamed[key]}" for key in keys
                if key in renamed and renamed[key] not in record]
     turns = next((record[c] for c in fmt.turn_columns if isinstance(record.get(c), list)), None)
     if turns and isinstance(turns[0], dict):
@@ -445,6 +530,8 @@ def missing_columns(record: dict, fmt: RowFormat, columnar: bool) -> list[str]:
 def format_hint(record: dict, fmt: RowFormat) -> str | None:
     """What a row that every check rejected looks like, and the option that reads it, when its
     fields tell (a format or a column name), else None."""
+    if fmt.name == "alpaca":
+        return None
     for name, (columns, roles, contents) in FORMATS.items():
         if name != "auto" and name != fmt.name and any(c in record for c in columns) \
                 and not any(c in record for c in fmt.turn_columns):

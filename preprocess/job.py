@@ -44,6 +44,7 @@ from vlmshard.rejects import REASONS
 from vlmshard.stage import Result
 
 from .config import PreprocessConfig
+from .containers import reader
 from .conversation import TEXT_ENCODING, format_hint, missing_columns
 from .sample import SampleLimits, SampleSpec, make_encoder
 from .schema import REJECTS_SCHEMA, stats_schema
@@ -108,7 +109,8 @@ def _preprocess(cfg: PreprocessConfig, start: float) -> PreprocessResult:
                           decode_videos=cfg.decode_videos,
                           allow_outside_image_root=cfg.allow_outside_image_root)
     identity = _job_identity(cfg, sources, model, tokenizer, tiling, limits)
-    fingerprint, done = claim_output(cfg.out, "preprocess.json", identity, error=ConfigError)
+    fingerprint, done = claim_output(cfg.out, "preprocess.json", identity, error=ConfigError,
+                                     recorded_as="config")
     if done is not None:
         log.info("%s is already complete (same inputs and config): nothing to do", cfg.out)
         totals = done["totals"]
@@ -187,8 +189,8 @@ def _check_columns(source: Source, index: SourceIndex) -> None:
     if not source.format.columns:
         return
     record = first_record(source, index)
-    columnar = source.kind not in ("json", "jsonl")
-    missing = missing_columns(record, source.format, columnar) if record is not None else []
+    missing = (missing_columns(record, source.format, reader(source.kind).columnar)
+               if record is not None else [])
     if missing:
         raise ConfigError(f"source {source.name}: the column mapping names {', '.join(missing)}, "
                           f"which its first row lacks (it has: {', '.join(sorted(record))})")
@@ -266,17 +268,23 @@ def resolve_model(cfg: PreprocessConfig) -> tuple[ModelSpec, TokenizerConfig, Ti
 
 def _job_identity(cfg: PreprocessConfig, sources: list[Source], model: ModelSpec,
                   tokenizer: TokenizerConfig, tiling: TilingPolicy, limits: SampleLimits) -> dict:
-    """What determines the output bytes (not the engine or worker count)."""
+    """What determines the output bytes (not the engine or worker count). Files are named by
+    their resolved paths, so a rerun naming them another way (relative, ``./``, a symlink) is the
+    same job; a file's content by its size and modification time."""
 
     def file_identity(path: str) -> dict:
         if is_url(path):
             return {"path": path}
         st = os.stat(path)
-        return {"path": os.path.abspath(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+        return {"path": _resolved(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+    def source_identity(source: Source) -> dict:
+        return dict(source.to_dict(), path=_resolved(source.path),
+                    image_root=_resolved(source.image_root), file=file_identity(source.path))
 
     return {
-        "sources": [dict(s.to_dict(), file=file_identity(s.path)) for s in sources],
-        "model": model.to_dict(),
+        "sources": [source_identity(s) for s in sources],
+        "model": dict(model.to_dict(), path=model.path and _resolved(model.path)),
         "tokenizer": tokenizer.to_dict(),
         "tiling": tiling.to_dict(),
         "limits": asdict(limits),
@@ -285,6 +293,11 @@ def _job_identity(cfg: PreprocessConfig, sources: list[Source], model: ModelSpec
         "part_size": cfg.part_size,
         "seed": cfg.seed,
     }
+
+
+def _resolved(path: str) -> str:
+    """A local path with its symlinks resolved; a URL as it is."""
+    return path if is_url(path) else os.path.realpath(path)
 
 
 def _finalize(cfg: PreprocessConfig, sources: list[Source], parts_dir: str,

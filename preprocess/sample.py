@@ -182,7 +182,7 @@ def process_record(record: dict, source: Source, tiling: TilingPolicy, encoder,
     video_rows, sampled = zip(*[video_stats(v, k, order[k], source.image_root, tiling, limits)
                                 for k, v in enumerate(videos)]) if videos else ((), ())
     image_tokens = [t * tiling.tokens_per_tile for t in tiles]
-    encoded = encoder.encode(turns, image_tokens, keep_tokens, list(sampled))
+    encoded = encoder.encode(turns, image_tokens, keep_tokens, list(sampled), conversation.tools)
     if encoded.loss_tokens == 0:
         raise Reject("no_assistant_turn", "the assistant turns are empty")
     video_tokens = sum(v["tokens"] for v in video_rows)

@@ -15,6 +15,7 @@ from functools import cached_property
 
 from vlmshard.families import DEMO_FAMILY, family
 from vlmshard.io import sha256_file
+from vlmshard.rejects import Reject
 
 from .conversation import Turn, VideoItem
 
@@ -155,13 +156,16 @@ class TekkenEncoder:
         return -(-n_bytes // self.tokenizer.max_token_bytes)
 
     def encode(self, turns: list[Turn], image_tokens: list[int], keep_tokens: bool,
-               videos: list = ()) -> EncodedSample:
+               videos: list = (), tools: list[dict] = ()) -> EncodedSample:
         """``image_tokens[k]`` is the token count of the k-th image item in turn order; each of
         ``videos`` becomes the demo family's frame lines (InternVL's ``Frame{i}: `` text and a
         run of ``[IMG]`` per frame). The text is encoded as written (the template puts nothing
         after an image). Returned ``text_tokens`` exclude image and video tokens; ``seq_len`` =
-        text_tokens + Σimage_tokens + Σ video tokens.
+        text_tokens + Σimage_tokens + Σ video tokens. The demo's template takes no ``tools``.
         """
+        if tools:
+            raise Reject("template_error", "the row has tools and the demo tokenizer's template "
+                                           "takes none; pass --model with a template that does")
         p = self._pieces
         ids: list[int] = [] if keep_tokens else None
         labels: list[int] = [] if keep_tokens else None

@@ -10,6 +10,7 @@ import base64
 import glob
 import json
 import os
+import shutil
 import tarfile
 
 import datasets
@@ -357,3 +358,177 @@ def test_an_older_run_without_kept_tokens_is_refused_not_mistokenized(sources, t
     (tmp_path / "pre" / "preprocess.json").write_text(json.dumps(recorded))
     with pytest.raises(WriteError, match="older vlmshard.*preprocess again"):
         run_write(WriteConfig(plan=plan, stats=pre, out=str(tmp_path / "shards"), workers=1))
+
+
+LLAMAFACTORY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "llamafactory")
+
+
+def _same_samples(inputs: list[str], out, folder) -> list[dict]:
+    result = run_preprocess(PreprocessConfig(inputs=inputs, out=str(out), model=folder, workers=1,
+                                             keep_tokens=True))
+    assert result.rejected == 0, result.rejected_by_reason
+    return pq.read_table(os.path.join(out, "stats"), columns=["source", *SAME]).to_pylist()
+
+
+def test_llamafactory_dataset_info_is_read_as_llamafactory_reads_it(folders, tmp_path):
+    """LLaMA-Factory's own entries (tests/data/llamafactory): alpaca by default (instruction and
+    input joined, output the answer), sharegpt with its columns and tags; each gives the samples
+    of the same conversations written as messages rows by hand."""
+    from PIL import Image
+
+    data = tmp_path / "lf"
+    shutil.copytree(LLAMAFACTORY, data)
+    (data / "mllm_demo_data").mkdir()
+    for name, photo in (("1.jpg", "rocket.jpg"), ("2.jpg", "chelsea.png")):
+        Image.open(_photo(photo)).convert("RGB").save(data / "mllm_demo_data" / name)
+    got = _same_samples([str(data / "dataset_info.json")], tmp_path / "lf-out",
+                        folders["qwen2_vl"])
+
+    identity = json.loads((data / "identity.json").read_text())
+    mllm = json.loads((data / "mllm_demo.json").read_text())
+    by_hand = {
+        "identity": [{"messages": [{"role": "user", "content": r["instruction"]},
+                                   {"role": "assistant", "content": r["output"]}]}
+                     for r in identity],
+        "mllm_demo": [{"messages": r["messages"],
+                       "images": [str(data / p) for p in r["images"]]} for r in mllm]}
+    want = []
+    for name, rows in by_hand.items():
+        path = _write_jsonl(tmp_path / f"{name}.jsonl", rows)
+        want += _same_samples([path], tmp_path / f"{name}-out", folders["qwen2_vl"])
+    assert [r["source"] for r in got] == [r["source"] for r in want] == \
+        ["identity"] * len(identity) + ["mllm_demo"] * len(mllm)
+    assert got == want
+
+
+def test_a_dataset_info_entry_vlmshard_cannot_read_is_named(tmp_path):
+    """Hub entries and preference pairs are refused naming the file as dataset_info.json, not
+    as an InternVL meta file (entries of LLaMA-Factory's data/dataset_info.json)."""
+    cases = {"alpaca_en": ({"hf_hub_url": "llamafactory/alpaca_en"}, "loaded from hf_hub_url"),
+             "dpo_en_demo": ({"file_name": "dpo_en_demo.json", "ranking": True,
+                              "formatting": "sharegpt", "columns": {
+                                  "messages": "conversations", "chosen": "chosen",
+                                  "rejected": "rejected"}}, "ranking")}
+    for name, (entry, why) in cases.items():
+        info = tmp_path / name / "dataset_info.json"
+        info.parent.mkdir()
+        info.write_text(json.dumps({name: entry}))
+        with pytest.raises(ConfigError, match=rf"LLaMA-Factory file .*dataset_info.json: "
+                                              rf"entry '{name}'.*{why}"):
+            _preprocess([str(info)], tmp_path / name / "out")
+
+
+@pytest.mark.parametrize("how", ["column", "renamed", "dataset_info"])
+def test_a_rows_system_prompt_is_the_one_rendered(folders, tmp_path, how):
+    """A row's ``system`` (LLaMA-Factory's sharegpt column), renamed by ``--columns`` or by a
+    dataset_info.json entry, renders as the template renders that system message."""
+    from transformers import AutoTokenizer
+
+    folder = folders["qwen2_vl"]
+    turns = [("user", "Who are you?"), ("assistant", "A pirate cat, arr.")]
+    key = "system" if how == "column" else "persona"
+    row = {key: "You are a pirate cat.",
+           "conversations": [{"from": ROLE_FROM[r], "value": t} for r, t in turns]}
+    path = _write_jsonl(tmp_path / "pirate.jsonl", [row])
+    columns = ["system=persona"] if how == "renamed" else []
+    inputs = [path]
+    if how == "dataset_info":
+        inputs = [str(tmp_path / "dataset_info.json")]
+        (tmp_path / "dataset_info.json").write_text(json.dumps({"pirate": {
+            "file_name": "pirate.jsonl", "formatting": "sharegpt",
+            "columns": {"messages": "conversations", "system": "persona"}}}))
+    run_preprocess(PreprocessConfig(inputs=inputs, out=str(tmp_path / "o"), model=folder,
+                                    workers=1, keep_tokens=True, columns=columns))
+    (sample,) = pq.read_table(tmp_path / "o" / "stats").to_pylist()
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    rendered = tok.apply_chat_template(
+        [{"role": "system", "content": "You are a pirate cat."},
+         *({"role": r, "content": t} for r, t in turns)], tokenize=False)
+    assert "You are a pirate cat." in rendered
+    assert tok.decode(sample["input_ids"]) == rendered
+
+
+def test_a_reader_registered_outside_the_package_reads_its_kind(tmp_path):
+    """A user's container kind (tests/tsv_reader.py), named in VLMSHARD_READERS, is read in
+    every worker process and gives the samples of the same rows as JSONL; without it the
+    input's format is unknown, and registering a kind twice is an error."""
+    from vlmshard.preprocess.containers import SourceOptions, register, sources_of
+    from vlmshard.preprocess.readers import Jsonl
+
+    pairs = [("What is 2+2?", "4."), ("Name a red fruit.", "A cherry."), ("Hi", "Hello!")]
+    tsv = tmp_path / "qa.tsv"
+    tsv.write_text("".join(f"{q}\t{a}\n" for q, a in pairs))
+    jsonl = _write_jsonl(tmp_path / "qa.jsonl", [
+        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+        for q, a in pairs])
+    env = {**os.environ, "VLMSHARD_READERS": "tsv_reader",
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(__file__),
+                                                       os.environ.get("PYTHONPATH")]))}
+    for path, out in ((str(tsv), "tsv"), (jsonl, "jsonl")):
+        vlmshard("preprocess", path, "--out", str(tmp_path / out), "--workers", "2",
+                 "--part-size", "1", "--keep-tokens", env=env)
+    stats = [pq.read_table(tmp_path / out / "stats", columns=list(SAME)).to_pylist()
+             for out in ("tsv", "jsonl")]
+    assert len(stats[0]) == len(pairs) and stats[0] == stats[1]
+
+    plain = vlmshard("preprocess", str(tsv), "--out", str(tmp_path / "plain"), check=False)
+    assert plain.returncode != 0 and f"cannot tell the format of {tsv}" in plain.stderr
+    with pytest.raises(ConfigError, match="'jsonl' is registered already"):
+        register(Jsonl())
+    assert sources_of(jsonl, SourceOptions(None, None))[0].kind == "jsonl"
+
+
+def test_alpaca_rows_read_as_llamafactory_converts_them():
+    """LLaMA-Factory's AlpacaDatasetConverter: history pairs first, then instruction and input
+    (the non-empty ones) joined by a line break, the output the answer, the system column."""
+    from vlmshard.preprocess.conversation import RowFormat, parse_conversation
+
+    row = {"q": "Translate.", "input": "chat", "a": "cat", "sys": "Be terse.",
+           "turns": [["Hi", "Hello."], ["Ready?", "Yes."]]}
+    fmt = RowFormat.from_options("alpaca", {"prompt": "q", "response": "a", "history": "turns",
+                                            "system": "sys"})
+    got = [(t.role, t.texts) for t in parse_conversation(row, fmt).turns]
+    assert got == [("system", ["Be terse."]), ("user", ["Hi"]), ("assistant", ["Hello."]),
+                   ("user", ["Ready?"]), ("assistant", ["Yes."]),
+                   ("user", ["Translate.\nchat"]), ("assistant", ["cat"])]
+    plain = parse_conversation({"instruction": "", "input": "Only input", "output": "ok"},
+                               RowFormat("alpaca"))
+    assert [(t.role, t.texts) for t in plain.turns] == [("user", ["Only input"]),
+                                                        ("assistant", ["ok"])]
+
+
+TOOLS = [{"name": "get_weather", "description": "The weather of a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                         "required": ["city"]}}]
+
+
+def test_a_rows_tools_go_to_a_template_that_takes_them(folders, tmp_path):
+    """LLaMA-Factory's ``tools`` (a JSON string) renders as ``apply_chat_template(tools=...)``
+    renders it; a template that takes no tools rejects the row rather than drop them."""
+    from transformers import AutoTokenizer
+
+    takes = str(tmp_path / "takes-tools")
+    shutil.copytree(folders["qwen2_vl"], takes)
+    config_path = os.path.join(takes, "tokenizer_config.json")
+    config = json.loads(open(config_path).read())
+    config["chat_template"] = ("{%- if tools %}<|im_start|>system\n# Tools\n{%- for tool in tools "
+                               "%}\n{{ tool | tojson }}{%- endfor %}<|im_end|>\n{% endif %}"
+                               + config["chat_template"])
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    turns = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": "Sunny."}]
+    path = _write_jsonl(tmp_path / "tools.jsonl", [{"messages": turns, "tools": json.dumps(TOOLS)},
+                                                   {"messages": turns}])
+    results = {name: run_preprocess(PreprocessConfig(inputs=[path], out=str(tmp_path / name),
+                                                     model=folder, workers=1, keep_tokens=True))
+               for name, folder in (("takes", takes), ("ignores", folders["qwen2_vl"]))}
+    sample = pq.read_table(tmp_path / "takes" / "stats").to_pylist()[0]
+    assert sample["row"] == 0
+    tok = AutoTokenizer.from_pretrained(takes, local_files_only=True)
+    rendered = tok.apply_chat_template(turns, tools=TOOLS, tokenize=False)
+    assert '"name": "get_weather"' in rendered
+    assert tok.decode(sample["input_ids"]) == rendered
+    assert results["ignores"].rejected_by_reason == {"template_error": 1}
+    (reject,) = pq.read_table(tmp_path / "ignores" / "rejects.parquet").to_pylist()
+    assert "1 tool(s) and the chat template takes none" in reject["message"]

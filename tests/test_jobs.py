@@ -72,3 +72,29 @@ def test_a_record_left_by_a_killed_holder_neither_blocks_nor_names_it(tmp_path):
     assert not (out / OWNER).exists()
     with locked_output(str(out), JobError):  # free again
         pass
+
+
+def test_a_rerun_naming_the_inputs_another_way_is_the_same_job(tmp_path, monkeypatch):
+    """Relative, ``./``, absolute and through a symlinked folder: one file, one finished job;
+    a changed file is refused naming what differs."""
+    from vlmshard.preprocess import ConfigError, PreprocessConfig, run_preprocess
+
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = data / "chat.jsonl"
+    rows.write_text('{"messages": [{"role": "user", "content": "Hi"}, '
+                    '{"role": "assistant", "content": "Hello."}]}\n')
+    (tmp_path / "link").symlink_to(data, target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    out = str(tmp_path / "out")
+    names = ["data/chat.jsonl", "./data/chat.jsonl", str(rows), str(tmp_path / "link/chat.jsonl")]
+    results = [run_preprocess(PreprocessConfig(inputs=[name], out=out, workers=1))
+               for name in names]
+    assert [r.already_complete for r in results] == [False, True, True, True]
+    with open(rows, "a") as f:
+        f.write('{"messages": [{"role": "user", "content": "Bye"}, '
+                '{"role": "assistant", "content": "Bye."}]}\n')
+    with pytest.raises(ConfigError, match=r"finished job with other inputs or config "
+                                          r"\(differing: sources\[0\]\.file\.bytes, "
+                                          r"sources\[0\]\.file\.mtime_ns\)"):
+        run_preprocess(PreprocessConfig(inputs=[names[0]], out=out, workers=1))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import socket
 import time
@@ -104,23 +105,54 @@ def _live_owner(record: str) -> dict | None:
 
 
 def claim_output(out: str, final_name: str, identity: dict,
-                 error: type[Exception] = ValueError) -> tuple[str, dict | None]:
+                 error: type[Exception] = ValueError, recorded_as: str | None = None
+                 ) -> tuple[str, dict | None]:
     """(fingerprint of ``identity``, the final file's content if ``out`` already holds this very
     job finished). Otherwise prepares ``OUT/_work`` for this job, or raises ``error`` if ``out``
-    holds another job, finished or not. Call it inside ``locked_output(out)``."""
+    holds another job, finished or not, naming the keys that differ where the final file keeps
+    its identity (under ``recorded_as``). Call it inside ``locked_output(out)``."""
     key = fingerprint(identity)
     final = os.path.join(out, final_name)
     if os.path.exists(final):
         done = read_json(final)
         if done.get("fingerprint") == key:
             return key, done
-        raise error(f"{out} holds a finished job with other inputs or config; pass a new --out "
-                    "or delete that folder")
+        recorded = done.get(recorded_as) if recorded_as else None
+        raise error(f"{out} holds a finished job with other inputs or config"
+                    f"{_differing(recorded, identity)}; pass a new --out or delete that folder")
     work = os.path.join(out, WORK)
     job = os.path.join(work, "job.json")
-    if os.path.exists(job) and read_json(job).get("fingerprint") != key:
-        raise error(f"{out} holds an interrupted job with other inputs or config; delete {work} "
-                    "to start over, or rerun with the original options")
+    if os.path.exists(job):
+        started = read_json(job)
+        if started.get("fingerprint") != key:
+            raise error(f"{out} holds an interrupted job with other inputs or config"
+                        f"{_differing(started.get('identity'), identity)}; delete {work} to "
+                        "start over, or rerun with the original options")
     os.makedirs(work, exist_ok=True)
     write_json_atomic(job, {"fingerprint": key, "identity": identity})
     return key, None
+
+
+def _differing(recorded, identity: dict) -> str:
+    """`` (differing: a.b, c[0].d)``: the leaf keys whose values differ between the recorded
+    identity and this job's, or '' where none was recorded."""
+    if not isinstance(recorded, dict):
+        return ""
+    before, now = _leaves(recorded), _leaves(json.loads(canonical_json(identity)))
+    keys = sorted(k for k in {*before, *now} if before.get(k, _MISSING) != now.get(k, _MISSING))
+    shown = ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
+    return f" (differing: {shown})" if keys else ""
+
+
+_MISSING = object()
+
+
+def _leaves(value, prefix: str = "") -> dict:
+    """Every leaf of a JSON value by its dotted path (``sources[0].file.bytes``)."""
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items()
+                for k, v in _leaves(item, f"{prefix}.{key}" if prefix else str(key)).items()}
+    if isinstance(value, list):
+        return {k: v for i, item in enumerate(value)
+                for k, v in _leaves(item, f"{prefix}[{i}]").items()}
+    return {prefix: value}
