@@ -99,13 +99,11 @@ def with_defaults(config: dict, path: str) -> dict:
 
 
 def video_value(folder: ModelFolder, key: str, default):
-    """A value of the video processor config, else of the image processor's (where
-    ``transformers`` reads a video processor from when the folder has no config of its own),
-    else ``default``."""
-    for source in (folder.video_processor, folder.image_processor):
-        if source.get(key) is not None:
-            return source[key]
-    return default
+    """A value of the video processor config, else ``default``. ``transformers`` builds the
+    video processor from its own config alone; only a folder that has none gets it from the
+    image processor's, so a key is never taken from one config to fill the other."""
+    value = (folder.video_processor or folder.image_processor).get(key)
+    return default if value is None else value
 
 
 def processor_value(folder: ModelFolder, key: str, default):
