@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import traceback
 from importlib import import_module
 from typing import Any, Callable, TypeVar
 
@@ -77,11 +78,15 @@ def add_stage_arguments(parser: argparse.ArgumentParser, config_cls: type) -> No
 def run_command(command: str, config_cls: type[C], stage: Callable[[C], Result],
                 args: argparse.Namespace) -> int:
     """``vlmshard COMMAND``: load the config (``--config`` and flags), run the stage, print its
-    text or JSON; returns the exit status. Errors are one line, ``vlmshard COMMAND: error: ...``."""
+    text or JSON; returns the exit status. Errors are one line, ``vlmshard COMMAND: error: ...``,
+    after their traceback and causes with ``--debug`` (``vlmshard --debug COMMAND``)."""
     as_json = vars(args).pop("json", False)
+    debug = vars(args).pop("debug", False)
     try:
         result = stage(load_config(config_cls, args))
     except (VlmshardError, OSError) as e:
+        if debug:
+            traceback.print_exception(e, file=sys.stderr)
         print(f"vlmshard {command}: error: {one_line(e)}", file=sys.stderr, flush=True)
         return getattr(e, "exit_status", 1)
     sys.stdout.write(canonical_json(result.to_json()) if as_json else result.text() + "\n")

@@ -49,7 +49,7 @@ def _read_json(path: str) -> dict:
     try:
         data = read_json(path)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelFolderError(f"{path}: not valid JSON: {e}") from None
+        raise ModelFolderError(f"{path}: not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise ModelFolderError(f"{path}: expected a JSON object")
     return data
@@ -95,7 +95,7 @@ def with_defaults(config: dict, path: str) -> dict:
     try:
         return AutoConfig.for_model(**config).to_dict()
     except (ValueError, TypeError, KeyError) as e:
-        raise ModelFolderError(f"{path}: transformers cannot read this config: {e}") from None
+        raise ModelFolderError(f"{path}: transformers cannot read this config: {e}") from e
 
 
 def video_value(folder: ModelFolder, key: str, default):
