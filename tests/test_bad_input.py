@@ -479,14 +479,12 @@ def test_a_chat_template_that_refuses_a_conversation_is_template_error(qwen_fold
 
     folder = str(tmp_path / "refusing")
     shutil.copytree(qwen_folder, folder)
-    config_path = os.path.join(folder, "tokenizer_config.json")
-    with open(config_path) as f:
-        config = json.load(f)
-    config["chat_template"] = ("{% if messages[0]['role'] == 'system' %}"
-                               "{{ raise_exception('System role not supported') }}{% endif %}"
-                               + config["chat_template"])
-    with open(config_path, "w") as f:
-        json.dump(config, f)
+    template_path = os.path.join(folder, "chat_template.jinja")
+    with open(template_path) as f:
+        template = f.read()
+    with open(template_path, "w") as f:
+        f.write("{% if messages[0]['role'] == 'system' %}"
+                "{{ raise_exception('System role not supported') }}{% endif %}" + template)
     rows = [{"conversations": [{"from": "system", "value": "Be brief."}, *_conv("Hi.", "Hello.")]},
             {"conversations": _conv("Hi.", "Hello.")}]
     path = tmp_path / "rows.jsonl"
