@@ -176,7 +176,7 @@ def retrying(url: str, call: Callable[[], T], policy: RetryPolicy | None = None)
     except Exception as e:
         if is_transient(e):
             raise RemoteReadError(f"{url}: still failing after {policy.attempts} attempts: "
-                                  f"{_describe(e)}") from None
+                                  f"{_describe(e)}") from e
         raise
 
 
