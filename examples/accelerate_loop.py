@@ -22,24 +22,27 @@ from common import model_and_shards, parser
 
 
 def main() -> None:
+    p = parser(__doc__)
+    args = p.parse_args()
+    with model_and_shards(args, p) as (folder, shards):
+        train(folder, shards, args)
+
+
+def train(folder: str, shards: str, args) -> None:
     from accelerate import Accelerator
     from transformers import AutoModelForImageTextToText
 
     from vlmshard.shards.loader import make_loader
     from vlmshard.shards.model_inputs import model_inputs, supervised_tokens
 
-    p = parser(__doc__)
-    args = p.parse_args()
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    args.model, args.shards = model_and_shards(args, p)
-
     model = AutoModelForImageTextToText.from_pretrained(
-        args.model, dtype=torch.float32 if accelerator.device.type == "cpu" else torch.bfloat16,
+        folder, dtype=torch.float32 if accelerator.device.type == "cpu" else torch.bfloat16,
         attn_implementation=args.attn)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer = accelerator.prepare(model, optimizer)
     plain = accelerator.unwrap_model(model)  # its config says the attention implementation
-    loader = make_loader(args.shards, accelerator.process_index, accelerator.num_processes,
+    loader = make_loader(shards, accelerator.process_index, accelerator.num_processes,
                          pad_to_caps=False)
     per_step = loader.dataset.micro_batches_per_step
     steps = min(args.steps, loader.dataset.steps)
@@ -58,7 +61,7 @@ def main() -> None:
             with contextlib.nullcontext() if last else accelerator.no_sync(model):
                 loss = model(**model_inputs(batch, plain, num_items_in_batch=tokens)).loss
                 accelerator.backward(loss)
-            total += float(loss)
+            total += loss.item()
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)

@@ -1,12 +1,15 @@
 """What the examples share: their common options, and the ``--smoke`` set-up (shards and a model
 folder made offline: the demo's Hub-style source, Parquet with embedded images, a tiny model of
-the demo with random weights, packed for 2 ranks; about half a minute on 2 CPUs)."""
+the demo with random weights, packed for 2 ranks; about half a minute on 2 CPUs), made in a
+temporary folder that is removed when the example ends."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
+from typing import Iterator
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -22,13 +25,18 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def model_and_shards(args: argparse.Namespace, p: argparse.ArgumentParser) -> tuple[str, str]:
-    """(model folder, shard folder): the options', or ``--smoke``'s made in a temp folder."""
-    if args.smoke:
-        return smoke_setup(tempfile.mkdtemp(prefix="vlmshard-smoke-"), args.family)
-    if not (args.model and args.shards):
-        p.error("give --shards and --model, or --smoke")
-    return args.model, args.shards
+@contextlib.contextmanager
+def model_and_shards(args: argparse.Namespace, p: argparse.ArgumentParser
+                     ) -> Iterator[tuple[str, str]]:
+    """(model folder, shard folder) while the ``with`` lasts: the options', or ``--smoke``'s,
+    made in a temporary folder removed afterwards."""
+    if not args.smoke:
+        if not (args.model and args.shards):
+            p.error("give --shards and --model, or --smoke")
+        yield args.model, args.shards
+        return
+    with tempfile.TemporaryDirectory(prefix="vlmshard-smoke-") as root:
+        yield smoke_setup(root, args.family)
 
 
 def smoke_setup(root: str, model_type: str = "internvl") -> tuple[str, str]:

@@ -45,26 +45,29 @@ class PackedBatches(IterableDataset):
 
 
 def main() -> None:
-    from transformers import AutoModelForImageTextToText, Trainer, TrainingArguments
-
     p = parser(__doc__)
     p.add_argument("--out", default=None, help="Trainer output folder (default: a temp folder)")
     args = p.parse_args()
-    args.model, args.shards = model_and_shards(args, p)
+    with model_and_shards(args, p) as (folder, shards), \
+            tempfile.TemporaryDirectory(prefix="vlmshard-trainer-") as scratch:
+        train(folder, shards, args.out or scratch, args)
+
+
+def train(folder: str, shards: str, out: str, args) -> None:
+    from transformers import AutoModelForImageTextToText, Trainer, TrainingArguments
 
     cpu = not torch.cuda.is_available()
     model = AutoModelForImageTextToText.from_pretrained(
-        args.model, dtype=torch.float32 if cpu else torch.bfloat16,
-        attn_implementation=args.attn)
+        folder, dtype=torch.float32 if cpu else torch.bfloat16, attn_implementation=args.attn)
     training = TrainingArguments(
-        output_dir=args.out or tempfile.mkdtemp(prefix="vlmshard-trainer-"), max_steps=args.steps,
+        output_dir=out, max_steps=args.steps,
         per_device_train_batch_size=1, learning_rate=args.lr, lr_scheduler_type="cosine",
         warmup_steps=1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=cpu,
         bf16=not cpu, remove_unused_columns=False, average_tokens_across_devices=True,
         gradient_accumulation_steps=1)  # set below, once the shards say it
     if not cpu:
         model.to(training.device)  # model_inputs puts each batch on the model's device
-    data = PackedBatches(args.shards, model, training.process_index, training.world_size)
+    data = PackedBatches(shards, model, training.process_index, training.world_size)
     training.gradient_accumulation_steps = data.shards.micro_batches_per_step
 
     class ShardTrainer(Trainer):

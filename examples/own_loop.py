@@ -34,7 +34,7 @@ def load_model(folder: str, attn: str, device: str):
 def check(model, shards: str) -> dict:
     """Packed logits (with ``model_inputs``) against each sample run alone."""
     from vlmshard.shards.loader import ShardDataset
-    from vlmshard.shards.model_inputs import model_inputs, split_batch
+    from vlmshard.shards.model_inputs import model_inputs, split_batch, token_types
 
     model.eval()
     batch = max((b for _, b in zip(range(8), ShardDataset(shards))),
@@ -43,10 +43,12 @@ def check(model, shards: str) -> dict:
     with torch.no_grad():
         packed = model(**model_inputs(batch, model)).logits[0].float()
         diff, start = 0.0, 0
-        for sample in split_batch(batch):
-            inputs = {k: v.to(device) for k, v in sample.items() if k != "image_token_mask"}
-            if "image_grid_thw" in inputs:
-                inputs["mm_token_type_ids"] = sample["image_token_mask"].long().to(device)
+        for sample in split_batch(batch, model):  # the model says where video pixels go
+            visual = sample.pop("image_token_mask")
+            inputs = {k: v.to(device) for k, v in sample.items()}
+            if "image_grid_thw" in inputs or "video_grid_thw" in inputs:  # Qwen's mRoPE
+                inputs["mm_token_type_ids"] = token_types(model, sample["input_ids"],
+                                                          visual).to(device)
             alone = model(**inputs, use_cache=False).logits[0].float()
             n = alone.shape[0]
             diff = max(diff, float((packed[start:start + n] - alone).abs().max()))
@@ -73,7 +75,7 @@ def train(model, shards: str, steps: int, lr: float, warmup: int) -> None:
         for batch in micro:
             loss = model(**model_inputs(batch, model, num_items_in_batch=tokens)).loss
             loss.backward()
-            total += float(loss)
+            total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
@@ -88,12 +90,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1, help="linear warm-up steps, then cosine")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
-    args.model, args.shards = model_and_shards(args, p)
-    model = load_model(args.model, args.attn, args.device)
-    if args.check:
-        print(json.dumps(check(model, args.shards)))
-    else:
-        train(model, args.shards, args.steps, args.lr, args.warmup)
+    with model_and_shards(args, p) as (folder, shards):
+        model = load_model(folder, args.attn, args.device)
+        if args.check:
+            print(json.dumps(check(model, shards)))
+        else:
+            train(model, shards, args.steps, args.lr, args.warmup)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import jinja2
+
 from vlmshard.families import ModelFolderError, ModelSpec, family
 from vlmshard.rejects import Reject
 
@@ -55,6 +57,11 @@ PAD_TOKENS = ("<|endoftext|>", "<pad>")  # when the tokenizer names no pad_token
 # Pre-tokenizers that pass every character on (they split, isolate or merge; a Split or
 # Punctuation whose behavior is "Removed" drops text, as Whitespace and BertPreTokenizer do).
 _KEEPS_TEXT = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
+# What rendering a chat template raises for a conversation it refuses: jinja's own errors
+# (``raise_exception``, an undefined name, a filter's bad argument), TypeError from an operation
+# on a value of the wrong kind (a string joined to a list of items), and ValueError from
+# ``transformers``' checks of the messages.
+TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError)
 
 
 @dataclass(frozen=True)
@@ -127,7 +134,7 @@ class ChatTemplateEncoder:
             self.hf = AutoTokenizer.from_pretrained(model.path, local_files_only=True)
             self.backend = Tokenizer.from_file(os.path.join(model.path, "tokenizer.json"))
         except Exception as e:  # tokenizers and transformers raise many kinds
-            raise ModelFolderError(f"{model.path}: the tokenizer does not load: {e}") from None
+            raise ModelFolderError(f"{model.path}: the tokenizer does not load: {e}") from e
         if not self.hf.chat_template:
             raise ModelFolderError(f"{model.path}: the tokenizer has no chat_template (in "
                                    "tokenizer_config.json or chat_template.jinja)")
@@ -190,10 +197,12 @@ class ChatTemplateEncoder:
                  {"role": "assistant", "content": _MARK.format(1)}]
         try:
             rendered = self.hf.apply_chat_template(probe, tokenize=False)
-            after = rendered[rendered.index(self._placeholder) + len(self._placeholder):
-                             rendered.index(_MARK.format(0))]
-        except Exception:  # a template that refuses the probe: keep the data's text as written
+        except TEMPLATE_ERRORS:  # a template that refuses the probe: keep the text as written
             return False
+        start, end = rendered.find(self._placeholder), rendered.find(_MARK.format(0))
+        if start < 0 or end < start:  # no image item before the text: nothing after one
+            return False
+        after = rendered[start + len(self._placeholder):end]
         gap = "".join(self._split.split(after)[0::2])  # without the family's image tokens
         return gap != "" and gap.isspace()
 
@@ -206,7 +215,7 @@ class ChatTemplateEncoder:
         def kept(probe: list[dict], k: int) -> tuple[bool, bool] | None:
             try:
                 rendered = self.hf.apply_chat_template(probe, tokenize=False)
-            except Exception:  # a template that refuses the probe: no trimming known
+            except TEMPLATE_ERRORS:  # a template that refuses the probe: no trimming known
                 return None
             return f" {_MARK.format(k)}" in rendered, f"{_MARK.format(k)} " in rendered
 
@@ -240,16 +249,18 @@ class ChatTemplateEncoder:
                ) -> tuple[list[str], list[tuple[str, str]]]:
         """The template's text between the markers (one more than texts), and the texts."""
         messages, texts = to_messages(turns, self._rules)
+        # the text as written: the template's own trimming must give what the markers got
+        as_written = to_messages(turns, TextRules(break_after_image=self._rules.break_after_image),
+                                 False)[0]
         try:
             rendered = self.hf.apply_chat_template(messages, tools=tools or None, tokenize=False)
-            # the text as written: the template's own trimming must give what the markers got
-            as_written = TextRules(break_after_image=self._rules.break_after_image)
-            in_place = self.hf.apply_chat_template(to_messages(turns, as_written, False)[0],
-                                                   tools=tools or None, tokenize=False)
+            in_place = self.hf.apply_chat_template(as_written, tools=tools or None,
+                                                   tokenize=False)
             ignored = bool(tools) and rendered == self.hf.apply_chat_template(messages,
                                                                              tokenize=False)
-        except Exception as e:  # jinja's raise_exception, undefined variables, ...
-            raise Reject("template_error", f"the chat template refuses this conversation: {e}")
+        except TEMPLATE_ERRORS as e:
+            raise Reject("template_error",
+                         f"the chat template refuses this conversation: {e}") from e
         if ignored:
             raise Reject("template_error", f"the row has {len(tools)} tool(s) and the chat "
                                            "template takes none (it renders the same without)")

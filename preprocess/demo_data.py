@@ -16,10 +16,17 @@ the sources below, in every supported input format:
   image: about a tenth of the demo's samples
 
 ``meta.json`` names them all, InternVL style. Same seed, same bytes.
+
+The dataset and the demo's tiny model folder are each built once: a folder keeps a stamp of what
+it was built from (the options, this code's and the builders' source, the versions of the
+libraries that write the bytes) and of its files' hashes, and a rerun with the same inputs over
+untouched files returns it as it is (``make demo`` twice does not build them twice).
 """
 
 from __future__ import annotations
 
+import glob
+import importlib.metadata
 import importlib.util
 import io
 import json
@@ -29,12 +36,16 @@ import random
 import struct
 import zlib
 from dataclasses import dataclass
+from typing import Callable
 
 from PIL import Image
 
 from vlmshard.errors import JobError
+from vlmshard.io import read_json, sha256_file, write_json_atomic
+from vlmshard.jobs import fingerprint
 from vlmshard.stage import Result, stage_command
 
+from . import clips as _clips_module
 from .clips import Clip, clip_frames, make_clip
 from .config import DemoDataConfig, DemoModelConfig
 
@@ -91,14 +102,61 @@ def run_demo_model(cfg: DemoModelConfig) -> DemoModel:
 
 def demo_model(model_type: str, path: str) -> str:
     """The demo's tiny model folder of ``model_type`` (random weights) at ``path``: a tokenizer
-    that has seen the demo's words, the family's demo image limits. The same bytes every time,
-    so rerunning the demo redoes nothing it need not."""
+    that has seen the demo's words, the family's demo image limits. The same bytes every time;
+    built once (``_built_once``)."""
+    import vlmshard.families as families_package
     from vlmshard.families import family_for_model_type, tiny_folder
     from vlmshard.families.tiny import CORPUS
 
-    corpus = CORPUS + [" ".join(WORDS[i:] + WORDS[:i]) for i in range(0, len(WORDS), 7)]
-    limits = family_for_model_type(model_type, path).demo_limits
-    return tiny_folder(model_type, path, corpus=corpus, vocab_size=1000, **limits)
+    def build() -> dict:
+        corpus = CORPUS + [" ".join(WORDS[i:] + WORDS[:i]) for i in range(0, len(WORDS), 7)]
+        limits = family_for_model_type(model_type, path).demo_limits
+        tiny_folder(model_type, path, corpus=corpus, vocab_size=1000, **limits)
+        return {}
+
+    code = [__file__, *glob.glob(os.path.join(os.path.dirname(families_package.__file__), "*.py"))]
+    _built_once(path, {"model_type": model_type, "code": _sources_hash(code),
+                       "versions": _versions("transformers", "tokenizers", "torch",
+                                             "safetensors")}, build)
+    return path
+
+
+STAMP = ".vlmshard-built.json"  # what a demo folder was built from, and its files' hashes
+
+
+def _built_once(out: str, inputs: dict, build: Callable[[], dict]) -> dict:
+    """``build()``'s result (JSON), building into ``out`` only where it does not hold what
+    ``inputs`` build: its stamp must name the same inputs and each of its files, unchanged."""
+    path = os.path.join(out, STAMP)
+    key = fingerprint(inputs)
+    stamp = read_json(path) if os.path.isfile(path) else {}
+    if stamp.get("key") == key and stamp.get("files") == _file_hashes(out):
+        return stamp["result"]
+    result = build()
+    write_json_atomic(path, {"key": key, "inputs": inputs, "files": _file_hashes(out),
+                             "result": result})
+    return result
+
+
+def _file_hashes(out: str) -> dict[str, str]:
+    """{path under ``out``: SHA-256} of every file but the stamp."""
+    hashes = {}
+    for folder, _, names in os.walk(out):
+        for name in names:
+            rel = os.path.relpath(os.path.join(folder, name), out)
+            if rel != STAMP:
+                hashes[rel] = sha256_file(os.path.join(folder, name))
+    return dict(sorted(hashes.items()))
+
+
+def _sources_hash(paths: list[str]) -> dict[str, str]:
+    """{file name: SHA-256} of the code that writes a demo folder."""
+    return {os.path.basename(p): sha256_file(p) for p in sorted(paths)}
+
+
+def _versions(*distributions: str) -> dict[str, str]:
+    """The installed versions of the libraries whose output is in a demo folder's bytes."""
+    return {name: importlib.metadata.version(name) for name in distributions}
 
 
 def skimage_photo_dir() -> str:
@@ -310,7 +368,21 @@ def _noisy_rows(bad: dict[str, str], good_image: str) -> list[bytes]:
 
 
 def generate(out: str, seed: int = 0, scale: int = 1) -> DemoDataset:
-    """Write the demo dataset under ``out``; ``scale`` multiplies the number of samples."""
+    """Write the demo dataset under ``out`` (once: ``_built_once``); ``scale`` multiplies the
+    number of samples."""
+    inputs = {"seed": seed, "scale": scale,
+              "code": _sources_hash([__file__, _clips_module.__file__]),
+              "versions": _versions("scikit-image", "pillow", "av", "numpy", "pyarrow",
+                                    "datasets")}
+    made = _built_once(out, inputs, lambda: _generate(out, seed, scale))
+    log.info("demo dataset: %d images, %d sources -> %s", len(made["images"]),
+             len(made["sources"]), out)
+    return DemoDataset(root=out, meta=os.path.join(out, "meta.json"), images=made["images"],
+                       sources=made["sources"])
+
+
+def _generate(out: str, seed: int, scale: int) -> dict:
+    """Write the demo dataset under ``out``: {"images": their paths, "sources": their files}."""
     rng = random.Random(seed)
     os.makedirs(out, exist_ok=True)
     images = _make_images(out, rng)
@@ -377,11 +449,8 @@ def generate(out: str, seed: int = 0, scale: int = 1) -> DemoDataset:
     meta = {name: {"root": ".", "annotation": path, "repeat_time": 1}
             for name, path in sources.items()}
     meta["chat"]["repeat_time"] = 0.5  # subsampled, as InternVL meta files allow
-    meta_path = os.path.join(out, "meta.json")
-    _write_if_changed(meta_path, json.dumps(meta, indent=1).encode())
-    log.info("demo dataset: %d images, %d clips, %d sources -> %s", len(images), len(clips),
-             len(sources), out)
-    return DemoDataset(root=out, meta=meta_path, images=images, sources=sources)
+    _write_if_changed(os.path.join(out, "meta.json"), json.dumps(meta, indent=1).encode())
+    return {"images": images, "sources": sources}
 
 
 def _hub_parquet(out: str, rows: list[dict]) -> bytes:

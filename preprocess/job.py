@@ -103,7 +103,7 @@ def _preprocess(cfg: PreprocessConfig, start: float) -> PreprocessResult:
         sources = discover_sources(cfg.inputs, cfg.image_root, cfg.row_format(), cfg.split)
         model, tokenizer, tiling = resolve_model(cfg)
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(str(e)) from e
     limits = SampleLimits(max_seq_len=cfg.max_seq_len, max_image_pixels=cfg.max_image_pixels,
                           max_video_seconds=cfg.max_video_seconds,
                           decode_videos=cfg.decode_videos,
@@ -244,7 +244,7 @@ def resolve_model(cfg: PreprocessConfig) -> tuple[ModelSpec, TokenizerConfig, Ti
         try:
             model, tiling = load_model(cfg.model)
         except ModelFolderError as e:
-            raise ConfigError(str(e)) from None
+            raise ConfigError(str(e)) from e
         tokenizer = TokenizerConfig(kind="model", path=model.path)
     else:
         name = cfg.tiling or DEMO_FAMILY

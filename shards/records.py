@@ -125,7 +125,7 @@ def decode_record(sample: dict, where: str) -> Record:
     try:
         meta = json.loads(sample[JSON])
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RecordError(f"{where}: json member does not parse: {e}") from None
+        raise RecordError(f"{where}: json member does not parse: {e}") from e
     crc = meta.get("crc32", {})
     members = {k for k in sample if not k.startswith("__")}
     if members != set(MEMBERS) or set(crc) != members - {JSON}:
@@ -148,7 +148,7 @@ def decode_record(sample: dict, where: str) -> Record:
         if len(images) != want:
             raise ValueError(f"{len(images)} images and frames for the samples' {want}")
     except (KeyError, TypeError, ValueError, msgpack.UnpackException) as e:
-        raise RecordError(f"{where}: malformed record: {e!r}") from None
+        raise RecordError(f"{where}: malformed record: {e!r}") from e
     if parse_key(key) != (record.step, record.micro):
         raise RecordError(f"{where}: json says step {record.step} micro {record.micro}")
     total = sum(record.seq_lens)
@@ -238,7 +238,7 @@ def decoded_images(record: Record, policies: dict[str, "TilingPolicy"], *,
             try:
                 tiles = policy.tiles(width, height, n_images)
             except Reject as e:
-                raise RecordError(f"{record.where}: image {name}: {e.message}") from None
+                raise RecordError(f"{record.where}: image {name}: {e.message}") from e
             if tiles != planned:
                 raise RecordError(f"{record.where}: image {name} ({width}x{height}) of sample "
                                   f"{sample['sample_id']} makes {tiles} tiles, the plan has "
@@ -253,11 +253,12 @@ def _decode(record: Record, name: str, data: bytes, rgb: bool):
     from vlmshard.families import to_rgb
 
     try:
-        with Image.open(io.BytesIO(data)) as im:
-            im.load()
-            return *im.size, to_rgb(im) if rgb else None
-    except Exception as e:
-        raise RecordError(f"{record.where}: image {name} does not decode: {e}") from None
+        im = Image.open(io.BytesIO(data))
+        im.load()
+    except Exception as e:  # Pillow's plugins raise many kinds on malformed data
+        raise RecordError(f"{record.where}: image {name} does not decode: {e}") from e
+    with im:
+        return *im.size, to_rgb(im) if rgb else None
 
 
 def _decoded_video(record: Record, sample: dict, video: dict, policy, data, rgb: bool
@@ -268,7 +269,7 @@ def _decoded_video(record: Record, sample: dict, video: dict, policy, data, rgb:
         sampled = policy.sample_video(video["total_frames"], video["fps"], video["w"],
                                       video["h"], given=video["frame_list"])
     except Reject as e:
-        raise RecordError(f"{where}: {e.message}") from None
+        raise RecordError(f"{where}: {e.message}") from e
     if list(sampled.indices) != video["indices"] or list(sampled.grid) != video["grid"]:
         raise RecordError(f"{where}: its policy samples frames {list(sampled.indices)} as grid "
                           f"{list(sampled.grid)}, the plan has {video['indices']} as "

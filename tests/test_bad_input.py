@@ -479,14 +479,12 @@ def test_a_chat_template_that_refuses_a_conversation_is_template_error(qwen_fold
 
     folder = str(tmp_path / "refusing")
     shutil.copytree(qwen_folder, folder)
-    config_path = os.path.join(folder, "tokenizer_config.json")
-    with open(config_path) as f:
-        config = json.load(f)
-    config["chat_template"] = ("{% if messages[0]['role'] == 'system' %}"
-                               "{{ raise_exception('System role not supported') }}{% endif %}"
-                               + config["chat_template"])
-    with open(config_path, "w") as f:
-        json.dump(config, f)
+    template_path = os.path.join(folder, "chat_template.jinja")
+    with open(template_path) as f:
+        template = f.read()
+    with open(template_path, "w") as f:
+        f.write("{% if messages[0]['role'] == 'system' %}"
+                "{{ raise_exception('System role not supported') }}{% endif %}" + template)
     rows = [{"conversations": [{"from": "system", "value": "Be brief."}, *_conv("Hi.", "Hello.")]},
             {"conversations": _conv("Hi.", "Hello.")}]
     path = tmp_path / "rows.jsonl"
@@ -496,6 +494,53 @@ def test_a_chat_template_that_refuses_a_conversation_is_template_error(qwen_fold
     assert (result.accepted, result.rejected_by_reason) == (1, {"template_error": 1})
     (reject,) = pq.read_table(tmp_path / "out/rejects.parquet").to_pylist()
     assert "System role not supported" in reject["message"]
+
+
+def test_a_bug_in_our_message_mapping_stops_the_job_with_its_exception(qwen_folder, tmp_path,
+                                                                       monkeypatch):
+    """Only the template's own rendering is caught as a data error: a bug in the project's
+    mapping of turns to messages (a ZeroDivisionError injected into ``to_messages`` where it
+    builds the messages with the text in place) surfaces as that exception, never as a
+    ``template_error`` reject on every row."""
+    from vlmshard.preprocess import chat
+
+    real = chat.to_messages
+
+    def buggy(turns, rules=chat.TextRules(), marked=True):
+        if not marked:
+            raise ZeroDivisionError("an injected bug")
+        return real(turns, rules, marked)
+
+    monkeypatch.setattr(chat, "to_messages", buggy)
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"conversations": _conv("Hi.", "Hello.")}) + "\n")
+    with pytest.raises(ZeroDivisionError, match="an injected bug"):
+        run_preprocess(PreprocessConfig(inputs=[str(path)], out=str(tmp_path / "out"),
+                                        model=qwen_folder, workers=1))
+
+
+def test_debug_shows_an_error_with_the_chain_of_its_causes(qwen_folder, tmp_path):
+    """An error is one line; ``--debug`` prints its traceback first, with what caused it (here
+    the JSON parser's error behind an unreadable config.json)."""
+    import shutil
+
+    from helpers import vlmshard
+
+    folder = str(tmp_path / "broken")
+    shutil.copytree(qwen_folder, folder)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        f.write("{not json")
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"conversations": _conv("Hi.", "Hello.")}) + "\n")
+    args = ("preprocess", str(path), "--model", folder, "--workers", "1")
+    plain = vlmshard(*args, "--out", str(tmp_path / "a"), check=False)
+    debug = vlmshard("--debug", *args, "--out", str(tmp_path / "b"), check=False)
+    assert plain.returncode == debug.returncode == 1
+    assert plain.stderr.strip().splitlines()[-1].startswith("vlmshard preprocess: error: ")
+    assert "Traceback" not in plain.stderr
+    assert debug.stderr.strip().splitlines()[-1] == plain.stderr.strip().splitlines()[-1]
+    assert "json.decoder.JSONDecodeError: Expecting property name" in debug.stderr
+    assert "The above exception was the direct cause of the following exception" in debug.stderr
 
 
 # Empty input: a job that reads no row accepts nothing, and that is an error (issue 39, item 4).

@@ -392,6 +392,29 @@ def test_model_folder_errors_are_one_line_naming_the_file(folders, data, tmp_pat
     assert "--tiling is for the demo tokenizer" in proc.stderr
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_processor_built_from_the_folder_has_its_chat_template(family, folders):
+    """A tiny folder holds its template in ``chat_template.jinja``, as a published one saved by
+    ``transformers`` 5 does, so the processor reads it too (not only the tokenizer). Gemma 3's
+    processor is built whole and renders as its tokenizer does; the others' need torchvision
+    for their video processors, so ``transformers``' processor loading is asked for the
+    template it would pass them."""
+    from transformers import AutoProcessor, AutoTokenizer, ProcessorMixin
+
+    tokenizer = AutoTokenizer.from_pretrained(folders[family])
+    loaded, _ = ProcessorMixin.get_processor_dict(folders[family], local_files_only=True)
+    assert loaded.get("chat_template") == tokenizer.chat_template
+    assert "chat_template" not in json.load(open(os.path.join(folders[family],
+                                                              "tokenizer_config.json")))
+    if family == "gemma3":
+        messages = [{"role": "user", "content": [{"type": "image"},
+                                                 {"type": "text", "text": "What is it?"}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]
+        processor = AutoProcessor.from_pretrained(folders[family])
+        assert processor.apply_chat_template(messages, tokenize=False) == \
+            tokenizer.apply_chat_template(messages, tokenize=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # Shards and the loader
 

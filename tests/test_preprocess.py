@@ -94,6 +94,40 @@ def test_finished_job_rerun_is_a_noop(demo, demo_out):
         _run(demo, demo_out, keep_tokens=False, workers=1)
 
 
+def test_demo_data_and_model_are_reused_when_unchanged(demo, tmp_path, monkeypatch):
+    """A rerun of ``demo-data`` or ``demo-model`` with the same inputs over untouched files
+    builds nothing (the builders are replaced by ones that fail) and returns the same result,
+    wherever the folder now lies; a file changed since is built again, to the same bytes."""
+    import shutil
+
+    import vlmshard.families
+    from vlmshard.preprocess import demo_data
+
+    copy = str(tmp_path / "data")
+    shutil.copytree(demo.root, copy)
+    model = demo_data.demo_model("internvl", str(tmp_path / "model"))
+    built = tree_bytes(copy), tree_bytes(model)
+
+    def rebuilt(*args, **kwargs):
+        raise AssertionError("built again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(demo_data, "_generate", rebuilt)
+        patched.setattr(vlmshard.families, "tiny_folder", rebuilt)
+        again = demo_data.generate(copy, seed=0)
+        assert (again.images, again.sources) == (demo.images, demo.sources)
+        assert again.meta == os.path.join(copy, "meta.json")
+        assert demo_data.demo_model("internvl", model) == model
+        with pytest.raises(AssertionError, match="built again"):
+            demo_data.generate(copy, seed=1)  # other inputs
+    os.unlink(os.path.join(copy, demo.images[0]))
+    with open(os.path.join(model, "config.json"), "a") as f:
+        f.write(" ")
+    demo_data.generate(copy, seed=0)
+    demo_data.demo_model("internvl", model)
+    assert (tree_bytes(copy), tree_bytes(model)) == built
+
+
 def test_every_input_format_gives_the_same_rows(demo, tmp_path):
     """The captions source as JSON list, JSONL, Parquet and a saved HF dataset."""
     rows = [json.loads(line) for line in open(os.path.join(demo.root, "captions.jsonl"))][:30]

@@ -403,3 +403,42 @@ def test_decode_videos_rejects_a_stream_that_stops_decoding(tmp_path):
         assert result.accepted == accepted
     reasons = pq.read_table(tmp_path / "pre-True" / "rejects.parquet").column("reason")
     assert reasons.to_pylist() == ["corrupt_video"]
+
+
+def test_video_sizes_come_from_the_video_config_alone(tmp_path):
+    """A folder with a video config (``size``: the per-frame pixel range) beside an image config
+    holding ``max_pixels``: transformers builds the video processor from the video config alone
+    (``get_video_processor_dict``, which reads the image config only where there is no video
+    config), so each clip takes the tokens ``Qwen2VLVideoProcessor``'s rule gives with the video
+    ``size``, whatever the image's ``max_pixels``."""
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    from vlmshard.families import family_for_model_type, read_model_folder
+
+    folder = make_folder("qwen2_5_vl", str(tmp_path / "model"))
+    image_path, video_path = (tmp_path / "model" / name for name in (
+        "preprocessor_config.json", "video_preprocessor_config.json"))
+    image = json.loads(image_path.read_text())
+    image.update(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 1024)
+    image_path.write_text(json.dumps(image))
+    video = json.loads(video_path.read_text())
+    video["size"] = {"longest_edge": 28 * 28 * 48, "shortest_edge": 28 * 28 * 16}
+    video_path.write_text(json.dumps(video))
+
+    hf, _ = BaseVideoProcessor.get_video_processor_dict(folder, local_files_only=True)
+    assert "max_pixels" not in hf  # the image config is not read
+    policy = family_for_model_type("qwen2_5_vl", folder).tiling(read_model_folder(folder))
+    more = 0
+    for total, fps, width, height in [(300, 30, 640, 480), (48, 24, 1280, 720), (9, 30, 64, 48),
+                                      (101, 29.97, 480, 854), (20, 8, 128, 96),
+                                      (230, 30, 640, 360), (60, 10, 1920, 1080)]:
+        _, grid, _ = _qwen_reference(
+            total, fps, width, height, target=hf["fps"], min_frames=hf["min_frames"],
+            max_frames=hf["max_frames"], min_pixels=hf["size"]["shortest_edge"],
+            max_pixels=hf["size"]["longest_edge"])
+        got = policy.sample_video(total, fps, width, height)
+        assert got.grid == grid and got.tokens == grid[0] * grid[1] * grid[2] // 4
+        more += smart_resize(width, height, 28, image["min_pixels"], image["max_pixels"]) != \
+            smart_resize(width, height, 28, hf["size"]["shortest_edge"],
+                         hf["size"]["longest_edge"])
+    assert more >= 4  # the image's limits would size most of these clips otherwise

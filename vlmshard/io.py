@@ -176,7 +176,7 @@ def retrying(url: str, call: Callable[[], T], policy: RetryPolicy | None = None)
     except Exception as e:
         if is_transient(e):
             raise RemoteReadError(f"{url}: still failing after {policy.attempts} attempts: "
-                                  f"{_describe(e)}") from None
+                                  f"{_describe(e)}") from e
         raise
 
 
@@ -271,7 +271,7 @@ def read_json(path: str | Path) -> Any:
         try:
             return json.load(f)
         except json.JSONDecodeError as e:
-            raise InputError(f"{path} is not valid JSON: {e}") from None
+            raise InputError(f"{path} is not valid JSON: {e}") from e
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import traceback
 from importlib import import_module
 from typing import Any, Callable, TypeVar
 
@@ -81,7 +82,9 @@ def add_stage_arguments(parser: argparse.ArgumentParser, config_cls: type) -> No
 
 # Options every command takes, before its name or after it: (flags, help).
 GLOBAL_OPTIONS = ((("-v", "--verbose"), "debug logging"),
-                  (("-q", "--quiet"), "warnings and errors only"))
+                  (("-q", "--quiet"), "warnings and errors only"),
+                  (("--debug",), "on an error, print its traceback and the chain of its causes "
+                                 "too"))
 
 
 def add_global_options(parser: argparse.ArgumentParser, default: Any = argparse.SUPPRESS
@@ -97,11 +100,15 @@ def add_global_options(parser: argparse.ArgumentParser, default: Any = argparse.
 def run_command(command: str, config_cls: type[C], stage: Callable[[C], Result],
                 args: argparse.Namespace) -> int:
     """``vlmshard COMMAND``: load the config (``--config`` and flags), run the stage, print its
-    text or JSON; returns the exit status. Errors are one line, ``vlmshard COMMAND: error: ...``."""
+    text or JSON; returns the exit status. Errors are one line, ``vlmshard COMMAND: error: ...``,
+    after their traceback and causes with ``--debug`` (``vlmshard --debug COMMAND``)."""
     as_json = vars(args).pop("json", False)
+    debug = vars(args).pop("debug", False)
     try:
         result = stage(load_config(config_cls, args))
     except (VlmshardError, OSError) as e:
+        if debug:
+            traceback.print_exception(e, file=sys.stderr)
         print(f"vlmshard {command}: error: {one_line(e)}", file=sys.stderr, flush=True)
         return getattr(e, "exit_status", 1)
     sys.stdout.write(canonical_json(result.to_json()) if as_json else result.text() + "\n")

@@ -49,7 +49,7 @@ def _read_json(path: str) -> dict:
     try:
         data = read_json(path)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelFolderError(f"{path}: not valid JSON: {e}") from None
+        raise ModelFolderError(f"{path}: not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise ModelFolderError(f"{path}: expected a JSON object")
     return data
@@ -95,17 +95,15 @@ def with_defaults(config: dict, path: str) -> dict:
     try:
         return AutoConfig.for_model(**config).to_dict()
     except (ValueError, TypeError, KeyError) as e:
-        raise ModelFolderError(f"{path}: transformers cannot read this config: {e}") from None
+        raise ModelFolderError(f"{path}: transformers cannot read this config: {e}") from e
 
 
 def video_value(folder: ModelFolder, key: str, default):
-    """A value of the video processor config, else of the image processor's (where
-    ``transformers`` reads a video processor from when the folder has no config of its own),
-    else ``default``."""
-    for source in (folder.video_processor, folder.image_processor):
-        if source.get(key) is not None:
-            return source[key]
-    return default
+    """A value of the video processor config, else ``default``. ``transformers`` builds the
+    video processor from its own config alone; only a folder that has none gets it from the
+    image processor's, so a key is never taken from one config to fill the other."""
+    value = (folder.video_processor or folder.image_processor).get(key)
+    return default if value is None else value
 
 
 def processor_value(folder: ModelFolder, key: str, default):

@@ -44,8 +44,9 @@ def _tokenizer(special: list[str], corpus: list[str], vocab_size: int, plain: li
 def save_tokenizer(path: str, special: list[str], template: str, named: dict[str, str],
                    corpus: list[str], vocab_size: int, plain: list[str] = (),
                    chat: dict[str, str] | None = None) -> int:
-    """Save tokenizer.json + tokenizer_config.json (the template inside it, as hub folders
-    have it) + special_tokens_map.json; returns the vocabulary size. ``plain``: added tokens
+    """Save tokenizer.json + tokenizer_config.json + chat_template.jinja (the template in its
+    own file, where ``transformers`` 5 saves it and a processor reads it from) +
+    special_tokens_map.json; returns the vocabulary size. ``plain``: added tokens
     that are not special (Qwen's ``<think>``), numbered before the ``special`` ones, which
     end the vocabulary. ``chat``: the special tokens that begin it, by role (``eos_token``,
     ``pad_token``, ``bos_token``, or a name of its own; default: ChatML's)."""
@@ -54,17 +55,8 @@ def save_tokenizer(path: str, special: list[str], template: str, named: dict[str
     chat = chat or CHATML
     tok = _tokenizer(special, corpus, vocab_size, list(plain), list(chat.values()))
     roles = {k: v for k, v in chat.items() if k.endswith("_token")}
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, **roles, **named)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template, **roles, **named)
     hf.save_pretrained(path)
-    config_path = os.path.join(path, "tokenizer_config.json")
-    with open(config_path) as f:
-        config = json.load(f)
-    config["chat_template"] = template
-    with open(config_path, "w") as f:
-        json.dump(config, f, indent=1)
-    jinja = os.path.join(path, "chat_template.jinja")
-    if os.path.exists(jinja):
-        os.unlink(jinja)
     with open(os.path.join(path, "special_tokens_map.json"), "w") as f:
         json.dump(roles, f)
     return tok.get_vocab_size()
