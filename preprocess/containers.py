@@ -16,7 +16,6 @@ the built-in ones, so it may claim paths they would.
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -25,6 +24,7 @@ import numpy as np
 
 from vlmshard.errors import ConfigError, InputError
 from vlmshard.io import is_url
+from vlmshard.plugins import import_named_modules
 from vlmshard.rejects import Reject
 
 from .conversation import RowFormat
@@ -172,12 +172,7 @@ def _load() -> None:
 
     for container in BUILT_IN:
         register(container, built_in=True)
-    for module in filter(None, os.environ.get(PLUGINS_VARIABLE, "").split(",")):
-        try:
-            importlib.import_module(module.strip())
-        except ImportError as e:
-            raise ConfigError(f"{PLUGINS_VARIABLE}: cannot import reader module "
-                              f"{module.strip()!r}: {e}") from None
+    import_named_modules(PLUGINS_VARIABLE, "reader")
 
 
 def containers() -> list[Container]:

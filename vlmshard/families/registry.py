@@ -10,7 +10,6 @@ takes over the ``model_type`` values it lists from a built-in one.
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import os
 from dataclasses import fields
@@ -18,6 +17,7 @@ from dataclasses import fields
 from vlmshard.errors import ConfigError, InputError
 from vlmshard.io import sha256_file
 from vlmshard.model_sizes import ModelConfig
+from vlmshard.plugins import import_named_modules
 
 from .base import Family, ModelSpec, TilingPolicy
 from .folder import ModelFolderError, read_model_folder
@@ -82,12 +82,7 @@ def _built_ins() -> None:
 def _load() -> None:
     """Register the built-in families, then import the modules ``VLMSHARD_FAMILIES`` names."""
     _built_ins()
-    for module in filter(None, os.environ.get(PLUGINS_VARIABLE, "").split(",")):
-        try:
-            importlib.import_module(module.strip())
-        except ImportError as e:
-            raise ConfigError(f"{PLUGINS_VARIABLE}: cannot import family module "
-                              f"{module.strip()!r}: {e}") from None
+    import_named_modules(PLUGINS_VARIABLE, "family")
 
 
 def families() -> dict[str, Family]:
