@@ -85,15 +85,15 @@ class CostModel:
         data = read_json(path)
         try:
             a_v, a_t, b = (float(data[k]) for k in ("a_v", "a_t", "b"))
-        except (KeyError, TypeError, ValueError):
-            raise InputError(f"{path}: a cost model needs numbers a_v, a_t and b") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"{path}: a cost model needs numbers a_v, a_t and b") from e
         if min(a_v, a_t, b) < 0 or a_v + a_t + b <= 0:
             raise InputError(f"{path}: cost coefficients must be non-negative and not all zero")
         try:
             window, share = int(data.get("window", 0)), float(data.get("window_share", 0.0))
-        except (TypeError, ValueError):
+        except (TypeError, ValueError) as e:
             raise InputError(f"{path}: window must be a whole number of tokens and window_share "
-                             "a number") from None
+                             "a number") from e
         if window < 0 or not 0.0 <= share <= 1.0:
             raise InputError(f"{path}: window must be >= 0 and window_share within [0, 1]")
         return cls(a_v, a_t, b, f"file:{path}", window=window, window_share=share)
@@ -133,4 +133,4 @@ def _model_sizes(name: str, presets: dict):
     except InputError:
         raise
     except ValueError as e:  # sizes this model's config.json does not allow
-        raise InputError(f"{config}: {e}") from None
+        raise InputError(f"{config}: {e}") from e

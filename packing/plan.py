@@ -330,7 +330,7 @@ def load_plan(plan_dir: str) -> tuple[dict, Packing, Lengths]:
     try:
         stats = load_stats(path)
     except StatsError as e:
-        raise StatsError(f"{plan_dir}: cannot read the stats it was packed from: {e}") from None
+        raise StatsError(f"{plan_dir}: cannot read the stats it was packed from: {e}") from e
     if stats.sha256 != info["stats"]["sha256"]:
         raise InputError(f"{path} is no longer the stats {plan_dir} was packed from (sha256 "
                          "differs): pack again")

@@ -137,7 +137,7 @@ def _read_parquet_stats(path: str) -> Lengths:
     try:
         table = pa.concat_tables(pq.read_table(f, columns=columns) for f in stats_files(path))
     except (pa.ArrowInvalid, KeyError) as e:
-        raise StatsError(f"{path}: not a vlmshard stats table ({e})") from None
+        raise StatsError(f"{path}: not a vlmshard stats table ({e})") from e
     sample_id = table["sample_id"].to_numpy()
     if not np.array_equal(sample_id, np.arange(len(sample_id))):
         raise StatsError(f"{path}: sample_id is not dense 0..N-1 in file order")
@@ -181,7 +181,7 @@ def _read_json(path: str):
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise StatsError(f"{path}: cannot read JSON ({e})") from None
+        raise StatsError(f"{path}: cannot read JSON ({e})") from e
 
 
 def _lengths_from_parts(parts: list[tuple[str, str, list]]) -> Lengths:
@@ -190,10 +190,10 @@ def _lengths_from_parts(parts: list[tuple[str, str, list]]) -> Lengths:
         try:
             v = np.array([r["vit_num"] for r in rows], dtype=np.int64)
             t = np.array([r["token_num"] for r in rows], dtype=np.int64)
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError) as e:
             bad = next(i for i, r in enumerate(rows) if not _valid_row(r))
             raise StatsError(f"{file}: row {bad} needs integer vit_num and token_num, got "
-                             f"{rows[bad]!r}") from None
+                             f"{rows[bad]!r}") from e
         if len(rows) and (v.min() < 0 or t.min() < 1):
             bad = int(np.flatnonzero((v < 0) | (t < 1))[0])
             raise StatsError(f"{file}: row {bad} has vit_num < 0 or token_num < 1: {rows[bad]!r}")

@@ -43,7 +43,7 @@ def json_object(path: str) -> dict | None:
             return json.load(f)
         except json.JSONDecodeError as e:
             raise InputError(f"{path} is neither a conversation list nor a valid meta file: "
-                             f"{e}") from None
+                             f"{e}") from e
 
 
 def _entries_with(meta: dict | None, keys: tuple[str, ...]) -> bool:
@@ -80,7 +80,7 @@ class InternVLMeta(Container):
                 row_format = RowFormat.from_options(entry.get("format", "auto"),
                                                     entry.get("columns"), entry.get("roles"))
             except ValueError as e:
-                raise InputError(f"meta file {path}: entry {name!r}: {e}") from None
+                raise InputError(f"meta file {path}: entry {name!r}: {e}") from e
             sources += sources_of(annotation, SourceOptions(
                 name=name, image_root=resolve(base, entry.get("root",
                                                               os.path.dirname(annotation))),

@@ -282,7 +282,7 @@ def _tools(record: dict, column: str) -> list[dict]:
         try:
             value = json.loads(value) if value.strip() else None
         except json.JSONDecodeError as e:
-            raise Reject("bad_field", f"{column!r} is not JSON: {e}") from None
+            raise Reject("bad_field", f"{column!r} is not JSON: {e}") from e
     value = [value] if isinstance(value, dict) else value or []
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
         raise Reject("bad_field", f"{column!r} must hold function definitions (JSON objects)")
@@ -483,14 +483,14 @@ def _image_value(value, where: str, what: str = "image") -> ImageRef:
             return ImageRef(data=base64.b64decode(payload, validate=True))
         except (binascii.Error, ValueError) as e:
             raise Reject(f"corrupt_{what}", f"{what} {where}: its base64 data does not decode: "
-                                            f"{e}") from None
+                                            f"{e}") from e
     if "\0" in value:
         raise Reject("nul_in_text", f"{what} {where} path {value!r} holds a NUL character")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
         raise Reject("undecodable_text", f"{what} {where} path {value!r} is not valid UTF-8: "
-                                         f"{e}") from None
+                                         f"{e}") from e
     return ImageRef(path=value)
 
 
@@ -498,7 +498,7 @@ def _check_text(text: str, where: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise Reject("undecodable_text", f"{where} has text that is not valid UTF-8: {e}") from None
+        raise Reject("undecodable_text", f"{where} has text that is not valid UTF-8: {e}") from e
     if "\0" in text:
         raise Reject("nul_in_text", f"{where} holds a NUL character at position "
                                     f"{text.index(chr(0))}: binary or UTF-16 data read as text")

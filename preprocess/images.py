@@ -75,12 +75,12 @@ def read_image_header(path: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
         # A remote image is fetched whole (with retries), then checked exactly as a local file
         # is, so both get the same reject reasons.
         opener = io.BytesIO(read_bytes(path)) if is_url(path) else open(path, "rb")
-    except FileNotFoundError:
-        raise Reject("missing_image", f"image not found: {path}") from None
+    except FileNotFoundError as e:
+        raise Reject("missing_image", f"image not found: {path}") from e
     except RemoteReadError as e:
-        raise Reject("unreachable_image", str(e)) from None
+        raise Reject("unreachable_image", str(e)) from e
     except Exception as e:  # OSError locally; each fsspec backend raises its own kinds
-        raise Reject("missing_image", f"cannot open image {path}: {e}") from None
+        raise Reject("missing_image", f"cannot open image {path}: {e}") from e
     with opener as f:
         return _inspect(f, path, max_pixels)
 
@@ -99,14 +99,14 @@ def _inspect(f, path: str, max_pixels: int) -> ImageHeader:
             declared = _tiff_data_end(im) if fmt == "TIFF" else 0
     except Image.DecompressionBombError as e:
         raise Reject("decompression_bomb", f"{path}: {error_text(e, path)} (raise "
-                                           "--max-image-pixels to read it)") from None
+                                           "--max-image-pixels to read it)") from e
     except Exception as e:  # Pillow's plugins raise many kinds on malformed headers
         if _container_cut_short(f, size):
             raise Reject("truncated_image", f"image {path} ends before the data its "
                                             f"header declares ({size} bytes): the file is "
-                                            "cut short") from None
+                                            "cut short") from e
         raise Reject("corrupt_image", f"cannot parse image header of {path}: "
-                                       f"{error_text(e, path)}") from None
+                                       f"{error_text(e, path)}") from e
     if width <= 0 or height <= 0:
         raise Reject("empty_image", f"image {path} is {width}x{height}")
     if width * height > max_pixels:
@@ -131,11 +131,11 @@ def _check_regular_file(path: str, what: str = "image") -> None:
     block forever, a symlink loop or a folder cannot be read."""
     try:
         st = os.stat(path)
-    except FileNotFoundError:
-        raise Reject(f"missing_{what}", f"{what} not found: {path}") from None
+    except FileNotFoundError as e:
+        raise Reject(f"missing_{what}", f"{what} not found: {path}") from e
     except (OSError, ValueError) as e:  # ELOOP, EACCES, ENAMETOOLONG; ValueError: a NUL byte
         raise Reject(f"missing_{what}",
-                     f"cannot open {what} {path}: {getattr(e, 'strerror', None) or e}") from None
+                     f"cannot open {what} {path}: {getattr(e, 'strerror', None) or e}") from e
     if not stat.S_ISREG(st.st_mode):
         kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
                 else "a device or socket")

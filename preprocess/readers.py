@@ -169,7 +169,7 @@ class Arrow(_MappedArrow):
             return datasets.Dataset.from_file(path)
         except Exception as e:  # pyarrow raises several kinds for a file that is not Arrow
             raise InputError(f"{path} is not an Arrow stream file as datasets writes "
-                             f"them: {e}") from None
+                             f"them: {e}") from e
 
 
 class SavedDataset(_MappedArrow):

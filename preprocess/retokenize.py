@@ -123,7 +123,7 @@ class SourceRows:
             found = parse_conversation(record, self.sources[name].format)
         except Reject as r:
             raise RetokenizeError(f"{name} row {number} no longer reads ({r.reason}: "
-                                  f"{r.message}); the source changed since packing") from None
+                                  f"{r.message}); the source changed since packing") from r
         return ([image.data for image in found.images],
                 [[ref.data for ref in video.refs] for video in found.videos])
 
@@ -144,7 +144,7 @@ class Retokenizer:
             new = self.samples.process(self.index[row["source"]], record, keep_tokens=True)
         except Reject as r:
             raise RetokenizeError(f"{sample_where(row)} no longer preprocesses ({r.reason}: "
-                                  f"{r.message}); the source changed since packing") from None
+                                  f"{r.message}); the source changed since packing") from r
         if new["seq_len"] != row["seq_len"] or list(new["image_tiles"]) != row["image_tiles"]:
             raise RetokenizeError(f"{sample_where(row)}: re-tokenized to seq_len "
                                   f"{new['seq_len']} and tiles {new['image_tiles']}, the stats "

@@ -131,7 +131,7 @@ def video_stats(video: VideoRef, index: int, item: int, root: str, tiling: Tilin
     try:
         sampled = tiling.sample_video(frames, fps, width, height, given=video.file is None)
     except Reject as e:  # bad_aspect_ratio: name the video
-        raise Reject(e.reason, f"{name}: {e.message}") from None
+        raise Reject(e.reason, f"{name}: {e.message}") from e
     if data is not None and limits.decode_videos:  # what the writer will decode, decoded now
         for _ in sampled_frames(data, list(sampled.indices), where):
             pass
@@ -175,7 +175,7 @@ def process_record(record: dict, source: Source, tiling: TilingPolicy, encoder,
         try:
             tiles.append(tiling.tiles(header.width, header.height, len(headers)))
         except Reject as e:  # bad_aspect_ratio: name the image
-            raise Reject(e.reason, f"image {header.path}: {e.message}") from None
+            raise Reject(e.reason, f"image {header.path}: {e.message}") from e
     items = [isinstance(p, VideoItem) for t in turns for p in t.content
              if isinstance(p, ImageItem)]  # per image or video item in order: a video?
     order = [k for k, is_video in enumerate(items) if is_video]

@@ -60,11 +60,11 @@ def video_bytes(path: str, data: bytes | None, what: str = "video") -> bytes:
         with open(path, "rb") as f:
             return f.read()
     except RemoteReadError as e:
-        raise Reject(f"unreachable_{what}", str(e)) from None
-    except FileNotFoundError:
-        raise Reject(f"missing_{what}", f"{what} not found: {path}") from None
+        raise Reject(f"unreachable_{what}", str(e)) from e
+    except FileNotFoundError as e:
+        raise Reject(f"missing_{what}", f"{what} not found: {path}") from e
     except OSError as e:
-        raise Reject(f"missing_{what}", f"cannot open {what} {path}: {e}") from None
+        raise Reject(f"missing_{what}", f"cannot open {what} {path}: {e}") from e
 
 
 def read_video_header(path: str, data: bytes | None = None,
@@ -107,7 +107,7 @@ def read_video_header(path: str, data: bytes | None = None,
                 if not decoded:  # the last, empty packet flushes a decoder that holds frames
                     decoded = bool(packet.decode())
         except Exception as e:  # av.FFmpegError subclasses: the data stops making sense
-            raise _broken(data, path, f"its packets stop parsing or decoding: {e}", e) from None
+            raise _broken(data, path, f"its packets stop parsing or decoding: {e}", e) from e
     frames = sum(shown)
     if frames == 0:
         raise Reject("empty_video", f"{path} holds no video frame")
@@ -150,7 +150,7 @@ def sampled_frames(data: bytes, indices: list[int], path: str) -> Iterator["Imag
         except Reject:
             raise
         except Exception as e:  # av.FFmpegError subclasses
-            raise _broken(data, path, f"frame {wanted[k]} does not decode: {e}", e) from None
+            raise _broken(data, path, f"frame {wanted[k]} does not decode: {e}", e) from e
     raise Reject("truncated_video", f"{path} ends before frame {wanted[k]}: the file is cut "
                                     "short or its frame count changed")
 
@@ -168,7 +168,7 @@ class _open:
             self.container = av.open(io.BytesIO(self.data), metadata_errors="ignore")
         except av.FFmpegError as e:
             raise _broken(self.data, self.path, f"not a readable video container: {e}",
-                          e) from None
+                          e) from e
         return self.container
 
     def __exit__(self, *exc) -> None:

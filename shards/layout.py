@@ -196,8 +196,8 @@ def read_manifest(root: str) -> Manifest:
         with open_url(url) as f:
             data = f.read()
     except Exception as e:  # curl, pipe and fsspec each raise their own kind
-        raise FileNotFoundError(f"cannot read {url}: {e}") from None
+        raise FileNotFoundError(f"cannot read {url}: {e}") from e
     try:
         return Manifest.from_dict(json.loads(data), url)
     except (json.JSONDecodeError, TypeError) as e:
-        raise InputError(f"{url}: unreadable manifest: {e}") from None
+        raise InputError(f"{url}: unreadable manifest: {e}") from e

@@ -93,7 +93,7 @@ def _open(url: str) -> IO[bytes]:
     try:
         return open_url(url)
     except Exception as e:
-        raise ShardError(f"{url}: cannot open shard: {e}") from None
+        raise ShardError(f"{url}: cannot open shard: {e}") from e
 
 
 def _decode_one(url: str, data: bytes, want: tuple[int, int], rank: int) -> Record:
@@ -143,7 +143,7 @@ def iter_shard(root: str, entry: ShardEntry, manifest: Manifest, *,
         raise
     except Exception as e:  # tarfile.ReadError, EOFError, a pipe's exit status, ...
         raise ShardError(f"{url}: truncated or corrupt tar after {count} record(s) "
-                         f"(last good record {last}): {e}") from None
+                         f"(last good record {last}): {e}") from e
     finally:
         raw.close()
     if count != entry.records:
@@ -177,7 +177,7 @@ class SeekingShard:
             self.file.seek(start)
             data = self.file.read(end - start)
         except Exception as e:
-            raise ShardError(f"{url}: cannot read record {record_key(*want)}: {e}") from None
+            raise ShardError(f"{url}: cannot read record {record_key(*want)}: {e}") from e
         if len(data) != end - start:
             raise ShardError(f"{url}: record {record_key(*want)}: {len(data)} of its "
                              f"{end - start} bytes (the tar is cut short)")
@@ -190,7 +190,7 @@ class SeekingShard:
             raise
         except Exception as e:  # tarfile.ReadError on a mangled header
             raise ShardError(f"{url}: record {record_key(*want)} does not parse as tar "
-                             f"members: {e}") from None
+                             f"members: {e}") from e
 
     def close(self) -> None:
         self.file.close()

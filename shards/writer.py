@@ -208,7 +208,7 @@ def _stage(cfg: WriteConfig, work: str, samples_path: str, records: list,
                                          cfg.ray_address):
                     bar.update(summary["samples"])
             except RetokenizeError as e:
-                raise WriteError(str(e)) from None
+                raise WriteError(str(e)) from e
     return len(units)
 
 
@@ -228,7 +228,7 @@ def _plan_records(plan: str) -> list[tuple[int, ...]]:
     try:
         _, packing = read_plan(plan)
     except ValueError as e:
-        raise WriteError(str(e)) from None
+        raise WriteError(str(e)) from e
     sizes = np.diff(packing.offsets)
     if len(sizes) == 0:
         raise WriteError(f"{plan}: the plan places no samples")
@@ -329,7 +329,7 @@ def _recorded_preprocess(preprocess: dict) -> RecordedPreprocess:
     try:
         recorded = RecordedPreprocess(preprocess)
     except ValueError as e:
-        raise WriteError(str(e)) from None
+        raise WriteError(str(e)) from e
     if not recorded.keep_tokens and not recorded.retokenizes_alike:
         raise WriteError("this preprocess output was made by an older vlmshard, which rendered "
                          "text differently (the line break after <image>); without "
@@ -477,7 +477,7 @@ def _video_frames(row: dict, video: dict, data: bytes | None) -> list[tuple[byte
     except Reject as e:
         raise WriteError(f"{sample_where(row)}: video {path} does not decode ({e.reason}: "
                          f"{e.message}); restore it, or preprocess (with --decode-videos, which "
-                         "rejects streams that stop decoding) and pack again") from None
+                         "rejects streams that stop decoding) and pack again") from e
 
 
 def _png(image) -> bytes:
@@ -491,7 +491,7 @@ def _file_bytes(row: dict, path: str) -> bytes:
         return read_bytes(path)
     except Exception as e:  # OSError locally; fsspec and aiohttp raise their own kinds
         raise WriteError(f"{sample_where(row)}: file vanished since preprocessing: {path} ({e}); "
-                         "restore it, or preprocess and pack again") from None
+                         "restore it, or preprocess and pack again") from e
 
 
 def _read_image(row: dict, path: str, size: dict, data: bytes | None) -> tuple[bytes, str]:
@@ -506,12 +506,12 @@ def _read_image(row: dict, path: str, size: dict, data: bytes | None) -> tuple[b
         data = read_bytes(path) if data is None else data
     except Exception as e:  # OSError locally; fsspec and aiohttp raise their own kinds
         raise WriteError(f"{sample_where(row)}: image vanished since preprocessing: {path} ({e}); "
-                         "restore it, or preprocess and pack again") from None
+                         "restore it, or preprocess and pack again") from e
     try:
         with Image.open(io.BytesIO(data)) as im:
             (w, h), fmt = im.size, im.format or ""
     except Exception as e:
-        raise WriteError(f"{sample_where(row)}: image {path} no longer parses: {e}") from None
+        raise WriteError(f"{sample_where(row)}: image {path} no longer parses: {e}") from e
     if (w, h) != (size["w"], size["h"]):
         raise WriteError(f"{sample_where(row)}: image {path} is {w}x{h} now but was "
                          f"{size['w']}x{size['h']} when preprocessed; preprocess and pack again")

@@ -72,9 +72,9 @@ def check_value(cls: type, name: str, value: Any, where: str) -> Any:
 
     try:
         return _adapter(annotation).validate_python(value)
-    except ValidationError:
+    except ValidationError as e:
         raise ConfigError(f"{where}: {name}: expected {type_name(annotation)}, got "
-                          f"{value!r}") from None
+                          f"{value!r}") from e
 
 
 def _conforms(value: Any, annotation: Any) -> bool:
@@ -123,14 +123,14 @@ def read_yaml_mapping(path: str) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             loaded = yaml.safe_load(f) or {}
     except OSError as e:
-        raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+        raise ConfigError(f"cannot read config {path}: {e.strerror}") from e
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         context = getattr(e, "context", None)
         raise ConfigError(f"config {path} is not valid YAML{where}: "
-                          f"{f'{context}: ' if context else ''}{problem}") from None
+                          f"{f'{context}: ' if context else ''}{problem}") from e
     if not isinstance(loaded, dict):
         raise ConfigError(f"config {path} must be a mapping of option: value")
     return {str(k).replace("-", "_"): v for k, v in loaded.items()}
@@ -150,7 +150,7 @@ def load_section(cls: type[T], values: dict[str, Any], where: str, **given: Any)
     try:
         return cls(**values)
     except ConfigError as e:  # the config's own check (__post_init__): name the section
-        raise ConfigError(f"{where}: {e}") from None
+        raise ConfigError(f"{where}: {e}") from e
 
 
 def load_config(cls: type[T], args: argparse.Namespace | dict[str, Any]) -> T:

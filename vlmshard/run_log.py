@@ -53,7 +53,7 @@ def parse_log(lines: Iterable[str], name: str) -> list[tuple[int, dict]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise TrainLogError(f"{name} line {number}: not JSON ({e.msg})") from None
+            raise TrainLogError(f"{name} line {number}: not JSON ({e.msg})") from e
         if not isinstance(record, dict):
             raise TrainLogError(f"{name} line {number}: not a train_log record (a JSON object)")
         records.append((number, record))
@@ -68,7 +68,7 @@ def read_numbered(path: str) -> list[tuple[int, dict]]:
         with open(path, encoding="utf-8") as f:
             return parse_log(f, path)
     except UnicodeDecodeError as e:
-        raise TrainLogError(f"{path}: not UTF-8 text ({e.reason})") from None
+        raise TrainLogError(f"{path}: not UTF-8 text ({e.reason})") from e
 
 
 def read_log(path: str) -> list[dict]:

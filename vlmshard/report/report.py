@@ -154,11 +154,11 @@ def read_train_run(path: str, profile: str | None,
     try:
         replay = replay_run(path, profile)
     except KeyError as e:
-        raise ReportError(f"{path}: a step, or the run's {PIPELINE_NAME}, lacks {e}") from None
+        raise ReportError(f"{path}: a step, or the run's {PIPELINE_NAME}, lacks {e}") from e
     try:
         return replay, compare(replay)
     except ValueError as e:
-        raise ReportError(f"{path}: {e}") from None
+        raise ReportError(f"{path}: {e}") from e
 
 
 @dataclass

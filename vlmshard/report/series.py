@@ -58,9 +58,9 @@ def check_train_log(records: list[tuple[int, dict]], name: str, packing: Packing
     try:
         dp = len(first["data"])
         world = len(first["ranks"])
-    except (KeyError, TypeError):
+    except (KeyError, TypeError) as e:
         raise ReportError(f"{name} line {first_line}: not a train_log record (needs 'data' and "
-                          "'ranks' lists)") from None
+                          "'ranks' lists)") from e
     if dp == 0 or packing.ranks % dp:
         raise ReportError(f"{name}: trained on {dp} data-parallel rank(s), which does not divide "
                           f"the plan's {packing.ranks} ranks: this log is not from this plan")
@@ -70,10 +70,10 @@ def check_train_log(records: list[tuple[int, dict]], name: str, packing: Packing
             ranks = len(record["ranks"])
         except ReportError as e:
             raise ReportError(f"{name} line {number}: {e}: this log is not from this plan") \
-                from None
+                from e
         except (KeyError, TypeError, ValueError) as e:
             detail = f"missing {e}" if isinstance(e, KeyError) else str(e)
-            raise ReportError(f"{name} line {number}: not a train_log record ({detail})") from None
+            raise ReportError(f"{name} line {number}: not a train_log record ({detail})") from e
         if ranks != world:
             raise ReportError(f"{name} line {number}: {ranks} ranks, line {first_line} "
                               f"has {world}")

@@ -78,7 +78,7 @@ def analytic_rates(names: list[str], model: ModelConfig) -> LayerRates:
     try:
         work = trainer_layer_work(names, model)
     except ConfigError as e:
-        raise InputError(f"the run's layers: {e}") from None
+        raise InputError(f"the run's layers: {e}") from e
     return LayerRates.from_work(work, flops_per_s=1.0)  # FLOPs: shares need no rate
 
 

@@ -52,7 +52,7 @@ def run_simulate(cfg: SimulateConfig) -> SimulateResult:
             result["validation"] = validate_against_log(cfg.train_log, cfg.profile)
     except KeyError as e:  # a plan.json or run files of an older vlmshard
         raise InputError(f"{cfg.plan or cfg.train_log} lacks {e}: make it again with this "
-                         "vlmshard") from None
+                         "vlmshard") from e
     if cfg.out_json:
         write_json_atomic(cfg.out_json, result)
     return result
