@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from vlmshard import __version__
 from vlmshard.config import ConfigError
 from vlmshard.engines import resolve_workers, run_units
-from vlmshard.errors import JobError
+from vlmshard.errors import InputError, JobError
 from vlmshard.families import (
     DEMO_FAMILY,
     ModelFolderError,
@@ -99,10 +99,10 @@ def run_preprocess(cfg: PreprocessConfig) -> PreprocessResult:
 
 
 def _preprocess(cfg: PreprocessConfig, start: float) -> PreprocessResult:
-    try:
+    try:  # what the inputs and the model folder are is the job's configuration
         sources = discover_sources(cfg.inputs, cfg.image_root, cfg.row_format(), cfg.split)
         model, tokenizer, tiling = resolve_model(cfg)
-    except ValueError as e:
+    except InputError as e:  # ours only: a bug's ValueError stays a bug with its traceback
         raise ConfigError(str(e)) from e
     limits = SampleLimits(max_seq_len=cfg.max_seq_len, max_image_pixels=cfg.max_image_pixels,
                           max_video_seconds=cfg.max_video_seconds,

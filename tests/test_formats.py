@@ -509,13 +509,12 @@ def test_a_rows_tools_go_to_a_template_that_takes_them(folders, tmp_path):
 
     takes = str(tmp_path / "takes-tools")
     shutil.copytree(folders["qwen2_vl"], takes)
-    config_path = os.path.join(takes, "tokenizer_config.json")
-    config = json.loads(open(config_path).read())
-    config["chat_template"] = ("{%- if tools %}<|im_start|>system\n# Tools\n{%- for tool in tools "
-                               "%}\n{{ tool | tojson }}{%- endfor %}<|im_end|>\n{% endif %}"
-                               + config["chat_template"])
-    with open(config_path, "w") as f:
-        json.dump(config, f)
+    template = os.path.join(takes, "chat_template.jinja")  # as transformers 5 saves it
+    with open(template, encoding="utf-8") as f:
+        text = f.read()
+    with open(template, "w", encoding="utf-8") as f:
+        f.write("{%- if tools %}<|im_start|>system\n# Tools\n{%- for tool in tools %}\n"
+                "{{ tool | tojson }}{%- endfor %}<|im_end|>\n{% endif %}" + text)
     turns = [{"role": "user", "content": "Weather in Paris?"},
              {"role": "assistant", "content": "Sunny."}]
     path = _write_jsonl(tmp_path / "tools.jsonl", [{"messages": turns, "tools": json.dumps(TOOLS)},
