@@ -82,10 +82,10 @@ class VLMPipeline(PipelineModule):
     engine's, which the stage's forwards and backwards mark."""
 
     def __init__(self, model: ModelLayers, stages: int, loss_fn, *, clock: StageClock,
-                 backend: str,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 bounds: list[int] | None = None, recompute: set[str] = frozenset(),
-                 selective: set[str] = frozenset(), **kwargs) -> None:
+                 backend: str, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", bounds: list[int] | None = None,
+                 recompute: set[str] = frozenset(), selective: set[str] = frozenset(),
+                 **kwargs) -> None:
         recompute_modes([], recompute, selective, model)  # unknown names fail before building
         ds.check_compatible()
         self._vlmshard_bounds = bounds
