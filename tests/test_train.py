@@ -590,6 +590,54 @@ def test_a_resumed_log_keeps_the_steps_before_the_checkpoint(tmp_path):
         (0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
 
 
+# One rank runs the training loop in this process; a file where the checkpoints folder should
+# be fails the first checkpoint, after step 0 is logged. Printed: the files the process still
+# holds open while handling the error, and the steps logged.
+_FAILING_RUN = """
+import json, os, sys
+from vlmshard.train.config import TrainConfig
+from vlmshard.train.trainer import run
+cfg = TrainConfig(**json.loads(sys.argv[1]))
+try:
+    run(cfg)
+except OSError:
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            held.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:  # the listing's own descriptor, closed since
+            pass
+    print(json.dumps([f for f in held if f.startswith(os.path.join(cfg.out, ""))]))
+"""
+
+
+@pytest.mark.slow
+def test_a_run_that_fails_mid_loop_closes_its_log(small_shards, tmp_path):
+    """An exception in the step loop leaves the train log closed and its finished steps in it
+    (the log is opened by ``with``, not left to the process's exit)."""
+    import socket
+    import subprocess
+    import sys
+
+    from vlmshard.shards.layout import read_manifest
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").write_text("not a folder")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    cfg = {"shards": small_shards, "out": str(out), "max_steps": 3, "checkpoint_every": 1,
+           "model": read_manifest(small_shards).model_spec().path}
+    proc = subprocess.run([sys.executable, "-c", _FAILING_RUN, json.dumps(cfg)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+    assert [r["step"] for r in _log(out / "train_log.jsonl")] == [0]
+
+
 @pytest.mark.slow
 def test_resume_after_kill_9_continues_the_loss_trajectory_exactly(small_shards, tmp_path):
     common = ["--config", CONFIG, "--shards", small_shards, "--pp", "2", "--lr", "0.003",

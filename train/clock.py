@@ -6,7 +6,8 @@ to the moment the last of its parameters has its gradient; and the pipeline time
 step's start to the end of its last backward, which splits the step into the pipeline (where
 its bubbles are) and what follows it (gradient all-reduce, optimizer). On a GPU the marks are
 CUDA events recorded on the compute stream (a host clock would time kernel launches, not
-kernels), and ``take`` synchronises once to read them all.
+kernels), and ``take`` synchronises once to read them all. Each training engine owns one clock
+(``vlmshard.train.engine``) and hands it to the layers it builds.
 """
 
 from __future__ import annotations
@@ -42,17 +43,15 @@ class StageTimes:
 
 
 class StageClock:
-    """Forward and backward intervals of this process's micro-batches since ``start_step``."""
+    """Forward and backward intervals of this process's micro-batches since ``start_step``;
+    ``cuda``: marks are CUDA events on the compute stream."""
 
-    def __init__(self) -> None:
-        self.cuda = False
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
         self._start = None
         self._forward: list[tuple] = []
         self._backward: list[tuple] = []
         self._backward_open: list | None = None  # [start, latest parameter-gradient mark]
-
-    def use_cuda(self, cuda: bool) -> None:
-        self.cuda = cuda
 
     def mark(self):
         return mark(self.cuda)
@@ -111,9 +110,6 @@ class StageClock:
 
     def _seconds(self, start, end) -> float:
         return seconds(start, end, self.cuda)
-
-
-CLOCK = StageClock()
 
 
 class HostSyncs:

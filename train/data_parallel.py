@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .clock import CLOCK
+from .clock import StageClock
 from .hf_model import ModelLayers
 from .micro import HostMeta, unpack
 from .pipeline import recompute_modes, run_layers
@@ -57,17 +57,19 @@ class VLMModel(nn.Module):
                 deepspeed.zero.register_external_parameter(layer, layer.weight)
 
 
-def train_batch(engine, inputs: list[tuple], hosts: list[HostMeta]) -> torch.Tensor:
-    """One step of the plan's micro-batches; the loss the pipeline engine would report (the
-    mean over micro-batches, averaged over the DP ranks: every rank is one)."""
+def train_batch(engine, clock: StageClock, inputs: list[tuple], hosts: list[HostMeta]
+                ) -> torch.Tensor:
+    """One step of the plan's micro-batches, each timed on ``clock``; the loss the pipeline
+    engine would report (the mean over micro-batches, averaged over the DP ranks: every rank is
+    one)."""
     total = torch.zeros((), device=engine.device)
     for (wire, _), host in zip(inputs, hosts):
-        begin = CLOCK.mark()
+        begin = clock.mark()
         loss = engine(wire, host)
-        CLOCK.forward_done(begin)
-        begin = CLOCK.mark()
+        clock.forward_done(begin)
+        begin = clock.mark()
         engine.backward(loss)
-        CLOCK.backward_done(begin)
+        clock.backward_done(begin)
         engine.step()
         total += loss.detach().float()
     torch.distributed.all_reduce(total)

@@ -29,7 +29,7 @@ from torch import nn
 from vlmshard.errors import ConfigError
 
 from . import deepspeed_compat as ds
-from .clock import CLOCK
+from .clock import StageClock
 from .hf_model import ModelLayers, model_layers
 from .micro import HostMeta, Micro, pack, unpack, wire_inputs
 from .models.layers import LayerDef
@@ -78,12 +78,14 @@ def run_layers(layers: list[nn.Module], defs: list[LayerDef], micro: Micro,
 class VLMPipeline(PipelineModule):
     """``PipelineModule`` over a model folder's layers. ``bounds``: stage s holds layers
     ``bounds[s]:bounds[s + 1]`` (None: DeepSpeed's ``parameters`` method); ``dtype`` and
-    ``device``: the weights' (each stage loads its tensors straight into them)."""
+    ``device``: the weights' (each stage loads its tensors straight into them); ``clock``: the
+    engine's, which the stage's forwards and backwards mark."""
 
-    def __init__(self, model: ModelLayers, stages: int, loss_fn, *, backend: str,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 bounds: list[int] | None = None, recompute: set[str] = frozenset(),
-                 selective: set[str] = frozenset(), **kwargs) -> None:
+    def __init__(self, model: ModelLayers, stages: int, loss_fn, *, clock: StageClock,
+                 backend: str, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", bounds: list[int] | None = None,
+                 recompute: set[str] = frozenset(), selective: set[str] = frozenset(),
+                 **kwargs) -> None:
         recompute_modes([], recompute, selective, model)  # unknown names fail before building
         ds.check_compatible()
         self._vlmshard_bounds = bounds
@@ -101,7 +103,8 @@ class VLMPipeline(PipelineModule):
         self.layer_indices = ds.local_layers(self)
         self._hosts: deque[HostMeta] = deque()
         self.recompute = recompute_modes(self.stage_layer_names, recompute, selective, model)
-        CLOCK.watch(p for p in self.parameters() if p.requires_grad)
+        self.clock = clock
+        clock.watch(p for p in self.parameters() if p.requires_grad)
 
     def _partition_layers(self, method: str = "uniform") -> None:
         if method != "bounds":
@@ -125,7 +128,7 @@ class VLMPipeline(PipelineModule):
         self._hosts.extend(hosts)
 
     def forward(self, wire: tuple):
-        start = CLOCK.mark()
+        start = self.clock.mark()
         first = self.layer_indices[0]
         if first == 0:  # DeepSpeed makes the float inputs require grad; pixels need none
             wire = (wire[0].detach(), *wire[1:])
@@ -141,9 +144,9 @@ class VLMPipeline(PipelineModule):
         else:
             out = pack(micro, self.model.defs[last].output, self.model.geometry.tokens_per_tile)
             activation = out[0]
-        CLOCK.forward_done(start)
+        self.clock.forward_done(start)
         if activation.requires_grad:
-            activation.register_hook(CLOCK.output_grad_arrives)
+            activation.register_hook(self.clock.output_grad_arrives)
         return out
 
 

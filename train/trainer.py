@@ -1,6 +1,7 @@
 """The training loop each DeepSpeed process runs (started by ``vlmshard train`` through the
 DeepSpeed launcher): stream this data-parallel rank's shards, one packed micro-batch per pipeline
-micro-step, Ave-Token loss, a JSON line per step.
+micro-step, Ave-Token loss, a JSON line per step. The loop is the same for both engines it runs
+(the pipeline's and ZeRO-2/3's), which sit behind ``vlmshard.train.engine.TrainEngine``.
 
 Every step takes ``micro_batches × V/W`` records from the rank's loader (the plan's step), so the
 pipeline's gradient accumulation is the plan's micro-batches. Only first stages read shards; the
@@ -17,28 +18,30 @@ layers each stage held, so the run can be replayed by the simulator.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
-from typing import Iterator
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, ContextManager, Iterator
 
 from vlmshard.errors import ConfigError, InputError
 from vlmshard.io import read_json, write_json_atomic
-from vlmshard.model_sizes import training_flops
+from vlmshard.model_sizes import ModelConfig, training_flops
 from vlmshard.run_log import PIPELINE_NAME
 
 from .config import TrainConfig
-from .default_partition import Device, choose_partition
+from .default_partition import ChosenPartition, Device, choose_partition
 from .distributed import (
+    SideGroups,
     from_first_stage,
     init_distributed,
     on_rank_0,
     rank_device,
     side_groups,
 )
-from .engine_memory import engine_bytes, on_first_step
 from .train_log import (
     open_log,
     pipeline_record,
@@ -47,6 +50,13 @@ from .train_log import (
     step_record,
     write_record,
 )
+
+if TYPE_CHECKING:
+    import torch
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+    from .engine import TrainEngine
+    from .hf_model import ModelLayers
 
 log = logging.getLogger(__name__)
 
@@ -105,45 +115,35 @@ def repeated(cfg: TrainConfig, rank: int, start: int, cuda: bool) -> Iterator[di
         first = 0
 
 
-def deepspeed_config(cfg: TrainConfig, gas: int) -> dict:
-    """The engine's configuration: one packed micro-batch per pipeline micro-step, the plan's
-    micro-batches as gradient accumulation. bf16 with gradients accumulated in fp32 takes
-    DeepSpeed's BF16 optimizer: fp32 master weights and Adam states sharded over the
-    data-parallel ranks (the ZeRO-1 setting is how DeepSpeed selects it under pipeline
-    parallelism). ``--grad-accum bf16`` (in bf16, DeepSpeed's own warning says, many
-    accumulation steps are not safe) takes DeepSpeed's ZeRO-1 optimizer instead, for up to 4
-    bytes per parameter less (``model_sizes.bytes_per_param``)."""
-    config = {
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
-        "train_batch_size": gas * cfg.dp, "steps_per_print": 10 ** 9,
-        "gradient_clipping": cfg.max_grad_norm,
-    }
-    if cfg.precision == "bf16":
-        config["bf16"] = {"enabled": True}
-        config["data_types"] = {"grad_accum_dtype": cfg.grad_accum}
-        config["zero_optimization"] = {"stage": 1}
-    if cfg.zero > 1:  # the plain engine (--pp 1); torch's AdamW is a "client" optimizer to it
-        config["zero_optimization"] = {"stage": cfg.zero}
-        config["zero_allow_untested_optimizer"] = True
-    return config
+@dataclass
+class Setup:
+    """What every rank knows before it builds its engine."""
+
+    device: torch.device
+    model: ModelLayers
+    topology: PipeDataParallelTopology
+    groups: SideGroups
+    chosen: ChosenPartition
+    micro_batches: int  # per step: the plan's, the engine's gradient accumulation
+    steps: int
+    sizes: ModelConfig  # the model's analytic sizes
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
 
 
-def run(cfg: TrainConfig) -> None:
-    import deepspeed
+def set_up(cfg: TrainConfig) -> Setup:
+    """Join the world, read the model folder and the shards, and take one partition for all
+    ranks (rank 0's)."""
     import torch
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
-    from transformers import get_scheduler
 
     from vlmshard.families import model_sizes
     from vlmshard.shards.loader import ShardDataset
 
     from .attention import choose_backend
-    from .clock import CLOCK, HostSyncs
-    from .data_parallel import VLMModel, train_batch
     from .hf_model import model_layers
-    from .micro import HostMeta
-    from .pipeline import AveTokenLoss, VLMPipeline, no_inputs, pipeline_inputs
-    from .save import save_hf, save_hf_data_parallel
 
     cuda = torch.cuda.is_available()
     cfg.resolve_device_defaults(cuda)
@@ -154,7 +154,6 @@ def run(cfg: TrainConfig) -> None:
         torch.backends.cudnn.allow_tf32 = True
     else:
         torch.set_num_threads(cpu_threads_per_rank(cfg.pp * cfg.dp))
-    CLOCK.use_cuda(cuda)
     torch.manual_seed(cfg.seed)
     probe = ShardDataset(cfg.shards, 0, cfg.dp)
     if not cfg.model:  # the launcher resolves and checks it once, before starting the processes
@@ -163,138 +162,111 @@ def run(cfg: TrainConfig) -> None:
     model = model_layers(cfg.model, choose_backend(device, cfg.dtype))
     log.info("attention backend: %s (vlmshard.train.attention)", model.backend)
     check_shards_fit(probe, model)
-    gas = probe.micro_batches_per_step
-    steps = cfg.max_steps or probe.steps
     topology = PipeDataParallelTopology(num_pp=cfg.pp, num_dp=cfg.dp)
     groups = side_groups(topology)
     chosen = on_rank_0(lambda: choose_partition(
         cfg, model, Device.of_rank(device), int(os.environ.get("LOCAL_SIZE", 1))), groups)
     log.info("partition: bounds %s, recompute %s, selective %s; %s", chosen.bounds,
              chosen.recompute or "none", chosen.selective or "none", chosen.source)
-
-    loss = AveTokenLoss()
-    pipelined = cfg.zero == 1
-    if pipelined:
-        net = VLMPipeline(model, cfg.pp, loss, backend=model.backend, dtype=cfg.dtype,
-                          device=device, bounds=chosen.bounds, recompute=set(chosen.recompute),
-                          selective=set(chosen.selective), topology=topology)
-    else:
-        net = VLMModel(model, loss, device=device, dtype=cfg.dtype,
-                       recompute=set(chosen.recompute), selective=set(chosen.selective))
-        if cfg.zero == 3:
-            net.register_external_weights()
-    trained = [p for p in net.parameters() if p.requires_grad]
-    # torch's own AdamW (fused kernels): DeepSpeed's "AdamW" compiles its fused_adam op on
-    # first use (nvcc on GPU, minutes of ninja on CPU).
-    optimizer = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  fused=True)
-    # Hugging Face's schedules, stepped by DeepSpeed after each optimizer step and saved with
-    # its checkpoints (a resumed run continues the schedule)
-    schedule = get_scheduler(cfg.lr_scheduler_type, optimizer,
-                             num_warmup_steps=cfg.warmup_steps_of(steps),
-                             num_training_steps=steps)
-    log.info("lr %g, %s schedule over %d steps, %d warm-up", cfg.lr, cfg.lr_scheduler_type,
-             steps, cfg.warmup_steps_of(steps))
-    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=trained,
-                                           optimizer=optimizer, lr_scheduler=schedule,
-                                           config=deepspeed_config(cfg, gas))
-    loss.scale = gas * cfg.dp
-    # What the engine holds for its parameters, counted once, in the first step's optimizer
-    # update (the memory model's bytes per parameter are checked against it)
-    held: dict = {}
-    on_first_step(optimizer, lambda: held.update(engine_bytes(engine, trained)))
-    # the order of the optimizer's parameters, saved with each checkpoint: which rank holds what
-    trained_names = [n for n, p in net.named_parameters() if p.requires_grad]
-    checkpoints = os.path.join(cfg.out, "checkpoints")
-    first_step = 0
-    if cfg.resume:
-        _, state = engine.load_checkpoint(os.path.join(cfg.resume, "checkpoints"))
-        if state is None:
-            raise FileNotFoundError(f"{cfg.resume}: no checkpoint to resume from")
-        first_step = state["step"]
-
-    def save(folder: str) -> None:
-        if pipelined:
-            save_hf(net, engine, folder)
-        else:
-            save_hf_data_parallel(net, cfg.zero, folder)
-
-    dp_rank = engine.grid.get_data_parallel_id() if pipelined else engine.global_rank
-    stage_id = engine.stage_id if pipelined else 0
-    reads = engine.is_first_stage() if pipelined else True
-    batches = repeated(cfg, dp_rank, first_step, cuda) if reads else None
-    log_file = open_log(cfg.out, first_step) if engine.global_rank == 0 else None
     sizes = model_sizes(read_json(os.path.join(model.path, "config.json")), model.path)
-    flops = training_flops(sizes)
+    return Setup(device, model, topology, groups, chosen, probe.micro_batches_per_step,
+                 cfg.max_steps or probe.steps, sizes)
+
+
+def write_pipeline(cfg: TrainConfig, setup: Setup, engine: TrainEngine) -> None:
+    """``pipeline.json`` from every rank's stage layers (a collective; rank 0 writes it)."""
+    import torch
+
     stages = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(stages, (stage_id, net.stage_layer_names, [
-        n for n, mode in zip(net.stage_layer_names, net.recompute) if mode == "full"], [
-        n for n, mode in zip(net.stage_layer_names, net.recompute) if mode == "selective"]))
+    torch.distributed.all_gather_object(stages, engine.stage_layers())
     if engine.global_rank == 0:
+        chosen = setup.chosen
         write_json_atomic(os.path.join(cfg.out, PIPELINE_NAME),
-                          pipeline_record(sizes.to_dict(), stages, chosen.source,
+                          pipeline_record(setup.sizes.to_dict(), stages, chosen.source,
                                           chosen.memory, chosen.budget_bytes))
-    vocab = model.config.get_text_config().vocab_size
-    for step in range(first_step, steps):
+
+
+def rank_0_log(cfg: TrainConfig, engine: TrainEngine, first_step: int
+               ) -> ContextManager[IO[str] | None]:
+    """``train_log.jsonl`` on global rank 0 (``train_log.open_log``), nothing elsewhere."""
+    if engine.global_rank == 0:
+        return open_log(cfg.out, first_step)
+    return contextlib.nullcontext()
+
+
+def checkpoint_due(cfg: TrainConfig, done: int, steps: int) -> bool:
+    """Whether a checkpoint follows the ``done``-th step: every ``checkpoint_every`` and the
+    last."""
+    return cfg.save_checkpoints and (
+        bool(cfg.checkpoint_every) and done % cfg.checkpoint_every == 0 or done == steps)
+
+
+def train(cfg: TrainConfig, setup: Setup, engine: TrainEngine, first_step: int,
+          log_file: IO[str] | None) -> None:
+    """Steps ``first_step`` to the last: load the step's micro-batches (first stages) and share
+    their sizes, step the engine, log every rank's timings, checkpoint when due."""
+    import torch
+
+    from .micro import HostMeta
+    from .pipeline import pipeline_inputs
+
+    reads = engine.reads_data
+    batches = repeated(cfg, engine.dp_rank, first_step, setup.cuda) if reads else None
+    vocab = setup.model.config.get_text_config().vocab_size
+    flops = training_flops(setup.sizes)
+    for step in range(first_step, setup.steps):
         start = time.perf_counter()
-        micro = [check_vocabulary(next(batches), vocab) for _ in range(gas)] if reads else []
-        inputs = [pipeline_inputs(b, engine.device) for b in micro] or \
-            [no_inputs() for _ in range(gas)]
+        micro = [check_vocabulary(next(batches), vocab)
+                 for _ in range(setup.micro_batches)] if reads else []
+        inputs = [pipeline_inputs(b, engine.device) for b in micro]
         # Each micro-batch's sizes, from the first stage to the others on the host
         hosts = from_first_stage([HostMeta.of_batch(b) for b in micro] if reads else None,
-                                 groups)
+                                 setup.groups)
         # The Ave-Token denominator: the first stages' counts, summed over the whole world
         tokens = torch.tensor([sum(h.supervised for h in hosts) if reads else 0])
-        torch.distributed.all_reduce(tokens, group=groups.world)
-        loss.global_tokens = int(tokens)
+        torch.distributed.all_reduce(tokens, group=setup.groups.world)
         load_s = time.perf_counter() - start
-        torch.distributed.barrier()  # the step's clock starts on every rank together
-        start = time.perf_counter()
-        CLOCK.start_step()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        lr = schedule.get_last_lr()[0]  # this step's: DeepSpeed steps the schedule after it
-        with HostSyncs(cfg.count_host_syncs) as syncs:
-            if pipelined:
-                net.expect(hosts)
-                value = engine.train_batch(iter(inputs))
-            else:
-                value = train_batch(engine, inputs, hosts)
-        value = float(value)
-        times = CLOCK.take()  # synchronises: the step ends when the device is done with it
-        seconds = time.perf_counter() - start
-        mine = rank_timing(rank=engine.global_rank, stage=stage_id, dp_rank=dp_rank,
-                           forward_s=times.forward_s, backward_s=times.backward_s,
-                           pipeline_s=times.pipeline_s, step_time_s=seconds, load_s=load_s)
-        if cuda:
-            mine["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
-            mine["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-        if syncs.enabled:
-            mine["host_syncs"] = syncs.count
-        if held:
-            mine["engine_bytes"] = dict(held)
-            held.clear()
+        done = engine.step(inputs, hosts, int(tokens))
+        mine = rank_timing(rank=engine.global_rank, stage=engine.stage_id,
+                           dp_rank=engine.dp_rank, forward_s=done.times.forward_s,
+                           backward_s=done.times.backward_s, pipeline_s=done.times.pipeline_s,
+                           step_time_s=done.seconds, load_s=load_s)
+        mine.update(done.extra)
         if reads:
-            mine["data"] = rank_data(micro, sizes.llm.sliding_window)
+            mine["data"] = rank_data(micro, setup.sizes.llm.sliding_window)
         ranks = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(ranks, mine, group=groups.world)
+        torch.distributed.all_gather_object(ranks, mine, group=setup.groups.world)
         if log_file:
-            write_record(log_file, step_record(step, value, lr, ranks, flops))
-        if cfg.save_checkpoints and (
-                cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0
-                or step + 1 == steps):
-            tag = f"step-{step + 1}"
-            engine.save_checkpoint(checkpoints, tag=tag, client_state={
-                "step": step + 1, "parameters": trained_names})
-            save(os.path.join(checkpoints, tag, "hf"))
-    if cfg.save_checkpoints:
-        save(os.path.join(cfg.out, "hf"))
-    if log_file:
-        log_file.close()
-    # Leave together and join the communication threads before the interpreter exits: a rank
-    # torn down while gloo still runs aborts with "terminate called without an active exception".
+            write_record(log_file, step_record(step, done.loss, done.lr, ranks, flops))
+        if checkpoint_due(cfg, step + 1, setup.steps):
+            engine.save(os.path.join(cfg.out, "checkpoints"), step + 1)
+
+
+def leave() -> None:
+    """Leave together and join the communication threads before the interpreter exits: a rank
+    torn down while gloo still runs aborts with "terminate called without an active
+    exception"."""
+    import torch
+
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def run(cfg: TrainConfig) -> None:
+    """Set up, build the engine, resume, train, save, leave."""
+    from .engine import build_engine
+
+    setup = set_up(cfg)
+    engine = build_engine(cfg, setup.model, setup.chosen, device=setup.device,
+                          topology=setup.topology, micro_batches=setup.micro_batches,
+                          steps=setup.steps)
+    first_step = engine.load(os.path.join(cfg.resume, "checkpoints")) if cfg.resume else 0
+    write_pipeline(cfg, setup, engine)
+    with rank_0_log(cfg, engine, first_step) as log_file:
+        train(cfg, setup, engine, first_step, log_file)
+    if cfg.save_checkpoints:
+        engine.write_hf(os.path.join(cfg.out, "hf"))
+    leave()
 
 
 def main() -> None:
