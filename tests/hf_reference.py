@@ -65,7 +65,12 @@ def make_folder(family: str, path: str) -> str:
 
 
 def make_shards(folder: str, root, rows=ROWS, **pack) -> str:
-    rows = video_rows(root) if rows == "videos" else rows
+    """Shards of ``rows``: a list, or "videos" (``video_rows``) or "mixed" (``ROWS`` and the
+    video rows but their text-only one, which is ``ROWS[2]``)."""
+    if rows == "videos":
+        rows = video_rows(root)
+    elif rows == "mixed":
+        rows = ROWS + video_rows(root)[:-1]
     with open(root / "rows.jsonl", "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
