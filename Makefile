@@ -27,11 +27,15 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/vlmshard run --config configs/demo.yaml
 
+# Two pytest workers: the end-to-end tests wait on launchers, clusters and sockets as much as they
+# compute, so two overlap well even on 2 CPUs. TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 test-quick: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not slow"
 
 # About an hour on 2 vCPUs; each script's docstring says what it measures (BENCHMARKS.md: results).
 bench: $(STAMP)
