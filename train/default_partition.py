@@ -148,7 +148,7 @@ def choose_partition(cfg: TrainConfig, model: "ModelLayers", device: Device | No
             raise ConfigError(f"the shards' caps ({caps.tiles:.0f} tiles, {caps.tokens:.0f} "
                               f"tokens a micro-batch) do not fit {where}: {e}; pack with smaller "
                               "caps (vlmshard pack --max-qv/--max-qt) or train with more "
-                              "--pp stages") from None
+                              "--pp stages") from e
         bounds = found.bounds
         recompute = [model.names[i] for i in found.recompute]
         recompute += [n for n in cfg.recompute if n not in recompute]

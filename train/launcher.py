@@ -84,9 +84,9 @@ def resolve_partition(cfg: TrainConfig) -> None:
     try:
         chosen = read_json(cfg.partition)["chosen"]
         bounds = chosen["bounds"]
-    except (KeyError, TypeError):
+    except (KeyError, TypeError) as e:
         raise InputError(f"{cfg.partition}: no chosen partition (write it with vlmshard train "
-                         "profile)") from None
+                         "profile)") from e
     if len(bounds) != cfg.pp + 1:
         raise ConfigError(f"{cfg.partition} splits the model into {len(bounds) - 1} stages, "
                           f"not --pp {cfg.pp}")

@@ -113,7 +113,7 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
     except VlmshardError:
         raise
     except ValueError as e:  # a config.json the layer maps cannot build
-        raise InputError(f"{folder}: {e}") from None
+        raise InputError(f"{folder}: {e}") from e
     batches = list(islice(ShardDataset(cfg.shards, 0, 1, pixel_dtype=cfg.dtype),
                           cfg.micro_batches))
     window = layer_kind_window(folder)
@@ -124,11 +124,11 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
     try:
         machine = Machine.for_device(parse_size(cfg.memory_budget), cfg.link_bytes_per_s)
     except ValueError as e:  # a budget the CUDA context and buffers take whole
-        raise ConfigError(f"--memory-budget {cfg.memory_budget}: {e}") from None
+        raise ConfigError(f"--memory-budget {cfg.memory_budget}: {e}") from e
     try:
         partitions = compare_partitions(profile.layers, cfg.pp, machine)
     except PartitionError as e:
-        raise PartitionError(f"{e}; raise --memory-budget or use more stages") from None
+        raise PartitionError(f"{e}; raise --memory-budget or use more stages") from e
     if cfg.validate_top:
         partitions["validated"] = validate_candidates(
             cfg, [partitions["search"], *partitions["omnibal"]][:cfg.validate_top])

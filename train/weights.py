@@ -123,7 +123,7 @@ class Checkpoint:
             made = converter.convert(name, model=self.model, config=self.model.config)[name]
         except Exception as e:  # transformers raises what its operation raised
             raise WeightsError(f"{self.folder}: cannot make {name} from "
-                               f"{', '.join(k for _, _, k in sources[:3])}: {e}") from None
+                               f"{', '.join(k for _, _, k in sources[:3])}: {e}") from e
         return made[0] if isinstance(made, list) else made
 
     def _missing(self, names: list[str]) -> None:
