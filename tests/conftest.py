@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -28,6 +30,32 @@ def demo_out(demo, tmp_path_factory):
     return out
 
 
+def _stop_ray(temp_dir: str) -> None:
+    """Stop the Ray processes whose command line names ``temp_dir`` (GCS, raylets, monitors),
+    and their children (agents and workers, renamed ``ray::...``), leaving any other Ray."""
+    import psutil
+
+    named = [p for p in psutil.process_iter(["cmdline"])
+             if any(temp_dir in part for part in p.info["cmdline"] or ())]
+    procs = {p.pid: p for p in named}
+    for p in named:
+        try:
+            procs.update({c.pid: c for c in p.children(recursive=True)})
+        except psutil.NoSuchProcess:
+            pass
+    for p in procs.values():
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=15)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -40,6 +68,8 @@ def ray_cluster(tmp_path_factory):
 
     Token authentication with a token of its own: a stale ``~/.ray/auth_token`` (left by any
     earlier ``ray.init``) otherwise makes ``ray start --address`` fail with InvalidAuthToken.
+    Its own temp dir too, and stopped by it: ``ray stop`` would stop every Ray on the machine,
+    the other test worker's cluster among them.
     """
     token = tmp_path_factory.mktemp("ray") / "auth_token"
     token.write_text(secrets.token_hex(32))
@@ -48,8 +78,10 @@ def ray_cluster(tmp_path_factory):
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     port = _free_port()
     address = f"127.0.0.1:{port}"
+    # short: the session's Unix sockets live under it (paths are limited to 107 bytes)
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     common = ["--num-cpus=1", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
-              "--object-store-memory=200000000"]
+              "--object-store-memory=200000000", f"--temp-dir={temp_dir}"]
     try:
         subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--include-dashboard=false",
                         *common], check=True, capture_output=True, timeout=180)
@@ -59,7 +91,8 @@ def ray_cluster(tmp_path_factory):
     except subprocess.CalledProcessError as e:
         raise RuntimeError(f"{' '.join(e.cmd)} failed:\n{e.stderr.decode()[-2000:]}") from None
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=180)
+        _stop_ray(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
