@@ -173,3 +173,28 @@ def test_compiled_blocks_compile_at_most_twice_and_equal_eager(tmp_path):
         frames = [compile_id.split("/")[0] for compile_id in ids]
         assert max(frames.count(f) for f in frames) <= 2, ids
     assert COMPILES.total - counted == len(started)
+
+
+def test_recompiles_over_the_bound_are_a_warning(caplog):
+    """A function compiled for float, then int inputs: two compilations of one frame (counted
+    by hand), each logged; over a bound of 0 recompiles, one warning."""
+    import logging
+
+    from torch._dynamo.callback import callback_handler
+
+    from vlmshard.train.kernels import CompileCount
+
+    torch._dynamo.reset()
+    count = CompileCount()
+    count.watch(0)
+    try:
+        with caplog.at_level(logging.INFO, logger="vlmshard.train.kernels"):
+            double = torch.compile(lambda x: x * 2, backend="eager")
+            for dtype in (torch.float32, torch.int64):
+                double(torch.ones(3, dtype=dtype))
+    finally:
+        callback_handler.remove_start_callback(count._started)
+    assert count.total == 2
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("compilation" in line for line in lines) == 2
+    assert [r.levelname for r in caplog.records].count("WARNING") == 1

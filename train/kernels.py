@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -56,23 +55,22 @@ def dynamic(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
 
 
 class CompileCount:
-    """``torch._dynamo``'s compilations in this process, by frame: each logged with its count;
-    a frame compiled again more than ``max_recompiles`` times is a warning (once)."""
+    """``torch._dynamo``'s compilations in this process (``total``), each logged with the
+    running count; a frame compiled again more than ``max_recompiles`` times is a warning
+    (once per frame)."""
 
     def __init__(self) -> None:
         self.total = 0
-        self.attempts: dict[str, int] = {}
-        self.max_recompiles: int | None = None
-        self._lock = threading.Lock()
+        self.max_recompiles = 0
 
     def watch(self, max_recompiles: int) -> None:
-        """Start counting (once per process); ``max_recompiles``: the bound warned over."""
-        with self._lock:
-            if self.max_recompiles is None:
-                from torch._dynamo.callback import callback_handler
+        """Count from now on (``torch._dynamo.reset`` drops the hook: it is set again);
+        ``max_recompiles``: the bound warned over."""
+        from torch._dynamo.callback import callback_handler
 
-                callback_handler.register_start_callback(self._started)
-            self.max_recompiles = max_recompiles
+        if self._started not in callback_handler.start_callbacks:
+            callback_handler.register_start_callback(self._started)
+        self.max_recompiles = max_recompiles
 
     def _started(self, args) -> None:
         from torch._dynamo.callback import CallbackTrigger
@@ -81,7 +79,6 @@ class CompileCount:
             return
         frame, attempt = re.match(r"\D*(\d+)/(\d+)", args.compile_id).groups()
         self.total += 1
-        self.attempts[frame] = max(self.attempts.get(frame, 0), int(attempt))
         log.info("torch.compile: compilation %d of this run (frame %s, attempt %s)",
                  self.total, frame, attempt)
         if int(attempt) == self.max_recompiles + 1:
