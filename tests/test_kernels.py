@@ -8,9 +8,9 @@
   real kernel in bf16.
 - ``compile_blocks``: a compiled ViT block and decoder layer on three micro-batches of different
   packed lengths compile at most twice per frame (counted by a hook of the test's own) and equal
-  eager. ``aot_eager`` stands in for inductor: inductor's C++ compile of each graph takes
-  minutes on a shared 2-core CPU, and the guards (what recompiles) are dynamo's, the same for
-  every backend.
+  eager. ``aot_eager`` stands in for inductor: on a shared 2-core CPU, inductor's C++ compile
+  of one decoder layer had not finished its first micro-batch after 300 s; the guards (what
+  recompiles) are dynamo's, the same for every backend.
 """
 
 from __future__ import annotations
