@@ -7,8 +7,9 @@ compute q, k and v; the kernel they call is named by ``config._attn_implementati
   boundaries as ``cu_seq_lens_q/k`` and ``max_length_q/k``;
 - ``varlen``: ``vlmshard_packed_varlen``, registered here: torch's own variable-length flash
   attention (``torch.nn.attention.varlen``, CUDA, bf16/fp16) over the whole micro-batch in one
-  call, given the same boundaries; one Qwen ViT image or window at a time goes to SDPA, which
-  takes its flash kernel without a mask. ``varlen_attn`` is called as the installed torch
+  call, given the same boundaries (a Qwen ViT's too: ``packed_one_call``; with ``vit_varlen``
+  off, ``transformers`` runs it one image or window at a time, on SDPA, which takes its flash
+  kernel without a mask). ``varlen_attn`` is called as the installed torch
   defines it (its parameters read once, ``varlen_parameters``): causal by ``window_size`` where
   it has one (2.11 on), else by ``is_causal`` (2.10, where a sliding window goes to SDPA);
   grouped-query heads by ``enable_gqa`` where it has one (2.12 on), else K/V heads repeated to
@@ -32,7 +33,8 @@ window, on 2.10) goes to SDPA; flash-attn is not offered for a model with runs
 (``supports_runs``).
 
 ``Spans`` holds one segmentation (its boundaries, on the device and the host) and gives the
-keyword arguments each layer passes to its ``transformers`` module.
+keyword arguments each layer passes to its ``transformers`` module: the backends registered here
+take it whole, and run outside any ``torch.compile`` graph (``vlmshard.train.kernels``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from vlmshard.shards.model_inputs import allowed_keys
 
 PACKED_SDPA = "vlmshard_packed_sdpa"
 PACKED_VARLEN = "vlmshard_packed_varlen"
+PACKED_ONE_CALL = "vlmshard_packed_flash_convention"  # see packed_one_call
 IMPLEMENTATIONS = {"flash": "flash_attention_2", "varlen": PACKED_VARLEN, "sdpa": PACKED_SDPA}
 
 log = logging.getLogger(__name__)
@@ -92,22 +95,23 @@ def sample_mask(length: int, runs: list[tuple[int, int]], window: int | None,
     return allowed_keys(torch.zeros_like(run), run, window)
 
 
-def packed_sdpa(module, query, key, value, attention_mask, *, packed_lengths=None,
-                packed_runs=None, packed_masks=None, sliding_window=None, **kwargs):
-    """``transformers``' SDPA attention on each packed segment alone (``packed_lengths``, on the
-    host): Σ len² work, no mask over the micro-batch, grouped-query heads kept; causality as
+def packed_sdpa(module, query, key, value, attention_mask, *, packed_spans=None,
+                sliding_window=None, **kwargs):
+    """``transformers``' SDPA attention on each packed segment alone (``packed_spans``' host
+    lengths): Σ len² work, no mask over the micro-batch, grouped-query heads kept; causality as
     the module (or ``is_causal``) says, a sample's mask (``sample_mask``) where it has
-    bidirectional runs (``packed_runs``, per segment) or the module a ``sliding_window``, made
-    once per micro-batch and window and shared by the layers (``packed_masks``, the spans')."""
+    bidirectional runs (``Spans.runs``) or the module a ``sliding_window``, made once per
+    micro-batch and window and shared by the layers (``Spans.masks``)."""
     for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
         kwargs.pop(name, None)
-    if packed_lengths is None:
+    if packed_spans is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    runs = packed_runs or [[]] * len(packed_lengths)
-    masks = {} if packed_masks is None else packed_masks
+    lengths = packed_spans.lengths
+    runs = packed_spans.runs or [[]] * len(lengths)
+    masks = packed_spans.masks
     outputs = []
-    for index, (length, sample_runs, q, k, v) in enumerate(zip(packed_lengths, runs, *(
-            t.split(packed_lengths, dim=2) for t in (query, key, value)))):
+    for index, (length, sample_runs, q, k, v) in enumerate(zip(lengths, runs, *(
+            t.split(lengths, dim=2) for t in (query, key, value)))):
         window = sliding_window if sliding_window and length > sliding_window else None
         mask = None
         if sample_runs or window:
@@ -132,25 +136,25 @@ def varlen_parameters(kernel) -> frozenset[str]:
     return names
 
 
-def packed_varlen(module, query, key, value, attention_mask, *, cu_seq_lens_q=None,
-                  max_length_q=None, scaling=None, is_causal=None, sliding_window=None,
-                  packed_lengths=None, packed_runs=None, packed_masks=None, **kwargs):
-    """torch's varlen flash attention over every packed segment in one call (``cu_seq_lens_q``,
-    on the device), a module's ``sliding_window`` as its window, called as the installed torch
-    defines it (``varlen_parameters``); a single segment (``transformers`` runs a Qwen ViT image
-    by image) goes to SDPA, which takes its own flash kernel when given no mask, and so does a
-    micro-batch with bidirectional runs or, where the kernel takes no window, a sliding window
-    (each sample alone: ``packed_lengths``, on the host)."""
+def packed_varlen(module, query, key, value, attention_mask, *, packed_spans=None,
+                  scaling=None, is_causal=None, sliding_window=None, **kwargs):
+    """torch's varlen flash attention over every packed segment in one call (``packed_spans``'
+    boundaries, on the device), a module's ``sliding_window`` as its window, called as the
+    installed torch defines it (``varlen_parameters``); a single segment (``transformers`` runs
+    a Qwen ViT image by image where ``vit_varlen`` is off) goes to SDPA, which takes its own
+    flash kernel when given no mask, and so does a micro-batch with bidirectional runs or, where
+    the kernel takes no window, a sliding window (each sample alone, ``packed_sdpa``)."""
     from torch.nn.attention.varlen import varlen_attn
 
     names = varlen_parameters(varlen_attn)
-    kwargs.pop("cu_seq_lens_k", None)
-    kwargs.pop("max_length_k", None)
-    if (packed_runs and any(packed_runs)) or (sliding_window and "window_size" not in names):
-        return packed_sdpa(module, query, key, value, None, packed_lengths=packed_lengths,
-                           packed_runs=packed_runs, packed_masks=packed_masks,
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+        kwargs.pop(name, None)
+    spans = packed_spans
+    if spans is not None and (any(spans.runs or ()) or (sliding_window
+                                                         and "window_size" not in names)):
+        return packed_sdpa(module, query, key, value, None, packed_spans=spans,
                            sliding_window=sliding_window, scaling=scaling, **kwargs)
-    if cu_seq_lens_q is None:
+    if spans is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
@@ -167,13 +171,27 @@ def packed_varlen(module, query, key, value, attention_mask, *, cu_seq_lens_q=No
             options["enable_gqa"] = True
         else:
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q,
-                      **options)
+    out = varlen_attn(q, k, v, spans.cu_seqlens, spans.cu_seqlens, spans.max_len,
+                      spans.max_len, **options)
     return out.unsqueeze(0), None
 
 
-AttentionInterface.register(PACKED_SDPA, packed_sdpa)
-AttentionInterface.register(PACKED_VARLEN, packed_varlen)
+def packed_one_call(module, query, key, value, attention_mask, *, packed_spans=None,
+                    **kwargs):
+    """The micro-batch's backend (``packed_spans.backend``, SDPA or torch's varlen) under a
+    name that says "flash": ``transformers``' Qwen ViT attention hands an implementation so
+    named every image's (or window's) boundaries in one call (its
+    ``is_flash_attention_requested`` branch), where it calls any other once per image."""
+    attend = packed_varlen if packed_spans.backend == "varlen" else packed_sdpa
+    return attend(module, query, key, value, attention_mask, packed_spans=packed_spans,
+                  **kwargs)
+
+
+# Outside any compiled graph (``torch.compile`` of a block breaks its graph here): the host
+# lengths in ``packed_spans`` would otherwise be guarded on, and recompile each micro-batch.
+AttentionInterface.register(PACKED_SDPA, torch.compiler.disable(packed_sdpa))
+AttentionInterface.register(PACKED_VARLEN, torch.compiler.disable(packed_varlen))
+AttentionInterface.register(PACKED_ONE_CALL, torch.compiler.disable(packed_one_call))
 
 
 def from_host(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -215,16 +233,13 @@ class Spans:
                    local)
 
     def kwargs(self) -> dict:
-        """Keyword arguments for a ``transformers`` attention layer call."""
-        runs = {"packed_runs": self.runs, "packed_masks": self.masks} \
-            if self.runs is not None else {}
-        if self.backend == "sdpa":
-            return {"packed_lengths": self.lengths, **runs}
-        # varlen sends runs, and a window where its kernel takes none, to SDPA by the lengths
-        host = {"packed_lengths": self.lengths, **runs} \
-            if self.runs or self.backend == "varlen" else {}
-        return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
-                "max_length_q": self.max_len, "max_length_k": self.max_len, **host}
+        """Keyword arguments for a ``transformers`` attention layer call: flash-attn takes the
+        boundaries by ``transformers``' names, the backends registered here the spans whole
+        (one object, which ``torch.compile`` does not guard on)."""
+        if self.backend == "flash":
+            return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
+                    "max_length_q": self.max_len, "max_length_k": self.max_len}
+        return {"packed_spans": self}
 
 
 def supports_runs(backend: str) -> bool:

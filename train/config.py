@@ -82,6 +82,18 @@ class TrainConfig:
                   "steps (YAML null: at the end only)")
     save_checkpoints: bool = option(True, help="save DeepSpeed checkpoints at all (off for short "
                                                "validation runs)")
+    vit_varlen: bool = option(
+        True, help="a Qwen ViT block attends over every image (or window) of the micro-batch "
+                   "in one call of the attention backend (on CUDA one varlen kernel), where "
+                   "transformers calls it once per image (flash-attn already takes one call)")
+    compile_blocks: bool = option(
+        False, help="torch.compile each ViT block and decoder layer (regional compilation), "
+                    "the packed length dynamic; the compilations are counted in the log")
+    max_recompiles: int = option(
+        4, help="with --compile-blocks, warn when torch.compile compiles one frame more than "
+                "this many times again: a block kind compiles each frame at most twice (fixed "
+                "shapes, then dynamic), a frame block kinds share once or twice per kind; more "
+                "means packed shapes recompile")
     count_host_syncs: bool = option(
         False, help="on GPU, count each step's synchronizing CUDA calls (torch.cuda's sync "
                     "debug mode) and log them per rank as host_syncs (slows the step)")

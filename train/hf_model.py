@@ -1,11 +1,11 @@
 """A Hugging Face model folder as the trainer's layer list: read, built on ``meta``, loaded per
 layer.
 
-``model_layers(path, backend)`` reads the folder's config, picks the family from its
+``model_layers(path, backend, kernels)`` reads the folder's config, picks the family from its
 ``model_type`` (``vlmshard.families``), builds the whole ``transformers`` model on the ``meta``
 device (free, whatever its size) with the chosen attention backend, and lists its pipeline
 layers (its family's map in ``vlmshard.train.models``). ``build_layer`` then materializes one
-layer with its own tensors only.
+layer with its own tensors only, with the optional kernels ``kernels`` switches on.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from vlmshard.io import read_json
 from vlmshard.model_sizes import LayerWork, trainer_layer_work
 
 from .attention import implementation, supports_runs
+from .kernels import Kernels
 from .micro import HostMeta, Micro, Phase, unpack, wire_inputs
 from .models.layers import Geometry, LayerDef
 from .weights import Checkpoint, load_layer
@@ -40,6 +41,7 @@ class ModelLayers:
     meta: nn.Module  # the whole model on the meta device
     defs: list[LayerDef]
     geometry: Geometry
+    kernels: Kernels  # the optional kernels each built layer takes
 
     @property
     def names(self) -> list[str]:
@@ -80,8 +82,11 @@ class ModelLayers:
 
     def build_layer(self, index: int, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.float32) -> nn.Module:
-        """Layer ``index`` with its tensors loaded from the folder (and nothing else)."""
-        return load_layer(self.defs[index].build(self.meta), self.checkpoint, device, dtype)
+        """Layer ``index`` with its tensors loaded from the folder (and nothing else), taking
+        the optional kernels."""
+        layer = load_layer(self.defs[index].build(self.meta), self.checkpoint, device, dtype)
+        layer.use_kernels(self.kernels)
+        return layer
 
     def build_all(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                   one_per_kind: bool = False) -> list[nn.Module]:
@@ -99,7 +104,7 @@ class ModelLayers:
 
 
 @functools.cache
-def model_layers(path: str, backend: str = "sdpa") -> ModelLayers:
+def model_layers(path: str, backend: str = "sdpa", kernels: Kernels = Kernels()) -> ModelLayers:
     """The layer list of the model folder ``path`` (cached per process)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -116,4 +121,5 @@ def model_layers(path: str, backend: str = "sdpa") -> ModelLayers:
         meta = AutoModelForImageTextToText.from_config(
             config, attn_implementation=implementation(backend))
     defs, geometry = layers(meta)  # outside meta: rotary tables are real
-    return ModelLayers(folder.path, family.name, backend, meta.config, meta, defs, geometry)
+    return ModelLayers(folder.path, family.name, backend, meta.config, meta, defs, geometry,
+                       kernels)

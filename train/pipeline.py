@@ -31,6 +31,7 @@ from vlmshard.errors import ConfigError
 from . import deepspeed_compat as ds
 from .clock import StageClock
 from .hf_model import ModelLayers, model_layers
+from .kernels import Kernels
 from .micro import HostMeta, Micro, pack, unpack, wire_inputs
 from .models.layers import LayerDef
 from .recompute import run_layer
@@ -41,10 +42,10 @@ class PipeLayer(nn.Module):
     straight onto the stage's device (what a DeepSpeed ``LayerSpec`` builds on the stage that
     holds it)."""
 
-    def __init__(self, path: str, index: int, backend: str, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(self, path: str, index: int, backend: str, kernels: Kernels,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         super().__init__()
-        self.inner = model_layers(path, backend).build_layer(index, device, dtype)
+        self.inner = model_layers(path, backend, kernels).build_layer(index, device, dtype)
 
     @property
     def weight(self) -> torch.Tensor:  # the tied embedding's, for DeepSpeed's tie
@@ -94,10 +95,11 @@ class VLMPipeline(PipelineModule):
         specs = []
         for i, d in enumerate(model.defs):
             if d.tied_key:
-                specs.append(TiedLayerSpec(d.tied_key, PipeLayer, model.path, i, backend, dtype,
-                                           device))
+                specs.append(TiedLayerSpec(d.tied_key, PipeLayer, model.path, i, backend,
+                                           model.kernels, dtype, device))
             else:
-                specs.append(LayerSpec(PipeLayer, model.path, i, backend, dtype, device))
+                specs.append(LayerSpec(PipeLayer, model.path, i, backend, model.kernels, dtype,
+                                       device))
         super().__init__(layers=specs, num_stages=stages, loss_fn=loss_fn,
                          partition_method="bounds" if bounds else "parameters", **kwargs)
         self.layer_indices = ds.local_layers(self)

@@ -51,6 +51,7 @@ from .attention import choose_backend
 from .clock import mark, seconds
 from .config import ProfileConfig
 from .hf_model import ModelLayers, model_layers
+from .kernels import Kernels
 from .launcher import model_folder
 from .micro import HostMeta, LayerOutput, Micro
 from .recompute import run_layer
@@ -109,7 +110,7 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
     torch.manual_seed(cfg.seed)
     folder = model_folder(cfg)
     try:
-        model = model_layers(folder, choose_backend(device, cfg.dtype))
+        model = model_layers(folder, choose_backend(device, cfg.dtype), Kernels.of(cfg))
     except VlmshardError:
         raise
     except ValueError as e:  # a config.json the layer maps cannot build

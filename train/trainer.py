@@ -144,6 +144,7 @@ def set_up(cfg: TrainConfig) -> Setup:
 
     from .attention import choose_backend
     from .hf_model import model_layers
+    from .kernels import Kernels
 
     cuda = torch.cuda.is_available()
     cfg.resolve_device_defaults(cuda)
@@ -159,7 +160,7 @@ def set_up(cfg: TrainConfig) -> Setup:
     if not cfg.model:  # the launcher resolves and checks it once, before starting the processes
         raise ConfigError("the training config names no model folder: start training with "
                           "`vlmshard train`")
-    model = model_layers(cfg.model, choose_backend(device, cfg.dtype))
+    model = model_layers(cfg.model, choose_backend(device, cfg.dtype), Kernels.of(cfg))
     log.info("attention backend: %s (vlmshard.train.attention)", model.backend)
     check_shards_fit(probe, model)
     topology = PipeDataParallelTopology(num_pp=cfg.pp, num_dp=cfg.dp)

@@ -22,6 +22,7 @@ import functools
 import torch
 from torch import nn
 
+from ..kernels import dynamic
 from ..micro import Micro, Phase
 from .layers import (
     DecoderLayer,
@@ -52,6 +53,8 @@ class VisionEmbedding(HFLayer):
 
 
 class VisionLayer(HFLayer):
+    repeated = "layer"
+
     def __init__(self, model: nn.Module, index: int) -> None:
         super().__init__(model, {"layer": f"{VISION}.encoder.layers.{index}"})
 
@@ -84,7 +87,8 @@ class GemmaDecoderLayer(DecoderLayer):
         positions = micro.position_ids[None]
         rope = micro.cached(f"text_rope_{self.kind}",
                             lambda: self.rotary(micro.x[None], positions, self.kind))
-        out = self.layer(micro.x[None], attention_mask=None, position_embeddings=rope,
+        out = self.layer(dynamic(micro.x[None], 1), attention_mask=None,
+                         position_embeddings=tuple(dynamic(t, 1) for t in rope),
                          use_cache=False, **micro.text_spans(bidirectional_images=True).kwargs())
         return (out[0] if isinstance(out, tuple) else out)[0]
 

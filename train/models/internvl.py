@@ -31,6 +31,8 @@ class VisionEmbedding(HFLayer):
 
 
 class VisionLayer(HFLayer):
+    repeated = "layer"
+
     def __init__(self, model: nn.Module, index: int) -> None:
         super().__init__(model, {"layer": f"{VISION}.encoder.layer.{index}"})
 

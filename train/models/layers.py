@@ -24,6 +24,7 @@ from vlmshard.model_sizes import LOSS_CHUNK
 from vlmshard.preprocess.tokenize import IGNORE_INDEX
 from vlmshard.shards.model_inputs import next_token_targets
 
+from ..kernels import Kernels, compile_block, dynamic
 from ..micro import TOKENS, Micro, Phase
 
 
@@ -31,6 +32,10 @@ class HFLayer(nn.Module):
     """A pipeline layer made of submodules of the ``transformers`` model: each is kept under an
     attribute of this layer, and ``paths`` maps the attribute to the model's module path, which
     names its tensors in the checkpoint."""
+
+    # the attribute holding the ``transformers`` module a layer of this kind repeats (a ViT
+    # block, a decoder layer): what regional ``torch.compile`` compiles
+    repeated: str | None = None
 
     def __init__(self, model: nn.Module, paths: dict[str, str]) -> None:
         super().__init__()
@@ -42,6 +47,12 @@ class HFLayer(nn.Module):
         """Hold a copy of the model's submodule ``path`` as ``attr``."""
         self.paths[attr] = path
         setattr(self, attr, copy.deepcopy(model.get_submodule(path)))
+
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Take the optional kernels ``kernels`` switches on (``vlmshard.train.kernels``), once
+        loaded: here, the regional compile of ``repeated``."""
+        if kernels.compile_blocks and self.repeated:
+            compile_block(getattr(self, self.repeated), kernels)
 
     def hf_name(self, local: str) -> str:
         """The checkpoint name of this layer's tensor ``local``."""
@@ -99,6 +110,8 @@ class DecoderLayer(HFLayer):
     """One decoder layer of the LLM on the packed tokens: rotary tables from the model's own
     rotary embedding at each sample's position ids, attention within each sample."""
 
+    repeated = "layer"
+
     def __init__(self, model: nn.Module, path: str, rotary: Callable) -> None:
         super().__init__(model, {"layer": path})
         self.rotary = rotary
@@ -110,7 +123,8 @@ class DecoderLayer(HFLayer):
         """The ``transformers`` layer on the packed tokens: the new hidden states."""
         positions = micro.position_ids[..., None, :]  # a batch of one: [1, n] or [3, 1, n]
         rope = micro.cached("text_rope", lambda: self.rotary(micro.x[None], positions))
-        out = self.layer(micro.x[None], attention_mask=None, position_embeddings=rope,
+        out = self.layer(dynamic(micro.x[None], 1), attention_mask=None,
+                         position_embeddings=tuple(dynamic(t, 1) for t in rope),
                          use_cache=False, **micro.text_spans().kwargs())
         return (out[0] if isinstance(out, tuple) else out)[0]
 

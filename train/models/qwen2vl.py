@@ -22,7 +22,8 @@ from transformers.vision_utils import (
     get_vision_window_index,
 )
 
-from ..attention import Spans, from_host
+from ..attention import PACKED_ONE_CALL, Spans, from_host
+from ..kernels import Kernels, dynamic
 from ..micro import Micro, Phase
 from .layers import Detached, Geometry, HFLayer, LayerDef, language_layers, visual_token_ids
 
@@ -92,20 +93,38 @@ class VisionEmbedding(HFLayer):
 
 
 class VisionBlock(HFLayer):
+    """A ViT block over every image of the micro-batch, attending within each image (or
+    window). ``transformers`` hands flash-attn every image's boundaries in one call and calls
+    any other backend once per image; with ``vit_varlen`` (``use_kernels``) the block's
+    attention goes to ``attention.packed_one_call``, which takes the one call too."""
+
+    repeated = "block"
+
     def __init__(self, model: nn.Module, index: int, geometry: VisionGeometry) -> None:
         super().__init__(model, {"block": f"{VISION}.blocks.{index}"})
         self.geometry = geometry
         self.full = not geometry.windowed or index in geometry.full_blocks
+        self.one_call = False
+
+    def use_kernels(self, kernels: Kernels) -> None:
+        config = self.block.attn.config  # this layer's own copy
+        if kernels.vit_varlen and config._attn_implementation != "flash_attention_2":
+            config._attn_implementation = PACKED_ONE_CALL
+            self.one_call = True
+        super().use_kernels(kernels)
 
     def forward(self, micro: Micro) -> torch.Tensor:
         meta = self.geometry.meta(micro)
         spans = meta.images if self.full else meta.windows
-        if micro.backend == "flash":  # transformers passes the boundaries to the kernel
-            kwargs = {"cu_seqlens": spans.cu_seqlens, "max_seqlen": spans.max_len}
+        if self.one_call or micro.backend == "flash":  # the boundaries to the kernel, at once
+            kwargs = {"cu_seqlens": dynamic(spans.cu_seqlens), "max_seqlen": spans.max_len}
+            if self.one_call:
+                kwargs["packed_spans"] = spans
         else:  # transformers runs SDPA on each segment alone; the boundaries on the host, as
             # it reads the segment lengths back (no device sync)
             kwargs = {"cu_seqlens": spans.host_cu_seqlens}
-        return self.block(micro.x, position_embeddings=meta.rope, **kwargs)
+        rope = tuple(dynamic(t) for t in meta.rope)
+        return self.block(dynamic(micro.x), position_embeddings=rope, **kwargs)
 
 
 class Merger(HFLayer):

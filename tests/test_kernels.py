@@ -1,0 +1,200 @@
+"""The optional kernels (``vlmshard.train.kernels``) against the plain path.
+
+- ``vit_varlen``: a Qwen ViT block over a micro-batch of images of different sizes (and, in
+  Qwen2.5-VL, windows) equals the ``transformers`` block run on each image or window alone:
+  output and gradients, fp32. On CPU the SDPA backend, and torch's varlen backend with a
+  reference kernel standing in for the CUDA one (2.13's signature, one SDPA call over the whole
+  micro-batch with a block-diagonal mask), which must be called once per block; on CUDA, the
+  real kernel in bf16.
+- ``compile_blocks``: a compiled ViT block and decoder layer on three micro-batches of different
+  packed lengths compile at most twice per frame (counted by a hook of the test's own) and equal
+  eager. ``aot_eager`` stands in for inductor: on a shared 2-core CPU, inductor's C++ compile
+  of one decoder layer had not finished its first micro-batch after 300 s; the guards (what
+  recompiles) are dynamo's, the same for every backend.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_reference import make_folder
+
+from vlmshard.train.hf_model import model_layers
+from vlmshard.train.kernels import COMPILES, Kernels
+from vlmshard.train.micro import HostMeta, Micro, Phase
+
+QWEN_VITS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# (t, h, w) patches: three images of different sizes; Qwen2.5-VL's 8-patch windows cut the
+# first and last into windows of 4 sizes
+GRIDS = [(1, 12, 10), (1, 4, 6), (1, 2, 18)]
+
+calls: list[torch.Tensor] = []
+
+
+def varlen_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                     scale=None, window_size=(-1, -1), enable_gqa=False, seqused_k=None,
+                     block_table=None, num_splits=None):
+    """torch 2.13's ``varlen_attn`` on CPU: each segment of ``cu_seq_q`` attends within itself
+    (causal where ``window_size`` is (-1, 0)), in one SDPA call with a block-diagonal mask."""
+    calls.append(cu_seq_q)
+    segment = torch.repeat_interleave(torch.arange(len(cu_seq_q) - 1), cu_seq_q.diff().long())
+    mask = segment[:, None] == segment[None, :]
+    if window_size == (-1, 0):
+        mask &= torch.ones_like(mask).tril()
+    out = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(0, 1) for t in (query, key, value)), attn_mask=mask, scale=scale,
+        enable_gqa=enable_gqa)
+    return out.transpose(0, 1)
+
+
+@pytest.fixture(scope="module", params=QWEN_VITS)
+def folder(request, tmp_path_factory):
+    return make_folder(request.param, str(tmp_path_factory.mktemp(request.param) / "model"))
+
+
+def _micro(x: torch.Tensor, backend: str, grids=(), lengths=()) -> Micro:
+    """A micro-batch holding ``x``: ViT rows of images ``grids``, or the tokens of samples
+    ``lengths`` (each at positions 0..len-1, mRoPE's three rows alike)."""
+    n = sum(lengths)
+    host = HostMeta(qv=len(x), qt=n, tiles=len(x), tokens=n, image_tokens=0, supervised=0,
+                    grids=list(grids), sample_lengths=list(lengths), image_runs=[])
+    positions = torch.cat([torch.arange(k) for k in lengths]) if lengths else \
+        torch.zeros(0, dtype=torch.long)
+    return Micro(x=x, input_ids=torch.zeros(n, dtype=torch.long),
+                 position_ids=positions.expand(3, n), labels=torch.zeros(n, dtype=torch.long),
+                 host=host, backend=backend, phase=Phase("rows", 1), wire=())
+
+
+def _vision_blocks(model) -> list[int]:
+    """The first ViT block of each kind but DeepStack's (its block is a plain one)."""
+    kinds = {}
+    for i, d in enumerate(model.defs):
+        if d.name.startswith("vit_block_") and d.variant != "deepstack":
+            kinds.setdefault(d.kind, i)
+    return list(kinds.values())
+
+
+def _segments_alone(block, x, rope, lengths):
+    """``transformers``' block on each segment alone (its own SDPA, one segment)."""
+    outs = [block(part, cu_seqlens=torch.tensor([0, len(part)], dtype=torch.int32),
+                  position_embeddings=(cos, sin))
+            for part, cos, sin in zip(x.split(lengths), *(t.split(lengths) for t in rope))]
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("backend, device, vit_varlen", [
+    ("sdpa", "cpu", True), ("sdpa", "cpu", False), ("varlen", "cpu", True),
+    ("varlen", "cuda", True)])
+def test_vit_block_over_all_images_equals_each_image_alone(folder, monkeypatch, backend, device,
+                                                           vit_varlen):
+    import torch.nn.attention.varlen
+
+    cuda = device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        pytest.skip("no CUDA device here")
+    if not cuda and backend == "varlen":
+        monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", varlen_reference)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = model_layers(folder, backend, Kernels(vit_varlen=vit_varlen))
+    plain = model_layers(folder, "sdpa", Kernels(vit_varlen=False))
+    hidden = model.meta.config.vision_config.hidden_size
+    patches = sum(t * h * w for t, h, w in GRIDS)
+    for index in _vision_blocks(model):
+        layer = model.build_layer(index, device, dtype)
+        reference = plain.build_layer(index, device, dtype)
+        torch.manual_seed(index)
+        x = torch.randn(patches, hidden, device=device, dtype=dtype, requires_grad=True)
+        micro = _micro(x, backend, GRIDS)
+        calls.clear()
+        out = layer(micro)
+        assert len(calls) == (backend == "varlen" and not cuda)  # one kernel call, or none
+        meta = layer.geometry.meta(micro)
+        spans = meta.images if layer.full else meta.windows
+        if index == _vision_blocks(model)[0]:  # the images, or Qwen2.5's windows, differ
+            assert len(set(spans.lengths)) > 2, spans.lengths
+        want = _segments_alone(reference.block, x, meta.rope, spans.lengths)
+        weights = torch.randn_like(out)
+        got_grads = torch.autograd.grad((out * weights).sum(), [x, *layer.parameters()])
+        want_grads = torch.autograd.grad((want * weights).sum(), [x, *reference.parameters()])
+        # bf16; the reference kernel sums a whole micro-batch's masked rows (another order)
+        tolerance = {"rtol": 2e-2, "atol": 2e-2} if cuda else \
+            {"rtol": 1e-4, "atol": 1e-4} if backend == "varlen" else {}
+        torch.testing.assert_close(out, want, **tolerance)
+        for got, expected in zip(got_grads, want_grads):
+            torch.testing.assert_close(got, expected, **tolerance)
+
+
+def test_compiled_blocks_compile_at_most_twice_and_equal_eager(tmp_path):
+    """Two ViT blocks (windows, then whole images) and two decoder layers compiled, on three
+    micro-batches of different packed lengths and segment counts: each frame compiles at most
+    twice for the ViT and twice for the LLM (a second layer reuses the first's graphs), and
+    outputs and input gradients equal eager's."""
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+    folder = make_folder("qwen2_5_vl", str(tmp_path / "model"))
+    eager = model_layers(folder, "sdpa", Kernels())
+    compiled = model_layers(folder, "sdpa", Kernels(compile_blocks=True,
+                                                    compile_backend="aot_eager"))
+    torch._dynamo.reset()
+    started: list[str] = []
+
+    def record(args):
+        if args.callback_trigger == CallbackTrigger.DYNAMO:
+            started.append(args.compile_id)
+
+    callback_handler.register_start_callback(record)
+    counted = COMPILES.total
+    per_kind = []
+    try:
+        for names, hidden, inputs in (
+                (("vit_block_0", "vit_block_1"), compiled.meta.config.vision_config.hidden_size,
+                 [[(1, 12, 10), (1, 4, 6)], [(1, 2, 18)], [(1, 8, 8), (1, 6, 4), (1, 4, 4)]]),
+                (("llm_block_0", "llm_block_1"), compiled.meta.config.text_config.hidden_size,
+                 [[5, 7, 3], [9, 2], [4, 4, 4, 6]])):
+            before = len(started)
+            for name in names:
+                index = compiled.names.index(name)
+                layer, reference = compiled.build_layer(index), eager.build_layer(index)
+                for shape in inputs:
+                    vision = name.startswith("vit")
+                    grids, lengths = (shape, ()) if vision else ((), shape)
+                    rows = sum(t * h * w for t, h, w in grids) or sum(lengths)
+                    x = torch.randn(rows, hidden, requires_grad=True)
+                    out = layer(_micro(x, "sdpa", grids, lengths))
+                    want = reference(_micro(x, "sdpa", grids, lengths))
+                    torch.testing.assert_close(out, want)
+                    torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0],
+                                               torch.autograd.grad(want.sum(), x)[0])
+            per_kind.append(started[before:])
+    finally:
+        callback_handler.remove_start_callback(record)
+    for ids in per_kind:
+        assert ids, "nothing was compiled"
+        frames = [compile_id.split("/")[0] for compile_id in ids]
+        assert max(frames.count(f) for f in frames) <= 2, ids
+    assert COMPILES.total - counted == len(started)
+
+
+def test_recompiles_over_the_bound_are_a_warning(caplog):
+    """A function compiled for float, then int inputs: two compilations of one frame (counted
+    by hand), each logged; over a bound of 0 recompiles, one warning."""
+    import logging
+
+    from torch._dynamo.callback import callback_handler
+
+    from vlmshard.train.kernels import CompileCount
+
+    torch._dynamo.reset()
+    count = CompileCount()
+    count.watch(0)
+    try:
+        with caplog.at_level(logging.INFO, logger="vlmshard.train.kernels"):
+            double = torch.compile(lambda x: x * 2, backend="eager")
+            for dtype in (torch.float32, torch.int64):
+                double(torch.ones(3, dtype=dtype))
+    finally:
+        callback_handler.remove_start_callback(count._started)
+    assert count.total == 2
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("compilation" in line for line in lines) == 2
+    assert [r.levelname for r in caplog.records].count("WARNING") == 1

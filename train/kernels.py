@@ -1,0 +1,90 @@
+"""The layers' optional kernels, each behind a switch (``Kernels``, from the train options).
+
+- ``vit_varlen``: a Qwen ViT block attends over every image (or window) of the micro-batch in
+  one call to the attention backend (``attention.packed_one_call``), where ``transformers``
+  calls it once per image for any backend but flash-attn. On CUDA that is one varlen kernel
+  launch per block instead of one SDPA launch per image; on CPU the SDPA backend still runs each
+  image alone inside that call (the same arithmetic).
+- ``compile_blocks``: regional ``torch.compile`` of the repeated blocks (each ViT block's and
+  decoder layer's ``transformers`` module, in place: its weights keep their names), the packed
+  row dimension marked dynamic so a new packed length does not recompile. The attention
+  backends registered in ``attention`` run outside the graph (their host lengths would be
+  guarded on). Every compilation in the process is counted and logged (``CompileCount``); one
+  frame compiled more than ``max_recompiles`` times is a warning: shapes are recompiling.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    vit_varlen: bool = True
+    compile_blocks: bool = False
+    compile_backend: str = "inductor"
+    max_recompiles: int = 4  # compilations of one frame beyond its first
+
+    @classmethod
+    def of(cls, cfg) -> "Kernels":
+        """The switches a ``TrainConfig`` sets."""
+        return cls(vit_varlen=cfg.vit_varlen, compile_blocks=cfg.compile_blocks,
+                   max_recompiles=cfg.max_recompiles)
+
+
+def compile_block(module: nn.Module, kernels: Kernels) -> None:
+    """Compile ``module`` in place (``nn.Module.compile``) and count the process's
+    compilations."""
+    COMPILES.watch(kernels.max_recompiles)
+    module.compile(backend=kernels.compile_backend)
+
+
+def dynamic(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """``t``, its packed dimension ``dim`` marked dynamic for ``torch.compile`` (a new packed
+    length then reuses the graph; where the graph fixes it, it is fixed without error); a
+    no-op in eager."""
+    torch._dynamo.maybe_mark_dynamic(t, dim)
+    return t
+
+
+class CompileCount:
+    """``torch._dynamo``'s compilations in this process (``total``), each logged with the
+    running count; a frame compiled again more than ``max_recompiles`` times is a warning
+    (once per frame)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.max_recompiles = 0
+
+    def watch(self, max_recompiles: int) -> None:
+        """Count from now on (``torch._dynamo.reset`` drops the hook: it is set again);
+        ``max_recompiles``: the bound warned over."""
+        from torch._dynamo.callback import callback_handler
+
+        if self._started not in callback_handler.start_callbacks:
+            callback_handler.register_start_callback(self._started)
+        self.max_recompiles = max_recompiles
+
+    def _started(self, args) -> None:
+        from torch._dynamo.callback import CallbackTrigger
+
+        if args.callback_trigger != CallbackTrigger.DYNAMO:
+            return
+        frame, attempt = re.match(r"\D*(\d+)/(\d+)", args.compile_id).groups()
+        self.total += 1
+        log.info("torch.compile: compilation %d of this run (frame %s, attempt %s)",
+                 self.total, frame, attempt)
+        if int(attempt) == self.max_recompiles + 1:
+            log.warning("torch.compile recompiled frame %s %s times (more than %d): a shape "
+                        "or value it guards on changes each micro-batch; see TORCH_LOGS="
+                        "recompiles", frame, attempt, self.max_recompiles)
+
+
+COMPILES = CompileCount()
