@@ -170,8 +170,9 @@ def train_plan(args, setup: dict, algo: str) -> dict:
              if "peak_memory_bytes" in x]
     # the simulator's replay (it drops the first step): analytic FLOPs per step on one stage
     replay = replay_run(os.path.join(out, "train_log.jsonl"))
-    flops = replay.predicted.makespan.max(axis=1)[args.warmup - 1:] if args.warmup else \
-        replay.predicted.makespan.max(axis=1)
+    steps = {r["step"] for r in kept}
+    flops = [f for step, f in enumerate(replay.predicted.makespan.max(axis=1), start=1)
+             if step in steps]
     pipeline = read_json(os.path.join(out, "pipeline.json"))
     recompute = [n for s in pipeline["stages"] for n in s["recompute"]]
     selective = [n for s in pipeline["stages"] for n in s["selective"]]
