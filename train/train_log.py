@@ -83,10 +83,10 @@ def rank_data(micro: list[dict], window: int = 0) -> dict:
 def recompute_flops(names: list[str], work: list[LayerWork], recompute: list[str]) -> Size:
     """Per unit of ``Size``, the FLOPs a step runs again in backward beyond the model's
     (``model_sizes.training_flops``): the forward of each trainer layer (``names``, their
-    analytic ``work``: ``model_sizes.trainer_layer_work``) named in
-    ``recompute`` (recomputed whole) and the LM head's logits, which the loss recomputes chunk by
-    chunk (``models.layers.lm_loss``; once more if the head is itself recomputed whole). Selective recompute runs no matrix multiplies again and
-    adds none."""
+    analytic ``work``: ``model_sizes.trainer_layer_work``) named in ``recompute`` (recomputed
+    whole), and the LM head's logits, which the loss recomputes chunk by chunk
+    (``models.layers.lm_loss``; once more if the head is itself recomputed whole). Selective
+    recompute runs no matrix multiplies again and adds none."""
     again = [w.flops for n, w in zip(names, work) if n in recompute] + [
         w.flops for n, w in zip(names, work) if n == "head"]
     return Size(*(sum(getattr(f, k) for f in again)
