@@ -83,8 +83,9 @@ class TrainConfig:
     save_checkpoints: bool = option(True, help="save DeepSpeed checkpoints at all (off for short "
                                                "validation runs)")
     count_host_syncs: bool = option(
-        False, help="on GPU, count each step's synchronizing CUDA calls (torch.cuda's sync "
-                    "debug mode) and log them per rank as host_syncs (slows the step)")
+        False, help="count each step's synchronizing CUDA calls (torch.cuda's sync debug mode, "
+                    "on GPU) and torch.cuda.synchronize calls, and log them per rank as "
+                    "host_syncs (slows the step)")
     trace: str | None = option(
         None, help="write a torch profiler trace (Chrome trace JSON, one file per rank) of the "
                    "run's second step to this folder; that step's log line says traced",
