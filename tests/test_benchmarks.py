@@ -44,7 +44,7 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
                            "--smoke", "--work", str(tmp_path / "work"), "--json", str(out),
                            "--peak-tflops", "1", "--steps", "4", "--trace",
                            str(tmp_path / "trace")],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert json.dumps(result) in proc.stdout.splitlines()
