@@ -31,7 +31,12 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    ``--peak-tflops``); peak memory (``max_memory_allocated``) beside the memory model's for the
    steps' largest micro-batches and at the caps; loader throughput; host syncs per step; and
    the simulator's predicted step time (the run replayed with the analytic FLOPs at the assumed
-   sustained share of the peak, ``vlmshard.hardware.SUSTAINED_SHARE``) beside the measured.
+   sustained share of the peak, ``vlmshard.hardware.SUSTAINED_SHARE``) beside the measured;
+   HFU (MFU's FLOPs plus those recompute runs again: ``train_log.recompute_flops``); and the
+   time breakdown: seconds per step by part (ViT, projector, LLM, head + loss, recompute,
+   optimizer, pipeline wait, data wait, other), from the trainer's CUDA events, summing to the
+   step with its loading (``breakdown_step_s``). ``--trace DIR`` also writes a torch profiler
+   trace of each plan's second step.
 """
 
 from __future__ import annotations
@@ -152,10 +157,11 @@ def train_plan(args, setup: dict, algo: str) -> dict:
     from vlmshard.train.launcher import train
 
     out = os.path.join(args.work, f"run-{algo}")
+    trace = os.path.join(args.trace, algo) if args.trace else None
     records = train(TrainConfig(shards=setup["shards"][algo], out=out, model=setup["model"],
                                 pp=1, dp=1, max_steps=args.steps, save_checkpoints=False,
-                                count_host_syncs=True), output=out + ".log")
-    kept = records[args.warmup:]
+                                count_host_syncs=True, trace=trace), output=out + ".log")
+    kept = [r for r in records[args.warmup:] if not r.get("traced")]
     times = sorted(r["step_time_s"] for r in kept)
     seconds = sum(times)
     tiles = sum(m["tiles"] for r in kept for d in r["data"] for m in d["micro_sizes"])
@@ -164,8 +170,9 @@ def train_plan(args, setup: dict, algo: str) -> dict:
              if "peak_memory_bytes" in x]
     # the simulator's replay (it drops the first step): analytic FLOPs per step on one stage
     replay = replay_run(os.path.join(out, "train_log.jsonl"))
-    flops = replay.predicted.makespan.max(axis=1)[args.warmup - 1:] if args.warmup else \
-        replay.predicted.makespan.max(axis=1)
+    steps = {r["step"] for r in kept}
+    flops = [f for step, f in enumerate(replay.predicted.makespan.max(axis=1), start=1)
+             if step in steps]
     pipeline = read_json(os.path.join(out, "pipeline.json"))
     recompute = [n for s in pipeline["stages"] for n in s["recompute"]]
     selective = [n for s in pipeline["stages"] for n in s["selective"]]
@@ -175,6 +182,8 @@ def train_plan(args, setup: dict, algo: str) -> dict:
             "tiles_per_s": tiles / seconds,
             "model_flops_per_step": statistics.median(r["model_flops"] for r in kept),
             "mfu_flops_per_s": statistics.median(r["model_flops_per_s"] for r in kept),
+            "hfu_flops_per_s": statistics.median(r["hardware_flops_per_s"] for r in kept),
+            **breakdown(kept),
             "replay_flops_per_step": float(statistics.median(flops)),
             "peak_memory_bytes": max(peaks) if peaks else None,
             "peak_reserved_bytes": max((x["peak_reserved_bytes"] for r in kept for x in r["ranks"]
@@ -188,6 +197,17 @@ def train_plan(args, setup: dict, algo: str) -> dict:
             "loss": [r["loss"] for r in records],
             "partition": pipeline.get("partition_source", ""),
             "recompute": recompute, "selective": selective}
+
+
+def breakdown(records: list[dict]) -> dict:
+    """Where a step's time went, in seconds by part (``train_log.time_breakdown``: each part of
+    the model, recompute, optimizer, pipeline wait, data wait, other), the mean over
+    ``records`` and their ranks; and the mean step it splits, loading included."""
+    ranks = [x for r in records for x in r["ranks"]]
+    parts = {k: statistics.fmean(x["time_breakdown"][k] for x in ranks)
+             for k in ranks[0]["time_breakdown"]}
+    return {"time_breakdown": parts,
+            "breakdown_step_s": statistics.fmean(x["step_time_s"] + x["load_s"] for x in ranks)}
 
 
 def predicted_step_peak(model: str, records: list[dict], recompute: list[str],
@@ -244,6 +264,9 @@ def main() -> None:
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="dense bf16 peak of the device (default: vlmshard.hardware's table)")
     p.add_argument("--json", help="also write the result here")
+    p.add_argument("--trace", help="write a torch profiler trace (Chrome trace JSON) of each "
+                                   "plan's second step under this folder; that step is left "
+                                   "out of the figures")
     args = p.parse_args()
     smoke = args.smoke
     args.scale = args.scale or (1 if smoke else 4)
@@ -279,6 +302,7 @@ def main() -> None:
     for algo, run in runs.items():
         if peak:
             run["mfu"] = run["mfu_flops_per_s"] / peak
+            run["hfu"] = run["hfu_flops_per_s"] / peak
             run["predicted_step_s"] = run["replay_flops_per_step"] / (peak * SUSTAINED_SHARE)
         result[algo] = run
     print(json.dumps(result))
@@ -298,16 +322,22 @@ def table(result: dict) -> str:
              f"loader alone: {result['loader']['tokens_per_s']:,.0f} tokens/s, "
              f"{result['loader']['tiles_per_s']:,.0f} tiles/s",
              f"{'plan':<9} {'median s':>9} {'p90 s':>7} {'tokens/s':>9} {'tiles/s':>8} "
-             f"{'MFU':>6} {'peak GiB':>8} {'model GiB':>9} {'syncs':>5} {'predicted s':>11}"]
+             f"{'MFU':>6} {'HFU':>6} {'peak GiB':>8} {'model GiB':>9} {'syncs':>5} "
+             f"{'predicted s':>11}"]
     for algo in ("balanced", "random"):
         r = result[algo]
         peak = r["peak_memory_bytes"] / 2**30 if r["peak_memory_bytes"] else None
         lines.append(f"{algo:<9} {r['median_step_s']:>9.3f} {r['p90_step_s']:>7.3f} "
                      f"{r['tokens_per_s']:>9,.0f} {r['tiles_per_s']:>8,.0f} "
-                     f"{fmt(r.get('mfu'), '.1%'):>6} {fmt(peak, '.1f'):>8} "
+                     f"{fmt(r.get('mfu'), '.1%'):>6} {fmt(r.get('hfu'), '.1%'):>6} "
+                     f"{fmt(peak, '.1f'):>8} "
                      f"{r['predicted_step_peak_bytes'] / 2**30:>9.1f} "
                      f"{fmt(r['host_syncs_per_step'], '.0f'):>5} "
                      f"{fmt(r.get('predicted_step_s'), '.3f'):>11}")
+    for algo in ("balanced", "random"):
+        r = result[algo]
+        lines.append(f"{algo} step of {r['breakdown_step_s']:.3f} s: " + ", ".join(
+            f"{part} {s:.3f}" for part, s in r["time_breakdown"].items()))
     return "\n".join(lines)
 
 

@@ -35,13 +35,16 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
     """``gpu_bench.py --smoke``: the GPU command's whole path on CPU with a tiny model: data,
     both plans, the loader alone, DeepSpeed runs, and every figure filled from them. At PP=1
     with no recompute the simulator's replay of a step is exactly the step's logged model
-    FLOPs, so its predicted time is those FLOPs at the assumed share of the given peak."""
+    FLOPs, so its predicted time is those FLOPs at the assumed share of the given peak. Of 4
+    steps, the first (warm-up) and the second (traced by the profiler) are left out."""
     import json
 
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_bench.py"),
                            "--smoke", "--work", str(tmp_path / "work"), "--json", str(out),
-                           "--peak-tflops", "1"], capture_output=True, text=True, timeout=900)
+                           "--peak-tflops", "1", "--steps", "4", "--trace",
+                           str(tmp_path / "trace")],
+                          capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert json.dumps(result) in proc.stdout.splitlines()
@@ -56,6 +59,16 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
         assert f"{algo:<9} {run['median_step_s']:>9.3f}" in proc.stdout
         # the memory model at the caps bounds it at the micro-batches that ran
         assert 0 < run["predicted_step_peak_bytes"] <= run["predicted_peak_bytes"]
+        # where the time went: each part measured apart, together the step with its loading
+        parts = run["time_breakdown"]
+        assert set(parts) == {"vit", "projector", "llm", "head", "recompute", "optimizer",
+                              "pipeline_wait", "data_wait", "other"}
+        assert min(parts.values()) >= 0 and min(parts[p] for p in ("vit", "projector", "llm",
+                                                                   "head", "optimizer")) > 0
+        assert sum(parts.values()) == pytest.approx(run["breakdown_step_s"], rel=0.05)
+        assert run["hfu"] >= run["mfu"]
+        with open(tmp_path / "trace" / algo / "trace-rank0-step1.json", encoding="utf-8") as f:
+            assert json.load(f)["traceEvents"]
 
 
 def test_layer_kinds_bench_costs_less_attention_by_kind(tmp_path):

@@ -41,6 +41,7 @@ from vlmshard.shards.config import WriteConfig
 from vlmshard.shards.loader import ShardDataset
 from vlmshard.shards.writer import run_write
 from vlmshard.simulate.replay import compare, replay_run, validate_against_log
+from vlmshard.train.clock import PARTS, layer_part
 from vlmshard.train.config import ProfileConfig
 from vlmshard.train.hf_model import model_layers
 from vlmshard.train.profile import run_profile
@@ -360,6 +361,22 @@ def test_pipeline_of_two_stages_learns_from_its_plan(small_shards, partition, tm
                                                             "profile.json"))["layers"]]
     described = read_json(tmp_path / "run" / "pipeline.json")
     bounds = config["bounds"]
+    # Each rank's time by part covers its loading and step: measured apart, the parts sum to it
+    # within 5%; a stage spends time on the parts of the model it holds and no other, and
+    # recomputes only where it holds recomputed layers. The HFU's FLOPs add the recomputed.
+    held = {s["stage"]: s for s in described["stages"]}
+    for r in log:
+        assert r["hardware_flops"] > r["model_flops"] > 0
+        for rank in r["ranks"]:
+            parts = rank["time_breakdown"]
+            assert min(parts.values()) >= 0
+            assert sum(parts.values()) == pytest.approx(rank["step_time_s"] + rank["load_s"],
+                                                        rel=0.05)
+            stage = held[rank["stage"]]
+            holds = {layer_part(n) for n in stage["layers"]}
+            assert {p for p in PARTS if parts[p] > 0} == holds, (rank, stage["layers"])
+            assert (parts["recompute"] > 0) == bool(stage["recompute"] or stage["selective"])
+            assert parts["optimizer"] > 0 and parts["data_wait"] == rank["load_s"]
     assert [s["layers"] for s in described["stages"]] == [names[a:b] for a, b in
                                                           zip(bounds, bounds[1:])]
     for mode in ("recompute", "selective"):

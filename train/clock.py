@@ -1,22 +1,40 @@
-"""A pipeline stage's own compute time, read once per step.
+"""A rank's own time in a step, by part of the model, read once per step.
 
 DeepSpeed's timers (``wall_clock_breakdown``) trip an assertion in pipeline mode, so a stage
-times itself: forward around its layers; backward from the moment its output's gradient arrives
-to the moment the last of its parameters has its gradient; and the pipeline time, from the
-step's start to the end of its last backward, which splits the step into the pipeline (where
-its bubbles are) and what follows it (gradient all-reduce, optimizer). On a GPU the marks are
-CUDA events recorded on the compute stream (a host clock would time kernel launches, not
-kernels), and ``take`` synchronises once to read them all. Each training engine owns one clock
-(``vlmshard.train.engine``) and hands it to the layers it builds.
+times itself. Forward: around its layers, one interval per run of consecutive layers of one part
+(``PARTS``). Backward: from the moment the gradient of a part's last output arrives to the moment
+the next part's arrives (tensor hooks), the stage's last interval ending at its last parameter's
+gradient (or, in the plain engine, where its ``backward`` call returns). Recompute: the re-forward
+of a checkpointed layer inside backward, timed around the layer's second call and taken off its
+part's backward. Optimizer: torch's optimizer step, from its first pre-hook to its last
+post-hook. The pipeline time runs from the step's start to the end of the stage's last backward,
+which splits the step into the pipeline (where its bubbles are) and what follows it (gradient
+all-reduce, optimizer). On a GPU the marks are CUDA events recorded on the compute stream (a
+host clock would time kernel launches, not kernels), and ``take`` synchronises once to read them
+all; on CPU, where the device is synchronous, they are ``perf_counter`` readings. Each training
+engine owns one clock (``vlmshard.train.engine``) and hands it to the layers it builds.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+# The parts of the model a step's compute is split into: ViT (patch embedding and blocks),
+# projector (merger), LLM (token embedding, blocks, final norm), head (LM head and loss)
+PARTS = ("vit", "projector", "llm", "head")
+
+
+def layer_part(name: str) -> str:
+    """The part (``PARTS``) a pipeline layer belongs to, by its name (``LayerDef.name``)."""
+    if name.startswith("vit_"):
+        return "vit"
+    if name in ("projector", "head"):
+        return name
+    return "llm"
 
 
 def mark(cuda: bool):
@@ -38,62 +56,146 @@ class StageTimes:
     """One step of one stage, in seconds."""
 
     forward_s: float
-    backward_s: float
+    backward_s: float  # recompute included
     pipeline_s: float  # step start to the end of the stage's last backward (0: no backward)
+    # per part (PARTS): its layers' forward and backward, recompute excluded
+    parts: dict[str, float] = field(default_factory=dict)
+    recompute_s: float = 0.0
+    optimizer_s: float = 0.0
 
 
 class StageClock:
-    """Forward and backward intervals of this process's micro-batches since ``start_step``;
-    ``cuda``: marks are CUDA events on the compute stream."""
+    """The intervals of this process's micro-batches since ``start_step``; ``cuda``: marks are
+    CUDA events on the compute stream."""
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
+        self._clear()
+
+    def _clear(self) -> None:
         self._start = None
-        self._forward: list[tuple] = []
-        self._backward: list[tuple] = []
-        self._backward_open: list | None = None  # [start, latest parameter-gradient mark]
+        self._forward: list[tuple] = []  # (part, start, end)
+        self._backward: list[tuple] = []  # (part, start, end)
+        self._recompute: list[tuple] = []  # (part, start, end)
+        self._spans: list[tuple] = []  # (start, end): each micro-batch's whole backward
+        self._open: list | None = None  # [part, start] of the backward interval running
+        self._span_start = None
+        self._latest = None  # the latest parameter-gradient mark of the open backward
+        self._last = None  # the end of the latest forward interval
+        self._optimizer: list | None = None  # [first pre-hook mark, last post-hook mark]
 
     def mark(self):
         return mark(self.cuda)
 
     def start_step(self) -> None:
         """Forget earlier intervals and mark the step's start."""
-        self._forward, self._backward, self._backward_open = [], [], None
+        self._clear()
         self._start = self.mark()
 
-    def forward_done(self, start) -> None:
-        self._forward.append((start, self.mark()))
+    # forward
 
-    def backward_done(self, start) -> None:
-        """A backward timed around its call (the plain engine's; a pipeline stage's backward is
-        timed by the hooks below, as DeepSpeed runs it)."""
-        self._backward.append((start, self.mark()))
+    def forward_begin(self) -> None:
+        """A micro-batch's forward through this stage starts."""
+        self._last = self.mark()
+
+    def forward_part(self, part: str) -> None:
+        """The forward since the last mark was ``part``'s."""
+        end = self.mark()
+        self._forward.append((part, self._last, end))
+        self._last = end
+
+    def recomputed(self, part: str, fn):
+        """``fn`` as a checkpointed layer of ``part`` calls it: the first call is its forward,
+        any later one its recompute in backward, timed (also when the checkpoint stops it early
+        by raising, once the tensors backward needs are made again)."""
+        calls = 0
+
+        def run(*args):
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return fn(*args)
+            start = self.mark()
+            try:
+                return fn(*args)
+            finally:
+                self._recompute.append((part, start, self.mark()))
+        return run
+
+    # backward
+
+    def backward_begin(self, part: str) -> None:
+        """A micro-batch's backward through this stage starts, with ``part``'s (the stage's
+        last layer's)."""
+        self._close_backward()
+        self._span_start = self._latest = self.mark()
+        self._open = [part, self._span_start]
+
+    def output_grad_arrives(self, part: str):
+        """A tensor hook on the stage's output (a pipeline stage's backward starts when DeepSpeed
+        gives it its output's gradient)."""
+        def hook(grad):
+            self.backward_begin(part)
+            return grad
+        return hook
+
+    def part_grad_arrives(self, part: str):
+        """A tensor hook on the last output of a run of ``part``'s layers: its backward starts."""
+        def hook(_grad) -> None:
+            if self._open is None:
+                return
+            now = self.mark()
+            self._backward.append((self._open[0], self._open[1], now))
+            self._open = [part, now]
+        return hook
+
+    def backward_done(self) -> None:
+        """The plain engine's ``backward`` call returned: the micro-batch's backward ends."""
+        self._latest = self.mark()
+        self._close_backward()
 
     def watch(self, parameters) -> None:
+        """A pipeline stage's backward ends at its last parameter's gradient."""
         for p in parameters:
             p.register_post_accumulate_grad_hook(self._on_parameter_grad)
 
-    def output_grad_arrives(self, grad):
-        """Tensor hook on the stage's output: this micro-batch's backward starts."""
-        self._close_backward()
-        start = self.mark()
-        self._backward_open = [start, start]
-        return grad
-
     def _on_parameter_grad(self, _param) -> None:
-        if self._backward_open is None:
+        if self._open is None:
             return
         if self.cuda:  # one end event per micro-batch, re-recorded: the latest record counts
-            if self._backward_open[1] is self._backward_open[0]:
-                self._backward_open[1] = torch.cuda.Event(enable_timing=True)
-            self._backward_open[1].record()
+            if self._latest is self._span_start:
+                self._latest = torch.cuda.Event(enable_timing=True)
+            self._latest.record()
         else:
-            self._backward_open[1] = time.perf_counter()
+            self._latest = time.perf_counter()
 
     def _close_backward(self) -> None:
-        if self._backward_open is not None:
-            self._backward.append(tuple(self._backward_open))
-            self._backward_open = None
+        if self._open is not None:
+            self._backward.append((self._open[0], self._open[1], self._latest))
+            self._spans.append((self._span_start, self._latest))
+            self._open = None
+
+    # optimizer
+
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Time torch's ``optimizer`` step (DeepSpeed calls it once a step, ZeRO-3 once per
+        parameter group)."""
+        optimizer.register_step_pre_hook(self._on_optimizer_start)
+        optimizer.register_step_post_hook(self._on_optimizer_end)
+
+    def _on_optimizer_start(self, *_) -> None:
+        if self._optimizer is None:
+            self._optimizer = [self.mark(), None]
+
+    def _on_optimizer_end(self, *_) -> None:
+        if self._optimizer is None:
+            return
+        if self.cuda:
+            if self._optimizer[1] is None:
+                self._optimizer[1] = torch.cuda.Event(enable_timing=True)
+            self._optimizer[1].record()
+        else:
+            self._optimizer[1] = time.perf_counter()
 
     def take(self) -> StageTimes:
         """The step's times since ``start_step``; one device synchronisation, after which the
@@ -101,11 +203,23 @@ class StageClock:
         self._close_backward()
         if self.cuda:
             torch.cuda.synchronize()
-        out = StageTimes(sum(self._seconds(a, b) for a, b in self._forward),
-                         sum(self._seconds(a, b) for a, b in self._backward),
-                         self._seconds(self._start, self._backward[-1][1])
-                         if self._backward and self._start is not None else 0.0)
-        self._forward, self._backward, self._start = [], [], None
+        parts = dict.fromkeys(PARTS, 0.0)
+        for part, a, b in self._forward + self._backward:
+            parts[part] += self._seconds(a, b)
+        recompute = 0.0
+        for part, a, b in self._recompute:
+            took = self._seconds(a, b)
+            parts[part] -= took
+            recompute += took
+        optimizer = self._optimizer
+        out = StageTimes(
+            sum(self._seconds(a, b) for _, a, b in self._forward),
+            sum(self._seconds(a, b) for a, b in self._spans),
+            self._seconds(self._start, self._spans[-1][1])
+            if self._spans and self._start is not None else 0.0,
+            parts, recompute,
+            self._seconds(*optimizer) if optimizer and optimizer[1] is not None else 0.0)
+        self._clear()
         return out
 
     def _seconds(self, start, end) -> float:
@@ -113,16 +227,27 @@ class StageClock:
 
 
 class HostSyncs:
-    """Counts the synchronizing CUDA calls made inside ``with`` (``torch.cuda``'s sync debug
-    mode warns at each: a ``.item()``, a copy from the device, a pageable copy to it); a
-    no-op off CUDA or when not ``enabled``."""
+    """Counts the calls inside ``with`` that make the host wait for the device: the synchronizing
+    CUDA calls ``torch.cuda``'s sync debug mode warns at (a ``.item()``, a copy from the device,
+    a pageable copy to it), and ``torch.cuda.synchronize``, which that mode does not see
+    (DeepSpeed's accelerator calls it), counted by wrapping it while inside. A no-op when not
+    ``enabled``; off CUDA only ``synchronize`` calls are counted."""
 
     def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled and torch.cuda.is_available()
+        self.enabled = enabled
+        self._debug = enabled and torch.cuda.is_available()
         self.count = 0
 
     def __enter__(self) -> "HostSyncs":
         if self.enabled:
+            self._synchronize = torch.cuda.synchronize
+
+            def counted(*args, **kwargs):
+                self.count += 1
+                return self._synchronize(*args, **kwargs)
+
+            torch.cuda.synchronize = counted
+        if self._debug:
             self._warnings = warnings.catch_warnings(record=True)
             self._caught = self._warnings.__enter__()
             warnings.simplefilter("always")
@@ -130,7 +255,9 @@ class HostSyncs:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.enabled:
+        if self._debug:
             torch.cuda.set_sync_debug_mode("default")
             self._warnings.__exit__(*exc)
-            self.count = sum("synchronizing" in str(w.message) for w in self._caught)
+            self.count += sum("synchronizing" in str(w.message) for w in self._caught)
+        if self.enabled:
+            torch.cuda.synchronize = self._synchronize

@@ -95,8 +95,13 @@ class TrainConfig:
                 "shapes, then dynamic), a frame block kinds share once or twice per kind; more "
                 "means packed shapes recompile")
     count_host_syncs: bool = option(
-        False, help="on GPU, count each step's synchronizing CUDA calls (torch.cuda's sync "
-                    "debug mode) and log them per rank as host_syncs (slows the step)")
+        False, help="count each step's synchronizing CUDA calls (torch.cuda's sync debug mode, "
+                    "on GPU) and torch.cuda.synchronize calls, and log them per rank as "
+                    "host_syncs (slows the step)")
+    trace: str | None = option(
+        None, help="write a torch profiler trace (Chrome trace JSON, one file per rank) of the "
+                   "run's second step to this folder; that step's log line says traced",
+        default_text="no trace")
     hostfile: str | None = option(
         None, help="DeepSpeed hostfile ('HOST slots=N' per line): start every node from this one "
                    "over passwordless ssh. Without it, a job started on every node (srun, or "

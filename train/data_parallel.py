@@ -27,7 +27,7 @@ class VLMModel(nn.Module):
 
     def __init__(self, model: ModelLayers, loss_fn, *, device: torch.device | str,
                  dtype: torch.dtype, recompute: set[str] = frozenset(),
-                 selective: set[str] = frozenset()) -> None:
+                 selective: set[str] = frozenset(), clock: StageClock | None = None) -> None:
         super().__init__()
         built = model.build_all(device, dtype)  # a tied head is the embedding's module
         self.layers = nn.ModuleList({id(m): m for m in built}.values())  # each module once
@@ -35,6 +35,7 @@ class VLMModel(nn.Module):
         self.model = model
         self.loss_fn = loss_fn
         self.recompute = recompute_modes(model.names, recompute, selective, model)
+        self.clock = clock  # the engine's, which its layers' forwards mark
 
     @property
     def stage_layer_names(self) -> list[str]:
@@ -42,7 +43,7 @@ class VLMModel(nn.Module):
 
     def forward(self, wire: tuple, host: HostMeta) -> torch.Tensor:
         micro = unpack(wire, host, self.model.input_phase(0), self.model.backend)
-        micro = run_layers(self.ordered, self.model.defs, micro, self.recompute)
+        micro = run_layers(self.ordered, self.model.defs, micro, self.recompute, self.clock)
         return self.loss_fn(micro.x, wire[3])
 
     def register_external_weights(self) -> None:
@@ -64,12 +65,12 @@ def train_batch(engine, clock: StageClock, inputs: list[tuple], hosts: list[Host
     one)."""
     total = torch.zeros((), device=engine.device)
     for (wire, _), host in zip(inputs, hosts):
-        begin = clock.mark()
+        clock.forward_begin()
         loss = engine(wire, host)
-        clock.forward_done(begin)
-        begin = clock.mark()
+        clock.forward_part("head")  # the loss
+        clock.backward_begin("head")
         engine.backward(loss)
-        clock.backward_done(begin)
+        clock.backward_done()
         engine.step()
         total += loss.detach().float()
     torch.distributed.all_reduce(total)

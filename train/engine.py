@@ -39,11 +39,14 @@ def deepspeed_config(cfg: TrainConfig, gas: int) -> dict:
     data-parallel ranks (the ZeRO-1 setting is how DeepSpeed selects it under pipeline
     parallelism). ``--grad-accum bf16`` (in bf16, DeepSpeed's own warning says, many
     accumulation steps are not safe) takes DeepSpeed's ZeRO-1 optimizer instead, for up to 4
-    bytes per parameter less (``model_sizes.bytes_per_param``)."""
+    bytes per parameter less (``model_sizes.bytes_per_param``). DeepSpeed's throughput timer
+    is off: it synchronises the device around each micro-batch (the engine's ``StageClock``
+    times the step without), and so is its ``wall_clock_breakdown``."""
     config = {
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
         "train_batch_size": gas * cfg.dp, "steps_per_print": 10 ** 9,
         "gradient_clipping": cfg.max_grad_norm,
+        "timers": {"throughput": {"enabled": False}}, "wall_clock_breakdown": False,
     }
     if cfg.precision == "bf16":
         config["bf16"] = {"enabled": True}
@@ -61,7 +64,7 @@ class StepResult:
 
     loss: float  # the per-token mean over the global batch (the same on every rank)
     lr: float  # the learning rate the step's update used
-    times: StageTimes  # this rank's own forward, backward and pipeline time
+    times: StageTimes  # this rank's own forward, backward, pipeline time and their parts
     seconds: float  # from the step's start, together on every rank, to its end on the device
     extra: dict  # GPU peak memory, host syncs (when counted), engine bytes (first step only)
 
@@ -89,6 +92,7 @@ class TrainEngine(ABC):
         # first use (nvcc on GPU, minutes of ninja on CPU).
         optimizer = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                       fused=True)
+        self.clock.watch_optimizer(optimizer)
         # Hugging Face's schedules, stepped by DeepSpeed after each optimizer step and saved
         # with its checkpoints (a resumed run continues the schedule)
         self.schedule = get_scheduler(cfg.lr_scheduler_type, optimizer,
@@ -230,7 +234,8 @@ class DataParallelEngine(TrainEngine):
 
     def _module(self, model, chosen, device, topology) -> VLMModel:
         net = VLMModel(model, self.loss, device=device, dtype=self.cfg.dtype,
-                       recompute=set(chosen.recompute), selective=set(chosen.selective))
+                       recompute=set(chosen.recompute), selective=set(chosen.selective),
+                       clock=self.clock)
         if self.cfg.zero == 3:
             net.register_external_weights()
         return net

@@ -29,7 +29,7 @@ from torch import nn
 from vlmshard.errors import ConfigError
 
 from . import deepspeed_compat as ds
-from .clock import StageClock
+from .clock import StageClock, layer_part
 from .hf_model import ModelLayers, model_layers
 from .kernels import Kernels
 from .micro import HostMeta, Micro, pack, unpack, wire_inputs
@@ -67,12 +67,22 @@ def recompute_modes(names: list[str], recompute: set[str], selective: set[str],
 
 
 def run_layers(layers: list[nn.Module], defs: list[LayerDef], micro: Micro,
-               modes: list[str | None]) -> Micro:
+               modes: list[str | None], clock: StageClock | None = None) -> Micro:
     """The layers in order on one micro-batch, each recomputed in backward as its mode says
     (``recompute_modes``). Each returns its output rows (the loss, for the head), or a
-    ``LayerOutput`` when it also makes or uses carried features."""
-    for layer, d, mode in zip(layers, defs, modes):
+    ``LayerOutput`` when it also makes or uses carried features. ``clock``: each run of
+    consecutive layers of one part (``clock.PARTS``) is timed on it, forward, backward (up to the
+    last layer's, which the caller times with the stage's output) and recompute (the caller
+    marks the forward's start: ``StageClock.forward_begin``)."""
+    parts = [layer_part(d.name) for d in defs]
+    for i, (layer, d, mode) in enumerate(zip(layers, defs, modes)):
+        if clock is not None and mode:
+            layer = clock.recomputed(parts[i], layer)
         micro = micro.with_output(run_layer(layer, micro, mode), d.output)
+        if clock is not None and (i + 1 == len(parts) or parts[i + 1] != parts[i]):
+            clock.forward_part(parts[i])
+            if i + 1 < len(parts) and micro.x.requires_grad:
+                micro.x.register_hook(clock.part_grad_arrives(parts[i]))
     return micro
 
 
@@ -130,7 +140,7 @@ class VLMPipeline(PipelineModule):
         self._hosts.extend(hosts)
 
     def forward(self, wire: tuple):
-        start = self.clock.mark()
+        self.clock.forward_begin()
         first = self.layer_indices[0]
         if first == 0:  # DeepSpeed makes the float inputs require grad; pixels need none
             wire = (wire[0].detach(), *wire[1:])
@@ -139,16 +149,17 @@ class VLMPipeline(PipelineModule):
                                "before train_batch")
         micro = unpack(wire, self._hosts.popleft(), self.model.input_phase(first), self.backend)
         defs = [self.model.defs[i] for i in self.layer_indices]
-        micro = run_layers(ds.stage_functions(self), defs, micro, self.recompute)
+        micro = run_layers(ds.stage_functions(self), defs, micro, self.recompute, self.clock)
         last = self.layer_indices[-1]
+        part = layer_part(defs[-1].name)
         if last == len(self.model.defs) - 1:
             out = activation = micro.x  # the loss
         else:
             out = pack(micro, self.model.defs[last].output, self.model.geometry.tokens_per_tile)
             activation = out[0]
-        self.clock.forward_done(start)
+            self.clock.forward_part(part)  # the packing, with the stage's last part
         if activation.requires_grad:
-            activation.register_hook(self.clock.output_grad_arrives)
+            activation.register_hook(self.clock.output_grad_arrives(part))
         return out
 
 

@@ -13,7 +13,7 @@ import os
 from typing import IO
 
 from vlmshard.io import atomic_write
-from vlmshard.model_sizes import Size
+from vlmshard.model_sizes import LayerWork, Size
 from vlmshard.run_log import LOG_NAME
 
 log = logging.getLogger(__name__)
@@ -35,15 +35,40 @@ def micro_batch_size(batch: dict, window: int = 0) -> dict:
 
 
 def rank_timing(*, rank: int, stage: int, dp_rank: int, forward_s: float, backward_s: float,
-                pipeline_s: float, step_time_s: float, load_s: float = 0.0) -> dict:
+                pipeline_s: float, step_time_s: float, load_s: float = 0.0,
+                parts: dict[str, float] | None = None, recompute_s: float = 0.0,
+                optimizer_s: float = 0.0) -> dict:
     """One rank's timings of a step: ``pipeline_s`` from the step's start to the end of its
     last backward (the replica's pipeline is its stages' longest; the rest of the step is the
     gradient all-reduce and the optimizer); ``wait_s`` the step time less its own compute;
-    ``load_s`` the time it waited for its loader before the step (outside the step time)."""
+    ``load_s`` the time it waited for its loader before the step (outside the step time);
+    ``time_breakdown`` (``time_breakdown``) where the rank's load and step went, by part."""
     return {"rank": rank, "stage": stage, "dp_rank": dp_rank, "forward_s": forward_s,
             "backward_s": backward_s, "pipeline_s": pipeline_s,
             "wait_s": max(0.0, step_time_s - forward_s - backward_s),
-            "step_time_s": step_time_s, "load_s": load_s}
+            "step_time_s": step_time_s, "load_s": load_s,
+            "time_breakdown": time_breakdown(
+                parts=parts or {}, recompute_s=recompute_s, optimizer_s=optimizer_s,
+                forward_s=forward_s, backward_s=backward_s, pipeline_s=pipeline_s,
+                step_time_s=step_time_s, load_s=load_s)}
+
+
+def time_breakdown(*, parts: dict[str, float], recompute_s: float, optimizer_s: float,
+                   forward_s: float, backward_s: float, pipeline_s: float, step_time_s: float,
+                   load_s: float) -> dict[str, float]:
+    """A rank's loading and step (``load_s + step_time_s``) in seconds by part: each part of the
+    model's forward and backward without recompute (``parts``: vit, projector, llm, head), the
+    re-forward of recomputed layers in backward, the optimizer's step, the waiting inside the
+    pipeline (its time less its own forward and backward: bubbles, sends and receives, and the
+    host between micro-batches), the wait for data (``load_s``), and ``other``: the rest
+    (gradient all-reduce and clipping, the weights' update after the optimizer, the loss's
+    broadcast, host overhead). The parts are measured apart, so nothing but ``other`` is a
+    remainder; it is never negative, so measured parts that overlapped would sum to more than
+    the step."""
+    out = {**parts, "recompute": recompute_s, "optimizer": optimizer_s,
+           "pipeline_wait": max(0.0, pipeline_s - forward_s - backward_s), "data_wait": load_s}
+    out["other"] = max(0.0, load_s + step_time_s - sum(out.values()))
+    return out
 
 
 def rank_data(micro: list[dict], window: int = 0) -> dict:
@@ -55,27 +80,46 @@ def rank_data(micro: list[dict], window: int = 0) -> dict:
             "sample_ids": [b["sample_ids"].tolist() for b in micro]}
 
 
+def recompute_flops(names: list[str], work: list[LayerWork], recompute: list[str]) -> Size:
+    """Per unit of ``Size``, the FLOPs a step runs again in backward beyond the model's
+    (``model_sizes.training_flops``): the forward of each trainer layer (``names``, their
+    analytic ``work``: ``model_sizes.trainer_layer_work``) named in ``recompute`` (recomputed
+    whole), and the LM head's logits, which the loss recomputes chunk by chunk
+    (``models.layers.lm_loss``; once more if the head is itself recomputed whole). Selective
+    recompute runs no matrix multiplies again and adds none."""
+    again = [w.flops for n, w in zip(names, work) if n in recompute] + [
+        w.flops for n, w in zip(names, work) if n == "head"]
+    return Size(*(sum(getattr(f, k) for f in again)
+                  for k in ("tiles", "tokens", "squares", "windowed")))
+
+
 def step_record(step: int, loss: float, lr: float, ranks: list[dict],
-                flops: Size) -> dict:
+                flops: Size, again: Size = Size()) -> dict:
     """One line of train_log.jsonl from every rank's timings (``rank_timing``, with ``data``
     from ``rank_data`` on first-stage ranks).
 
     ``model_flops`` is the step's useful training work (forward + backward of the real tiles,
     tokens and per-sample attention, padding excluded) from the model's analytic FLOPs: divided
-    by step time and the cluster's peak it is the MFU. ``end_to_end_tokens_per_s`` also counts
+    by step time and the cluster's peak it is the MFU; ``hardware_flops`` adds the FLOPs run
+    again in backward (``again``, per unit of ``Size``: ``recompute_flops``), for the HFU.
+    ``end_to_end_tokens_per_s`` also counts
     the slowest rank's loading, which precedes the step. ``lr``: the learning rate the step's
     update used."""
     seconds = max(r["step_time_s"] for r in ranks)
     load = max(r.get("load_s", 0.0) for r in ranks)
     data = sorted((r for r in ranks if "data" in r), key=lambda r: r["dp_rank"])
     tokens = sum(r["data"]["tokens"] for r in data)
-    model_flops = sum(flops.dot(Size(**m)) for r in data for m in r["data"]["micro_sizes"])
+    sizes = [Size(**m) for r in data for m in r["data"]["micro_sizes"]]
+    model_flops = sum(flops.dot(m) for m in sizes)
+    hardware_flops = model_flops + sum(again.dot(m) for m in sizes)
     return {"step": step, "loss": loss, "lr": lr, "step_time_s": seconds, "load_s": load,
             "tokens": tokens,
             "tokens_per_s": tokens / seconds if seconds else 0.0,
             "end_to_end_tokens_per_s": tokens / (seconds + load) if seconds + load else 0.0,
             "model_flops": model_flops,
             "model_flops_per_s": model_flops / seconds if seconds else 0.0,
+            "hardware_flops": hardware_flops,
+            "hardware_flops_per_s": hardware_flops / seconds if seconds else 0.0,
             "ranks": [{k: v for k, v in r.items() if k != "data"} for r in ranks],
             "data": [{"dp_rank": r["dp_rank"], **r["data"]} for r in data]}
 

@@ -47,6 +47,7 @@ from .train_log import (
     pipeline_record,
     rank_data,
     rank_timing,
+    recompute_flops,
     step_record,
     write_record,
 )
@@ -215,6 +216,9 @@ def train(cfg: TrainConfig, setup: Setup, engine: TrainEngine, first_step: int,
     batches = repeated(cfg, engine.dp_rank, first_step, setup.cuda) if reads else None
     vocab = setup.model.config.get_text_config().vocab_size
     flops = training_flops(setup.sizes)
+    again = recompute_flops(setup.model.names, setup.model.analytic_work(),
+                            setup.chosen.recompute)
+    traced = first_step + 1 if cfg.trace else None
     for step in range(first_step, setup.steps):
         start = time.perf_counter()
         micro = [check_vocabulary(next(batches), vocab)
@@ -227,20 +231,42 @@ def train(cfg: TrainConfig, setup: Setup, engine: TrainEngine, first_step: int,
         tokens = torch.tensor([sum(h.supervised for h in hosts) if reads else 0])
         torch.distributed.all_reduce(tokens, group=setup.groups.world)
         load_s = time.perf_counter() - start
-        done = engine.step(inputs, hosts, int(tokens))
+        with traced_step(cfg.trace, engine.global_rank, step, setup.cuda, step == traced):
+            done = engine.step(inputs, hosts, int(tokens))
+        times = done.times
         mine = rank_timing(rank=engine.global_rank, stage=engine.stage_id,
-                           dp_rank=engine.dp_rank, forward_s=done.times.forward_s,
-                           backward_s=done.times.backward_s, pipeline_s=done.times.pipeline_s,
-                           step_time_s=done.seconds, load_s=load_s)
+                           dp_rank=engine.dp_rank, forward_s=times.forward_s,
+                           backward_s=times.backward_s, pipeline_s=times.pipeline_s,
+                           step_time_s=done.seconds, load_s=load_s, parts=times.parts,
+                           recompute_s=times.recompute_s, optimizer_s=times.optimizer_s)
         mine.update(done.extra)
         if reads:
             mine["data"] = rank_data(micro, setup.sizes.llm.sliding_window)
         ranks = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(ranks, mine, group=setup.groups.world)
         if log_file:
-            write_record(log_file, step_record(step, done.loss, done.lr, ranks, flops))
+            record = step_record(step, done.loss, done.lr, ranks, flops, again)
+            if step == traced:  # profiled: its times hold the profiler's overhead
+                record["traced"] = True
+            write_record(log_file, record)
         if checkpoint_due(cfg, step + 1, setup.steps):
             engine.save(os.path.join(cfg.out, "checkpoints"), step + 1)
+
+
+def traced_step(folder: str | None, rank: int, step: int, cuda: bool, on: bool
+                ) -> ContextManager:
+    """Inside: a torch profiler trace of the step (CPU, and CUDA kernels on GPU), written as
+    ``folder/trace-rank{rank}-step{step}.json`` (Chrome's trace format: chrome://tracing,
+    Perfetto); nothing when not ``on``."""
+    if not on:
+        return contextlib.nullcontext()
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"trace-rank{rank}-step{step}.json")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    return profile(activities=activities, record_shapes=True,
+                   on_trace_ready=lambda prof: prof.export_chrome_trace(path))
 
 
 def leave() -> None:

@@ -6,9 +6,14 @@ without importing the trainer. A record holds every rank's timings and, for each
 rank, what its first stage trained:
 
 ``{"step", "loss", "lr", "step_time_s", "load_s", "tokens", "tokens_per_s",
-"end_to_end_tokens_per_s", "model_flops", "model_flops_per_s", "ranks": [{"rank", "stage",
-"dp_rank", "forward_s", "backward_s", "pipeline_s", "wait_s", "step_time_s", "load_s"}],
-"data": [{"dp_rank", "tokens", "plan_steps", "micro_sizes", "sample_ids"}]}``; on GPU a rank
+"end_to_end_tokens_per_s", "model_flops", "model_flops_per_s", "hardware_flops",
+"hardware_flops_per_s", "ranks": [{"rank", "stage", "dp_rank", "forward_s", "backward_s",
+"pipeline_s", "wait_s", "step_time_s", "load_s", "time_breakdown": {"vit", "projector", "llm",
+"head", "recompute", "optimizer", "pipeline_wait", "data_wait", "other"}}], "data": [{"dp_rank",
+"tokens", "plan_steps", "micro_sizes", "sample_ids"}]}`` (``hardware_flops``: the model's
+FLOPs and those recompute runs again; ``time_breakdown``: the rank's ``load_s + step_time_s``
+by part, ``vlmshard.train.train_log.time_breakdown``); a step traced by the profiler
+(``--trace``) has ``"traced": true``; on GPU a rank
 also logs ``peak_memory_bytes`` and ``peak_reserved_bytes`` (the allocator's peaks in the
 step: ``max_memory_allocated``, which pipeline.json's predicted peak is checked against, and
 ``max_memory_reserved``) and, when counted, ``host_syncs``.

@@ -1,0 +1,174 @@
+"""The step clock: a step's time by part of the model, recompute apart, from layers whose
+forward and backward take known times; the host-sync counter; DeepSpeed's own timers off."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from vlmshard.model_sizes import ModelConfig, trainer_layer_work, training_flops
+from vlmshard.train.clock import HostSyncs, StageClock
+from vlmshard.train.micro import Micro, Phase
+from vlmshard.train.models.layers import LayerDef
+from vlmshard.train.pipeline import run_layers
+from vlmshard.train.train_log import rank_timing, recompute_flops
+
+
+class Sleep(torch.autograd.Function):
+    """Takes ``forward_s`` in forward (again when recomputed) and ``backward_s`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, forward_s: float, backward_s: float):
+        time.sleep(forward_s)
+        ctx.backward_s = backward_s
+        out = x * 1.0
+        ctx.save_for_backward(out)  # saved after the sleep: a recompute runs the whole forward
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_s)
+        return grad * ctx.saved_tensors[0].detach() * 0 + grad, None, None
+
+
+class SleepLayer(nn.Module):
+    def __init__(self, forward_s: float, backward_s: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+        self.forward_s, self.backward_s = forward_s, backward_s
+
+    def forward(self, micro: Micro) -> torch.Tensor:
+        return Sleep.apply(micro.x * self.weight, self.forward_s, self.backward_s)
+
+
+# name, forward s, backward s, recomputed whole
+LAYERS = [("vit_embed", 0.01, 0.02, False), ("vit_block_0", 0.02, 0.03, True),
+          ("projector", 0.01, 0.03, False), ("embed_tokens", 0.01, 0.01, False),
+          ("llm_block_0", 0.03, 0.04, True), ("final_norm", 0.01, 0.01, False),
+          ("head", 0.01, 0.02, False)]
+MICRO_BATCHES = 2
+
+
+def _micro() -> Micro:
+    empty = torch.zeros(0, dtype=torch.long)
+    return Micro(x=torch.ones(3, 4), input_ids=empty, position_ids=empty, labels=empty,
+                 host=None, backend="sdpa", phase=Phase("vision", 1), wire=())
+
+
+@pytest.mark.parametrize("engine", ["pipeline", "plain"])
+def test_the_clock_splits_a_step_by_part_with_recompute_apart(engine):
+    """Per part, the layers' forward and backward sleeps (recompute excluded), the recomputed
+    layers' forward sleeps as recompute, the optimizer's step; and the breakdown covers the
+    step: its parts sum to the step within 5% (recompute counted in its layers' parts too would
+    add 10%), ``other`` under 5% of it. (Sleeps overrun on a busy machine: the upper bounds are
+    loose.) A pipeline stage's
+    backward is timed by its output's and parameters' hooks, the plain engine's around its
+    ``backward`` call."""
+    layers = [SleepLayer(f, b) for _, f, b, _ in LAYERS]
+    defs = [LayerDef(name, None, Phase("x")) for name, *_ in LAYERS]
+    modes = ["full" if again else None for *_, again in LAYERS]
+    clock = StageClock(cuda=False)
+    params = [layer.weight for layer in layers]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    clock.watch_optimizer(optimizer)
+    if engine == "pipeline":
+        clock.watch(params)
+    start = time.perf_counter()
+    clock.start_step()
+    for _ in range(MICRO_BATCHES):
+        clock.forward_begin()
+        loss = run_layers(layers, defs, _micro(), modes, clock).x.sum()
+        if engine == "pipeline":
+            loss.register_hook(clock.output_grad_arrives("head"))
+        else:
+            clock.forward_part("head")
+            clock.backward_begin("head")
+        loss.backward()
+        if engine == "plain":
+            clock.backward_done()
+    optimizer.register_step_pre_hook(lambda *_: time.sleep(0.02))  # before the clock's: timed
+    optimizer.step()
+    times = clock.take()
+    step_s = time.perf_counter() - start
+
+    def slept(part: set[str], column: int) -> float:
+        return MICRO_BATCHES * sum(row[column] for row in LAYERS if row[0] in part)
+
+    parts = {"vit": {"vit_embed", "vit_block_0"}, "projector": {"projector"},
+             "llm": {"embed_tokens", "llm_block_0", "final_norm"}, "head": {"head"}}
+    for part, names in parts.items():
+        expected = slept(names, 1) + slept(names, 2)
+        assert expected <= times.parts[part] <= 2 * expected, (part, times.parts)
+    recomputed = slept({"vit_block_0", "llm_block_0"}, 1)
+    assert recomputed <= times.recompute_s <= 2 * recomputed
+    assert 0.02 <= times.optimizer_s <= 0.04
+    forward = slept(set().union(*parts.values()), 1)
+    assert forward <= times.forward_s <= 2 * forward
+    breakdown = rank_timing(rank=0, stage=0, dp_rank=0, forward_s=times.forward_s,
+                            backward_s=times.backward_s, pipeline_s=times.pipeline_s,
+                            step_time_s=step_s, load_s=0.01, parts=times.parts,
+                            recompute_s=times.recompute_s,
+                            optimizer_s=times.optimizer_s)["time_breakdown"]
+    assert set(breakdown) == {"vit", "projector", "llm", "head", "recompute", "optimizer",
+                              "pipeline_wait", "data_wait", "other"}
+    assert breakdown["data_wait"] == 0.01
+    assert sum(breakdown.values()) == pytest.approx(step_s + 0.01, rel=0.05)
+    assert 0 <= breakdown["other"] < 0.05 * (step_s + 0.01)
+
+
+def test_overlapping_parts_sum_to_more_than_the_step():
+    """``other`` is the remainder, never negative: parts measured twice show in the sum."""
+    breakdown = rank_timing(rank=0, stage=0, dp_rank=0, forward_s=1.0, backward_s=2.0,
+                            pipeline_s=3.0, step_time_s=3.5, load_s=0.0,
+                            parts={"vit": 1.0, "llm": 2.0}, recompute_s=0.5,
+                            optimizer_s=0.5)["time_breakdown"]
+    assert breakdown["other"] == 0 and sum(breakdown.values()) == 4.0
+
+
+def test_host_syncs_counts_torch_cuda_synchronize():
+    """The sync debug mode does not see ``torch.cuda.synchronize``; the counter does, and
+    still makes the call (which a CPU build of torch refuses, after it was counted)."""
+    original = torch.cuda.synchronize
+    with HostSyncs(True) as syncs:
+        with contextlib.suppress(AssertionError) if not torch.cuda.is_available() else \
+                contextlib.nullcontext():
+            torch.cuda.synchronize()
+    assert syncs.count == 1 and torch.cuda.synchronize is original
+    with HostSyncs(False) as off:
+        assert torch.cuda.synchronize is original
+    assert off.count == 0
+
+
+def test_deepspeed_times_no_micro_batch():
+    """DeepSpeed, reading the trainer's config, keeps its throughput timer (which synchronises
+    the device around every micro-batch) and its wall-clock breakdown off."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from vlmshard.train.config import TrainConfig
+    from vlmshard.train.engine import deepspeed_config
+
+    for precision in ("bf16", "fp32"):
+        cfg = TrainConfig(shards="s", out="o", precision=precision)
+        parsed = DeepSpeedConfig(deepspeed_config(cfg, 4))
+        assert parsed.timers_config.enabled is False
+        assert parsed.wall_clock_breakdown is False
+
+
+def test_recompute_flops_are_the_recomputed_forwards_and_the_heads_logits():
+    """Nothing recomputed: the head's logits again, 2 × hidden × vocabulary per token; every
+    layer recomputed: the whole forward (a third of the training FLOPs) on top."""
+    config = ModelConfig()
+    names = config.layer_names()
+    names[names.index("projector_merge")] = "projector"
+    work = trainer_layer_work(names, config)
+    head = 2 * config.llm.hidden * config.llm.vocab_size
+    assert recompute_flops(names, work, []).tokens == head
+    every = recompute_flops(names, work, names)
+    total = training_flops(config)
+    for key in ("tiles", "squares", "windowed"):
+        assert getattr(every, key) == pytest.approx(getattr(total, key) / 3)
+    assert every.tokens == pytest.approx(total.tokens / 3 + head)
