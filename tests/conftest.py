@@ -98,3 +98,11 @@ def ray_cluster(tmp_path_factory):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    """The modules holding end-to-end tests (marked slow) run first, each module's tests still
+    together and in order: the suite's two workers then end on short tests, not with one
+    worker alone in a long launch while the other idles."""
+    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module.__name__ not in slow)
