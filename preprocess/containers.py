@@ -24,7 +24,7 @@ import numpy as np
 
 from vlmshard.errors import ConfigError, InputError
 from vlmshard.io import is_url
-from vlmshard.plugins import import_named_modules
+from vlmshard.plugins import import_named_modules, once
 from vlmshard.rejects import Reject
 
 from .conversation import RowFormat
@@ -158,16 +158,10 @@ def register(container: Container, *, replace: bool = False, built_in: bool = Fa
     return container
 
 
-_loaded = False
-
-
+@once
 def _load() -> None:
     """Register the built-in containers, then import the modules ``VLMSHARD_READERS`` names
-    (once; marked first, since those modules call ``register``)."""
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
+    (which call ``register``)."""
     from .readers import BUILT_IN
 
     for container in BUILT_IN:

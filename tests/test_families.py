@@ -713,3 +713,28 @@ def test_a_family_registers_only_with_its_default_preset():
     with pytest.raises(ConfigError, match="default_preset 'no-such-preset' is none of its"):
         register(Unpriced())
     assert "unpriced" not in families()
+
+
+def test_a_registry_loads_once_when_threads_ask_together():
+    """``verify`` checks shards on a thread pool, and each thread asks the registry: the
+    built-ins must be registered once (``functools.cache`` ran its function in each thread,
+    and the second registration of a name was refused)."""
+    import threading
+    import time
+
+    from vlmshard.plugins import once
+
+    calls = []
+
+    @once
+    def load():
+        calls.append(threading.get_ident())
+        load()  # a module it imports registers, asking for the registry again
+        time.sleep(0.2)  # the other threads arrive meanwhile
+
+    threads = [threading.Thread(target=load) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1

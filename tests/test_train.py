@@ -831,3 +831,21 @@ def test_a_folder_that_cannot_load_is_one_line_before_any_rank_starts(tmp_path):
                     str(tmp_path / "run"), check=False)
     assert proc.stderr.strip().splitlines()[-1].startswith(
         f"vlmshard train: error: {folder}/config.json: model_type 'glm4v' is not a supported")
+
+
+def test_live_storages_pass_over_a_dead_weak_proxy():
+    """The profile's count of live tensors walks every object Python holds: a weak proxy whose
+    referent is gone (left by any library earlier in the process) must not stop it."""
+    import weakref
+
+    from vlmshard.train.profile import _live_storages
+
+    class Referent:
+        pass
+
+    referent = Referent()
+    proxy = weakref.proxy(referent)
+    del referent
+    held = torch.ones(1000)
+    assert _live_storages()[held.untyped_storage().data_ptr()] == 4000
+    assert proxy is not None

@@ -334,11 +334,12 @@ def _selective_bytes(func, layer_in: Micro, cuda: bool) -> int:
 
 
 def _live_storages() -> dict[int, int]:
-    """The storage (address: bytes) of every tensor Python holds."""
+    """The storage (address: bytes) of every tensor Python holds. By the object's own type:
+    ``isinstance`` asks a weak proxy for its referent's class, and a dead one raises."""
     import gc
 
     return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in gc.get_objects() if isinstance(t, torch.Tensor)}
+            for t in gc.get_objects() if issubclass(type(t), torch.Tensor)}
 
 
 class _SavedBytes:

@@ -9,7 +9,6 @@ takes over the ``model_type`` values it lists from a built-in one.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from dataclasses import fields
@@ -17,7 +16,7 @@ from dataclasses import fields
 from vlmshard.errors import ConfigError, InputError
 from vlmshard.io import sha256_file
 from vlmshard.model_sizes import ModelConfig
-from vlmshard.plugins import import_named_modules
+from vlmshard.plugins import import_named_modules, once
 
 from .base import Family, ModelSpec, TilingPolicy
 from .folder import ModelFolderError, read_model_folder
@@ -64,7 +63,7 @@ def register(family: Family, *, replace: bool = False, built_in: bool = False) -
     return family
 
 
-@functools.cache
+@once
 def _built_ins() -> None:
     """Register the built-in families (before any other: a name is then refused or replaced
     whatever order modules are imported in)."""
@@ -78,7 +77,7 @@ def _built_ins() -> None:
         register(family, built_in=True)
 
 
-@functools.cache
+@once
 def _load() -> None:
     """Register the built-in families, then import the modules ``VLMSHARD_FAMILIES`` names."""
     _built_ins()
