@@ -27,6 +27,9 @@ sample alone); ``transformers``' own detection of packing from position ids miss
 the boundaries are always given explicitly. Labels are shifted here (``shift_labels``), never
 across a sample boundary.
 
+``padded_inputs`` gives the samples of ``split_batch`` to the model as one right-padded batch
+instead, as a Hugging Face data collator pads them (the common default, for comparisons).
+
 Loss normalization: ``vlmshard train`` divides the summed token losses of a step by the
 step's supervised tokens over all ranks (Ave-Token). Pass ``num_items_in_batch`` = that count
 divided by the data-parallel world size (DDP averages the ranks' gradients), and step the
