@@ -115,7 +115,13 @@ def shard_trainer(model, batches, out: str, steps: int, callbacks=(), **options)
         def get_train_dataloader(self) -> DataLoader:
             return DataLoader(data, batch_size=None)
 
-    return ShardTrainer(model=model, args=training, train_dataset=data, callbacks=list(callbacks))
+    trainer = ShardTrainer(model=model, args=training, train_dataset=data,
+                           callbacks=list(callbacks))
+    # Qwen3-VL and Gemma 3 declare ``accepts_loss_kwargs = False`` (for Gemma 3's gradient
+    # accumulation), so the Trainer would average the micro-batches' mean losses; their forwards
+    # do hand ``num_items_in_batch`` to the loss, which makes it the step's Ave-Token loss
+    trainer.model_accepts_loss_kwargs = True
+    return trainer
 
 
 def train(folder: str, shards: str, out: str, args) -> None:
