@@ -30,13 +30,21 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    model FLOPs over step time × the device's dense bf16 peak, from ``vlmshard.hardware`` or
    ``--peak-tflops``); peak memory (``max_memory_allocated``) beside the memory model's for the
    steps' largest micro-batches and at the caps; loader throughput; host syncs per step; and
-   the simulator's predicted step time (the run replayed with the analytic FLOPs at the assumed
-   sustained share of the peak, ``vlmshard.hardware.SUSTAINED_SHARE``) beside the measured;
-   HFU (MFU's FLOPs plus those recompute runs again: ``train_log.recompute_flops``); and the
-   time breakdown: seconds per step by part (ViT, projector, LLM, head + loss, recompute,
-   optimizer, pipeline wait, data wait, other), from the trainer's CUDA events, summing to the
-   step with its loading (``breakdown_step_s``). ``--trace DIR`` also writes a torch profiler
-   trace of each plan's second step.
+   the simulator's predicted step time beside the measured, with each step's relative error
+   (``replay_step_error``): the run replayed with the analytic FLOPs at the FLOP rate
+   ``vlmshard train profile`` measured per layer kind on the balanced shards
+   (``sustained_flops_per_s``; over the peak, ``sustained_share``); HFU (MFU's FLOPs plus those
+   recompute runs again: ``train_log.recompute_flops``); and the time breakdown: seconds per
+   step by part (ViT, projector, LLM, head + loss, recompute, optimizer, pipeline wait, data
+   wait, other), from the trainer's CUDA events, summing to the step with its loading
+   (``breakdown_step_s``). ``--trace DIR`` also writes a torch profiler trace of each plan's
+   second step.
+6. ``--baseline``: the balanced shards' steps (the same samples in the same order) trained by
+   Hugging Face's ``Trainer`` (examples/hf_trainer.py) with vlmshard's optimizer, schedule,
+   clipping and precision: ``hf_packed`` on ``shards.model_inputs`` (packed, each sample
+   attending to itself alone, as LLaMA-Factory's packing trains) and ``hf_padded`` with each
+   step's samples in random micro-batches of about equal tokens, padded per sample (the common
+   default); their tokens/s, MFU (the same steps' model FLOPs) and loss per step.
 """
 
 from __future__ import annotations
@@ -150,17 +158,23 @@ def loader_throughput(shards: str, workers: int, cuda: bool, dtype) -> dict:
             "tiles_per_s": tiles / seconds}
 
 
+def train_config(args, setup: dict, algo: str):
+    """The options vlmshard trains a plan with (the baselines take its optimizer's)."""
+    from vlmshard.train.config import TrainConfig
+
+    return TrainConfig(shards=setup["shards"][algo], out=os.path.join(args.work, f"run-{algo}"),
+                       model=setup["model"], pp=1, dp=1, max_steps=args.steps,
+                       save_checkpoints=False, count_host_syncs=True,
+                       trace=os.path.join(args.trace, algo) if args.trace else None)
+
+
 def train_plan(args, setup: dict, algo: str) -> dict:
     """Train one plan; its step statistics after the warm-up steps."""
-    from vlmshard.simulate.replay import replay_run
-    from vlmshard.train.config import TrainConfig
     from vlmshard.train.launcher import train
 
-    out = os.path.join(args.work, f"run-{algo}")
-    trace = os.path.join(args.trace, algo) if args.trace else None
-    records = train(TrainConfig(shards=setup["shards"][algo], out=out, model=setup["model"],
-                                pp=1, dp=1, max_steps=args.steps, save_checkpoints=False,
-                                count_host_syncs=True, trace=trace), output=out + ".log")
+    cfg = train_config(args, setup, algo)
+    out = cfg.out
+    records = train(cfg, output=out + ".log")
     kept = [r for r in records[args.warmup:] if not r.get("traced")]
     times = sorted(r["step_time_s"] for r in kept)
     seconds = sum(times)
@@ -168,15 +182,11 @@ def train_plan(args, setup: dict, algo: str) -> dict:
     syncs = [x["host_syncs"] for r in kept for x in r["ranks"] if "host_syncs" in x]
     peaks = [x["peak_memory_bytes"] for r in kept for x in r["ranks"]
              if "peak_memory_bytes" in x]
-    # the simulator's replay (it drops the first step): analytic FLOPs per step on one stage
-    replay = replay_run(os.path.join(out, "train_log.jsonl"))
-    steps = {r["step"] for r in kept}
-    flops = [f for step, f in enumerate(replay.predicted.makespan.max(axis=1), start=1)
-             if step in steps]
     pipeline = read_json(os.path.join(out, "pipeline.json"))
     recompute = [n for s in pipeline["stages"] for n in s["recompute"]]
     selective = [n for s in pipeline["stages"] for n in s["selective"]]
-    return {"steps": len(kept), "median_step_s": statistics.median(times),
+    return {"steps": len(kept), "kept_steps": [r["step"] for r in kept],
+            "median_step_s": statistics.median(times),
             "p90_step_s": times[min(len(times) - 1, int(0.9 * len(times)))],
             "tokens_per_s": sum(r["tokens"] for r in kept) / seconds,
             "tiles_per_s": tiles / seconds,
@@ -184,7 +194,6 @@ def train_plan(args, setup: dict, algo: str) -> dict:
             "mfu_flops_per_s": statistics.median(r["model_flops_per_s"] for r in kept),
             "hfu_flops_per_s": statistics.median(r["hardware_flops_per_s"] for r in kept),
             **breakdown(kept),
-            "replay_flops_per_step": float(statistics.median(flops)),
             "peak_memory_bytes": max(peaks) if peaks else None,
             "peak_reserved_bytes": max((x["peak_reserved_bytes"] for r in kept for x in r["ranks"]
                                         if "peak_reserved_bytes" in x), default=None),
@@ -208,6 +217,118 @@ def breakdown(records: list[dict]) -> dict:
              for k in ranks[0]["time_breakdown"]}
     return {"time_breakdown": parts,
             "breakdown_step_s": statistics.fmean(x["step_time_s"] + x["load_s"] for x in ranks)}
+
+
+def profile_kinds(args, setup: dict, device_bytes: int | None) -> dict:
+    """``vlmshard train profile`` of the model on the balanced shards' first micro-batches
+    (into ``work/profile``) and the FLOP rate it measured per layer kind
+    (``sustained_flops_per_s``): what the simulator's replay runs each layer at."""
+    from vlmshard.simulate.model import sustained_flops_per_s
+    from vlmshard.train.config import ProfileConfig
+    from vlmshard.train.hf_model import model_layers
+    from vlmshard.train.profile import run_profile
+
+    out = os.path.join(args.work, "profile")
+    run_profile(ProfileConfig(shards=setup["shards"]["balanced"], out=out, model=setup["model"],
+                              pp=1, dp=1, micro_batches=args.micro_batches,
+                              # --smoke: one timed run per layer and micro-batch is enough
+                              **({"repeats": 1, "warmup": 0} if args.smoke else {}),
+                              **({"memory_budget": device_bytes} if device_bytes else {})))
+    profile = read_json(os.path.join(out, "profile.json"))
+    return {"dir": out, "flops_per_s": sustained_flops_per_s(
+        profile, model_layers(setup["model"]).analytic_work())}
+
+
+def replayed(args, algo: str, profile_dir: str, kept: list[int]) -> dict:
+    """The simulator's replay of a plan's run (analytic FLOPs at the profile's rate per layer
+    kind) against its measured step times, over the ``kept`` steps (after the warm-up, the
+    traced one left out): the median predicted step and each step's relative error."""
+    from vlmshard.simulate.replay import replay_run, step_seconds
+
+    replay = replay_run(os.path.join(args.work, f"run-{algo}", "train_log.jsonl"), profile_dir,
+                        per_kind=True)
+    steps = [s for s in step_seconds(replay)["per_step"] if s["step"] in kept]
+    return {"predicted_step_s": statistics.median(s["predicted_s"] for s in steps),
+            "replay_step_error": [s["predicted_s"] / s["measured_s"] - 1 for s in steps]}
+
+
+def hf_baseline(args, setup: dict, padded: bool) -> dict:
+    """``hf_train``'s run: its time, tokens/s, model FLOP/s and loss per step, and the device's
+    memory handed back (gradients, optimizer states and the model gone)."""
+    import gc
+
+    import torch
+
+    from vlmshard.run_log import read_log
+
+    attention, times, losses = hf_train(args, setup, padded)
+    gc.collect()  # the Trainer holds the model in reference cycles
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    logged = read_log(os.path.join(train_config(args, setup, "balanced").out,
+                                   "train_log.jsonl"))
+    logged, kept = logged[args.warmup:args.steps], times[args.warmup:]
+    return {"attention": attention, "steps": len(kept), "median_step_s": statistics.median(kept),
+            "tokens_per_s": sum(r["tokens"] for r in logged) / sum(kept),
+            "mfu_flops_per_s": sum(r["model_flops"] for r in logged) / sum(kept),
+            "loss": losses}
+
+
+def hf_train(args, setup: dict, padded: bool) -> tuple[str, list[float], list[float]]:
+    """The balanced shards' steps trained by Hugging Face's ``Trainer`` (examples/hf_trainer.py):
+    packed (``model_inputs``: flash-attn's varlen kernel where it is installed, else SDPA with a
+    block mask) or padded per sample; vlmshard's optimizer, schedule, clipping, steps and
+    precision (fp32 master weights, bf16 compute on a GPU; fp32 on CPU), gradient checkpointing
+    on a GPU. Each step's time is from the end of the step before (its data included) to the
+    end of its optimizer step on the device; tokens and model FLOPs are vlmshard's log's for
+    the same step (the same samples). Returns the attention used, and per step its seconds and
+    loss."""
+    import torch
+    from transformers import AutoModelForImageTextToText, TrainerCallback
+    from transformers.utils import is_flash_attn_2_available
+
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    from hf_trainer import PackedBatches, PaddedBatches, shard_trainer
+
+    cuda = torch.cuda.is_available()
+    cfg = train_config(args, setup, "balanced")
+    attention = "flash_attention_2" if cuda and is_flash_attn_2_available() else "sdpa"
+    model = AutoModelForImageTextToText.from_pretrained(setup["model"], dtype=torch.float32,
+                                                        attn_implementation=attention)
+    batches = PaddedBatches if padded else PackedBatches
+    workers = args.loader_workers if args.loader_workers is not None else (4 if cuda else 0)
+
+    class Clock(TrainerCallback):
+        def __init__(self) -> None:
+            self.times, self.losses = [], []
+
+        def now(self) -> float:
+            if cuda:
+                torch.cuda.synchronize()
+            return time.perf_counter()
+
+        def on_train_begin(self, *_, **__) -> None:
+            self.last = self.now()
+
+        def on_step_end(self, *_, **__) -> None:
+            now = self.now()
+            self.times.append(now - self.last)
+            self.last = now
+
+        def on_log(self, *_, logs=None, **__) -> None:
+            if logs and "loss" in logs:
+                self.losses.append(logs["loss"])
+
+    clock = Clock()
+    out = os.path.join(args.work, f"hf-{'padded' if padded else 'packed'}")
+    shard_trainer(
+        model, lambda rank, world: batches(setup["shards"]["balanced"], model, rank, world,
+                                           workers=workers),
+        out, args.steps, callbacks=[clock], learning_rate=cfg.lr,
+        lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps_of(args.steps),
+        weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+        optim="adamw_torch_fused", bf16=cuda, gradient_checkpointing=cuda).train()
+    return attention, clock.times, clock.losses
 
 
 def predicted_step_peak(model: str, records: list[dict], recompute: list[str],
@@ -263,6 +384,9 @@ def main() -> None:
                    help="the trainer's default: 4 on GPU, 0 on CPU")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="dense bf16 peak of the device (default: vlmshard.hardware's table)")
+    p.add_argument("--baseline", action="store_true",
+                   help="also train the balanced shards' steps with Hugging Face's Trainer, "
+                        "packed and padded per sample, and report them beside vlmshard")
     p.add_argument("--json", help="also write the result here")
     p.add_argument("--trace", help="write a torch profiler trace (Chrome trace JSON) of each "
                                    "plan's second step under this folder; that step is left "
@@ -278,7 +402,7 @@ def main() -> None:
 
     import torch
 
-    from vlmshard.hardware import SUSTAINED_SHARE, gpu_named
+    from vlmshard.hardware import gpu_named
     from vlmshard.train.attention import choose_backend
     from vlmshard.train.default_partition import Device
 
@@ -297,14 +421,22 @@ def main() -> None:
     result = {**environment(cuda), "attention": choose_backend("cuda" if cuda else "cpu", dtype),
               "model": os.path.basename(setup["model"].rstrip("/")), "caps": setup["caps"],
               "memory_bound": setup["memory_bound"], "target_samples": setup["target_samples"],
-              "peak_flops": peak, "sustained_share": SUSTAINED_SHARE,
+              "peak_flops": peak,
               "loader": loader_throughput(setup["shards"]["balanced"], workers, cuda, dtype)}
+    profile = profile_kinds(args, setup, device.memory_bytes if device else None)
+    result["sustained_flops_per_s"] = profile["flops_per_s"]
+    if peak:
+        result["sustained_share"] = {k: v / peak for k, v in profile["flops_per_s"].items()}
     for algo, run in runs.items():
+        run.update(replayed(args, algo, profile["dir"], run["kept_steps"]))
+        result[algo] = run
+    if args.baseline:
+        result["baseline"] = {"hf_packed": hf_baseline(args, setup, padded=False),
+                              "hf_padded": hf_baseline(args, setup, padded=True)}
+    for run in [*runs.values(), *result.get("baseline", {}).values()]:
         if peak:
             run["mfu"] = run["mfu_flops_per_s"] / peak
             run["hfu"] = run["hfu_flops_per_s"] / peak
-            run["predicted_step_s"] = run["replay_flops_per_step"] / (peak * SUSTAINED_SHARE)
-        result[algo] = run
     print(json.dumps(result))
     print(table(result))
     if args.json:
@@ -323,7 +455,7 @@ def table(result: dict) -> str:
              f"{result['loader']['tiles_per_s']:,.0f} tiles/s",
              f"{'plan':<9} {'median s':>9} {'p90 s':>7} {'tokens/s':>9} {'tiles/s':>8} "
              f"{'MFU':>6} {'HFU':>6} {'peak GiB':>8} {'model GiB':>9} {'syncs':>5} "
-             f"{'predicted s':>11}"]
+             f"{'predicted s':>11} {'replay error':>12}"]
     for algo in ("balanced", "random"):
         r = result[algo]
         peak = r["peak_memory_bytes"] / 2**30 if r["peak_memory_bytes"] else None
@@ -333,7 +465,11 @@ def table(result: dict) -> str:
                      f"{fmt(peak, '.1f'):>8} "
                      f"{r['predicted_step_peak_bytes'] / 2**30:>9.1f} "
                      f"{fmt(r['host_syncs_per_step'], '.0f'):>5} "
-                     f"{fmt(r.get('predicted_step_s'), '.3f'):>11}")
+                     f"{fmt(r.get('predicted_step_s'), '.3f'):>11} "
+                     f"{statistics.median(map(abs, r['replay_step_error'])):>12.1%}")
+    for name, r in result.get("baseline", {}).items():
+        lines.append(f"{name:<9} {r['median_step_s']:>9.3f} {'-':>7} {r['tokens_per_s']:>9,.0f} "
+                     f"{'-':>8} {fmt(r.get('mfu'), '.1%'):>6}   ({r['attention']})")
     for algo in ("balanced", "random"):
         r = result[algo]
         lines.append(f"{algo} step of {r['breakdown_step_s']:.3f} s: " + ", ".join(

@@ -14,6 +14,9 @@ The batches carry ``shift_labels`` (``model_inputs``), which the Trainer counts 
 ``num_items_in_batch`` and sums over processes (``average_tokens_across_devices``): the loss is
 the step's summed token losses over its supervised tokens on all ranks, as ``vlmshard train``
 computes it.
+
+``PaddedBatches`` gives the Trainer the same samples per step padded per sample instead, the
+common default (``benchmarks/gpu_bench.py --baseline`` times both beside ``vlmshard train``).
 """
 
 from __future__ import annotations
@@ -22,26 +25,65 @@ import tempfile
 
 import torch
 from common import model_and_shards, parser
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import IterableDataset
 
 
 class PackedBatches(IterableDataset):
-    """One rank's micro-batches as the model's keyword arguments (``model_inputs``)."""
+    """One rank's micro-batches as the model's keyword arguments (``model_inputs``), read by the
+    trainer's loader (``workers`` processes decode ahead)."""
 
-    def __init__(self, shards: str, model, rank: int, world_size: int) -> None:
-        from vlmshard.shards.loader import ShardDataset
+    def __init__(self, shards: str, model, rank: int, world_size: int, workers: int = 0) -> None:
+        from vlmshard.shards.loader import make_loader
 
-        self.shards = ShardDataset(shards, rank, world_size, pad_to_caps=False)
+        self.loader = make_loader(shards, rank, world_size, num_workers=workers,
+                                  pin_memory=workers > 0 and torch.cuda.is_available(),
+                                  pad_to_caps=False)
         self.model = model
 
+    @property
+    def micro_batches_per_step(self) -> int:
+        return self.loader.dataset.micro_batches_per_step
+
     def __len__(self) -> int:
-        return len(self.shards)
+        return len(self.loader.dataset)
 
     def __iter__(self):
         from vlmshard.shards.model_inputs import model_inputs
 
-        for batch in self.shards:
+        for batch in self.loader:
             yield model_inputs(batch, self.model)
+
+
+class PaddedBatches(PackedBatches):
+    """The same samples step by step, padded per sample as the common default trains
+    (``padded_inputs``): each step's samples shuffled (``seed``) and dealt, in that order, each
+    to the micro-batch with the fewest tokens so far, as many micro-batches as the step has:
+    random batches of about equal token budget, the same samples each optimizer step."""
+
+    def __init__(self, *args, seed: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seed = seed
+
+    def __iter__(self):
+        import random
+
+        from vlmshard.shards.model_inputs import padded_inputs, split_batch
+
+        rng, step = random.Random(self.seed), []
+        for batch in self.loader:
+            step.append(batch)
+            if len(step) < self.micro_batches_per_step:
+                continue
+            samples = [s for b in step for s in split_batch(b, self.model)]
+            rng.shuffle(samples)
+            dealt, tokens = [[] for _ in step], [0] * len(step)
+            for sample in samples:
+                k = tokens.index(min(tokens))
+                dealt[k].append(sample)
+                tokens[k] += sample["input_ids"].shape[1]
+            for part in dealt:
+                yield padded_inputs(part, self.model)
+            step = []
 
 
 def main() -> None:
@@ -53,28 +95,44 @@ def main() -> None:
         train(folder, shards, args.out or scratch, args)
 
 
-def train(folder: str, shards: str, out: str, args) -> None:
-    from transformers import AutoModelForImageTextToText, Trainer, TrainingArguments
+def shard_trainer(model, batches, out: str, steps: int, callbacks=(), **options):
+    """A ``Trainer`` of ``model`` over ``batches(rank, world_size)`` (``PackedBatches``,
+    ``PaddedBatches``), one optimizer step per step of the shards; ``options`` go to its
+    ``TrainingArguments``."""
+    from torch.utils.data import DataLoader
+    from transformers import Trainer, TrainingArguments
 
     cpu = not torch.cuda.is_available()
-    model = AutoModelForImageTextToText.from_pretrained(
-        folder, dtype=torch.float32 if cpu else torch.bfloat16, attn_implementation=args.attn)
     training = TrainingArguments(
-        output_dir=out, max_steps=args.steps,
-        per_device_train_batch_size=1, learning_rate=args.lr, lr_scheduler_type="cosine",
-        warmup_steps=1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=cpu,
-        bf16=not cpu, remove_unused_columns=False, average_tokens_across_devices=True,
-        gradient_accumulation_steps=1)  # set below, once the shards say it
-    if not cpu:
-        model.to(training.device)  # model_inputs puts each batch on the model's device
-    data = PackedBatches(shards, model, training.process_index, training.world_size)
-    training.gradient_accumulation_steps = data.shards.micro_batches_per_step
+        output_dir=out, max_steps=steps, per_device_train_batch_size=1, logging_steps=1,
+        save_strategy="no", report_to=[], use_cpu=cpu, remove_unused_columns=False,
+        average_tokens_across_devices=True, **options)
+    model.to(training.device)  # model_inputs puts each batch on the model's device
+    data = batches(training.process_index, training.world_size)
+    training.gradient_accumulation_steps = data.micro_batches_per_step
 
     class ShardTrainer(Trainer):
         def get_train_dataloader(self) -> DataLoader:
             return DataLoader(data, batch_size=None)
 
-    ShardTrainer(model=model, args=training, train_dataset=data).train()
+    trainer = ShardTrainer(model=model, args=training, train_dataset=data,
+                           callbacks=list(callbacks))
+    # Qwen3-VL and Gemma 3 declare ``accepts_loss_kwargs = False`` (for Gemma 3's gradient
+    # accumulation), so the Trainer would average the micro-batches' mean losses; their forwards
+    # do hand ``num_items_in_batch`` to the loss, which makes it the step's Ave-Token loss
+    trainer.model_accepts_loss_kwargs = True
+    return trainer
+
+
+def train(folder: str, shards: str, out: str, args) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    cpu = not torch.cuda.is_available()
+    model = AutoModelForImageTextToText.from_pretrained(
+        folder, dtype=torch.float32 if cpu else torch.bfloat16, attn_implementation=args.attn)
+    shard_trainer(model, lambda rank, world: PackedBatches(shards, model, rank, world), out,
+                  args.steps, learning_rate=args.lr, lr_scheduler_type="cosine",
+                  warmup_steps=1, bf16=not cpu).train()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ sample alone); ``transformers``' own detection of packing from position ids miss
 the boundaries are always given explicitly. Labels are shifted here (``shift_labels``), never
 across a sample boundary.
 
+``padded_inputs`` gives the samples of ``split_batch`` to the model as one right-padded batch
+instead, as a Hugging Face data collator pads them (the common default, for comparisons).
+
 Loss normalization: ``vlmshard train`` divides the summed token losses of a step by the
 step's supervised tokens over all ranks (Ave-Token). Pass ``num_items_in_batch`` = that count
 divided by the data-parallel world size (DDP averages the ranks' gradients), and step the
@@ -184,6 +187,45 @@ def split_batch(batch: dict, model=None) -> list[dict]:
         samples.append(sample)
         row, image = row + rows, image + images
     return samples
+
+
+VISUAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+               "second_per_grid_ts")
+
+
+def padded_inputs(samples: list[dict], model, num_items_in_batch: int | float | None = None
+                  ) -> dict:
+    """Keyword arguments for ``model(**...)``: samples (``split_batch(batch, model)``'s) as one
+    right-padded batch with an attention mask, as a Hugging Face data collator pads them (the
+    common default beside packing; the model makes its own position ids and masks from the
+    attention mask), on the model's device. Labels are padded with ``IGNORE_INDEX``."""
+    ids = [s["input_ids"][0] for s in samples]
+    pad = model.config.get_text_config().pad_token_id or 0
+    visual = _right_padded([s["image_token_mask"][0] for s in samples], False)
+    inputs = {"input_ids": _right_padded(ids, pad),
+              "labels": _right_padded([s["labels"][0] for s in samples], IGNORE_INDEX),
+              "attention_mask": _right_padded([torch.ones_like(i) for i in ids], 0),
+              "use_cache": False}
+    if _forward_takes(type(model), "mm_token_type_ids"):
+        inputs["mm_token_type_ids"] = token_types(model, inputs["input_ids"], visual)
+    if _bidirectional_images(model):  # Gemma 3: its processor's image runs
+        inputs["token_type_ids"] = visual.long()
+    for key in VISUAL_KEYS:
+        if any(key in s for s in samples):
+            inputs[key] = torch.cat([s[key] for s in samples if key in s])
+    device = next(model.parameters()).device
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    if num_items_in_batch is not None:
+        inputs["num_items_in_batch"] = num_items_in_batch
+    return inputs
+
+
+def _right_padded(rows: list[torch.Tensor], value) -> torch.Tensor:
+    """[len(rows), longest] with each row at the start of its own, ``value`` after it."""
+    out = rows[0].new_full((len(rows), max(len(r) for r in rows)), value)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
 
 
 @functools.lru_cache(maxsize=None)

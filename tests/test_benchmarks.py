@@ -31,12 +31,14 @@ def test_benchmark_script_prints_its_usage(script, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)
 def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
     """``gpu_bench.py --smoke``: the GPU command's whole path on CPU with a tiny model: data,
-    both plans, the loader alone, DeepSpeed runs, and every figure filled from them. At PP=1
-    with no recompute the simulator's replay of a step is exactly the step's logged model
-    FLOPs, so its predicted time is those FLOPs at the assumed share of the given peak. Of 4
-    steps, the first (warm-up) and the second (traced by the profiler) are left out."""
+    both plans, the loader alone, DeepSpeed runs, the profile, and every figure filled from
+    them. The simulator's replay of each step comes with its error against the measured step.
+    Of 4 steps, the first (warm-up) and the second (traced by the profiler) are left out.
+    (``--baseline``, the Hugging Face Trainer's runs, is not run here: on CPU its packed step
+    builds a dense mask over the micro-batch and takes minutes.)"""
     import json
 
     out = tmp_path / "bench.json"
@@ -44,7 +46,7 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
                            "--smoke", "--work", str(tmp_path / "work"), "--json", str(out),
                            "--peak-tflops", "1", "--steps", "4", "--trace",
                            str(tmp_path / "trace")],
-                          capture_output=True, text=True, timeout=1200)
+                          capture_output=True, text=True, timeout=2100)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert json.dumps(result) in proc.stdout.splitlines()
@@ -54,8 +56,7 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
         assert run["steps"] == 2 and 0 < run["median_step_s"] <= run["p90_step_s"]
         assert run["tokens_per_s"] > 0 and run["tiles_per_s"] > 0 and 0 < run["mfu"] < 1
         assert run["partition"].startswith("searched") and run["recompute"] == []
-        assert run["predicted_step_s"] == pytest.approx(
-            run["model_flops_per_step"] / (1e12 * result["sustained_share"]), rel=1e-9)
+        assert run["predicted_step_s"] > 0 and len(run["replay_step_error"]) == run["steps"]
         assert f"{algo:<9} {run['median_step_s']:>9.3f}" in proc.stdout
         # the memory model at the caps bounds it at the micro-batches that ran
         assert 0 < run["predicted_step_peak_bytes"] <= run["predicted_peak_bytes"]
@@ -69,6 +70,9 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
         assert run["hfu"] >= run["mfu"]
         with open(tmp_path / "trace" / algo / "trace-rank0-step1.json", encoding="utf-8") as f:
             assert json.load(f)["traceEvents"]
+    # the ViT's and the LLM's blocks ran at a measured rate, below the given 1 TFLOP/s
+    assert {"vit_block", "llm_block"} <= set(result["sustained_share"])
+    assert all(0 < share < 1 for share in result["sustained_share"].values())
 
 
 def test_layer_kinds_bench_costs_less_attention_by_kind(tmp_path):

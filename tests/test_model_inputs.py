@@ -101,6 +101,23 @@ def test_split_batch_gives_each_sample_as_the_reference_cuts_it(packed):
             assert (key in g) == (key in w) and (key not in g or torch.equal(g[key], w[key]))
 
 
+def test_padded_loss_equals_each_sample_alone(packed):
+    """``padded_inputs``: the micro-batch's samples padded per sample in one batch (the
+    ``gpu_bench.py --baseline`` peer) lose what each sample alone loses, summed over them, and
+    what the packed batch loses."""
+    from vlmshard.shards.model_inputs import padded_inputs, split_batch
+
+    family, folder, _, batch = packed
+    model = _model(folder, "sdpa")
+    samples = _alone(model, family, batch)
+    count = sum(supervised(s) for s in samples)
+    with torch.no_grad():
+        got = model(**padded_inputs(split_batch(batch, model), model, num_items_in_batch=count))
+        want = [model(**s, use_cache=False) for s in samples]
+    summed = sum(float(w.loss) * supervised(s) for w, s in zip(want, samples))
+    assert float(got.loss) == pytest.approx(summed / count, rel=1e-5)
+
+
 def test_models_that_packing_breaks_are_refused(tmp_path):
     """Qwen3.5's linear-attention layers carry their state across packed samples in
     transformers' own forward, and flash-attn cannot attend Gemma 3's images both ways: one

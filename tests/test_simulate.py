@@ -257,3 +257,41 @@ def test_simulator_replays_a_recorded_cpu_run_within_a_quarter():
     errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
     assert check["median_step_error"] == pytest.approx(float(np.median(errors)), rel=1e-9)
     assert abs(check["total_error"]) < 0.25 and check["median_step_error"] < 0.25, check
+
+
+def test_the_replay_takes_the_profiles_sustained_rate_per_layer_kind():
+    """Two ViT blocks (1e6 FLOPs per tile each), an LLM block (1e4 per token, 10 per squared
+    length) and the token embedding (no FLOPs), profiled on micro-batches of mean size
+    (3 tiles, 200 tokens, 8000 squares). By hand: the ViT blocks did 3·2·1e6·3 = 18e6 training
+    FLOPs in 0.001 + 0.002 + 0.002 + 0.004 = 0.009 s, 2e9 FLOP/s, half of a 4e9 peak; the LLM
+    block 3·(1e4·200 + 10·8000) = 6.24e6 in 0.003 s, 2.08e9, 52% of it; the embedding has no
+    rate and costs nothing. Replayed at those rates, the mean micro-batch takes what the
+    profile measured: 0.012 s."""
+    from vlmshard.errors import InputError
+    from vlmshard.model_sizes import LayerWork, Size
+    from vlmshard.simulate.model import sustained_flops_per_s
+
+    def layer(name, kind, forward_s, flops):
+        return ({"name": name, "kind": kind, "forward_s": forward_s, "backward_s": 2 * forward_s},
+                LayerWork(name, 0, flops, Size(), Size()))
+
+    rows = [layer("vit_block_0", "vit_block", 0.001, Size(tiles=1e6)),
+            layer("vit_block_1", "vit_block", 0.002, Size(tiles=1e6)),
+            layer("embed_tokens", "embed_tokens", 0.0005, Size()),
+            layer("llm_block_0", "llm_block", 0.001, Size(tokens=1e4, squares=10))]
+    profile = {"layers": [r[0] for r in rows],
+               "micro_batches": [{"tiles": 2, "tokens": 100, "squares": 4000},
+                                 {"tiles": 4, "tokens": 300, "squares": 12000}]}
+    work = [r[1] for r in rows]
+    rates = sustained_flops_per_s(profile, work)
+    assert set(rates) == {"vit_block", "llm_block"}
+    assert {k: v / 4e9 for k, v in rates.items()} == pytest.approx(
+        {"vit_block": 0.5, "llm_block": 0.52}, rel=1e-12)
+    stage = StageModel.build(LayerRates.sustained(work, profile),
+                             Partition([0, 4], [Stage(0, 4)]), float("inf"))
+    forward, backward = stage.times(np.array([[3.0, 200.0, 8000.0]]))
+    assert float(forward[0, 0]) == pytest.approx(0.004, rel=1e-12)
+    assert float(forward[0, 0] + backward[0, 0]) == pytest.approx(0.012, rel=1e-12)
+    del profile["layers"][0]["kind"]
+    with pytest.raises(InputError, match="names no layer kinds"):
+        LayerRates.sustained(work, profile)

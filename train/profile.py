@@ -156,12 +156,15 @@ class Profile:
     # for the same micro-batches: the memory model's figures beside the measured
     # ``activation_bytes`` and ``transient_bytes``
     analytic: list[dict]
+    # per layer its kind (``LayerDef.kind``): layers of a kind share shapes and cost, and the
+    # simulator's replay takes one sustained FLOP rate per kind
+    kinds: list[str]
 
     def to_dict(self) -> dict:
         return {"device": self.device,
-                "layers": [{**asdict(c), "transient_bytes": c.transient_bytes,
+                "layers": [{**asdict(c), "kind": kind, "transient_bytes": c.transient_bytes,
                             **{f"analytic_{k}": v for k, v in a.items()}}
-                           for c, a in zip(self.layers, self.analytic)],
+                           for c, a, kind in zip(self.layers, self.analytic, self.kinds)],
                 "micro_batches": self.micro_batches}
 
 
@@ -252,7 +255,7 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
     return Profile(costs, per_batch, device,
                    [{"activation_bytes": int(row[6]), "transient_bytes": int(row[7]),
                      **({"selective_bytes": int(row[9])} if selective[i] else {})}
-                    for i, row in enumerate(means)])
+                    for i, row in enumerate(means)], [d.kind for d in model.defs])
 
 
 def kept_size(model: ModelLayers, index: int, host: HostMeta) -> Size:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vlmshard.errors import ConfigError
+from vlmshard.errors import ConfigError, InputError
 from vlmshard.hardware import GPU
 from vlmshard.model_sizes import LayerWork, Size
 from vlmshard.partition import Machine, Partition, analytic_layer_costs, deepspeed_bounds
@@ -96,10 +96,23 @@ class LayerRates:
     output_bytes: np.ndarray  # [layers, 3]
 
     @classmethod
-    def from_work(cls, work: list[LayerWork], flops_per_s: float) -> "LayerRates":
-        """FLOPs at a sustained rate; backward is twice the forward."""
-        forward = np.array([_vector(w.flops) for w in work]) / flops_per_s
+    def from_work(cls, work: list[LayerWork], flops_per_s: float | np.ndarray) -> "LayerRates":
+        """FLOPs at a sustained rate, one for all layers or one per layer; backward is twice
+        the forward."""
+        forward = np.array([_vector(w.flops) for w in work]) / np.reshape(flops_per_s, (-1, 1))
         return cls(forward, 2 * forward, np.array([_vector(w.output_bytes) for w in work]))
+
+    @classmethod
+    def sustained(cls, work: list[LayerWork], profile: dict) -> "LayerRates":
+        """FLOPs at the rate the profile measured for each layer's kind
+        (``sustained_flops_per_s``)."""
+        if any("kind" not in layer for layer in profile["layers"]):
+            raise InputError("the profile names no layer kinds (a profile of an older "
+                             "vlmshard): run vlmshard train profile again")
+        rates = sustained_flops_per_s(profile, work)
+        # a kind with no FLOPs counted takes no time at any rate
+        return cls.from_work(work, np.array([rates.get(layer["kind"], np.inf)
+                                             for layer in profile["layers"]]))
 
     @classmethod
     def from_profile(cls, profile: dict, cost_model: dict) -> "LayerRates":
@@ -120,6 +133,24 @@ class LayerRates:
         output = np.array([(vit_unit if i <= projector else per_token) * lay["output_bytes"]
                            for i, lay in enumerate(layers)])
         return cls(forward, backward, output)
+
+
+def sustained_flops_per_s(profile: dict, work: list[LayerWork]) -> dict[str, float]:
+    """Per layer kind, the FLOP rate its layers sustained in ``vlmshard train profile``
+    (``profile``, its layers in the order of ``work``): their analytic training FLOPs (forward
+    and backward, three forwards) at the profiled micro-batches' mean size over their measured
+    forward + backward seconds. Kinds with no FLOPs counted (the token embedding, the final
+    norm) have none. Divided by the device's peak: the sustained share of it per kind."""
+    mean = np.mean([[m["tiles"], m["tokens"], m["squares"]] for m in profile["micro_batches"]],
+                   axis=0)
+    flops: dict[str, float] = {}
+    seconds: dict[str, float] = {}
+    for layer, w in zip(profile["layers"], work, strict=True):
+        kind = layer["kind"]
+        flops[kind] = flops.get(kind, 0.0) + 3 * float(_vector(w.flops) @ mean)
+        seconds[kind] = seconds.get(kind, 0.0) + layer["forward_s"] + layer["backward_s"]
+    return {kind: flops[kind] / seconds[kind] for kind in flops
+            if flops[kind] > 0 and seconds[kind] > 0}
 
 
 def _last_vision_layer(profile: dict) -> int:

@@ -2,9 +2,11 @@
 
 Each logged step's micro-batch sizes go, per data-parallel replica, through the same 1F1B
 recurrence ``simulate`` uses, with the run's own stage partition (``pipeline.json``, written by
-the trainer). Stage times come from the profile's measured layer times (``profile``), or else
-from the analytic layer FLOPs of the model the run trained: then the replay predicts shares of
-time (bubble, waiting), which need no rate, and no seconds (no rate is fitted).
+the trainer). Stage times come from the profile's measured layer times (``profile``); or from the
+analytic layer FLOPs of the model the run trained at the FLOP rate the profile measured for each
+layer kind (``per_kind``: the sustained share of the peak per kind, not one assumed share); or
+else from the analytic FLOPs alone: then the replay predicts shares of time (bubble, waiting),
+which need no rate, and no seconds (no rate is fitted).
 
 The log holds, per rank, its forward and backward seconds and ``pipeline_s``, from the step's
 start to the end of its last backward; so the measured step splits as the simulated one does:
@@ -31,7 +33,13 @@ from vlmshard.model_sizes import ModelConfig, trainer_layer_work
 from vlmshard.partition import Partition, Stage
 from vlmshard.run_log import PIPELINE_NAME, read_log, stage_bounds
 
-from .model import LayerRates, PipelineTimes, StageModel, pipeline_times, share
+from .model import (
+    LayerRates,
+    PipelineTimes,
+    StageModel,
+    pipeline_times,
+    share,
+)
 
 
 @dataclass(frozen=True)
@@ -72,14 +80,18 @@ def measured_times(records: list[dict]) -> PipelineTimes | None:
     return PipelineTimes(makespan, busy)
 
 
-def analytic_rates(names: list[str], model: ModelConfig) -> LayerRates:
+def analytic_rates(names: list[str], model: ModelConfig, profile: dict | None = None
+                   ) -> LayerRates:
     """Per trainer layer ``names``, FLOPs per unit of (tiles, tokens, squares) from the analytic
-    model (``model_sizes.trainer_layer_work``)."""
+    model (``model_sizes.trainer_layer_work``); with a ``profile`` of those layers, seconds at
+    the FLOP rate it measured for each layer's kind (``sustained_flops_per_s``)."""
     try:
         work = trainer_layer_work(names, model)
     except ConfigError as e:
         raise InputError(f"the run's layers: {e}") from e
-    return LayerRates.from_work(work, flops_per_s=1.0)  # FLOPs: shares need no rate
+    if profile is None:
+        return LayerRates.from_work(work, flops_per_s=1.0)  # FLOPs: shares need no rate
+    return LayerRates.sustained(work, profile)
 
 
 def _partition(names: list[str], bounds: list[int], recompute: list[str]) -> Partition:
@@ -109,10 +121,12 @@ def _configured_partition(config: dict, profile: dict) -> Partition:
                       config.get("recompute") or [])
 
 
-def replay_run(train_log: str, profile_dir: str | None = None) -> Replay:
+def replay_run(train_log: str, profile_dir: str | None = None, per_kind: bool = False
+               ) -> Replay:
     """The run of ``train_log`` (its folder holds ``train_config.json`` and, from this vlmshard
-    on, ``pipeline.json``) replayed with the profile's measured layer times, or without
-    ``profile_dir`` with the analytic FLOPs of the model it trained."""
+    on, ``pipeline.json``) replayed with the profile's measured layer times (with ``per_kind``:
+    the analytic FLOPs of the model it trained at the profile's FLOP rate per layer kind), or
+    without ``profile_dir`` with the analytic FLOPs alone."""
     from vlmshard.io import read_json
 
     records = read_log(train_log)[1:]
@@ -121,7 +135,7 @@ def replay_run(train_log: str, profile_dir: str | None = None) -> Replay:
     run = os.path.dirname(train_log)
     pipeline_path = os.path.join(run, PIPELINE_NAME)
     pipeline = read_json(pipeline_path) if os.path.exists(pipeline_path) else None
-    if profile_dir:
+    if profile_dir and not per_kind:
         profile = read_json(os.path.join(profile_dir, "profile.json"))
         rates = LayerRates.from_profile(profile, read_json(os.path.join(profile_dir,
                                                                         "cost_model.json")))
@@ -131,9 +145,7 @@ def replay_run(train_log: str, profile_dir: str | None = None) -> Replay:
                 read_json(os.path.join(run, "train_config.json")), profile)
         else:
             names, partition = described_partition(pipeline["stages"])
-            if names != profiled:
-                raise InputError(f"{profile_dir} profiles other layers ({', '.join(profiled)}) "
-                                 f"than the run's ({', '.join(names)})")
+            _same_layers(profiled, names, profile_dir)
         basis = f"the measured layer times of {profile_dir}"
     else:
         if pipeline is None:
@@ -141,14 +153,24 @@ def replay_run(train_log: str, profile_dir: str | None = None) -> Replay:
                              "train): give the run's profile (--profile) to replay it")
         names, partition = described_partition(pipeline["stages"])
         model = ModelConfig.from_dict(pipeline["model"])
-        rates = analytic_rates(names, model)
-        basis = f"the analytic layer FLOPs of the trained model ({model.name})"
+        profile = read_json(os.path.join(profile_dir, "profile.json")) if per_kind else None
+        if profile is not None:
+            _same_layers([lay["name"] for lay in profile["layers"]], names, profile_dir)
+        rates = analytic_rates(names, model, profile)
+        basis = f"the analytic layer FLOPs of the trained model ({model.name})" + (
+            f" at the FLOP rates {profile_dir} measured per layer kind" if per_kind else "")
     stages = StageModel.build(rates, partition, float("inf"))  # sends are not modelled
     return Replay(steps=np.array([r["step"] for r in records]),
                   step_time_s=np.array([r["step_time_s"] for r in records], dtype=np.float64),
                   measured=measured_times(records), predicted=replay_batches(records, stages),
                   stage_layers=[names[s.first:s.end] for s in partition.stages], basis=basis,
                   in_seconds=bool(profile_dir))
+
+
+def _same_layers(profiled: list[str], names: list[str], profile_dir: str) -> None:
+    if names != profiled:
+        raise InputError(f"{profile_dir} profiles other layers ({', '.join(profiled)}) than the "
+                         f"run's ({', '.join(names)})")
 
 
 def agreement(measured: np.ndarray, predicted: np.ndarray) -> dict:
