@@ -833,9 +833,10 @@ def test_a_folder_that_cannot_load_is_one_line_before_any_rank_starts(tmp_path):
         f"vlmshard train: error: {folder}/config.json: model_type 'glm4v' is not a supported")
 
 
-def test_live_storages_pass_over_a_dead_weak_proxy():
+def test_live_storages_pass_over_a_dead_weak_proxy_and_fake_tensors():
     """The profile's count of live tensors walks every object Python holds: a weak proxy whose
-    referent is gone (left by any library earlier in the process) must not stop it."""
+    referent is gone, or a fake tensor ``torch.compile`` left (earlier in the same process, as
+    in a test worker), must not stop it."""
     import weakref
 
     from vlmshard.train.profile import _live_storages
@@ -846,6 +847,9 @@ def test_live_storages_pass_over_a_dead_weak_proxy():
     referent = Referent()
     proxy = weakref.proxy(referent)
     del referent
+    compiled = torch.compile(lambda x: torch.nn.functional.gelu(x) * 2, backend="aot_eager",
+                             dynamic=True)
+    compiled(torch.randn(5, requires_grad=True)).sum().backward()  # leaves fake tensors alive
     held = torch.ones(1000)
     assert _live_storages()[held.untyped_storage().data_ptr()] == 4000
     assert proxy is not None

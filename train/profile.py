@@ -337,12 +337,13 @@ def _selective_bytes(func, layer_in: Micro, cuda: bool) -> int:
 
 
 def _live_storages() -> dict[int, int]:
-    """The storage (address: bytes) of every tensor Python holds. By the object's own type:
-    ``isinstance`` asks a weak proxy for its referent's class, and a dead one raises."""
+    """The storage (address: bytes) of every plain tensor and parameter Python holds. By the
+    object's own type: ``isinstance`` asks a weak proxy for its referent's class (a dead one
+    raises), and the fake tensors ``torch.compile`` leaves behind have no data to point at."""
     import gc
 
     return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in gc.get_objects() if issubclass(type(t), torch.Tensor)}
+            for t in gc.get_objects() if type(t) in (torch.Tensor, torch.nn.Parameter)}
 
 
 class _SavedBytes:
