@@ -45,6 +45,10 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    attending to itself alone, as LLaMA-Factory's packing trains) and ``hf_padded`` with each
    step's samples in random micro-batches of about equal tokens, padded per sample (the common
    default); their tokens/s, MFU (the same steps' model FLOPs) and loss per step.
+7. ``--compile-blocks``: the balanced plan trained again with regional ``torch.compile``
+   (``balanced_compiled``), beside the eager run.
+
+``--json`` is written after each phase: a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -158,21 +162,24 @@ def loader_throughput(shards: str, workers: int, cuda: bool, dtype) -> dict:
             "tiles_per_s": tiles / seconds}
 
 
-def train_config(args, setup: dict, algo: str):
-    """The options vlmshard trains a plan with (the baselines take its optimizer's)."""
+def train_config(args, setup: dict, algo: str, run: str | None = None, **options):
+    """The options vlmshard trains a plan with (the baselines take its optimizer's); ``run``
+    names the run's folder (default: the plan's), ``options`` are further train options."""
     from vlmshard.train.config import TrainConfig
 
-    return TrainConfig(shards=setup["shards"][algo], out=os.path.join(args.work, f"run-{algo}"),
+    run = run or algo
+    return TrainConfig(shards=setup["shards"][algo], out=os.path.join(args.work, f"run-{run}"),
                        model=setup["model"], pp=1, dp=1, max_steps=args.steps,
                        save_checkpoints=False, count_host_syncs=True,
-                       trace=os.path.join(args.trace, algo) if args.trace else None)
+                       trace=os.path.join(args.trace, run) if args.trace else None, **options)
 
 
-def train_plan(args, setup: dict, algo: str) -> dict:
-    """Train one plan; its step statistics after the warm-up steps."""
+def train_plan(args, setup: dict, algo: str, run: str | None = None, **options) -> dict:
+    """Train one plan (``run``, ``options``: as ``train_config``); its step statistics after
+    the warm-up steps."""
     from vlmshard.train.launcher import train
 
-    cfg = train_config(args, setup, algo)
+    cfg = train_config(args, setup, algo, run, **options)
     out = cfg.out
     records = train(cfg, output=out + ".log")
     kept = [r for r in records[args.warmup:] if not r.get("traced")]
@@ -239,13 +246,13 @@ def profile_kinds(args, setup: dict, device_bytes: int | None) -> dict:
         profile, model_layers(setup["model"]).analytic_work())}
 
 
-def replayed(args, algo: str, profile_dir: str, kept: list[int]) -> dict:
+def replayed(args, run: str, profile_dir: str, kept: list[int]) -> dict:
     """The simulator's replay of a plan's run (analytic FLOPs at the profile's rate per layer
     kind) against its measured step times, over the ``kept`` steps (after the warm-up, the
     traced one left out): the median predicted step and each step's relative error."""
     from vlmshard.simulate.replay import replay_run, step_seconds
 
-    replay = replay_run(os.path.join(args.work, f"run-{algo}", "train_log.jsonl"), profile_dir,
+    replay = replay_run(os.path.join(args.work, f"run-{run}", "train_log.jsonl"), profile_dir,
                         per_kind=True)
     steps = [s for s in step_seconds(replay)["per_step"] if s["step"] in kept]
     return {"predicted_step_s": statistics.median(s["predicted_s"] for s in steps),
@@ -387,7 +394,10 @@ def main() -> None:
     p.add_argument("--baseline", action="store_true",
                    help="also train the balanced shards' steps with Hugging Face's Trainer, "
                         "packed and padded per sample, and report them beside vlmshard")
-    p.add_argument("--json", help="also write the result here")
+    p.add_argument("--compile-blocks", action="store_true",
+                   help="also train the balanced plan with --compile-blocks (regional "
+                        "torch.compile) and report it beside the eager run")
+    p.add_argument("--json", help="also write the result here (after each phase)")
     p.add_argument("--trace", help="write a torch profiler trace (Chrome trace JSON) of each "
                                    "plan's second step under this folder; that step is left "
                                    "out of the figures")
@@ -421,24 +431,38 @@ def main() -> None:
     result = {**environment(cuda), "attention": choose_backend("cuda" if cuda else "cpu", dtype),
               "model": os.path.basename(setup["model"].rstrip("/")), "caps": setup["caps"],
               "memory_bound": setup["memory_bound"], "target_samples": setup["target_samples"],
-              "peak_flops": peak,
-              "loader": loader_throughput(setup["shards"]["balanced"], workers, cuda, dtype)}
+              "peak_flops": peak, **runs}
+    save(args, result, peak)
+    result["loader"] = loader_throughput(setup["shards"]["balanced"], workers, cuda, dtype)
     profile = profile_kinds(args, setup, device.memory_bytes if device else None)
     result["sustained_flops_per_s"] = profile["flops_per_s"]
     if peak:
         result["sustained_share"] = {k: v / peak for k, v in profile["flops_per_s"].items()}
     for algo, run in runs.items():
         run.update(replayed(args, algo, profile["dir"], run["kept_steps"]))
-        result[algo] = run
+    save(args, result, peak)
     if args.baseline:
-        result["baseline"] = {"hf_packed": hf_baseline(args, setup, padded=False),
-                              "hf_padded": hf_baseline(args, setup, padded=True)}
-    for run in [*runs.values(), *result.get("baseline", {}).values()]:
-        if peak:
-            run["mfu"] = run["mfu_flops_per_s"] / peak
-            run["hfu"] = run["hfu_flops_per_s"] / peak
+        result["baseline"] = {}
+        for name, padded in (("hf_packed", False), ("hf_padded", True)):
+            result["baseline"][name] = hf_baseline(args, setup, padded)
+            save(args, result, peak)
+    if args.compile_blocks:
+        result["balanced_compiled"] = train_plan(args, setup, "balanced", "balanced-compiled",
+                                                 compile_blocks=True)
+        save(args, result, peak)
     print(json.dumps(result))
     print(table(result))
+
+
+def save(args, result: dict, peak: float | None) -> None:
+    """Each run's MFU and HFU where the peak is known; the result so far to ``--json``, after
+    each phase (a run cut short keeps what it measured)."""
+    runs = [result[k] for k in ("balanced", "random", "balanced_compiled") if k in result]
+    for run in [*runs, *result.get("baseline", {}).values()]:
+        if peak:
+            run["mfu"] = run["mfu_flops_per_s"] / peak
+            if "hfu_flops_per_s" in run:
+                run["hfu"] = run["hfu_flops_per_s"] / peak
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)
@@ -456,8 +480,11 @@ def table(result: dict) -> str:
              f"{'plan':<9} {'median s':>9} {'p90 s':>7} {'tokens/s':>9} {'tiles/s':>8} "
              f"{'MFU':>6} {'HFU':>6} {'peak GiB':>8} {'model GiB':>9} {'syncs':>5} "
              f"{'predicted s':>11} {'replay error':>12}"]
-    for algo in ("balanced", "random"):
+    for algo in ("balanced", "random", "balanced_compiled"):
+        if algo not in result:
+            continue
         r = result[algo]
+        errors = r.get("replay_step_error")
         peak = r["peak_memory_bytes"] / 2**30 if r["peak_memory_bytes"] else None
         lines.append(f"{algo:<9} {r['median_step_s']:>9.3f} {r['p90_step_s']:>7.3f} "
                      f"{r['tokens_per_s']:>9,.0f} {r['tiles_per_s']:>8,.0f} "
@@ -466,7 +493,7 @@ def table(result: dict) -> str:
                      f"{r['predicted_step_peak_bytes'] / 2**30:>9.1f} "
                      f"{fmt(r['host_syncs_per_step'], '.0f'):>5} "
                      f"{fmt(r.get('predicted_step_s'), '.3f'):>11} "
-                     f"{statistics.median(map(abs, r['replay_step_error'])):>12.1%}")
+                     f"{fmt(errors and statistics.median(map(abs, errors)), '.1%'):>12}")
     for name, r in result.get("baseline", {}).items():
         lines.append(f"{name:<9} {r['median_step_s']:>9.3f} {'-':>7} {r['tokens_per_s']:>9,.0f} "
                      f"{'-':>8} {fmt(r.get('mfu'), '.1%'):>6}   ({r['attention']})")

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One GPU machine's checks, prepared to run once inside a short lease (the device machine has
+# no network; its image lacks DeepSpeed, webdataset, pydantic, ... and this transformers):
+#
+#   1. install the wheels in $WHEELS (built beforehand; see docs/gpu.md) and this checkout;
+#   2. the CUDA cases of the numerical tests (attention backends, one-call ViT, host syncs);
+#   3. gpu_bench.py with the given arguments (default: the first H100 run's sizes, the Hugging
+#      Face baselines, a trace and the compiled A/B), its JSON written after each phase.
+#
+# Everything lands in $OUT (default build/gpu-session): logs, nvidia-smi, the bench's JSON and
+# the trace, gzipped. Each step is bounded by `timeout`, so a hang leaves the rest's time.
+#
+#   WHEELS=.device-wheels OUT=build/gpu-session bash benchmarks/gpu_session.sh [gpu_bench args]
+set -u
+OUT=${OUT:-build/gpu-session}
+WHEELS=${WHEELS:-.device-wheels}
+BENCH_S=${BENCH_S:-420}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+start=$SECONDS
+stamp() { echo "[gpu_session +$((SECONDS - start))s] $*"; }
+
+stamp install
+python3 -m pip install -q --no-deps --no-index "$WHEELS"/*.whl >"$OUT/install.log" 2>&1 &&
+    python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/install.log" 2>&1 ||
+    { tail -20 "$OUT/install.log"; exit 1; }
+nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+
+stamp "CUDA tests"
+timeout 240 python3 -m pytest -q -p no:cacheprovider -p no:xdist -o addopts="" \
+    tests/test_kernels.py tests/test_model.py tests/test_clock.py -k "cuda" 2>&1 |
+    tee "$OUT/cuda-tests.log" | tail -15
+
+stamp gpu_bench
+args=("$@")
+[ ${#args[@]} -eq 0 ] && args=(--target-samples 4 --steps 8 --warmup 2 --baseline
+                              --compile-blocks --trace build/gpu-trace)
+timeout "$BENCH_S" python3 benchmarks/gpu_bench.py --json "$OUT/gpu.json" "${args[@]}" 2>&1 |
+    tee "$OUT/bench.log" | grep -v "^{" | tail -40
+stamp "bench done (rc ${PIPESTATUS[0]})"
+cp build/gpu_bench/run-balanced/pipeline.json "$OUT/pipeline-balanced.json" 2>/dev/null
+# the train logs and the traces, an archive each (the device tool takes back 8 files at most)
+tar czf "$OUT/runs.tgz" build/gpu_bench/run-*/train_log.jsonl build/gpu_bench/run-*.log \
+    build/gpu_bench/profile/profile.json 2>/dev/null
+tar czf "$OUT/traces.tgz" build/gpu-trace 2>/dev/null
+ls -la "$OUT"
