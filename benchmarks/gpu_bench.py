@@ -38,15 +38,19 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    step by part (ViT, projector, LLM, head + loss, recompute, optimizer, pipeline wait, data
    wait, other), from the trainer's CUDA events, summing to the step with its loading
    (``breakdown_step_s``). ``--trace DIR`` also writes a torch profiler trace of each plan's
-   second step.
+   second step, and each run reports its summary (``trace``: device time by kernel class, the
+   top kernels, the device's busy time against its span) and where the host waited
+   (``host_sync_sites``).
 6. ``--baseline``: the balanced shards' steps (the same samples in the same order) trained by
    Hugging Face's ``Trainer`` (examples/hf_trainer.py) with vlmshard's optimizer, schedule,
    clipping and precision: ``hf_packed`` on ``shards.model_inputs`` (packed, each sample
    attending to itself alone, as LLaMA-Factory's packing trains) and ``hf_padded`` with each
    step's samples in random micro-batches of about equal tokens, padded per sample (the common
-   default); their tokens/s, MFU (the same steps' model FLOPs) and loss per step.
+   default); their tokens/s, MFU (the same steps' model FLOPs) and loss per step. A peer that
+   runs out of memory at this budget is reported so (``error``), and the bench goes on.
 7. ``--compile-blocks``: the balanced plan trained again with regional ``torch.compile``
-   (``balanced_compiled``), beside the eager run.
+   (``balanced_compiled``), beside the eager run. ``--quick``: the balanced plan alone (no
+   random plan, loader, profile or replay), for an A/B inside a short GPU lease.
 
 ``--json`` is written after each phase: a run cut short keeps what it measured.
 """
@@ -210,9 +214,33 @@ def train_plan(args, setup: dict, algo: str, run: str | None = None, **options) 
             "predicted_step_peak_bytes": predicted_step_peak(setup["model"], kept, recompute,
                                                              selective),
             "host_syncs_per_step": statistics.median(syncs) if syncs else None,
+            "host_sync_sites": sync_sites(kept),
             "loss": [r["loss"] for r in records],
+            "trace": traced(cfg.trace),
             "partition": pipeline.get("partition_source", ""),
             "recompute": recompute, "selective": selective}
+
+
+def traced(folder: str | None) -> dict | None:
+    """The traced step's device summary (``vlmshard.train.trace.summarize``): time by kernel
+    class, the top kernels, the device's busy time against its span."""
+    if not folder:
+        return None
+    (name,) = [n for n in os.listdir(folder) if n.endswith("-summary.json")]
+    return {"file": os.path.join(folder, name.replace("-summary", "")),
+            **read_json(os.path.join(folder, name))}
+
+
+def sync_sites(records: list[dict]) -> dict[str, float]:
+    """Where the host waited for the device: each site's syncs per step and rank, over
+    ``records``, most first."""
+    from collections import Counter
+
+    ranks = [x for r in records for x in r["ranks"]]
+    sites = Counter()
+    for x in ranks:
+        sites.update(x.get("host_sync_sites", {}))
+    return {site: n / len(ranks) for site, n in sites.most_common()}
 
 
 def breakdown(records: list[dict]) -> dict:
@@ -268,7 +296,12 @@ def hf_baseline(args, setup: dict, padded: bool) -> dict:
 
     from vlmshard.run_log import read_log
 
-    attention, times, losses = hf_train(args, setup, padded)
+    try:
+        attention, times, losses = hf_train(args, setup, padded)
+    except torch.OutOfMemoryError as e:  # the peer's own limit at this budget: a result
+        gc.collect()
+        torch.cuda.empty_cache()
+        return {"error": f"out of memory: {str(e).splitlines()[0]}"}
     gc.collect()  # the Trainer holds the model in reference cycles
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -394,6 +427,9 @@ def main() -> None:
     p.add_argument("--baseline", action="store_true",
                    help="also train the balanced shards' steps with Hugging Face's Trainer, "
                         "packed and padded per sample, and report them beside vlmshard")
+    p.add_argument("--quick", action="store_true",
+                   help="the balanced plan alone: no random plan, loader, profile or replay "
+                        "(an A/B on a leased GPU in a few minutes)")
     p.add_argument("--compile-blocks", action="store_true",
                    help="also train the balanced plan with --compile-blocks (regional "
                         "torch.compile) and report it beside the eager run")
@@ -426,21 +462,23 @@ def main() -> None:
     gpu = gpu_named(device.name) if device else None
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (gpu.peak_flops if gpu else None)
     setup = prepare(args, device.memory_bytes if device else None)
-    runs = {algo: train_plan(args, setup, algo) for algo in ("balanced", "random")}
+    plans = ("balanced",) if args.quick else ("balanced", "random")
+    runs = {algo: train_plan(args, setup, algo) for algo in plans}
     workers = args.loader_workers if args.loader_workers is not None else (4 if cuda else 0)
     result = {**environment(cuda), "attention": choose_backend("cuda" if cuda else "cpu", dtype),
               "model": os.path.basename(setup["model"].rstrip("/")), "caps": setup["caps"],
               "memory_bound": setup["memory_bound"], "target_samples": setup["target_samples"],
               "peak_flops": peak, **runs}
     save(args, result, peak)
-    result["loader"] = loader_throughput(setup["shards"]["balanced"], workers, cuda, dtype)
-    profile = profile_kinds(args, setup, device.memory_bytes if device else None)
-    result["sustained_flops_per_s"] = profile["flops_per_s"]
-    if peak:
-        result["sustained_share"] = {k: v / peak for k, v in profile["flops_per_s"].items()}
-    for algo, run in runs.items():
-        run.update(replayed(args, algo, profile["dir"], run["kept_steps"]))
-    save(args, result, peak)
+    if not args.quick:
+        result["loader"] = loader_throughput(setup["shards"]["balanced"], workers, cuda, dtype)
+        profile = profile_kinds(args, setup, device.memory_bytes if device else None)
+        result["sustained_flops_per_s"] = profile["flops_per_s"]
+        if peak:
+            result["sustained_share"] = {k: v / peak for k, v in profile["flops_per_s"].items()}
+        for algo, run in runs.items():
+            run.update(replayed(args, algo, profile["dir"], run["kept_steps"]))
+        save(args, result, peak)
     if args.baseline:
         result["baseline"] = {}
         for name, padded in (("hf_packed", False), ("hf_padded", True)):
@@ -459,7 +497,7 @@ def save(args, result: dict, peak: float | None) -> None:
     each phase (a run cut short keeps what it measured)."""
     runs = [result[k] for k in ("balanced", "random", "balanced_compiled") if k in result]
     for run in [*runs, *result.get("baseline", {}).values()]:
-        if peak:
+        if peak and "mfu_flops_per_s" in run:
             run["mfu"] = run["mfu_flops_per_s"] / peak
             if "hfu_flops_per_s" in run:
                 run["hfu"] = run["hfu_flops_per_s"] / peak
@@ -475,8 +513,9 @@ def table(result: dict) -> str:
     lines = [f"{result['device']} | torch {result['torch']} CUDA {result['cuda']} NCCL "
              f"{result['nccl']} | DeepSpeed {result['deepspeed']} | transformers "
              f"{result['transformers']} | attention {result['attention']}",
-             f"loader alone: {result['loader']['tokens_per_s']:,.0f} tokens/s, "
-             f"{result['loader']['tiles_per_s']:,.0f} tiles/s",
+             "loader alone: " + (f"{result['loader']['tokens_per_s']:,.0f} tokens/s, "
+                                 f"{result['loader']['tiles_per_s']:,.0f} tiles/s"
+                                 if "loader" in result else "-"),
              f"{'plan':<9} {'median s':>9} {'p90 s':>7} {'tokens/s':>9} {'tiles/s':>8} "
              f"{'MFU':>6} {'HFU':>6} {'peak GiB':>8} {'model GiB':>9} {'syncs':>5} "
              f"{'predicted s':>11} {'replay error':>12}"]
@@ -495,9 +534,20 @@ def table(result: dict) -> str:
                      f"{fmt(r.get('predicted_step_s'), '.3f'):>11} "
                      f"{fmt(errors and statistics.median(map(abs, errors)), '.1%'):>12}")
     for name, r in result.get("baseline", {}).items():
+        if "error" in r:
+            lines.append(f"{name:<9} {r['error']}")
+            continue
         lines.append(f"{name:<9} {r['median_step_s']:>9.3f} {'-':>7} {r['tokens_per_s']:>9,.0f} "
                      f"{'-':>8} {fmt(r.get('mfu'), '.1%'):>6}   ({r['attention']})")
-    for algo in ("balanced", "random"):
+    for algo in ("balanced", "random", "balanced_compiled"):
+        trace = result.get(algo, {}).get("trace")
+        if trace and trace["device_span_s"]:
+            lines.append(f"{algo} traced step: device busy {trace['device_busy_s']:.3f} s of "
+                         f"{trace['device_span_s']:.3f} s; " + ", ".join(
+                             f"{cls} {s:.3f}" for cls, s in trace["by_class"].items()))
+    for algo in ("balanced", "random", "balanced_compiled"):
+        if algo not in result:
+            continue
         r = result[algo]
         lines.append(f"{algo} step of {r['breakdown_step_s']:.3f} s: " + ", ".join(
             f"{part} {s:.3f}" for part, s in r["time_breakdown"].items()))

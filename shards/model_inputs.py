@@ -54,7 +54,9 @@ def next_token_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.
     """``labels`` shifted left by one, never across a sample boundary (``cu_seqlens``)."""
     targets = torch.full_like(labels, IGNORE_INDEX)
     targets[:-1] = labels[1:]
-    targets[cu_seqlens[1:].long() - 1] = IGNORE_INDEX  # each sample's last token
+    # each sample's last token (a scalar fill: assigning a number by index copies it to the
+    # device from the host, and the host waits)
+    targets.index_fill_(0, cu_seqlens[1:].long() - 1, IGNORE_INDEX)
     return targets
 
 

@@ -70,6 +70,10 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
         assert run["hfu"] >= run["mfu"]
         with open(tmp_path / "trace" / algo / "trace-rank0-step1.json", encoding="utf-8") as f:
             assert json.load(f)["traceEvents"]
+        # its summary (no device work on CPU), and the counted synchronize calls' sites
+        assert run["trace"]["file"] == str(tmp_path / "trace" / algo / "trace-rank0-step1.json")
+        assert run["trace"]["device_span_s"] == 0
+        assert sum(run["host_sync_sites"].values()) == run["host_syncs_per_step"]
     # the ViT's and the LLM's blocks ran at a measured rate, below the given 1 TFLOP/s
     assert {"vit_block", "llm_block"} <= set(result["sustained_share"])
     assert all(0 < share < 1 for share in result["sustained_share"].values())

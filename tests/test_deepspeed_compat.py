@@ -43,3 +43,39 @@ def test_changed_internals_are_refused(monkeypatch, change):
         monkeypatch.setattr(PipelineModule, "_set_bounds", lambda self, first, last: None)
     with pytest.raises(DeepSpeedCompatError, match=r"PipelineModule\._set_bounds\(start, stop\)"):
         check_compatible()
+
+
+def test_the_sync_free_norm_mask_does_what_deepspeeds_does(monkeypatch):
+    """``mask_non_finite`` gives DeepSpeed's own results (its function is the reference: -1 for
+    inf, -inf and nan whatever ``val``, the rest kept), and ``fewer_host_syncs`` puts it in every
+    module that calls it, so the global gradient norm of a non-finite gradient is still -1."""
+    import sys
+
+    import torch
+    from deepspeed.runtime import utils
+
+    original = utils.mask_nan_or_inf_with_val_inplace
+    assert original.__module__ == "deepspeed.runtime.utils"  # DeepSpeed's, not ours
+    values = torch.tensor([1.5, float("inf"), -float("inf"), float("nan"), 0.0, -2.0])
+    for val in (-1.0, 7.0):
+        want, got = values.clone(), values.clone()
+        original(want, device=want.device, val=val)
+        deepspeed_compat.mask_non_finite(got, device=got.device, val=val)
+        assert torch.equal(got, want), (got, want)
+    for name in deepspeed_compat._NORM_MASK_USERS:  # undone after the test
+        monkeypatch.setattr(sys.modules[name], "mask_nan_or_inf_with_val_inplace", original)
+    deepspeed_compat.fewer_host_syncs()
+    for name in deepspeed_compat._NORM_MASK_USERS:
+        assert sys.modules[name].mask_nan_or_inf_with_val_inplace is \
+            deepspeed_compat.mask_non_finite
+    grads = [torch.ones(3), torch.tensor([float("nan"), 1.0])]
+    assert utils.get_global_norm_of_tensors(grads).item() == -1.0
+    assert utils.get_global_norm_of_tensors([torch.full((4,), 2.0)]).item() == 4.0
+
+
+def test_a_changed_norm_mask_is_refused(monkeypatch):
+    from deepspeed.runtime.zero import stage3
+
+    monkeypatch.delattr(stage3, "mask_nan_or_inf_with_val_inplace")
+    with pytest.raises(DeepSpeedCompatError, match=r"stage3 no longer has mask_nan_or_inf"):
+        deepspeed_compat.fewer_host_syncs()

@@ -116,12 +116,34 @@ def test_vit_block_over_all_images_equals_each_image_alone(folder, monkeypatch, 
         weights = torch.randn_like(out)
         got_grads = torch.autograd.grad((out * weights).sum(), [x, *layer.parameters()])
         want_grads = torch.autograd.grad((want * weights).sum(), [x, *reference.parameters()])
-        # bf16; the reference kernel sums a whole micro-batch's masked rows (another order)
-        tolerance = {"rtol": 2e-2, "atol": 2e-2} if cuda else \
-            {"rtol": 1e-4, "atol": 1e-4} if backend == "varlen" else {}
+        if dtype == torch.bfloat16:
+            _within_bf16_error(layer, plain.build_layer(index, device, torch.float32), x,
+                               backend, spans.lengths, weights, [out, *got_grads],
+                               [want, *want_grads])
+            continue
+        # the reference kernel sums a whole micro-batch's masked rows (another order)
+        tolerance = {"rtol": 1e-4, "atol": 1e-4} if backend == "varlen" else {}
         torch.testing.assert_close(out, want, **tolerance)
         for got, expected in zip(got_grads, want_grads):
             torch.testing.assert_close(got, expected, **tolerance)
+
+
+def _within_bf16_error(layer, exact_layer, x, backend, lengths, weights, got, plain):
+    """bf16: the output and gradients ``got`` are as close to the fp32 computation (``exact_layer``
+    on each segment alone) as the plain bf16 path's (``plain``) are: within twice its error, as
+    flash-attn's own tests judge its kernels, and a hundredth of the tensor's largest value (a
+    norm's gradient sums every row; rows attending across images would be off by the whole
+    scale). Two bf16 paths compared with each other differ by more than any fixed tolerance
+    where a gradient is a sum over rows that nearly cancel: an H200 saw 7% on one bias."""
+    x32 = x.detach().float().requires_grad_()
+    rope = layer.geometry.meta(_micro(x32, backend, GRIDS)).rope
+    exact = _segments_alone(exact_layer.block, x32, rope, lengths)
+    exact = [exact, *torch.autograd.grad((exact * weights.float()).sum(),
+                                         [x32, *exact_layer.parameters()])]
+    for name, g, p, e in zip(["output", "input", *(n for n, _ in layer.named_parameters())],
+                             got, plain, exact):
+        error, plain_error = ((t.float() - e).abs().max().item() for t in (g, p))
+        assert error <= 2 * plain_error + 1e-2 * e.abs().max().item(), (name, error, plain_error)
 
 
 def test_compiled_blocks_compile_at_most_twice_and_equal_eager(tmp_path):

@@ -335,3 +335,20 @@ def test_targets_never_cross_samples():
     labels = torch.tensor([1, 2, 3, 4, 5, 6])
     targets = next_token_targets(labels, torch.tensor([0, 3, 6], dtype=torch.int32))
     assert targets.tolist() == [2, 3, -100, 5, 6, -100]
+
+
+def test_rotary_tables_move_to_the_device_of_their_input():
+    """A ``Detached`` rotary module's buffers follow its input's device at the first call (on
+    CUDA an inverse-frequency table left on the host is copied at every call, and the host
+    waits: 8 syncs a step on an H200); the meta device stands in for another device here."""
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    from vlmshard.train.models.layers import Detached
+
+    rotary = Detached(Qwen2RotaryEmbedding(Qwen2Config(hidden_size=32, num_attention_heads=4)))
+    want = rotary(torch.zeros(1, 5, 32), torch.arange(5)[None])
+    assert rotary.module.inv_freq.device.type == "cpu"
+    cos, sin = rotary(torch.zeros(1, 5, 32, device="meta"), torch.arange(5, device="meta")[None])
+    assert rotary.module.inv_freq.device.type == "meta" and cos.device.type == "meta"
+    assert cos.shape == want[0].shape and sin.shape == want[1].shape

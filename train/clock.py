@@ -17,8 +17,11 @@ engine owns one clock (``vlmshard.train.engine``) and hands it to the layers it 
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -227,24 +230,36 @@ class StageClock:
 
 
 class HostSyncs:
-    """Counts the calls inside ``with`` that make the host wait for the device: the synchronizing
-    CUDA calls ``torch.cuda``'s sync debug mode warns at (a ``.item()``, a copy from the device,
-    a pageable copy to it), and ``torch.cuda.synchronize``, which that mode does not see
-    (DeepSpeed's accelerator calls it), counted by wrapping it while inside. A no-op when not
-    ``enabled``; off CUDA only ``synchronize`` calls are counted."""
+    """Counts the calls inside ``with`` that make the host wait for the device, and where each
+    was made (``sites``: "file:line" of the first caller outside torch and DeepSpeed's
+    accelerator, counted): the synchronizing CUDA calls ``torch.cuda``'s sync debug mode warns
+    at (a ``.item()``, a copy from the device, a pageable copy to it), and
+    ``torch.cuda.synchronize``, counted by wrapping it while inside (the mode sees it on some
+    torch versions and not on others: what it reports from inside the wrapper is dropped, so
+    each call counts once). A no-op when not ``enabled``; off CUDA only ``synchronize`` calls
+    are counted."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._debug = enabled and torch.cuda.is_available()
-        self.count = 0
+        self.sites: Counter[str] = Counter()
+
+    @property
+    def count(self) -> int:
+        return sum(self.sites.values())
 
     def __enter__(self) -> "HostSyncs":
         if self.enabled:
             self._synchronize = torch.cuda.synchronize
 
             def counted(*args, **kwargs):
-                self.count += 1
-                return self._synchronize(*args, **kwargs)
+                seen = len(self._caught) if self._debug else 0
+                try:
+                    return self._synchronize(*args, **kwargs)
+                finally:
+                    if self._debug:
+                        del self._caught[seen:]
+                    self.sites[_caller(sys._getframe(1))] += 1
 
             torch.cuda.synchronize = counted
         if self._debug:
@@ -258,6 +273,32 @@ class HostSyncs:
         if self._debug:
             torch.cuda.set_sync_debug_mode("default")
             self._warnings.__exit__(*exc)
-            self.count += sum("synchronizing" in str(w.message) for w in self._caught)
+            self.sites.update(_site(w.filename, w.lineno) for w in self._caught
+                              if "synchronizing" in str(w.message))
         if self.enabled:
             torch.cuda.synchronize = self._synchronize
+
+
+# frames a synchronisation passes through on its way from the code that asked for it
+_PASSED = (f"{os.sep}torch{os.sep}", f"{os.sep}deepspeed{os.sep}accelerator{os.sep}")
+
+
+def _caller(frame) -> str:
+    """The site of the first frame from ``frame`` outwards outside torch and DeepSpeed's
+    accelerator."""
+    while frame.f_back is not None and any(p in frame.f_code.co_filename for p in _PASSED):
+        frame = frame.f_back
+    return _site(frame.f_code.co_filename, frame.f_lineno)
+
+
+def _site(filename: str, line: int) -> str:
+    """``filename:line``, the path from its package (the folder above ``site-packages`` or the
+    repository dropped)."""
+    parts = filename.split(os.sep)
+    for anchor in ("site-packages", "dist-packages"):
+        if anchor in parts:
+            parts = parts[parts.index(anchor) + 1:]
+            break
+    else:
+        parts = parts[-2:]
+    return f"{'/'.join(parts)}:{line}"

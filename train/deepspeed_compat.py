@@ -4,11 +4,14 @@
 layers by index: vlmshard overrides ``_partition_layers`` and reads the attributes it sets. These
 are private, so a DeepSpeed release may rename them; ``check_compatible`` fails loudly, naming
 the release and the tested range, before anything is built (``setup.cfg`` pins the same range).
+``fewer_host_syncs`` replaces one helper of DeepSpeed's gradient-norm code with one that does
+the same without making the host wait.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 
 from torch import nn
 
@@ -71,3 +74,32 @@ def stage_functions(module) -> list:
 def layer_module(module, index: int, tied_key: str | None) -> nn.Module:
     """The module of global layer ``index`` on this stage (a tied layer is held once per key)."""
     return module.tied_modules[tied_key] if tied_key else getattr(module, str(index))
+
+
+# The modules that call DeepSpeed's non-finite mask of the global gradient norm (two import it
+# by name)
+_NORM_MASK_USERS = ("deepspeed.runtime.utils", "deepspeed.runtime.zero.stage_1_and_2",
+                    "deepspeed.runtime.zero.stage3")
+
+
+def mask_non_finite(input, device=None, val=-1.0):
+    """DeepSpeed's ``mask_nan_or_inf_with_val_inplace``: the norm's non-finite values become -1
+    (its invalid sentinel, whatever ``val``, as there), filled with a number. DeepSpeed's fills
+    from a device tensor it makes from that number: a copy from the host, then a read back in
+    ``masked_fill_``, two host syncs each optimizer step."""
+    input.masked_fill_(input.isinf().logical_or_(input.isnan()), -1.0)
+
+
+def fewer_host_syncs() -> None:
+    """Put ``mask_non_finite`` in place of DeepSpeed's in each module that calls it."""
+    import deepspeed.runtime.utils  # noqa: F401  (the modules below import it)
+    import deepspeed.runtime.zero.stage3  # noqa: F401
+    import deepspeed.runtime.zero.stage_1_and_2  # noqa: F401
+
+    for name in _NORM_MASK_USERS:
+        module = sys.modules[name]
+        if not hasattr(module, "mask_nan_or_inf_with_val_inplace"):
+            raise DeepSpeedCompatError(
+                f"{name} no longer has mask_nan_or_inf_with_val_inplace; "
+                "train/deepspeed_compat.py needs updating")
+        module.mask_nan_or_inf_with_val_inplace = mask_non_finite

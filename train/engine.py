@@ -22,6 +22,7 @@ import torch
 from .clock import HostSyncs, StageClock, StageTimes
 from .config import TrainConfig
 from .data_parallel import VLMModel, train_batch
+from .deepspeed_compat import fewer_host_syncs
 from .default_partition import ChosenPartition
 from .engine_memory import engine_bytes, on_first_step
 from .hf_model import ModelLayers
@@ -177,6 +178,7 @@ class TrainEngine(ABC):
             extra["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
         if syncs.enabled:
             extra["host_syncs"] = syncs.count
+            extra["host_sync_sites"] = dict(syncs.sites.most_common())
         if self._held:
             extra["engine_bytes"] = dict(self._held)
             self._held.clear()
@@ -263,6 +265,7 @@ def build_engine(cfg: TrainConfig, model: ModelLayers, chosen: ChosenPartition, 
                  device: torch.device, topology, micro_batches: int, steps: int) -> TrainEngine:
     """The engine ``cfg.zero`` takes: the pipeline engine at ZeRO-1, the plain one at 2 and 3
     (``TrainConfig`` has checked these run at one stage)."""
+    fewer_host_syncs()
     engine = PipelineEngine if cfg.zero == 1 else DataParallelEngine
     return engine(cfg, model, chosen, device=device, topology=topology,
                   micro_batches=micro_batches, steps=steps)

@@ -261,11 +261,12 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
 def kept_size(model: ModelLayers, index: int, host: HostMeta) -> Size:
     """The sizes of a micro-batch that layer ``index`` keeps activations for: its real tiles
     and tokens; the first layer keeps the wire's pixels and the token embedding the wire's ids,
-    padded to the caps; the head only the supervised tokens' rows."""
+    padded to the caps, and its image tokens' rows; the head only the supervised tokens'
+    rows."""
     if index == 0:
         return Size(tiles=host.qv)
     if model.input_phase(index).name == "features":
-        return Size(tokens=host.qt)
+        return Size(tiles=host.tiles, tokens=host.qt)
     if index == len(model.defs) - 1:
         return Size(tokens=host.supervised)
     return Size(tiles=host.tiles, tokens=host.tokens)

@@ -42,6 +42,7 @@ from .distributed import (
     rank_device,
     side_groups,
 )
+from .trace import traced_step
 from .train_log import (
     open_log,
     pipeline_record,
@@ -251,22 +252,6 @@ def train(cfg: TrainConfig, setup: Setup, engine: TrainEngine, first_step: int,
             write_record(log_file, record)
         if checkpoint_due(cfg, step + 1, setup.steps):
             engine.save(os.path.join(cfg.out, "checkpoints"), step + 1)
-
-
-def traced_step(folder: str | None, rank: int, step: int, cuda: bool, on: bool
-                ) -> ContextManager:
-    """Inside: a torch profiler trace of the step (CPU, and CUDA kernels on GPU), written as
-    ``folder/trace-rank{rank}-step{step}.json`` (Chrome's trace format: chrome://tracing,
-    Perfetto); nothing when not ``on``."""
-    if not on:
-        return contextlib.nullcontext()
-    from torch.profiler import ProfilerActivity, profile
-
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"trace-rank{rank}-step{step}.json")
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    return profile(activities=activities, record_shapes=True,
-                   on_trace_ready=lambda prof: prof.export_chrome_trace(path))
 
 
 def leave() -> None:

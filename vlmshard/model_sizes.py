@@ -573,16 +573,17 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
         # (two, gated) and its second
         selective_bytes=Size(tiles=patches * (a * 6 * v.hidden + FP32 * v.heads
                                               + (1 + v.gated_mlp) * a * mlp)))
+    lookup = _token_embedding_work(t, tokens)
     projector = LayerWork(
         "projector_merge", projector_work.params + t.vocab_size * t.hidden,
         flops=Size(tiles=2 * tokens * projector_linear),
-        activation_bytes=Size(tiles=projector_work.kept,
-                              tokens=_token_embedding_work(t).activation_bytes.tokens),
+        activation_bytes=Size(tiles=projector_work.kept + lookup.activation_bytes.tiles,
+                              tokens=lookup.activation_bytes.tokens),
         output_bytes=llm_out,
         transient_bytes=Size(tiles=patches * (3 * a * v.hidden + rms_norm_backward(v.hidden)
                                               * v.rms_norm)
                              + tokens * (3 * a * width + 2 * a * t.hidden)),
-        fixed_transient_bytes=_token_embedding_work(t).fixed_transient_bytes)
+        fixed_transient_bytes=lookup.fixed_transient_bytes)
     head = LayerWork(
         "head", t.hidden * t.vocab_size + t.hidden,
         flops=Size(tokens=2 * t.hidden * t.vocab_size),
@@ -619,12 +620,13 @@ TRAINER_NAMES = {"projector": "projector_merge"}
 NO_LAYER_WORK = ("embed_tokens", "final_norm")
 
 
-def _token_embedding_work(t: LLMConfig) -> LayerWork:
-    """The token embedding: a lookup keeping its int64 ids and the bool mask of image tokens;
-    its backward holds its output, that output's gradient with the image tokens' rows zeroed,
-    the image features' gradient, the gradient in fp32 where the table's accumulates, and the
-    table's fp32 gradient."""
-    return LayerWork("embed_tokens", t.vocab_size * t.hidden, Size(), Size(tokens=8 + 1),
+def _token_embedding_work(t: LLMConfig, tokens_per_tile: int) -> LayerWork:
+    """The token embedding: a lookup keeping its int64 ids and the int64 rows the image tokens'
+    features are copied to; its backward holds its output, that output's gradient with the
+    image tokens' rows zeroed, the image features' gradient, the gradient in fp32 where the
+    table's accumulates, and the table's fp32 gradient."""
+    return LayerWork("embed_tokens", t.vocab_size * t.hidden, Size(),
+                     Size(tokens=8, tiles=8 * tokens_per_tile),
                      Size(tokens=ACTIVATION_BYTES * t.hidden),
                      transient_bytes=Size(tokens=(3 * ACTIVATION_BYTES + FP32) * t.hidden),
                      fixed_transient_bytes=FP32 * t.vocab_size * t.hidden)
@@ -648,7 +650,8 @@ def trainer_layer_work(names: list[str], config: ModelConfig) -> list[LayerWork]
     layers once each."""
     work = layer_work(config)
     index = {w.name: i for i, w in enumerate(work)}
-    moved = {"embed_tokens": ("projector_merge", _token_embedding_work(config.llm)),
+    moved = {"embed_tokens": ("projector_merge",
+                              _token_embedding_work(config.llm, config.tokens_per_tile)),
              "final_norm": ("head", _final_norm_work(config.llm))}
     out, used = [], []
     for name in names:

@@ -16,7 +16,8 @@ by part, ``vlmshard.train.train_log.time_breakdown``); a step traced by the prof
 (``--trace``) has ``"traced": true``; on GPU a rank
 also logs ``peak_memory_bytes`` and ``peak_reserved_bytes`` (the allocator's peaks in the
 step: ``max_memory_allocated``, which pipeline.json's predicted peak is checked against, and
-``max_memory_reserved``) and, when counted, ``host_syncs``.
+``max_memory_reserved``) and, when counted, ``host_syncs`` with ``host_sync_sites`` (each
+"file:line" that made the host wait, and how often: ``vlmshard.train.clock.HostSyncs``).
 The first step after a start or resume also has, per rank, ``engine_bytes``:
 the bytes of the tensors the DeepSpeed engine holds at its first optimizer update, counted once
 per storage (``vlmshard.train.engine_memory``): ``{"weights", "gradients", "optimizer",

@@ -103,7 +103,11 @@ def embed_tokens(module: TokenEmbedding, micro: Micro) -> torch.Tensor:
     if features.shape[0] != micro.host.image_tokens:
         raise ValueError(f"{micro.num_tiles} tiles give {features.shape[0]} image features for "
                          f"{micro.host.image_tokens} image tokens")
-    return hidden.masked_scatter(image[:, None], features)
+    # by row index, the count known on the host: masked_scatter's backward (masked_select) makes
+    # the host wait for the device once per micro-batch; index_put keeps only the index
+    # (index_copy would keep the features too)
+    rows = torch.nonzero_static(image, size=micro.host.image_tokens).flatten()
+    return hidden.index_put((rows,), features)
 
 
 class DecoderLayer(HFLayer):
@@ -242,11 +246,15 @@ def language_layers(model: nn.Module, lm: str, visual_ids: tuple[int, ...],
 
 
 class Detached:
-    """Holds a module that must not become a submodule (no parameters, not saved, not moved):
-    the rotary tables, computed on the device of their input."""
+    """Holds a module that must not become a submodule (no parameters, not saved, not moved with
+    the stage): the rotary tables, computed on the device of their input (``x``), where the
+    module's buffers move at its first call there (an inverse-frequency table copied from the
+    host at every call would make the host wait for the device each time)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
 
-    def __call__(self, *args):
-        return self.module(*args)
+    def __call__(self, x: torch.Tensor, *args):
+        if next(self.module.buffers()).device != x.device:
+            self.module.to(x.device)
+        return self.module(x, *args)

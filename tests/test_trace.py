@@ -1,0 +1,56 @@
+"""The traced step's summary (``vlmshard.train.trace``): a hand-written trace's figures counted by
+hand, and a real profiler run writes the trace with its summary beside it."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from vlmshard.train.trace import kernel_class, summarize, traced_step
+
+
+def test_summary_of_a_hand_written_trace(tmp_path):
+    """Kernels at [0, 10), [5, 20) and [30, 40) µs: busy 30 µs (the overlap counted once) over a
+    span of 40; two GEMMs, one flash kernel, one memcpy; a CPU op and a stream sync."""
+    events = [
+        {"cat": "kernel", "name": "nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT", "ts": 0, "dur": 10},
+        {"cat": "kernel", "name": "nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT", "ts": 5, "dur": 15},
+        {"cat": "kernel", "name": "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>",
+         "ts": 30, "dur": 8},
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 38, "dur": 2},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50},
+        {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 41, "dur": 4},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1, "dur": 1},
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    summary = summarize(str(path), top=2)
+    assert summary["device_busy_s"] == 30e-6 and summary["device_span_s"] == 40e-6
+    assert summary["by_class"] == {"gemm": 25e-6, "attention": 8e-6, "copy": 2e-6}
+    assert [(k["class"], k["calls"], k["s"]) for k in summary["top_kernels"]] == [
+        ("gemm", 2, 25e-6), ("attention", 1, 8e-6)]
+    assert summary["host_syncs"] == {"cudaStreamSynchronize": {"calls": 1, "s": 4e-6}}
+
+
+def test_kernel_classes_of_names_seen_on_an_h200():
+    assert kernel_class("void at::native::vectorized_elementwise_kernel<4, "
+                        "at::native::GeluCUDAKernelImpl>") == "elementwise"
+    assert kernel_class("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel"
+                        "<c10::BFloat16, float, true>") == "norm"
+    assert kernel_class("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
+    assert kernel_class("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "reduction"
+    assert kernel_class("some_new_kernel") == "other"
+
+
+def test_traced_step_writes_the_trace_and_its_summary(tmp_path):
+    with traced_step(str(tmp_path), rank=0, step=1, cuda=False, on=True):
+        torch.ones(64, 64) @ torch.ones(64, 64)
+    trace = json.loads((tmp_path / "trace-rank0-step1.json").read_text())
+    assert any(e.get("name") == "aten::matmul" for e in trace["traceEvents"])
+    summary = json.loads((tmp_path / "trace-rank0-step1-summary.json").read_text())
+    # on CPU the trace holds no device work
+    assert summary["device_span_s"] == 0 and summary["top_kernels"] == []
+    with traced_step(str(tmp_path / "off"), rank=0, step=1, cuda=False, on=False):
+        pass
+    assert not (tmp_path / "off").exists()
