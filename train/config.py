@@ -97,7 +97,7 @@ class TrainConfig:
     count_host_syncs: bool = option(
         False, help="count each step's synchronizing CUDA calls (torch.cuda's sync debug mode, "
                     "on GPU) and torch.cuda.synchronize calls, and log them per rank as "
-                    "host_syncs (slows the step)")
+                    "host_syncs, with host_sync_sites: the file:line of each (slows the step)")
     trace: str | None = option(
         None, help="write a torch profiler trace (Chrome trace JSON, one file per rank) of the "
                    "run's second step to this folder; that step's log line says traced",
