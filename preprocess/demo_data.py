@@ -211,7 +211,9 @@ def _make_images(out: str, rng: random.Random) -> list[str]:
         ext = "jpg" if k % 2 == 0 else "png"
         name = f"images/{label}-{k:02d}-{w}x{h}.{ext}"
         buf = io.BytesIO()
-        image.save(buf, format="JPEG" if ext == "jpg" else "PNG", quality=90)
+        # PNG at zlib level 1: 4x faster to write than the default 6 for 14% more bytes, the
+        # same pixels (the demo is written at every fresh test and `make demo`)
+        image.save(buf, format="JPEG" if ext == "jpg" else "PNG", quality=90, compress_level=1)
         _write_if_changed(os.path.join(out, name), buf.getvalue())
         names.append(name)
     return names
