@@ -28,7 +28,8 @@ demo: $(STAMP)
 	$(VENV)/bin/vlmshard run --config configs/demo.yaml
 
 # Two pytest workers: the end-to-end tests wait on launchers, clusters and sockets as much as they
-# compute, so two overlap well even on 2 CPUs. TEST_WORKERS=0 runs the suite in one process.
+# compute, so two overlap well even on 2 CPUs (tests/conftest.py gives each worker, and what it
+# starts, its share of OpenMP threads). TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)

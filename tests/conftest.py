@@ -10,10 +10,17 @@ import subprocess
 import sys
 import tempfile
 
-import pytest
+# pytest-xdist's workers share the CPUs: each worker, and every process it starts, takes its share
+# of OpenMP threads, set before torch or numpy is imported. Two workers of two threads each on 2
+# CPUs spin against each other: tests/test_model.py took 147 s so, 49 s with one thread each.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
 
-from vlmshard.preprocess import PreprocessConfig, run_preprocess
-from vlmshard.preprocess.demo_data import DemoDataset, generate
+import pytest  # noqa: E402
+
+from vlmshard.preprocess import PreprocessConfig, run_preprocess  # noqa: E402
+from vlmshard.preprocess.demo_data import DemoDataset, generate  # noqa: E402
 
 
 @pytest.fixture(scope="session")

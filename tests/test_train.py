@@ -853,3 +853,18 @@ def test_live_storages_pass_over_a_dead_weak_proxy_and_fake_tensors():
     held = torch.ones(1000)
     assert _live_storages()[held.untyped_storage().data_ptr()] == 4000
     assert proxy is not None
+
+
+def test_rank_threads_share_the_cpus_capped_by_omp_num_threads(monkeypatch):
+    """A rank's intra-op threads: its share of the CPUs, at most ``OMP_NUM_THREADS`` where that
+    is a positive number."""
+    from vlmshard.train.trainer import cpu_threads_per_rank
+
+    monkeypatch.setattr("vlmshard.io.available_cpus", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert [cpu_threads_per_rank(n) for n in (1, 2, 3, 16)] == [8, 4, 2, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert [cpu_threads_per_rank(n) for n in (1, 2, 3, 16)] == [2, 2, 2, 1]
+    for ignored in ("", "0", "four"):
+        monkeypatch.setenv("OMP_NUM_THREADS", ignored)
+        assert cpu_threads_per_rank(2) == 4
