@@ -45,8 +45,8 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    Hugging Face's ``Trainer`` (examples/hf_trainer.py) with vlmshard's optimizer, schedule,
    clipping and precision: ``hf_packed`` on ``shards.model_inputs`` (packed, each sample
    attending to itself alone, as LLaMA-Factory's packing trains) and ``hf_padded`` with each
-   step's samples in random micro-batches of about equal tokens, padded per sample (the common
-   default); their tokens/s, MFU (the same steps' model FLOPs) and loss per step. A peer that
+   step's samples in random micro-batches of about equal padded tokens, padded per sample (the
+   common default), as many a step as keep each within a packed micro-batch's tokens; their tokens/s, MFU (the same steps' model FLOPs) and loss per step. A peer that
    runs out of memory at this budget is reported so (``error``), and the bench goes on.
 7. ``--compile-blocks``: the balanced plan trained again with regional ``torch.compile``
    (``balanced_compiled``), beside the eager run. ``--quick``: the balanced plan alone (no
@@ -58,6 +58,7 @@ network: install them, or carry a virtual environment built for it). Nothing is 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -335,7 +336,9 @@ def hf_train(args, setup: dict, padded: bool) -> tuple[str, list[float], list[fl
     attention = "flash_attention_2" if cuda and is_flash_attn_2_available() else "sdpa"
     model = AutoModelForImageTextToText.from_pretrained(setup["model"], dtype=torch.float32,
                                                         attn_implementation=attention)
-    batches = PaddedBatches if padded else PackedBatches
+    # the padded peer: as many micro-batches a step as keep each, padded, within the packed
+    # micro-batch's tokens over the steps trained (``PaddedBatches``)
+    batches = functools.partial(PaddedBatches, steps=args.steps) if padded else PackedBatches
     workers = args.loader_workers if args.loader_workers is not None else (4 if cuda else 0)
 
     class Clock(TrainerCallback):

@@ -57,12 +57,38 @@ class PackedBatches(IterableDataset):
 class PaddedBatches(PackedBatches):
     """The same samples step by step, padded per sample as the common default trains
     (``padded_inputs``): each step's samples shuffled (``seed``) and dealt, in that order, each
-    to the micro-batch with the fewest tokens so far, as many micro-batches as the step has:
-    random batches of about equal token budget, the same samples each optimizer step."""
+    to the micro-batch whose padded size (samples × the longest) grows least (``padded_deal``):
+    random micro-batches of about equal padded tokens, the same samples each optimizer step.
+    A step has as many micro-batches as a packed step, or more where padding needs them: the
+    fewest that keep every one of the first ``steps`` steps' padded micro-batches within
+    ``max_tokens`` (default: the shards' token cap, what one packed micro-batch holds), read
+    from the shards without their pixels (``fewest_parts``: none empty)."""
 
-    def __init__(self, *args, seed: int = 0, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, shards: str, model, rank: int, world_size: int, workers: int = 0, *,
+                 seed: int = 0, steps: int | None = None, max_tokens: int | None = None) -> None:
+        from vlmshard.shards.loader import ShardDataset
+
+        super().__init__(shards, model, rank, world_size, workers)
         self.seed = seed
+        data = ShardDataset(shards, rank, world_size, pixels=False, pad_to_caps=False)
+        packed = data.micro_batches_per_step
+        lengths, step = [], []  # each step's sample lengths, in the order the loader gives them
+        for n, batch in enumerate(data, 1):
+            cu = batch["cu_seqlens"][:int(batch["num_samples"]) + 1]
+            step += (cu[1:] - cu[:-1]).tolist()
+            if n % packed == 0:
+                lengths.append(step)
+                step = []
+                if len(lengths) == steps:
+                    break
+        self.parts = fewest_parts(lengths, packed, max_tokens or data.manifest.qt, seed)
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        return self.parts
+
+    def __len__(self) -> int:  # the Trainer's steps per epoch: micro-batches / accumulation
+        return len(self.loader.dataset) // self.loader.dataset.micro_batches_per_step * self.parts
 
     def __iter__(self):
         import random
@@ -72,18 +98,42 @@ class PaddedBatches(PackedBatches):
         rng, step = random.Random(self.seed), []
         for batch in self.loader:
             step.append(batch)
-            if len(step) < self.micro_batches_per_step:
+            if len(step) < self.loader.dataset.micro_batches_per_step:
                 continue
             samples = [s for b in step for s in split_batch(b, self.model)]
-            rng.shuffle(samples)
-            dealt, tokens = [[] for _ in step], [0] * len(step)
-            for sample in samples:
-                k = tokens.index(min(tokens))
-                dealt[k].append(sample)
-                tokens[k] += sample["input_ids"].shape[1]
-            for part in dealt:
-                yield padded_inputs(part, self.model)
+            for part in padded_deal([s["input_ids"].shape[1] for s in samples], self.parts, rng):
+                yield padded_inputs([samples[i] for i in part], self.model)
             step = []
+
+
+def padded_deal(lengths: list[int], parts: int, rng) -> list[list[int]]:
+    """The indices of samples of ``lengths`` in ``parts`` micro-batches: taken in a random
+    order (``rng``), each to the micro-batch whose padded size (samples × the longest) grows
+    least, the first of equals."""
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    dealt, longest = [[] for _ in range(parts)], [0] * parts
+    for i in order:
+        k = min(range(parts), key=lambda j: (len(dealt[j]) + 1) * max(longest[j], lengths[i]))
+        dealt[k].append(i)
+        longest[k] = max(longest[k], lengths[i])
+    return dealt
+
+
+def fewest_parts(steps: list[list[int]], least: int, max_tokens: int, seed: int) -> int:
+    """The fewest micro-batches a step (at least ``least``, at most the samples of the step
+    with fewest: none may be empty) for which ``padded_deal``, replayed over ``steps`` (each
+    step's sample lengths) from ``seed``, keeps every padded micro-batch within
+    ``max_tokens``; where none does, that most."""
+    import random
+
+    most = max(least, min((len(s) for s in steps), default=least))
+    for parts in range(least, most + 1):
+        rng = random.Random(seed)
+        if all(len(part) * max((lengths[i] for i in part), default=0) <= max_tokens
+               for lengths in steps for part in padded_deal(lengths, parts, rng)):
+            return parts
+    return most
 
 
 def main() -> None:

@@ -134,3 +134,85 @@ def test_models_that_packing_breaks_are_refused(tmp_path):
             config._attn_implementation = implementation
         with pytest.raises(ConfigError, match=message):
             model_inputs(batch, model)
+
+
+class _InOrder:
+    """A random source whose shuffle leaves the order as it is (a hand count's)."""
+
+    def shuffle(self, items: list) -> None:
+        pass
+
+
+def _padded_peer():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+    import hf_trainer
+
+    return hf_trainer
+
+
+def test_the_padded_peer_deals_each_sample_where_padding_grows_least():
+    """``padded_deal`` by hand: 10 opens micro-batch 0; each 2 costs 2·10 there against 1·2,
+    2·2, 3·2 beside the others; 9 costs 2·10 = 20 in micro-batch 0 against 4·9 = 36; 1 costs
+    3·10 against 4·2."""
+    deal = _padded_peer().padded_deal
+    assert deal([10, 2, 2, 2, 9, 1], 2, _InOrder()) == [[0, 4], [1, 2, 3, 5]]
+    assert deal([3, 3], 3, _InOrder()) == [[0], [1], []]
+
+
+def test_the_padded_peer_takes_the_fewest_micro_batches_that_fit():
+    """``fewest_parts``: every padded micro-batch of every step within the budget at the count
+    it returns, some over it at one fewer; a sample over the budget on its own: each alone."""
+    import random
+
+    peer = _padded_peer()
+    rng = random.Random(1)
+    steps = [[rng.randint(1, 300) for _ in range(rng.randint(8, 20))] for _ in range(5)]
+
+    def widest(parts: int) -> int:
+        replay = random.Random(7)
+        return max(len(p) * max((s[i] for i in p), default=0)
+                   for s in steps for p in peer.padded_deal(s, parts, replay))
+
+    parts = peer.fewest_parts(steps, 2, 1000, seed=7)
+    assert parts > 2 and widest(parts) <= 1000 < widest(parts - 1)
+    assert peer.fewest_parts(steps, 2, 10_000, seed=7) == 2
+    # over the budget alone: as many as the step with fewest samples has, none left empty
+    assert peer.fewest_parts([[5, 2000, 7, 1], [3, 4, 5]], 2, 1000, seed=7) == 3
+
+
+def test_the_padded_peer_trains_each_step_on_its_samples_as_dealt(packed):
+    """``PaddedBatches`` (a budget of twice the longest sample): the micro-batches a step are
+    ``fewest_parts`` of the steps' sample lengths as the model's own split gives them (so the
+    pixel-free scan read the same samples in the same order); each step comes as that many
+    micro-batches, none empty, together exactly the packed step's samples, each padded as
+    ``padded_deal`` dealt them."""
+    import random
+
+    from vlmshard.shards.model_inputs import split_batch
+
+    family, folder, shards, _ = packed
+    hf_trainer = _padded_peer()
+    model = _model(folder, "sdpa")
+    data = ShardDataset(shards, pad_to_caps=False)
+    packed_mbs, per_step = list(data), data.micro_batches_per_step
+    samples = [[s for b in packed_mbs[k:k + per_step] for s in split_batch(b, model)]
+               for k in range(0, len(packed_mbs), per_step)]
+    lengths = [[s["input_ids"].shape[1] for s in step] for step in samples]
+    longest = max(map(max, lengths))
+    peer = hf_trainer.PaddedBatches(shards, model, 0, 1, max_tokens=2 * longest)
+    parts = peer.micro_batches_per_step
+    assert parts == hf_trainer.fewest_parts(lengths, per_step, 2 * longest, seed=0)
+    got = list(peer)
+    assert len(got) == len(peer) == len(samples) * parts
+    rng = random.Random(0)
+    for k, step in enumerate(samples):
+        dealt = hf_trainer.padded_deal(lengths[k], parts, rng)
+        batches = got[k * parts:(k + 1) * parts]
+        assert [tuple(b["input_ids"].shape) for b in batches] == [
+            (len(d), max(lengths[k][i] for i in d)) for d in dealt]
+        have = sorted(row[mask].tolist() for b in batches
+                      for row, mask in zip(b["input_ids"], b["attention_mask"].bool()))
+        assert have == sorted(s["input_ids"][0].tolist() for s in step)
