@@ -29,14 +29,15 @@ demo: $(STAMP)
 
 # Two pytest workers: the end-to-end tests wait on launchers, clusters and sockets as much as they
 # compute, so two overlap well even on 2 CPUs (tests/conftest.py gives each worker, and what it
-# starts, its share of OpenMP threads). TEST_WORKERS=0 runs the suite in one process.
+# starts, its share of OpenMP threads, and orders the longest tests first; each worker takes the
+# next test as it finishes one). TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist load --maxschedchunk 1
 
 test-quick: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not slow"
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist load --maxschedchunk 1 -m "not slow"
 
 # About an hour on 2 vCPUs; each script's docstring says what it measures (BENCHMARKS.md: results).
 bench: $(STAMP)

@@ -107,9 +107,16 @@ def ray_cluster(tmp_path_factory):
                 os.environ[key] = value
 
 
+def expected_minutes(item) -> float:
+    """What the suite is ordered by: a slow test's ``minutes`` (``@pytest.mark.slow(minutes=N)``,
+    about its time in ``make test`` on 2 CPUs), 1 for other slow tests, 0 for the rest."""
+    marker = item.get_closest_marker("slow")
+    return 0 if marker is None else marker.kwargs.get("minutes", 1)
+
+
 def pytest_collection_modifyitems(items: list) -> None:
-    """The modules holding end-to-end tests (marked slow) run first, each module's tests still
-    together and in order: the suite's two workers then end on short tests, not with one
-    worker alone in a long launch while the other idles."""
-    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module.__name__ not in slow)
+    """The longest tests first, the rest in their order: ``make test``'s workers take the next
+    test as each finishes (``--dist load --maxschedchunk 1``), so both start on the long
+    launches and end on short tests, not one worker alone in a long launch while the other
+    idles (the tail of a run in collection order was 16 of its 23 minutes)."""
+    items.sort(key=lambda item: -expected_minutes(item))

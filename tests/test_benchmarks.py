@@ -30,7 +30,7 @@ def test_benchmark_script_prints_its_usage(script, tmp_path):
     assert proc.stdout.startswith(f"usage: {os.path.basename(script)}"), proc.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=4)
 @pytest.mark.timeout(2400)
 def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
     """``gpu_bench.py --smoke``: the GPU command's whole path on CPU with a tiny model: data,

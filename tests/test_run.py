@@ -22,7 +22,7 @@ def _config(tmp_path, out, name: str = "demo.yaml", **changes) -> str:
     return str(path)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=1.5)
 def test_the_qwen3_vl_config_runs_every_stage(tmp_path):
     """configs/run-qwen3-vl.yaml: a tiny Qwen3-VL through every stage, its 32-px unit costed from
     its own config.json, DeepStack features crossing the configured stage cut."""
@@ -41,7 +41,7 @@ def test_the_qwen3_vl_config_runs_every_stage(tmp_path):
     assert len(log) == 2 and all(r["loss"] > 0 for r in log)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=3)
 def test_demo_config_runs_every_stage_and_reruns_to_the_same_bytes(tmp_path):
     out = tmp_path / "demo"
     train = {"pp": 2, "dp": 1, "max_steps": 2}

@@ -425,7 +425,7 @@ def test_two_data_parallel_ranks_learn_from_exactly_their_plan(small_shards, tmp
         assert len(seen) > len(plan) and seen == [plan[i % len(plan)] for i in range(len(seen))]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=1.5)
 def test_zero_2_and_3_at_pp_1_train_as_zero_1_does(small_shards, tmp_path):
     """Data parallel alone (DP=2, PP=1) through DeepSpeed's plain engine with gradients (ZeRO-2)
     and also parameters (ZeRO-3) sharded: the same losses as the pipeline engine's ZeRO-1 run of
@@ -458,7 +458,7 @@ def test_zero_2_and_3_at_pp_1_train_as_zero_1_does(small_shards, tmp_path):
         torch.testing.assert_close(tensor, one[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=2)
 def test_engine_holds_what_the_memory_model_charges_per_parameter(small_shards, tmp_path):
     """One bf16 step (fp32 gradient accumulation, the GPU default) of each engine the trainer
     runs, each at DP=2 (ZeRO splits over it): the pipeline engine's BF16 optimizer (ZeRO-1:
@@ -528,7 +528,7 @@ def test_zero_2_and_3_need_one_stage():
         TrainConfig(shards="s", out="o", zero=4)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=1.2)
 def test_bf16_training_tracks_fp32(small_shards, tmp_path):
     """The same 12 steps at PP=2 in bf16 (bf16 weights, activations and pixels; fp32 master
     weights, gradient accumulation and Adam states) and in fp32. The first loss (a forward alone)
@@ -548,7 +548,7 @@ def test_bf16_training_tracks_fp32(small_shards, tmp_path):
     assert runs["bf16"][-1] < runs["bf16"][0] - 1.0
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=1.2)
 def test_two_nodes_on_localhost_train_as_one_node_does(small_shards, tmp_path):
     """Two launcher invocations as two nodes would run them (torchrun-style NNODES, NODE_RANK,
     NPROC_PER_NODE, MASTER_ADDR, MASTER_PORT), one pipeline stage each: the losses are those of
@@ -656,7 +656,7 @@ def test_a_run_that_fails_mid_loop_closes_its_log(small_shards, tmp_path):
     assert [r["step"] for r in _log(out / "train_log.jsonl")] == [0]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=1.5)
 def test_resume_after_kill_9_continues_the_loss_trajectory_exactly(small_shards, tmp_path):
     common = ["--config", CONFIG, "--shards", small_shards, "--pp", "2", "--lr", "0.003",
               "--max-steps", "6", "--lr-scheduler-type", "cosine", "--warmup-steps", "2"]
