@@ -46,8 +46,9 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    clipping and precision: ``hf_packed`` on ``shards.model_inputs`` (packed, each sample
    attending to itself alone, as LLaMA-Factory's packing trains) and ``hf_padded`` with each
    step's samples in random micro-batches of about equal padded tokens, padded per sample (the
-   common default), as many a step as keep each within a packed micro-batch's tokens; their tokens/s, MFU (the same steps' model FLOPs) and loss per step. A peer that
-   runs out of memory at this budget is reported so (``error``), and the bench goes on.
+   common default), as many a step as keep each within a packed micro-batch's tokens; their
+   tokens/s, MFU (the same steps' model FLOPs) and loss per step. A peer that runs out of
+   memory at this budget is reported so (``error``), and the bench goes on.
 7. ``--compile-blocks``: the balanced plan trained again with regional ``torch.compile``
    (``balanced_compiled``), beside the eager run. ``--quick``: the balanced plan alone (no
    random plan, loader, profile or replay), for an A/B inside a short GPU lease.
@@ -84,6 +85,8 @@ QWEN3_VL_2B = {
                          out_hidden_size=2048, num_position_embeddings=2304,
                          deepstack_visual_indexes=[5, 11, 17]),
 }
+# vlmshard's runs, in the result's and the table's order
+RUNS = ("balanced", "random", "balanced_compiled")
 # Images up to 1024 merged patches (~1 Mpx): the demo's photos and documents keep their size.
 BENCH_MAX_PIXELS = 32 * 32 * 1024
 
@@ -498,7 +501,7 @@ def main() -> None:
 def save(args, result: dict, peak: float | None) -> None:
     """Each run's MFU and HFU where the peak is known; the result so far to ``--json``, after
     each phase (a run cut short keeps what it measured)."""
-    runs = [result[k] for k in ("balanced", "random", "balanced_compiled") if k in result]
+    runs = [result[k] for k in RUNS if k in result]
     for run in [*runs, *result.get("baseline", {}).values()]:
         if peak and "mfu_flops_per_s" in run:
             run["mfu"] = run["mfu_flops_per_s"] / peak
@@ -522,7 +525,7 @@ def table(result: dict) -> str:
              f"{'plan':<9} {'median s':>9} {'p90 s':>7} {'tokens/s':>9} {'tiles/s':>8} "
              f"{'MFU':>6} {'HFU':>6} {'peak GiB':>8} {'model GiB':>9} {'syncs':>5} "
              f"{'predicted s':>11} {'replay error':>12}"]
-    for algo in ("balanced", "random", "balanced_compiled"):
+    for algo in RUNS:
         if algo not in result:
             continue
         r = result[algo]
@@ -542,13 +545,13 @@ def table(result: dict) -> str:
             continue
         lines.append(f"{name:<9} {r['median_step_s']:>9.3f} {'-':>7} {r['tokens_per_s']:>9,.0f} "
                      f"{'-':>8} {fmt(r.get('mfu'), '.1%'):>6}   ({r['attention']})")
-    for algo in ("balanced", "random", "balanced_compiled"):
+    for algo in RUNS:
         trace = result.get(algo, {}).get("trace")
         if trace and trace["device_span_s"]:
             lines.append(f"{algo} traced step: device busy {trace['device_busy_s']:.3f} s of "
                          f"{trace['device_span_s']:.3f} s; " + ", ".join(
                              f"{cls} {s:.3f}" for cls, s in trace["by_class"].items()))
-    for algo in ("balanced", "random", "balanced_compiled"):
+    for algo in RUNS:
         if algo not in result:
             continue
         r = result[algo]
