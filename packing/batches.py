@@ -71,3 +71,14 @@ class Packing:
         np.cumsum(counts, out=offsets[1:])
         return cls(items[sort].astype(np.int64), offsets, ranks, micro_batches,
                    np.asarray(unplaced, np.int64), list(unplaced_reason))
+
+
+def concat_steps(packings: list[Packing]) -> Packing:
+    """One packing whose steps are those of ``packings`` in turn (the epochs of a plan)."""
+    first = packings[0]
+    shifts = np.cumsum([0] + [len(p.items) for p in packings[:-1]])
+    offsets = np.concatenate([packings[0].offsets[:1]] +
+                             [p.offsets[1:] + s for p, s in zip(packings, shifts)])
+    return Packing(np.concatenate([p.items for p in packings]), offsets, first.ranks,
+                   first.micro_batches, np.concatenate([p.unplaced for p in packings]),
+                   [r for p in packings for r in p.unplaced_reason])

@@ -9,6 +9,7 @@ from vlmshard.config import ConfigError, option
 from vlmshard.families import families, presets
 
 from .cost import ComputeMode
+from .groups import GroupOrder, parse_groups
 
 Algorithm = Literal["balanced", "isf", "lengthgroup", "random"]
 ALGORITHMS: tuple[str, ...] = get_args(Algorithm)
@@ -56,6 +57,18 @@ class PackConfig:
         "padding-free", help="what the trainer computes on, for step_efficiency: padding-free "
                              "(vlmshard train: real tiles and tokens only) or padded (linear "
                              "layers on all Qv tiles and Qt tokens of each micro-batch)")
+    groups: str | None = option(
+        None, help="packing groups with sequence parallelism (Hierarchical Balance Packing): "
+                   "'auto' (levels and SP degrees chosen for the best step_efficiency, the SP "
+                   "exchange counted) or lengths LENGTH[:SP],... shortest first (e.g. "
+                   "8192,32768:4); each group's micro-batch holds LENGTH tokens over SP ranks "
+                   "(default SP: the fewest ranks whose --max-qt holds it), and its Qv is SP "
+                   "ranks' --max-qv; --max-qv/--max-qt then bound one rank; a sample goes to "
+                   "the smallest group that holds it; balanced only",
+        metavar="auto|LENGTH[:SP],...", default_text="one group: the caps")
+    group_order: GroupOrder = option(
+        "mixed", help="the order of the groups' steps in an epoch: mixed (each group's steps "
+                      "spread evenly over it) or short-first (HBP's curriculum)")
     seed: int = option(0, help="shuffle seed; epoch e uses seed + e")
     epochs: int = option(1, help="epochs to plan")
     cost_model: str | None = option(None, help="cost_model.json with a_v, a_t, b (from vlmshard "
@@ -85,6 +98,15 @@ class PackConfig:
         if (self.max_qv or 0) < 0 or (self.max_qt is not None and self.max_qt < 1):
             raise ConfigError(f"the memory bound must be positive, got --max-qv {self.max_qv} "
                               f"--max-qt {self.max_qt}")
+        if self.groups is not None:
+            spec = parse_groups(self.groups)
+            if self.algo != "balanced" or self.qv is not None:
+                raise ConfigError("--groups packs with --algo balanced and sets each group's "
+                                  "caps: drop --algo/--qv/--qt (--max-qv/--max-qt bound one rank)")
+            for length, sp in spec or []:
+                if sp is not None and self.dp % sp:
+                    raise ConfigError(f"--groups: group {length}:{sp}'s SP degree {sp} does not "
+                                      f"divide --dp {self.dp}")
         if self.qv is not None:
             if self.algo in PADDED:
                 raise ConfigError(f"--qv/--qt do not apply to {self.algo}: it takes "

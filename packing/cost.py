@@ -10,6 +10,12 @@ the packer, its metrics and report use it. Defaults are the training FLOPs (forw
 forward) of the model, from its layer sizes (``vlmshard/model_sizes.py``): a model folder's
 ``config.json`` (by default the folder the stats were preprocessed for) or a preset;
 ``vlmshard train profile`` writes a measured ``cost_model.json`` with the same three keys.
+
+A step of sequence-parallel degree s splits each micro-batch's work over s ranks and pays the
+exchange Ulysses makes: ``c_sp·Σseq_len·(s − 1)/s`` per micro-batch, in the same FLOP units
+(the bytes ``model_sizes.sequence_parallel_bytes`` counts, priced at the reference card's FLOPs
+per byte of its link, ``vlmshard.hardware``). A profile's ``cost_model.json`` may state ``c_sp``;
+without it, communication is not priced.
 """
 
 from __future__ import annotations
@@ -40,17 +46,20 @@ class CostModel:
     origin: str  # where the numbers came from: a model name or a cost_model.json
     window: int = 0  # the sliding window of the layers that have one (0: none)
     window_share: float = 0.0  # the share of ``b`` those layers make
+    c_sp: float = 0.0  # per token, the sequence-parallel exchange at (s − 1)/s = 1
 
     @classmethod
     def from_sizes(cls, model) -> "CostModel":
         """Training FLOPs of a ``vlmshard.model_sizes.ModelConfig``, from its layer sizes."""
-        from vlmshard.model_sizes import training_flops
+        from vlmshard.hardware import GPUS, REFERENCE_GPU, flops_per_sp_byte
+        from vlmshard.model_sizes import sequence_parallel_bytes, training_flops
 
         flops = training_flops(model)
         b = flops.squares + flops.windowed
         return cls(flops.tiles, flops.tokens, b, f"flops:{model.name}",
                    window=model.llm.sliding_window if flops.windowed else 0,
-                   window_share=flops.windowed / b if flops.windowed else 0.0)
+                   window_share=flops.windowed / b if flops.windowed else 0.0,
+                   c_sp=sequence_parallel_bytes(model) * flops_per_sp_byte(GPUS[REFERENCE_GPU]))
 
     @classmethod
     def for_stats(cls, name: str | None, family: str, model_folder: str | None = None,
@@ -91,16 +100,23 @@ class CostModel:
             raise InputError(f"{path}: cost coefficients must be non-negative and not all zero")
         try:
             window, share = int(data.get("window", 0)), float(data.get("window_share", 0.0))
+            c_sp = float(data.get("c_sp", 0.0))
         except (TypeError, ValueError) as e:
-            raise InputError(f"{path}: window must be a whole number of tokens and window_share "
-                             "a number") from e
-        if window < 0 or not 0.0 <= share <= 1.0:
-            raise InputError(f"{path}: window must be >= 0 and window_share within [0, 1]")
-        return cls(a_v, a_t, b, f"file:{path}", window=window, window_share=share)
+            raise InputError(f"{path}: window must be a whole number of tokens, window_share "
+                             "and c_sp numbers") from e
+        if window < 0 or not 0.0 <= share <= 1.0 or c_sp < 0:
+            raise InputError(f"{path}: window must be >= 0, window_share within [0, 1] and "
+                             "c_sp >= 0")
+        return cls(a_v, a_t, b, f"file:{path}", window=window, window_share=share, c_sp=c_sp)
 
     def cost(self, tiles, tokens, squares):
         """Cost of micro-batches (or ranks) from their Σtiles, Σtokens and Σ``squares``."""
         return self.a_v * tiles + self.a_t * tokens + self.b * squares
+
+    def sp_exchange(self, tokens, sp: int):
+        """What sequence parallelism of degree ``sp`` adds to micro-batches (or ranks) of
+        Σ``tokens``, in the cost's units: the exchange, ``c_sp·tokens·(sp − 1)/sp``."""
+        return self.c_sp * tokens * (sp - 1) / sp
 
     def squares(self, tokens: np.ndarray) -> np.ndarray:
         """Per sample of ``tokens`` its quadratic work in units of ``b``: seq_len², less what

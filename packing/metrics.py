@@ -15,6 +15,8 @@ For step s and rank r let V, L, A be the rank's Σtiles, Σtokens and Σseq_len�
   plan's compute mode (``executed_sizes``; padded baselines pad each sample to the longest
   in its micro-batch), so throughput is proportional to it. In ``padding-free`` mode a packed
   plan's E is C, and step_efficiency equals cost_efficiency.
+- ``communication_ratio``: the share of tokens in sequence-parallel steps (HBP's CR), all of
+  which pay its exchange.
 - ``order_spearman``: Spearman ρ between step index and the step's mean seq_len (balance must
   not sort the data); ``source_mix_tv``: mean total-variation distance between each step's
   source mix and the global mix.
@@ -22,7 +24,7 @@ For step s and rank r let V, L, A be the rank's Σtiles, Σtokens and Σseq_len�
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
@@ -64,6 +66,8 @@ class Metrics:
     qv: int
     qt: int
     pack_seconds: float
+    # the share of tokens in sequence-parallel steps, which pay its exchange (HBP's CR)
+    communication_ratio: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -161,11 +165,14 @@ def executed_sizes(sizes: np.ndarray, *, qv: int, qt: int, mode: str) -> np.ndar
 
 
 def executed_work(sizes: np.ndarray, packing: Packing, cost: CostModel, dp: int, *, qv: int,
-                  qt: int, mode: str) -> np.ndarray:
+                  qt: int, mode: str, sp: int = 1) -> np.ndarray:
     """[steps, dp]: the cost of what each real rank's trainer computes each step, from the
-    micro-batches' ``micro_batch_sizes``."""
-    executed = executed_sizes(sizes, qv=qv, qt=qt, mode=mode)
-    return cost.cost(*(per_rank(executed[:, i], packing, dp) for i in range(3)))
+    micro-batches' ``micro_batch_sizes``; at sequence-parallel degree ``sp`` a "rank" is the
+    ``sp`` ranks that share its micro-batches, their work with the exchange between them
+    (``CostModel.sp_exchange``), so that it lasts 1/``sp`` of this."""
+    executed = [per_rank(executed_sizes(sizes, qv=qv, qt=qt, mode=mode)[:, i], packing, dp)
+                for i in range(3)]
+    return cost.cost(*executed) + cost.sp_exchange(executed[1], sp)
 
 
 def micro_batch_sizes(lengths: Lengths, packing: Packing, padded: bool,
@@ -183,43 +190,99 @@ def micro_batch_sizes(lengths: Lengths, packing: Packing, padded: bool,
     return np.stack(sums, axis=1)
 
 
-def measure(lengths: Lengths, packing: Packing, *, qv: int, qt: int, cost: CostModel,
-            padded: bool, dp: int, pack_seconds: float, mode: str = "padding-free") -> Metrics:
-    """Metrics of ``packing`` as ``dp`` real ranks see it (each takes ranks/dp virtual ranks),
-    its trainer computing in ``mode``."""
+@dataclass(frozen=True)
+class StepFigures:
+    """Per step of a packing, every sum the metrics take (``metrics_of``): steps of several
+    packings (a grouped plan's groups) concatenate into one, in the plan's step order."""
+
+    useful: np.ndarray  # Σ_r C: the cost of the real tiles, tokens and attention
+    spent: np.ndarray  # R · max_r E: what the ranks spend, R real ranks (groups of sp ranks)
+    cost_mean: np.ndarray  # mean over the real ranks of C, per rank (÷ sp)
+    cost_max: np.ndarray  # the largest C per rank (÷ sp)
+    dist: np.ndarray  # [steps, 3]: ``dist_ratio_per_step`` of V, L and A
+    tiles: np.ndarray  # ΣV
+    tokens: np.ndarray  # ΣL
+    processed: np.ndarray  # the tokens the LLM processes, padding included
+    vit_capacity: np.ndarray  # micro-batches · Qv
+    llm_capacity: np.ndarray  # micro-batches · Qt
+    micro_batches: np.ndarray
+    samples: np.ndarray
+    sources: np.ndarray  # [steps, sources]: samples of each source
+    sp: np.ndarray  # the step's sequence-parallel degree
+
+    @classmethod
+    def concat(cls, parts: list["StepFigures"], order: np.ndarray) -> "StepFigures":
+        """The steps of ``parts`` in one order: step t is ``order[t]``'s next unused step."""
+        rank = np.empty(len(order), np.int64)
+        for g in range(len(parts)):
+            rank[order == g] = np.arange(int((order == g).sum()))
+        index = np.r_[0, np.cumsum([len(p.useful) for p in parts])][order] + rank
+        return cls(*(np.concatenate([getattr(p, f.name) for p in parts])[index]
+                     for f in fields(cls)))
+
+
+def step_figures(lengths: Lengths, packing: Packing, *, qv: int, qt: int, cost: CostModel,
+                 padded: bool, dp: int, mode: str = "padding-free", sp: int = 1) -> StepFigures:
+    """The per-step sums of ``packing`` as ``dp`` real ranks see it (each takes ranks/dp
+    virtual ranks), its trainer computing in ``mode``; at sequence-parallel degree ``sp``, ``dp``
+    counts the groups of ``sp`` ranks that share micro-batches (``executed_work``)."""
     loads = step_loads(lengths, packing, cost, dp)
     sizes = micro_batch_sizes(lengths, packing, padded, cost)
-    executed = executed_work(sizes, packing, cost, dp, qv=qv, qt=qt, mode=mode)
-    spent = float(executed.max(axis=1).sum()) * dp
-    n_micro, steps = packing.n_micro, packing.steps
-    C = loads.cost
-    if padded:
-        processed = float(sizes[:, 1].sum())
-    else:
-        processed = float(n_micro) * qt
-    total_tokens = float(loads.micro_tokens.sum())
+    executed = executed_work(sizes, packing, cost, dp, qv=qv, qt=qt, mode=mode, sp=sp)
+    steps, per_step = packing.steps, packing.ranks * packing.micro_batches
+    micro = np.full(steps, per_step, np.int64)
+    processed = (sizes[:, 1].reshape(steps, per_step).sum(axis=1) if padded
+                 else micro * float(qt))
+    return StepFigures(
+        useful=loads.cost.sum(axis=1), spent=executed.max(axis=1) * dp,
+        cost_mean=loads.cost.mean(axis=1) / sp, cost_max=loads.cost.max(axis=1) / sp,
+        dist=np.stack([dist_ratio_per_step(x) for x in (loads.tiles, loads.tokens,
+                                                         loads.squares)], axis=1).reshape(steps, 3),
+        tiles=loads.tiles.sum(axis=1), tokens=loads.tokens.sum(axis=1), processed=processed,
+        vit_capacity=micro * float(qv), llm_capacity=micro * float(qt), micro_batches=micro,
+        samples=loads.sources.sum(axis=1), sources=loads.sources, sp=np.full(steps, sp, np.int64))
 
-    step_samples = loads.sources.sum(axis=1)
-    step_mean_len = np.divide(loads.tokens.sum(axis=1), step_samples, out=np.zeros(steps),
-                              where=step_samples > 0)
+
+def measure(lengths: Lengths, packing: Packing, *, qv: int, qt: int, cost: CostModel,
+            padded: bool, dp: int, pack_seconds: float, mode: str = "padding-free",
+            sp: int = 1) -> Metrics:
+    """Metrics of ``packing`` as ``dp`` real ranks see it (``step_figures``)."""
+    figures = step_figures(lengths, packing, qv=qv, qt=qt, cost=cost, padded=padded, dp=dp,
+                           mode=mode, sp=sp)
+    return metrics_of(figures, unplaced=len(packing.unplaced), qv=qv, qt=qt,
+                      pack_seconds=pack_seconds)
+
+
+def metrics_of(f: StepFigures, *, unplaced: int, qv: int, qt: int,
+               pack_seconds: float) -> Metrics:
+    """The metrics of the module docstring from a plan's ``StepFigures``."""
+    spent, processed = float(f.spent.sum()), float(f.processed.sum())
+    total_tokens = float(f.tokens.sum())
+    vit_capacity, llm_capacity = float(f.vit_capacity.sum()), float(f.llm_capacity.sum())
+    cost_max = float(f.cost_max.sum())
+    steps = len(f.useful)
+    mean_len = np.divide(f.tokens, f.samples, out=np.zeros(steps), where=f.samples > 0)
+    dist = f.dist.mean(axis=0) if steps else np.zeros(3)
     return Metrics(
-        step_efficiency=float(C.sum()) / spent if spent else 1.0,
+        step_efficiency=float(f.useful.sum()) / spent if spent else 1.0,
         pad_ratio=(processed - total_tokens) / processed if processed else 0.0,
-        vit_dist_ratio=dist_ratio(loads.tiles),
-        llm_dist_ratio=dist_ratio(loads.tokens),
-        attn_dist_ratio=dist_ratio(loads.squares),
-        vit_fill=float(loads.micro_tiles.sum()) / (n_micro * qv) if n_micro and qv else 1.0,
-        llm_fill=total_tokens / (n_micro * qt) if n_micro else 0.0,
-        cost_efficiency=float(C.mean(axis=1).sum() / C.max(axis=1).sum()) if steps else 1.0,
-        order_spearman=spearman(np.arange(steps), step_mean_len),
-        source_mix_tv=source_mix_tv(loads.sources),
+        vit_dist_ratio=float(dist[0]),
+        llm_dist_ratio=float(dist[1]),
+        attn_dist_ratio=float(dist[2]),
+        vit_fill=float(f.tiles.sum()) / vit_capacity if vit_capacity else 1.0,
+        llm_fill=total_tokens / llm_capacity if llm_capacity else 0.0,
+        cost_efficiency=float(f.cost_mean.sum()) / cost_max if cost_max else 1.0,
+        order_spearman=spearman(np.arange(steps), mean_len),
+        source_mix_tv=source_mix_tv(f.sources),
         steps=steps,
-        micro_batches=n_micro,
-        samples=len(packing.items),
-        unplaced=len(packing.unplaced),
+        micro_batches=int(f.micro_batches.sum()),
+        samples=int(f.samples.sum()),
+        unplaced=unplaced,
         qv=int(qv),
         qt=int(qt),
         pack_seconds=float(pack_seconds),
+        communication_ratio=(float(f.tokens[f.sp > 1].sum()) / total_tokens if total_tokens
+                             else 0.0),
     )
 
 

@@ -37,7 +37,9 @@ from .algorithms import BalancedOptions, Caps
 from .batches import Lengths, Packing
 from .config import PADDED, PackConfig
 from .cost import CostModel
-from .metrics import Metrics, format_metrics, measure
+from .groups import (Group, GroupedPacking, format_group_table, given_groups, group_table,
+                     is_grouped, pack_groups, parse_groups, search_groups)
+from .metrics import Metrics, format_metrics
 from .stats import StatsError, load_stats
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,8 @@ PLAN_SCHEMA = pa.schema([
     pa.field("slot", pa.int16(), nullable=False),
     pa.field("sample_id", pa.int64(), nullable=False),
 ])
+# A grouped plan's rows also name their step's packing group (plan.json's ``groups``).
+GROUP_FIELD = pa.field("group", pa.int16(), nullable=False)
 
 
 @dataclass
@@ -59,6 +63,11 @@ class PackResult(Result):
     out: str
     metrics: Metrics
     unplaced_by_reason: dict[str, int]
+    groups: list[dict]  # plan.json's groups
+
+    @property
+    def grouped(self) -> bool:
+        return is_grouped(self.groups)
 
     def summary(self) -> str:
         m = self.metrics
@@ -67,12 +76,19 @@ class PackResult(Result):
 
     def text(self) -> str:
         lines = [format_metrics(self.metrics.report())]
+        if self.grouped:
+            lines += [f"communication_ratio {self.metrics.communication_ratio:.4f}",
+                      "groups:", format_group_table(self.groups)]
         if self.unplaced_by_reason:
             lines.append("unplaced: " + ", ".join(f"{n} {r}" for r, n in
                                                   self.unplaced_by_reason.items()))
         return "\n".join(lines + [f"plan written to {self.out}/plan.parquet"])
 
     def to_json(self) -> dict:
+        if self.grouped:
+            return {**self.metrics.report(),
+                    "communication_ratio": self.metrics.communication_ratio,
+                    "groups": self.groups}
         return self.metrics.report()
 
 
@@ -99,12 +115,12 @@ def _pack(cfg: PackConfig) -> PackResult:
         log.info("%s is already complete (same stats, options and cost model): nothing to do",
                  cfg.out)
         return PackResult(cfg.out, Metrics(**finished["metrics"]),
-                          finished["unplaced_by_reason"])
-    caps, caps_from, search = choose_caps(cfg, lengths, cost)
+                          finished["unplaced_by_reason"], finished["groups"])
+    groups, caps_from, search = choose_groups(cfg, lengths, cost)
     epochs, packings = [], []
     first_step = 0
     for epoch in range(cfg.epochs):
-        packing = pack_epoch(cfg, lengths, caps, cost, seed=cfg.seed + epoch)
+        packing = pack_plan_epoch(cfg, lengths, groups, cost, seed=cfg.seed + epoch)
         epochs.append({"epoch": epoch, "seed": cfg.seed + epoch, "first_step": first_step,
                        "steps": packing.steps})
         first_step += packing.steps
@@ -115,10 +131,10 @@ def _pack(cfg: PackConfig) -> PackResult:
     if over_cap:
         log.warning("%d samples exceed the caps on their own and are not placed", over_cap)
     pack_seconds = time.perf_counter() - t_loaded
-    plan = concat_epochs(packings)
-    metrics = measure(lengths, plan, qv=caps.qv, qt=caps.qt, cost=cost,
-                      padded=cfg.algo in PADDED, dp=cfg.dp, pack_seconds=pack_seconds,
-                      mode=cfg.compute_mode)
+    plan = GroupedPacking.concat(packings)
+    metrics, each = plan.measure(lengths, cost, cfg.dp, cfg.compute_mode,
+                                 padded=cfg.algo in PADDED, pack_seconds=pack_seconds)
+    table = group_table(plan, each, lengths, cfg.ranks)
     unplaced = [{"epoch": e, "sample_id": int(s), "reason": r}
                 for e, p in enumerate(packings) for s, r in zip(p.unplaced, p.unplaced_reason)]
     by_reason = dict(sorted(Counter(u["reason"] for u in unplaced).items()))
@@ -140,12 +156,13 @@ def _pack(cfg: PackConfig) -> PackResult:
         "algorithm": cfg.algo,
         "stats": stats.describe(),
         "params": {**{k: v for k, v in asdict(cfg).items() if k not in ("stats", "out")},
-                   "ranks": cfg.ranks, "qv": caps.qv, "qt": caps.qt,
+                   "ranks": cfg.ranks, "qv": groups[-1].qv, "qt": groups[-1].length,
                    "caps_from": caps_from,
                    "balanced": asdict(BalancedOptions()) if cfg.algo == "balanced" else None,
                    "isf_iterations": algorithms.ISF_ITERATIONS if cfg.algo == "isf" else None},
         "cost_model": cost.to_dict(),
         "metrics": deterministic,
+        "groups": table,
         "epochs": epochs,
         "unplaced_by_reason": by_reason,
         "unplaced": unplaced,
@@ -154,10 +171,10 @@ def _pack(cfg: PackConfig) -> PackResult:
     log.info("plan: %d steps x %d ranks x %d micro-batches, %d samples placed, %d unplaced -> %s",
              metrics.steps, cfg.ranks, cfg.micro_batches, metrics.samples, metrics.unplaced,
              cfg.out)
-    return PackResult(cfg.out, metrics, by_reason)
+    return PackResult(cfg.out, metrics, by_reason, table)
 
 
-def _places_nothing(cfg: PackConfig, packing: Packing, over_cap: int) -> str:
+def _places_nothing(cfg: PackConfig, packing: GroupedPacking, over_cap: int) -> str:
     """Why a plan has no step: the samples within the caps do not fill one step of the ranks ×
     micro-batches (each micro-batch at least one sample, --target-samples for padded ones)."""
     fit = len(packing.unplaced) - over_cap
@@ -211,7 +228,8 @@ def choose_caps(cfg: PackConfig, lengths: Lengths,
         "bound": {"qv": bound.qv, "qt": bound.qt, "from": bound_from}, "tried": tried}
 
 
-def caps_bound(cfg: PackConfig, lengths: Lengths) -> tuple[Caps, str]:
+def caps_bound(cfg: PackConfig, lengths: Lengths, *,
+               at_least_largest: bool = True) -> tuple[Caps, str]:
     """The memory bound balanced's caps are searched under, and where it came from:
     ``--max-qv/--max-qt``, else the ``max_qv``/``max_qt`` that ``vlmshard train profile`` wrote
     into the ``--cost-model`` file (what the device's memory holds), else ``--target-samples``."""
@@ -223,7 +241,42 @@ def caps_bound(cfg: PackConfig, lengths: Lengths) -> tuple[Caps, str]:
         origin = f"the profile's memory model ({cfg.cost_model})"
     else:
         given, origin = (None, None), "--target-samples"
-    return algorithms.memory_bound(lengths, cfg.target_samples, *given), origin
+    return algorithms.memory_bound(lengths, cfg.target_samples, *given,
+                                   at_least_largest=at_least_largest), origin
+
+
+def choose_groups(cfg: PackConfig, lengths: Lengths,
+                  cost: CostModel) -> tuple[tuple[Group, ...], str, dict | None]:
+    """The plan's groups, where they came from and what a search tried: without --groups one
+    group of SP 1 whose caps ``choose_caps`` chooses; else the groups named, or ``auto``'s,
+    within one rank's memory bound (``caps_bound`` without the largest sample's floor: the
+    larger groups hold what one rank cannot)."""
+    if cfg.groups is None:
+        caps, caps_from, search = choose_caps(cfg, lengths, cost)
+        return (Group(caps.qt, caps.qv, 1),), caps_from, search
+    rank, rank_from = caps_bound(cfg, lengths, at_least_largest=False)
+    bound = {"rank_bound": {"qv": rank.qv, "qt": rank.qt, "from": rank_from}}
+    spec = parse_groups(cfg.groups)
+    if spec is not None:
+        return given_groups(spec, rank, cfg.dp), "given", bound
+    groups, tried = search_groups(lengths, rank, dp=cfg.dp, ranks=cfg.ranks,
+                                  micro_batches=cfg.micro_batches, seed=cfg.seed, cost=cost,
+                                  mode=cfg.compute_mode)
+    log.info("groups %s: the best step_efficiency of %d candidates, one rank holding Qv %d, "
+             "Qt %d (%s)", ", ".join(f"{g.length}:{g.sp}" for g in groups), len(tried), rank.qv,
+             rank.qt, rank_from)
+    return groups, "groups_search", {**bound, "tried": tried}
+
+
+def pack_plan_epoch(cfg: PackConfig, lengths: Lengths, groups: tuple[Group, ...],
+                    cost: CostModel, *, seed: int) -> GroupedPacking:
+    """One epoch of the plan: ``pack_epoch`` in its one group, or ``pack_groups``."""
+    if cfg.groups is None:
+        return GroupedPacking.single(groups[0], pack_epoch(cfg, lengths, groups[0].caps, cost,
+                                                           seed=seed))
+    return pack_groups(lengths, np.arange(len(lengths), dtype=np.int64), groups,
+                       ranks=cfg.ranks, micro_batches=cfg.micro_batches, seed=seed, cost=cost,
+                       mode=cfg.compute_mode, order=cfg.group_order)
 
 
 def pack_epoch(cfg: PackConfig, lengths: Lengths, caps: Caps, cost: CostModel, *,
@@ -251,27 +304,24 @@ def pack_epoch(cfg: PackConfig, lengths: Lengths, caps: Caps, cost: CostModel, *
     return packing
 
 
-def concat_epochs(packings: list[Packing]) -> Packing:
-    """One packing whose steps run through the epochs in order."""
-    first = packings[0]
-    shifts = np.cumsum([0] + [len(p.items) for p in packings[:-1]])
-    offsets = np.concatenate([packings[0].offsets[:1]] +
-                             [p.offsets[1:] + s for p, s in zip(packings, shifts)])
-    return Packing(np.concatenate([p.items for p in packings]), offsets, first.ranks,
-                   first.micro_batches, np.concatenate([p.unplaced for p in packings]),
-                   [r for p in packings for r in p.unplaced_reason])
-
-
-def write_plan_parquet(path: str, packing: Packing) -> None:
-    micro_of_item = packing.micro_of_item()
-    per_step = packing.ranks * packing.micro_batches
-    slot = np.arange(len(packing.items)) - packing.offsets[micro_of_item]
-    columns = [(micro_of_item // per_step).astype(np.int32),
-               ((micro_of_item // packing.micro_batches) % packing.ranks).astype(np.int32),
-               (micro_of_item % packing.micro_batches).astype(np.int16),
-               slot.astype(np.int16),
-               packing.items.astype(np.int64)]
-    table = pa.Table.from_arrays([arrow_column(c) for c in columns], schema=PLAN_SCHEMA)
+def write_plan_parquet(path: str, plan: GroupedPacking) -> None:
+    """One row per placed sample in (step, rank, micro, slot) order; ``rank`` is the rank among
+    the group's data-parallel ranks (the plan's ranks ÷ its SP degree)."""
+    columns = []
+    for g, packing in enumerate(plan.packings):
+        micro_of_item = packing.micro_of_item()
+        per_step = packing.ranks * packing.micro_batches
+        step = np.flatnonzero(plan.order == g)[micro_of_item // per_step]
+        slot = np.arange(len(packing.items)) - packing.offsets[micro_of_item]
+        columns.append([step, (micro_of_item // packing.micro_batches) % packing.ranks,
+                        micro_of_item % packing.micro_batches, slot, packing.items,
+                        np.full(len(packing.items), g)])
+    merged = [np.concatenate(c) for c in zip(*columns)]
+    order = np.argsort(merged[0], kind="stable")
+    schema = PLAN_SCHEMA.append(GROUP_FIELD) if plan.grouped else PLAN_SCHEMA
+    table = pa.Table.from_arrays(
+        [arrow_column(c[order].astype(f.type.to_pandas_dtype())) for c, f in zip(merged, schema)],
+        schema=schema)
     atomic_write(path, lambda tmp: write_parquet(table, tmp))
 
 
@@ -307,6 +357,12 @@ def read_plan(plan_dir: str) -> tuple[dict, Packing]:
     path = os.path.join(plan_dir, "plan.parquet")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{plan_dir}: no plan.parquet here (write one with vlmshard pack)")
+    groups = info.get("groups", [])
+    if is_grouped(groups):
+        raise InputError(f"{plan_dir} is a plan of {len(groups)} packing group(s) with sequence "
+                         f"parallelism up to {max(g['sp'] for g in groups)} (vlmshard pack "
+                         f"--groups): shards, training, report plots and the simulator read "
+                         f"one-group plans only so far; its plan.json holds each group's figures")
     table = pq.read_table(path)
     ranks, micro = info["params"]["ranks"], info["params"]["micro_batches"]
     n_micro = info["metrics"]["micro_batches"]

@@ -678,6 +678,23 @@ def trainer_layer_work(names: list[str], config: ModelConfig) -> list[LayerWork]
     return out
 
 
+def sequence_parallel_bytes(config: ModelConfig) -> float:
+    """Bytes one rank sends per token of its shard in a training step of Ulysses sequence
+    parallelism, before the (s − 1)/s that stays home: each LLM layer's token mixer re-shards
+    its q, k, v (from sequence to heads) and its output (back) in the forward, and their
+    gradients in the backward, in bf16. Attention moves its query and key/value heads; a
+    linear-attention layer its key and value heads likewise."""
+    t = config.llm
+    per_layer = []
+    for layer in range(t.layers):
+        if t.is_linear(layer):
+            per_layer.append(2 * t.linear_key_heads * t.linear_key_dim
+                             + 2 * t.linear_value_heads * t.linear_value_dim)
+        else:
+            per_layer.append((2 * t.heads + 2 * t.kv_heads) * t.head_size)
+    return 2 * ACTIVATION_BYTES * float(sum(per_layer))
+
+
 def training_flops(config: ModelConfig) -> Size:
     """Forward + backward FLOPs of the whole model per tile, per token and per squared length:
     the packer's default cost model (``a_v``, ``a_t``, ``b``)."""

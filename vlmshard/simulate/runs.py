@@ -145,9 +145,10 @@ def repack(info: dict, lengths, algo: str, mode: str):
     """The plan's samples packed again with ``algo`` for a trainer computing in ``mode`` (same
     ranks, micro-batches, epochs, seed, cost model and memory bound), and the caps ``algo``
     chose for itself."""
+    from vlmshard.packing.batches import concat_steps
     from vlmshard.packing.config import PackConfig
     from vlmshard.packing.cost import CostModel
-    from vlmshard.packing.plan import choose_caps, concat_epochs, pack_epoch
+    from vlmshard.packing.plan import choose_caps, pack_epoch
 
     params = info["params"]
     bound = (info.get("caps_search") or {}).get("bound") or {}  # the plan's memory bound
@@ -158,8 +159,8 @@ def repack(info: dict, lengths, algo: str, mode: str):
                      compute_mode=mode, max_qv=bound.get("qv"), max_qt=bound.get("qt"))
     cost = CostModel(**info["cost_model"])
     caps, _, _ = choose_caps(cfg, lengths, cost)
-    return concat_epochs([pack_epoch(cfg, lengths, caps, cost, seed=cfg.seed + epoch)
-                          for epoch in range(cfg.epochs)]), caps
+    return concat_steps([pack_epoch(cfg, lengths, caps, cost, seed=cfg.seed + epoch)
+                         for epoch in range(cfg.epochs)]), caps
 
 
 def _describe(partition: Partition, work) -> dict:

@@ -1,0 +1,207 @@
+"""Packing groups (Hierarchical Balance Packing): each sample in the smallest group that holds it,
+every group's micro-batches within its caps over its data-parallel ranks, the steps in the order
+asked, sequence parallelism's exchange priced as the cost model says, bad groups refused in one
+line. Expected values are hand counts or loops written here, not the code under test."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from helpers import vlmshard
+
+from vlmshard.errors import ConfigError
+from vlmshard.families import presets
+from vlmshard.packing.algorithms import Caps
+from vlmshard.packing.batches import Lengths, Packing
+from vlmshard.packing.config import PackConfig
+from vlmshard.packing.cost import CostModel
+from vlmshard.packing.groups import (Group, GroupedPacking, assign, given_groups, order_steps,
+                                     pack_groups, parse_groups, search_groups)
+from vlmshard.packing.plan import run_pack
+
+COST = CostModel.from_sizes(presets()["internvl2-2b"])
+
+
+def long_tail(n: int, seed: int = 0) -> Lengths:
+    """Lengths from 64 to 4096 tokens, log-normal, one tile per 256 tokens: a long tail that
+    one rank's budget of 512 tokens cannot hold."""
+    rng = np.random.default_rng(seed)
+    tokens = np.clip(np.round(rng.lognormal(np.log(200), 1.0, n)), 64, 4096).astype(np.int64)
+    return Lengths(np.maximum(tokens // 256, 1), tokens, (np.arange(n) % 2).astype(np.int32),
+                   ("a", "b"))
+
+
+def test_groups_parse_and_bad_specs_are_refused_in_one_line():
+    assert parse_groups("auto") is None
+    assert parse_groups("8192, 32768:4,131072:8") == [(8192, None), (32768, 4), (131072, 8)]
+    for bad, says in [("8192,4096", "shortest first"), ("8192,8192", "shortest first"),
+                      ("8k", "'8k' is not LENGTH"), ("0", "positive"), ("100:0", "positive")]:
+        with pytest.raises(ConfigError, match=says) as e:
+            parse_groups(bad)
+        assert "\n" not in str(e.value)
+
+
+def test_each_group_takes_the_fewest_ranks_that_hold_it():
+    rank = Caps(4, 1000)
+    # dp 12: SP degrees 1, 2, 3, 4, 6, 12
+    got = given_groups([(900, None), (2500, None), (5000, None), (6000, 12)], rank, 12)
+    assert got == (Group(900, 4, 1), Group(2500, 12, 3), Group(5000, 24, 6),
+                   Group(6000, 48, 12))
+    with pytest.raises(ConfigError, match="over one rank's 1000"):
+        given_groups([(4000, 2)], rank, 12)
+    with pytest.raises(ConfigError, match="needs more than the 12 ranks' 12000 tokens"):
+        given_groups([(13000, None)], rank, 12)
+    with pytest.raises(ConfigError, match="does not divide --dp 12"):
+        given_groups([(4000, 5)], rank, 12)
+
+
+def test_a_sample_goes_to_the_smallest_group_that_holds_it():
+    lengths = Lengths(np.array([2, 2, 6, 1, 20]), np.array([50, 150, 90, 500, 100]),
+                      np.zeros(5, np.int32), ("a",))
+    groups = (Group(100, 4, 1), Group(400, 16, 2))
+    # by hand: (2, 50) fits 100/4; (2, 150) and (6, 90) need the second; (1, 500) and
+    # (20, 100) fit neither
+    assert assign(lengths, np.arange(5), groups).tolist() == [0, 1, 1, -1, -1]
+
+
+def test_mixed_order_spreads_each_group_over_the_epoch_and_short_first_goes_in_turn():
+    # by hand: keys 1/8, 3/8, 5/8, 7/8 (group 0) and 1/4, 3/4 (group 1)
+    assert order_steps([4, 2], "mixed").tolist() == [0, 1, 0, 0, 1, 0]
+    assert order_steps([4, 2], "short-first").tolist() == [0, 0, 0, 0, 1, 1]
+    assert order_steps([0, 3], "mixed").tolist() == [1, 1, 1]
+    steps = [37, 11, 5]
+    order = order_steps(steps, "mixed")
+    assert np.bincount(order).tolist() == steps
+    share = np.array(steps) / sum(steps)
+    for prefix in range(1, len(order) + 1):
+        seen = np.bincount(order[:prefix], minlength=3)
+        assert np.all(np.abs(seen - prefix * share) <= 1.5), prefix
+
+
+def _micro_batches(packing: Packing):
+    for b in range(packing.n_micro):
+        yield b, packing.items[packing.offsets[b]:packing.offsets[b + 1]]
+
+
+@pytest.mark.parametrize("order", ["mixed", "short-first"])
+def test_grouped_packing_keeps_every_sample_and_every_groups_caps(order):
+    lengths = long_tail(6000)
+    groups = (Group(512, 2, 1), Group(1024, 4, 2), Group(4096, 16, 8))
+    ids = np.arange(len(lengths))
+    packed = pack_groups(lengths, ids, groups, ranks=8, micro_batches=2, seed=3, cost=COST,
+                         mode="padding-free", order=order)
+    placed = np.concatenate([p.items for p in packed.packings])
+    # counts reconcile: every sample placed once or unplaced once
+    assert sorted(np.r_[placed, packed.unplaced].tolist()) == ids.tolist()
+    assert len(packed.unplaced_reason) == len(packed.unplaced)
+    for g, (group, packing) in enumerate(zip(groups, packed.packings)):
+        assert packing.ranks == 8 // group.sp and packing.micro_batches == 2
+        assert packing.n_micro == packing.steps * packing.ranks * 2
+        assert (packed.order == g).sum() == packing.steps
+        for _, items in _micro_batches(packing):
+            assert 0 < len(items)
+            assert lengths.tiles[items].sum() <= group.qv
+            assert lengths.tokens[items].sum() <= group.length
+            for i in items:  # the smallest group that holds it, by a loop of its own
+                smallest = next(k for k, h in enumerate(groups)
+                                if lengths.tiles[i] <= h.qv and lengths.tokens[i] <= h.length)
+                assert smallest == g
+    assert all(p.steps > 0 for p in packed.packings)
+    if order == "short-first":
+        assert np.all(np.diff(packed.order) >= 0)
+    again = pack_groups(lengths, ids, groups, ranks=8, micro_batches=2, seed=3, cost=COST,
+                        mode="padding-free", order=order)
+    assert all(np.array_equal(a.items, b.items) for a, b in zip(packed.packings, again.packings))
+
+
+def test_sequence_parallel_steps_pay_the_exchange_and_count_in_the_communication_ratio():
+    cost = CostModel(a_v=1.0, a_t=2.0, b=0.0, origin="hand", c_sp=1.0)
+    lengths = Lengths(np.array([1, 1, 2, 0, 3, 1]), np.array([10, 20, 30, 40, 100, 60]),
+                      np.zeros(6, np.int32), ("a",))
+    # group 0 (sp 1, 2 ranks): one step, micro-batches [0, 1] and [2, 3]
+    short = Packing(np.array([0, 1, 2, 3]), np.array([0, 2, 4]), 2, 1, np.array([], np.int64), [])
+    # group 1 (sp 2, one group of 2 ranks): one step, micro-batch [4, 5]
+    long = Packing(np.array([4, 5]), np.array([0, 2]), 1, 1, np.array([], np.int64), [])
+    packed = GroupedPacking((Group(100, 4, 1), Group(200, 8, 2)), [short, long],
+                            np.array([1, 0]), np.array([], np.int64), [])
+    whole, each = packed.measure(lengths, cost, 2, "padding-free")
+    # by hand, C = tiles + 2 tokens: group 0 ranks 2 + 60 = 62 and 2 + 140 = 142, spent 2·142;
+    # group 1: 4 + 320 = 324, the exchange 1·160·(2 − 1)/2 = 80, spent 1·(324 + 80)
+    assert each[0].step_efficiency == pytest.approx((62 + 142) / (2 * 142))
+    assert each[1].step_efficiency == pytest.approx(324 / 404)
+    assert whole.step_efficiency == pytest.approx((62 + 142 + 324) / (2 * 142 + 404))
+    assert whole.communication_ratio == pytest.approx(160 / 260)
+    assert each[0].communication_ratio == 0 and each[1].communication_ratio == 1
+    # per real rank: group 0's 62 and 142, group 1's 324 over 2 ranks: 162 each
+    assert whole.cost_efficiency == pytest.approx((102 + 162) / (142 + 162))
+    assert (whole.steps, whole.micro_batches, whole.samples) == (2, 3, 6)
+
+
+def test_auto_groups_choose_the_best_candidate_and_keep_the_top_level():
+    lengths = long_tail(4000, seed=1)
+    groups, tried = search_groups(lengths, Caps(2, 512), dp=8, ranks=8, micro_batches=1,
+                                  seed=0, cost=COST, mode="padding-free")
+    # the ladder: 512 x 1, 1024 x 2, 2048 x 4, 4096 x 8; the longest sample needs the last
+    assert groups[-1] == Group(4096, 16, 8)
+    assert {"length": 4096, "qv": 16, "sp": 8} == tried[0]["groups"][-1]
+    assert len(tried) == 8 and all(t["groups"][-1]["sp"] == 8 for t in tried)
+    best = max(t["step_efficiency"] for t in tried)
+    chosen = next(t for t in tried if [g["length"] for g in t["groups"]]
+                  == [g.length for g in groups])
+    assert chosen["step_efficiency"] >= best - 0.001
+    one_cap = next(t for t in tried if len(t["groups"]) == 1)
+    assert one_cap["communication_ratio"] == 1.0 and chosen["communication_ratio"] < 1.0
+
+
+def _write_lengths(path, lengths: Lengths) -> str:
+    rows = [{"vit_num": int(v), "token_num": int(t)} for v, t in zip(lengths.tiles, lengths.tokens)]
+    path.write_text(json.dumps(rows))
+    return str(path)
+
+
+def test_pack_groups_writes_the_groups_and_each_steps_group(tmp_path):
+    stats = _write_lengths(tmp_path / "lengths.json", long_tail(3000, seed=2))
+    out = tmp_path / "plan"
+    args = ("pack", "--stats", stats, "--dp", "8", "--out", str(out), "--groups", "512,1024,4096",
+            "--max-qt", "512", "--max-qv", "2", "--micro-batches", "2")
+    printed = vlmshard(*args).stdout
+    assert "communication_ratio" in printed and "step_eff" in printed
+    info = json.loads((out / "plan.json").read_text())
+    assert [(g["length"], g["sp"], g["qv"], g["dp"]) for g in info["groups"]] == [
+        (512, 1, 2, 8), (1024, 2, 4, 4), (4096, 8, 16, 1)]
+    plan = pq.read_table(out / "plan.parquet").to_pandas()
+    assert list(plan.columns) == ["step", "rank", "micro", "slot", "sample_id", "group"]
+    per_step = plan.groupby("step")["group"].agg(["min", "max"])
+    assert (per_step["min"] == per_step["max"]).all()  # each step is one group's
+    for g, group in enumerate(info["groups"]):
+        rows = plan[plan["group"] == g]
+        assert rows["step"].nunique() == group["steps"] and len(rows) == group["samples"]
+        assert set(rows["rank"]) <= set(range(group["dp"]))
+        assert rows.groupby("step").apply(lambda s: len(set(zip(s["rank"], s["micro"])))).eq(
+            group["dp"] * 2).all()
+    assert info["metrics"]["samples"] == len(plan) == 3000 - len(info["unplaced"])
+    first = (out / "plan.parquet").read_bytes()
+    run_pack(PackConfig(stats=stats, dp=8, out=str(tmp_path / "again"), groups="512,1024,4096",
+                        max_qt=512, max_qv=2, micro_batches=2))
+    assert (tmp_path / "again" / "plan.parquet").read_bytes() == first
+    # what reads one-group plans only says so in one line
+    report = vlmshard("simulate", str(out), check=False)
+    assert report.returncode != 0 and "3 packing group(s)" in report.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (("--groups", "1024:3"), "SP degree 3 does not divide --dp 4"),
+    (("--groups", "auto", "--algo", "isf"), "--groups packs with --algo balanced"),
+    (("--groups", "512,256"), "shortest first"),
+    (("--groups", "9000", "--max-qt", "512"), "needs more than the 4 ranks' 2048 tokens"),
+])
+def test_bad_groups_are_refused_before_packing(tmp_path, args, says):
+    stats = _write_lengths(tmp_path / "lengths.json", long_tail(200))
+    result = vlmshard("pack", "--stats", stats, "--dp", "4", "--out", str(tmp_path / "plan"),
+                      *args, check=False)
+    assert result.returncode != 0 and says in result.stderr
+    assert not os.path.exists(tmp_path / "plan" / "plan.json")
