@@ -19,7 +19,7 @@ import os
 import socket
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import pyarrow as pa
@@ -350,33 +350,57 @@ def plan_stats_path(info: dict, plan_dir: str) -> str:
 
 def read_plan(plan_dir: str) -> tuple[dict, Packing]:
     """``plan.json`` and ``plan.parquet`` read back as the Packing that pack measured, so that
-    readers recompute exactly the loads behind the recorded metrics."""
+    readers recompute exactly the loads behind the recorded metrics; a grouped plan is refused
+    (``read_grouped_plan`` reads it)."""
+    info, plan = read_grouped_plan(plan_dir)
+    if plan.grouped:
+        groups = info["groups"]
+        raise InputError(f"{plan_dir} is a plan of {len(groups)} packing group(s) with sequence "
+                         f"parallelism up to {max(g['sp'] for g in groups)} (vlmshard pack "
+                         f"--groups): report plots and the simulator read one-group plans only "
+                         f"so far; its plan.json holds each group's figures")
+    return info, replace(plan.packings[0], unplaced=plan.unplaced,
+                         unplaced_reason=plan.unplaced_reason)
+
+
+def read_grouped_plan(plan_dir: str) -> tuple[dict, GroupedPacking]:
+    """``plan.json`` and ``plan.parquet`` read back as the plan pack measured: each group's
+    Packing over its data-parallel ranks, and the group of each step."""
     import pyarrow.parquet as pq
 
     info = read_plan_json(plan_dir)
     path = os.path.join(plan_dir, "plan.parquet")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{plan_dir}: no plan.parquet here (write one with vlmshard pack)")
-    groups = info.get("groups", [])
-    if is_grouped(groups):
-        raise InputError(f"{plan_dir} is a plan of {len(groups)} packing group(s) with sequence "
-                         f"parallelism up to {max(g['sp'] for g in groups)} (vlmshard pack "
-                         f"--groups): shards, training, report plots and the simulator read "
-                         f"one-group plans only so far; its plan.json holds each group's figures")
     table = pq.read_table(path)
-    ranks, micro = info["params"]["ranks"], info["params"]["micro_batches"]
-    n_micro = info["metrics"]["micro_batches"]
-    mb = ((table["step"].to_numpy().astype(np.int64) * ranks + table["rank"].to_numpy()) * micro
-          + table["micro"].to_numpy())
-    if np.any(np.diff(mb) < 0) or (len(mb) and not 0 <= mb[0] <= mb[-1] < n_micro):
-        raise InputError(f"{path}: rows are not in (step, rank, micro, slot) order within the "
-                         f"{n_micro} micro-batches plan.json records")
-    offsets = np.zeros(n_micro + 1, np.int64)
-    np.cumsum(np.bincount(mb, minlength=n_micro), out=offsets[1:])
+    micro = info["params"]["micro_batches"]
+    groups = tuple(Group(g["length"], g["qv"], g["sp"]) for g in info.get("groups") or [
+        {"length": info["params"]["qt"], "qv": info["params"]["qv"], "sp": 1}])
+    step = table["step"].to_numpy().astype(np.int64)
+    group = (table["group"].to_numpy().astype(np.int64) if "group" in table.column_names
+             else np.zeros(len(step), np.int64))
+    steps = info["metrics"]["steps"]
+    order = np.zeros(steps, np.int64)
+    order[step] = group
+    packings = []
+    for g, spec in enumerate(groups):
+        ranks = info["params"]["ranks"] // spec.sp
+        rows = group == g
+        local = np.cumsum(order == g) - 1  # each step's place among its group's
+        n_micro = int((order == g).sum()) * ranks * micro
+        mb = ((local[step[rows]] * ranks + table["rank"].to_numpy()[rows]) * micro
+              + table["micro"].to_numpy()[rows])
+        if np.any(np.diff(mb) < 0) or (len(mb) and not 0 <= mb[0] <= mb[-1] < n_micro):
+            raise InputError(f"{path}: rows are not in (step, rank, micro, slot) order within "
+                             f"the micro-batches plan.json records")
+        offsets = np.zeros(n_micro + 1, np.int64)
+        np.cumsum(np.bincount(mb, minlength=n_micro), out=offsets[1:])
+        packings.append(Packing(table["sample_id"].to_numpy()[rows].astype(np.int64), offsets,
+                                ranks, micro, np.array([], np.int64), []))
     unplaced = info["unplaced"]
-    return info, Packing(table["sample_id"].to_numpy().astype(np.int64), offsets, ranks, micro,
-                         np.array([u["sample_id"] for u in unplaced], np.int64),
-                         [u["reason"] for u in unplaced])
+    return info, GroupedPacking(groups, packings, order,
+                                np.array([u["sample_id"] for u in unplaced], np.int64),
+                                [u["reason"] for u in unplaced])
 
 
 def load_plan(plan_dir: str) -> tuple[dict, Packing, Lengths]:

@@ -16,7 +16,8 @@ whose input has no static shape to keep, so the copy to the GPU moves the real t
 - ``pixel_values``: each image decoded, its tile count checked against the plan, resized with the
   model's filter and normalized with its mean and std, in the model's dtype (``pixel_dtype``):
   InternVL [Qv, 3, 448, 448] tiles; Qwen2-VL [Qv·merge², 3·2·14·14] flattened patches, plus
-  ``image_grid_thw`` [images, 3]. Rows after ``num_tiles`` (× merge²) are zero. A video's frames
+  ``image_grid_thw`` [images, 3]. Rows after ``num_tiles`` (× merge²) are zero; ``media_tiles``
+  gives each image's (and video's) tiles, in token order. A video's frames
   (decoded PNGs, checked against the frames and grid its policy samples) are rows of the same
   tensor at its place in token order, as the model's ViT takes them: a 448-px tile per frame for
   InternVL; for Qwen its ``pixel_values_videos`` rows, its ``video_grid_thw`` a row of
@@ -25,7 +26,7 @@ whose input has no static shape to keep, so the copy to the GPU moves the real t
 - ``tile_cap``: the Qv the wire is padded to after the first stage (``num_tiles`` unpadded);
 - ``num_tokens``, ``num_tiles``, ``num_pixel_rows`` (the real rows of ``pixel_values``),
   ``num_samples``, ``sample_ids``, ``sample_images`` and ``sample_pixel_rows`` (per sample),
-  ``step``, ``rank``, ``micro``.
+  ``pad_token_id`` (what pads ``input_ids``), ``step``, ``rank``, ``micro``.
 
 ``vlmshard.shards.model_inputs`` turns a batch into a plain ``transformers`` model's arguments.
 
@@ -222,9 +223,11 @@ class ShardDataset(IterableDataset):
             "sample_pixel_rows": torch.tensor(
                 [sum(im.tiles for im in items) * self.rows_per_tile
                  for items in _split(images, sample_items)]),
+            "media_tiles": torch.tensor([im.tiles for im in images], dtype=torch.long),
             "media_is_video": torch.tensor([im.is_video for im in images], dtype=torch.bool),
             "media_seconds_per_step": torch.tensor(steps, dtype=torch.float32),
             "sample_ids": torch.tensor([s["sample_id"] for s in record.samples]),
+            "pad_token_id": m.pad_token_id,
             "step": record.step, "rank": record.rank, "micro": record.micro,
         }
         if pad:

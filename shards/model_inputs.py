@@ -61,8 +61,11 @@ def next_token_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.
 
 
 def supervised_tokens(batch: dict) -> int:
-    """Tokens of a collated micro-batch with a next-token target (the Ave-Token count)."""
-    return int((next_token_targets(batch["labels"], batch["cu_seqlens"]) != IGNORE_INDEX).sum())
+    """Tokens of a collated micro-batch with a next-token target (the Ave-Token count); a
+    sequence-parallel share's labels are its targets already (``vlmshard.shards.sequence``)."""
+    targets = (batch["labels"] if "shard" in batch
+               else next_token_targets(batch["labels"], batch["cu_seqlens"]))
+    return int((targets != IGNORE_INDEX).sum())
 
 
 def attention_implementation(model) -> str:

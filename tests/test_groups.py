@@ -21,7 +21,8 @@ from vlmshard.packing.config import PackConfig
 from vlmshard.packing.cost import CostModel
 from vlmshard.packing.groups import (Group, GroupedPacking, assign, given_groups, order_steps,
                                      pack_groups, parse_groups, search_groups)
-from vlmshard.packing.plan import run_pack
+from vlmshard.packing.plan import read_grouped_plan, run_pack
+from vlmshard.packing.stats import load_stats
 
 COST = CostModel.from_sizes(presets()["internvl2-2b"])
 
@@ -184,6 +185,11 @@ def test_pack_groups_writes_the_groups_and_each_steps_group(tmp_path):
         assert rows.groupby("step").apply(lambda s: len(set(zip(s["rank"], s["micro"])))).eq(
             group["dp"] * 2).all()
     assert info["metrics"]["samples"] == len(plan) == 3000 - len(info["unplaced"])
+    # read back, the plan measures as pack measured it
+    _, read = read_grouped_plan(str(out))
+    again, _ = read.measure(load_stats(stats).lengths, CostModel(**info["cost_model"]), 8,
+                            "padding-free")
+    assert {**again.to_dict(), "pack_seconds": 0} == {**info["metrics"], "pack_seconds": 0}
     first = (out / "plan.parquet").read_bytes()
     run_pack(PackConfig(stats=stats, dp=8, out=str(tmp_path / "again"), groups="512,1024,4096",
                         max_qt=512, max_qv=2, micro_batches=2))

@@ -34,7 +34,9 @@ window, on 2.10) goes to SDPA; flash-attn is not offered for a model with runs
 
 ``Spans`` holds one segmentation (its boundaries, on the device and the host) and gives the
 keyword arguments each layer passes to its ``transformers`` module: the backends registered here
-take it whole, and run outside any ``torch.compile`` graph (``vlmshard.train.kernels``).
+take it whole, and run outside any ``torch.compile`` graph (``vlmshard.train.kernels``). Where
+the segments are a micro-batch shared by a sequence-parallel group, the registered LLM backends
+attend over the whole with this rank's heads (``across_sequence``).
 """
 
 from __future__ import annotations
@@ -187,10 +189,41 @@ def packed_one_call(module, query, key, value, attention_mask, *, packed_spans=N
                   **kwargs)
 
 
+class LocalHeads:
+    """An attention module as a kernel sees it after the sequence-parallel exchange: its
+    grouped-query ratio that of the heads this rank holds (``transformers``' SDPA repeats K/V
+    heads by the module's ``num_key_value_groups``)."""
+
+    def __init__(self, module, groups: int) -> None:
+        self._module = module
+        self.num_key_value_groups = groups
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+def across_sequence(attend):
+    """``attend`` over a sequence-parallel share (``packed_spans.sequence``): q, k and v
+    exchanged to all tokens with this rank's heads, ``attend`` over the whole micro-batch's
+    segments, the output exchanged back (``vlmshard.train.sequence_parallel``)."""
+    @functools.wraps(attend)
+    def attend_share(module, query, key, value, attention_mask, *, packed_spans=None, **kwargs):
+        exchange = getattr(packed_spans, "sequence", None)
+        if exchange is None:
+            return attend(module, query, key, value, attention_mask, packed_spans=packed_spans,
+                          **kwargs)
+        q, k, v = exchange.heads_to_sequence(query, key, value)
+        out, weights = attend(LocalHeads(module, q.shape[1] // k.shape[1]), q, k, v,
+                              attention_mask, packed_spans=packed_spans, **kwargs)
+        return exchange.sequence_to_heads(out), weights
+    return attend_share
+
+
 # Outside any compiled graph (``torch.compile`` of a block breaks its graph here): the host
 # lengths in ``packed_spans`` would otherwise be guarded on, and recompile each micro-batch.
-AttentionInterface.register(PACKED_SDPA, torch.compiler.disable(packed_sdpa))
-AttentionInterface.register(PACKED_VARLEN, torch.compiler.disable(packed_varlen))
+AttentionInterface.register(PACKED_SDPA, torch.compiler.disable(across_sequence(packed_sdpa)))
+AttentionInterface.register(PACKED_VARLEN,
+                            torch.compiler.disable(across_sequence(packed_varlen)))
 AttentionInterface.register(PACKED_ONE_CALL, torch.compiler.disable(packed_one_call))
 
 
@@ -215,12 +248,16 @@ class Spans:
     runs: list[list[tuple[int, int]]] | None = None
     # SDPA's masks by (segment, window), made by the first layer that needs one
     masks: dict = field(default_factory=dict)
+    # the segments are a whole micro-batch of which this rank holds a share: the exchanges
+    # that attend over it (``vlmshard.train.sequence_parallel.Exchange``)
+    sequence: object | None = None
 
     @classmethod
     def from_lengths(cls, lengths: list[int], backend: str, device: torch.device,
-                     runs: list[tuple[int, int]] | None = None) -> "Spans":
+                     runs: list[tuple[int, int]] | None = None,
+                     sequence: object | None = None) -> "Spans":
         """``runs``: bidirectional [start, end) runs of the whole sequence, none across a
-        segment's end."""
+        segment's end; ``sequence``: see the field."""
         cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         local = None
         if runs is not None:
@@ -230,7 +267,7 @@ class Spans:
                 segment = bisect.bisect_right(starts, start) - 1
                 local[segment].append((start - starts[segment], end - starts[segment]))
         return cls(from_host(cu, device), cu, max(lengths, default=0), list(lengths), backend,
-                   local)
+                   local, sequence=sequence)
 
     def kwargs(self) -> dict:
         """Keyword arguments for a ``transformers`` attention layer call: flash-attn takes the

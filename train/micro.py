@@ -17,9 +17,11 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from vlmshard.shards.model_inputs import supervised_tokens
+from vlmshard.shards.model_inputs import next_token_targets, supervised_tokens
+from vlmshard.shards.sequence import Shard
 
 from .attention import Spans
+from .sequence_parallel import Exchange
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,9 @@ class HostMeta:
     grids: list[tuple[int, int, int]]  # (t, h, w) patches of each image; none for InternVL
     sample_lengths: list[int]
     image_runs: list[tuple[int, int]]  # [start, end) of each run of image tokens
+    # a sequence-parallel share of a micro-batch: how it sits in the whole (its tokens and
+    # image runs above are the share's)
+    shard: Shard | None = None
 
     @classmethod
     def of_batch(cls, batch: dict) -> "HostMeta":
@@ -67,7 +72,7 @@ class HostMeta:
             supervised=supervised_tokens(batch),
             grids=[tuple(g) for g in batch.get("image_grid_thw", torch.zeros(0, 3)).tolist()],
             sample_lengths=[b - a for a, b in zip(cu, cu[1:])],
-            image_runs=list(zip(edges[0::2], edges[1::2])))
+            image_runs=list(zip(edges[0::2], edges[1::2])), shard=batch.get("shard"))
 
 
 @dataclass
@@ -110,10 +115,29 @@ class Micro:
 
     def text_spans(self, bidirectional_images: bool = False) -> Spans:
         """The packed samples, each attending within itself; ``bidirectional_images``: each run
-        of image tokens also sees itself whole (Gemma 3)."""
+        of image tokens also sees itself whole (Gemma 3). A sequence-parallel share's are the
+        whole micro-batch's (its padding a segment of its own), attended over by exchange."""
+        shard = self.host.shard
+        if shard is None:
+            lengths, runs, exchange = self.host.sample_lengths, self.host.image_runs, None
+        else:
+            lengths = list(shard.sample_lengths) + [shard.padding] * (shard.padding > 0)
+            runs, exchange = list(shard.image_runs), self.exchange
         return self.cached(f"text_spans_{bidirectional_images}", lambda: Spans.from_lengths(
-            self.host.sample_lengths, self.backend, self.x.device,
-            self.host.image_runs if bidirectional_images else None))
+            lengths, self.backend, self.x.device, runs if bidirectional_images else None,
+            exchange))
+
+    @property
+    def exchange(self) -> Exchange:
+        """A sequence-parallel share's exchanges with its group."""
+        return self.cached("exchange", lambda: Exchange.of(self.host.shard))
+
+    def targets(self) -> torch.Tensor:
+        """Each token's next-token target, never across a sample (a sequence-parallel share's
+        labels already are: the whole's were shifted before it was cut)."""
+        if self.host.shard is not None:
+            return self.labels
+        return next_token_targets(self.labels, self.text_spans().cu_seqlens)
 
 
 class LayerOutput(NamedTuple):

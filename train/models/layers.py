@@ -22,10 +22,9 @@ from torch.utils.checkpoint import checkpoint
 
 from vlmshard.model_sizes import LOSS_CHUNK
 from vlmshard.preprocess.tokenize import IGNORE_INDEX
-from vlmshard.shards.model_inputs import next_token_targets
 
 from ..kernels import Kernels, compile_block, dynamic
-from ..micro import TOKENS, Micro, Phase
+from ..micro import CARRIED, TOKENS, LayerOutput, Micro, Phase
 
 
 class HFLayer(nn.Module):
@@ -88,10 +87,24 @@ class TokenEmbedding(HFLayer):
             return {"embed.embed_scale": lambda: torch.tensor(self.embed.scalar_embed_scale)}
         return {}
 
-    def forward(self, micro: Micro) -> torch.Tensor:
+    def forward(self, micro: Micro) -> torch.Tensor | LayerOutput:
         if micro.phase.name == "features":
+            if micro.host.shard is not None:
+                micro = media_in_share(micro)
+                return LayerOutput(embed_tokens(self, micro), micro.carry)
             return embed_tokens(self, micro)
         return lm_loss(self, micro)
+
+
+def media_in_share(micro: Micro) -> Micro:
+    """A sequence-parallel share's micro-batch with the image features (and the carried ones
+    per image token: DeepStack's) of its own image tokens, from the group's media
+    (``Exchange.media_rows``)."""
+    exchange = micro.exchange
+    order = micro.cached("media_order", lambda: exchange.token_order(micro.x.device))
+    carry = {name: exchange.media_rows(t, order, dim=1) if CARRIED[name] else t
+             for name, t in micro.carry.items()}
+    return micro.with_x(exchange.media_rows(micro.x, order), carry=carry)
 
 
 def embed_tokens(module: TokenEmbedding, micro: Micro) -> torch.Tensor:
@@ -159,11 +172,13 @@ def lm_loss(module: nn.Module, micro: Micro, chunk: int = LOSS_CHUNK) -> torch.T
     """Next-token cross entropy summed over the supervised tokens (the target of token t is label
     t + 1 of the same sample). Logits exist only for supervised tokens, ``chunk`` rows at a time,
     recomputed in backward: a [tokens, vocab] tensor would not fit."""
-    targets = next_token_targets(micro.labels, micro.text_spans().cu_seqlens)
+    targets = micro.targets()
     # the supervised rows, their count known on the host: no read back of the mask
     keep = torch.nonzero_static(targets != IGNORE_INDEX, size=micro.host.supervised).flatten()
     hidden, targets = micro.x.index_select(0, keep), targets.index_select(0, keep)
-    total = micro.x.new_zeros((), dtype=torch.float32)
+    # zero, yet on the graph: a share with no supervised token still runs its backward (the
+    # exchanges of sequence parallelism wait for every rank of the group)
+    total = micro.x[:0].float().sum()
     for start in range(0, hidden.shape[0], chunk):
         total = total + checkpoint(_chunk_loss, hidden[start:start + chunk], module.weight,
                                    targets[start:start + chunk], use_reentrant=False)

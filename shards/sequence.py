@@ -1,0 +1,115 @@
+"""One rank's share of a packed micro-batch under sequence parallelism (Ulysses).
+
+The ``sp`` ranks of a sequence-parallel group train one micro-batch together. Each holds an equal,
+contiguous share of its tokens (the last padded), so every linear layer does 1/sp of the work;
+in each attention layer the trainer trades heads for the sequence, so each rank attends over the
+whole micro-batch with 1/sp of the heads, and the attention work is even however the samples fall
+(``vlmshard.train.sequence_parallel``). Each rank encodes a share of the media, dealt by tiles
+(largest first, to the least loaded rank), and the trainer gathers their features into token
+order before the token embedding.
+
+A share is a collated micro-batch (``vlmshard.shards.loader``) of the same keys, cut to the share:
+its tokens, position ids and image-token mask; its own media's pixel rows, grids and kinds;
+``labels`` holding the next-token targets, shifted over the whole micro-batch (the target of a
+share's last token is the next share's first label); and ``shard``, a ``Shard`` telling the
+trainer how the share sits in the whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vlmshard.preprocess.tokenize import IGNORE_INDEX
+
+from .model_inputs import next_token_targets
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Where a share sits in its micro-batch: what a rank knows of the whole, on the host."""
+
+    sp: int  # the ranks sharing the micro-batch
+    rank: int  # this share's rank among them
+    start: int  # the share's first token in the whole
+    length: int  # tokens of every share: the whole is padded to sp × length
+    sample_lengths: tuple[int, ...]  # the whole's packed samples
+    image_runs: tuple[tuple[int, int], ...]  # the whole's runs of image tokens, [start, end)
+    media_tokens: tuple[int, ...]  # per image or video of the whole, in token order: its tokens
+    media_owner: tuple[int, ...]  # per image or video: the rank that encodes it
+    image_token_start: int  # image tokens of the whole before the share's first token
+
+    @property
+    def padding(self) -> int:
+        """Tokens after the whole's last sample: the last share's padding."""
+        return self.sp * self.length - sum(self.sample_lengths)
+
+
+def media_owners(tiles: list[int], sp: int) -> list[int]:
+    """The rank that encodes each medium: largest first, each to the least loaded rank (ties:
+    the lower rank, and the earlier medium first among equals)."""
+    load = [0] * sp
+    owner = [0] * len(tiles)
+    for i in sorted(range(len(tiles)), key=lambda i: (-tiles[i], i)):
+        rank = min(range(sp), key=lambda r: (load[r], r))
+        owner[i] = rank
+        load[rank] += tiles[i]
+    return owner
+
+
+def share(batch: dict, sp: int, rank: int, tokens_per_tile: int) -> dict:
+    """Rank ``rank``'s share of a collated micro-batch among ``sp`` ranks (module docstring);
+    ``tokens_per_tile``: the image tokens one tile makes (the model's geometry)."""
+    if not 0 <= rank < sp:
+        raise ValueError(f"rank {rank} is outside a sequence-parallel group of {sp}")
+    n = batch["num_tokens"]
+    length = -(-n // sp)
+    start, end = min(rank * length, n), min((rank + 1) * length, n)
+    pad = length - (end - start)
+    samples = batch["num_samples"]
+    cu = batch["cu_seqlens"][:samples + 1].tolist()
+    mask = batch["image_token_mask"][:n]
+    edges = torch.diff(mask.int(), prepend=torch.zeros(1, dtype=torch.int),
+                       append=torch.zeros(1, dtype=torch.int)).nonzero().flatten().tolist()
+
+    tiles = batch["media_tiles"].tolist()
+    owner = media_owners(tiles, sp)
+    mine = [i for i, o in enumerate(owner) if o == rank]
+    rows_per_tile = batch["num_pixel_rows"] // max(batch["num_tiles"], 1)
+    row_starts = [0]
+    for t in tiles:
+        row_starts.append(row_starts[-1] + t * rows_per_tile)
+    pixels = batch["pixel_values"]
+    own_rows = [pixels[row_starts[i]:row_starts[i + 1]] for i in mine]
+    own_tiles = sum(tiles[i] for i in mine)
+
+    def cut(t: torch.Tensor, fill) -> torch.Tensor:  # the share's tokens on the last dim, padded
+        part = t[..., start:end]
+        return torch.cat([part, part.new_full((*part.shape[:-1], pad), fill)], dim=-1)
+
+    targets = next_token_targets(batch["labels"], batch["cu_seqlens"])
+    out = {
+        **batch,
+        "input_ids": cut(batch["input_ids"], batch["pad_token_id"]),
+        "labels": cut(targets[:n], IGNORE_INDEX),
+        "position_ids": cut(batch["position_ids"][..., :n], 0),
+        "cu_seqlens": torch.tensor([0, length], dtype=torch.int32),
+        "image_token_mask": cut(mask, False),
+        "pixel_values": (torch.cat(own_rows) if own_rows
+                         else pixels.new_zeros((0, *pixels.shape[1:]))),
+        "num_tokens": length, "num_samples": 1, "num_tiles": own_tiles,
+        "tile_cap": own_tiles, "num_pixel_rows": own_tiles * rows_per_tile,
+        "media_tiles": torch.tensor([tiles[i] for i in mine], dtype=torch.long),
+        "media_is_video": batch["media_is_video"][mine],
+        "media_seconds_per_step": batch["media_seconds_per_step"][mine],
+        "shard": Shard(sp=sp, rank=rank, start=start, length=length,
+                       sample_lengths=tuple(b - a for a, b in zip(cu, cu[1:])),
+                       image_runs=tuple(zip(edges[0::2], edges[1::2])),
+                       media_tokens=tuple(t * tokens_per_tile for t in tiles),
+                       media_owner=tuple(owner),
+                       image_token_start=int(mask[:start].sum())),
+    }
+    if "image_grid_thw" in batch:
+        out["image_grid_thw"] = batch["image_grid_thw"][mine]
+    return out
