@@ -94,6 +94,21 @@ class Manifest:
     format: str = FORMAT
     vlmshard_version: str = ""
     video_token_id: int | None = None  # the token video embeddings fill (None: no video layout)
+    # a grouped plan's packing groups (length, qv, sp: ``vlmshard pack --groups``) and each
+    # step's; empty for a plan of one group
+    groups: list[dict] = field(default_factory=list)
+    step_groups: list[int] = field(default_factory=list)
+
+    def step_group(self, step: int) -> dict:
+        """The packing group of ``step``: its length (Qt), Qv and sequence-parallel degree."""
+        if not self.step_groups:
+            return {"length": self.qt, "qv": self.qv, "sp": 1}
+        return self.groups[self.step_groups[step]]
+
+    @property
+    def sp_degrees(self) -> list[int]:
+        """The sequence-parallel degrees the steps take."""
+        return sorted({g["sp"] for g in self.groups} or {1})
 
     @property
     def visual_token_ids(self) -> tuple[int, ...]:

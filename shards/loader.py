@@ -57,6 +57,7 @@ from vlmshard.preprocess.tokenize import IGNORE_INDEX
 
 from .layout import Manifest, ShardEntry, read_manifest
 from .reader import SeekingShard, ShardError, iter_shard
+from .sequence import media_owners, share_tokens
 from .records import (
     DecodedImage,
     DecodedVideo,
@@ -87,8 +88,15 @@ class ShardDataset(IterableDataset):
         if not 0 <= start_step <= self.manifest.steps:
             raise ValueError(f"start_step {start_step} is outside the {self.manifest.steps} "
                              "steps of these shards")
-        per_rank = virtual // world_size
-        self.virtual_ranks = range(rank * per_rank, (rank + 1) * per_rank)
+        for sp in self.manifest.sp_degrees:
+            if world_size % sp:
+                raise ConfigError(f"{root} has steps of sequence-parallel degree {sp}, which "
+                                  f"world size {world_size} does not divide")
+        self.rank, self.per_rank = rank, virtual // world_size
+        self.virtual_ranks = self.step_ranks(1)
+        # the folders any of this rank's steps read
+        self.folders = sorted({v for sp in self.manifest.sp_degrees
+                               for v in self.step_ranks(sp)})
         self.start_step = start_step
         model = self.manifest.model_spec()
         self.family = family(model.family)
@@ -102,6 +110,20 @@ class ShardDataset(IterableDataset):
         if len(shapes) != 1:
             raise InputError(f"{root}: sources make pixel rows of different shapes {shapes}")
         self.rows_per_tile, self.pixel_shape, self.takes_grids = shapes.pop()
+        per_tile = {p.tokens_per_tile for p in self.policies.values()}
+        self.tokens_per_tile = per_tile.pop() if len(per_tile) == 1 else None
+
+    def step_ranks(self, sp: int) -> list[int]:
+        """The virtual ranks whose records this rank takes in a step of sequence-parallel
+        degree ``sp``: ranks w·sp … w·sp + sp − 1 form a group, and rank w takes share w mod sp
+        of the micro-batches of the group's virtual data-parallel ranks (k = virtual ranks ÷
+        world size of them, each written to sp virtual ranks: ``vlmshard.shards.writer``). At
+        ``sp`` 1 these are virtual ranks w·k … w·k + k − 1."""
+        k, w = self.per_rank, self.rank
+        return [((w // sp) * k + i) * sp + w % sp for i in range(k)]
+
+    def ranks_at(self, step: int) -> list[int]:
+        return self.step_ranks(self.manifest.step_group(step)["sp"])
 
     @property
     def micro_batches_per_step(self) -> int:
@@ -123,13 +145,14 @@ class ShardDataset(IterableDataset):
     def records(self) -> Iterator[Record]:
         """This rank's records from ``start_step`` on, merged step by step, checked (not decoded
         into tensors)."""
-        streams = [self._virtual_rank_records(v) for v in self.virtual_ranks]
+        streams = {v: self._virtual_rank_records(v) for v in self.folders}
         micro = self.manifest.micro_batches
         for step in range(self.start_step, self.steps):
-            for stream in streams:
-                for _ in range(micro):
-                    yield next(stream)
-        for v, stream in zip(self.virtual_ranks, streams):
+            # every folder's records of the step are read; the step's ranks' are kept
+            records = {v: [next(stream) for _ in range(micro)] for v, stream in streams.items()}
+            for v in self.ranks_at(step):
+                yield from records[v]
+        for v, stream in streams.items():
             extra = next(stream, None)  # also runs the last shard's count and hash checks
             if extra is not None:
                 raise ShardError(f"{extra.where}: a record after the last step of rank {v}")
@@ -162,15 +185,15 @@ class ShardDataset(IterableDataset):
 
     def _sought_records(self, worker: int, workers: int) -> Iterator[Record]:
         m = self.manifest
-        for v in self.virtual_ranks:
+        for v in self.folders:
             if problem := m.coverage_problem(v):
                 raise ShardError(f"{self.root}: manifest: {problem}")
-        shards = {v: iter(m.rank_shards(v)) for v in self.virtual_ranks}
-        current = {v: next(shards[v]) for v in self.virtual_ranks}
+        shards = {v: iter(m.rank_shards(v)) for v in self.folders}
+        current = {v: next(shards[v]) for v in self.folders}
         mine: list[tuple[ShardEntry, int]] = []  # (shard, record index in it), in order
         i = 0
         for step in range(self.start_step, self.steps):
-            for v in self.virtual_ranks:
+            for v in self.ranks_at(step):
                 while step >= current[v].end_step:
                     current[v] = next(shards[v])
                 entry = current[v]
@@ -191,14 +214,18 @@ class ShardDataset(IterableDataset):
             for shard in opened.values():
                 shard.close()
 
-    def collate(self, record: Record) -> dict:
-        """One record as tensors (see the module docstring)."""
+    def collate(self, record: Record, share: bool = True) -> dict:
+        """One record as tensors (see the module docstring); in a sequence-parallel step, the
+        share its virtual rank takes (``vlmshard.shards.sequence``, unpadded), or with
+        ``share`` False the whole micro-batch (a reference, a tool)."""
         m = self.manifest
         n = len(record.input_ids)
-        qt = m.qt if self.pad_to_caps else n
+        group = m.step_group(record.step)
+        sp = group["sp"] if share else 1
+        qt = group["length"] if self.pad_to_caps and sp == 1 else n
         pad = qt - n
         if pad < 0:
-            raise RecordError(f"{record.where}: {n} tokens exceed Qt {m.qt}")
+            raise RecordError(f"{record.where}: {n} tokens exceed Qt {group['length']}")
         check_image_tokens(record, m.visual_token_ids, self.policies)
         input_ids = torch.full((qt,), m.pad_token_id, dtype=torch.long)
         input_ids[:n] = torch.from_numpy(record.input_ids.astype(np.int64))
@@ -208,6 +235,9 @@ class ShardDataset(IterableDataset):
         grids = [im.grid for im in images]  # None for InternVL
         steps = [im.video.seconds_per_step if im.is_video else 0.0 for im in images]
         num_tiles = sum(im.tiles for im in images)
+        owner = media_owners([im.tiles for im in images], sp) if sp > 1 else None
+        own = images if owner is None else [im for im, o in zip(images, owner)
+                                            if o == record.rank % sp]
         sample_items = [len(s["images"]) + len(s.get("videos", ())) for s in record.samples]
         batch = {
             "input_ids": input_ids, "labels": labels,
@@ -215,9 +245,10 @@ class ShardDataset(IterableDataset):
             "cu_seqlens": torch.tensor(record.cu_seqlens + ([qt] if pad else []),
                                        dtype=torch.int32),
             "image_token_mask": torch.isin(input_ids, torch.tensor(m.visual_token_ids)),
-            "pixel_values": self._pixel_values(record, images, num_tiles),
+            "pixel_values": self._pixel_values(
+                record, own, group["qv"] if sp == 1 else sum(im.tiles for im in own)),
             "num_tokens": n, "num_tiles": num_tiles,
-            "tile_cap": m.qv if self.pad_to_caps else num_tiles,
+            "tile_cap": group["qv"] if self.pad_to_caps else num_tiles,
             "num_pixel_rows": num_tiles * self.rows_per_tile, "num_samples": len(record.samples),
             "sample_images": torch.tensor(sample_items),
             "sample_pixel_rows": torch.tensor(
@@ -234,6 +265,9 @@ class ShardDataset(IterableDataset):
             batch["image_token_mask"][n:] = False
         if self.takes_grids:
             batch["image_grid_thw"] = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
+        if owner is not None:
+            batch = share_tokens(batch, sp, record.rank % sp, self.tokens_per_tile, owner,
+                                 self.rows_per_tile)
         return batch
 
     def _position_ids(self, record: Record, grids: list, steps: list[float],
@@ -255,8 +289,10 @@ class ShardDataset(IterableDataset):
         return torch.from_numpy(np.concatenate(parts, axis=-1).astype(np.int64))
 
     def _pixel_values(self, record: Record, images: list[DecodedImage | DecodedVideo],
-                      num_tiles: int) -> torch.Tensor:
-        tiles = self.manifest.qv if self.pad_pixels else num_tiles
+                      cap: int) -> torch.Tensor:
+        """The rows of ``images``, padded to ``cap`` tiles where ``pad_pixels`` says."""
+        num_tiles = sum(im.tiles for im in images)
+        tiles = cap if self.pad_pixels else num_tiles
         pixels = torch.zeros((tiles * self.rows_per_tile, *self.pixel_shape),
                              dtype=self.pixel_dtype)
         if not self.pixels:
@@ -265,7 +301,7 @@ class ShardDataset(IterableDataset):
         for im in images:
             rows = torch.from_numpy(im.pixels())
             if row + len(rows) > len(pixels):
-                raise RecordError(f"{record.where}: more than Qv {self.manifest.qv} tiles")
+                raise RecordError(f"{record.where}: more than Qv {cap} tiles")
             pixels[row:row + len(rows)] = rows
             row += len(rows)
         return pixels

@@ -61,6 +61,24 @@ def media_owners(tiles: list[int], sp: int) -> list[int]:
 def share(batch: dict, sp: int, rank: int, tokens_per_tile: int) -> dict:
     """Rank ``rank``'s share of a collated micro-batch among ``sp`` ranks (module docstring);
     ``tokens_per_tile``: the image tokens one tile makes (the model's geometry)."""
+    tiles = batch["media_tiles"].tolist()
+    owner = media_owners(tiles, sp)
+    rows_per_tile = batch["num_pixel_rows"] // max(batch["num_tiles"], 1)
+    starts = [0]
+    for t in tiles:
+        starts.append(starts[-1] + t * rows_per_tile)
+    pixels = batch["pixel_values"]
+    own = [pixels[starts[i]:starts[i + 1]] for i, o in enumerate(owner) if o == rank]
+    own_pixels = {**batch, "pixel_values": torch.cat(own) if own
+                  else pixels.new_zeros((0, *pixels.shape[1:]))}
+    return share_tokens(own_pixels, sp, rank, tokens_per_tile, owner, rows_per_tile)
+
+
+def share_tokens(batch: dict, sp: int, rank: int, tokens_per_tile: int, owner: list[int],
+                 rows_per_tile: int) -> dict:
+    """``share`` of a collated micro-batch whose ``pixel_values`` already are this rank's
+    media's (``owner``: ``media_owners``; the loader decodes no other's); everything else is
+    the whole micro-batch's, real tokens and padding alike."""
     if not 0 <= rank < sp:
         raise ValueError(f"rank {rank} is outside a sequence-parallel group of {sp}")
     n = batch["num_tokens"]
@@ -72,16 +90,8 @@ def share(batch: dict, sp: int, rank: int, tokens_per_tile: int) -> dict:
     mask = batch["image_token_mask"][:n]
     edges = torch.diff(mask.int(), prepend=torch.zeros(1, dtype=torch.int),
                        append=torch.zeros(1, dtype=torch.int)).nonzero().flatten().tolist()
-
     tiles = batch["media_tiles"].tolist()
-    owner = media_owners(tiles, sp)
     mine = [i for i, o in enumerate(owner) if o == rank]
-    rows_per_tile = batch["num_pixel_rows"] // max(batch["num_tiles"], 1)
-    row_starts = [0]
-    for t in tiles:
-        row_starts.append(row_starts[-1] + t * rows_per_tile)
-    pixels = batch["pixel_values"]
-    own_rows = [pixels[row_starts[i]:row_starts[i + 1]] for i in mine]
     own_tiles = sum(tiles[i] for i in mine)
 
     def cut(t: torch.Tensor, fill) -> torch.Tensor:  # the share's tokens on the last dim, padded
@@ -96,8 +106,6 @@ def share(batch: dict, sp: int, rank: int, tokens_per_tile: int) -> dict:
         "position_ids": cut(batch["position_ids"][..., :n], 0),
         "cu_seqlens": torch.tensor([0, length], dtype=torch.int32),
         "image_token_mask": cut(mask, False),
-        "pixel_values": (torch.cat(own_rows) if own_rows
-                         else pixels.new_zeros((0, *pixels.shape[1:]))),
         "num_tokens": length, "num_samples": 1, "num_tiles": own_tiles,
         "tile_cap": own_tiles, "num_pixel_rows": own_tiles * rows_per_tile,
         "media_tiles": torch.tensor([tiles[i] for i in mine], dtype=torch.long),

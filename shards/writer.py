@@ -49,7 +49,7 @@ from vlmshard.io import (
     write_json_atomic,
 )
 from vlmshard.jobs import WORK, claim_output, locked_output
-from vlmshard.packing.plan import read_plan, read_plan_json
+from vlmshard.packing.plan import read_grouped_plan, read_plan_json
 from vlmshard.packing.stats import files_sha256, read_preprocess_json, stats_files
 from vlmshard.preprocess import (
     EMBEDDED,
@@ -152,7 +152,7 @@ def _write(cfg: WriteConfig, shard_bytes: int, start: float) -> WriteResult:
 
     params = plan_json["params"]
     ranks, micro = params["ranks"], params["micro_batches"]
-    records = _plan_records(cfg.plan)
+    records, step_groups = _plan_records(cfg.plan)
     steps = len(records) // (ranks * micro)
     recorded = _recorded_preprocess(preprocess)
     samples_path = os.path.join(work, "samples.arrow")
@@ -177,8 +177,8 @@ def _write(cfg: WriteConfig, shard_bytes: int, start: float) -> WriteResult:
             bar.update(entry.records)
 
     manifest = _manifest(cfg, plan_json, recorded, identity, fingerprint, ranks, micro, steps,
-                         shard_bytes,
-                         sorted(done.values(), key=lambda e: (e.rank, e.index)))
+                         shard_bytes, sorted(done.values(), key=lambda e: (e.rank, e.index)),
+                         step_groups)
     write_json_atomic(os.path.join(cfg.out, MANIFEST), manifest.to_dict())
     shutil.rmtree(work)
     seconds = time.monotonic() - start
@@ -223,21 +223,37 @@ def _read_preprocess(stats: str, plan_json: dict) -> dict:
     return preprocess
 
 
-def _plan_records(plan: str) -> list[tuple[int, ...]]:
-    """Sample ids of every micro-batch, in step-major order (step, rank, micro)."""
+def _plan_records(plan: str) -> tuple[list[tuple[int, ...]], list[int]]:
+    """Sample ids of every micro-batch of every virtual rank, in step-major order (step, rank,
+    micro), and each step's packing group (none for a one-group plan). In a step of a
+    sequence-parallel group of degree s, virtual ranks d·s … d·s + s − 1 each hold the
+    micro-batches of the group's data-parallel rank d (``vlmshard.shards.loader`` gives each
+    rank its share of them)."""
     try:
-        _, packing = read_plan(plan)
+        info, grouped = read_grouped_plan(plan)
     except ValueError as e:
         raise WriteError(str(e)) from e
-    sizes = np.diff(packing.offsets)
-    if len(sizes) == 0:
+    ranks, micro = info["params"]["ranks"], info["params"]["micro_batches"]
+    chunks = []
+    for packing in grouped.packings:
+        sizes = np.diff(packing.offsets)
+        if np.any(sizes == 0):
+            empty = int(np.flatnonzero(sizes == 0)[0])
+            raise WriteError(f"{plan}: a micro-batch (rank {empty // micro % packing.ranks} "
+                             f"micro {empty % micro}) has no samples: every step needs all "
+                             "ranks x micro-batches")
+        chunks.append([tuple(map(int, c)) for c in np.split(packing.items, packing.offsets[1:-1])]
+                      if packing.n_micro else [])
+    if not grouped.steps:
         raise WriteError(f"{plan}: the plan places no samples")
-    if np.any(sizes == 0):
-        empty, micro = int(np.flatnonzero(sizes == 0)[0]), packing.micro_batches
-        raise WriteError(f"{plan}: step {empty // (packing.ranks * micro)} rank "
-                         f"{empty // micro % packing.ranks} micro {empty % micro} has no "
-                         "samples: every step needs all ranks x micro-batches")
-    return [tuple(map(int, chunk)) for chunk in np.split(packing.items, packing.offsets[1:-1])]
+    records, seen = [], [0] * len(grouped.groups)
+    for g in grouped.order.tolist():
+        per_step = grouped.packings[g].ranks * micro
+        step = chunks[g][seen[g] * per_step:(seen[g] + 1) * per_step]
+        seen[g] += 1
+        sp = grouped.groups[g].sp
+        records += [step[(v // sp) * micro + m] for v in range(ranks) for m in range(micro)]
+    return records, (grouped.order.tolist() if grouped.grouped else [])
 
 
 def _write_sample_table(files: list[str], path: str, keep_tokens: bool) -> None:
@@ -343,7 +359,7 @@ def _recorded_preprocess(preprocess: dict) -> RecordedPreprocess:
 
 def _manifest(cfg: WriteConfig, plan_json: dict, recorded: RecordedPreprocess, identity: dict,
               fingerprint: str, ranks: int, micro: int, steps: int, shard_bytes: int,
-              entries: list[ShardEntry]) -> Manifest:
+              entries: list[ShardEntry], step_groups: list[int]) -> Manifest:
     image_token_id, pad, video_token_id = recorded.token_ids()
     params = plan_json["params"]
     return Manifest(
@@ -356,7 +372,9 @@ def _manifest(cfg: WriteConfig, plan_json: dict, recorded: RecordedPreprocess, i
               "sha256": identity["plan_sha256"]},
         stats={"path": os.path.abspath(cfg.stats), "sha256": identity["stats_sha256"]},
         shard_bytes=shard_bytes, shards=entries, fingerprint=fingerprint,
-        vlmshard_version=__version__)
+        vlmshard_version=__version__,
+        groups=[{k: g[k] for k in ("length", "qv", "sp")} for g in plan_json["groups"]]
+        if step_groups else [], step_groups=step_groups)
 
 
 # ---------------------------------------------------------------------------------------------

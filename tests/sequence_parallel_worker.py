@@ -27,9 +27,7 @@ def main(folder: str, shards: str, micro_batches: int, out: str) -> None:
     modes = recompute_modes(model.names, {"llm_block_1"}, set(), model)
     total = torch.zeros(())
     for batch in list(ShardDataset(shards, pixel_dtype=torch.float32))[:micro_batches]:
-        if sp > 1:  # one rank trains the micro-batch as it is
-            batch = share(batch, sp, rank, model.geometry.tokens_per_tile)
-        micro = model.first_micro(batch)
+        micro = model.first_micro(share(batch, sp, rank, model.geometry.tokens_per_tile))
         loss = run_layers(layers, model.defs, micro, modes).x
         loss.backward()
         total += loss.detach()

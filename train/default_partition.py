@@ -96,18 +96,22 @@ class ChosenPartition:
     budget_bytes: int = 0  # what the memory model leaves a stage of this device
 
 
-def shard_sizes(shards: str) -> tuple[Size, Size]:
-    """The mean (tiles, tokens, Σ seq_len²) of the records of the shards' first steps, and the
-    largest micro-batch their caps allow; read without decoding an image."""
+def shard_sizes(shards: str, dp: int) -> tuple[Size, Size]:
+    """The mean (tiles, tokens, Σ seq_len²) of what a rank of ``dp`` trains per micro-batch in
+    the shards' first steps, and the largest micro-batch a rank holds (the caps; a
+    sequence-parallel group's over its degree: each rank takes 1/sp of its micro-batches, and
+    its attention 1/sp of the heads); read without decoding an image."""
     from vlmshard.shards.loader import ShardDataset
 
-    dataset = ShardDataset(shards, 0, 1)
+    dataset = ShardDataset(shards, 0, dp)
     m = dataset.manifest
-    records = islice(dataset.records(), SIZE_STEPS * m.ranks * m.micro_batches)
-    sizes = np.array([(r.tiles, len(r.input_ids), sum(n * n for n in r.seq_lens))
-                      for r in records], dtype=float)
+    records = islice(dataset.records(), SIZE_STEPS * dataset.micro_batches_per_step)
+    sizes = np.array([np.array((r.tiles, len(r.input_ids), sum(n * n for n in r.seq_lens)))
+                      / m.step_group(r.step)["sp"] for r in records], dtype=float)
+    groups = m.groups or [m.step_group(0)]
+    caps = Size(max(g["qv"] / g["sp"] for g in groups), max(g["length"] / g["sp"] for g in groups))
     # memory has no squared term: no attention backend keeps an [n x n] score matrix
-    return Size(*sizes.mean(axis=0)), Size(m.qv, m.qt)
+    return Size(*sizes.mean(axis=0)), caps
 
 
 def device_machine(device: Device | None, ranks_on_node: int) -> tuple[Machine, float, str]:
@@ -130,7 +134,7 @@ def choose_partition(cfg: TrainConfig, model: "ModelLayers", device: Device | No
     """The partition ``cfg`` names (the profile's, or ``--bounds``; its own ``--recompute``
     too), else the search's for ``cfg.pp`` stages (see the module docstring), with each
     stage's predicted peak. Raises ConfigError where the search finds no partition that fits."""
-    mean, caps = shard_sizes(cfg.shards)
+    mean, caps = shard_sizes(cfg.shards, cfg.dp)
     machine, flops_per_s, where = device_machine(device, ranks_on_node)
     layers = analytic_layer_costs(
         model.analytic_work(), time_size=mean, memory_size=caps, flops_per_s=flops_per_s,

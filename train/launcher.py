@@ -77,6 +77,18 @@ def model_folder(cfg: TrainConfig) -> str:
     return folder
 
 
+def check_sequence_parallel(cfg: TrainConfig) -> None:
+    """Shards with sequence-parallel steps this run cannot train are one line here
+    (``sequence_parallel.check_model``)."""
+    from vlmshard.shards.layout import read_manifest
+
+    from .hf_model import model_layers
+    from .sequence_parallel import check_model
+
+    check_model(model_layers(cfg.model), read_manifest(cfg.shards).sp_degrees, pp=cfg.pp,
+                dp=cfg.dp)
+
+
 def resolve_partition(cfg: TrainConfig) -> None:
     """Take ``bounds`` and ``recompute`` from ``cfg.partition`` (the profile's chosen one)."""
     if not cfg.partition:
@@ -102,6 +114,7 @@ def launch(cfg: TrainConfig, output: str | None = None) -> int:
     check_torch()  # a torch outside the supported range is one line, before anything is built
     resolve_partition(cfg)
     cfg.model = model_folder(cfg)  # a missing folder fails here, not in every process
+    check_sequence_parallel(cfg)
     import torch
 
     cuda = torch.cuda.is_available()

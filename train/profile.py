@@ -100,6 +100,7 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
 
     from vlmshard.config import parse_size
     from vlmshard.io import write_json_atomic
+    from vlmshard.shards.layout import read_manifest
     from vlmshard.shards.loader import ShardDataset
 
     check_torch()
@@ -115,6 +116,9 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
         raise
     except ValueError as e:  # a config.json the layer maps cannot build
         raise InputError(f"{folder}: {e}") from e
+    if read_manifest(cfg.shards).step_groups:
+        raise ConfigError(f"{cfg.shards} hold packing groups (vlmshard pack --groups): profile "
+                          "shards of one group, packed for the same model and caps")
     batches = list(islice(ShardDataset(cfg.shards, 0, 1, pixel_dtype=cfg.dtype),
                           cfg.micro_batches))
     window = layer_kind_window(folder)

@@ -133,3 +133,31 @@ class Exchange:
         end = shard.start + shard.length
         inside = sum(max(0, min(b, end) - max(a, shard.start)) for a, b in shard.image_runs)
         return shard.image_token_start, shard.image_token_start + inside
+
+
+def check_model(model, degrees: list[int], *, pp: int, dp: int) -> None:
+    """Refuse, in one line each and before any rank starts, shards with sequence-parallel steps
+    of ``degrees`` that this run cannot train: under pipeline parallelism, over a ``dp`` they do
+    not divide, or for a ``model`` (``hf_model.ModelLayers``) whose heads do not split, whose
+    linear-attention layers carry a state along the sequence (Qwen3.5), or whose router
+    statistics a MoE auxiliary loss would need summed over the group."""
+    spread = [sp for sp in degrees if sp > 1]
+    if not spread:
+        return
+    where = f"the shards' sequence-parallel degrees {spread}"
+    if pp > 1:
+        raise ConfigError(f"{where} run at --pp 1 (data parallelism over the group's ranks, "
+                          f"ZeRO 1-3), not --pp {pp}")
+    for sp in spread:
+        if dp % sp:
+            raise ConfigError(f"{where}: {sp} does not divide --dp {dp}")
+    text = model.config.get_text_config()
+    if "linear_attention" in (getattr(text, "layer_types", None) or ()):
+        raise ConfigError(f"{model.path}: its linear-attention layers carry a state along the "
+                          f"sequence, which {where} would cut; pack without SP groups")
+    if getattr(text, "output_router_logits", False):
+        raise ConfigError(f"{model.path}: its MoE auxiliary loss needs router statistics over "
+                          f"the whole sequence, which {where} split; set output_router_logits "
+                          "false or pack without SP groups")
+    for sp in spread:
+        check_heads(text.num_attention_heads, text.num_key_value_heads, sp, model.path)

@@ -150,6 +150,7 @@ def set_up(cfg: TrainConfig) -> Setup:
     from .attention import choose_backend
     from .hf_model import model_layers
     from .kernels import Kernels
+    from .sequence_parallel import check_model, make_groups
 
     cuda = torch.cuda.is_available()
     cfg.resolve_device_defaults(cuda)
@@ -165,9 +166,17 @@ def set_up(cfg: TrainConfig) -> Setup:
     if not cfg.model:  # the launcher resolves and checks it once, before starting the processes
         raise ConfigError("the training config names no model folder: start training with "
                           "`vlmshard train`")
-    model = model_layers(cfg.model, choose_backend(device, cfg.dtype), Kernels.of(cfg))
+    degrees = probe.manifest.sp_degrees
+    backend = choose_backend(device, cfg.dtype)
+    if max(degrees) > 1 and backend == "flash":
+        # transformers calls flash-attn itself; the sequence-parallel exchange wraps the
+        # backends vlmshard registers (vlmshard.train.attention.across_sequence)
+        backend = "varlen"
+    model = model_layers(cfg.model, backend, Kernels.of(cfg))
     log.info("attention backend: %s (vlmshard.train.attention)", model.backend)
     check_shards_fit(probe, model)
+    check_model(model, degrees, pp=cfg.pp, dp=cfg.dp)
+    make_groups(degrees)  # a collective: every rank, the same degrees
     topology = PipeDataParallelTopology(num_pp=cfg.pp, num_dp=cfg.dp)
     groups = side_groups(topology)
     chosen = on_rank_0(lambda: choose_partition(
@@ -250,6 +259,7 @@ def train(cfg: TrainConfig, setup: Setup, engine: TrainEngine, first_step: int,
         torch.distributed.all_gather_object(ranks, mine, group=setup.groups.world)
         if log_file:
             record = step_record(step, done.loss, done.lr, ranks, flops, again)
+            record["sp"] = micro[0]["shard"].sp if reads and "shard" in micro[0] else 1
             if step == traced:  # profiled: its times hold the profiler's overhead
                 record["traced"] = True
             write_record(log_file, record)

@@ -62,12 +62,15 @@ class VisionGeometry:
         device, backend = micro.x.device, micro.backend
         cu = get_vision_cu_seqlens(grids)
         images = Spans.from_lengths((cu[1:] - cu[:-1]).tolist(), backend, device)
-        positions = from_host(get_vision_position_ids(grids, self.merge), device)
+        # a micro-batch (or a sequence-parallel share) without images has no patches
+        positions = from_host(get_vision_position_ids(grids, self.merge) if len(grids)
+                              else torch.zeros((0, 2), dtype=torch.long), device)
         rope = self.rotary(micro.x, positions)
         windows = window_index = None
         if self.windowed:
             window_index, cu_windows = get_vision_window_index(
-                grids, self.merge, self.window_size, self.patch_size)
+                grids, self.merge, self.window_size, self.patch_size) if len(grids) else (
+                torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.int32))
             windows = Spans.from_lengths((cu_windows[1:] - cu_windows[:-1]).tolist(), backend,
                                          device)
             window_index = from_host(window_index, device)
@@ -114,6 +117,9 @@ class VisionBlock(HFLayer):
         super().use_kernels(kernels)
 
     def forward(self, micro: Micro) -> torch.Tensor:
+        if not micro.num_tiles:  # no patches, which transformers' attention cannot reshape;
+            # this rank's gradients of the block stay empty, which DeepSpeed fills with zeros
+            return micro.x
         meta = self.geometry.meta(micro)
         spans = meta.images if self.full else meta.windows
         if self.one_call or micro.backend == "flash":  # the boundaries to the kernel, at once

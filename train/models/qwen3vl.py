@@ -60,6 +60,8 @@ class PositionedEmbedding(VisionEmbedding):
 
     def forward(self, micro: Micro) -> torch.Tensor:
         hidden = super().forward(micro)
+        if not micro.num_tiles:  # no patches to place (transformers' resampling needs a grid)
+            return hidden
         indices, weights = micro.cached("vision_positions", lambda: tuple(
             from_host(t, hidden.device) for t in get_vision_interpolation_indices_and_weights(
                 self.geometry.meta(micro).grids, self.side, mode=self.mode,

@@ -1,0 +1,111 @@
+"""Grouped plans end to end: packing groups of sequence-parallel degrees 1, 2 and 4 written to
+shards, each rank reading its share, and trained by DeepSpeed over 4 CPU processes (gloo): every
+step's loss equals the ``transformers`` model's on that step's samples, one at a time, at the
+weights the step started from, and a run killed with -9 resumes to the same losses."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from helpers import kill_9_when, vlmshard
+from hf_reference import ROWS, hf_loss_and_grads, make_folder
+
+from vlmshard.packing.config import PackConfig
+from vlmshard.packing.plan import run_pack
+from vlmshard.preprocess import PreprocessConfig, run_preprocess
+from vlmshard.shards.config import WriteConfig
+from vlmshard.shards.layout import read_manifest
+from vlmshard.shards.loader import ShardDataset
+from vlmshard.shards.writer import run_write
+from vlmshard.train.hf_model import model_layers
+
+DP = 4
+COMMON = ["--pp", "1", "--dp", str(DP), "--lr", "0.003", "--lr-scheduler-type", "constant"]
+
+
+@pytest.fixture(scope="module")
+def grouped(tmp_path_factory):
+    """Tiny Qwen2-VL shards of short chats and the image rows (up to 202 tokens), packed in
+    groups of 64 (SP 1), 128 (SP 2) and 256 tokens (SP 4) for one rank's 64 tokens."""
+    root = tmp_path_factory.mktemp("grouped")
+    folder = make_folder("qwen2_vl", str(root / "model"))
+    rows = ROWS * 2 + [{"conversations": [
+        {"from": "human", "value": f"Say {i}"}, {"from": "gpt", "value": f"Number {i}."}]}
+        for i in range(16)]
+    with open(root / "rows.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    run_preprocess(PreprocessConfig(inputs=[str(root / "rows.jsonl")], out=str(root / "pre"),
+                                    model=folder, workers=1))
+    run_pack(PackConfig(stats=str(root / "pre"), dp=DP, out=str(root / "plan"),
+                        groups="64,128,256", max_qt=64, max_qv=64))
+    run_write(WriteConfig(plan=str(root / "plan"), stats=str(root / "pre"),
+                          out=str(root / "shards"), workers=1))
+    return folder, str(root / "shards")
+
+
+def _log(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def _whole_steps(shards: str) -> list[list[dict]]:
+    """Each step's whole micro-batches: a step of SP degree s is read from the ranks w with
+    w mod s = 0, one for each of its data-parallel ranks."""
+    manifest = read_manifest(shards)
+    steps: list[list[dict]] = [[] for _ in range(manifest.steps)]
+    for w in range(DP):
+        data = ShardDataset(shards, w, DP, pixel_dtype=torch.float32)
+        for record in data.records():
+            if w % manifest.step_group(record.step)["sp"] == 0:
+                steps[record.step].append(data.collate(record, share=False))
+    return steps
+
+
+@pytest.mark.slow(minutes=3)
+def test_sequence_parallel_steps_train_as_the_hf_model_and_resume_after_kill_9(grouped,
+                                                                              tmp_path):
+    folder, shards = grouped
+    manifest = read_manifest(shards)
+    degrees = [manifest.step_group(t)["sp"] for t in range(manifest.steps)]
+    assert set(degrees) == {1, 2, 4} and len(degrees) >= 4
+    steps = len(degrees)
+    common = [*COMMON, "--shards", shards, "--max-steps", str(steps)]
+    straight = tmp_path / "straight"
+    vlmshard("train", *common, "--checkpoint-every", "1", "--out", str(straight))
+    log = _log(straight / "train_log.jsonl")
+    assert [r["sp"] for r in log] == degrees
+    # every step's loss is the HF model's per-token mean over the step's samples, at the
+    # weights the step started from (the model folder, then each checkpoint's)
+    model = model_layers(folder)
+    for step, batches in enumerate(_whole_steps(shards)):
+        weights = folder if step == 0 else str(straight / "checkpoints" / f"step-{step}" / "hf")
+        total, tokens, _ = hf_loss_and_grads(weights, batches, model.geometry.tokens_per_tile,
+                                             model.geometry.pixel_rows_per_tile)
+        assert log[step]["loss"] == pytest.approx(total / tokens, rel=1e-5), (step,
+                                                                              degrees[step])
+    crashed = tmp_path / "crashed"
+    logged = lambda: (crashed / "train_log.jsonl").read_text().count("\n") if (  # noqa: E731
+        crashed / "train_log.jsonl").exists() else 0
+    kill_9_when("train", *common, "--checkpoint-every", "2", "--out", str(crashed),
+                ready=lambda: logged() >= 3, timeout=600, session=True)
+    assert 3 <= logged() < steps, "the run ended before its kill"
+    vlmshard("train", *common, "--resume", str(crashed))
+    resumed = _log(crashed / "train_log.jsonl")
+    assert [r["step"] for r in resumed] == list(range(steps))
+    assert [r["sp"] for r in resumed] == degrees
+    assert [r["data"] for r in resumed] == [r["data"] for r in log]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in log], rel=1e-5)
+
+
+def test_shards_with_sequence_parallel_steps_are_refused_where_they_cannot_train(grouped,
+                                                                                tmp_path):
+    _, shards = grouped
+    for args, says in [(["--pp", "2", "--dp", "4"], "run at --pp 1"),
+                       (["--pp", "1", "--dp", "2"], "4 does not divide --dp 2")]:
+        result = vlmshard("train", "--shards", shards, *args, "--max-steps", "1", "--out",
+                          str(tmp_path / "run"), check=False)
+        assert result.returncode != 0 and says in result.stderr, result.stderr[-2000:]
+        assert not os.path.exists(tmp_path / "run" / "train_log.jsonl")
