@@ -194,6 +194,11 @@ def test_pack_groups_writes_the_groups_and_each_steps_group(tmp_path):
     run_pack(PackConfig(stats=stats, dp=8, out=str(tmp_path / "again"), groups="512,1024,4096",
                         max_qt=512, max_qv=2, micro_batches=2))
     assert (tmp_path / "again" / "plan.parquet").read_bytes() == first
+    # the report shows each group's figures as plan.json records them
+    report = json.loads(vlmshard("report", str(out), "--json").stdout)["plans"][0]
+    assert report["groups"] == info["groups"]
+    assert report["metrics"]["communication_ratio"] == info["metrics"]["communication_ratio"]
+    assert "group 2" in vlmshard("report", str(out)).stdout
     # what reads one-group plans only says so in one line
     report = vlmshard("simulate", str(out), check=False)
     assert report.returncode != 0 and "3 packing group(s)" in report.stderr

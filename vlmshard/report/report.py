@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from vlmshard.io import atomic_write, write_json_atomic
 from vlmshard.packing.batches import Lengths, Packing
+from vlmshard.packing.groups import is_grouped
 from vlmshard.packing.metrics import REPORT_KEYS, format_value
 from vlmshard.packing.plan import load_plan, plan_stats_path, read_plan, read_plan_json
 from vlmshard.run_log import PIPELINE_NAME, read_numbered
@@ -102,6 +103,24 @@ def train_sentence(c: dict) -> str:
             f"measured {c['bubble']['measured']:.3f} (predicted {c['bubble']['predicted']:.3f}), "
             f"DP waiting measured {c['dp_waiting']['measured']:.3f} (predicted "
             f"{c['dp_waiting']['predicted']:.3f}).")
+
+
+GROUP_COLUMNS = (("length", "length"), ("sp", "sp"), ("qv", "qv"), ("dp", "dp"),
+                 ("steps", "steps"), ("samples", "samples"), ("tokens", "tokens"),
+                 ("attn_dist_ratio", "ABR"), ("communication_ratio", "CR"),
+                 ("llm_fill", "llm_fill"), ("vit_fill", "vit_fill"),
+                 ("step_efficiency", "step_efficiency"))
+
+
+def group_table(label: str, info: dict) -> tuple[list[str], list[str], list[list[str]]]:
+    """A grouped plan's packing groups (``vlmshard pack --groups``): each one's caps, SP
+    degree, data-parallel ranks and figures, as notes and a table."""
+    notes = [f"{label}: packing groups (docs/groups.md); ABR is attn_dist_ratio, CR the share "
+             f"of tokens that pay the sequence-parallel exchange (the plan's: "
+             f"{info['metrics']['communication_ratio']:.4f})"]
+    rows = [[f"group {g}", *(format_value(group[key]) for key, _ in GROUP_COLUMNS)]
+            for g, group in enumerate(info["groups"])]
+    return notes, [label, *(name for _, name in GROUP_COLUMNS)], rows
 
 
 TRAIN_HEADER = ["training run", "measured", "predicted", "per-step correlation",
@@ -210,8 +229,13 @@ def make_report(plan_dirs: list[str], train_log: str | None = None, profile: str
     result = {"plans": [{"label": label, "plan_dir": d, "algorithm": i["algorithm"],
                          "metrics": {k: i["metrics"][k] for k in ROWS}}
                         for label, d, i in zip(labels, plan_dirs, infos)]}
-    try:
-        baselines = baseline_plans(plan_dirs[0], infos[0])
+    grouped = [is_grouped(i.get("groups", [])) for i in infos]
+    for entry, info, is_group in zip(result["plans"], infos, grouped):
+        if is_group:
+            entry["groups"] = info["groups"]
+            entry["metrics"]["communication_ratio"] = info["metrics"]["communication_ratio"]
+    try:  # one-cap packings of a grouped plan's samples compare with one cap, not its groups
+        baselines = {} if grouped[0] else baseline_plans(plan_dirs[0], infos[0])
     except (FileNotFoundError, ValueError) as e:  # the stats are not here
         log.warning("no comparison with other packings: %s", e)
         baselines = {}
@@ -219,6 +243,8 @@ def make_report(plan_dirs: list[str], train_log: str | None = None, profile: str
     headline = summary_line(labels[0], infos[0], efficiencies)
     notes = [f"{label}: {d}" for label, d in zip(labels, plan_dirs)]
     tables = [(notes, header, rows)]
+    tables += [group_table(label, info) for label, info, is_group in zip(labels, infos, grouped)
+               if is_group]
     if train_log and train is None:
         notes.append(f"{train_log}: only the warm-up step was logged, which the comparison "
                      "with the simulator leaves out: train two steps or more")

@@ -1,0 +1,148 @@
+"""Hierarchical Balance Packing: packing groups with sequence parallelism against one cap.
+
+    python benchmarks/hbp_bench.py                 # about a minute
+    python benchmarks/hbp_bench.py --json out.json
+
+A long-tail mix (``long_tail``, seeded): 80% short samples (single images and chats, 256 tokens
+to 4k), 15% documents (several pages, 4k to 16k) and 5% video clips (16k to 64k), each media
+token one ViT unit (Qwen's: a merged patch). The same samples, ranks and cost model (Qwen2-VL-2B's
+FLOPs and its Ulysses exchange priced at an H100's NVLink, ``packing.cost``) in four plans, one
+rank holding at most 8,192 tokens (``--max-qt``):
+
+- ``groups auto, balanced``: ``vlmshard pack --groups auto`` (levels and SP degrees searched);
+- ``one cap 64k, balanced``: one group at the longest length, SP 8 for every step, packed with
+  ``balanced`` (what ``vlmshard pack`` gives with a single group at 65,536 tokens);
+- ``one cap 64k, greedy``: the same cap packed as HBP's naive baseline does, samples in random
+  order cut greedily into micro-batches, dealt to ranks at random (OmniBal's ISF grouping, one
+  pass);
+- ``groups auto, greedy``: the groups with the same naive packing inside each.
+
+Figures per plan: the predicted epoch time (Σ over steps of the slowest rank's executed work,
+SP exchange included, at 45% of an H100's bf16 peak), step_efficiency, ABR (attn_dist_ratio), CR
+(communication_ratio), and the ratio of each baseline's epoch time to the grouped plan's. Prints
+Markdown for BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from vlmshard.families import presets  # noqa: E402
+from vlmshard.hardware import GPUS, SUSTAINED_SHARE  # noqa: E402
+from vlmshard.packing import algorithms  # noqa: E402
+from vlmshard.packing.algorithms import Caps  # noqa: E402
+from vlmshard.packing.batches import Lengths  # noqa: E402
+from vlmshard.packing.cost import CostModel  # noqa: E402
+from vlmshard.packing.groups import (  # noqa: E402
+    GroupedPacking,
+    assign,
+    ladder,
+    order_steps,
+    pack_groups,
+    search_groups,
+)
+
+COST = CostModel.from_sizes(presets()["qwen2-vl-2b"])
+RANK = Caps(8192, 8192)  # one rank's tiles and tokens
+MODE = "padding-free"
+
+
+def long_tail(n: int, seed: int) -> Lengths:
+    """The module docstring's mix: log-uniform lengths within each class, media tokens
+    (= ViT units) 90% of a short sample's tokens, 95% of a document's or a clip's."""
+    rng = np.random.default_rng(seed)
+    kind = rng.choice(3, n, p=[0.80, 0.15, 0.05])
+    low = np.array([256, 4096, 16384])[kind]
+    high = np.array([4096, 16384, 65536])[kind]
+    tokens = np.exp(rng.uniform(np.log(low), np.log(high))).astype(np.int64)
+    media = np.array([0.90, 0.95, 0.95])[kind]
+    return Lengths((tokens * media).astype(np.int64), tokens, kind.astype(np.int32),
+                   ("short", "document", "clip"))
+
+
+def greedy(lengths: Lengths, ids: np.ndarray, groups, *, ranks: int, micro_batches: int,
+           seed: int) -> GroupedPacking:
+    """HBP's naive packing in each group: random order, greedy cuts (ISF's grouping, one pass),
+    micro-batches dealt to ranks at random."""
+    where = assign(lengths, ids, groups)
+    packings = []
+    for g, group in enumerate(groups):
+        mine = ids[where == g]
+        items, cut = algorithms.isf_groups(lengths, mine, group.caps, seed=seed, iterations=1)
+        packings.append(algorithms.deal_groups(items, cut, ranks=ranks // group.sp,
+                                               micro_batches=micro_batches, seed=seed))
+    over = ids[where < 0]
+    return GroupedPacking(tuple(groups), packings, order_steps([p.steps for p in packings],
+                                                               "mixed"),
+                          np.r_[over, np.concatenate([p.unplaced for p in packings])],
+                          [])
+
+
+def figures(lengths: Lengths, plan: GroupedPacking, ranks: int) -> dict:
+    whole, _ = plan.measure(lengths, COST, ranks, MODE)
+    # the executed work of the epoch over the ranks' FLOP rate, from step_efficiency:
+    # spent = useful / step_efficiency, useful the placed samples' cost
+    placed = np.concatenate([p.items for p in plan.packings])
+    useful = float(COST.cost(lengths.tiles[placed].sum(), lengths.tokens[placed].sum(),
+                             COST.squares(lengths.tokens[placed]).sum()))
+    rate = ranks * GPUS["h100"].peak_flops * SUSTAINED_SHARE
+    return {"groups": [f"{g.length}:{g.sp}" for g in plan.groups],
+            "epoch_minutes": useful / whole.step_efficiency / rate / 60,
+            "step_efficiency": whole.step_efficiency, "abr": whole.attn_dist_ratio,
+            "cr": whole.communication_ratio, "steps": whole.steps, "samples": whole.samples,
+            "unplaced": len(plan.unplaced)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=200_000)
+    parser.add_argument("--ranks", type=int, default=64)
+    parser.add_argument("--micro-batches", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+    lengths = long_tail(args.samples, args.seed)
+    ids = np.arange(len(lengths), dtype=np.int64)
+    common = {"ranks": args.ranks, "micro_batches": args.micro_batches, "seed": args.seed}
+    t0 = time.perf_counter()
+    groups, tried = search_groups(lengths, RANK, dp=args.ranks, cost=COST, mode=MODE, **common)
+    search_s = time.perf_counter() - t0
+    one = (ladder(lengths, RANK, args.ranks)[-1],)
+    plans = {
+        "groups auto, balanced": pack_groups(lengths, ids, groups, cost=COST, mode=MODE,
+                                             order="mixed", **common),
+        "one cap, balanced": pack_groups(lengths, ids, one, cost=COST, mode=MODE,
+                                         order="mixed", **common),
+        "one cap, greedy": greedy(lengths, ids, one, **common),
+        "groups auto, greedy": greedy(lengths, ids, groups, **common),
+    }
+    rows = {name: figures(lengths, plan, args.ranks) for name, plan in plans.items()}
+    best = rows["groups auto, balanced"]["epoch_minutes"]
+    command = "python benchmarks/hbp_bench.py " + " ".join(sys.argv[1:])
+    print(f"Command: `{command.strip()}`; {platform.node()}, {platform.processor() or 'cpu'}; "
+          f"{args.samples:,} samples (seed {args.seed}), {args.ranks} ranks, one rank "
+          f"{RANK.qt} tokens; group search {search_s:.1f} s over {len(tried)} candidates.\n")
+    print("| plan | groups (length:SP) | predicted epoch (min, H100s at 45%) | × grouped | "
+          "step_efficiency | ABR | CR | steps | unplaced |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, r in rows.items():
+        print(f"| {name} | {', '.join(r['groups'])} | {r['epoch_minutes']:.1f} | "
+              f"{r['epoch_minutes'] / best:.2f} | {r['step_efficiency']:.4f} | {r['abr']:.4f} | "
+              f"{r['cr']:.3f} | {r['steps']} | {r['unplaced']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": command, "rows": rows, "tried": tried}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
