@@ -46,6 +46,37 @@ def grouped(tmp_path_factory):
     return folder, str(root / "shards")
 
 
+def test_each_rank_takes_its_share_at_any_world_size_dividing_the_virtual_ranks(grouped,
+                                                                               tmp_path):
+    """Shards planned for 8 virtual ranks, read by 4 and by 8 ranks: in a step of SP degree s,
+    the ranks of a group (consecutive ranks) take the same micro-batches, rank w share w mod s,
+    and the world takes every micro-batch of the step exactly once per share."""
+    plan, shards = str(tmp_path / "plan"), str(tmp_path / "shards")
+    root = read_manifest(grouped[1]).stats["path"]  # the preprocess output
+    run_pack(PackConfig(stats=root, dp=DP, virtual_ranks=8, out=plan, groups="64,128,256",
+                        max_qt=64, max_qv=64))
+    run_write(WriteConfig(plan=plan, stats=root, out=shards, workers=1))
+    manifest = read_manifest(shards)
+    for world in (4, 8):
+        taken = {}  # (step, rank) -> the records' (virtual rank, micro), in order
+        for w in range(world):
+            for r in ShardDataset(shards, w, world).records():
+                taken.setdefault((r.step, w), []).append((r.rank, r.micro))
+        for step in range(manifest.steps):
+            sp = manifest.step_group(step)["sp"]
+            whole = set()
+            for w in range(world):
+                mine = taken[(step, w)]
+                assert len(mine) == manifest.micro_batches * 8 // world
+                assert {v % sp for v, _ in mine} == {w % sp}  # its share
+                # the same micro-batches as the group's first rank
+                first = taken[(step, w - w % sp)]
+                assert [(v // sp, m) for v, m in mine] == [(v // sp, m) for v, m in first]
+                whole |= {(v // sp, m, v % sp) for v, m in mine}
+            assert whole == {(d, m, j) for d in range(8 // sp)
+                             for m in range(manifest.micro_batches) for j in range(sp)}
+
+
 def _log(path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f]
