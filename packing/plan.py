@@ -77,8 +77,8 @@ class PackResult(Result):
     def text(self) -> str:
         lines = [format_metrics(self.metrics.report())]
         if self.grouped:
-            lines += [f"communication_ratio {self.metrics.communication_ratio:.4f}",
-                      "groups:", format_group_table(self.groups)]
+            lines += [f"groups (communication_ratio {self.metrics.communication_ratio:.4f}):",
+                      format_group_table(self.groups)]
         if self.unplaced_by_reason:
             lines.append("unplaced: " + ", ".join(f"{n} {r}" for r, n in
                                                   self.unplaced_by_reason.items()))

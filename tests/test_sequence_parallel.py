@@ -27,6 +27,7 @@ from vlmshard.shards.sequence import media_owners, share
 from vlmshard.train.hf_model import model_layers
 from vlmshard.train.pipeline import recompute_modes, run_layers
 from vlmshard.train.sequence_parallel import check_heads
+from vlmshard.train.train_log import micro_batch_size
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 MICRO_BATCHES = 2
@@ -77,6 +78,11 @@ def test_a_share_is_its_tokens_and_its_media(setup):
     assert sum(s["num_pixel_rows"] for s in shares) == batch["num_pixel_rows"]
     loads = [s["num_tiles"] for s in shares]
     assert max(loads) - min(loads) <= max(tiles)
+    # what each rank logs it trained: the shares' sizes add up to the whole's
+    sizes, whole = [micro_batch_size(s) for s in shares], micro_batch_size(batch)
+    assert sum(x["tokens"] for x in sizes) == whole["tokens"] == n
+    assert sum(x["tiles"] for x in sizes) == whole["tiles"]
+    assert abs(sum(x["squares"] for x in sizes) - whole["squares"]) <= sp
     for s in shares:
         assert s["pixel_values"].shape[0] == s["num_pixel_rows"]
         assert s["shard"].image_token_start == int(batch["image_token_mask"][:s["shard"].start].sum())

@@ -22,15 +22,24 @@ log = logging.getLogger(__name__)
 def micro_batch_size(batch: dict, window: int = 0) -> dict:
     """The sizes the cost model and the simulator read: tiles, tokens, Σseq_len², and for a
     model with sliding-window layers (``window``) their Σ m·(2·seq_len − m), m = min(seq_len,
-    window) (``model_sizes.Size.windowed``)."""
+    window) (``model_sizes.Size.windowed``). A sequence-parallel share's are this rank's part:
+    its own tiles, its real tokens and 1/sp of the whole's attention."""
     import numpy as np
 
-    lens = np.diff(np.asarray(batch["cu_seqlens"][:batch["num_samples"] + 1], dtype=np.int64))
-    sizes = {"tiles": int(batch["num_tiles"]), "tokens": int(batch["num_tokens"]),
-             "squares": int((lens ** 2).sum())}
+    shard = batch.get("shard")
+    if shard is None:
+        lens = np.diff(np.asarray(batch["cu_seqlens"][:batch["num_samples"] + 1],
+                                  dtype=np.int64))
+        tokens, share = int(batch["num_tokens"]), 1
+    else:  # a sequence-parallel share: its real tokens, 1/sp of the whole's attention
+        lens = np.asarray(shard.sample_lengths, dtype=np.int64)
+        tokens = max(0, min(shard.start + shard.length, int(lens.sum())) - shard.start)
+        share = shard.sp
+    sizes = {"tiles": int(batch["num_tiles"]), "tokens": tokens,
+             "squares": int(round((lens ** 2).sum() / share))}
     if window:
         m = np.minimum(lens, window)
-        sizes["windowed"] = int((m * (2 * lens - m)).sum())
+        sizes["windowed"] = int(round((m * (2 * lens - m)).sum() / share))
     return sizes
 
 
@@ -74,9 +83,10 @@ def time_breakdown(*, parts: dict[str, float], recompute_s: float, optimizer_s: 
 def rank_data(micro: list[dict], window: int = 0) -> dict:
     """What a data-parallel rank's first stage trained in a step, from its loader batches
     (``window``: the model's sliding window, see ``micro_batch_size``)."""
-    return {"tokens": sum(b["num_tokens"] for b in micro),
+    sizes = [micro_batch_size(b, window) for b in micro]
+    return {"tokens": sum(s["tokens"] for s in sizes),
             "plan_steps": [b["step"] for b in micro],
-            "micro_sizes": [micro_batch_size(b, window) for b in micro],
+            "micro_sizes": sizes,
             "sample_ids": [b["sample_ids"].tolist() for b in micro]}
 
 
