@@ -5,9 +5,10 @@
 
 A long-tail mix (``long_tail``, seeded): 80% short samples (single images and chats, 256 tokens
 to 4k), 15% documents (several pages, 4k to 16k) and 5% video clips (16k to 64k), each media
-token one ViT unit (Qwen's: a merged patch). The same samples, ranks and cost model (Qwen2-VL-2B's
-FLOPs and its Ulysses exchange priced at an H100's NVLink, ``packing.cost``) in four plans, one
-rank holding at most 8,192 tokens (``--max-qt``):
+token one ViT unit (Qwen's: a merged patch). The same samples, ranks and cost model (Qwen3-VL-8B's
+FLOPs and its Ulysses exchange priced at an H100's NVLink, ``packing.cost``; its heads split
+over SP 8, Qwen2-VL-2B's 12 do not) in four plans, one rank holding at most 8,192 tokens
+(``--max-qt``):
 
 - ``groups auto, balanced``: ``vlmshard pack --groups auto`` (levels and SP degrees searched);
 - ``one cap 64k, balanced``: one group at the longest length, SP 8 for every step, packed with
@@ -39,6 +40,7 @@ sys.path.insert(0, REPO)
 
 from vlmshard.families import presets  # noqa: E402
 from vlmshard.hardware import GPUS, SUSTAINED_SHARE  # noqa: E402
+from vlmshard.model_sizes import sequence_parallel_refusal  # noqa: E402
 from vlmshard.packing import algorithms  # noqa: E402
 from vlmshard.packing.algorithms import Caps  # noqa: E402
 from vlmshard.packing.batches import Lengths  # noqa: E402
@@ -52,7 +54,8 @@ from vlmshard.packing.groups import (  # noqa: E402
     search_groups,
 )
 
-COST = CostModel.from_sizes(presets()["qwen2-vl-2b"])
+MODEL = presets()["qwen3-vl-8b"]  # 32 query and 8 key/value heads: SP up to 32 splits them
+COST = CostModel.from_sizes(MODEL)
 RANK = Caps(8192, 8192)  # one rank's tiles and tokens
 MODE = "padding-free"
 
@@ -115,9 +118,11 @@ def main() -> None:
     ids = np.arange(len(lengths), dtype=np.int64)
     common = {"ranks": args.ranks, "micro_batches": args.micro_batches, "seed": args.seed}
     t0 = time.perf_counter()
-    groups, tried = search_groups(lengths, RANK, dp=args.ranks, cost=COST, mode=MODE, **common)
+    refusal = lambda sp: sequence_parallel_refusal(MODEL.llm, sp)  # noqa: E731
+    groups, tried = search_groups(lengths, RANK, dp=args.ranks, cost=COST, mode=MODE,
+                                  refusal=refusal, **common)
     search_s = time.perf_counter() - t0
-    one = (ladder(lengths, RANK, args.ranks)[-1],)
+    one = (ladder(lengths, RANK, args.ranks, refusal)[-1],)
     plans = {
         "groups auto, balanced": pack_groups(lengths, ids, groups, cost=COST, mode=MODE,
                                              order="mixed", **common),

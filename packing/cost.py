@@ -64,30 +64,8 @@ class CostModel:
     @classmethod
     def for_stats(cls, name: str | None, family: str, model_folder: str | None = None,
                   unit_px: int | None = None) -> "CostModel":
-        """The FLOPs of ``name`` (a model folder or a preset; default: the folder the stats were
-        made for, else the family's preset), checked to count the ViT in the unit the stats do
-        (``unit_px``, the recorded tiling's; else the family preset's): a model of other units
-        would weigh tiles against tokens wrongly."""
-        import os
-
-        from vlmshard.families import family as family_named
-        from vlmshard.families import presets
-
-        preset = family_named(family).default_preset
-        if not name and model_folder and not os.path.isdir(model_folder):
-            log.warning("the stats' model folder %s is not here; costing with the %s preset",
-                        model_folder, preset)
-            model_folder = None
-        name = name or model_folder or preset
-        known = presets()
-        model = _model_sizes(name, known)
-        unit = unit_px or known[preset].vision.image_size
-        if model.vision.image_size != unit:
-            raise ConfigError(f"model {name!r} counts {model.vision.image_size}-px ViT units, but "
-                              f"the stats count {family}'s {unit}-px units: pass the model "
-                              f"folder the stats were made for, a preset of {unit}-px units "
-                              f"or a --cost-model file")
-        return cls.from_sizes(model)
+        """The FLOPs of ``model_for_stats``."""
+        return cls.from_sizes(model_for_stats(name, family, model_folder, unit_px))
 
     @classmethod
     def from_json(cls, path: str) -> "CostModel":
@@ -130,6 +108,34 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def model_for_stats(name: str | None, family: str, model_folder: str | None = None,
+                    unit_px: int | None = None):
+    """The sizes (``model_sizes.ModelConfig``) of ``name`` (a model folder or a preset;
+    default: the folder the stats were made for, else the family's preset), checked to count
+    the ViT in the unit the stats do (``unit_px``, the recorded tiling's; else the family
+    preset's): a model of other units would weigh tiles against tokens wrongly."""
+    import os
+
+    from vlmshard.families import family as family_named
+    from vlmshard.families import presets
+
+    preset = family_named(family).default_preset
+    if not name and model_folder and not os.path.isdir(model_folder):
+        log.warning("the stats' model folder %s is not here; costing with the %s preset",
+                    model_folder, preset)
+        model_folder = None
+    name = name or model_folder or preset
+    known = presets()
+    model = _model_sizes(name, known)
+    unit = unit_px or known[preset].vision.image_size
+    if model.vision.image_size != unit:
+        raise ConfigError(f"model {name!r} counts {model.vision.image_size}-px ViT units, but "
+                          f"the stats count {family}'s {unit}-px units: pass the model "
+                          f"folder the stats were made for, a preset of {unit}-px units "
+                          f"or a --cost-model file")
+    return model
 
 
 def _model_sizes(name: str, presets: dict):

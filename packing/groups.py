@@ -15,13 +15,13 @@ from __future__ import annotations
 import itertools
 import re
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Callable, Literal
 
 import numpy as np
 
 from vlmshard.errors import ConfigError
 
-from .algorithms import Caps, pack_balanced, split_over_cap
+from .algorithms import CAPS_TIE, Caps, pack_balanced, split_over_cap
 from .batches import Lengths, Packing, concat_steps
 from .cost import CostModel
 from .metrics import Metrics, StepFigures, metrics_of, step_figures
@@ -29,7 +29,6 @@ from .metrics import Metrics, StepFigures, metrics_of, step_figures
 # ``mixed``: each group's steps spread evenly over the epoch, in proportion to its share of the
 # steps; ``short-first``: the groups one after another, shortest first (HBP's curriculum).
 GroupOrder = Literal["mixed", "short-first"]
-GROUP_ORDERS: tuple[str, ...] = get_args(GroupOrder)
 AUTO = "auto"
 # Samples the automatic search packs each candidate with, at most (a seeded subsample).
 SEARCH_SAMPLES = 50000
@@ -67,26 +66,37 @@ def parse_groups(text: str) -> list[tuple[int, int | None]] | None:
     return spec
 
 
-def sp_degrees(dp: int) -> list[int]:
-    """The SP degrees a plan for ``dp`` real ranks can use: the divisors of ``dp``."""
-    return [d for d in range(1, dp + 1) if dp % d == 0]
+Refusal = Callable[[int], "str | None"]  # why the model cannot take an SP degree, or None
 
 
-def given_groups(spec: list[tuple[int, int | None]], rank: Caps, dp: int) -> tuple[Group, ...]:
+def sp_degrees(dp: int, refusal: Refusal = lambda sp: None) -> list[int]:
+    """The SP degrees a plan for ``dp`` real ranks can use: the divisors of ``dp`` the model
+    can split over (``model_sizes.sequence_parallel_refusal``)."""
+    return [d for d in range(1, dp + 1) if dp % d == 0 and refusal(d) is None]
+
+
+def given_groups(spec: list[tuple[int, int | None]], rank: Caps, dp: int,
+                 refusal: Refusal = lambda sp: None) -> tuple[Group, ...]:
     """The groups ``--groups`` names, within one rank's memory budget ``rank`` (tiles, tokens):
-    a group of length L takes the SP degree given, else the least divisor of ``dp`` that keeps
+    a group of length L takes the SP degree given, else the least of ``sp_degrees`` that keeps
     L/s tokens on a rank; its Qv is s ranks' tiles."""
-    degrees = sp_degrees(dp)
+    degrees = sp_degrees(dp, refusal)
     groups = []
     for length, sp in spec:
         if sp is None:
             sp = next((d for d in degrees if d * rank.qt >= length), None)
             if sp is None:
+                refused = [d for d in sp_degrees(dp) if d * rank.qt >= length]
+                why = (f"; the model cannot take SP {refused[0]}: {refusal(refused[0])}"
+                       if refused else "")
                 raise ConfigError(f"group length {length} needs more than the {dp} ranks' "
                                   f"{dp * rank.qt} tokens (one rank holds {rank.qt}, "
-                                  f"--max-qt): lower it or raise --max-qt")
+                                  f"--max-qt){why}: lower it or raise --max-qt")
         elif dp % sp:
             raise ConfigError(f"group {length}:{sp}: SP degree {sp} does not divide --dp {dp}")
+        elif refusal(sp):
+            raise ConfigError(f"group {length}:{sp}: the model cannot take SP {sp}: "
+                              f"{refusal(sp)}")
         elif sp * rank.qt < length:
             raise ConfigError(f"group {length}:{sp} puts {-(-length // sp)} tokens on a rank, "
                               f"over one rank's {rank.qt} (--max-qt): raise its SP degree")
@@ -94,12 +104,13 @@ def given_groups(spec: list[tuple[int, int | None]], rank: Caps, dp: int) -> tup
     return tuple(groups)
 
 
-def ladder(lengths: Lengths, rank: Caps, dp: int) -> tuple[Group, ...]:
-    """``auto``'s candidate levels: one per SP degree s dividing ``dp``, of s ranks' budget,
+def ladder(lengths: Lengths, rank: Caps, dp: int,
+           refusal: Refusal = lambda sp: None) -> tuple[Group, ...]:
+    """``auto``'s candidate levels: one per SP degree s of ``sp_degrees``, of s ranks' budget,
     up to the first that holds the longest sample (HBP's levels double: so do these where
     ``dp`` is a power of two)."""
     out = []
-    for sp in sp_degrees(dp):
+    for sp in sp_degrees(dp, refusal):
         out.append(Group(sp * rank.qt, sp * rank.qv, sp))
         if (out[-1].length >= lengths.tokens.max(initial=0)
                 and out[-1].qv >= lengths.tiles.max(initial=0)):
@@ -200,17 +211,17 @@ def pack_groups(lengths: Lengths, ids: np.ndarray, groups: tuple[Group, ...], *,
 
 
 def search_groups(lengths: Lengths, rank: Caps, *, dp: int, ranks: int, micro_batches: int,
-                  seed: int, cost: CostModel, mode: str) -> tuple[tuple[Group, ...], list[dict]]:
+                  seed: int, cost: CostModel, mode: str, refusal: Refusal = lambda sp: None
+                  ) -> tuple[tuple[Group, ...], list[dict]]:
     """``--groups auto``: of the ``ladder``'s levels, the set (always with the top level, which
     holds the longest samples) whose plan has the highest step_efficiency, SP exchange counted.
     Each candidate packs the same seeded subsample (the whole data when small); levels no
-    sample would go to are not tried; ties (``algorithms.CAPS_TIE``) go to fewer groups.
+    sample would go to are not tried, nor SP degrees the model cannot split over
+    (``refusal``); ties (``algorithms.CAPS_TIE``) go to fewer groups.
     Returns the groups and every candidate tried, with its figures."""
-    from .algorithms import CAPS_TIE
-
     rng = np.random.default_rng(seed)
     sample = lengths.take(np.sort(rng.permutation(len(lengths))[:SEARCH_SAMPLES]))
-    levels = ladder(lengths, rank, dp)
+    levels = ladder(lengths, rank, dp, refusal)
     ids = np.arange(len(sample), dtype=np.int64)
     used = set(assign(sample, ids, levels).tolist()) - {-1, len(levels) - 1}
     tried = []

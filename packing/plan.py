@@ -30,15 +30,16 @@ from vlmshard.io import (arrow_column, atomic_write, read_json, sha256_file, wri
                          write_parquet)
 from vlmshard.jobs import fingerprint as job_fingerprint
 from vlmshard.jobs import locked_output
+from vlmshard.model_sizes import sequence_parallel_refusal
 from vlmshard.stage import Result
 
 from . import algorithms
 from .algorithms import BalancedOptions, Caps
 from .batches import Lengths, Packing
 from .config import PADDED, PackConfig
-from .cost import CostModel
-from .groups import (Group, GroupedPacking, format_group_table, given_groups, group_table,
-                     is_grouped, pack_groups, parse_groups, search_groups)
+from .cost import CostModel, model_for_stats
+from .groups import (Group, GroupedPacking, Refusal, format_group_table, given_groups,
+                     group_table, is_grouped, pack_groups, parse_groups, search_groups)
 from .metrics import Metrics, format_metrics
 from .stats import StatsError, load_stats
 
@@ -116,7 +117,7 @@ def _pack(cfg: PackConfig) -> PackResult:
                  cfg.out)
         return PackResult(cfg.out, Metrics(**finished["metrics"]),
                           finished["unplaced_by_reason"], finished["groups"])
-    groups, caps_from, search = choose_groups(cfg, lengths, cost)
+    groups, caps_from, search = choose_groups(cfg, lengths, cost, sp_refusal(cfg, stats, cost))
     epochs, packings = [], []
     first_step = 0
     for epoch in range(cfg.epochs):
@@ -125,6 +126,11 @@ def _pack(cfg: PackConfig) -> PackResult:
                        "steps": packing.steps})
         first_step += packing.steps
         packings.append(packing)
+    for g, packing in zip(groups, packings[0].packings):
+        if len(groups) > 1 and not packing.steps:
+            log.warning("group %d:%d holds %d sample(s), too few for one step of its %d ranks: "
+                        "they are unplaced (remainder)", g.length, g.sp, len(packing.unplaced),
+                        cfg.ranks // g.sp)
     over_cap = sum(r != "remainder" for r in packings[0].unplaced_reason)
     if first_step == 0:
         raise ConfigError(_places_nothing(cfg, packings[0], over_cap))
@@ -245,12 +251,26 @@ def caps_bound(cfg: PackConfig, lengths: Lengths, *,
                                    at_least_largest=at_least_largest), origin
 
 
-def choose_groups(cfg: PackConfig, lengths: Lengths,
-                  cost: CostModel) -> tuple[tuple[Group, ...], str, dict | None]:
+def sp_refusal(cfg: PackConfig, stats, cost: CostModel) -> Refusal:
+    """Why the model the plan is for (``--model``, else the stats' folder or family preset)
+    cannot take an SP degree (``model_sizes.sequence_parallel_refusal``), for the groups to
+    avoid what the trainer would refuse."""
+    if cfg.groups is None:
+        return lambda sp: None
+    llm = model_for_stats(cfg.model, stats.family, stats.model_folder, stats.unit_px).llm
+    if not cost.c_sp:
+        log.warning("the cost model (%s) prices no sequence-parallel exchange (c_sp): the "
+                    "groups are chosen as if it were free", cost.origin)
+    return lambda sp: sequence_parallel_refusal(llm, sp)
+
+
+def choose_groups(cfg: PackConfig, lengths: Lengths, cost: CostModel,
+                  refusal: Refusal) -> tuple[tuple[Group, ...], str, dict | None]:
     """The plan's groups, where they came from and what a search tried: without --groups one
     group of SP 1 whose caps ``choose_caps`` chooses; else the groups named, or ``auto``'s,
     within one rank's memory bound (``caps_bound`` without the largest sample's floor: the
-    larger groups hold what one rank cannot)."""
+    larger groups hold what one rank cannot), at SP degrees the model can take
+    (``refusal``)."""
     if cfg.groups is None:
         caps, caps_from, search = choose_caps(cfg, lengths, cost)
         return (Group(caps.qt, caps.qv, 1),), caps_from, search
@@ -258,10 +278,10 @@ def choose_groups(cfg: PackConfig, lengths: Lengths,
     bound = {"rank_bound": {"qv": rank.qv, "qt": rank.qt, "from": rank_from}}
     spec = parse_groups(cfg.groups)
     if spec is not None:
-        return given_groups(spec, rank, cfg.dp), "given", bound
+        return given_groups(spec, rank, cfg.dp, refusal), "given", bound
     groups, tried = search_groups(lengths, rank, dp=cfg.dp, ranks=cfg.ranks,
                                   micro_batches=cfg.micro_batches, seed=cfg.seed, cost=cost,
-                                  mode=cfg.compute_mode)
+                                  mode=cfg.compute_mode, refusal=refusal)
     log.info("groups %s: the best step_efficiency of %d candidates, one rank holding Qv %d, "
              "Qt %d (%s)", ", ".join(f"{g.length}:{g.sp}" for g in groups), len(tried), rank.qv,
              rank.qt, rank_from)
@@ -380,6 +400,11 @@ def read_grouped_plan(plan_dir: str) -> tuple[dict, GroupedPacking]:
     group = (table["group"].to_numpy().astype(np.int64) if "group" in table.column_names
              else np.zeros(len(step), np.int64))
     steps = info["metrics"]["steps"]
+    if len(step) and not (0 <= step.min() and step.max() < steps
+                          and 0 <= group.min() and group.max() < len(groups)):
+        raise InputError(f"{path}: steps {step.min()}..{step.max()} or groups "
+                         f"{group.min()}..{group.max()} fall outside the {steps} steps and "
+                         f"{len(groups)} groups plan.json records")
     order = np.zeros(steps, np.int64)
     order[step] = group
     packings = []
@@ -391,8 +416,8 @@ def read_grouped_plan(plan_dir: str) -> tuple[dict, GroupedPacking]:
         mb = ((local[step[rows]] * ranks + table["rank"].to_numpy()[rows]) * micro
               + table["micro"].to_numpy()[rows])
         if np.any(np.diff(mb) < 0) or (len(mb) and not 0 <= mb[0] <= mb[-1] < n_micro):
-            raise InputError(f"{path}: rows are not in (step, rank, micro, slot) order within "
-                             f"the micro-batches plan.json records")
+            raise InputError(f"{path}: group {g}'s rows are not in (step, rank, micro, slot) "
+                             f"order within its {n_micro} micro-batches")
         offsets = np.zeros(n_micro + 1, np.int64)
         np.cumsum(np.bincount(mb, minlength=n_micro), out=offsets[1:])
         packings.append(Packing(table["sample_id"].to_numpy()[rows].astype(np.int64), offsets,

@@ -108,7 +108,7 @@ class Manifest:
     @property
     def sp_degrees(self) -> list[int]:
         """The sequence-parallel degrees the steps take."""
-        return sorted({g["sp"] for g in self.groups} or {1})
+        return sorted({self.groups[g]["sp"] for g in set(self.step_groups)} or {1})
 
     @property
     def visual_token_ids(self) -> tuple[int, ...]:

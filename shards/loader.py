@@ -93,7 +93,6 @@ class ShardDataset(IterableDataset):
                 raise ConfigError(f"{root} has steps of sequence-parallel degree {sp}, which "
                                   f"world size {world_size} does not divide")
         self.rank, self.per_rank = rank, virtual // world_size
-        self.virtual_ranks = self.step_ranks(1)
         # the folders any of this rank's steps read
         self.folders = sorted({v for sp in self.manifest.sp_degrees
                                for v in self.step_ranks(sp)})
@@ -115,10 +114,10 @@ class ShardDataset(IterableDataset):
 
     def step_ranks(self, sp: int) -> list[int]:
         """The virtual ranks whose records this rank takes in a step of sequence-parallel
-        degree ``sp``: ranks w·sp … w·sp + sp − 1 form a group, and rank w takes share w mod sp
-        of the micro-batches of the group's virtual data-parallel ranks (k = virtual ranks ÷
-        world size of them, each written to sp virtual ranks: ``vlmshard.shards.writer``). At
-        ``sp`` 1 these are virtual ranks w·k … w·k + k − 1."""
+        degree ``sp``: ranks (w // sp)·sp … (w // sp)·sp + sp − 1 form a group, and rank w takes
+        share w mod sp of the micro-batches of the group's virtual data-parallel ranks (k =
+        virtual ranks ÷ world size of them, each written to sp virtual ranks:
+        ``vlmshard.shards.writer``). At ``sp`` 1 these are virtual ranks w·k … w·k + k − 1."""
         k, w = self.per_rank, self.rank
         return [((w // sp) * k + i) * sp + w % sp for i in range(k)]
 
@@ -127,7 +126,7 @@ class ShardDataset(IterableDataset):
 
     @property
     def micro_batches_per_step(self) -> int:
-        return self.manifest.micro_batches * len(self.virtual_ranks)
+        return self.manifest.micro_batches * self.per_rank
 
     @property
     def steps(self) -> int:
@@ -231,13 +230,16 @@ class ShardDataset(IterableDataset):
         input_ids[:n] = torch.from_numpy(record.input_ids.astype(np.int64))
         labels = torch.full((qt,), IGNORE_INDEX, dtype=torch.long)
         labels[:n] = torch.from_numpy(record.labels.astype(np.int64))
-        images = list(decoded_images(record, self.policies, rgb=self.pixels))  # and videos
+        # a share decodes its own media only (dealt by their planned tiles), the others'
+        # headers for their grids
+        owner = media_owners(record.media_tiles(), sp) if sp > 1 else None
+        mine = None if owner is None else {i for i, o in enumerate(owner)
+                                           if o == record.rank % sp}
+        images = list(decoded_images(record, self.policies, rgb=self.pixels, own=mine))
         grids = [im.grid for im in images]  # None for InternVL
         steps = [im.video.seconds_per_step if im.is_video else 0.0 for im in images]
         num_tiles = sum(im.tiles for im in images)
-        owner = media_owners([im.tiles for im in images], sp) if sp > 1 else None
-        own = images if owner is None else [im for im, o in zip(images, owner)
-                                            if o == record.rank % sp]
+        own = images if mine is None else [images[i] for i in sorted(mine)]
         sample_items = [len(s["images"]) + len(s.get("videos", ())) for s in record.samples]
         batch = {
             "input_ids": input_ids, "labels": labels,

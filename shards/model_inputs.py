@@ -60,12 +60,29 @@ def next_token_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.
     return targets
 
 
+def image_runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each run of True in a token mask (the image tokens' runs)."""
+    zero = torch.zeros(1, dtype=torch.int)
+    edges = torch.diff(mask.int(), prepend=zero, append=zero).nonzero().flatten().tolist()
+    return list(zip(edges[0::2], edges[1::2]))
+
+
 def supervised_tokens(batch: dict) -> int:
     """Tokens of a collated micro-batch with a next-token target (the Ave-Token count); a
     sequence-parallel share's labels are its targets already (``vlmshard.shards.sequence``)."""
     targets = (batch["labels"] if "shard" in batch
                else next_token_targets(batch["labels"], batch["cu_seqlens"]))
     return int((targets != IGNORE_INDEX).sum())
+
+
+def whole_micro_batch(batch: dict) -> None:
+    """Refuse a sequence-parallel share (``vlmshard.shards.sequence``): a plain model would
+    train it as a micro-batch of its own, shifting its targets again and attending within it."""
+    if "shard" in batch:
+        raise ConfigError(f"step {batch['step']} is sequence-parallel (vlmshard pack --groups): "
+                          f"the loader gave this rank share {batch['shard'].rank} of "
+                          f"{batch['shard'].sp}, which only vlmshard train trains; read whole "
+                          "micro-batches with ShardDataset.collate(record, share=False)")
 
 
 def attention_implementation(model) -> str:
@@ -79,6 +96,7 @@ def model_inputs(batch: dict, model, num_items_in_batch: int | float | None = No
     """Keyword arguments for ``model(**...)``: one packed micro-batch from ``ShardDataset``
     (padded to the caps or not), on the model's device, its samples kept apart; raises
     ``ConfigError`` for an attention implementation that cannot keep them apart."""
+    whole_micro_batch(batch)
     implementation = attention_implementation(model)
     if implementation not in FLASH + MASKED:
         raise ConfigError(f"attention implementation {implementation!r} cannot keep packed "
@@ -166,6 +184,7 @@ def split_batch(batch: dict, model=None) -> list[dict]:
     ``visual_inputs`` gives them to ``model``, which a sample with videos needs), and
     ``image_token_mask`` [1, len]: what to give the model to run one sample by itself (its own
     position ids and causal mask are then the model's own)."""
+    whole_micro_batch(batch)
     cu = batch["cu_seqlens"].tolist()
     grids = batch.get("image_grid_thw")
     samples, row, image = [], 0, 0  # image: the next image or video

@@ -71,6 +71,16 @@ class Record:
         return sum(sum(s["image_tiles"]) + sum(v["tiles"] for v in s.get("videos", ()))
                    for s in self.samples)
 
+    def media_tiles(self) -> list[int]:
+        """The planned ViT units of each image and video, in token order."""
+        out = []
+        for sample in self.samples:
+            tiles = iter(sample["image_tiles"])
+            videos = {v["item"]: v for v in sample.get("videos", ())}
+            for item in range(len(sample["images"]) + len(videos)):
+                out.append(videos[item]["tiles"] if item in videos else next(tiles))
+        return out
+
     @property
     def where(self) -> str:
         return f"{self.shard}: record {self.key}"
@@ -219,22 +229,29 @@ class DecodedVideo:
 
 
 def decoded_images(record: Record, policies: dict[str, "TilingPolicy"], *,
-                   rgb: bool = True) -> Iterator["DecodedImage | DecodedVideo"]:
+                   rgb: bool = True, own: set[int] | None = None
+                   ) -> Iterator["DecodedImage | DecodedVideo"]:
     """Decode each image and video frame of ``record`` in full, in token order, and check that
     each image makes the tiles the plan has under its source's policy and each video the frames
-    and grid; RGB pixels only with ``rgb``. The one decode of the loader and ``verify``."""
+    and grid; RGB pixels only with ``rgb``. The one decode of the loader and ``verify``. With
+    ``own`` (media indices, in token order), the others are read to their headers only: their
+    sizes checked, no pixels (a sequence-parallel share's loader)."""
     data = iter(record.images)
+    index = -1
     for sample in record.samples:
         policy = policies[sample["source"]]
         n_images = len(sample["images"])
         images = iter(zip(sample["images"], sample["image_tiles"]))
         videos = {v["item"]: v for v in sample.get("videos", ())}
         for item in range(n_images + len(videos)):
+            index += 1
+            full = own is None or index in own
             if item in videos:
-                yield _decoded_video(record, sample, videos[item], policy, data, rgb)
+                yield _decoded_video(record, sample, videos[item], policy, data, rgb and full,
+                                     full)
                 continue
             name, planned = next(images)
-            width, height, converted = _decode(record, name, next(data), rgb)
+            width, height, converted = _decode(record, name, next(data), rgb and full, full)
             try:
                 tiles = policy.tiles(width, height, n_images)
             except Reject as e:
@@ -246,24 +263,27 @@ def decoded_images(record: Record, policies: dict[str, "TilingPolicy"], *,
             yield DecodedImage(policy, n_images, width, height, converted)
 
 
-def _decode(record: Record, name: str, data: bytes, rgb: bool):
-    """(width, height, the RGB image or None) of an image's bytes."""
+def _decode(record: Record, name: str, data: bytes, rgb: bool, load: bool = True):
+    """(width, height, the RGB image or None) of an image's bytes; decoded in full with
+    ``load``, else read to its header (its size)."""
     from PIL import Image
 
     from vlmshard.families import to_rgb
 
     try:
         im = Image.open(io.BytesIO(data))
-        im.load()
+        if load:
+            im.load()
     except Exception as e:  # Pillow's plugins raise many kinds on malformed data
         raise RecordError(f"{record.where}: image {name} does not decode: {e}") from e
     with im:
         return *im.size, to_rgb(im) if rgb else None
 
 
-def _decoded_video(record: Record, sample: dict, video: dict, policy, data, rgb: bool
-                   ) -> DecodedVideo:
-    """A video's frames, checked to be the frames, size and grid its policy samples."""
+def _decoded_video(record: Record, sample: dict, video: dict, policy, data, rgb: bool,
+                   load: bool = True) -> DecodedVideo:
+    """A video's frames, checked to be the frames, size and grid its policy samples (each
+    decoded in full with ``load``, else read to its header)."""
     where = f"{record.where}: video {video['item']} of sample {sample['sample_id']}"
     try:
         sampled = policy.sample_video(video["total_frames"], video["fps"], video["w"],
@@ -276,7 +296,7 @@ def _decoded_video(record: Record, sample: dict, video: dict, policy, data, rgb:
                           f"{video['grid']}")
     frames = []
     for name in video["frames"]:
-        width, height, converted = _decode(record, name, next(data), rgb)
+        width, height, converted = _decode(record, name, next(data), rgb, load)
         if (width, height) != (video["w"], video["h"]):
             raise RecordError(f"{where}: frame {name} is {width}x{height}, the video "
                               f"{video['w']}x{video['h']}")

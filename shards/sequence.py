@@ -23,7 +23,7 @@ import torch
 
 from vlmshard.preprocess.tokenize import IGNORE_INDEX
 
-from .model_inputs import next_token_targets
+from .model_inputs import image_runs, next_token_targets
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,6 @@ class Shard:
     image_runs: tuple[tuple[int, int], ...]  # the whole's runs of image tokens, [start, end)
     media_tokens: tuple[int, ...]  # per image or video of the whole, in token order: its tokens
     media_owner: tuple[int, ...]  # per image or video: the rank that encodes it
-    image_token_start: int  # image tokens of the whole before the share's first token
 
     @property
     def padding(self) -> int:
@@ -88,8 +87,6 @@ def share_tokens(batch: dict, sp: int, rank: int, tokens_per_tile: int, owner: l
     samples = batch["num_samples"]
     cu = batch["cu_seqlens"][:samples + 1].tolist()
     mask = batch["image_token_mask"][:n]
-    edges = torch.diff(mask.int(), prepend=torch.zeros(1, dtype=torch.int),
-                       append=torch.zeros(1, dtype=torch.int)).nonzero().flatten().tolist()
     tiles = batch["media_tiles"].tolist()
     mine = [i for i, o in enumerate(owner) if o == rank]
     own_tiles = sum(tiles[i] for i in mine)
@@ -113,10 +110,9 @@ def share_tokens(batch: dict, sp: int, rank: int, tokens_per_tile: int, owner: l
         "media_seconds_per_step": batch["media_seconds_per_step"][mine],
         "shard": Shard(sp=sp, rank=rank, start=start, length=length,
                        sample_lengths=tuple(b - a for a, b in zip(cu, cu[1:])),
-                       image_runs=tuple(zip(edges[0::2], edges[1::2])),
+                       image_runs=tuple(image_runs(mask)),
                        media_tokens=tuple(t * tokens_per_tile for t in tiles),
-                       media_owner=tuple(owner),
-                       image_token_start=int(mask[:start].sum())),
+                       media_owner=tuple(owner)),
     }
     if "image_grid_thw" in batch:
         out["image_grid_thw"] = batch["image_grid_thw"][mine]

@@ -235,13 +235,14 @@ def _plan_records(plan: str) -> tuple[list[tuple[int, ...]], list[int]]:
         raise WriteError(str(e)) from e
     ranks, micro = info["params"]["ranks"], info["params"]["micro_batches"]
     chunks = []
-    for packing in grouped.packings:
+    for g, packing in enumerate(grouped.packings):
         sizes = np.diff(packing.offsets)
         if np.any(sizes == 0):
-            empty = int(np.flatnonzero(sizes == 0)[0])
-            raise WriteError(f"{plan}: a micro-batch (rank {empty // micro % packing.ranks} "
-                             f"micro {empty % micro}) has no samples: every step needs all "
-                             "ranks x micro-batches")
+            empty, per_step = int(np.flatnonzero(sizes == 0)[0]), packing.ranks * micro
+            step = int(np.flatnonzero(grouped.order == g)[empty // per_step])
+            raise WriteError(f"{plan}: step {step} rank {empty // micro % packing.ranks} micro "
+                             f"{empty % micro} has no samples: every step needs all ranks x "
+                             "micro-batches")
         chunks.append([tuple(map(int, c)) for c in np.split(packing.items, packing.offsets[1:-1])]
                       if packing.n_micro else [])
     if not grouped.steps:

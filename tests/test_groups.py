@@ -19,8 +19,9 @@ from vlmshard.packing.algorithms import Caps
 from vlmshard.packing.batches import Lengths, Packing
 from vlmshard.packing.config import PackConfig
 from vlmshard.packing.cost import CostModel
-from vlmshard.packing.groups import (Group, GroupedPacking, assign, given_groups, order_steps,
-                                     pack_groups, parse_groups, search_groups)
+from vlmshard.model_sizes import LLMConfig, sequence_parallel_refusal
+from vlmshard.packing.groups import (Group, GroupedPacking, assign, given_groups, ladder,
+                                     order_steps, pack_groups, parse_groups, search_groups)
 from vlmshard.packing.plan import read_grouped_plan, run_pack
 from vlmshard.packing.stats import load_stats
 
@@ -58,6 +59,21 @@ def test_each_group_takes_the_fewest_ranks_that_hold_it():
         given_groups([(13000, None)], rank, 12)
     with pytest.raises(ConfigError, match="does not divide --dp 12"):
         given_groups([(4000, 5)], rank, 12)
+
+
+def test_groups_take_only_the_sp_degrees_the_model_splits_over():
+    # Qwen2-VL-2B's 12 query and 2 key/value heads: SP 8 does not split them, 4 does
+    refusal = lambda sp: sequence_parallel_refusal(LLMConfig(heads=12, kv_heads=2), sp)  # noqa
+    rank = Caps(4, 1000)
+    assert given_groups([(3500, None)], rank, 8, refusal) == (Group(3500, 16, 4),)
+    # dp 12: SP 3 splits the 12 query heads but not the 2 key/value heads; 6 does both
+    assert [g.sp for g in given_groups([(2500, None), (5000, None)], rank, 12, refusal)] == [4, 6]
+    with pytest.raises(ConfigError, match="cannot take SP 8: its 12 query"):
+        given_groups([(8000, 8)], rank, 8, refusal)
+    with pytest.raises(ConfigError, match="needs more than the 8 ranks' 8000 tokens"):
+        given_groups([(5000, None)], rank, 8, refusal)  # 8 would hold it, but cannot split
+    lengths = long_tail(2000)
+    assert [g.sp for g in ladder(lengths, Caps(2, 512), 8, refusal)] == [1, 2, 4]
 
 
 def test_a_sample_goes_to_the_smallest_group_that_holds_it():

@@ -135,6 +135,7 @@ def test_shards_with_sequence_parallel_steps_are_refused_where_they_cannot_train
                                                                                 tmp_path):
     _, shards = grouped
     for args, says in [(["--pp", "2", "--dp", "4"], "run at --pp 1"),
+                       (["--pp", "1", "--dp", "4", "--zero", "3"], "run at --zero 1 or 2"),
                        (["--pp", "1", "--dp", "2"], "4 does not divide --dp 2")]:
         result = vlmshard("train", "--shards", shards, *args, "--max-steps", "1", "--out",
                           str(tmp_path / "run"), check=False)

@@ -101,9 +101,11 @@ def shard_sizes(shards: str, dp: int) -> tuple[Size, Size]:
     the shards' first steps, and the largest micro-batch a rank holds (the caps; a
     sequence-parallel group's over its degree: each rank takes 1/sp of its micro-batches, and
     its attention 1/sp of the heads); read without decoding an image."""
+    from vlmshard.shards.layout import read_manifest
     from vlmshard.shards.loader import ShardDataset
 
-    dataset = ShardDataset(shards, 0, dp)
+    # every rank's records of plain shards; a grouped plan's as one rank of dp reads them
+    dataset = ShardDataset(shards, 0, dp if read_manifest(shards).step_groups else 1)
     m = dataset.manifest
     records = islice(dataset.records(), SIZE_STEPS * dataset.micro_batches_per_step)
     sizes = np.array([np.array((r.tiles, len(r.input_ids), sum(n * n for n in r.seq_lens)))

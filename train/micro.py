@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from vlmshard.shards.model_inputs import next_token_targets, supervised_tokens
+from vlmshard.shards.model_inputs import image_runs, next_token_targets, supervised_tokens
 from vlmshard.shards.sequence import Shard
 
 from .attention import Spans
@@ -64,15 +64,13 @@ class HostMeta:
         """A collated micro-batch's (``vlmshard.shards.loader``, padded to the caps)."""
         samples = batch["num_samples"]
         cu = batch["cu_seqlens"][:samples + 1].tolist()
-        edges = torch.diff(batch["image_token_mask"].int(), prepend=torch.zeros(1, dtype=torch.int),
-                           append=torch.zeros(1, dtype=torch.int)).nonzero().flatten().tolist()
         return cls(
             qv=batch["tile_cap"], qt=batch["input_ids"].shape[0], tiles=batch["num_tiles"],
             tokens=batch["num_tokens"], image_tokens=int(batch["image_token_mask"].sum()),
             supervised=supervised_tokens(batch),
             grids=[tuple(g) for g in batch.get("image_grid_thw", torch.zeros(0, 3)).tolist()],
             sample_lengths=[b - a for a, b in zip(cu, cu[1:])],
-            image_runs=list(zip(edges[0::2], edges[1::2])), shard=batch.get("shard"))
+            image_runs=image_runs(batch["image_token_mask"]), shard=batch.get("shard"))
 
 
 @dataclass

@@ -117,8 +117,8 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
     except ValueError as e:  # a config.json the layer maps cannot build
         raise InputError(f"{folder}: {e}") from e
     if read_manifest(cfg.shards).step_groups:
-        raise ConfigError(f"{cfg.shards} hold packing groups (vlmshard pack --groups): profile "
-                          "shards of one group, packed for the same model and caps")
+        raise ConfigError(f"{cfg.shards} were packed with --groups: profile shards packed "
+                          "without it, for the same model and caps")
     batches = list(islice(ShardDataset(cfg.shards, 0, 1, pixel_dtype=cfg.dtype),
                           cfg.micro_batches))
     window = layer_kind_window(folder)

@@ -8,10 +8,11 @@ micro-batch would use anyway, and the output goes back the same way: two all-to-
 per layer, and each rank does 1/sp of the attention however long the samples are. Grouped-query
 attention stays grouped: each rank takes its query heads' key/value heads; where the key/value
 heads are fewer than ``sp``, each is repeated to ``sp`` first (so ``sp`` must be a multiple of
-them), as DeepSpeed-Ulysses does.
+them), as DeepSpeed-Ulysses does (``model_sizes.sequence_parallel_refusal``).
 
-Before the token embedding the ranks' media features (each rank encodes its own images) are
-exchanged into token order, and each rank keeps the rows of its share's image tokens.
+Before the token embedding each rank sends each other rank the rows of its media features (it
+encodes its own images) that fall in that rank's share of the tokens, and puts what it gets
+into token order.
 
 All exchanges are ``torch.distributed.nn.functional.all_to_all_single`` (gradients flow back
 through the reverse exchange), on a group per degree that ``make_groups`` makes once.
@@ -19,6 +20,7 @@ through the reverse exchange), on a group per degree that ``make_groups`` makes 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +28,9 @@ import torch.distributed as dist
 from torch.distributed.nn.functional import all_to_all_single
 
 from vlmshard.errors import ConfigError
+from vlmshard.families import model_sizes
+from vlmshard.io import read_json
+from vlmshard.model_sizes import sequence_parallel_refusal
 from vlmshard.shards.sequence import Shard
 
 _GROUPS: dict[int, dist.ProcessGroup] = {}
@@ -47,14 +52,6 @@ def make_groups(degrees) -> None:
             group = dist.new_group(ranks)
             if me in ranks:
                 _GROUPS[sp] = group
-
-
-def check_heads(heads: int, kv_heads: int, sp: int, what: str) -> None:
-    """Refuse, in one line, a degree the heads do not allow (module docstring)."""
-    if heads % sp or (kv_heads % sp and sp % kv_heads):
-        raise ConfigError(f"{what}: {heads} query and {kv_heads} key/value heads do not split "
-                          f"over sequence-parallel degree {sp} (it must divide the query heads, "
-                          f"and divide the key/value heads or be a multiple of them)")
 
 
 @dataclass(frozen=True)
@@ -98,66 +95,106 @@ class Exchange:
         chunks = self._swap(out[0].reshape(sp, whole // sp, heads, d))
         return chunks.transpose(0, 1).reshape(1, whole // sp, sp * heads, d)
 
-    def media_rows(self, own: torch.Tensor, order: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    def media_rows(self, own: torch.Tensor, plan: "MediaPlan", dim: int = 0) -> torch.Tensor:
         """This rank's media features (rows in ``dim``, its media in token order) → the rows of
-        the share's image tokens (``order``: ``token_order``), from every rank's media."""
+        the share's image tokens, each rank sending each other rank only the rows its share
+        takes (``media_plan``)."""
+        moved = own.movedim(dim, 0)
+        received = all_to_all_single(
+            moved.new_empty((sum(plan.receive), *moved.shape[1:])),
+            moved.index_select(0, plan.send_rows.to(own.device)).contiguous(),
+            output_split_sizes=plan.receive, input_split_sizes=plan.send, group=self.group)
+        return received.index_select(0, plan.order.to(own.device)).movedim(0, dim)
+
+    def media_plan(self) -> "MediaPlan":
+        """Which of this rank's media rows go to which rank, and the order of what it gets:
+        each share takes the whole's image tokens [a, b) that fall in its tokens; a medium's
+        tokens are consecutive in that order (``shards.sequence.Shard``), computed on the
+        host."""
         shard = self.shard
-        counts = [0] * shard.sp
-        for tokens, owner in zip(shard.media_tokens, shard.media_owner):
-            counts[owner] += tokens
-        moved = own.movedim(dim, 0).contiguous()
-        gathered = all_to_all_single(moved.new_empty((sum(counts), *moved.shape[1:])),
-                                     torch.cat([moved] * shard.sp), output_split_sizes=counts,
-                                     input_split_sizes=[moved.shape[0]] * shard.sp,
-                                     group=self.group)
-        return gathered[order].movedim(0, dim)
+        firsts = [0]  # each medium's first image token among the whole's
+        for tokens in shard.media_tokens:
+            firsts.append(firsts[-1] + tokens)
+        ranges = [self.image_tokens_of(rank) for rank in range(shard.sp)]
 
-    def token_order(self, device: torch.device) -> torch.Tensor:
-        """Rows of the gathered features (rank by rank, each rank's media in token order) that
-        the share's image tokens take, in order."""
+        def pieces(owner: int, lo: int, hi: int):  # (medium, first, last + 1) of owner's in [lo, hi)
+            for i, (first, tokens) in enumerate(zip(firsts, shard.media_tokens)):
+                if shard.media_owner[i] == owner and min(hi, first + tokens) > max(lo, first):
+                    yield i, max(lo, first), min(hi, first + tokens)
+
+        own_first, row = {}, 0  # each own medium's first row among this rank's rows
+        for i, owner in enumerate(shard.media_owner):
+            if owner == shard.rank:
+                own_first[i] = row
+                row += shard.media_tokens[i]
+        send_rows, send = [], []
+        for lo, hi in ranges:
+            part = [own_first[i] + a - firsts[i] + k for i, a, b in pieces(shard.rank, lo, hi)
+                    for k in range(b - a)]
+            send_rows += part
+            send.append(len(part))
+        lo, hi = ranges[shard.rank]
+        got = [a + k for owner in range(shard.sp) for _, a, b in pieces(owner, lo, hi)
+               for k in range(b - a)]  # the image-token index of each row received, in order
+        order = sorted(range(len(got)), key=got.__getitem__)
+        return MediaPlan(torch.tensor(send_rows, dtype=torch.long), send,
+                         [sum(b - a for _, a, b in pieces(owner, lo, hi))
+                          for owner in range(shard.sp)],
+                         torch.tensor(order, dtype=torch.long))
+
+    def image_tokens_of(self, rank: int) -> tuple[int, int]:
+        """[a, b): the whole's image tokens (in token order) that share ``rank`` holds."""
         shard = self.shard
-        first = [0] * shard.sp
-        for tokens, owner in zip(shard.media_tokens, shard.media_owner):
-            first[owner] += tokens
-        first = [sum(first[:r]) for r in range(shard.sp)]
-        rows = []
-        for tokens, owner in zip(shard.media_tokens, shard.media_owner):
-            rows.extend(range(first[owner], first[owner] + tokens))
-            first[owner] += tokens
-        ends = self.image_tokens_in_share()
-        return torch.tensor(rows[ends[0]:ends[1]], dtype=torch.long, device=device)
+        start, end = rank * shard.length, (rank + 1) * shard.length
 
-    def image_tokens_in_share(self) -> tuple[int, int]:
-        """[start, end) of the share's image tokens among the whole's."""
-        shard = self.shard
-        end = shard.start + shard.length
-        inside = sum(max(0, min(b, end) - max(a, shard.start)) for a, b in shard.image_runs)
-        return shard.image_token_start, shard.image_token_start + inside
+        def before(position: int) -> int:
+            return sum(max(0, min(position, b) - a) for a, b in shard.image_runs)
+
+        return before(start), before(end)
 
 
-def check_model(model, degrees: list[int], *, pp: int, dp: int) -> None:
-    """Refuse, in one line each and before any rank starts, shards with sequence-parallel steps
-    of ``degrees`` that this run cannot train: under pipeline parallelism, over a ``dp`` they do
-    not divide, or for a ``model`` (``hf_model.ModelLayers``) whose heads do not split, whose
-    linear-attention layers carry a state along the sequence (Qwen3.5), or whose router
-    statistics a MoE auxiliary loss would need summed over the group."""
-    spread = [sp for sp in degrees if sp > 1]
+@dataclass(frozen=True)
+class MediaPlan:
+    """``Exchange.media_plan``: the rows this rank sends (indices into its media features),
+    how many to each rank, how many it gets from each, and the order that puts what it gets
+    into token order."""
+
+    send_rows: torch.Tensor
+    send: list[int]
+    receive: list[int]
+    order: torch.Tensor
+
+
+def check_model(model, manifest, *, pp: int, dp: int, zero: int) -> None:
+    """Refuse, in one line each and before any rank starts, shards of packing groups
+    (``manifest``: their ``shards.layout.Manifest``) this run cannot train: under pipeline
+    parallelism (their steps' shapes differ by group, where stages exchange static ones); with
+    sequence-parallel steps, under ZeRO-3 (it gathers a layer's parameters as the layer runs,
+    and a share without media skips the ViT's), over a ``dp`` their degrees do not divide, or
+    for a ``model`` (``hf_model.ModelLayers``) whose heads do not split, whose linear-attention
+    layers carry a state along the sequence (Qwen3.5), or whose router statistics a MoE
+    auxiliary loss would need summed over the group."""
+    if not manifest.step_groups:
+        return
+    if pp > 1:
+        raise ConfigError(f"shards of packing groups (vlmshard pack --groups) run at --pp 1 "
+                          f"(their steps' shapes differ by group), not --pp {pp}")
+    spread = [sp for sp in manifest.sp_degrees if sp > 1]
     if not spread:
         return
     where = f"the shards' sequence-parallel degrees {spread}"
-    if pp > 1:
-        raise ConfigError(f"{where} run at --pp 1 (data parallelism over the group's ranks, "
-                          f"ZeRO 1-3), not --pp {pp}")
+    if zero == 3:
+        raise ConfigError(f"{where} run at --zero 1 or 2: ZeRO-3 gathers a layer's parameters "
+                          "as it runs, and a share that holds no images runs no ViT layer")
     for sp in spread:
         if dp % sp:
             raise ConfigError(f"{where}: {sp} does not divide --dp {dp}")
-    text = model.config.get_text_config()
-    if "linear_attention" in (getattr(text, "layer_types", None) or ()):
-        raise ConfigError(f"{model.path}: its linear-attention layers carry a state along the "
-                          f"sequence, which {where} would cut; pack without SP groups")
-    if getattr(text, "output_router_logits", False):
+    if getattr(model.config.get_text_config(), "output_router_logits", False):
         raise ConfigError(f"{model.path}: its MoE auxiliary loss needs router statistics over "
                           f"the whole sequence, which {where} split; set output_router_logits "
                           "false or pack without SP groups")
+    llm = model_sizes(read_json(os.path.join(model.path, "config.json")), model.path).llm
     for sp in spread:
-        check_heads(text.num_attention_heads, text.num_key_value_heads, sp, model.path)
+        if why := sequence_parallel_refusal(llm, sp):
+            raise ConfigError(f"{model.path}: {why}, as {where} need; pack for this model "
+                              "(vlmshard pack --model) to get groups it can split")

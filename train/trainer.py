@@ -175,7 +175,7 @@ def set_up(cfg: TrainConfig) -> Setup:
     model = model_layers(cfg.model, backend, Kernels.of(cfg))
     log.info("attention backend: %s (vlmshard.train.attention)", model.backend)
     check_shards_fit(probe, model)
-    check_model(model, degrees, pp=cfg.pp, dp=cfg.dp)
+    check_model(model, probe.manifest, pp=cfg.pp, dp=cfg.dp, zero=cfg.zero)
     make_groups(degrees)  # a collective: every rank, the same degrees
     topology = PipeDataParallelTopology(num_pp=cfg.pp, num_dp=cfg.dp)
     groups = side_groups(topology)

@@ -678,6 +678,22 @@ def trainer_layer_work(names: list[str], config: ModelConfig) -> list[LayerWork]
     return out
 
 
+def sequence_parallel_refusal(llm: LLMConfig, sp: int) -> str | None:
+    """Why Ulysses sequence parallelism of degree ``sp`` cannot split this LLM, or None: it
+    splits the query heads over the ranks, and the key/value heads (each repeated to ``sp``
+    where fewer, so ``sp`` must then be a multiple of them); a linear-attention layer's state
+    runs along the sequence."""
+    if sp == 1:
+        return None
+    if llm.linear_layers:
+        return "its linear-attention layers carry a state along the sequence"
+    if llm.heads % sp or (llm.kv_heads % sp and sp % llm.kv_heads):
+        return (f"its {llm.heads} query and {llm.kv_heads} key/value heads do not split over "
+                f"{sp} ranks (SP must divide the query heads, and divide the key/value heads or "
+                f"be a multiple of them)")
+    return None
+
+
 def sequence_parallel_bytes(config: ModelConfig) -> float:
     """Bytes one rank sends per token of its shard in a training step of Ulysses sequence
     parallelism, before the (s − 1)/s that stays home: each LLM layer's token mixer re-shards

@@ -16,7 +16,15 @@ from transformers.models.internvl.modeling_internvl import InternVLModel
 from vlmshard.errors import InputError
 
 from ..micro import Micro, Phase
-from .layers import Detached, Geometry, HFLayer, LayerDef, language_layers, visual_token_ids
+from .layers import (
+    Detached,
+    Geometry,
+    HFLayer,
+    LayerDef,
+    language_layers,
+    visual_token_ids,
+    without_patches,
+)
 
 VISION = "model.vision_tower"
 
@@ -37,6 +45,8 @@ class VisionLayer(HFLayer):
         super().__init__(model, {"layer": f"{VISION}.encoder.layer.{index}"})
 
     def forward(self, micro: Micro) -> torch.Tensor:
+        if not micro.num_tiles:
+            return without_patches(self, micro.x)
         return self.layer(micro.x)
 
 
@@ -59,7 +69,9 @@ class Projector(HFLayer):
         side = int(patches ** 0.5)
         features = InternVLModel.pixel_shuffle(None, features.reshape(tiles, side, side, width),
                                                scale_factor=self.ratio)
-        features = self.projector(features.reshape(tiles, -1, features.shape[-1]))
+        # rows per tile named, not -1: a micro-batch without images has 0 tiles
+        features = self.projector(features.reshape(tiles, features.shape[1] * features.shape[2],
+                                                   features.shape[-1]))
         return features.reshape(-1, features.shape[-1])
 
 

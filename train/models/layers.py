@@ -68,6 +68,14 @@ class HFLayer(nn.Module):
         raise NotImplementedError
 
 
+def without_patches(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What a vision layer gives a micro-batch (or a sequence-parallel share) with no patches,
+    which ``transformers``' vision attention cannot reshape: its empty input, with the layer's
+    parameters kept on the graph, so that every rank has their (zero) gradients for the
+    data-parallel reduction."""
+    return x + sum(p.sum() for p in layer.parameters() if p.requires_grad) * 0
+
+
 class TokenEmbedding(HFLayer):
     """The token embedding: the LLM's first layer, given image features, and, when the model ties
     its weights, also its LM head, given the final hidden states (DeepSpeed then keeps the first
@@ -101,10 +109,10 @@ def media_in_share(micro: Micro) -> Micro:
     per image token: DeepStack's) of its own image tokens, from the group's media
     (``Exchange.media_rows``)."""
     exchange = micro.exchange
-    order = micro.cached("media_order", lambda: exchange.token_order(micro.x.device))
-    carry = {name: exchange.media_rows(t, order, dim=1) if CARRIED[name] else t
+    plan = micro.cached("media_plan", exchange.media_plan)
+    carry = {name: exchange.media_rows(t, plan, dim=1) if CARRIED[name] else t
              for name, t in micro.carry.items()}
-    return micro.with_x(exchange.media_rows(micro.x, order), carry=carry)
+    return micro.with_x(exchange.media_rows(micro.x, plan), carry=carry)
 
 
 def embed_tokens(module: TokenEmbedding, micro: Micro) -> torch.Tensor:

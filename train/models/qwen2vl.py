@@ -25,7 +25,15 @@ from transformers.vision_utils import (
 from ..attention import PACKED_ONE_CALL, Spans, from_host
 from ..kernels import Kernels, dynamic
 from ..micro import Micro, Phase
-from .layers import Detached, Geometry, HFLayer, LayerDef, language_layers, visual_token_ids
+from .layers import (
+    Detached,
+    Geometry,
+    HFLayer,
+    LayerDef,
+    language_layers,
+    visual_token_ids,
+    without_patches,
+)
 
 VISION = "model.visual"
 
@@ -117,9 +125,8 @@ class VisionBlock(HFLayer):
         super().use_kernels(kernels)
 
     def forward(self, micro: Micro) -> torch.Tensor:
-        if not micro.num_tiles:  # no patches, which transformers' attention cannot reshape;
-            # this rank's gradients of the block stay empty, which DeepSpeed fills with zeros
-            return micro.x
+        if not micro.num_tiles:
+            return without_patches(self, micro.x)
         meta = self.geometry.meta(micro)
         spans = meta.images if self.full else meta.windows
         if self.one_call or micro.backend == "flash":  # the boundaries to the kernel, at once

@@ -42,6 +42,7 @@ from .layers import (
     language_layers,
     visual_mask,
     visual_token_ids,
+    without_patches,
 )
 from .linear_attention import is_linear_attention, linear_attention_block
 from .qwen2vl import VISION, Merger, VisionBlock, VisionEmbedding, VisionGeometry
@@ -61,7 +62,7 @@ class PositionedEmbedding(VisionEmbedding):
     def forward(self, micro: Micro) -> torch.Tensor:
         hidden = super().forward(micro)
         if not micro.num_tiles:  # no patches to place (transformers' resampling needs a grid)
-            return hidden
+            return without_patches(self.pos_embed, hidden)
         indices, weights = micro.cached("vision_positions", lambda: tuple(
             from_host(t, hidden.device) for t in get_vision_interpolation_indices_and_weights(
                 self.geometry.meta(micro).grids, self.side, mode=self.mode,
