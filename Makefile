@@ -46,6 +46,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/formats_bench.py
 	$(PY) benchmarks/pack_bench.py --json build/bench/pack.json
 	$(PY) benchmarks/layer_kinds_bench.py --json build/bench/layer_kinds.json
+	$(PY) benchmarks/hbp_bench.py --json build/bench/hbp.json
+	$(PY) benchmarks/hbp_bench.py --measure --json build/bench/hbp_measure.json
 	$(PY) benchmarks/shards_bench.py --json build/bench/shards.json
 	$(PY) benchmarks/video_bench.py --json build/bench/video.json
 	$(PY) benchmarks/train_bench.py --json build/bench/train.json

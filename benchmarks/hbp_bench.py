@@ -2,6 +2,7 @@
 
     python benchmarks/hbp_bench.py                 # about a minute
     python benchmarks/hbp_bench.py --json out.json
+    python benchmarks/hbp_bench.py --measure       # a scaled-down run through vlmshard train
 
 A long-tail mix (``long_tail``, seeded): 80% short samples (single images and chats, 256 tokens
 to 4k), 15% documents (several pages, 4k to 16k) and 5% video clips (16k to 64k), each media
@@ -106,6 +107,66 @@ def figures(lengths: Lengths, plan: GroupedPacking, ranks: int) -> dict:
             "unplaced": len(plan.unplaced)}
 
 
+def measure(args) -> dict:
+    """``--measure``: a scaled-down long-tail mix through the real stages and ``vlmshard train``
+    (4 CPU processes, gloo), grouped (``--groups auto``) against one cap at the longest length,
+    same ranks: each plan's step_efficiency (the predicted ratio) and its measured epoch and
+    median step time. Text-only chats of a tiny Qwen3-VL (hidden 256, 4 layers); one rank holds
+    240 tokens, so the longest samples (up to 960) take SP 4."""
+    import statistics
+    import subprocess
+
+    from vlmshard.families import tiny_folder
+    from vlmshard.io import read_json
+    from vlmshard.packing.config import PackConfig
+    from vlmshard.packing.plan import run_pack
+    from vlmshard.preprocess import PreprocessConfig, run_preprocess
+    from vlmshard.shards.config import WriteConfig
+    from vlmshard.shards.writer import run_write
+
+    work = os.path.abspath(args.work)
+    os.makedirs(work, exist_ok=True)
+    folder = tiny_folder("qwen3_vl", os.path.join(work, "model"), text_sizes=dict(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=32))
+    rng = np.random.default_rng(args.seed)
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "looked", "at", "sky"]
+    with open(os.path.join(work, "rows.jsonl"), "w") as f:
+        for i in range(args.measure_samples):
+            kind = rng.choice(3, p=[0.80, 0.15, 0.05])
+            low, high = ((8, 25), (25, 110), (110, 450))[kind]
+            n = int(np.exp(rng.uniform(np.log(low), np.log(high))))
+            answer = " ".join(rng.choice(words, n))
+            f.write(json.dumps({"conversations": [{"from": "human", "value": f"Tell {i}."},
+                                                  {"from": "gpt", "value": answer}]}) + "\n")
+    pre = os.path.join(work, "pre")
+    run_preprocess(PreprocessConfig(inputs=[os.path.join(work, "rows.jsonl")], out=pre,
+                                    model=folder, workers=1))
+    rank_tokens, dp = 240, 4
+    rows = {}
+    for name, groups in (("groups auto", "auto"), ("one cap", f"{dp * rank_tokens}:{dp}")):
+        slug = name.replace(" ", "-")
+        plan, shards, run = (os.path.join(work, f"{slug}-{k}") for k in ("plan", "shards",
+                                                                          "run"))
+        packed = run_pack(PackConfig(stats=pre, dp=dp, out=plan, groups=groups,
+                                     max_qt=rank_tokens, max_qv=1, seed=args.seed))
+        run_write(WriteConfig(plan=plan, stats=pre, out=shards, workers=1))
+        subprocess.run([sys.executable, "-m", "vlmshard.cli", "train", "--shards", shards,
+                        "--pp", "1", "--dp", str(dp), "--out", run, "--lr", "0.001"],
+                       check=True, capture_output=True)
+        with open(os.path.join(run, "train_log.jsonl")) as f:
+            log = [json.loads(line) for line in f]
+        times = [r["step_time_s"] for r in log[1:]]  # the first is the warm-up
+        rows[name] = {"groups": [f"{g['length']}:{g['sp']}" for g in read_json(
+                          os.path.join(plan, "plan.json"))["groups"]],
+                      "step_efficiency": packed.metrics.step_efficiency,
+                      "cr": packed.metrics.communication_ratio, "steps": len(log),
+                      "epoch_s": sum(times), "median_step_s": statistics.median(times),
+                      "sp_steps": {sp: sum(r["sp"] == sp for r in log)
+                                   for sp in sorted({r["sp"] for r in log})}}
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=200_000)
@@ -113,7 +174,30 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--measure", action="store_true",
+                        help="instead: a scaled-down mix trained on CPU, grouped against one "
+                             "cap, predicted and measured (a few minutes)")
+    parser.add_argument("--measure-samples", type=int, default=600)
+    parser.add_argument("--work", default="build/hbp-measure", help="--measure's folder")
     args = parser.parse_args()
+    if args.measure:
+        rows = measure(args)
+        print(f"Command: `python benchmarks/hbp_bench.py {' '.join(sys.argv[1:])}`; "
+              f"{platform.node()}, 4 CPU processes (gloo).\n")
+        print("| plan | groups (length:SP) | steps (by SP) | step_efficiency | measured epoch "
+              "(s, steps 1..) | median step (s) |")
+        print("|---|---|---|---:|---:|---:|")
+        for name, r in rows.items():
+            print(f"| {name} | {', '.join(r['groups'])} | {r['steps']} ({r['sp_steps']}) | "
+                  f"{r['step_efficiency']:.4f} | {r['epoch_s']:.1f} | "
+                  f"{r['median_step_s']:.3f} |")
+        a, b = rows["groups auto"], rows["one cap"]
+        print(f"\nOne cap over groups: predicted {a['step_efficiency'] / b['step_efficiency']:.2f}"
+              f"x, measured {b['epoch_s'] / a['epoch_s']:.2f}x (epoch time).")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+        return
     lengths = long_tail(args.samples, args.seed)
     ids = np.arange(len(lengths), dtype=np.int64)
     common = {"ranks": args.ranks, "micro_batches": args.micro_batches, "seed": args.seed}
