@@ -128,7 +128,7 @@ def measure(args) -> dict:
     os.makedirs(work, exist_ok=True)
     folder = tiny_folder("qwen3_vl", os.path.join(work, "model"), text_sizes=dict(
         hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=32))
+        num_key_value_heads=4, head_dim=32), vision_sizes=dict(out_hidden_size=256))
     rng = np.random.default_rng(args.seed)
     words = ["the", "cat", "sat", "on", "a", "mat", "and", "looked", "at", "sky"]
     with open(os.path.join(work, "rows.jsonl"), "w") as f:
