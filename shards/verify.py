@@ -149,6 +149,25 @@ def _full_check(root: str, entry: ShardEntry,
     return None, np.array(rows, dtype=np.int64).reshape(-1, 5)
 
 
+def _as_planned(found: np.ndarray, manifest: Manifest) -> tuple[np.ndarray, list[str]]:
+    """Placements as ``plan.parquet`` has them. A step of sequence-parallel degree s holds the
+    micro-batches of the group's data-parallel rank d on virtual ranks d·s … d·s + s − 1
+    (``writer._plan_records``): they count once, as rank d, and the copies must match."""
+    if not manifest.step_groups or not len(found):
+        return found, []
+    sp = np.array([g["sp"] for g in manifest.groups])[
+        np.asarray(manifest.step_groups)[found[:, 0]]]
+    placed = found.copy()
+    placed[:, 1] //= sp
+    first = found[:, 1] % sp == 0
+    expected = np.repeat(placed[first], sp[first] - 1, axis=0)
+    copies = placed[~first]
+    if np.array_equal(expected[np.lexsort(expected.T[::-1])], copies[np.lexsort(copies.T[::-1])]):
+        return placed[first], []
+    return placed[first], ["the virtual ranks of a sequence-parallel step do not all hold its "
+                           "micro-batches as planned"]
+
+
 def _plan_problems(plan_dir: str, manifest: Manifest,
                    placements: list[np.ndarray] | None) -> list[str]:
     import pyarrow.parquet as pq
@@ -164,10 +183,10 @@ def _plan_problems(plan_dir: str, manifest: Manifest,
     planned = np.stack([table[c].to_numpy().astype(np.int64)
                         for c in ("step", "rank", "micro", "slot", "sample_id")], axis=1)
     found = np.concatenate(placements) if placements else np.zeros((0, 5), np.int64)
+    found, problems = _as_planned(found, manifest)
     found = found[np.lexsort(found.T[::-1])]
-    if np.array_equal(planned, found):
+    if np.array_equal(planned, found) and not problems:
         return []
-    problems = []
     ids, counts = np.unique(found[:, 4], return_counts=True)
     for sid in ids[counts > 1][:MAX_SHOWN]:
         problems.append(f"sample {sid} is in the shards {counts[ids == sid][0]} times")

@@ -131,6 +131,13 @@ def test_sequence_parallel_steps_train_as_the_hf_model_and_resume_after_kill_9(g
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in log], rel=1e-5)
 
 
+def test_verify_finds_the_grouped_plan_in_its_shards(grouped):
+    _, shards = grouped
+    plan = read_manifest(shards).plan["path"]
+    result = vlmshard("verify", shards, "--plan", plan, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_shards_with_sequence_parallel_steps_are_refused_where_they_cannot_train(grouped,
                                                                                 tmp_path):
     _, shards = grouped
