@@ -127,20 +127,15 @@ class Exchange:
             if owner == shard.rank:
                 own_first[i] = row
                 row += shard.media_tokens[i]
-        send_rows, send = [], []
-        for lo, hi in ranges:
-            part = [own_first[i] + a - firsts[i] + k for i, a, b in pieces(shard.rank, lo, hi)
-                    for k in range(b - a)]
-            send_rows += part
-            send.append(len(part))
+        empty = torch.zeros(0, dtype=torch.long)
+        sent = [torch.cat([empty] + [torch.arange(a, b) + own_first[i] - firsts[i]
+                                     for i, a, b in pieces(shard.rank, lo, hi)])
+                for lo, hi in ranges]
         lo, hi = ranges[shard.rank]
-        got = [a + k for owner in range(shard.sp) for _, a, b in pieces(owner, lo, hi)
-               for k in range(b - a)]  # the image-token index of each row received, in order
-        order = sorted(range(len(got)), key=got.__getitem__)
-        return MediaPlan(torch.tensor(send_rows, dtype=torch.long), send,
-                         [sum(b - a for _, a, b in pieces(owner, lo, hi))
-                          for owner in range(shard.sp)],
-                         torch.tensor(order, dtype=torch.long))
+        got = [torch.cat([empty] + [torch.arange(a, b) for _, a, b in pieces(owner, lo, hi)])
+               for owner in range(shard.sp)]  # the image-token index of each row received
+        return MediaPlan(torch.cat(sent), [len(t) for t in sent], [len(t) for t in got],
+                         torch.argsort(torch.cat(got), stable=True))
 
     def image_tokens_of(self, rank: int) -> tuple[int, int]:
         """[a, b): the whole's image tokens (in token order) that share ``rank`` holds."""
