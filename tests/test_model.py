@@ -147,7 +147,7 @@ def test_a_stage_never_reads_the_device(setup):
     cut = model.names.index("embed_tokens") + 2  # a stage boundary inside the LLM
     batch = next(iter(ShardDataset(shards, pixel_dtype=torch.float32)))
     wire = wire_inputs(batch)
-    host = HostMeta.of_batch(batch)
+    host = HostMeta.of_batch(batch, model.geometry)
     for lo, hi in ((0, cut), (cut, len(funcs))):
         received = tuple(t.as_subclass(Tracked) for t in wire)
         if lo:  # as DeepSpeed hands them over: every float tensor a leaf that takes a gradient

@@ -127,8 +127,8 @@ def test_a_share_is_its_tokens_and_its_media(setup):
 @pytest.mark.parametrize("family", ["internvl", "qwen2_vl", "qwen3_vl", "gemma3"])
 def test_a_micro_batch_without_images_trains_as_the_hf_model(family, tmp_path):
     """Text-only micro-batches (as a sequence-parallel rank that encodes no media has): the ViT
-    layers take no patches, every parameter still gets its (zero) gradient, and loss and
-    gradients are the HF model's."""
+    runs on a blank tile whose features go nowhere, every parameter gets its (zero) gradient,
+    and loss and gradients are the HF model's."""
     folder = make_folder(family, str(tmp_path / "model"))
     shards = make_shards(folder, tmp_path, rows=[ROWS[2]] * 3, target_samples=2)
     model = model_layers(folder)

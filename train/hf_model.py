@@ -57,7 +57,7 @@ class ModelLayers:
         """A loader batch as the first layer's micro-batch, where one process runs every layer
         (the profile, tests)."""
         wire = tuple(t.to(device) for t in wire_inputs(batch))
-        host = HostMeta.of_batch(batch)
+        host = HostMeta.of_batch(batch, self.geometry)
         return unpack(wire, host, self.input_phase(0), self.backend)
 
     def analytic_work(self) -> list[LayerWork]:

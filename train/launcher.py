@@ -85,8 +85,7 @@ def check_sequence_parallel(cfg: TrainConfig) -> None:
     from .hf_model import model_layers
     from .sequence_parallel import check_model
 
-    check_model(model_layers(cfg.model), read_manifest(cfg.shards), pp=cfg.pp, dp=cfg.dp,
-                zero=cfg.zero)
+    check_model(model_layers(cfg.model), read_manifest(cfg.shards), pp=cfg.pp, dp=cfg.dp)
 
 
 def resolve_partition(cfg: TrainConfig) -> None:

@@ -58,19 +58,34 @@ class HostMeta:
     # a sequence-parallel share of a micro-batch: how it sits in the whole (its tokens and
     # image runs above are the share's)
     shard: Shard | None = None
+    blank: bool = False  # no media: the ViT runs on one blank tile (``of_batch``)
 
     @classmethod
-    def of_batch(cls, batch: dict) -> "HostMeta":
-        """A collated micro-batch's (``vlmshard.shards.loader``, padded to the caps)."""
+    def of_batch(cls, batch: dict, geometry) -> "HostMeta":
+        """A collated micro-batch's (``vlmshard.shards.loader``, padded to the caps), for a
+        model of ``geometry`` (``models.layers.Geometry``).
+
+        A micro-batch (or a sequence-parallel share) without media is given one blank tile
+        (zero pixels; ``geometry.blank_grid`` its grid where the ViT takes grids), whose
+        features are dropped at the token embedding: so every rank runs every layer, in the
+        same order, whatever its data. DeepSpeed's ZeRO-2 fills its gradient buckets in the
+        order gradients become ready and reduces them by position, and ZeRO-3 gathers each
+        layer's parameters as it runs: ranks whose backward passes differ mix up or wait on
+        each other's collectives."""
         samples = batch["num_samples"]
         cu = batch["cu_seqlens"][:samples + 1].tolist()
+        grids = [tuple(g) for g in batch.get("image_grid_thw", torch.zeros(0, 3)).tolist()]
+        tiles, qv, blank = batch["num_tiles"], batch["tile_cap"], not batch["num_tiles"]
+        if blank:
+            tiles, qv = 1, max(qv, 1)
+            grids = [geometry.blank_grid] if geometry.blank_grid else []
         return cls(
-            qv=batch["tile_cap"], qt=batch["input_ids"].shape[0], tiles=batch["num_tiles"],
-            tokens=batch["num_tokens"], image_tokens=int(batch["image_token_mask"].sum()),
-            supervised=supervised_tokens(batch),
-            grids=[tuple(g) for g in batch.get("image_grid_thw", torch.zeros(0, 3)).tolist()],
+            qv=qv, qt=batch["input_ids"].shape[0], tiles=tiles, tokens=batch["num_tokens"],
+            image_tokens=int(batch["image_token_mask"].sum()),
+            supervised=supervised_tokens(batch), grids=grids,
             sample_lengths=[b - a for a, b in zip(cu, cu[1:])],
-            image_runs=image_runs(batch["image_token_mask"]), shard=batch.get("shard"))
+            image_runs=image_runs(batch["image_token_mask"]), shard=batch.get("shard"),
+            blank=blank)
 
 
 @dataclass
@@ -158,6 +173,8 @@ def unpack(wire: tuple, host: HostMeta, phase: Phase, backend: str) -> Micro:
     is read back from the device)."""
     x, input_ids, position_ids, labels, *extra = wire
     tokens = host.tokens
+    if host.blank:  # a share's pixels hold only its own media's rows: none
+        x = _padded(x, phase.rows(host.tiles, tokens))
     carry = {name: t[:, :host.image_tokens] if per_image_token else t
              for (name, per_image_token), t in zip(CARRIED.items(), extra)
              if t.is_floating_point()}  # an absent one travels as an empty integer tensor

@@ -160,12 +160,11 @@ class MediaPlan:
     order: torch.Tensor
 
 
-def check_model(model, manifest, *, pp: int, dp: int, zero: int) -> None:
+def check_model(model, manifest, *, pp: int, dp: int) -> None:
     """Refuse, in one line each and before any rank starts, shards of packing groups
     (``manifest``: their ``shards.layout.Manifest``) this run cannot train: under pipeline
     parallelism (their steps' shapes differ by group, where stages exchange static ones); with
-    sequence-parallel steps, under ZeRO-3 (it gathers a layer's parameters as the layer runs,
-    and a share without media skips the ViT's), over a ``dp`` their degrees do not divide, or
+    sequence-parallel steps, over a ``dp`` their degrees do not divide, or
     for a ``model`` (``hf_model.ModelLayers``) whose heads do not split, whose linear-attention
     layers carry a state along the sequence (Qwen3.5), or whose router statistics a MoE
     auxiliary loss would need summed over the group."""
@@ -178,9 +177,6 @@ def check_model(model, manifest, *, pp: int, dp: int, zero: int) -> None:
     if not spread:
         return
     where = f"the shards' sequence-parallel degrees {spread}"
-    if zero == 3:
-        raise ConfigError(f"{where} run at --zero 1 or 2: ZeRO-3 gathers a layer's parameters "
-                          "as it runs, and a share that holds no images runs no ViT layer")
     for sp in spread:
         if dp % sp:
             raise ConfigError(f"{where}: {sp} does not divide --dp {dp}")

@@ -175,7 +175,7 @@ def set_up(cfg: TrainConfig) -> Setup:
     model = model_layers(cfg.model, backend, Kernels.of(cfg))
     log.info("attention backend: %s (vlmshard.train.attention)", model.backend)
     check_shards_fit(probe, model)
-    check_model(model, probe.manifest, pp=cfg.pp, dp=cfg.dp, zero=cfg.zero)
+    check_model(model, probe.manifest, pp=cfg.pp, dp=cfg.dp)
     make_groups(degrees)  # a collective: every rank, the same degrees
     topology = PipeDataParallelTopology(num_pp=cfg.pp, num_dp=cfg.dp)
     groups = side_groups(topology)
@@ -238,8 +238,9 @@ def train(cfg: TrainConfig, setup: Setup, engine: TrainEngine, first_step: int,
                  for _ in range(setup.micro_batches)] if reads else []
         inputs = [pipeline_inputs(b, engine.device) for b in micro]
         # Each micro-batch's sizes, from the first stage to the others on the host
-        hosts = from_first_stage([HostMeta.of_batch(b) for b in micro] if reads else None,
-                                 setup.groups)
+        hosts = from_first_stage(
+            [HostMeta.of_batch(b, setup.model.geometry) for b in micro] if reads else None,
+            setup.groups)
         # The Ave-Token denominator: the first stages' counts, summed over the whole world
         tokens = torch.tensor([sum(h.supervised for h in hosts) if reads else 0])
         torch.distributed.all_reduce(tokens, group=setup.groups.world)

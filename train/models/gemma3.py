@@ -32,7 +32,6 @@ from .layers import (
     LayerDef,
     language_layers,
     visual_token_ids,
-    without_patches,
 )
 
 VISION = "model.vision_tower"
@@ -60,8 +59,6 @@ class VisionLayer(HFLayer):
         super().__init__(model, {"layer": f"{VISION}.encoder.layers.{index}"})
 
     def forward(self, micro: Micro) -> torch.Tensor:
-        if not micro.num_tiles:
-            return without_patches(self, micro.x)
         return self.layer(micro.x, attention_mask=None)
 
 

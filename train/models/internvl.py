@@ -23,7 +23,6 @@ from .layers import (
     LayerDef,
     language_layers,
     visual_token_ids,
-    without_patches,
 )
 
 VISION = "model.vision_tower"
@@ -45,8 +44,6 @@ class VisionLayer(HFLayer):
         super().__init__(model, {"layer": f"{VISION}.encoder.layer.{index}"})
 
     def forward(self, micro: Micro) -> torch.Tensor:
-        if not micro.num_tiles:
-            return without_patches(self, micro.x)
         return self.layer(micro.x)
 
 
@@ -69,7 +66,6 @@ class Projector(HFLayer):
         side = int(patches ** 0.5)
         features = InternVLModel.pixel_shuffle(None, features.reshape(tiles, side, side, width),
                                                scale_factor=self.ratio)
-        # rows per tile named, not -1: a micro-batch without images has 0 tiles
         features = self.projector(features.reshape(tiles, features.shape[1] * features.shape[2],
                                                    features.shape[-1]))
         return features.reshape(-1, features.shape[-1])

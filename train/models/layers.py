@@ -68,14 +68,6 @@ class HFLayer(nn.Module):
         raise NotImplementedError
 
 
-def without_patches(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """What a vision layer gives a micro-batch (or a sequence-parallel share) with no patches,
-    which ``transformers``' vision attention cannot reshape: its empty input, with the layer's
-    parameters kept on the graph, so that every rank has their (zero) gradients for the
-    data-parallel reduction."""
-    return x + sum(p.sum() for p in layer.parameters() if p.requires_grad) * 0
-
-
 class TokenEmbedding(HFLayer):
     """The token embedding: the LLM's first layer, given image features, and, when the model ties
     its weights, also its LM head, given the final hidden states (DeepSpeed then keeps the first
@@ -97,6 +89,8 @@ class TokenEmbedding(HFLayer):
 
     def forward(self, micro: Micro) -> torch.Tensor | LayerOutput:
         if micro.phase.name == "features":
+            if micro.host.blank:  # its features go nowhere (on the graph, at zero gradient)
+                micro = micro.with_x(micro.x[:0])
             if micro.host.shard is not None:
                 micro = media_in_share(micro)
                 return LayerOutput(embed_tokens(self, micro), micro.carry)
@@ -184,13 +178,12 @@ def lm_loss(module: nn.Module, micro: Micro, chunk: int = LOSS_CHUNK) -> torch.T
     # the supervised rows, their count known on the host: no read back of the mask
     keep = torch.nonzero_static(targets != IGNORE_INDEX, size=micro.host.supervised).flatten()
     hidden, targets = micro.x.index_select(0, keep), targets.index_select(0, keep)
-    # zero, yet on the graph: a share with no supervised token still runs its backward (the
-    # exchanges of sequence parallelism wait for every rank of the group)
-    total = micro.x[:0].float().sum()
-    for start in range(0, hidden.shape[0], chunk):
-        total = total + checkpoint(_chunk_loss, hidden[start:start + chunk], module.weight,
+    # one chunk at least, empty where no token is supervised (a sequence-parallel share, a
+    # micro-batch of prompts): its zero loss still reaches the head's weight and the hidden
+    # states, so every rank runs the same backward (``micro.HostMeta.of_batch`` says why)
+    return torch.stack([checkpoint(_chunk_loss, hidden[start:start + chunk], module.weight,
                                    targets[start:start + chunk], use_reentrant=False)
-    return total
+                        for start in range(0, max(hidden.shape[0], 1), chunk)]).sum()
 
 
 def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
@@ -225,6 +218,9 @@ class Geometry:
 
     pixel_rows_per_tile: int
     tokens_per_tile: int
+    # the (t, h, w) patch grid of one tile, for a ViT that takes grids (Qwen's): a micro-batch
+    # without media runs the ViT on one blank tile (``micro.HostMeta.of_batch``)
+    blank_grid: tuple[int, int, int] | None = None
 
 
 def visual_mask(input_ids: torch.Tensor, visual_ids: tuple[int, ...]) -> torch.Tensor:

@@ -32,7 +32,6 @@ from .layers import (
     LayerDef,
     language_layers,
     visual_token_ids,
-    without_patches,
 )
 
 VISION = "model.visual"
@@ -70,15 +69,12 @@ class VisionGeometry:
         device, backend = micro.x.device, micro.backend
         cu = get_vision_cu_seqlens(grids)
         images = Spans.from_lengths((cu[1:] - cu[:-1]).tolist(), backend, device)
-        # a micro-batch (or a sequence-parallel share) without images has no patches
-        positions = from_host(get_vision_position_ids(grids, self.merge) if len(grids)
-                              else torch.zeros((0, 2), dtype=torch.long), device)
+        positions = from_host(get_vision_position_ids(grids, self.merge), device)
         rope = self.rotary(micro.x, positions)
         windows = window_index = None
         if self.windowed:
             window_index, cu_windows = get_vision_window_index(
-                grids, self.merge, self.window_size, self.patch_size) if len(grids) else (
-                torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.int32))
+                grids, self.merge, self.window_size, self.patch_size)
             windows = Spans.from_lengths((cu_windows[1:] - cu_windows[:-1]).tolist(), backend,
                                          device)
             window_index = from_host(window_index, device)
@@ -125,8 +121,6 @@ class VisionBlock(HFLayer):
         super().use_kernels(kernels)
 
     def forward(self, micro: Micro) -> torch.Tensor:
-        if not micro.num_tiles:
-            return without_patches(self, micro.x)
         meta = self.geometry.meta(micro)
         spans = meta.images if self.full else meta.windows
         if self.one_call or micro.backend == "flash":  # the boundaries to the kernel, at once
@@ -170,4 +164,5 @@ def layers(model: nn.Module) -> tuple[list[LayerDef], Geometry]:
     rotary = model.get_submodule("model.language_model.rotary_emb")
     defs += language_layers(model, "model.language_model", visual_token_ids(model.config),
                             Detached(type(rotary)(rotary.config)))
-    return defs, Geometry(pixel_rows_per_tile=unit, tokens_per_tile=1)
+    return defs, Geometry(pixel_rows_per_tile=unit, tokens_per_tile=1,
+                          blank_grid=(1, geometry.merge, geometry.merge))

@@ -42,7 +42,6 @@ from .layers import (
     language_layers,
     visual_mask,
     visual_token_ids,
-    without_patches,
 )
 from .linear_attention import is_linear_attention, linear_attention_block
 from .qwen2vl import VISION, Merger, VisionBlock, VisionEmbedding, VisionGeometry
@@ -61,8 +60,6 @@ class PositionedEmbedding(VisionEmbedding):
 
     def forward(self, micro: Micro) -> torch.Tensor:
         hidden = super().forward(micro)
-        if not micro.num_tiles:  # no patches to place (transformers' resampling needs a grid)
-            return without_patches(self.pos_embed, hidden)
         indices, weights = micro.cached("vision_positions", lambda: tuple(
             from_host(t, hidden.device) for t in get_vision_interpolation_indices_and_weights(
                 self.geometry.meta(micro).grids, self.side, mode=self.mode,
@@ -125,7 +122,8 @@ class Qwen3DecoderLayer(DecoderLayer):
             # the image rows, their count known on the host: no read back of the mask
             rows = torch.nonzero_static(visual_mask(micro.input_ids, self.visual_ids),
                                         size=micro.host.image_tokens).flatten()
-            hidden = hidden.index_add(0, rows, levels[0].to(hidden.dtype))
+            # (a blank tile's rows, past the image tokens, go nowhere: ``HostMeta.blank``)
+            hidden = hidden.index_add(0, rows, levels[0, :micro.host.image_tokens].to(hidden.dtype))
             if levels.shape[0] > 1:
                 carry["deepstack"] = levels[1:]
         if self.routed:
@@ -201,4 +199,5 @@ def layers(model: nn.Module) -> tuple[list[LayerDef], Geometry]:
     if any(routed):
         defs[-1] = replace(defs[-1], build=functools.partial(
             AuxLossHead, path="lm_head", layers=sum(routed), coef=text.router_aux_loss_coef))
-    return defs, Geometry(pixel_rows_per_tile=geometry.merge ** 2, tokens_per_tile=1)
+    return defs, Geometry(pixel_rows_per_tile=geometry.merge ** 2, tokens_per_tile=1,
+                          blank_grid=(1, geometry.merge, geometry.merge))
