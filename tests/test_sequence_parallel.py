@@ -31,7 +31,6 @@ from vlmshard.train.sequence_parallel import Exchange
 from vlmshard.train.train_log import micro_batch_size
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-MICRO_BATCHES = 2
 
 
 def test_media_go_largest_first_to_the_least_loaded_rank():
@@ -85,17 +84,20 @@ def test_degrees_the_heads_do_not_split_are_refused_in_one_line():
         LLMConfig(heads=4, kv_heads=2, linear_layers=(0,)), 2)
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl", "gemma3"])
 def setup(request, tmp_path_factory):
+    """A model folder and two shards folders of one micro-batch each: every sample with every
+    image (the shares split samples and images), and the two-image chat alone (at SP 4, four
+    times a share's tokens; two shares without media)."""
     root = tmp_path_factory.mktemp(request.param)
     folder = make_folder(request.param, str(root / "model"))
-    # every sample in one micro-batch with every image: the shares split samples and images
-    shards = make_shards(folder, root, target_samples=5, micro_batches=1)
-    return folder, shards
+    mixed = make_shards(folder, root, target_samples=5, micro_batches=1)
+    (root / "long").mkdir()
+    return folder, [mixed, make_shards(folder, root / "long", rows=ROWS[:1])]
 
 
 def test_a_share_is_its_tokens_and_its_media(setup):
-    folder, shards = setup
+    folder, (shards, _) = setup
     batch = next(iter(ShardDataset(shards, pixel_dtype=torch.float32)))
     n, sp = batch["num_tokens"], 3
     length = -(-n // sp)
@@ -152,31 +154,34 @@ def test_a_micro_batch_without_images_trains_as_the_hf_model(family, tmp_path):
         assert_grad_close(name, grads[name], grad, floor)
 
 
-def _launch(folder: str, shards: str, sp: int, out: str) -> dict:
+def _launch(folder: str, shards: list[str], degrees: list[int], out: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": TESTS}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={sp}",
-         os.path.join(TESTS, "sequence_parallel_worker.py"), folder, shards, str(MICRO_BATCHES),
-         out], capture_output=True, text=True, env=env, timeout=600)
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={max(degrees)}", os.path.join(TESTS, "sequence_parallel_worker.py"),
+         folder, out, ",".join(map(str, degrees)), *shards],
+        capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return torch.load(out)
 
 
 @pytest.mark.slow(minutes=1.5)
 def test_sequence_parallel_loss_and_gradients_equal_one_rank_and_the_hf_model(setup, tmp_path):
-    """SP 2 and 4 (Qwen's 2 key/value heads repeated to 4; Qwen3-VL at 4 only) on the same
-    micro-batches: the summed loss and every gradient, against the ``transformers`` model on
-    each sample alone (which one rank with the whole micro-batch equals: ``test_model.py``)."""
+    """SP 2 (two groups, a micro-batch each) and SP 4 over 4 processes (Qwen's and Gemma's 2
+    key/value heads repeated to 4; Gemma 3's sliding windows and images attended both ways):
+    the summed loss and every gradient, against the ``transformers`` model on each sample alone
+    (which one rank with the whole micro-batch equals: ``test_model.py``)."""
     folder, shards = setup
     model = model_layers(folder)
-    batches = list(ShardDataset(shards, pixel_dtype=torch.float32))[:MICRO_BATCHES]
-    assert sum(b["num_tiles"] > 0 for b in batches) >= 1
+    batches = [b for path in shards for b in ShardDataset(path, pixel_dtype=torch.float32)]
+    assert len(batches) == 2 and all(b["num_tiles"] > 0 for b in batches)
+    assert batches[1]["num_samples"] == 1 and len(batches[1]["media_tiles"]) == 2
     ref_loss, _, ref_grads = hf_loss_and_grads(folder, batches, model.geometry.tokens_per_tile,
                                                model.geometry.pixel_rows_per_tile)
     floor = grad_floor(ref_grads)
-    for sp in (2, 4) if "qwen2_vl" in folder else (4,):  # Qwen3-VL: SP 4 only (time)
-        got = _launch(folder, shards, sp, str(tmp_path / f"sp{sp}.pt"))
-        assert got["loss"] == pytest.approx(ref_loss, rel=1e-5), sp
-        assert set(got["grads"]) == set(ref_grads)
+    got = _launch(folder, shards, [2, 4], str(tmp_path / "sp.pt"))
+    for sp in (2, 4):
+        assert got[sp]["loss"] == pytest.approx(ref_loss, rel=1e-5), sp
+        assert set(got[sp]["grads"]) == set(ref_grads)
         for name, grad in ref_grads.items():
-            assert_grad_close(name, got["grads"][name], grad, floor)
+            assert_grad_close(name, got[sp]["grads"][name], grad, floor)
