@@ -201,6 +201,7 @@ def main() -> None:
     lengths = long_tail(args.samples, args.seed)
     ids = np.arange(len(lengths), dtype=np.int64)
     common = {"ranks": args.ranks, "micro_batches": args.micro_batches, "seed": args.seed}
+    whole = {"cost": COST, "mode": MODE, "order": "mixed", "rank_qv": RANK.qv}
     t0 = time.perf_counter()
     refusal = lambda sp: sequence_parallel_refusal(MODEL.llm, sp)  # noqa: E731
     groups, tried = search_groups(lengths, RANK, dp=args.ranks, cost=COST, mode=MODE,
@@ -208,10 +209,8 @@ def main() -> None:
     search_s = time.perf_counter() - t0
     one = (ladder(lengths, RANK, args.ranks, refusal)[-1],)
     plans = {
-        "groups auto, balanced": pack_groups(lengths, ids, groups, cost=COST, mode=MODE,
-                                             order="mixed", **common),
-        "one cap, balanced": pack_groups(lengths, ids, one, cost=COST, mode=MODE,
-                                         order="mixed", **common),
+        "groups auto, balanced": pack_groups(lengths, ids, groups, **whole, **common),
+        "one cap, balanced": pack_groups(lengths, ids, one, **whole, **common),
         "one cap, greedy": greedy(lengths, ids, one, **common),
         "groups auto, greedy": greedy(lengths, ids, groups, **common),
     }

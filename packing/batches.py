@@ -15,16 +15,23 @@ class Lengths:
     tokens: np.ndarray  # int64: seq_len, the LLM sequence the sample adds
     source: np.ndarray  # int32: index into ``sources``
     sources: tuple[str, ...]
+    # int64: the tiles of the sample's largest image or video, which one rank encodes whole
+    # under sequence parallelism (``groups.group_qv``); None where the input does not say
+    # (OmniBal's length files)
+    largest: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.tiles) == len(self.tokens) == len(self.source)):
             raise ValueError("tiles, tokens and source must have one entry per sample")
+        if self.largest is not None and len(self.largest) != len(self.tiles):
+            raise ValueError("largest must have one entry per sample")
 
     def __len__(self) -> int:
         return len(self.tiles)
 
     def take(self, index: np.ndarray) -> "Lengths":
-        return Lengths(self.tiles[index], self.tokens[index], self.source[index], self.sources)
+        return Lengths(self.tiles[index], self.tokens[index], self.source[index], self.sources,
+                       None if self.largest is None else self.largest[index])
 
 
 @dataclass

@@ -39,7 +39,8 @@ from .batches import Lengths, Packing
 from .config import PADDED, PackConfig
 from .cost import CostModel, model_for_stats
 from .groups import (Group, GroupedPacking, Refusal, format_group_table, given_groups,
-                     group_table, is_grouped, pack_groups, parse_groups, search_groups)
+                     group_table, is_grouped, largest_medium, pack_groups, parse_groups,
+                     search_groups)
 from .metrics import Metrics, format_metrics
 from .stats import StatsError, load_stats
 
@@ -121,7 +122,8 @@ def _pack(cfg: PackConfig) -> PackResult:
     epochs, packings = [], []
     first_step = 0
     for epoch in range(cfg.epochs):
-        packing = pack_plan_epoch(cfg, lengths, groups, cost, seed=cfg.seed + epoch)
+        packing = pack_plan_epoch(cfg, lengths, groups, cost, seed=cfg.seed + epoch,
+                                  rank_qv=search["rank_bound"]["qv"] if cfg.groups else 0)
         epochs.append({"epoch": epoch, "seed": cfg.seed + epoch, "first_step": first_step,
                        "steps": packing.steps})
         first_step += packing.steps
@@ -278,7 +280,8 @@ def choose_groups(cfg: PackConfig, lengths: Lengths, cost: CostModel,
     bound = {"rank_bound": {"qv": rank.qv, "qt": rank.qt, "from": rank_from}}
     spec = parse_groups(cfg.groups)
     if spec is not None:
-        return given_groups(spec, rank, cfg.dp, refusal), "given", bound
+        return (given_groups(spec, rank, cfg.dp, refusal, largest_medium(lengths, rank.qv)),
+                "given", bound)
     groups, tried = search_groups(lengths, rank, dp=cfg.dp, ranks=cfg.ranks,
                                   micro_batches=cfg.micro_batches, seed=cfg.seed, cost=cost,
                                   mode=cfg.compute_mode, refusal=refusal)
@@ -289,14 +292,15 @@ def choose_groups(cfg: PackConfig, lengths: Lengths, cost: CostModel,
 
 
 def pack_plan_epoch(cfg: PackConfig, lengths: Lengths, groups: tuple[Group, ...],
-                    cost: CostModel, *, seed: int) -> GroupedPacking:
-    """One epoch of the plan: ``pack_epoch`` in its one group, or ``pack_groups``."""
+                    cost: CostModel, *, seed: int, rank_qv: int) -> GroupedPacking:
+    """One epoch of the plan: ``pack_epoch`` in its one group, or ``pack_groups`` (``rank_qv``:
+    one rank's tiles)."""
     if cfg.groups is None:
         return GroupedPacking.single(groups[0], pack_epoch(cfg, lengths, groups[0].caps, cost,
                                                            seed=seed))
     return pack_groups(lengths, np.arange(len(lengths), dtype=np.int64), groups,
                        ranks=cfg.ranks, micro_batches=cfg.micro_batches, seed=seed, cost=cost,
-                       mode=cfg.compute_mode, order=cfg.group_order)
+                       mode=cfg.compute_mode, order=cfg.group_order, rank_qv=rank_qv)
 
 
 def pack_epoch(cfg: PackConfig, lengths: Lengths, caps: Caps, cost: CostModel, *,

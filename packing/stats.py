@@ -133,7 +133,7 @@ def _read_parquet_stats(path: str) -> Lengths:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    columns = ["sample_id", "source", "vit_tiles", "seq_len"]
+    columns = ["sample_id", "source", "vit_tiles", "seq_len", "image_tiles", "videos"]
     try:
         table = pa.concat_tables(pq.read_table(f, columns=columns) for f in stats_files(path))
     except (pa.ArrowInvalid, KeyError) as e:
@@ -145,7 +145,20 @@ def _read_parquet_stats(path: str) -> Lengths:
     return Lengths(table["vit_tiles"].to_numpy().astype(np.int64),
                    table["seq_len"].to_numpy().astype(np.int64),
                    source.indices.to_numpy().astype(np.int32),
-                   tuple(source.dictionary.to_pylist()))
+                   tuple(source.dictionary.to_pylist()), _largest_medium(table))
+
+
+def _largest_medium(table) -> np.ndarray:
+    """Each row's largest image or video, in tiles (0 for none)."""
+    import pyarrow.compute as pc
+
+    largest = np.zeros(table.num_rows, np.int64)
+    images, videos = table["image_tiles"].combine_chunks(), table["videos"].combine_chunks()
+    for tiles, rows in ((pc.list_flatten(images), pc.list_parent_indices(images)),
+                        (pc.struct_field(pc.list_flatten(videos), "tiles"),
+                         pc.list_parent_indices(videos))):
+        np.maximum.at(largest, rows.to_numpy(), tiles.to_numpy(zero_copy_only=False))
+    return largest
 
 
 def _read_omnibal(path: str) -> tuple[Lengths, list[str]]:

@@ -22,6 +22,7 @@ from vlmshard.packing.cost import CostModel
 from vlmshard.model_sizes import LLMConfig, sequence_parallel_refusal
 from vlmshard.packing.groups import (Group, GroupedPacking, assign, given_groups, ladder,
                                      order_steps, pack_groups, parse_groups, search_groups)
+from vlmshard.shards.sequence import media_owners
 from vlmshard.packing.plan import read_grouped_plan, run_pack
 from vlmshard.packing.stats import load_stats
 
@@ -110,7 +111,7 @@ def test_grouped_packing_keeps_every_sample_and_every_groups_caps(order):
     groups = (Group(512, 2, 1), Group(1024, 4, 2), Group(4096, 16, 8))
     ids = np.arange(len(lengths))
     packed = pack_groups(lengths, ids, groups, ranks=8, micro_batches=2, seed=3, cost=COST,
-                         mode="padding-free", order=order)
+                         mode="padding-free", order=order, rank_qv=2)
     placed = np.concatenate([p.items for p in packed.packings])
     # counts reconcile: every sample placed once or unplaced once
     assert sorted(np.r_[placed, packed.unplaced].tolist()) == ids.tolist()
@@ -131,8 +132,37 @@ def test_grouped_packing_keeps_every_sample_and_every_groups_caps(order):
     if order == "short-first":
         assert np.all(np.diff(packed.order) >= 0)
     again = pack_groups(lengths, ids, groups, ranks=8, micro_batches=2, seed=3, cost=COST,
-                        mode="padding-free", order=order)
+                        mode="padding-free", order=order, rank_qv=2)
     assert all(np.array_equal(a.items, b.items) for a, b in zip(packed.packings, again.packings))
+
+
+def test_no_rank_of_a_group_encodes_more_than_one_ranks_tiles():
+    """Media are dealt whole to a group's ranks (as the loader deals them): with samples of
+    random images, every SP micro-batch's deal, loads counted here, keeps each rank within
+    one rank's 8 tiles; an image over 8 tiles is not placed, with its reason."""
+    rng = np.random.default_rng(0)
+    media = [rng.integers(1, 7, rng.integers(0, 5)).tolist() for _ in range(3000)] + [[9]]
+    tiles = np.array([sum(m) for m in media])
+    largest = np.array([max(m, default=0) for m in media])
+    tokens = np.maximum(tiles * 16, 8) + rng.integers(0, 40, len(media))
+    lengths = Lengths(tiles, tokens, np.zeros(len(media), np.int32), ("a",), largest)
+    rank = Caps(8, 128)
+    groups = given_groups([(128, 1), (256, 2), (512, 4)], rank, 8, largest=6)
+    # 6 the largest that fits a rank: s·8 − (s − 1)·6 tiles
+    assert [g.qv for g in groups] == [8, 10, 14]
+    ids = np.arange(len(media))
+    packed = pack_groups(lengths, ids, groups, ranks=8, micro_batches=1, seed=1, cost=COST,
+                         mode="padding-free", order="mixed", rank_qv=rank.qv)
+    assert packed.unplaced_reason[list(packed.unplaced).index(3000)] == "medium_over_rank_qv"
+    dealt = 0
+    for group, packing in zip(groups, packed.packings):
+        for _, items in _micro_batches(packing):
+            sizes = [t for i in items for t in media[i]]
+            owner = media_owners(sizes, group.sp)
+            loads = [sum(t for t, o in zip(sizes, owner) if o == r) for r in range(group.sp)]
+            assert max(loads, default=0) <= rank.qv
+            dealt += group.sp > 1 and sum(loads) > rank.qv
+    assert dealt > 0  # micro-batches that hold more tiles than one rank, dealt within its budget
 
 
 def test_sequence_parallel_steps_pay_the_exchange_and_count_in_the_communication_ratio():
