@@ -201,7 +201,7 @@ def main() -> None:
     lengths = long_tail(args.samples, args.seed)
     ids = np.arange(len(lengths), dtype=np.int64)
     common = {"ranks": args.ranks, "micro_batches": args.micro_batches, "seed": args.seed}
-    whole = {"cost": COST, "mode": MODE, "order": "mixed", "rank_qv": RANK.qv}
+    whole = {"cost": COST, "mode": MODE, "order": "mixed"}
     t0 = time.perf_counter()
     refusal = lambda sp: sequence_parallel_refusal(MODEL.llm, sp)  # noqa: E731
     groups, tried = search_groups(lengths, RANK, dp=args.ranks, cost=COST, mode=MODE,

@@ -16,7 +16,7 @@ class Lengths:
     source: np.ndarray  # int32: index into ``sources``
     sources: tuple[str, ...]
     # int64: the tiles of the sample's largest image or video, which one rank encodes whole
-    # under sequence parallelism (``groups.group_qv``); None where the input does not say
+    # under sequence parallelism (``groups.rank_tiles``); None where the input does not say
     # (OmniBal's length files)
     largest: np.ndarray | None = None
 

@@ -62,10 +62,9 @@ class PackConfig:
                    "'auto' (levels and SP degrees chosen for the best step_efficiency, the SP "
                    "exchange counted) or lengths LENGTH[:SP],... shortest first (e.g. "
                    "8192,32768:4); each group's micro-batch holds LENGTH tokens over SP ranks "
-                   "(default SP: the fewest ranks whose --max-qt holds it), and its Qv keeps "
-                   "each of them within --max-qv when its images and videos are dealt whole "
-                   "(SP·qv − (SP−1)·the largest medium); --max-qv/--max-qt then bound one rank; "
-                   "a sample goes to the smallest group that holds it; balanced only",
+                   "(default SP: the fewest ranks whose --max-qt holds it), and its Qv is SP "
+                   "ranks' --max-qv; --max-qv/--max-qt then bound one rank; a sample goes to "
+                   "the smallest group that holds it; balanced only",
         metavar="auto|LENGTH[:SP],...", default_text="one group: the caps")
     group_order: GroupOrder = option(
         "mixed", help="the order of the groups' steps in an epoch: mixed (each group's steps "

@@ -39,6 +39,7 @@ class Group:
     length: int  # Qt: the LLM tokens a micro-batch holds over its sp ranks
     qv: int  # the ViT tiles a micro-batch holds over its sp ranks
     sp: int  # sequence-parallel degree: the ranks that share each micro-batch
+    rank_qv: int  # the tiles one of its ranks encodes at most, media dealt whole (``rank_tiles``)
 
     @property
     def caps(self) -> Caps:
@@ -75,13 +76,14 @@ def sp_degrees(dp: int, refusal: Refusal = lambda sp: None) -> list[int]:
     return [d for d in range(1, dp + 1) if dp % d == 0 and refusal(d) is None]
 
 
-def group_qv(rank_qv: int, sp: int, largest: int) -> int:
-    """The tiles a micro-batch of ``sp`` ranks may hold so that no rank encodes more than
-    ``rank_qv``: its media are dealt whole, largest first, each to the least-loaded rank
+def rank_tiles(qv: int, sp: int, largest: int) -> int:
+    """The most tiles one of ``sp`` ranks encodes of a micro-batch of at most ``qv`` tiles: its
+    media are dealt whole, largest first, each to the least-loaded rank
     (``shards.sequence.media_owners``), and such a deal gives no rank more than
-    total/sp + (1 - 1/sp)·largest (the last medium the fullest rank took found it the least
-    loaded), ``largest`` the largest medium of the data (Graham's list-scheduling bound)."""
-    return sp * rank_qv - (sp - 1) * largest
+    qv/sp + (1 - 1/sp)·largest (the last medium the fullest rank took found it the least
+    loaded; Graham's list-scheduling bound), ``largest`` the largest medium of the data. What
+    the trainer's memory check takes for a rank's ViT (``default_partition.shard_sizes``)."""
+    return min(qv, -(-(qv + (sp - 1) * largest) // sp))
 
 
 def largest_medium(lengths: Lengths, rank_qv: int) -> int:
@@ -96,8 +98,8 @@ def given_groups(spec: list[tuple[int, int | None]], rank: Caps, dp: int,
                  refusal: Refusal = lambda sp: None, largest: int = 0) -> tuple[Group, ...]:
     """The groups ``--groups`` names, within one rank's memory budget ``rank`` (tiles, tokens):
     a group of length L takes the SP degree given, else the least of ``sp_degrees`` that keeps
-    L/s tokens on a rank; its Qv keeps each rank within its tiles (``group_qv``, ``largest``
-    the largest medium)."""
+    L/s tokens on a rank; its Qv is s ranks' tiles, of which a rank may get more than its share
+    (``rank_tiles``, ``largest`` the largest medium)."""
     degrees = sp_degrees(dp, refusal)
     groups = []
     for length, sp in spec:
@@ -118,18 +120,18 @@ def given_groups(spec: list[tuple[int, int | None]], rank: Caps, dp: int,
         elif sp * rank.qt < length:
             raise ConfigError(f"group {length}:{sp} puts {-(-length // sp)} tokens on a rank, "
                               f"over one rank's {rank.qt} (--max-qt): raise its SP degree")
-        groups.append(Group(length, group_qv(rank.qv, sp, largest), sp))
+        groups.append(Group(length, sp * rank.qv, sp, rank_tiles(sp * rank.qv, sp, largest)))
     return tuple(groups)
 
 
 def ladder(lengths: Lengths, rank: Caps, dp: int,
            refusal: Refusal = lambda sp: None) -> tuple[Group, ...]:
-    """``auto``'s candidate levels: one per SP degree s of ``sp_degrees``, of s ranks' budget
-    (``group_qv``), up to the first that holds the longest sample (HBP's levels double: so do
-    these where ``dp`` is a power of two)."""
+    """``auto``'s candidate levels: one per SP degree s of ``sp_degrees``, of s ranks' budget,
+    up to the first that holds the longest sample (HBP's levels double: so do these where
+    ``dp`` is a power of two)."""
     out, largest = [], largest_medium(lengths, rank.qv)
     for sp in sp_degrees(dp, refusal):
-        out.append(Group(sp * rank.qt, group_qv(rank.qv, sp, largest), sp))
+        out.append(Group(sp * rank.qt, sp * rank.qv, sp, rank_tiles(sp * rank.qv, sp, largest)))
         if (out[-1].length >= lengths.tokens.max(initial=0)
                 and out[-1].qv >= lengths.tiles.max(initial=0)):
             break
@@ -212,16 +214,16 @@ class GroupedPacking:
 
 
 def pack_groups(lengths: Lengths, ids: np.ndarray, groups: tuple[Group, ...], *, ranks: int,
-                micro_batches: int, seed: int, cost: CostModel, mode: str, order: str,
-                rank_qv: int) -> GroupedPacking:
+                micro_batches: int, seed: int, cost: CostModel, mode: str,
+                order: str) -> GroupedPacking:
     """One epoch of ``ids`` in ``groups``: each sample in the smallest group that holds it, each
     group packed with ``balanced`` over ranks ÷ sp, the steps in ``order`` (``order_steps``).
     Samples no group holds come first among the unplaced, with the cap of the largest group
-    they break, or ``medium_over_rank_qv`` for an image or video over one rank's tiles
-    ``rank_qv`` (a rank encodes each medium whole)."""
+    they break, or ``medium_over_rank_qv`` for an image or video over one rank's tiles (a rank
+    encodes each medium whole)."""
     fit, over, reasons = split_over_cap(lengths.take(ids), groups[-1].caps)
     if lengths.largest is not None:
-        big = lengths.largest[ids[fit]] > rank_qv
+        big = lengths.largest[ids[fit]] > groups[0].qv // groups[0].sp  # one rank: Qv / sp
         over = np.r_[over, fit[big]]
         reasons = reasons + ["medium_over_rank_qv"] * int(big.sum())
         fit = fit[~big]
@@ -253,8 +255,7 @@ def search_groups(lengths: Lengths, rank: Caps, *, dp: int, ranks: int, micro_ba
         for lower in itertools.combinations(sorted(used), k):
             groups = tuple(levels[g] for g in lower) + (levels[-1],)
             packed = pack_groups(sample, ids, groups, ranks=ranks, micro_batches=micro_batches,
-                                 seed=seed, cost=cost, mode=mode, order="mixed",
-                                 rank_qv=rank.qv)
+                                 seed=seed, cost=cost, mode=mode, order="mixed")
             m, _ = packed.measure(sample, cost, dp, mode)
             tried.append({"groups": [describe(g) for g in groups],
                           "step_efficiency": m.step_efficiency,
@@ -273,7 +274,7 @@ def is_grouped(groups: list[dict]) -> bool:
 
 
 def describe(group: Group) -> dict:
-    return {"length": group.length, "qv": group.qv, "sp": group.sp}
+    return {"length": group.length, "qv": group.qv, "sp": group.sp, "rank_qv": group.rank_qv}
 
 
 def group_table(packed: GroupedPacking, each: list[Metrics], lengths: Lengths,

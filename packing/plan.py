@@ -122,8 +122,7 @@ def _pack(cfg: PackConfig) -> PackResult:
     epochs, packings = [], []
     first_step = 0
     for epoch in range(cfg.epochs):
-        packing = pack_plan_epoch(cfg, lengths, groups, cost, seed=cfg.seed + epoch,
-                                  rank_qv=search["rank_bound"]["qv"] if cfg.groups else 0)
+        packing = pack_plan_epoch(cfg, lengths, groups, cost, seed=cfg.seed + epoch)
         epochs.append({"epoch": epoch, "seed": cfg.seed + epoch, "first_step": first_step,
                        "steps": packing.steps})
         first_step += packing.steps
@@ -275,7 +274,7 @@ def choose_groups(cfg: PackConfig, lengths: Lengths, cost: CostModel,
     (``refusal``)."""
     if cfg.groups is None:
         caps, caps_from, search = choose_caps(cfg, lengths, cost)
-        return (Group(caps.qt, caps.qv, 1),), caps_from, search
+        return (Group(caps.qt, caps.qv, 1, caps.qv),), caps_from, search
     rank, rank_from = caps_bound(cfg, lengths, at_least_largest=False)
     bound = {"rank_bound": {"qv": rank.qv, "qt": rank.qt, "from": rank_from}}
     spec = parse_groups(cfg.groups)
@@ -292,15 +291,14 @@ def choose_groups(cfg: PackConfig, lengths: Lengths, cost: CostModel,
 
 
 def pack_plan_epoch(cfg: PackConfig, lengths: Lengths, groups: tuple[Group, ...],
-                    cost: CostModel, *, seed: int, rank_qv: int) -> GroupedPacking:
-    """One epoch of the plan: ``pack_epoch`` in its one group, or ``pack_groups`` (``rank_qv``:
-    one rank's tiles)."""
+                    cost: CostModel, *, seed: int) -> GroupedPacking:
+    """One epoch of the plan: ``pack_epoch`` in its one group, or ``pack_groups``."""
     if cfg.groups is None:
         return GroupedPacking.single(groups[0], pack_epoch(cfg, lengths, groups[0].caps, cost,
                                                            seed=seed))
     return pack_groups(lengths, np.arange(len(lengths), dtype=np.int64), groups,
                        ranks=cfg.ranks, micro_batches=cfg.micro_batches, seed=seed, cost=cost,
-                       mode=cfg.compute_mode, order=cfg.group_order, rank_qv=rank_qv)
+                       mode=cfg.compute_mode, order=cfg.group_order)
 
 
 def pack_epoch(cfg: PackConfig, lengths: Lengths, caps: Caps, cost: CostModel, *,
@@ -398,8 +396,10 @@ def read_grouped_plan(plan_dir: str) -> tuple[dict, GroupedPacking]:
         raise FileNotFoundError(f"{plan_dir}: no plan.parquet here (write one with vlmshard pack)")
     table = pq.read_table(path)
     micro = info["params"]["micro_batches"]
-    groups = tuple(Group(g["length"], g["qv"], g["sp"]) for g in info.get("groups") or [
-        {"length": info["params"]["qt"], "qv": info["params"]["qv"], "sp": 1}])
+    one = {"length": info["params"]["qt"], "qv": info["params"]["qv"], "sp": 1,
+           "rank_qv": info["params"]["qv"]}
+    groups = tuple(Group(g["length"], g["qv"], g["sp"], g["rank_qv"])
+                   for g in info.get("groups") or [one])
     step = table["step"].to_numpy().astype(np.int64)
     group = (table["group"].to_numpy().astype(np.int64) if "group" in table.column_names
              else np.zeros(len(step), np.int64))

@@ -100,9 +100,10 @@ class Manifest:
     step_groups: list[int] = field(default_factory=list)
 
     def step_group(self, step: int) -> dict:
-        """The packing group of ``step``: its length (Qt), Qv and sequence-parallel degree."""
+        """The packing group of ``step``: its length (Qt), Qv, sequence-parallel degree and the
+        tiles one of its ranks encodes at most."""
         if not self.step_groups:
-            return {"length": self.qt, "qv": self.qv, "sp": 1}
+            return {"length": self.qt, "qv": self.qv, "sp": 1, "rank_qv": self.qv}
         return self.groups[self.step_groups[step]]
 
     @property

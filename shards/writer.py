@@ -374,7 +374,7 @@ def _manifest(cfg: WriteConfig, plan_json: dict, recorded: RecordedPreprocess, i
         stats={"path": os.path.abspath(cfg.stats), "sha256": identity["stats_sha256"]},
         shard_bytes=shard_bytes, shards=entries, fingerprint=fingerprint,
         vlmshard_version=__version__,
-        groups=[{k: g[k] for k in ("length", "qv", "sp")} for g in plan_json["groups"]]
+        groups=[{k: g[k] for k in ("length", "qv", "sp", "rank_qv")} for g in plan_json["groups"]]
         if step_groups else [], step_groups=step_groups)
 
 

@@ -52,8 +52,8 @@ def test_each_group_takes_the_fewest_ranks_that_hold_it():
     rank = Caps(4, 1000)
     # dp 12: SP degrees 1, 2, 3, 4, 6, 12
     got = given_groups([(900, None), (2500, None), (5000, None), (6000, 12)], rank, 12)
-    assert got == (Group(900, 4, 1), Group(2500, 12, 3), Group(5000, 24, 6),
-                   Group(6000, 48, 12))
+    assert got == (Group(900, 4, 1, 4), Group(2500, 12, 3, 4), Group(5000, 24, 6, 4),
+                   Group(6000, 48, 12, 4))
     with pytest.raises(ConfigError, match="over one rank's 1000"):
         given_groups([(4000, 2)], rank, 12)
     with pytest.raises(ConfigError, match="needs more than the 12 ranks' 12000 tokens"):
@@ -66,7 +66,7 @@ def test_groups_take_only_the_sp_degrees_the_model_splits_over():
     # Qwen2-VL-2B's 12 query and 2 key/value heads: SP 8 does not split them, 4 does
     refusal = lambda sp: sequence_parallel_refusal(LLMConfig(heads=12, kv_heads=2), sp)  # noqa
     rank = Caps(4, 1000)
-    assert given_groups([(3500, None)], rank, 8, refusal) == (Group(3500, 16, 4),)
+    assert given_groups([(3500, None)], rank, 8, refusal) == (Group(3500, 16, 4, 4),)
     # dp 12: SP 3 splits the 12 query heads but not the 2 key/value heads; 6 does both
     assert [g.sp for g in given_groups([(2500, None), (5000, None)], rank, 12, refusal)] == [4, 6]
     with pytest.raises(ConfigError, match="cannot take SP 8: its 12 query"):
@@ -80,7 +80,7 @@ def test_groups_take_only_the_sp_degrees_the_model_splits_over():
 def test_a_sample_goes_to_the_smallest_group_that_holds_it():
     lengths = Lengths(np.array([2, 2, 6, 1, 20]), np.array([50, 150, 90, 500, 100]),
                       np.zeros(5, np.int32), ("a",))
-    groups = (Group(100, 4, 1), Group(400, 16, 2))
+    groups = (Group(100, 4, 1, 4), Group(400, 16, 2, 8))
     # by hand: (2, 50) fits 100/4; (2, 150) and (6, 90) need the second; (1, 500) and
     # (20, 100) fit neither
     assert assign(lengths, np.arange(5), groups).tolist() == [0, 1, 1, -1, -1]
@@ -108,10 +108,10 @@ def _micro_batches(packing: Packing):
 @pytest.mark.parametrize("order", ["mixed", "short-first"])
 def test_grouped_packing_keeps_every_sample_and_every_groups_caps(order):
     lengths = long_tail(6000)
-    groups = (Group(512, 2, 1), Group(1024, 4, 2), Group(4096, 16, 8))
+    groups = (Group(512, 2, 1, 2), Group(1024, 4, 2, 2), Group(4096, 16, 8, 2))
     ids = np.arange(len(lengths))
     packed = pack_groups(lengths, ids, groups, ranks=8, micro_batches=2, seed=3, cost=COST,
-                         mode="padding-free", order=order, rank_qv=2)
+                         mode="padding-free", order=order)
     placed = np.concatenate([p.items for p in packed.packings])
     # counts reconcile: every sample placed once or unplaced once
     assert sorted(np.r_[placed, packed.unplaced].tolist()) == ids.tolist()
@@ -132,14 +132,15 @@ def test_grouped_packing_keeps_every_sample_and_every_groups_caps(order):
     if order == "short-first":
         assert np.all(np.diff(packed.order) >= 0)
     again = pack_groups(lengths, ids, groups, ranks=8, micro_batches=2, seed=3, cost=COST,
-                        mode="padding-free", order=order, rank_qv=2)
+                        mode="padding-free", order=order)
     assert all(np.array_equal(a.items, b.items) for a, b in zip(packed.packings, again.packings))
 
 
-def test_no_rank_of_a_group_encodes_more_than_one_ranks_tiles():
+def test_no_rank_of_a_group_encodes_more_tiles_than_its_bound():
     """Media are dealt whole to a group's ranks (as the loader deals them): with samples of
-    random images, every SP micro-batch's deal, loads counted here, keeps each rank within
-    one rank's 8 tiles; an image over 8 tiles is not placed, with its reason."""
+    random images, every SP micro-batch's deal, loads counted here, keeps each rank within the
+    group's ``rank_qv`` (what the trainer's memory check takes); an image over one rank's 8
+    tiles is not placed, with its reason."""
     rng = np.random.default_rng(0)
     media = [rng.integers(1, 7, rng.integers(0, 5)).tolist() for _ in range(3000)] + [[9]]
     tiles = np.array([sum(m) for m in media])
@@ -148,21 +149,21 @@ def test_no_rank_of_a_group_encodes_more_than_one_ranks_tiles():
     lengths = Lengths(tiles, tokens, np.zeros(len(media), np.int32), ("a",), largest)
     rank = Caps(8, 128)
     groups = given_groups([(128, 1), (256, 2), (512, 4)], rank, 8, largest=6)
-    # 6 the largest that fits a rank: s·8 − (s − 1)·6 tiles
-    assert [g.qv for g in groups] == [8, 10, 14]
+    # by hand, qv/s + (1 - 1/s)·6 rounded up: 8; 8 + 3 = 11; 8 + 4.5 → 13
+    assert [(g.qv, g.rank_qv) for g in groups] == [(8, 8), (16, 11), (32, 13)]
     ids = np.arange(len(media))
     packed = pack_groups(lengths, ids, groups, ranks=8, micro_batches=1, seed=1, cost=COST,
-                         mode="padding-free", order="mixed", rank_qv=rank.qv)
+                         mode="padding-free", order="mixed")
     assert packed.unplaced_reason[list(packed.unplaced).index(3000)] == "medium_over_rank_qv"
-    dealt = 0
+    over_share = 0
     for group, packing in zip(groups, packed.packings):
         for _, items in _micro_batches(packing):
             sizes = [t for i in items for t in media[i]]
             owner = media_owners(sizes, group.sp)
             loads = [sum(t for t, o in zip(sizes, owner) if o == r) for r in range(group.sp)]
-            assert max(loads, default=0) <= rank.qv
-            dealt += group.sp > 1 and sum(loads) > rank.qv
-    assert dealt > 0  # micro-batches that hold more tiles than one rank, dealt within its budget
+            assert max(loads, default=0) <= group.rank_qv
+            over_share += max(loads, default=0) > rank.qv
+    assert over_share > 0  # deals that give a rank more than its share: the bound is needed
 
 
 def test_sequence_parallel_steps_pay_the_exchange_and_count_in_the_communication_ratio():
@@ -173,7 +174,7 @@ def test_sequence_parallel_steps_pay_the_exchange_and_count_in_the_communication
     short = Packing(np.array([0, 1, 2, 3]), np.array([0, 2, 4]), 2, 1, np.array([], np.int64), [])
     # group 1 (sp 2, one group of 2 ranks): one step, micro-batch [4, 5]
     long = Packing(np.array([4, 5]), np.array([0, 2]), 1, 1, np.array([], np.int64), [])
-    packed = GroupedPacking((Group(100, 4, 1), Group(200, 8, 2)), [short, long],
+    packed = GroupedPacking((Group(100, 4, 1, 4), Group(200, 8, 2, 4)), [short, long],
                             np.array([1, 0]), np.array([], np.int64), [])
     whole, each = packed.measure(lengths, cost, 2, "padding-free")
     # by hand, C = tiles + 2 tokens: group 0 ranks 2 + 60 = 62 and 2 + 140 = 142, spent 2·142;
@@ -193,8 +194,8 @@ def test_auto_groups_choose_the_best_candidate_and_keep_the_top_level():
     groups, tried = search_groups(lengths, Caps(2, 512), dp=8, ranks=8, micro_batches=1,
                                   seed=0, cost=COST, mode="padding-free")
     # the ladder: 512 x 1, 1024 x 2, 2048 x 4, 4096 x 8; the longest sample needs the last
-    assert groups[-1] == Group(4096, 16, 8)
-    assert {"length": 4096, "qv": 16, "sp": 8} == tried[0]["groups"][-1]
+    assert groups[-1] == Group(4096, 16, 8, 2)
+    assert {"length": 4096, "qv": 16, "sp": 8, "rank_qv": 2} == tried[0]["groups"][-1]
     assert len(tried) == 8 and all(t["groups"][-1]["sp"] == 8 for t in tried)
     best = max(t["step_efficiency"] for t in tried)
     chosen = next(t for t in tried if [g["length"] for g in t["groups"]]

@@ -98,9 +98,9 @@ class ChosenPartition:
 
 def shard_sizes(shards: str, dp: int) -> tuple[Size, Size]:
     """The mean (tiles, tokens, Σ seq_len²) of what a rank of ``dp`` trains per micro-batch in
-    the shards' first steps, and the largest micro-batch a rank holds (the caps; a
-    sequence-parallel group's over its degree: each rank takes 1/sp of its micro-batches, and
-    its attention 1/sp of the heads); read without decoding an image."""
+    the shards' first steps, and the largest micro-batch a rank holds (the caps; in a
+    sequence-parallel group, 1/sp of its tokens and attention heads, and the tiles the plan
+    bounds each rank's media to, ``rank_qv``); read without decoding an image."""
     from vlmshard.shards.layout import read_manifest
     from vlmshard.shards.loader import ShardDataset
 
@@ -111,7 +111,7 @@ def shard_sizes(shards: str, dp: int) -> tuple[Size, Size]:
     sizes = np.array([np.array((r.tiles, len(r.input_ids), sum(n * n for n in r.seq_lens)))
                       / m.step_group(r.step)["sp"] for r in records], dtype=float)
     groups = m.groups or [m.step_group(0)]
-    caps = Size(max(g["qv"] / g["sp"] for g in groups), max(g["length"] / g["sp"] for g in groups))
+    caps = Size(max(g["rank_qv"] for g in groups), max(g["length"] / g["sp"] for g in groups))
     # memory has no squared term: no attention backend keeps an [n x n] score matrix
     return Size(*sizes.mean(axis=0)), caps
 
