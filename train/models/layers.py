@@ -90,11 +90,11 @@ class TokenEmbedding(HFLayer):
     def forward(self, micro: Micro) -> torch.Tensor | LayerOutput:
         if micro.phase.name == "features":
             if micro.host.blank:  # its features go nowhere (on the graph, at zero gradient)
-                micro = micro.with_x(micro.x[:0], carry={
-                    name: t[:, :0] if CARRIED[name] else t for name, t in micro.carry.items()})
+                micro = micro.with_x(micro.x[:0])
             if micro.host.shard is not None:
                 micro = media_in_share(micro)
-            return LayerOutput(embed_tokens(self, micro), micro.carry)
+                return LayerOutput(embed_tokens(self, micro), micro.carry)
+            return embed_tokens(self, micro)
         return lm_loss(self, micro)
 
 

@@ -122,7 +122,8 @@ class Qwen3DecoderLayer(DecoderLayer):
             # the image rows, their count known on the host: no read back of the mask
             rows = torch.nonzero_static(visual_mask(micro.input_ids, self.visual_ids),
                                         size=micro.host.image_tokens).flatten()
-            hidden = hidden.index_add(0, rows, levels[0].to(hidden.dtype))
+            # (a blank tile's rows, past the image tokens, go nowhere: ``HostMeta.blank``)
+            hidden = hidden.index_add(0, rows, levels[0, :micro.host.image_tokens].to(hidden.dtype))
             if levels.shape[0] > 1:
                 carry["deepstack"] = levels[1:]
         if self.routed:
