@@ -49,8 +49,10 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    common default), as many a step as keep each within a packed micro-batch's tokens; their
    tokens/s, MFU (the same steps' model FLOPs) and loss per step. A peer that runs out of
    memory at this budget is reported so (``error``), and the bench goes on.
-7. ``--compile-blocks``: the balanced plan trained again with regional ``torch.compile``
-   (``balanced_compiled``), beside the eager run. ``--quick``: the balanced plan alone (no
+7. ``--ab NAME ...``: the balanced plan trained again with one switch flipped, beside the run
+   with the defaults: ``compiled`` (regional ``torch.compile``), ``no_liger`` (Liger's kernels
+   off), ``no_vit_varlen`` (the ViT's attention once per image); each as ``balanced_NAME``.
+   ``--quick``: the balanced plan alone (no
    random plan, loader, profile or replay), for an A/B inside a short GPU lease.
 
 ``--json`` is written after each phase: a run cut short keeps what it measured.
@@ -86,7 +88,10 @@ QWEN3_VL_2B = {
                          deepstack_visual_indexes=[5, 11, 17]),
 }
 # vlmshard's runs, in the result's and the table's order
-RUNS = ("balanced", "random", "balanced_compiled")
+# ``--ab``: a name, and the train options its run flips
+AB = {"compiled": {"compile_blocks": True}, "no_liger": {"liger": False},
+      "no_vit_varlen": {"vit_varlen": False}}
+RUNS = ("balanced", "random", *(f"balanced_{name}" for name in AB))
 # Images up to 1024 merged patches (~1 Mpx): the demo's photos and documents keep their size.
 BENCH_MAX_PIXELS = 32 * 32 * 1024
 
@@ -222,6 +227,7 @@ def train_plan(args, setup: dict, algo: str, run: str | None = None, **options) 
             "loss": [r["loss"] for r in records],
             "trace": traced(cfg.trace),
             "partition": pipeline.get("partition_source", ""),
+            "kernels": pipeline.get("kernels", {}),
             "recompute": recompute, "selective": selective}
 
 
@@ -436,9 +442,14 @@ def main() -> None:
     p.add_argument("--quick", action="store_true",
                    help="the balanced plan alone: no random plan, loader, profile or replay "
                         "(an A/B on a leased GPU in a few minutes)")
-    p.add_argument("--compile-blocks", action="store_true",
-                   help="also train the balanced plan with --compile-blocks (regional "
-                        "torch.compile) and report it beside the eager run")
+    p.add_argument("--plans", nargs="+", choices=("balanced", "random"),
+                   default=["balanced", "random"],
+                   help="the plans trained (the balanced one always: the baselines and --ab "
+                        "train its steps)")
+    p.add_argument("--ab", nargs="+", choices=list(AB), default=[],
+                   help="also train the balanced plan with one switch flipped, each beside the "
+                        "run with the defaults: compiled (--compile-blocks), no_liger "
+                        "(--no-liger), no_vit_varlen (--no-vit-varlen)")
     p.add_argument("--json", help="also write the result here (after each phase)")
     p.add_argument("--trace", help="write a torch profiler trace (Chrome trace JSON) of each "
                                    "plan's second step under this folder; that step is left "
@@ -451,6 +462,8 @@ def main() -> None:
                                                            else args.warmup)
     if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup")
+    if "balanced" not in args.plans:
+        p.error("--plans must include balanced")
 
     import torch
 
@@ -468,7 +481,7 @@ def main() -> None:
     gpu = gpu_named(device.name) if device else None
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (gpu.peak_flops if gpu else None)
     setup = prepare(args, device.memory_bytes if device else None)
-    plans = ("balanced",) if args.quick else ("balanced", "random")
+    plans = ("balanced",) if args.quick else tuple(args.plans)
     runs = {algo: train_plan(args, setup, algo) for algo in plans}
     workers = args.loader_workers if args.loader_workers is not None else (4 if cuda else 0)
     result = {**environment(cuda), "attention": choose_backend("cuda" if cuda else "cpu", dtype),
@@ -476,6 +489,15 @@ def main() -> None:
               "memory_bound": setup["memory_bound"], "target_samples": setup["target_samples"],
               "peak_flops": peak, **runs}
     save(args, result, peak)
+    for name in args.ab:  # next to the run with the defaults, before the longer phases
+        result[f"balanced_{name}"] = train_plan(args, setup, "balanced", f"balanced-{name}",
+                                                **AB[name])
+        save(args, result, peak)
+    if args.baseline:
+        result["baseline"] = {}
+        for name, padded in (("hf_packed", False), ("hf_padded", True)):
+            result["baseline"][name] = hf_baseline(args, setup, padded)
+            save(args, result, peak)
     if not args.quick:
         result["loader"] = loader_throughput(setup["shards"]["balanced"], workers, cuda, dtype)
         profile = profile_kinds(args, setup, device.memory_bytes if device else None)
@@ -484,15 +506,6 @@ def main() -> None:
             result["sustained_share"] = {k: v / peak for k, v in profile["flops_per_s"].items()}
         for algo, run in runs.items():
             run.update(replayed(args, algo, profile["dir"], run["kept_steps"]))
-        save(args, result, peak)
-    if args.baseline:
-        result["baseline"] = {}
-        for name, padded in (("hf_packed", False), ("hf_padded", True)):
-            result["baseline"][name] = hf_baseline(args, setup, padded)
-            save(args, result, peak)
-    if args.compile_blocks:
-        result["balanced_compiled"] = train_plan(args, setup, "balanced", "balanced-compiled",
-                                                 compile_blocks=True)
         save(args, result, peak)
     print(json.dumps(result))
     print(table(result))
@@ -522,7 +535,7 @@ def table(result: dict) -> str:
              "loader alone: " + (f"{result['loader']['tokens_per_s']:,.0f} tokens/s, "
                                  f"{result['loader']['tiles_per_s']:,.0f} tiles/s"
                                  if "loader" in result else "-"),
-             f"{'plan':<9} {'median s':>9} {'p90 s':>7} {'tokens/s':>9} {'tiles/s':>8} "
+             f"{'plan':<22} {'median s':>9} {'p90 s':>7} {'tokens/s':>9} {'tiles/s':>8} "
              f"{'MFU':>6} {'HFU':>6} {'peak GiB':>8} {'model GiB':>9} {'syncs':>5} "
              f"{'predicted s':>11} {'replay error':>12}"]
     for algo in RUNS:
@@ -531,7 +544,7 @@ def table(result: dict) -> str:
         r = result[algo]
         errors = r.get("replay_step_error")
         peak = r["peak_memory_bytes"] / 2**30 if r["peak_memory_bytes"] else None
-        lines.append(f"{algo:<9} {r['median_step_s']:>9.3f} {r['p90_step_s']:>7.3f} "
+        lines.append(f"{algo:<22} {r['median_step_s']:>9.3f} {r['p90_step_s']:>7.3f} "
                      f"{r['tokens_per_s']:>9,.0f} {r['tiles_per_s']:>8,.0f} "
                      f"{fmt(r.get('mfu'), '.1%'):>6} {fmt(r.get('hfu'), '.1%'):>6} "
                      f"{fmt(peak, '.1f'):>8} "
@@ -541,9 +554,9 @@ def table(result: dict) -> str:
                      f"{fmt(errors and statistics.median(map(abs, errors)), '.1%'):>12}")
     for name, r in result.get("baseline", {}).items():
         if "error" in r:
-            lines.append(f"{name:<9} {r['error']}")
+            lines.append(f"{name:<22} {r['error']}")
             continue
-        lines.append(f"{name:<9} {r['median_step_s']:>9.3f} {'-':>7} {r['tokens_per_s']:>9,.0f} "
+        lines.append(f"{name:<22} {r['median_step_s']:>9.3f} {'-':>7} {r['tokens_per_s']:>9,.0f} "
                      f"{'-':>8} {fmt(r.get('mfu'), '.1%'):>6}   ({r['attention']})")
     for algo in RUNS:
         trace = result.get(algo, {}).get("trace")

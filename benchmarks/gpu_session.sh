@@ -3,9 +3,11 @@
 # no network; its image lacks DeepSpeed, webdataset, pydantic, ... and this transformers):
 #
 #   1. install the wheels in $WHEELS (built beforehand; see docs/gpu.md) and this checkout;
-#   2. the CUDA cases of the numerical tests (attention backends, one-call ViT, host syncs);
-#   3. gpu_bench.py with the given arguments (default: the first H100 run's sizes, the Hugging
-#      Face baselines, a trace and the compiled A/B), its JSON written after each phase.
+#   2. the CUDA cases of the numerical tests (attention backends, one-call ViT, Liger's
+#      kernels, host syncs);
+#   3. gpu_bench.py with the given arguments (default: the balanced plan at the first H100 run's
+#      sizes, Liger's A/B, the Hugging Face baselines and a trace), its JSON written after each
+#      phase.
 #
 # Everything lands in $OUT (default build/gpu-session): logs, nvidia-smi, the bench's JSON and
 # the trace, gzipped. Each step is bounded by `timeout`, so a hang leaves the rest's time.
@@ -27,14 +29,14 @@ python3 -m pip install -q --no-deps --no-index "$WHEELS"/*.whl >"$OUT/install.lo
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 
 stamp "CUDA tests"
-timeout 240 python3 -m pytest -q -p no:cacheprovider -p no:xdist -o addopts="" \
-    tests/test_kernels.py tests/test_model.py tests/test_clock.py -k "cuda" 2>&1 |
+timeout 180 python3 -m pytest -q -p no:cacheprovider -p no:xdist -o addopts="" \
+    tests/test_kernels.py tests/test_model.py tests/test_clock.py -k "cuda or liger" 2>&1 |
     tee "$OUT/cuda-tests.log" | tail -15
 
 stamp gpu_bench
 args=("$@")
-[ ${#args[@]} -eq 0 ] && args=(--target-samples 4 --steps 8 --warmup 2 --baseline
-                              --compile-blocks --trace build/gpu-trace)
+[ ${#args[@]} -eq 0 ] && args=(--target-samples 4 --steps 6 --warmup 2 --plans balanced
+                              --ab no_liger --baseline --trace build/gpu-trace)
 timeout "$BENCH_S" python3 benchmarks/gpu_bench.py --json "$OUT/gpu.json" "${args[@]}" 2>&1 |
     tee "$OUT/bench.log" | grep -v "^{" | tail -40
 stamp "bench done (rc ${PIPESTATUS[0]})"

@@ -21,7 +21,7 @@ from hf_reference import make_folder
 
 from vlmshard.train.hf_model import model_layers
 from vlmshard.train.kernels import COMPILES, Kernels
-from vlmshard.train.micro import HostMeta, Micro, Phase
+from vlmshard.train.micro import HostMeta, LayerOutput, Micro, Phase
 
 QWEN_VITS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # (t, h, w) patches: three images of different sizes; Qwen2.5-VL's 8-patch windows cut the
@@ -52,16 +52,18 @@ def folder(request, tmp_path_factory):
     return make_folder(request.param, str(tmp_path_factory.mktemp(request.param) / "model"))
 
 
-def _micro(x: torch.Tensor, backend: str, grids=(), lengths=()) -> Micro:
+def _micro(x: torch.Tensor, backend: str, grids=(), lengths=(), rows: int = 3) -> Micro:
     """A micro-batch holding ``x``: ViT rows of images ``grids``, or the tokens of samples
-    ``lengths`` (each at positions 0..len-1, mRoPE's three rows alike)."""
+    ``lengths`` (each at positions 0..len-1, in ``rows`` rows: mRoPE's three alike, or one)."""
     n = sum(lengths)
     host = HostMeta(qv=len(x), qt=n, tiles=len(x), tokens=n, image_tokens=0, supervised=0,
                     grids=list(grids), sample_lengths=list(lengths), image_runs=[])
     positions = torch.cat([torch.arange(k) for k in lengths]) if lengths else \
         torch.zeros(0, dtype=torch.long)
-    return Micro(x=x, input_ids=torch.zeros(n, dtype=torch.long),
-                 position_ids=positions.expand(3, n), labels=torch.zeros(n, dtype=torch.long),
+    positions = positions.to(x.device)
+    return Micro(x=x, input_ids=torch.zeros(n, dtype=torch.long, device=x.device),
+                 position_ids=positions.expand(3, n) if rows == 3 else positions,
+                 labels=torch.zeros(n, dtype=torch.long, device=x.device),
                  host=host, backend=backend, phase=Phase("rows", 1), wire=())
 
 
@@ -220,3 +222,93 @@ def test_recompiles_over_the_bound_are_a_warning(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert sum("compilation" in line for line in lines) == 2
     assert [r.levelname for r in caplog.records].count("WARNING") == 1
+
+
+# Liger patches these families' LLM norms, gated MLPs and rotary embeddings (Qwen2.5-VL's ViT
+# norms and gated MLP too, Qwen3-VL's ViT rotary); the first uses mRoPE's three position rows
+LIGER_FAMILIES = {"qwen2_5_vl": 3, "qwen3_vl": 3, "gemma3": 1, "qwen3_5": 3, "internvl": 1}
+
+
+@pytest.mark.parametrize("family", LIGER_FAMILIES)
+def test_liger_layers_are_as_close_to_fp32_as_the_plain_path(family, tmp_path):
+    """Each layer kind Liger changes (``vlmshard.train.liger``), in bf16 on CUDA: its output and
+    every gradient within twice the plain bf16 layer's error of the fp32 layer (plus 1% of
+    scale), on three packed samples (LLM) or images (ViT); the fused layer holds Liger's norm
+    and its rotary hook, the plain one none; recomputed selectively (the matmuls' outputs kept,
+    Liger's kernels run again), its gradients are the same (no kernel wrote over a kept
+    tensor: Liger's rotary kernel writes q and k in place)."""
+    from vlmshard.train import liger
+    from vlmshard.train.attention import choose_backend
+    from vlmshard.train.recompute import run_layer
+
+    if not liger.available():
+        pytest.skip("Liger's kernels need CUDA and liger-kernel")
+    folder = make_folder(family, str(tmp_path / "model"))
+    backend = choose_backend("cuda", torch.bfloat16)
+    fused = model_layers(folder, backend, Kernels(liger=True))
+    plain = model_layers(folder, backend, Kernels())
+    checked = []
+    for index, d in enumerate(fused.defs):
+        vision = d.name.startswith("vit_block")
+        if d.kind in checked or not (vision or d.name.startswith("llm_block")
+                                     or d.name == "final_norm"):
+            continue
+        if vision and family not in QWEN_VITS or "deepstack" in d.variant:
+            continue  # (a DeepStack layer is a plain one with the carried features added)
+        layer = fused.build_layer(index, "cuda", torch.bfloat16)
+        if not any(type(m).__name__ == "LigerRMSNorm" for m in layer.modules()) and not any(
+                m._forward_pre_hooks for m in layer.modules()):
+            continue  # nothing of Liger's in this kind (Qwen3-VL's ViT blocks have rotary only)
+        checked.append(d.kind)
+        reference = plain.build_layer(index, "cuda", torch.bfloat16)
+        exact = plain.build_layer(index, "cuda", torch.float32)
+        assert not any("Liger" in type(m).__name__ for m in reference.modules())
+        config = fused.meta.config
+        hidden = (config.vision_config if vision else getattr(config, "text_config", config)
+                  ).hidden_size
+        torch.manual_seed(index)
+        grids, lengths = (GRIDS, ()) if vision else ((), (37, 5, 22))
+        rows = sum(t * h * w for t, h, w in grids) or sum(lengths)
+        x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+        results = []
+        for module, dtype, mode in ((layer, torch.bfloat16, None),
+                                    (reference, torch.bfloat16, None),
+                                    (exact, torch.float32, None),
+                                    (layer, torch.bfloat16, "selective")):
+            xi = x.to(dtype).requires_grad_()
+            micro = _micro(xi, backend, grids, lengths, LIGER_FAMILIES[family])
+            out = run_layer(module, micro, mode)
+            out = out.x if isinstance(out, LayerOutput) else out
+            weights = torch.ones_like(out).normal_(generator=torch.Generator("cuda").manual_seed(1))
+            grads = torch.autograd.grad((out.float() * weights.float()).sum(),
+                                        [xi, *module.parameters()])
+            results.append([out, *grads])
+        names = ["output", "input", *(n for n, _ in layer.named_parameters())]
+        for name, got, recomputed in zip(names, results[0], results[3]):
+            # (flash attention's backward sums dq atomically: not bitwise, but a kernel applied
+            # to its own output again would be off by the whole scale)
+            torch.testing.assert_close(recomputed.float(), got.float(), rtol=0,
+                                       atol=1e-2 * got.abs().max().item(), msg=(d.kind, name))
+        for name, got, plain_bf16, want in zip(names, *results[:3]):
+            error, plain_error = ((t.float() - want).abs().max().item() for t in (got, plain_bf16))
+            assert error <= 2 * plain_error + 1e-2 * want.abs().max().item(), \
+                (d.kind, name, error, plain_error)
+    assert checked, "Liger changed no layer"
+
+
+def test_liger_asked_for_where_it_cannot_run_is_refused_and_off_by_default():
+    """``--liger`` where CUDA or liger-kernel is missing: a config error naming the option; left
+    unset, it is on exactly where it runs."""
+    from vlmshard.config import ConfigError
+    from vlmshard.train import liger
+    from vlmshard.train.config import TrainConfig
+
+    cuda = torch.cuda.is_available()
+    unset = TrainConfig(shards="s", out="o")
+    unset.resolve_device_defaults(cuda)
+    assert unset.liger is liger.available()
+    if liger.available():
+        return
+    asked = TrainConfig(shards="s", out="o", liger=True)
+    with pytest.raises(ConfigError, match="--liger"):
+        asked.resolve_device_defaults(cuda)

@@ -22,7 +22,7 @@ import wheelhouse  # noqa: E402
 # The installed package's source folders (setup.cfg's package_dir).
 FOLDERS = ("vlmshard", "preprocess", "packing", "shards", "train")
 # Accelerators probed for (importlib.util.find_spec) and used only when a node has them.
-OPTIONAL = {"flash_attn", "fla", "causal_conv1d"}
+OPTIONAL = {"flash_attn", "fla", "causal_conv1d", "liger_kernel"}
 # What our last GPU run lacked: the BENCHMARKS.md recipe had forgotten some of these.
 MUST = {"deepspeed", "webdataset", "braceexpand", "datasets", "dill", "multiprocess", "av",
         "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "hjson", "tenacity",

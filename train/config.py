@@ -86,6 +86,12 @@ class TrainConfig:
         True, help="a Qwen ViT block attends over every image (or window) of the micro-batch "
                    "in one call of the attention backend (on CUDA one varlen kernel), where "
                    "transformers calls it once per image (flash-attn already takes one call)")
+    liger: bool | None = option(
+        None, help="Liger Kernel's fused Triton kernels in every layer: RMSNorm, the gated MLP's "
+                   "activation x up projection (SwiGLU, GeGLU) and the rotary embeddings, where "
+                   "Liger's own patch of the family puts them (GPU only; pip install "
+                   "'vlmshard[gpu]' or liger-kernel)",
+        default_text="on where it runs: CUDA with liger-kernel installed")
     compile_blocks: bool = option(
         False, help="torch.compile each ViT block and decoder layer (regional compilation), "
                     "the packed length dynamic; the compilations are counted in the log")
@@ -140,6 +146,14 @@ class TrainConfig:
             self.precision = "bf16" if cuda else "fp32"
         if self.loader_workers is None:
             self.loader_workers = 4 if cuda else 0
+        from . import liger
+
+        if self.liger is None:
+            self.liger = liger.available()
+        elif self.liger and not liger.available():
+            raise ConfigError("--liger: Liger's kernels run on CUDA with liger-kernel installed "
+                              "(pip install liger-kernel); "
+                              + ("it is not installed" if cuda else "this machine has no GPU"))
 
     def warmup_steps_of(self, steps: int) -> int:
         """The warm-up steps of a run of ``steps`` optimizer steps (Hugging Face's

@@ -11,6 +11,8 @@
   backends registered in ``attention`` run outside the graph (their host lengths would be
   guarded on). Every compilation in the process is counted and logged (``CompileCount``); one
   frame compiled more than ``max_recompiles`` times is a warning: shapes are recompiling.
+- ``liger``: Liger Kernel's fused RMSNorm, gated-MLP and rotary kernels in each layer
+  (``vlmshard.train.liger``; CUDA only).
 """
 
 from __future__ import annotations
@@ -28,15 +30,16 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Kernels:
     vit_varlen: bool = True
+    liger: bool = False
     compile_blocks: bool = False
     compile_backend: str = "inductor"
     max_recompiles: int = 4  # compilations of one frame beyond its first
 
     @classmethod
     def of(cls, cfg) -> "Kernels":
-        """The switches a ``TrainConfig`` sets."""
-        return cls(vit_varlen=cfg.vit_varlen, compile_blocks=cfg.compile_blocks,
-                   max_recompiles=cfg.max_recompiles)
+        """The switches a ``TrainConfig`` sets (its device defaults resolved)."""
+        return cls(vit_varlen=cfg.vit_varlen, liger=bool(cfg.liger),
+                   compile_blocks=cfg.compile_blocks, max_recompiles=cfg.max_recompiles)
 
 
 def compile_block(module: nn.Module, kernels: Kernels) -> None:

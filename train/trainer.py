@@ -24,7 +24,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import IO, TYPE_CHECKING, ContextManager, Iterator
 
 from vlmshard.errors import ConfigError, InputError
@@ -198,7 +198,8 @@ def write_pipeline(cfg: TrainConfig, setup: Setup, engine: TrainEngine) -> None:
         chosen = setup.chosen
         write_json_atomic(os.path.join(cfg.out, PIPELINE_NAME),
                           pipeline_record(setup.sizes.to_dict(), stages, chosen.source,
-                                          chosen.memory, chosen.budget_bytes))
+                                          chosen.memory, chosen.budget_bytes,
+                                          asdict(setup.model.kernels)))
 
 
 def rank_0_log(cfg: TrainConfig, engine: TrainEngine, first_step: int

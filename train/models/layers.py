@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from vlmshard.model_sizes import LOSS_CHUNK
 from vlmshard.preprocess.tokenize import IGNORE_INDEX
 
+from .. import liger
 from ..kernels import Kernels, compile_block, dynamic
 from ..micro import CARRIED, TOKENS, LayerOutput, Micro, Phase
 
@@ -49,7 +50,9 @@ class HFLayer(nn.Module):
 
     def use_kernels(self, kernels: Kernels) -> None:
         """Take the optional kernels ``kernels`` switches on (``vlmshard.train.kernels``), once
-        loaded: here, the regional compile of ``repeated``."""
+        loaded: here, Liger's kernels, then the regional compile of ``repeated``."""
+        if kernels.liger:
+            liger.fuse(self, getattr(self, self.repeated) if self.repeated else None)
         if kernels.compile_blocks and self.repeated:
             compile_block(getattr(self, self.repeated), kernels)
 
