@@ -17,6 +17,7 @@ set -u
 OUT=${OUT:-build/gpu-session}
 WHEELS=${WHEELS:-.device-wheels}
 BENCH_S=${BENCH_S:-420}
+TESTS_S=${TESTS_S:-180}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 start=$SECONDS
@@ -29,7 +30,7 @@ python3 -m pip install -q --no-deps --no-index "$WHEELS"/*.whl >"$OUT/install.lo
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 
 stamp "CUDA tests"
-timeout 180 python3 -m pytest -q -p no:cacheprovider -p no:xdist -o addopts="" \
+timeout "$TESTS_S" python3 -m pytest -q -p no:cacheprovider -p no:xdist -o addopts="" \
     tests/test_kernels.py tests/test_model.py tests/test_clock.py -k "cuda or liger" 2>&1 |
     tee "$OUT/cuda-tests.log" | tail -15
 
