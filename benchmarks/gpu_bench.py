@@ -92,6 +92,7 @@ QWEN3_VL_2B = {
 AB = {"compiled": {"compile_blocks": True}, "no_liger": {"liger": False},
       "no_vit_varlen": {"vit_varlen": False}}
 RUNS = ("balanced", "random", *(f"balanced_{name}" for name in AB))
+BASELINES = ("hf_packed", "hf_padded")
 # Images up to 1024 merged patches (~1 Mpx): the demo's photos and documents keep their size.
 BENCH_MAX_PIXELS = 32 * 32 * 1024
 
@@ -436,9 +437,10 @@ def main() -> None:
                    help="the trainer's default: 4 on GPU, 0 on CPU")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="dense bf16 peak of the device (default: vlmshard.hardware's table)")
-    p.add_argument("--baseline", action="store_true",
+    p.add_argument("--baseline", nargs="*", choices=BASELINES, default=None,
                    help="also train the balanced shards' steps with Hugging Face's Trainer, "
-                        "packed and padded per sample, and report them beside vlmshard")
+                        "packed and padded per sample (or the ones named), and report them "
+                        "beside vlmshard")
     p.add_argument("--quick", action="store_true",
                    help="the balanced plan alone: no random plan, loader, profile or replay "
                         "(an A/B on a leased GPU in a few minutes)")
@@ -493,10 +495,10 @@ def main() -> None:
         result[f"balanced_{name}"] = train_plan(args, setup, "balanced", f"balanced-{name}",
                                                 **AB[name])
         save(args, result, peak)
-    if args.baseline:
+    if args.baseline is not None:
         result["baseline"] = {}
-        for name, padded in (("hf_packed", False), ("hf_padded", True)):
-            result["baseline"][name] = hf_baseline(args, setup, padded)
+        for name in args.baseline or BASELINES:
+            result["baseline"][name] = hf_baseline(args, setup, padded=name == "hf_padded")
             save(args, result, peak)
     if not args.quick:
         result["loader"] = loader_throughput(setup["shards"]["balanced"], workers, cuda, dtype)

@@ -140,7 +140,7 @@ def test_host_syncs_counts_torch_cuda_synchronize():
                 contextlib.nullcontext():
             line = inspect.currentframe().f_lineno + 1
             torch.cuda.synchronize()
-    assert syncs.count == 1 and torch.cuda.synchronize is original
+    assert syncs.count == 1 and torch.cuda.synchronize is original, syncs.sites
     assert syncs.sites == {f"tests/test_clock.py:{line}": 1}
     with HostSyncs(False) as off:
         assert torch.cuda.synchronize is original

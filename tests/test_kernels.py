@@ -247,6 +247,7 @@ def test_liger_layers_are_as_close_to_fp32_as_the_plain_path(family, tmp_path):
     backend = choose_backend("cuda", torch.bfloat16)
     fused = model_layers(folder, backend, Kernels(liger=True))
     plain = model_layers(folder, backend, Kernels())
+    fp32 = model_layers(folder, "sdpa", Kernels(vit_varlen=False))  # the varlen kernel: bf16
     checked = []
     for index, d in enumerate(fused.defs):
         vision = d.name.startswith("vit_block")
@@ -261,7 +262,7 @@ def test_liger_layers_are_as_close_to_fp32_as_the_plain_path(family, tmp_path):
             continue  # nothing of Liger's in this kind (Qwen3-VL's ViT blocks have rotary only)
         checked.append(d.kind)
         reference = plain.build_layer(index, "cuda", torch.bfloat16)
-        exact = plain.build_layer(index, "cuda", torch.float32)
+        exact = fp32.build_layer(index, "cuda", torch.float32)
         assert not any("Liger" in type(m).__name__ for m in reference.modules())
         config = fused.meta.config
         hidden = (config.vision_config if vision else getattr(config, "text_config", config)
@@ -271,12 +272,12 @@ def test_liger_layers_are_as_close_to_fp32_as_the_plain_path(family, tmp_path):
         rows = sum(t * h * w for t, h, w in grids) or sum(lengths)
         x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
         results = []
-        for module, dtype, mode in ((layer, torch.bfloat16, None),
-                                    (reference, torch.bfloat16, None),
-                                    (exact, torch.float32, None),
-                                    (layer, torch.bfloat16, "selective")):
+        for module, dtype, mode, kernel in ((layer, torch.bfloat16, None, backend),
+                                            (reference, torch.bfloat16, None, backend),
+                                            (exact, torch.float32, None, "sdpa"),
+                                            (layer, torch.bfloat16, "selective", backend)):
             xi = x.to(dtype).requires_grad_()
-            micro = _micro(xi, backend, grids, lengths, LIGER_FAMILIES[family])
+            micro = _micro(xi, kernel, grids, lengths, LIGER_FAMILIES[family])
             out = run_layer(module, micro, mode)
             out = out.x if isinstance(out, LayerOutput) else out
             weights = torch.ones_like(out).normal_(generator=torch.Generator("cuda").manual_seed(1))
