@@ -17,6 +17,7 @@ engine owns one clock (``vlmshard.train.engine``) and hands it to the layers it 
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import time
@@ -235,9 +236,9 @@ class HostSyncs:
     accelerator, counted): the synchronizing CUDA calls ``torch.cuda``'s sync debug mode warns
     at (a ``.item()``, a copy from the device, a pageable copy to it), and
     ``torch.cuda.synchronize``, counted by wrapping it while inside (the mode sees it on some
-    torch versions and not on others: what it reports from inside the wrapper is dropped, so
-    each call counts once). A no-op when not ``enabled``; off CUDA only ``synchronize`` calls
-    are counted."""
+    torch versions and not on others, naming the line in ``synchronize`` that calls the device:
+    reports of that line are dropped, so each call counts once, at its caller). A no-op when
+    not ``enabled``; off CUDA only ``synchronize`` calls are counted."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
@@ -253,12 +254,9 @@ class HostSyncs:
             self._synchronize = torch.cuda.synchronize
 
             def counted(*args, **kwargs):
-                seen = len(self._caught) if self._debug else 0
                 try:
                     return self._synchronize(*args, **kwargs)
                 finally:
-                    if self._debug:
-                        del self._caught[seen:]
                     self.sites[_caller(sys._getframe(1))] += 1
 
             torch.cuda.synchronize = counted
@@ -273,14 +271,23 @@ class HostSyncs:
         if self._debug:
             torch.cuda.set_sync_debug_mode("default")
             self._warnings.__exit__(*exc)
-            self.sites.update(_site(w.filename, w.lineno) for w in self._caught
-                              if "synchronizing" in str(w.message))
+            wrapped = _device_calls(self._synchronize)
+            self.sites.update(site for w in self._caught if "synchronizing" in str(w.message)
+                              and (site := _site(w.filename, w.lineno)) not in wrapped)
         if self.enabled:
             torch.cuda.synchronize = self._synchronize
 
 
 # frames a synchronisation passes through on its way from the code that asked for it
 _PASSED = (f"{os.sep}torch{os.sep}", f"{os.sep}deepspeed{os.sep}accelerator{os.sep}")
+
+
+def _device_calls(synchronize) -> set[str]:
+    """The sites in ``torch.cuda.synchronize``'s own source that call the device
+    (``_cuda_synchronize``): where the sync debug mode reports a call the wrapper counted."""
+    lines, first = inspect.getsourcelines(synchronize)
+    path = inspect.getsourcefile(synchronize)
+    return {_site(path, first + i) for i, line in enumerate(lines) if "_cuda_synchronize" in line}
 
 
 def _caller(frame) -> str:

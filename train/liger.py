@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import sys
 import types
 
@@ -72,6 +73,9 @@ def fuse(layer: nn.Module, repeated: nn.Module | None) -> int:
     """Liger's kernels in ``layer``'s norms and gated MLPs, and its rotary functions while
     ``repeated`` (the layer's ``transformers`` block, if any) runs; the number of modules
     changed."""
+    # Liger's backend registry warns, at import, of each optional backend it lacks (CuTe DSL,
+    # Ascend) though it runs Triton's: two lines a process that say nothing of this run
+    logging.getLogger("liger_kernel.backends.registry").setLevel(logging.ERROR)
     from liger_kernel.transformers import functional
     from liger_kernel.transformers.rms_norm import LigerRMSNorm
 
