@@ -280,7 +280,8 @@ def test_liger_layers_are_as_close_to_fp32_as_the_plain_path(family, tmp_path):
             micro = _micro(xi, kernel, grids, lengths, LIGER_FAMILIES[family])
             out = run_layer(module, micro, mode)
             out = out.x if isinstance(out, LayerOutput) else out
-            weights = torch.ones_like(out).normal_(generator=torch.Generator("cuda").manual_seed(1))
+            seeded = torch.Generator("cuda").manual_seed(1)
+            weights = torch.ones_like(out).normal_(generator=seeded)
             grads = torch.autograd.grad((out.float() * weights.float()).sum(),
                                         [xi, *module.parameters()])
             results.append([out, *grads])

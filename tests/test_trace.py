@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from vlmshard.train.trace import kernel_class, summarize, traced_step
+from vlmshard.train.trace import host_while_idle, kernel_class, summarize, traced_step
 
 
 def test_summary_of_a_hand_written_trace(tmp_path):
@@ -54,3 +54,33 @@ def test_traced_step_writes_the_trace_and_its_summary(tmp_path):
     with traced_step(str(tmp_path / "off"), rank=0, step=1, cuda=False, on=False):
         pass
     assert not (tmp_path / "off").exists()
+
+
+def test_idle_device_time_goes_to_what_the_launching_thread_ran():
+    """Gaps of 30 µs ([10, 40)), 2 µs (under the 10 µs bound: left out) and 40 µs ([60, 100)),
+    each charged, by hand, to the outermost ops of the thread that launched the kernel ending it
+    (thread 1, then the autograd thread 2; thread 1's op in the second gap is not charged), the
+    rest of the gap to ``(python)``."""
+    import pytest
+
+    def kernel(ts, dur, correlation):
+        return {"cat": "kernel", "name": "nvjet_tst", "ts": ts, "dur": dur,
+                "args": {"correlation": correlation}}
+
+    def launch(tid, correlation):
+        return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 1, "tid": tid,
+                "args": {"correlation": correlation}}
+
+    def op(tid, name, ts, dur):
+        return {"cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    events = [kernel(0, 10, 1), kernel(40, 10, 2), kernel(52, 8, 3), kernel(100, 10, 4),
+              launch(1, 1), launch(1, 2), launch(1, 3), launch(2, 4),
+              op(1, "aten::nonzero", 5, 20), op(1, "aten::copy_", 6, 14),
+              op(1, "aten::linear", 30, 8), op(1, "aten::addmm", 31, 6),
+              op(1, "aten::add", 65, 30),
+              op(2, "autograd::engine::evaluate_function: MmBackward0", 70, 20)]
+    idle = host_while_idle(events, [e for e in events if e["cat"] == "kernel"])
+    assert idle == pytest.approx({"aten::nonzero": 15e-6, "aten::linear": 8e-6,
+                                  "autograd::engine::evaluate_function: MmBackward0": 20e-6,
+                                  "(python)": 7e-6 + 20e-6})

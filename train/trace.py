@@ -4,13 +4,15 @@ The trace is Chrome's format (chrome://tracing, Perfetto): tens of MB for one st
 model, too much to read by eye or to carry off a leased machine. Beside it, ``summarize`` writes
 the step's device time by kernel class (GEMM, attention, elementwise, ...) and the kernels that
 took the most, the device's busy time against its span (the gaps are time the device waited for
-the host), and the host's synchronising runtime calls: the first things to read when a step is
-slower than its FLOPs say.
+the host), what the host was running in those gaps, and the host's synchronising runtime calls:
+the first things to read when a step is slower than its FLOPs say.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import os
 import re
 from collections import defaultdict
@@ -82,9 +84,48 @@ def summarize(path: str, top: int = 25) -> dict:
         busy += max(0.0, stop - max(start, end))
         end = max(end, stop)
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    idle = host_while_idle(events, kernels)
     return {"device_busy_s": busy / 1e6,
             "device_span_s": (spans[-1][1] - spans[0][0]) / 1e6 if spans else 0.0,
+            "device_idle_host": dict(sorted(idle.items(), key=lambda kv: -kv[1])[:top]),
             "by_class": dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
             "top_kernels": [{"name": name[:160], "class": kernel_class(name), "s": s,
                              "calls": n} for name, (s, n) in ranked],
             "host_syncs": {name: {"calls": n, "s": s} for name, (n, s) in syncs.items()}}
+
+
+def host_while_idle(events: list[dict], kernels: list[dict], min_gap_us: float = 10.0
+                    ) -> dict[str, float]:
+    """Seconds the device sat idle between kernels (gaps of ``min_gap_us`` or more), by what
+    the host was running then on the thread that launched the kernel ending the gap: its
+    outermost CPU op (``aten::nonzero``; in backward ``autograd::engine::evaluate_function:
+    ...``), ``(python)`` where that thread was between ops (interpreter time: our code, the
+    engine's, the optimizer's loops)."""
+    launch_tid = {e["args"]["correlation"]: e["tid"] for e in events
+                  if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    outermost: dict[object, list[tuple[float, float, str]]] = defaultdict(list)
+    cpu_ops = (e for e in events if e.get("cat") == "cpu_op" and "dur" in e and "tid" in e)
+    for e in sorted(cpu_ops, key=lambda e: (e["ts"], -e["dur"])):
+        ops = outermost[e["tid"]]
+        if not ops or e["ts"] >= ops[-1][1]:  # not inside the last outermost op
+            ops.append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    stops = {tid: [op[1] for op in ops] for tid, ops in outermost.items()}
+    idle: dict[str, float] = defaultdict(float)
+    end = None
+    for k in sorted(kernels, key=lambda e: e["ts"]):
+        if end is not None and k["ts"] - end >= min_gap_us:
+            tid = launch_tid.get(k.get("args", {}).get("correlation"))
+            ops = outermost.get(tid, [])
+            covered = 0.0
+            # a thread's outermost ops are disjoint and in order: from the first that ends
+            # after the gap starts, while they start before it ends
+            for start, stop, name in itertools.islice(
+                    ops, bisect.bisect_right(stops.get(tid, []), end), None):
+                if start >= k["ts"]:
+                    break
+                overlap = min(stop, k["ts"]) - max(start, end)
+                idle[name] += overlap / 1e6
+                covered += overlap
+            idle["(python)"] += (k["ts"] - end - covered) / 1e6
+        end = k["ts"] + k["dur"] if end is None else max(end, k["ts"] + k["dur"])
+    return dict(idle)
