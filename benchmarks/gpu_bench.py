@@ -39,8 +39,8 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    wait, other), from the trainer's CUDA events, summing to the step with its loading
    (``breakdown_step_s``). ``--trace DIR`` also writes a torch profiler trace of each plan's
    second step, and each run reports its summary (``trace``: device time by kernel class, the
-   top kernels, the device's busy time against its span) and where the host waited
-   (``host_sync_sites``).
+   top kernels, the device's busy time against its span, and what the host ran while the
+   device sat idle: ``device_idle_host``) and where the host waited (``host_sync_sites``).
 6. ``--baseline``: the balanced shards' steps (the same samples in the same order) trained by
    Hugging Face's ``Trainer`` (examples/hf_trainer.py) with vlmshard's optimizer, schedule,
    clipping and precision: ``hf_packed`` on ``shards.model_inputs`` (packed, each sample

@@ -6,8 +6,8 @@
 #   2. the CUDA cases of the numerical tests (attention backends, one-call ViT, Liger's
 #      kernels, host syncs);
 #   3. gpu_bench.py with the given arguments (default: the balanced plan at the first H100 run's
-#      sizes, Liger's A/B, the Hugging Face baselines and a trace), its JSON written after each
-#      phase.
+#      sizes, the Hugging Face baselines, a trace, the profile and its replay), its JSON written
+#      after each phase.
 #
 # Everything lands in $OUT (default build/gpu-session): logs, nvidia-smi, the bench's JSON and
 # the trace, gzipped. Each step is bounded by `timeout`, so a hang leaves the rest's time.
@@ -37,7 +37,7 @@ timeout "$TESTS_S" python3 -m pytest -q -p no:cacheprovider -p no:xdist -o addop
 stamp gpu_bench
 args=("$@")
 [ ${#args[@]} -eq 0 ] && args=(--target-samples 4 --steps 6 --warmup 2 --plans balanced
-                              --ab no_liger --baseline --trace build/gpu-trace)
+                              --baseline --trace build/gpu-trace)
 timeout "$BENCH_S" python3 benchmarks/gpu_bench.py --json "$OUT/gpu.json" "${args[@]}" 2>&1 |
     tee "$OUT/bench.log" | grep -v "^{" | tail -40
 stamp "bench done (rc ${PIPESTATUS[0]})"
