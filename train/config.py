@@ -146,7 +146,7 @@ class TrainConfig:
             self.precision = "bf16" if cuda else "fp32"
         if self.loader_workers is None:
             self.loader_workers = 4 if cuda else 0
-        from . import liger
+        from .models import liger
 
         if self.liger is None:
             self.liger = liger.available()

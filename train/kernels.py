@@ -12,7 +12,7 @@
   guarded on). Every compilation in the process is counted and logged (``CompileCount``); one
   frame compiled more than ``max_recompiles`` times is a warning: shapes are recompiling.
 - ``liger``: Liger Kernel's fused RMSNorm, gated-MLP and rotary kernels in each layer
-  (``vlmshard.train.liger``; CUDA only).
+  (``vlmshard.train.models.liger``; CUDA only).
 """
 
 from __future__ import annotations

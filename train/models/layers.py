@@ -23,9 +23,9 @@ from torch.utils.checkpoint import checkpoint
 from vlmshard.model_sizes import LOSS_CHUNK
 from vlmshard.preprocess.tokenize import IGNORE_INDEX
 
-from .. import liger
 from ..kernels import Kernels, compile_block, dynamic
 from ..micro import CARRIED, TOKENS, LayerOutput, Micro, Phase
+from . import liger
 
 
 class HFLayer(nn.Module):
