@@ -429,8 +429,8 @@ def test_two_data_parallel_ranks_learn_from_exactly_their_plan(small_shards, tmp
 def test_engine_holds_what_the_memory_model_charges_per_parameter(small_shards, tmp_path):
     """One bf16 step (fp32 gradient accumulation, the GPU default) of each engine the trainer
     runs, each at DP=2 (ZeRO splits over it): the pipeline engine's BF16 optimizer (ZeRO-1:
-    master weights and moments split) at PP=1 and PP=2, the plain engine under ZeRO-2 and
-    ZeRO-3. The bytes each rank's engine holds for its parameters, counted from its tensors at
+    master weights and moments split; at PP=2, which holds a part of the model per stage), the
+    plain engine under ZeRO-2 and ZeRO-3. The bytes each rank's engine holds for its parameters, counted from its tensors at
     the first optimizer update, are the memory model's bytes per parameter times its
     parameters, within 2%; ZeRO-3 also keeps one reduce bucket of DeepSpeed's default size,
     which is not per parameter."""
@@ -440,7 +440,7 @@ def test_engine_holds_what_the_memory_model_charges_per_parameter(small_shards, 
 
     bucket = DeepSpeedZeroConfig().reduce_bucket_size * 2  # bf16 elements
     params = {}
-    for pp, zero in ((1, 1), (2, 1), (1, 2), (1, 3)):
+    for pp, zero in ((2, 1), (1, 2), (1, 3)):
         out = tmp_path / f"pp{pp}-zero{zero}"
         vlmshard("train", "--config", CONFIG, "--shards", small_shards, "--pp", str(pp),
                  "--dp", "2", "--zero", str(zero), "--precision", "bf16", "--max-steps", "1",
@@ -455,7 +455,7 @@ def test_engine_holds_what_the_memory_model_charges_per_parameter(small_shards, 
             assert held["buckets"] == (bucket if zero == 3 else 0), (pp, zero, rank)
             params[pp, zero, rank["stage"]] = held["params"]
     # ZeRO-3's bytes are per parameter of the whole model, which every rank counts
-    assert params[1, 1, 0] == params[1, 2, 0] == params[1, 3, 0] > params[2, 1, 0]
+    assert params[1, 2, 0] == params[1, 3, 0] > max(params[2, 1, 0], params[2, 1, 1])
 
 
 def test_engine_bytes_counts_each_storage_once_by_what_holds_it():
