@@ -69,30 +69,25 @@ def available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
 
 
-def fuse(layer: nn.Module, repeated: nn.Module | None) -> int:
+def fuse(layer: nn.Module, repeated: nn.Module | None) -> None:
     """Liger's kernels in ``layer``'s norms and gated MLPs, and its rotary functions while
-    ``repeated`` (the layer's ``transformers`` block, if any) runs; the number of modules
-    changed."""
+    ``repeated`` (the layer's ``transformers`` block, if any) runs."""
     # Liger's backend registry warns, at import, of each optional backend it lacks (CuTe DSL,
     # Ascend) though it runs Triton's: two lines a process that say nothing of this run
     logging.getLogger("liger_kernel.backends.registry").setLevel(logging.ERROR)
     from liger_kernel.transformers import functional
     from liger_kernel.transformers.rms_norm import LigerRMSNorm
 
-    changed = 0
     for parent in list(layer.modules()):
         for name, child in list(parent.named_children()):
             style = NORMS.get(type(child).__name__)
             if style is not None:
                 setattr(parent, name, _liger_norm(child, LigerRMSNorm, *style))
-                changed += 1
             elif _gated(child):
                 fused = getattr(functional, GATED[type(child.act_fn).__name__])
                 child.forward = types.MethodType(_gated_forward(fused), child)
-                changed += 1
     if repeated is not None:
-        changed += _rope_while_running(repeated)
-    return changed
+        _rope_while_running(repeated)
 
 
 def _liger_norm(norm: nn.Module, cls, offset: float, casting: str) -> nn.Module:
@@ -123,12 +118,12 @@ def _on_copies(rope):
     return apply
 
 
-def _rope_while_running(module: nn.Module) -> int:
+def _rope_while_running(module: nn.Module) -> None:
     """Swap the modeling module's rotary functions for Liger's around each call of ``module``
-    (its recompute in backward included); 1 if its family has them, else 0."""
+    (its recompute in backward included), where Liger has them for its family."""
     swaps = ROPE.get(type(module).__module__)
     if not swaps:
-        return 0
+        return
     home = sys.modules[type(module).__module__]
     liger = {name: _on_copies(getattr(importlib.import_module(_ROPE_HOME[fn]), fn))
              for name, fn in swaps.items() if hasattr(home, name)}
@@ -144,4 +139,3 @@ def _rope_while_running(module: nn.Module) -> int:
 
     module.register_forward_pre_hook(swap_in)
     module.register_forward_hook(swap_out, always_call=True)
-    return 1
