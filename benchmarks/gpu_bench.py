@@ -51,7 +51,8 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    memory at this budget is reported so (``error``), and the bench goes on.
 7. ``--ab NAME ...``: the balanced plan trained again with one switch flipped, beside the run
    with the defaults: ``compiled`` (regional ``torch.compile``), ``no_liger`` (Liger's kernels
-   off), ``no_vit_varlen`` (the ViT's attention once per image); each as ``balanced_NAME``.
+   off), ``no_vit_varlen`` (the ViT's attention once per image), ``full_recompute`` (every LLM
+   block recomputed whole, not selectively); each as ``balanced_NAME``.
    ``--quick``: the balanced plan alone (no
    random plan, loader, profile or replay), for an A/B inside a short GPU lease.
 
@@ -88,9 +89,14 @@ QWEN3_VL_2B = {
                          deepstack_visual_indexes=[5, 11, 17]),
 }
 # vlmshard's runs, in the result's and the table's order
-# ``--ab``: a name, and the train options its run flips
-AB = {"compiled": {"compile_blocks": True}, "no_liger": {"liger": False},
-      "no_vit_varlen": {"vit_varlen": False}}
+# ``--ab``: a name, and the train options its run flips (given the model's layer names)
+AB = {"compiled": lambda names: {"compile_blocks": True},
+      "no_liger": lambda names: {"liger": False},
+      "no_vit_varlen": lambda names: {"vit_varlen": False},
+      # every LLM block recomputed whole: the recompute's FLOPs instead of selective
+      # recompute's per-op dispatch on the host (4.5x a plain block's host time on a CPU)
+      "full_recompute": lambda names: {"recompute": [n for n in names
+                                                     if n.startswith("llm_block")]}}
 RUNS = ("balanced", "random", *(f"balanced_{name}" for name in AB))
 BASELINES = ("hf_packed", "hf_padded")
 # Images up to 1024 merged patches (~1 Mpx): the demo's photos and documents keep their size.
@@ -451,7 +457,8 @@ def main() -> None:
     p.add_argument("--ab", nargs="+", choices=list(AB), default=[],
                    help="also train the balanced plan with one switch flipped, each beside the "
                         "run with the defaults: compiled (--compile-blocks), no_liger "
-                        "(--no-liger), no_vit_varlen (--no-vit-varlen)")
+                        "(--no-liger), no_vit_varlen (--no-vit-varlen), full_recompute (every "
+                        "LLM block recomputed whole, not selectively)")
     p.add_argument("--json", help="also write the result here (after each phase)")
     p.add_argument("--trace", help="write a torch profiler trace (Chrome trace JSON) of each "
                                    "plan's second step under this folder; that step is left "
@@ -491,9 +498,13 @@ def main() -> None:
               "memory_bound": setup["memory_bound"], "target_samples": setup["target_samples"],
               "peak_flops": peak, **runs}
     save(args, result, peak)
-    for name in args.ab:  # next to the run with the defaults, before the longer phases
+    if args.ab:  # next to the run with the defaults, before the longer phases
+        from vlmshard.train.hf_model import model_layers
+
+        names = model_layers(setup["model"]).names
+    for name in args.ab:
         result[f"balanced_{name}"] = train_plan(args, setup, "balanced", f"balanced-{name}",
-                                                **AB[name])
+                                                **AB[name](names))
         save(args, result, peak)
     if args.baseline is not None:
         result["baseline"] = {}

@@ -1,0 +1,81 @@
+"""The host's time for one decoder layer's forward + backward under each recompute mode, on inputs
+so small that the host's work is all there is: what a step pays in Python and dispatch per layer,
+which on a GPU hides behind the kernels only while the device is slower.
+
+    python benchmarks/host_overhead_bench.py [--family qwen3_vl] [--repeats 7] [--calls 200]
+
+A tiny folder of the family (the tests' ``make_folder``: random weights, the family's real
+``transformers`` modules), its first plain decoder layer, 16 tokens in two samples, one thread.
+The modes run interleaved (each repeat runs every mode once, ``--calls`` times each), and the
+median per call is printed beside the no-recompute median (``vlmshard.train.recompute``:
+``full`` runs the forward again; ``selective`` runs every op through torch's selective
+checkpoint dispatch mode, in the forward and again in backward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODES = (None, "full", "selective")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", default="qwen3_vl", help="a family of the tests' tiny folders")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--calls", type=int, default=200, help="forward + backward calls per repeat")
+    args = p.parse_args()
+
+    import torch
+
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from hf_reference import make_folder
+
+    from vlmshard.train.hf_model import model_layers
+    from vlmshard.train.micro import HostMeta, LayerOutput, Micro, Phase
+    from vlmshard.train.recompute import run_layer
+
+    torch.set_num_threads(1)
+    model = model_layers(make_folder(args.family, os.path.join(tempfile.mkdtemp(), "model")))
+    index = next(i for i, d in enumerate(model.defs)
+                 if d.name.startswith("llm_block") and not d.variant)
+    layer = model.build_layer(index)
+    hidden = model.meta.config.text_config.hidden_size
+    lengths = [8, 8]
+    n = sum(lengths)
+    positions = torch.cat([torch.arange(k) for k in lengths]).expand(3, n)
+    host = HostMeta(qv=0, qt=n, tiles=0, tokens=n, image_tokens=0, supervised=0, grids=[],
+                    sample_lengths=lengths, image_runs=[])
+
+    def call(mode) -> None:
+        x = torch.randn(n, hidden, requires_grad=True)
+        micro = Micro(x=x, input_ids=torch.zeros(n, dtype=torch.long), position_ids=positions,
+                      labels=torch.zeros(n, dtype=torch.long), host=host, backend="sdpa",
+                      phase=Phase("rows", 1), wire=())
+        out = run_layer(layer, micro, mode)
+        (out.x if isinstance(out, LayerOutput) else out).sum().backward()
+
+    seconds = {mode: [] for mode in MODES}
+    for _ in range(args.repeats):
+        for mode in MODES:
+            start = time.perf_counter()
+            for _ in range(args.calls):
+                call(mode)
+            seconds[mode].append((time.perf_counter() - start) / args.calls)
+    plain = statistics.median(seconds[None])
+    print(f"{model.names[index]} of {args.family}, {n} tokens, torch {torch.__version__}")
+    for mode in MODES:
+        median = statistics.median(seconds[mode])
+        print(f"{mode or 'none':<10} {median * 1e3:7.3f} ms per forward + backward "
+              f"({median / plain:.2f}x none)")
+
+
+if __name__ == "__main__":
+    main()
