@@ -9,8 +9,8 @@
 #      sizes, the Hugging Face baselines, a trace, the profile and its replay), its JSON written
 #      after each phase.
 #
-# Everything lands in $OUT (default build/gpu-session): logs, nvidia-smi, the bench's JSON and
-# the trace, gzipped. Each step is bounded by `timeout`, so a hang leaves the rest's time.
+# Everything lands in $OUT (default build/gpu-session): logs, nvidia-smi, the bench's JSON, and
+# the runs' logs with the trace summaries, gzipped. Each step is bounded by `timeout`, so a hang leaves the rest's time.
 #
 #   WHEELS=.device-wheels OUT=build/gpu-session bash benchmarks/gpu_session.sh [gpu_bench args]
 set -u
@@ -42,8 +42,9 @@ timeout "$BENCH_S" python3 benchmarks/gpu_bench.py --json "$OUT/gpu.json" "${arg
     tee "$OUT/bench.log" | grep -v "^{" | tail -40
 stamp "bench done (rc ${PIPESTATUS[0]})"
 cp build/gpu_bench/run-balanced/pipeline.json "$OUT/pipeline-balanced.json" 2>/dev/null
-# the train logs and the traces, an archive each (the device tool takes back 8 files at most)
+# the train logs, pipeline.json files and trace summaries in one archive (the device tool takes
+# back 8 files at most, each of limited size: a step's whole trace, ~20 MB gzipped, is not)
 tar czf "$OUT/runs.tgz" build/gpu_bench/run-*/train_log.jsonl build/gpu_bench/run-*.log \
-    build/gpu_bench/profile/profile.json 2>/dev/null
-tar czf "$OUT/traces.tgz" build/gpu-trace 2>/dev/null
+    build/gpu_bench/run-*/pipeline.json build/gpu_bench/profile/profile.json \
+    build/gpu-trace/*/*-summary.json 2>/dev/null
 ls -la "$OUT"
