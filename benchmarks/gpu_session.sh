@@ -10,7 +10,8 @@
 #      after each phase.
 #
 # Everything lands in $OUT (default build/gpu-session): logs, nvidia-smi, the bench's JSON, and
-# the runs' logs with the trace summaries, gzipped. Each step is bounded by `timeout`, so a hang leaves the rest's time.
+# the runs' logs with the trace summaries, gzipped. Each step is bounded by `timeout`, so a hang
+# leaves the rest's time.
 #
 #   WHEELS=.device-wheels OUT=build/gpu-session bash benchmarks/gpu_session.sh [gpu_bench args]
 set -u
