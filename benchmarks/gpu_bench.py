@@ -52,9 +52,9 @@ network: install them, or carry a virtual environment built for it). Nothing is 
 7. ``--ab NAME ...``: the balanced plan trained again with one switch flipped, beside the run
    with the defaults: ``compiled`` (regional ``torch.compile``), ``no_liger`` (Liger's kernels
    off), ``no_vit_varlen`` (the ViT's attention once per image), ``full_recompute`` (every LLM
-   block recomputed whole, not selectively); each as ``balanced_NAME``.
-   ``--quick``: the balanced plan alone (no
-   random plan, loader, profile or replay), for an A/B inside a short GPU lease.
+   block recomputed whole, not selectively); each as ``balanced_NAME``. ``--quick``: the
+   balanced plan alone (no random plan, loader, profile or replay), for an A/B inside a short
+   GPU lease; ``--plans balanced`` leaves out the random plan only.
 
 ``--json`` is written after each phase: a run cut short keeps what it measured.
 """
@@ -94,7 +94,8 @@ AB = {"compiled": lambda names: {"compile_blocks": True},
       "no_liger": lambda names: {"liger": False},
       "no_vit_varlen": lambda names: {"vit_varlen": False},
       # every LLM block recomputed whole: the recompute's FLOPs instead of selective
-      # recompute's per-op dispatch on the host (4.5x a plain block's host time on a CPU)
+      # recompute's per-op dispatch on the host (4x a plain block's host time on a CPU:
+      # benchmarks/host_overhead_bench.py)
       "full_recompute": lambda names: {"recompute": [n for n in names
                                                      if n.startswith("llm_block")]}}
 RUNS = ("balanced", "random", *(f"balanced_{name}" for name in AB))
