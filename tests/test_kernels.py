@@ -231,14 +231,14 @@ LIGER_FAMILIES = {"qwen2_5_vl": 3, "qwen3_vl": 3, "gemma3": 1, "qwen3_5": 3, "in
 
 @pytest.mark.parametrize("family", LIGER_FAMILIES)
 def test_liger_layers_are_as_close_to_fp32_as_the_plain_path(family, tmp_path):
-    """Each layer kind Liger changes (``vlmshard.train.models.liger``), in bf16 on CUDA: its output and
-    every gradient within twice the plain bf16 layer's error of the fp32 layer (plus 1% of
-    scale), on three packed samples (LLM) or images (ViT); the fused layer holds Liger's norm
+    """Each layer kind Liger changes (``vlmshard.train.models.liger``), in bf16 on CUDA: its
+    output and every gradient within twice the plain bf16 layer's error of the fp32 layer (plus
+    1% of scale), on three packed samples (LLM) or images (ViT); the fused layer holds Liger's norm
     and its rotary hook, the plain one none; recomputed selectively (the matmuls' outputs kept,
     Liger's kernels run again), its gradients are the same (no kernel wrote over a kept
     tensor: Liger's rotary kernel writes q and k in place)."""
-    from vlmshard.train.models import liger
     from vlmshard.train.attention import choose_backend
+    from vlmshard.train.models import liger
     from vlmshard.train.recompute import run_layer
 
     if not liger.available():
@@ -302,8 +302,8 @@ def test_liger_asked_for_where_it_cannot_run_is_refused_and_off_by_default():
     """``--liger`` where CUDA or liger-kernel is missing: a config error naming the option; left
     unset, it is on exactly where it runs."""
     from vlmshard.config import ConfigError
-    from vlmshard.train.models import liger
     from vlmshard.train.config import TrainConfig
+    from vlmshard.train.models import liger
 
     cuda = torch.cuda.is_available()
     unset = TrainConfig(shards="s", out="o")

@@ -430,10 +430,10 @@ def test_engine_holds_what_the_memory_model_charges_per_parameter(small_shards, 
     """One bf16 step (fp32 gradient accumulation, the GPU default) of each engine the trainer
     runs, each at DP=2 (ZeRO splits over it): the pipeline engine's BF16 optimizer (ZeRO-1:
     master weights and moments split; at PP=2, which holds a part of the model per stage), the
-    plain engine under ZeRO-2 and ZeRO-3. The bytes each rank's engine holds for its parameters, counted from its tensors at
-    the first optimizer update, are the memory model's bytes per parameter times its
-    parameters, within 2%; ZeRO-3 also keeps one reduce bucket of DeepSpeed's default size,
-    which is not per parameter."""
+    plain engine under ZeRO-2 and ZeRO-3. The bytes each rank's engine holds for its
+    parameters, counted from its tensors at the first optimizer update, are the memory model's
+    bytes per parameter times its parameters, within 2%; ZeRO-3 also keeps one reduce bucket of
+    DeepSpeed's default size, which is not per parameter."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     from vlmshard.model_sizes import bytes_per_param

@@ -17,6 +17,7 @@ engine owns one clock (``vlmshard.train.engine``) and hands it to the layers it 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import sys
@@ -282,12 +283,14 @@ class HostSyncs:
 _PASSED = (f"{os.sep}torch{os.sep}", f"{os.sep}deepspeed{os.sep}accelerator{os.sep}")
 
 
-def _device_calls(synchronize) -> set[str]:
+@functools.cache
+def _device_calls(synchronize) -> frozenset[str]:
     """The sites in ``torch.cuda.synchronize``'s own source that call the device
     (``_cuda_synchronize``): where the sync debug mode reports a call the wrapper counted."""
     lines, first = inspect.getsourcelines(synchronize)
     path = inspect.getsourcefile(synchronize)
-    return {_site(path, first + i) for i, line in enumerate(lines) if "_cuda_synchronize" in line}
+    return frozenset(_site(path, first + i) for i, line in enumerate(lines)
+                     if "_cuda_synchronize" in line)
 
 
 def _caller(frame) -> str:

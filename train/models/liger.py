@@ -21,7 +21,7 @@ a gradient handed in (by the pipeline engine, from a residual branch) is never o
 
 Liger's fused linear + cross-entropy is not used: it reads the count of supervised tokens back
 to the host once per call (a wait for the device each micro-batch, where a step may have two),
-and the head with its loss was 5% of an H200 step; ``lm_loss`` keeps its chunks.
+and the head with its loss was 6% of an H200 step; ``lm_loss`` keeps its chunks.
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ ROPE = {
 _ROPE_HOME = {"liger_multimodal_rotary_pos_emb": "liger_kernel.transformers.qwen2vl_mrope",
               "liger_rotary_pos_emb": "liger_kernel.transformers.rope",
               "liger_rotary_pos_emb_vision": "liger_kernel.transformers.rope"}
+# those that run on fp32 copies of q and k (the ViT's)
+_UPCASTS = {"liger_rotary_pos_emb_vision"}
 
 
 def available() -> bool:
@@ -109,12 +111,15 @@ def _gated_forward(fused):
     return forward
 
 
-def _on_copies(rope):
+def _on_copies(rope, upcasts: bool):
     """Liger's rotary kernel writes q and k in place: here on copies, so a tensor kept elsewhere
     is left as it was (selective recompute keeps a projection's output, which is q itself in a
-    family without q/k norms)."""
+    family without q/k norms). A function that ``upcasts`` its inputs to fp32 copies those that
+    are not fp32 already itself."""
     def apply(q: torch.Tensor, k: torch.Tensor, *args, **kwargs):
-        return rope(q.clone(), k.clone(), *args, **kwargs)
+        if not (upcasts and q.dtype != torch.float32 and k.dtype != torch.float32):
+            q, k = q.clone(), k.clone()
+        return rope(q, k, *args, **kwargs)
     return apply
 
 
@@ -125,7 +130,8 @@ def _rope_while_running(module: nn.Module) -> None:
     if not swaps:
         return
     home = sys.modules[type(module).__module__]
-    liger = {name: _on_copies(getattr(importlib.import_module(_ROPE_HOME[fn]), fn))
+    liger = {name: _on_copies(getattr(importlib.import_module(_ROPE_HOME[fn]), fn),
+                              fn in _UPCASTS)
              for name, fn in swaps.items() if hasattr(home, name)}
     plain = {name: getattr(home, name) for name in liger}
 
