@@ -264,12 +264,18 @@ def sync_sites(records: list[dict]) -> dict[str, float]:
 def breakdown(records: list[dict]) -> dict:
     """Where a step's time went, in seconds by part (``train_log.time_breakdown``: each part of
     the model, recompute, optimizer, pipeline wait, data wait, other), the mean over
-    ``records`` and their ranks; and the mean step it splits, loading included."""
+    ``records`` and their ranks; the mean step it splits, loading included; the host's time
+    launching each part (``host_breakdown``: near the part's own, the part is host-bound); and
+    the allocator's calls to the device per step (``allocator_calls``, GPU only)."""
     ranks = [x for r in records for x in r["ranks"]]
-    parts = {k: statistics.fmean(x["time_breakdown"][k] for x in ranks)
-             for k in ranks[0]["time_breakdown"]}
-    return {"time_breakdown": parts,
-            "breakdown_step_s": statistics.fmean(x["step_time_s"] + x["load_s"] for x in ranks)}
+
+    def mean(key: str) -> dict[str, float]:
+        return {k: statistics.fmean(x[key][k] for x in ranks) for k in ranks[0].get(key, {})}
+
+    return {"time_breakdown": mean("time_breakdown"),
+            "breakdown_step_s": statistics.fmean(x["step_time_s"] + x["load_s"] for x in ranks),
+            "host_breakdown": mean("host_breakdown"),
+            "allocator_calls": mean("allocator_calls")}
 
 
 def profile_kinds(args, setup: dict, device_bytes: int | None) -> dict:
@@ -586,6 +592,11 @@ def table(result: dict) -> str:
         r = result[algo]
         lines.append(f"{algo} step of {r['breakdown_step_s']:.3f} s: " + ", ".join(
             f"{part} {s:.3f}" for part, s in r["time_breakdown"].items()))
+        lines.append(f"{algo} the host launching: " + ", ".join(
+            f"{part} {s:.3f}" for part, s in r["host_breakdown"].items()))
+        if r["allocator_calls"]:
+            lines.append(f"{algo} allocator per step: " + ", ".join(
+                f"{name} {n:g}" for name, n in r["allocator_calls"].items()))
     return "\n".join(lines)
 
 

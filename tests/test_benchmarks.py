@@ -69,6 +69,12 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
     assert min(parts.values()) >= 0 and min(parts[p] for p in ("vit", "projector", "llm",
                                                                "head", "optimizer")) > 0
     assert sum(parts.values()) == pytest.approx(run["breakdown_step_s"], rel=0.05)
+    # the host's time per part: on CPU the device is the host, so the same intervals
+    host = run["host_breakdown"]
+    assert set(host) == {"vit", "projector", "llm", "head", "recompute", "optimizer"}
+    assert host == pytest.approx({p: parts[p] for p in host}, rel=1e-6)
+    assert run["allocator_calls"] == {}  # a GPU's
+    assert f"balanced the host launching: vit {host['vit']:.3f}" in proc.stdout
     assert run["hfu"] >= run["mfu"]
     trace = tmp_path / "trace" / "balanced" / "trace-rank0-step1.json"
     with open(trace, encoding="utf-8") as f:

@@ -109,6 +109,9 @@ def test_the_clock_splits_a_step_by_part_with_recompute_apart(engine):
     assert 0.02 <= times.optimizer_s <= 0.04
     forward = slept(set().union(*parts.values()), 1)
     assert forward <= times.forward_s <= 2 * forward
+    # each mark's host reading: on CPU the device is the host, so the same seconds
+    assert times.host == pytest.approx({**times.parts, "recompute": times.recompute_s,
+                                        "optimizer": times.optimizer_s}, rel=1e-9)
     breakdown = rank_timing(rank=0, stage=0, dp_rank=0, forward_s=times.forward_s,
                             backward_s=times.backward_s, pipeline_s=times.pipeline_s,
                             step_time_s=step_s, load_s=0.01, parts=times.parts,
@@ -119,6 +122,30 @@ def test_the_clock_splits_a_step_by_part_with_recompute_apart(engine):
     assert breakdown["data_wait"] == 0.01
     assert sum(breakdown.values()) == pytest.approx(step_s + 0.01, rel=0.05)
     assert 0 <= breakdown["other"] < 0.05 * (step_s + 0.01)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_host_time_tells_a_host_bound_part_from_a_device_bound_one():
+    """On a GPU a part of a few long kernels takes the host far less time than the device; a
+    part of many tiny kernels, launched one by one from Python, takes the host as long as the
+    device (which waits for each launch). Each part starts on an idle device."""
+    big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    tiny = torch.zeros(1, device="cuda")
+    clock = StageClock(cuda=True)
+    torch.cuda.synchronize()
+    clock.start_step()
+    clock.forward_begin()
+    for _ in range(20):
+        big @ big
+    clock.forward_part("vit")
+    torch.cuda.synchronize()
+    clock.forward_begin()
+    for _ in range(3000):
+        tiny.add_(1)
+    clock.forward_part("llm")
+    times = clock.take()
+    assert times.host["vit"] < 0.2 * times.parts["vit"], times
+    assert times.host["llm"] > 0.8 * times.parts["llm"], times
 
 
 def test_overlapping_parts_sum_to_more_than_the_step():

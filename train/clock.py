@@ -11,8 +11,12 @@ post-hook. The pipeline time runs from the step's start to the end of the stage'
 which splits the step into the pipeline (where its bubbles are) and what follows it (gradient
 all-reduce, optimizer). On a GPU the marks are CUDA events recorded on the compute stream (a
 host clock would time kernel launches, not kernels), and ``take`` synchronises once to read them
-all; on CPU, where the device is synchronous, they are ``perf_counter`` readings. Each training
-engine owns one clock (``vlmshard.train.engine``) and hands it to the layers it builds.
+all; on CPU, where the device is synchronous, they are ``perf_counter`` readings. Each mark also
+keeps the host clock's reading where it was made, so every part has a host time too: the time
+the host took to launch it. A part whose host time nears its device time is host-bound (the
+device waited for launches, which the device's own intervals cannot tell apart from work). Each
+training engine owns one clock (``vlmshard.train.engine``) and hands it to the layers it
+builds.
 """
 
 from __future__ import annotations
@@ -42,18 +46,32 @@ def layer_part(name: str) -> str:
     return "llm"
 
 
-def mark(cuda: bool):
-    """A point in time on the compute stream: a recorded CUDA event, or the host clock."""
-    if not cuda:
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
+class Mark:
+    """A point in a step on two clocks: the compute stream's (a recorded CUDA event; on CPU,
+    where the device is synchronous, the host clock) and the host's, read where it was made (on
+    a GPU: when the host had launched the work before it)."""
 
+    __slots__ = ("event", "host")
 
-def seconds(start, end, cuda: bool) -> float:
-    """Between two ``mark``s (CUDA events: once both are done on the device)."""
-    return end - start if not cuda else start.elapsed_time(end) / 1000.0
+    def __init__(self, cuda: bool) -> None:
+        self.event = torch.cuda.Event(enable_timing=True) if cuda else None
+        self.record()
+
+    def record(self) -> "Mark":
+        """Move the mark to now (its event re-recorded)."""
+        self.host = time.perf_counter()
+        if self.event is not None:
+            self.event.record()
+        return self
+
+    def seconds_to(self, end: "Mark") -> float:
+        """The device's seconds from here to ``end`` (events: once both are done on it)."""
+        if self.event is None:
+            return end.host - self.host
+        return self.event.elapsed_time(end.event) / 1000.0
+
+    def host_seconds_to(self, end: "Mark") -> float:
+        return end.host - self.host
 
 
 @dataclass(frozen=True)
@@ -67,6 +85,8 @@ class StageTimes:
     parts: dict[str, float] = field(default_factory=dict)
     recompute_s: float = 0.0
     optimizer_s: float = 0.0
+    # the host's time launching each of the above (PARTS, "recompute", "optimizer")
+    host: dict[str, float] = field(default_factory=dict)
 
 
 class StageClock:
@@ -89,8 +109,8 @@ class StageClock:
         self._last = None  # the end of the latest forward interval
         self._optimizer: list | None = None  # [first pre-hook mark, last post-hook mark]
 
-    def mark(self):
-        return mark(self.cuda)
+    def mark(self) -> Mark:
+        return Mark(self.cuda)
 
     def start_step(self) -> None:
         """Forget earlier intervals and mark the step's start."""
@@ -167,12 +187,11 @@ class StageClock:
     def _on_parameter_grad(self, _param) -> None:
         if self._open is None:
             return
-        if self.cuda:  # one end event per micro-batch, re-recorded: the latest record counts
-            if self._latest is self._span_start:
-                self._latest = torch.cuda.Event(enable_timing=True)
-            self._latest.record()
+        # one end mark per micro-batch, re-recorded: the latest record counts
+        if self._latest is self._span_start:
+            self._latest = self.mark()
         else:
-            self._latest = time.perf_counter()
+            self._latest.record()
 
     def _close_backward(self) -> None:
         if self._open is not None:
@@ -195,12 +214,10 @@ class StageClock:
     def _on_optimizer_end(self, *_) -> None:
         if self._optimizer is None:
             return
-        if self.cuda:
-            if self._optimizer[1] is None:
-                self._optimizer[1] = torch.cuda.Event(enable_timing=True)
-            self._optimizer[1].record()
+        if self._optimizer[1] is None:
+            self._optimizer[1] = self.mark()
         else:
-            self._optimizer[1] = time.perf_counter()
+            self._optimizer[1].record()
 
     def take(self) -> StageTimes:
         """The step's times since ``start_step``; one device synchronisation, after which the
@@ -209,26 +226,43 @@ class StageClock:
         if self.cuda:
             torch.cuda.synchronize()
         parts = dict.fromkeys(PARTS, 0.0)
+        host = dict.fromkeys(PARTS, 0.0)
         for part, a, b in self._forward + self._backward:
-            parts[part] += self._seconds(a, b)
-        recompute = 0.0
+            parts[part] += a.seconds_to(b)
+            host[part] += a.host_seconds_to(b)
+        recompute = host["recompute"] = 0.0
         for part, a, b in self._recompute:
-            took = self._seconds(a, b)
+            took = a.seconds_to(b)
             parts[part] -= took
             recompute += took
+            launched = a.host_seconds_to(b)
+            host[part] -= launched
+            host["recompute"] += launched
         optimizer = self._optimizer
+        ran = optimizer is not None and optimizer[1] is not None
+        host["optimizer"] = optimizer[0].host_seconds_to(optimizer[1]) if ran else 0.0
         out = StageTimes(
-            sum(self._seconds(a, b) for _, a, b in self._forward),
-            sum(self._seconds(a, b) for a, b in self._spans),
-            self._seconds(self._start, self._spans[-1][1])
+            sum(a.seconds_to(b) for _, a, b in self._forward),
+            sum(a.seconds_to(b) for a, b in self._spans),
+            self._start.seconds_to(self._spans[-1][1])
             if self._spans and self._start is not None else 0.0,
-            parts, recompute,
-            self._seconds(*optimizer) if optimizer and optimizer[1] is not None else 0.0)
+            parts, recompute, optimizer[0].seconds_to(optimizer[1]) if ran else 0.0, host)
         self._clear()
         return out
 
-    def _seconds(self, start, end) -> float:
-        return seconds(start, end, self.cuda)
+
+# The caching allocator's own calls to the device, counted by ``torch.cuda.memory_stats``:
+# allocations (cudaMalloc, or cuMemMap of expandable segments), frees (cudaFree or cuMemUnmap:
+# each waits for the device, unseen by the sync debug mode), and the cache flushes after a
+# failed allocation (``num_alloc_retries``). In a steady step all three should be 0.
+ALLOCATOR_CALLS = {"device_allocs": "num_device_alloc", "device_frees": "num_device_free",
+                   "alloc_retries": "num_alloc_retries"}
+
+
+def allocator_calls(device: torch.device) -> dict[str, int]:
+    """The allocator's counts (``ALLOCATOR_CALLS``) on ``device`` so far."""
+    stats = torch.cuda.memory_stats(device)
+    return {name: int(stats.get(key, 0)) for name, key in ALLOCATOR_CALLS.items()}
 
 
 class HostSyncs:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .clock import HostSyncs, StageClock, StageTimes
+from .clock import HostSyncs, StageClock, StageTimes, allocator_calls
 from .config import TrainConfig
 from .data_parallel import VLMModel, train_batch
 from .deepspeed_compat import fewer_host_syncs
@@ -67,7 +67,8 @@ class StepResult:
     lr: float  # the learning rate the step's update used
     times: StageTimes  # this rank's own forward, backward, pipeline time and their parts
     seconds: float  # from the step's start, together on every rank, to its end on the device
-    extra: dict  # GPU peak memory, host syncs (when counted), engine bytes (first step only)
+    # GPU peak memory and allocator calls, host syncs (when counted), engine bytes (first step)
+    extra: dict
 
 
 class TrainEngine(ABC):
@@ -166,6 +167,7 @@ class TrainEngine(ABC):
         self.clock.start_step()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+            allocator = allocator_calls(self.device)
         lr = self.schedule.get_last_lr()[0]  # this step's: DeepSpeed steps it after the step
         with HostSyncs(self.cfg.count_host_syncs) as syncs:
             value = self._train_batch(inputs, hosts)
@@ -176,6 +178,8 @@ class TrainEngine(ABC):
         if self.cuda:
             extra["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
             extra["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
+            extra["allocator_calls"] = {name: n - allocator[name] for name, n in
+                                        allocator_calls(self.device).items()}
         if syncs.enabled:
             extra["host_syncs"] = syncs.count
             extra["host_sync_sites"] = dict(syncs.sites.most_common())

@@ -48,7 +48,7 @@ from vlmshard.partition import (
 from vlmshard.stage import Result
 
 from .attention import choose_backend
-from .clock import mark, seconds
+from .clock import Mark
 from .config import ProfileConfig
 from .hf_model import ModelLayers, model_layers
 from .kernels import Kernels
@@ -277,7 +277,7 @@ def kept_size(model: ModelLayers, index: int, host: HostMeta) -> Size:
 
 
 class _Clock:
-    """Lap times of one layer run on ``clock.mark``s: CUDA events on a GPU (read once at the
+    """Lap times of one layer run on ``clock.Mark``s: CUDA events on a GPU (read once at the
     end, one sync per run, the host's launch overhead not counted as the device's time), the
     host clock on CPU; and on a GPU the allocator's peak above what was allocated when the run
     began."""
@@ -289,17 +289,17 @@ class _Clock:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
-        self.marks = [mark(cuda)]
+        self.marks = [Mark(cuda)]
 
     def lap(self) -> None:
-        self.marks.append(mark(self.cuda))
+        self.marks.append(Mark(self.cuda))
 
     def read(self) -> list[float]:
         """Seconds between consecutive laps."""
         if self.cuda:
             torch.cuda.synchronize()
             self.peak_bytes = torch.cuda.max_memory_allocated() - self.base
-        return [seconds(a, b, self.cuda) for a, b in zip(self.marks, self.marks[1:])]
+        return [a.seconds_to(b) for a, b in zip(self.marks, self.marks[1:])]
 
 
 def _host_peak_bytes(func, layer_in: Micro) -> int:

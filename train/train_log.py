@@ -46,12 +46,14 @@ def micro_batch_size(batch: dict, window: int = 0) -> dict:
 def rank_timing(*, rank: int, stage: int, dp_rank: int, forward_s: float, backward_s: float,
                 pipeline_s: float, step_time_s: float, load_s: float = 0.0,
                 parts: dict[str, float] | None = None, recompute_s: float = 0.0,
-                optimizer_s: float = 0.0) -> dict:
+                optimizer_s: float = 0.0, host: dict[str, float] | None = None) -> dict:
     """One rank's timings of a step: ``pipeline_s`` from the step's start to the end of its
     last backward (the replica's pipeline is its stages' longest; the rest of the step is the
     gradient all-reduce and the optimizer); ``wait_s`` the step time less its own compute;
     ``load_s`` the time it waited for its loader before the step (outside the step time);
-    ``time_breakdown`` (``time_breakdown``) where the rank's load and step went, by part."""
+    ``time_breakdown`` (``time_breakdown``) where the rank's load and step went, by part;
+    ``host_breakdown`` the host's time launching each part, recompute and the optimizer
+    (``clock.StageTimes.host``): a part whose host time nears its own is host-bound."""
     return {"rank": rank, "stage": stage, "dp_rank": dp_rank, "forward_s": forward_s,
             "backward_s": backward_s, "pipeline_s": pipeline_s,
             "wait_s": max(0.0, step_time_s - forward_s - backward_s),
@@ -59,7 +61,8 @@ def rank_timing(*, rank: int, stage: int, dp_rank: int, forward_s: float, backwa
             "time_breakdown": time_breakdown(
                 parts=parts or {}, recompute_s=recompute_s, optimizer_s=optimizer_s,
                 forward_s=forward_s, backward_s=backward_s, pipeline_s=pipeline_s,
-                step_time_s=step_time_s, load_s=load_s)}
+                step_time_s=step_time_s, load_s=load_s),
+            "host_breakdown": dict(host or {})}
 
 
 def time_breakdown(*, parts: dict[str, float], recompute_s: float, optimizer_s: float,

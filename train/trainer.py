@@ -253,7 +253,8 @@ def train(cfg: TrainConfig, setup: Setup, engine: TrainEngine, first_step: int,
                            dp_rank=engine.dp_rank, forward_s=times.forward_s,
                            backward_s=times.backward_s, pipeline_s=times.pipeline_s,
                            step_time_s=done.seconds, load_s=load_s, parts=times.parts,
-                           recompute_s=times.recompute_s, optimizer_s=times.optimizer_s)
+                           recompute_s=times.recompute_s, optimizer_s=times.optimizer_s,
+                           host=times.host)
         mine.update(done.extra)
         if reads:
             mine["data"] = rank_data(micro, setup.sizes.llm.sliding_window)
