@@ -51,8 +51,9 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    memory at this budget is reported so (``error``), and the bench goes on.
 7. ``--ab NAME ...``: the balanced plan trained again with one switch flipped, beside the run
    with the defaults: ``compiled`` (regional ``torch.compile``), ``no_liger`` (Liger's kernels
-   off), ``no_vit_varlen`` (the ViT's attention once per image), ``full_recompute`` (every LLM
-   block recomputed whole, not selectively); each as ``balanced_NAME``. ``--quick``: the
+   off), ``no_vit_varlen`` (the ViT's attention once per image), ``conv_patch`` (the patch
+   embedding as ``transformers``' Conv3d), ``full_recompute`` (every LLM block recomputed
+   whole, not selectively); each as ``balanced_NAME``. ``--quick``: the
    balanced plan alone (no random plan, loader, profile or replay), for an A/B inside a short
    GPU lease; ``--plans balanced`` leaves out the random plan only.
 
@@ -93,6 +94,7 @@ QWEN3_VL_2B = {
 AB = {"compiled": lambda names: {"compile_blocks": True},
       "no_liger": lambda names: {"liger": False},
       "no_vit_varlen": lambda names: {"vit_varlen": False},
+      "conv_patch": lambda names: {"patch_linear": False},
       # every LLM block recomputed whole: the recompute's FLOPs instead of selective
       # recompute's per-op dispatch on the host (4x a plain block's host time on a CPU:
       # benchmarks/host_overhead_bench.py)
@@ -464,7 +466,8 @@ def main() -> None:
     p.add_argument("--ab", nargs="+", choices=list(AB), default=[],
                    help="also train the balanced plan with one switch flipped, each beside the "
                         "run with the defaults: compiled (--compile-blocks), no_liger "
-                        "(--no-liger), no_vit_varlen (--no-vit-varlen), full_recompute (every "
+                        "(--no-liger), no_vit_varlen (--no-vit-varlen), conv_patch "
+                        "(--no-patch-linear), full_recompute (every "
                         "LLM block recomputed whole, not selectively)")
     p.add_argument("--json", help="also write the result here (after each phase)")
     p.add_argument("--trace", help="write a torch profiler trace (Chrome trace JSON) of each "

@@ -6,6 +6,8 @@
   reference kernel standing in for the CUDA one (2.13's signature, one SDPA call over the whole
   micro-batch with a block-diagonal mask), which must be called once per block; on CUDA, the
   real kernel in bf16.
+- ``patch_linear``: the ViT's patch embedding as a matmul is as close to the float64 Conv3d
+  as the fp32 Conv3d is.
 - ``compile_blocks``: a compiled ViT block and decoder layer on three micro-batches of different
   packed lengths compile at most twice per frame (counted by a hook of the test's own) and equal
   eager. ``aot_eager`` stands in for inductor: on a shared 2-core CPU, inductor's C++ compile
@@ -314,3 +316,33 @@ def test_liger_asked_for_where_it_cannot_run_is_refused_and_off_by_default():
     asked = TrainConfig(shards="s", out="o", liger=True)
     with pytest.raises(ConfigError, match="--liger"):
         asked.resolve_device_defaults(cuda)
+
+
+@pytest.mark.parametrize("family", ("qwen2_vl", "qwen3_vl"))
+def test_patch_embedding_as_a_matmul_is_as_close_to_float64_as_the_conv(family, tmp_path):
+    """``patch_linear``: the ViT's patch embedding run as a matmul on the Conv3d's weight is the
+    same arithmetic in another order: its output and every gradient as close to the Conv3d
+    layer's in float64 as the fp32 Conv3d layer's are (twice its error, plus 1e-6 of scale), on
+    the pixel rows of three images. Qwen3-VL's layer also adds its resampled position table.
+    (Qwen2.5-VL and Qwen3.5 hold their families' same module.) A patch row in the wrong order
+    would be off by the whole scale."""
+    folder = make_folder(family, str(tmp_path / "model"))
+    matmul = model_layers(folder, "sdpa", Kernels(patch_linear=True)).build_layer(0)
+    conv = model_layers(folder, "sdpa", Kernels())
+    assert matmul.linear and not conv.build_layer(0).linear
+    rows = sum(t * h * w for t, h, w in GRIDS)
+    width = conv.meta.config.vision_config
+    pixels = torch.randn(rows, width.in_channels * width.temporal_patch_size
+                         * width.patch_size ** 2, generator=torch.Generator().manual_seed(0))
+    results = []
+    for layer, dtype in ((matmul, torch.float32), (conv.build_layer(0), torch.float32),
+                         (conv.build_layer(0, dtype=torch.float64), torch.float64)):
+        out = layer(_micro(pixels.to(dtype), "sdpa", GRIDS))
+        weights = torch.ones_like(out).normal_(generator=torch.Generator().manual_seed(1))
+        results.append([out, *torch.autograd.grad((out * weights).sum(),
+                                                  list(layer.parameters()))])
+    names = ["output", *(n for n, _ in matmul.named_parameters())]
+    for name, got, plain, want in zip(names, *results):
+        error, plain_error = ((t.double() - want).abs().max().item() for t in (got, plain))
+        assert error <= 2 * plain_error + 1e-6 * want.abs().max().item(), \
+            (name, error, plain_error)

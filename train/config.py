@@ -92,6 +92,10 @@ class TrainConfig:
                    "Liger's own patch of the family puts them (GPU only; pip install "
                    "'vlmshard[gpu]' or liger-kernel)",
         default_text="on where it runs: CUDA with liger-kernel installed")
+    patch_linear: bool | None = option(
+        None, help="a Qwen ViT's patch embedding (a Conv3d whose stride is its kernel) runs as "
+                   "the matmul it is: cuDNN has no fast kernel for that conv on some GPUs and "
+                   "releases", default_text="on with CUDA")
     compile_blocks: bool = option(
         False, help="torch.compile each ViT block and decoder layer (regional compilation), "
                     "the packed length dynamic; the compilations are counted in the log")
@@ -146,6 +150,8 @@ class TrainConfig:
             self.precision = "bf16" if cuda else "fp32"
         if self.loader_workers is None:
             self.loader_workers = 4 if cuda else 0
+        if self.patch_linear is None:
+            self.patch_linear = cuda
         from .models import liger
 
         if self.liger is None:

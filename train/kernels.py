@@ -5,6 +5,12 @@
   calls it once per image for any backend but flash-attn. On CUDA that is one varlen kernel
   launch per block instead of one SDPA launch per image; on CPU the SDPA backend still runs each
   image alone inside that call (the same arithmetic).
+- ``patch_linear``: the Qwen ViTs' patch embedding (a Conv3d whose stride is its kernel) as
+  the matmul it is, on the conv's own weight, as ``transformers``' opt-in
+  ``patch_embeddings`` fusion and vLLM run it: cuDNN has no fast kernel for that conv on some
+  GPUs and releases (torch 2.9's Conv3d regression, pytorch#166122; bf16 on Blackwell,
+  transformers#45750). The same arithmetic in another order (on by default on CUDA; on CPU
+  oneDNN's conv is fast, and the CPU tests hold the layers to the model's own op).
 - ``compile_blocks``: regional ``torch.compile`` of the repeated blocks (each ViT block's and
   decoder layer's ``transformers`` module, in place: its weights keep their names), the packed
   row dimension marked dynamic so a new packed length does not recompile. The attention
@@ -31,6 +37,7 @@ log = logging.getLogger(__name__)
 class Kernels:
     vit_varlen: bool = True
     liger: bool = False
+    patch_linear: bool = False
     compile_blocks: bool = False
     compile_backend: str = "inductor"
     max_recompiles: int = 4  # compilations of one frame beyond its first
@@ -39,6 +46,7 @@ class Kernels:
     def of(cls, cfg) -> "Kernels":
         """The switches a ``TrainConfig`` sets (its device defaults resolved)."""
         return cls(vit_varlen=cfg.vit_varlen, liger=bool(cfg.liger),
+                   patch_linear=bool(cfg.patch_linear),
                    compile_blocks=cfg.compile_blocks, max_recompiles=cfg.max_recompiles)
 
 

@@ -15,6 +15,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.vision_utils import (
     get_vision_cu_seqlens,
@@ -88,12 +89,33 @@ class VisionGeometry:
 
 
 class VisionEmbedding(HFLayer):
+    """The patch embedding; with ``patch_linear`` (``use_kernels``) ``transformers``' Conv3d,
+    whose stride is its kernel, runs as the matmul over each patch row it is, on the conv's own
+    weight."""
+
     def __init__(self, model: nn.Module, geometry: VisionGeometry) -> None:
         super().__init__(model, {"patch_embed": f"{VISION}.patch_embed"})
         self.geometry = geometry
+        self.linear = False
+
+    def use_kernels(self, kernels: Kernels) -> None:
+        proj = self.patch_embed.proj
+        if kernels.patch_linear:
+            if (proj.stride, proj.padding, proj.dilation, proj.groups) != (
+                    proj.kernel_size, (0,) * 3, (1,) * 3, 1):
+                raise ValueError(f"{type(self.patch_embed).__name__}'s Conv3d is not one matmul "
+                                 "per patch: --no-patch-linear")
+            self.linear = True
+        super().use_kernels(kernels)
 
     def forward(self, micro: Micro) -> torch.Tensor:
-        hidden = self.patch_embed(micro.x)
+        if self.linear:
+            proj = self.patch_embed.proj
+            weight = proj.weight.flatten(1)  # [hidden, C·T·P·P]: a patch row's order
+            hidden = F.linear(micro.x.reshape(-1, weight.shape[1]).to(weight.dtype), weight,
+                              proj.bias)
+        else:
+            hidden = self.patch_embed(micro.x)
         if self.geometry.windowed:
             hidden = self.geometry.window_order(hidden, self.geometry.meta(micro).window_index)
         return hidden
