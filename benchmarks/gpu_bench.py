@@ -243,12 +243,16 @@ def train_plan(args, setup: dict, algo: str, run: str | None = None, **options) 
 
 def traced(folder: str | None) -> dict | None:
     """The traced step's device summary (``vlmshard.train.trace.summarize``): time by kernel
-    class, the top kernels, the device's busy time against its span."""
+    class, the top kernels, the device's busy time against its span; and where the host's
+    Python was in the sampled step after it (``host_sites``: seconds by function,
+    ``vlmshard.train.trace.HostSampler``)."""
     if not folder:
         return None
     (name,) = [n for n in os.listdir(folder) if n.endswith("-summary.json")]
+    sampled = [n for n in os.listdir(folder) if n.startswith("host-rank0-")]
     return {"file": os.path.join(folder, name.replace("-summary", "")),
-            **read_json(os.path.join(folder, name))}
+            **read_json(os.path.join(folder, name)),
+            **({"host_sites": read_json(os.path.join(folder, sampled[0]))} if sampled else {})}
 
 
 def sync_sites(records: list[dict]) -> dict[str, float]:
@@ -589,6 +593,11 @@ def table(result: dict) -> str:
                              f"{cls} {s:.3f}" for cls, s in trace["by_class"].items()))
             lines.append(f"{algo} device idle, the host in: " + ", ".join(
                 f"{name[:60]} {s:.3f}" for name, s in list(trace["device_idle_host"].items())[:8]))
+        if trace and "host_sites" in trace:
+            sites = trace["host_sites"]
+            lines.append(f"{algo} the host's Python in a step of {sites['sampled_s']:.3f} s: "
+                         + ", ".join(f"{site} {s:.3f}" for site, s in sorted(
+                             sites["seconds"].items(), key=lambda kv: -kv[1])[:8]))
     for algo in RUNS:
         if algo not in result:
             continue

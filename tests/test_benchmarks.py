@@ -83,6 +83,10 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
     assert run["trace"]["file"] == str(trace)
     assert run["trace"]["device_span_s"] == 0
     assert sum(run["host_sync_sites"].values()) == run["host_syncs_per_step"]
+    # the step after the traced one, sampled: where its host time went, by function
+    sites = run["trace"]["host_sites"]
+    assert 0 < sum(sites["seconds"].values()) <= sites["sampled_s"] * 1.01
+    assert any("models/" in site for site in sites["seconds"])  # the layers' own forwards
     # the ViT's and the LLM's blocks ran at a measured rate, below the given 1 TFLOP/s
     assert {"vit_block", "llm_block"} <= set(result["sustained_share"])
     assert all(0 < share < 1 for share in result["sustained_share"].values())

@@ -1,13 +1,22 @@
 """The traced step's summary (``vlmshard.train.trace``): a hand-written trace's figures counted by
-hand, and a real profiler run writes the trace with its summary beside it."""
+hand, and a real profiler run writes the trace with its summary beside it; the host sampler
+finds a thread's time where the thread spent it."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 
-from vlmshard.train.trace import host_while_idle, kernel_class, summarize, traced_step
+from vlmshard.train.trace import (
+    HostSampler,
+    host_while_idle,
+    kernel_class,
+    sampled_step,
+    summarize,
+    traced_step,
+)
 
 
 def test_summary_of_a_hand_written_trace(tmp_path):
@@ -84,3 +93,45 @@ def test_idle_device_time_goes_to_what_the_launching_thread_ran():
     assert idle == pytest.approx({"aten::nonzero": 15e-6, "aten::linear": 8e-6,
                                   "autograd::engine::evaluate_function: MmBackward0": 20e-6,
                                   "(python)": 7e-6 + 20e-6})
+
+
+def _spin(seconds: float) -> None:
+    """Python bytecode for ``seconds``: it holds the GIL but for the switch interval."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_host_sampler_charges_each_function_its_time(tmp_path):
+    """A thread spinning in Python for 0.3 s, then sleeping 0.2 s (in C, the GIL released): each
+    function is charged its own time within a quarter (while the spin holds the GIL the sampler
+    reads less often, each reading charged the time since the one before), together the time
+    sampled; each site names the function ("tests/test_trace.py:<first line> _spin")."""
+    test = test_host_sampler_charges_each_function_its_time.__code__
+    with sampled_step(str(tmp_path), 0, 2, True):
+        _spin(0.3)
+        time.sleep(0.2)
+    with open(tmp_path / "host-rank0-step2.json", encoding="utf-8") as f:
+        written = json.load(f)
+    seconds = written["seconds"]
+    spin = seconds.pop(f"tests/test_trace.py:{_spin.__code__.co_firstlineno} _spin")
+    here = seconds.pop(f"tests/test_trace.py:{test.co_firstlineno} {test.co_name}")
+    assert abs(spin - 0.3) < 0.075 and abs(here - 0.2) < 0.05, (spin, here, seconds)
+    assert sum(seconds.values()) < 0.03, seconds  # entering and leaving
+    assert written["samples"] > 50 and written["sampled_s"] >= 0.5
+    with sampled_step(str(tmp_path), 0, 3, False):
+        pass
+    assert not (tmp_path / "host-rank0-step3.json").exists()
+
+
+def test_host_sampler_charges_time_inside_torch_to_its_caller():
+    """Frames in torch's own Python (here ``torch.testing``) are charged to the code that
+    called into torch."""
+    torch.testing.assert_close(torch.ones(1), torch.ones(1))  # its imports, once
+    with HostSampler() as sampler:
+        for _ in range(300):
+            torch.testing.assert_close(torch.ones(300), torch.ones(300))
+    test = test_host_sampler_charges_time_inside_torch_to_its_caller.__code__
+    here = sampler.time[f"tests/test_trace.py:{test.co_firstlineno} {test.co_name}"]
+    assert here > 0.9 * sum(sampler.time.values()), sampler.time  # the rest: leaving
+    assert not any("torch/" in site for site in sampler.time), sampler.time

@@ -308,7 +308,7 @@ class HostSyncs:
             self._warnings.__exit__(*exc)
             wrapped = _device_calls(self._synchronize)
             self.sites.update(site for w in self._caught if "synchronizing" in str(w.message)
-                              and (site := _site(w.filename, w.lineno)) not in wrapped)
+                              and (site := code_site(w.filename, w.lineno)) not in wrapped)
         if self.enabled:
             torch.cuda.synchronize = self._synchronize
 
@@ -323,7 +323,7 @@ def _device_calls(synchronize) -> frozenset[str]:
     (``_cuda_synchronize``): where the sync debug mode reports a call the wrapper counted."""
     lines, first = inspect.getsourcelines(synchronize)
     path = inspect.getsourcefile(synchronize)
-    return frozenset(_site(path, first + i) for i, line in enumerate(lines)
+    return frozenset(code_site(path, first + i) for i, line in enumerate(lines)
                      if "_cuda_synchronize" in line)
 
 
@@ -332,10 +332,10 @@ def _caller(frame) -> str:
     accelerator."""
     while frame.f_back is not None and any(p in frame.f_code.co_filename for p in _PASSED):
         frame = frame.f_back
-    return _site(frame.f_code.co_filename, frame.f_lineno)
+    return code_site(frame.f_code.co_filename, frame.f_lineno)
 
 
-def _site(filename: str, line: int) -> str:
+def code_site(filename: str, line: int) -> str:
     """``filename:line``, the path from its package (the folder above ``site-packages`` or the
     repository dropped)."""
     parts = filename.split(os.sep)

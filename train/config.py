@@ -110,7 +110,9 @@ class TrainConfig:
                     "host_syncs, with host_sync_sites: the file:line of each (slows the step)")
     trace: str | None = option(
         None, help="write a torch profiler trace (Chrome trace JSON, one file per rank) of the "
-                   "run's second step to this folder; that step's log line says traced",
+                   "run's second step to this folder, that step's log line saying traced; and "
+                   "where the host's Python was in the third step (sampled each millisecond, "
+                   "host-rank{R}-step{S}.json)",
         default_text="no trace")
     hostfile: str | None = option(
         None, help="DeepSpeed hostfile ('HOST slots=N' per line): start every node from this one "

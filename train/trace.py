@@ -5,7 +5,9 @@ model, too much to read by eye or to carry off a leased machine. Beside it, ``su
 the step's device time by kernel class (GEMM, attention, elementwise, ...) and the kernels that
 took the most, the device's busy time against its span (the gaps are time the device waited for
 the host), what the host was running in those gaps, and the host's synchronising runtime calls:
-the first things to read when a step is slower than its FLOPs say.
+the first things to read when a step is slower than its FLOPs say. The step after it is sampled
+(``sampled_step``): where the training thread's Python was, every millisecond, by function
+(``HostSampler``), for when the host is what the device waits for.
 """
 
 from __future__ import annotations
@@ -15,10 +17,16 @@ import contextlib
 import itertools
 import os
 import re
+import sys
+import sysconfig
+import threading
+import time
 from collections import defaultdict
 from typing import ContextManager
 
 from vlmshard.io import read_json, write_json_atomic
+
+from .clock import code_site
 
 # trace event categories that are device work
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -51,6 +59,84 @@ def traced_step(folder: str | None, rank: int, step: int, cuda: bool, on: bool
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     return profile(activities=activities, record_shapes=True, on_trace_ready=ready)
+
+
+class HostSampler:
+    """Where one thread's Python is, read about every ``interval`` seconds from a daemon thread
+    (``sys._current_frames``: no tracing hook, so the sampled code runs at its own speed but
+    for the sampler's share of the GIL, one hand-over per sample). Each sample is charged the
+    time since the one before (the sampler waits for the GIL up to the interpreter's switch
+    interval while the thread runs Python, not while it waits in C), at the innermost frame
+    outside torch and the standard library: the code that called into them, as "file:first
+    line function" (``seconds``, most first). A sampling profiler's view of the host: which of our, DeepSpeed's or
+    ``transformers``' functions a step's host time goes to."""
+
+    def __init__(self, interval: float = 1e-3, thread: int | None = None) -> None:
+        self.interval = interval
+        self.thread = threading.get_ident() if thread is None else thread
+        self.time: defaultdict[str, float] = defaultdict(float)
+        self.samples = 0
+        self._stop = threading.Event()
+
+    def __enter__(self) -> "HostSampler":
+        self._start = time.perf_counter()
+        self._sampler = threading.Thread(target=self._run, name="host-sampler", daemon=True)
+        self._sampler.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._sampler.join()
+        self.elapsed = time.perf_counter() - self._start
+
+    def _run(self) -> None:
+        last = self._start
+        while not self._stop.wait(self.interval):
+            frame = sys._current_frames().get(self.thread)
+            now = time.perf_counter()
+            if frame is not None:
+                self.samples += 1
+                self.time[_calling_site(frame)] += now - last
+            last = now
+
+    def seconds(self, top: int = 40) -> dict[str, float]:
+        """The sampled time by site, the ``top`` sites."""
+        return dict(sorted(self.time.items(), key=lambda kv: -kv[1])[:top])
+
+
+_TORCH = f"{os.sep}torch{os.sep}"
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def _passed(filename: str) -> bool:
+    """A frame of torch or of Python's standard library (frozen modules included)."""
+    return _TORCH in filename or filename.startswith("<") or (
+        filename.startswith(_STDLIB) and "-packages" not in filename)
+
+
+def _calling_site(frame) -> str:
+    """The innermost frame of ``frame``'s stack outside torch and the standard library, as
+    "file:first line function"."""
+    inner = frame
+    while frame is not None and _passed(frame.f_code.co_filename):
+        frame = frame.f_back
+    code = (frame or inner).f_code
+    return f"{code_site(code.co_filename, code.co_firstlineno)} {code.co_name}"
+
+
+@contextlib.contextmanager
+def sampled_step(folder: str | None, rank: int, step: int, on: bool):
+    """Inside: this thread sampled (``HostSampler``), its sites written as
+    ``folder/host-rank{rank}-step{step}.json``; nothing when not ``on``."""
+    if not on:
+        yield
+        return
+    with HostSampler() as sampler:
+        yield
+    os.makedirs(folder, exist_ok=True)
+    write_json_atomic(os.path.join(folder, f"host-rank{rank}-step{step}.json"),
+                      {"sampled_s": sampler.elapsed, "samples": sampler.samples,
+                       "seconds": sampler.seconds()})
 
 
 def kernel_class(name: str) -> str:

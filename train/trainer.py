@@ -42,7 +42,7 @@ from .distributed import (
     rank_device,
     side_groups,
 )
-from .trace import traced_step
+from .trace import sampled_step, traced_step
 from .train_log import (
     open_log,
     pipeline_record,
@@ -232,6 +232,7 @@ def train(cfg: TrainConfig, setup: Setup, engine: TrainEngine, first_step: int,
     flops = training_flops(setup.sizes)
     again = recompute_flops(setup.model.names, setup.model.analytic_work(),
                             setup.chosen.recompute)
+    # --trace: the second step under the profiler, the third's host sampled (HostSampler)
     traced = first_step + 1 if cfg.trace else None
     for step in range(first_step, setup.steps):
         start = time.perf_counter()
@@ -246,7 +247,9 @@ def train(cfg: TrainConfig, setup: Setup, engine: TrainEngine, first_step: int,
         tokens = torch.tensor([sum(h.supervised for h in hosts) if reads else 0])
         torch.distributed.all_reduce(tokens, group=setup.groups.world)
         load_s = time.perf_counter() - start
-        with traced_step(cfg.trace, engine.global_rank, step, setup.cuda, step == traced):
+        with traced_step(cfg.trace, engine.global_rank, step, setup.cuda, step == traced), \
+                sampled_step(cfg.trace, engine.global_rank, step,
+                             cfg.trace is not None and step == traced + 1):
             done = engine.step(inputs, hosts, int(tokens))
         times = done.times
         mine = rank_timing(rank=engine.global_rank, stage=engine.stage_id,
