@@ -43,9 +43,10 @@ timeout "$BENCH_S" python3 benchmarks/gpu_bench.py --json "$OUT/gpu.json" "${arg
     tee "$OUT/bench.log" | grep -v "^{" | tail -40
 stamp "bench done (rc ${PIPESTATUS[0]})"
 cp build/gpu_bench/run-balanced/pipeline.json "$OUT/pipeline-balanced.json" 2>/dev/null
-# the train logs, pipeline.json files and trace summaries in one archive (the device tool takes
-# back 8 files at most, each of limited size: a step's whole trace, ~20 MB gzipped, is not)
+# the train logs, pipeline.json files, trace summaries and host samples in one archive (the
+# device tool takes back 8 files at most, each of limited size: a step's whole trace, ~20 MB
+# gzipped, is not)
 tar czf "$OUT/runs.tgz" build/gpu_bench/run-*/train_log.jsonl build/gpu_bench/run-*.log \
     build/gpu_bench/run-*/pipeline.json build/gpu_bench/profile/profile.json \
-    build/gpu-trace/*/*-summary.json 2>/dev/null
+    build/gpu-trace/*/*-summary.json build/gpu-trace/*/host-*.json 2>/dev/null
 ls -la "$OUT"

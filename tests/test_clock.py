@@ -125,7 +125,7 @@ def test_the_clock_splits_a_step_by_part_with_recompute_apart(engine):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
-def test_host_time_tells_a_host_bound_part_from_a_device_bound_one():
+def test_host_time_on_cuda_tells_a_host_bound_part_from_a_device_bound_one():
     """On a GPU a part of a few long kernels takes the host far less time than the device; a
     part of many tiny kernels, launched one by one from Python, takes the host as long as the
     device (which waits for each launch). Each part starts on an idle device."""
