@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from vlmshard.model_sizes import ModelConfig, trainer_layer_work, training_flops
-from vlmshard.train.clock import HostSyncs, StageClock
+from vlmshard.train.clock import HostSyncs, StageClock, allocator_calls
 from vlmshard.train.micro import Micro, Phase
 from vlmshard.train.models.layers import LayerDef
 from vlmshard.train.pipeline import run_layers
@@ -146,6 +146,23 @@ def test_host_time_on_cuda_tells_a_host_bound_part_from_a_device_bound_one():
     times = clock.take()
     assert times.host["vit"] < 0.2 * times.parts["vit"], times
     assert times.host["llm"] > 0.8 * times.parts["llm"], times
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_allocator_calls_on_cuda_count_what_the_allocators_did():
+    """A block larger than any cached one is a device allocation, emptying the cache a free;
+    pinning a host block larger than any cached one a page-locked allocation, with its time."""
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    before = allocator_calls(device)
+    block = torch.empty(2**31 + 1, dtype=torch.uint8, device=device)
+    pinned = torch.empty(2**29 + 1, dtype=torch.uint8).pin_memory()
+    del block
+    torch.cuda.empty_cache()
+    made = {name: n - before[name] for name, n in allocator_calls(device).items()}
+    assert made["device_allocs"] >= 1 and made["device_frees"] >= 1, made
+    assert made["pinned_allocs"] >= 1 and made["pinned_alloc_s"] > 0, made
+    assert pinned.is_pinned()
 
 
 def test_overlapping_parts_sum_to_more_than_the_step():

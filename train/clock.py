@@ -251,18 +251,23 @@ class StageClock:
         return out
 
 
-# The caching allocator's own calls to the device, counted by ``torch.cuda.memory_stats``:
+# The caching allocators' own calls to CUDA, counted by ``torch.cuda.memory_stats``: device
 # allocations (cudaMalloc, or cuMemMap of expandable segments), frees (cudaFree or cuMemUnmap:
-# each waits for the device, unseen by the sync debug mode), and the cache flushes after a
-# failed allocation (``num_alloc_retries``). In a steady step all three should be 0.
+# each waits for the device, unseen by the sync debug mode), the cache flushes after a failed
+# allocation; and by ``torch.cuda.host_memory_stats`` the pinned host memory allocated (page
+# locking: milliseconds for a large block) and the seconds it took. In a steady step all are 0.
 ALLOCATOR_CALLS = {"device_allocs": "num_device_alloc", "device_frees": "num_device_free",
                    "alloc_retries": "num_alloc_retries"}
+PINNED_CALLS = {"pinned_allocs": ("num_host_alloc", 1), "pinned_alloc_s": (
+    "host_alloc_time.total", 1e-6)}  # microseconds
 
 
-def allocator_calls(device: torch.device) -> dict[str, int]:
-    """The allocator's counts (``ALLOCATOR_CALLS``) on ``device`` so far."""
+def allocator_calls(device: torch.device) -> dict[str, float]:
+    """The allocators' counts so far (``ALLOCATOR_CALLS`` on ``device``, ``PINNED_CALLS``)."""
     stats = torch.cuda.memory_stats(device)
-    return {name: int(stats.get(key, 0)) for name, key in ALLOCATOR_CALLS.items()}
+    pinned = torch.cuda.host_memory_stats()
+    return {**{name: stats.get(key, 0) for name, key in ALLOCATOR_CALLS.items()},
+            **{name: pinned.get(key, 0) * unit for name, (key, unit) in PINNED_CALLS.items()}}
 
 
 class HostSyncs:
