@@ -3,6 +3,7 @@ so small that the host's work is all there is: what a step pays in Python and di
 which on a GPU hides behind the kernels only while the device is slower.
 
     python benchmarks/host_overhead_bench.py [--family qwen3_vl] [--repeats 7] [--calls 200]
+    python benchmarks/host_overhead_bench.py --contention [--repeats 30]
 
 A tiny folder of the family (the tests' ``make_folder``: random weights, the family's real
 ``transformers`` modules), its first plain decoder layer, 16 tokens in two samples, one thread.
@@ -10,6 +11,13 @@ The modes run interleaved (each repeat runs every mode once, ``--calls`` times e
 median per call is printed beside the no-recompute median (``vlmshard.train.recompute``:
 ``full`` runs the forward again; ``selective`` runs every op through torch's selective
 checkpoint dispatch mode, in the forward and again in backward).
+
+``--contention``: the ViT's own host work for one micro-batch, before its first kernel (the
+patch positions, image boundaries and the resampled position table's indices and weights,
+computed by ``transformers.vision_utils`` as ``VisionGeometry`` and ``PositionedEmbedding`` call
+it; 11 images of 64×64 patches, Qwen3-VL-2B's 48×48 table), with one intra-op thread and with
+one per CPU, alone and beside as many busy processes as CPUs (a GPU rank's loader workers):
+what ``vlmshard.train.trainer.gpu_rank_threads`` is for.
 """
 
 from __future__ import annotations
@@ -31,7 +39,13 @@ def main() -> None:
     p.add_argument("--family", default="qwen3_vl", help="a family of the tests' tiny folders")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--calls", type=int, default=200, help="forward + backward calls per repeat")
+    p.add_argument("--contention", action="store_true",
+                   help="the ViT's per-micro-batch host work by thread count, beside busy "
+                        "processes")
     args = p.parse_args()
+    if args.contention:
+        contention(args.repeats)
+        return
 
     import torch
 
@@ -75,6 +89,51 @@ def main() -> None:
         median = statistics.median(seconds[mode])
         print(f"{mode or 'none':<10} {median * 1e3:7.3f} ms per forward + backward "
               f"({median / plain:.2f}x none)")
+
+
+def contention(repeats: int) -> None:
+    import subprocess
+
+    import torch
+    from transformers.vision_utils import (
+        get_vision_cu_seqlens,
+        get_vision_interpolation_indices_and_weights,
+        get_vision_position_ids,
+    )
+
+    from vlmshard.io import available_cpus
+
+    grids = torch.tensor([(1, 64, 64)] * 11)
+
+    def prepare() -> None:
+        get_vision_cu_seqlens(grids)
+        get_vision_position_ids(grids, 2)
+        get_vision_interpolation_indices_and_weights(grids, 48, mode="bilinear",
+                                                     align_corners=True, spatial_merge_size=2)
+
+    cpus = available_cpus()
+    print(f"the ViT's host work for 11 images of 64x64 patches, torch {torch.__version__}, "
+          f"{cpus} CPUs; median (max) of {repeats}")
+    for busy in (0, cpus):
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                    for _ in range(busy)]
+        try:
+            time.sleep(0.5)
+            for threads in sorted({1, cpus}):
+                torch.set_num_threads(threads)
+                for _ in range(3):
+                    prepare()
+                took = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    prepare()
+                    took.append(time.perf_counter() - start)
+                print(f"{threads:>2} threads, {busy} busy processes: "
+                      f"{statistics.median(took) * 1e3:7.1f} ms ({max(took) * 1e3:.1f})")
+        finally:
+            for spinner in spinners:
+                spinner.kill()
+                spinner.wait()
 
 
 if __name__ == "__main__":

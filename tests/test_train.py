@@ -835,3 +835,19 @@ def test_rank_threads_share_the_cpus_capped_by_omp_num_threads(monkeypatch):
     for ignored in ("", "0", "four"):
         monkeypatch.setenv("OMP_NUM_THREADS", ignored)
         assert cpu_threads_per_rank(2) == 4
+
+
+def test_a_gpu_rank_shares_the_cpus_with_its_loader_workers(monkeypatch):
+    """A GPU rank's intra-op threads: the node's CPUs over its ranks (``LOCAL_SIZE``) and each
+    rank's loader workers, counted by hand; at most ``OMP_NUM_THREADS``."""
+    from vlmshard.train.trainer import gpu_rank_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("vlmshard.io.available_cpus", lambda: 16)
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    assert [gpu_rank_threads(w) for w in (0, 4, 40)] == [16, 3, 1]  # 16//1, 16//5, 16//41
+    monkeypatch.setattr("vlmshard.io.available_cpus", lambda: 128)
+    monkeypatch.setenv("LOCAL_SIZE", "8")
+    assert [gpu_rank_threads(w) for w in (0, 4)] == [16, 3]  # 128//8, 128//40
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert gpu_rank_threads(0) == 1

@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import IO, TYPE_CHECKING, ContextManager, Iterator
 
+import vlmshard.io
 from vlmshard.errors import ConfigError, InputError
 from vlmshard.io import read_json, write_json_atomic
 from vlmshard.model_sizes import ModelConfig, training_flops
@@ -72,6 +73,17 @@ def cpu_threads_per_rank(processes: int) -> int:
     share = max(1, available_cpus() // processes)
     cap = os.environ.get("OMP_NUM_THREADS", "")
     return min(share, int(cap)) if cap.isdigit() and int(cap) > 0 else share
+
+
+def gpu_rank_threads(loader_workers: int) -> int:
+    """Intra-op threads for a GPU rank: its share of the node's CPUs, each of its loader workers
+    counted as a process beside it (``LOCAL_SIZE``: the ranks on this node, as DeepSpeed's
+    launcher sets it). A GPU rank's own CPU work is small and on the critical path: each
+    micro-batch's positions and boundaries, computed before its kernels launch. OpenMP threads
+    beyond the share wait for each other at barriers while the workers hold the cores
+    (``benchmarks/host_overhead_bench.py --contention``)."""
+    local = int(os.environ.get("LOCAL_SIZE", 1))
+    return cpu_threads_per_rank(local * (1 + loader_workers))
 
 
 def check_shards_fit(dataset, model) -> None:
@@ -159,8 +171,11 @@ def set_up(cfg: TrainConfig) -> Setup:
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 runs: TF32 tensor cores
         torch.backends.cudnn.allow_tf32 = True
+        torch.set_num_threads(gpu_rank_threads(cfg.loader_workers))
     else:
         torch.set_num_threads(cpu_threads_per_rank(cfg.pp * cfg.dp))
+    log.info("intra-op threads: %d (CPUs here: %d)", torch.get_num_threads(),
+             vlmshard.io.available_cpus())
     torch.manual_seed(cfg.seed)
     probe = ShardDataset(cfg.shards, 0, cfg.dp)
     if not cfg.model:  # the launcher resolves and checks it once, before starting the processes
