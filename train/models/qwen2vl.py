@@ -12,6 +12,7 @@ LLM takes mRoPE position ids [3, n], each packed sample's computed for it alone.
 from __future__ import annotations
 
 import functools
+import types
 from dataclasses import dataclass
 
 import torch
@@ -89,9 +90,10 @@ class VisionGeometry:
 
 
 class VisionEmbedding(HFLayer):
-    """The patch embedding; with ``patch_linear`` (``use_kernels``) ``transformers``' Conv3d,
-    whose stride is its kernel, runs as the matmul over each patch row it is, on the conv's own
-    weight."""
+    """The patch embedding. With ``patch_linear`` (``use_kernels``) the Conv3d of
+    ``transformers``' patch embedding, whose stride is its kernel, runs as the matmul over each
+    patch row it is, on its own weight (``_patch_matmul``); the conv is still called as a
+    module, so ZeRO-3 gathers its weight around the call."""
 
     def __init__(self, model: nn.Module, geometry: VisionGeometry) -> None:
         super().__init__(model, {"patch_embed": f"{VISION}.patch_embed"})
@@ -105,20 +107,22 @@ class VisionEmbedding(HFLayer):
                     proj.kernel_size, (0,) * 3, (1,) * 3, 1):
                 raise ValueError(f"{type(self.patch_embed).__name__}'s Conv3d is not one matmul "
                                  "per patch: --no-patch-linear")
+            proj.forward = types.MethodType(_patch_matmul, proj)
             self.linear = True
         super().use_kernels(kernels)
 
     def forward(self, micro: Micro) -> torch.Tensor:
-        if self.linear:
-            proj = self.patch_embed.proj
-            weight = proj.weight.flatten(1)  # [hidden, C·T·P·P]: a patch row's order
-            hidden = F.linear(micro.x.reshape(-1, weight.shape[1]).to(weight.dtype), weight,
-                              proj.bias)
-        else:
-            hidden = self.patch_embed(micro.x)
+        hidden = self.patch_embed(micro.x)
         if self.geometry.windowed:
             hidden = self.geometry.window_order(hidden, self.geometry.meta(micro).window_index)
         return hidden
+
+
+def _patch_matmul(conv: nn.Conv3d, patches: torch.Tensor) -> torch.Tensor:
+    """A Conv3d whose stride is its kernel, on [N, C, T, P, P] patches: one matmul on its own
+    weight, [N, out, 1, 1, 1] as the conv returns it."""
+    weight = conv.weight.flatten(1)  # [out, C·T·P·P]: a patch row's order
+    return F.linear(patches.reshape(len(patches), -1), weight, conv.bias)[:, :, None, None, None]
 
 
 class VisionBlock(HFLayer):
