@@ -62,18 +62,19 @@ def traced_step(folder: str | None, rank: int, step: int, cuda: bool, on: bool
 
 
 class HostSampler:
-    """Where one thread's Python is, read about every ``interval`` seconds from a daemon thread
-    (``sys._current_frames``: no tracing hook, so the sampled code runs at its own speed but
-    for the sampler's share of the GIL, one hand-over per sample). Each sample is charged the
-    time since the one before (the sampler waits for the GIL up to the interpreter's switch
-    interval while the thread runs Python, not while it waits in C), at the innermost frame
-    outside torch and the standard library: the code that called into them, as "file:first
-    line function" (``seconds``, most first). A sampling profiler's view of the host: which of our, DeepSpeed's or
-    ``transformers``' functions a step's host time goes to."""
+    """Where the thread that made it runs Python, read about every ``interval`` seconds from a
+    daemon thread (``sys._current_frames``: no tracing hook, so the sampled code runs at its
+    own speed but for the sampler's share of the GIL, one hand-over per sample). Each sample is
+    charged the time since the one before (the sampler waits for the GIL up to the
+    interpreter's switch interval while the thread runs Python, not while it waits in C), at
+    the innermost frame outside torch and the standard library: the code that called into
+    them, as "file:first line function" (``seconds``, most first). A sampling profiler's view
+    of the host: which of our, DeepSpeed's or ``transformers``' functions a step's host time
+    goes to."""
 
-    def __init__(self, interval: float = 1e-3, thread: int | None = None) -> None:
+    def __init__(self, interval: float = 1e-3) -> None:
         self.interval = interval
-        self.thread = threading.get_ident() if thread is None else thread
+        self.thread = threading.get_ident()
         self.time: defaultdict[str, float] = defaultdict(float)
         self.samples = 0
         self._stop = threading.Event()
