@@ -79,3 +79,32 @@ def test_a_changed_norm_mask_is_refused(monkeypatch):
     monkeypatch.delattr(stage3, "mask_nan_or_inf_with_val_inplace")
     with pytest.raises(DeepSpeedCompatError, match=r"stage3 no longer has mask_nan_or_inf"):
         deepspeed_compat.fewer_host_syncs()
+
+
+def test_zero3_linear_under_selective_recompute_gives_the_plain_gradients(monkeypatch):
+    """A biased linear on a [batch, tokens, features] input, then an elementwise op whose
+    backward reads the linear's output, recomputed selectively (``recompute.run_layer``: the
+    matmul's output kept). With DeepSpeed's ZeRO-3 linear the recompute adds the bias twice and
+    the gradients are off; with ``zero3_linear_bias_out_of_place`` they are plain torch's."""
+    import torch
+    import torch.nn.functional as F
+    from deepspeed.runtime.zero import linear
+
+    from vlmshard.train.recompute import run_layer
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 5, 8)
+
+    def grads() -> list[torch.Tensor]:
+        layer.zero_grad()
+        run_layer(lambda inp: torch.tanh(layer(inp)), x, "selective").square().sum().backward()
+        return [layer.weight.grad.clone(), layer.bias.grad.clone()]
+
+    plain = grads()
+    monkeypatch.setattr(F, "linear", linear.zero3_linear_wrap)  # as ZeRO-3's engine leaves it
+    assert not all(torch.allclose(a, b) for a, b in zip(grads(), plain))
+    deepspeed_compat.zero3_linear_bias_out_of_place()
+    assert F.linear is not linear.zero3_linear_wrap
+    for a, b in zip(grads(), plain):
+        torch.testing.assert_close(a, b)

@@ -120,16 +120,23 @@ def test_sequence_parallel_steps_train_as_the_hf_model_at_each_zero_stage_and_re
                                              model.geometry.pixel_rows_per_tile)
         assert log[step]["loss"] == pytest.approx(total / tokens, rel=1e-5), (step,
                                                                               degrees[step])
-    # ZeRO-3 (parameters gathered as each layer runs) killed and resumed, and ZeRO-2 (gradient
-    # buckets filled as gradients get ready): the same losses as the pipeline engine's ZeRO-1,
-    # though shares without media or supervised tokens run beside shares with them
+    # ZeRO-3 (every weight split, gathered as each layer runs and again where backward
+    # recomputes it, wholly or selectively; the tiny model's weights would all stay gathered
+    # under DeepSpeed's default threshold) killed and resumed, and ZeRO-2 (gradient buckets
+    # filled as gradients get ready): the same losses as the pipeline engine's ZeRO-1, though
+    # shares without media or supervised tokens run beside shares with them
     crashed = tmp_path / "crashed"
     logged = lambda: (crashed / "train_log.jsonl").read_text().count("\n") if (  # noqa: E731
         crashed / "train_log.jsonl").exists() else 0
-    kill_9_when("train", *common, "--zero", "3", "--checkpoint-every", "2", "--out",
+    zero3 = ["--zero", "3", "--zero3-persistence-threshold", "0", "--recompute", "vit_block_0",
+             "llm_block_1", "--selective", "llm_block_0"]
+    kill_9_when("train", *common, *zero3, "--checkpoint-every", "2", "--out",
                 str(crashed), ready=lambda: logged() >= 3, timeout=600, session=True)
     assert 3 <= logged() < steps, "the run ended before its kill"
-    vlmshard("train", *common, "--zero", "3", "--resume", str(crashed))
+    said = vlmshard("train", *common, *zero3, "--resume", str(crashed))
+    assert ("ZeRO-3: 0 weights of 0 elements stay gathered on every rank "
+            "(--zero3-persistence-threshold); the other 100.0% of the elements are split"
+            ) in said.stdout + said.stderr
     resumed = _log(crashed / "train_log.jsonl")
     assert [r["step"] for r in resumed] == list(range(steps))
     assert [r["sp"] for r in resumed] == degrees[:steps]

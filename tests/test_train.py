@@ -488,11 +488,20 @@ def test_engine_bytes_counts_each_storage_once_by_what_holds_it():
 def test_zero_2_and_3_need_one_stage():
     from vlmshard.errors import ConfigError
     from vlmshard.train.config import TrainConfig
+    from vlmshard.train.engine import deepspeed_config
 
     with pytest.raises(ConfigError, match="DeepSpeed's pipeline engine takes ZeRO-1 only"):
         TrainConfig(shards="s", out="o", pp=2, zero=3)
     with pytest.raises(ConfigError, match="--zero takes 1, 2 or 3"):
         TrainConfig(shards="s", out="o", zero=4)
+    for zero, threshold in ((2, 0), (3, -1)):
+        with pytest.raises(ConfigError, match="--zero3-persistence-threshold takes a number of "
+                                              f"elements, at least 0, with --zero 3; got "
+                                              f"{threshold} with --zero {zero}"):
+            TrainConfig(shards="s", out="o", zero=zero, zero3_persistence_threshold=threshold)
+    assert deepspeed_config(TrainConfig(shards="s", out="o", zero=3,
+                                        zero3_persistence_threshold=0), gas=1)[
+        "zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 0}
 
 
 @pytest.mark.slow(minutes=1.2)

@@ -36,6 +36,12 @@ class TrainConfig:
                 "bf16; the only stage DeepSpeed's pipeline engine takes); 2 also the gradients "
                 "and 3 also the parameters, at --pp 1, through DeepSpeed's plain engine (each "
                 "rank loads the whole model once, then ZeRO-3 partitions it)")
+    zero3_persistence_threshold: int | None = option(
+        None, help="under --zero 3, weights of at most this many elements stay gathered on "
+                   "every rank through forward and backward instead of being gathered around "
+                   "each use (DeepSpeed's stage3_param_persistence_threshold: fewer, smaller "
+                   "collectives for norms and biases; their memory is not split); 0 splits "
+                   "every weight", default_text="DeepSpeed's, 100000")
     lr: float = option(1e-5, help="AdamW peak learning rate (fine-tuning a pretrained "
                                   "checkpoint; a tiny model trained from scratch wants ~1e-3)")
     lr_scheduler_type: SchedulerName = option(
@@ -137,6 +143,11 @@ class TrainConfig:
             raise ConfigError(f"--zero {self.zero} shards what pipeline stages already split: "
                               "DeepSpeed's pipeline engine takes ZeRO-1 only; use --pp 1 "
                               "(data parallel alone) or --zero 1")
+        if self.zero3_persistence_threshold is not None and (
+                self.zero != 3 or self.zero3_persistence_threshold < 0):
+            raise ConfigError("--zero3-persistence-threshold takes a number of elements, at "
+                              f"least 0, with --zero 3; got {self.zero3_persistence_threshold}"
+                              f" with --zero {self.zero}")
         if self.warmup_steps < 0 or (self.warmup_steps >= 1
                                      and self.warmup_steps != int(self.warmup_steps)):
             raise ConfigError("--warmup-steps takes a whole number of steps or a fraction in "

@@ -5,7 +5,8 @@ layers by index: vlmshard overrides ``_partition_layers`` and reads the attribut
 are private, so a DeepSpeed release may rename them; ``check_compatible`` fails loudly, naming
 the release and the tested range, before anything is built (``setup.cfg`` pins the same range).
 ``fewer_host_syncs`` replaces one helper of DeepSpeed's gradient-norm code with one that does
-the same without making the host wait.
+the same without making the host wait; ``zero3_linear_bias_out_of_place`` replaces ZeRO-3's
+linear with one that leaves the matmul's output as it was made.
 """
 
 from __future__ import annotations
@@ -103,3 +104,30 @@ def fewer_host_syncs() -> None:
                 f"{name} no longer has mask_nan_or_inf_with_val_inplace; "
                 "train/deepspeed_compat.py needs updating")
         module.mask_nan_or_inf_with_val_inplace = mask_non_finite
+
+
+def zero3_linear_bias_out_of_place() -> None:
+    """After a ZeRO-3 engine is built: DeepSpeed's ``torch.nn.functional.linear`` (its
+    "memory-efficient" linear, which saves the weight itself for backward and gathers it again
+    there, rather than keep a gathered copy alive) with the bias added out of place. DeepSpeed's
+    adds the bias in place into the matmul's output, which selective recompute keeps from the
+    forward (``vlmshard.train.recompute``): the recompute added the bias a second time, and
+    every layer after a biased linear got wrong gradients (tests/test_groups_train.py)."""
+    import torch
+    from deepspeed.runtime.zero import linear
+
+    if torch.nn.functional.linear is not linear.zero3_linear_wrap:
+        return  # not DeepSpeed's (memory_efficient_linear off), or replaced already
+
+    class OutOfPlaceBias(linear.LinearFunctionForZeroStage3):
+        @staticmethod
+        def forward(input, weight, bias=None):
+            if input.dim() == 2 and bias is not None:
+                return torch.addmm(bias, input, weight.t())
+            output = input.matmul(weight.t())
+            return output if bias is None else output + bias
+
+    def zero3_linear(input, weight, bias=None):
+        return OutOfPlaceBias.apply(input, weight, bias)
+
+    torch.nn.functional.linear = zero3_linear

@@ -22,7 +22,7 @@ import torch
 from .clock import HostSyncs, StageClock, StageTimes, allocator_calls
 from .config import TrainConfig
 from .data_parallel import VLMModel, train_batch
-from .deepspeed_compat import fewer_host_syncs
+from .deepspeed_compat import fewer_host_syncs, zero3_linear_bias_out_of_place
 from .default_partition import ChosenPartition
 from .engine_memory import engine_bytes, on_first_step
 from .hf_model import ModelLayers
@@ -55,6 +55,9 @@ def deepspeed_config(cfg: TrainConfig, gas: int) -> dict:
         config["zero_optimization"] = {"stage": 1}
     if cfg.zero > 1:  # the plain engine (--pp 1); torch's AdamW is a "client" optimizer to it
         config["zero_optimization"] = {"stage": cfg.zero}
+        if cfg.zero3_persistence_threshold is not None:
+            config["zero_optimization"]["stage3_param_persistence_threshold"] = \
+                cfg.zero3_persistence_threshold
         config["zero_allow_untested_optimizer"] = True
     return config
 
@@ -237,6 +240,19 @@ class PipelineEngine(TrainEngine):
 
 class DataParallelEngine(TrainEngine):
     """DeepSpeed's plain engine over ``VLMModel``: one stage, ZeRO-2 or ZeRO-3."""
+
+    def __init__(self, cfg: TrainConfig, *args, **kwargs) -> None:
+        super().__init__(cfg, *args, **kwargs)
+        if cfg.zero == 3:
+            zero3_linear_bias_out_of_place()
+            # what DeepSpeed split, and what it keeps whole on every rank
+            kept = [int(p.ds_numel) for p in self.net.parameters()
+                    if getattr(p, "ds_persist", False)]
+            numel = sum(int(p.ds_numel) for p in self.net.parameters())
+            log.info("ZeRO-3: %d weights of %d elements stay gathered on every rank "
+                     "(--zero3-persistence-threshold); the other %.1f%% of the elements are "
+                     "split over the ranks and gathered around each use", len(kept), sum(kept),
+                     100 * (1 - sum(kept) / numel))
 
     def _module(self, model, chosen, device, topology) -> VLMModel:
         net = VLMModel(model, self.loss, device=device, dtype=self.cfg.dtype,

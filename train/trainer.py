@@ -68,9 +68,7 @@ def cpu_threads_per_rank(processes: int) -> int:
     """Intra-op threads for one of ``processes`` ranks sharing this machine's CPUs: more would
     oversubscribe the cores and make every rank's time depend on its neighbours'.
     ``OMP_NUM_THREADS``, where set, caps it (the machine is shared with other jobs)."""
-    from vlmshard.io import available_cpus
-
-    share = max(1, available_cpus() // processes)
+    share = max(1, vlmshard.io.available_cpus() // processes)
     cap = os.environ.get("OMP_NUM_THREADS", "")
     return min(share, int(cap)) if cap.isdigit() and int(cap) > 0 else share
 
