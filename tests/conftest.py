@@ -55,7 +55,8 @@ def _stop_ray(temp_dir: str) -> None:
             p.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(list(procs.values()), timeout=15)
+    # a few seconds: some of Ray's processes never exit on SIGTERM (a teardown waited out 15 s)
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=3)
     for p in alive:
         try:
             p.kill()
