@@ -117,7 +117,7 @@ def expected_minutes(item) -> float:
 
 def pytest_collection_modifyitems(items: list) -> None:
     """The longest tests first, the rest in their order: ``make test``'s workers take the next
-    test as each finishes (``--dist load --maxschedchunk 1``), so both start on the long
-    launches and end on short tests, not one worker alone in a long launch while the other
-    idles (the tail of a run in collection order was 16 of its 23 minutes)."""
+    test as each finishes (``--dist load --maxschedchunk 1``), so all start on the long
+    launches and end on short tests, not one worker alone in a long launch while the others
+    idle (the tail of a run in collection order was 16 of its 23 minutes)."""
     items.sort(key=lambda item: -expected_minutes(item))
