@@ -30,7 +30,7 @@ import shlex
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, parse_python
 from vlmshard.cli import parse
 from vlmshard.config import load_config
 
@@ -107,8 +107,7 @@ def _script_flags(script: str) -> frozenset[str]:
     path = os.path.join(REPO, script)
     paths, flags = [path], set()
     while paths:
-        with open(paths.pop(), encoding="utf-8") as f:
-            tree = ast.parse(f.read())
+        tree = parse_python(paths.pop())
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
                 flags |= {a.value for a in node.args if isinstance(a, ast.Constant)

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, parse_python
 
 # Lower layers never import higher ones, nor a sibling of their own layer: the shared helpers
 # (layer 0, the torch-free cost code and the train-log reader among them) are below every stage;
@@ -63,8 +63,7 @@ def _modules():
 
 def _imports(module: str, path: str, is_package: bool):
     """Absolute names of everything ``path`` imports."""
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), path)
+    tree = parse_python(path)
     package = module if is_package else module.rpartition(".")[0]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

@@ -13,7 +13,7 @@ import sys
 import pytest
 from packaging.utils import canonicalize_name
 
-from helpers import REPO
+from helpers import REPO, parse_python
 
 SCRIPT = os.path.join(REPO, "scripts", "wheelhouse.py")
 sys.path.insert(0, os.path.dirname(SCRIPT))
@@ -39,8 +39,7 @@ def _imported_modules() -> set[str]:
     for folder in FOLDERS:
         for dirpath, _, files in os.walk(os.path.join(REPO, folder)):
             for name in (n for n in files if n.endswith(".py")):
-                with open(os.path.join(dirpath, name), encoding="utf-8") as f:
-                    tree = ast.parse(f.read())
+                tree = parse_python(os.path.join(dirpath, name))
                 for node in ast.walk(tree):
                     if isinstance(node, ast.Import):
                         found |= {alias.name for alias in node.names}
