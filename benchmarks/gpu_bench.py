@@ -295,10 +295,9 @@ def profile_kinds(args, setup: dict, device_bytes: int | None) -> dict:
 
     out = os.path.join(args.work, "profile")
     run_profile(ProfileConfig(shards=setup["shards"]["balanced"], out=out, model=setup["model"],
-                              pp=1, dp=1,
+                              pp=1, dp=1, micro_batches=2 if args.smoke else args.micro_batches,
                               # --smoke: two micro-batches, one timed run of each layer on each
-                              **({"micro_batches": 2, "repeats": 1, "warmup": 0} if args.smoke
-                                 else {"micro_batches": args.micro_batches}),
+                              **({"repeats": 1, "warmup": 0} if args.smoke else {}),
                               **({"memory_budget": device_bytes} if device_bytes else {})))
     profile = read_json(os.path.join(out, "profile.json"))
     return {"dir": out, "flops_per_s": sustained_flops_per_s(
