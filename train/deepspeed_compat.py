@@ -112,7 +112,8 @@ def zero3_linear_bias_out_of_place() -> None:
     there, rather than keep a gathered copy alive) with the bias added out of place. DeepSpeed's
     adds the bias in place into the matmul's output, which selective recompute keeps from the
     forward (``vlmshard.train.recompute``): the recompute added the bias a second time, and
-    every layer after a biased linear got wrong gradients (tests/test_groups_train.py)."""
+    the gradients through a biased linear on a 3-D input (Qwen2's q/k/v; a 2-D input takes
+    ``addmm``, untouched) were wrong (tests/test_groups_train.py)."""
     import torch
     from deepspeed.runtime.zero import linear
 
