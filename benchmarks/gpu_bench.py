@@ -234,6 +234,9 @@ def train_plan(args, setup: dict, algo: str, run: str | None = None, **options) 
                                                              selective),
             "host_syncs_per_step": statistics.median(syncs) if syncs else None,
             "host_sync_sites": sync_sites(kept),
+            # with --compile-blocks, torch.compile's compilations so far at each step's end
+            "compilations": [max((x["compilations"] for x in r["ranks"] if "compilations" in x),
+                                 default=None) for r in records],
             "loss": [r["loss"] for r in records],
             "trace": traced(cfg.trace),
             "partition": pipeline.get("partition_source", ""),
@@ -609,6 +612,9 @@ def table(result: dict) -> str:
         if r["allocator_calls"]:
             lines.append(f"{algo} allocator per step: " + ", ".join(
                 f"{name} {n:g}" for name, n in r["allocator_calls"].items()))
+        if any(n is not None for n in r.get("compilations", ())):
+            lines.append(f"{algo} torch.compile compilations so far, by step: "
+                         + ", ".join(str(n) for n in r["compilations"]))
     return "\n".join(lines)
 
 

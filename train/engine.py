@@ -26,6 +26,7 @@ from .deepspeed_compat import fewer_host_syncs, zero3_linear_bias_out_of_place
 from .default_partition import ChosenPartition
 from .engine_memory import engine_bytes, on_first_step
 from .hf_model import ModelLayers
+from .kernels import COMPILES
 from .micro import HostMeta
 from .pipeline import AveTokenLoss, VLMPipeline, no_inputs
 from .save import save_hf, save_hf_data_parallel
@@ -183,6 +184,8 @@ class TrainEngine(ABC):
             extra["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
             extra["allocator_calls"] = {name: n - allocator[name] for name, n in
                                         allocator_calls(self.device).items()}
+        if self.cfg.compile_blocks:
+            extra["compilations"] = COMPILES.total
         if syncs.enabled:
             extra["host_syncs"] = syncs.count
             extra["host_sync_sites"] = dict(syncs.sites.most_common())

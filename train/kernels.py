@@ -12,11 +12,12 @@
   transformers#45750). The same arithmetic in another order (on by default on CUDA; on CPU
   oneDNN's conv is fast, and the CPU tests hold the layers to the model's own op).
 - ``compile_blocks``: regional ``torch.compile`` of the repeated blocks (each ViT block's and
-  decoder layer's ``transformers`` module, in place: its weights keep their names), the packed
-  row dimension marked dynamic so a new packed length does not recompile. The attention
-  backends registered in ``attention`` run outside the graph (their host lengths would be
-  guarded on). Every compilation in the process is counted and logged (``CompileCount``); one
-  frame compiled more than ``max_recompiles`` times is a warning: shapes are recompiling.
+  decoder layer's ``transformers`` module, in place: its weights keep their names), with
+  dynamic shapes from the first compilation, so a new packed length does not recompile. The
+  attention backends registered in ``attention`` run outside the graph (their host lengths
+  would be guarded on). Every compilation in the process is counted and logged
+  (``CompileCount``); one frame compiled more than ``max_recompiles`` times is a warning:
+  shapes are recompiling.
 - ``liger``: Liger Kernel's fused RMSNorm, gated-MLP and rotary kernels in each layer
   (``vlmshard.train.models.liger``; CUDA only).
 """
@@ -27,7 +28,6 @@ import logging
 import re
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -52,17 +52,19 @@ class Kernels:
 
 def compile_block(module: nn.Module, kernels: Kernels) -> None:
     """Compile ``module`` in place (``nn.Module.compile``) and count the process's
-    compilations."""
+    compilations. ``dynamic=True``: the graph breaks at the attention call resume in frames
+    whose locals (the attention's output, the input's shape as numbers) no mark on the block's
+    input reaches; left to dynamo's automatic dynamic shapes, each such frame compiled once
+    more at the second packed length (and, on a GPU, up to 6 times more). The weights' shapes
+    stay static (``force_parameter_static_shapes``), so the hidden sizes do too. No duck
+    sizing (process-wide): two inputs' sizes that happen to be equal at the first compilation
+    (the image boundaries and the rotary table's width, say) would be one symbol, and a
+    micro-batch where they differ would compile again."""
+    import torch.fx.experimental._config as fx_config
+
     COMPILES.watch(kernels.max_recompiles)
-    module.compile(backend=kernels.compile_backend)
-
-
-def dynamic(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """``t``, its packed dimension ``dim`` marked dynamic for ``torch.compile`` (a new packed
-    length then reuses the graph; where the graph fixes it, it is fixed without error); a
-    no-op in eager."""
-    torch._dynamo.maybe_mark_dynamic(t, dim)
-    return t
+    fx_config.use_duck_shape = False
+    module.compile(backend=kernels.compile_backend, dynamic=True)
 
 
 class CompileCount:

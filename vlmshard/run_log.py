@@ -18,6 +18,8 @@ also logs ``peak_memory_bytes`` and ``peak_reserved_bytes`` (the allocator's pea
 step: ``max_memory_allocated``, which pipeline.json's predicted peak is checked against, and
 ``max_memory_reserved``) and, when counted, ``host_syncs`` with ``host_sync_sites`` (each
 "file:line" that made the host wait, and how often: ``vlmshard.train.clock.HostSyncs``).
+With ``--compile-blocks`` a rank logs ``compilations``: ``torch.compile``'s compilations in
+its process so far (``vlmshard.train.kernels.CompileCount``); a steady run stops adding to it.
 The first step after a start or resume also has, per rank, ``engine_bytes``:
 the bytes of the tensors the DeepSpeed engine holds at its first optimizer update, counted once
 per storage (``vlmshard.train.engine_memory``): ``{"weights", "gradients", "optimizer",

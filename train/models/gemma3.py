@@ -22,7 +22,6 @@ import functools
 import torch
 from torch import nn
 
-from ..kernels import dynamic
 from ..micro import Micro, Phase
 from .layers import (
     DecoderLayer,
@@ -87,8 +86,7 @@ class GemmaDecoderLayer(DecoderLayer):
         positions = micro.position_ids[None]
         rope = micro.cached(f"text_rope_{self.kind}",
                             lambda: self.rotary(micro.x[None], positions, self.kind))
-        out = self.layer(dynamic(micro.x[None], 1), attention_mask=None,
-                         position_embeddings=tuple(dynamic(t, 1) for t in rope),
+        out = self.layer(micro.x[None], attention_mask=None, position_embeddings=rope,
                          use_cache=False, **micro.text_spans(bidirectional_images=True).kwargs())
         return (out[0] if isinstance(out, tuple) else out)[0]
 

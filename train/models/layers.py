@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from vlmshard.model_sizes import LOSS_CHUNK
 from vlmshard.preprocess.tokenize import IGNORE_INDEX
 
-from ..kernels import Kernels, compile_block, dynamic
+from ..kernels import Kernels, compile_block
 from ..micro import CARRIED, TOKENS, LayerOutput, Micro, Phase
 from . import liger
 
@@ -145,8 +145,7 @@ class DecoderLayer(HFLayer):
         """The ``transformers`` layer on the packed tokens: the new hidden states."""
         positions = micro.position_ids[..., None, :]  # a batch of one: [1, n] or [3, 1, n]
         rope = micro.cached("text_rope", lambda: self.rotary(micro.x[None], positions))
-        out = self.layer(dynamic(micro.x[None], 1), attention_mask=None,
-                         position_embeddings=tuple(dynamic(t, 1) for t in rope),
+        out = self.layer(micro.x[None], attention_mask=None, position_embeddings=rope,
                          use_cache=False, **micro.text_spans().kwargs())
         return (out[0] if isinstance(out, tuple) else out)[0]
 

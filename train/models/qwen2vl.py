@@ -25,7 +25,7 @@ from transformers.vision_utils import (
 )
 
 from ..attention import PACKED_ONE_CALL, Spans, from_host
-from ..kernels import Kernels, dynamic
+from ..kernels import Kernels
 from ..micro import Micro, Phase
 from .layers import (
     Detached,
@@ -150,14 +150,13 @@ class VisionBlock(HFLayer):
         meta = self.geometry.meta(micro)
         spans = meta.images if self.full else meta.windows
         if self.one_call or micro.backend == "flash":  # the boundaries to the kernel, at once
-            kwargs = {"cu_seqlens": dynamic(spans.cu_seqlens), "max_seqlen": spans.max_len}
+            kwargs = {"cu_seqlens": spans.cu_seqlens, "max_seqlen": spans.max_len}
             if self.one_call:
                 kwargs["packed_spans"] = spans
         else:  # transformers runs SDPA on each segment alone; the boundaries on the host, as
             # it reads the segment lengths back (no device sync)
             kwargs = {"cu_seqlens": spans.host_cu_seqlens}
-        rope = tuple(dynamic(t) for t in meta.rope)
-        return self.block(dynamic(micro.x), position_embeddings=rope, **kwargs)
+        return self.block(micro.x, position_embeddings=meta.rope, **kwargs)
 
 
 class Merger(HFLayer):
