@@ -352,3 +352,21 @@ def test_rotary_tables_move_to_the_device_of_their_input():
     cos, sin = rotary(torch.zeros(1, 5, 32, device="meta"), torch.arange(5, device="meta")[None])
     assert rotary.module.inv_freq.device.type == "meta" and cos.device.type == "meta"
     assert cos.shape == want[0].shape and sin.shape == want[1].shape
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_zero3_weights_are_the_hf_models(family, tmp_path):
+    """The weights ZeRO-3 splits, counted from the layer map, are the ``transformers`` model's
+    own: all its parameters (a tied head's once), those at most a threshold, and the most one
+    module holds itself."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    folder = make_folder(family, str(tmp_path / "model"))
+    with torch.device("meta"):
+        hf = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(folder))
+    sizes = [p.numel() for p in hf.parameters()]  # each once, a tied one too
+    threshold = sorted(sizes)[len(sizes) // 2]
+    got = model_layers(folder).zero3_weights(threshold)
+    assert (got.total, got.persistent, got.largest_module) == (
+        sum(sizes), sum(n for n in sizes if n <= threshold),
+        max(sum(p.numel() for p in m.parameters(recurse=False)) for m in hf.modules()))

@@ -13,10 +13,16 @@ from hf_reference import FAMILIES, make_folder
 
 from vlmshard.families import model_sizes, presets, tiny_folder
 from vlmshard.model_sizes import (
+    ZERO3_MAX_REUSE_DISTANCE,
+    ZERO3_PERSISTENCE_THRESHOLD,
+    ZERO3_PREFETCH_BUCKET,
+    ZERO3_REDUCE_BUCKET,
     LLMConfig,
     ModelConfig,
+    Zero3Weights,
     layer_work,
     trainer_layer_work,
+    zero3_fixed_bytes,
 )
 
 # Qwen3-VL's published ViT and rotary settings, the same in every size
@@ -181,3 +187,30 @@ def test_published_configs_read_with_transformers_defaults(name, preset, window,
     if preset:
         assert sizes.llm == presets()[preset].llm and sizes.vision == presets()[preset].vision
         assert sizes.tokens_per_tile == presets()[preset].tokens_per_tile == 256
+
+
+def test_zero3_settings_are_deepspeeds_defaults():
+    """The trainer leaves these at DeepSpeed's defaults; the memory model charges them."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    c = DeepSpeedZeroConfig()
+    assert (c.reduce_bucket_size, c.prefetch_bucket_size, c.max_reuse_distance,
+            c.param_persistence_threshold) == (ZERO3_REDUCE_BUCKET, ZERO3_PREFETCH_BUCKET,
+                                               ZERO3_MAX_REUSE_DISTANCE,
+                                               ZERO3_PERSISTENCE_THRESHOLD)
+
+
+def test_zero3_fixed_bytes_by_hand():
+    """A Qwen2.5-VL-7B-like model at DP=8 in bf16 (8e9 weights, 1e6 of them under the
+    threshold, the 152,064 x 3,584 embedding the largest module), and a model smaller than
+    the reuse distance, which stays gathered whole."""
+    big = Zero3Weights(8_000_000_000, 1_000_000, 152_064 * 3_584)
+    assert zero3_fixed_bytes(big, "bf16", 8) == {
+        "reduce_bucket": 1_000_000_000,  # 5e8 elements
+        "gathered": 2 * (1_000_000_000 + 50_000_000 + 544_997_376),  # reuse + prefetch + embed
+        "gradient": 2 * 544_997_376,
+        "persistent": 1_750_000}  # 2 bytes x 1e6, less this rank's eighth
+    small = Zero3Weights(3_000_000, 0, 1_000_000)
+    assert zero3_fixed_bytes(small, "fp32", 2) == {
+        "reduce_bucket": 2_000_000_000, "gathered": 12_000_000, "gradient": 4_000_000,
+        "persistent": 0}

@@ -433,7 +433,11 @@ def test_engine_holds_what_the_memory_model_charges_per_parameter(small_shards, 
     plain engine under ZeRO-2 and ZeRO-3. The bytes each rank's engine holds for its
     parameters, counted from its tensors at the first optimizer update, are the memory model's
     bytes per parameter times its parameters, within 2%; ZeRO-3 also keeps one reduce bucket of
-    DeepSpeed's default size, which is not per parameter."""
+    DeepSpeed's default size, which is not per parameter. ZeRO-3, every weight split (threshold
+    0), 2 steps: in the second (the first traces the module order and releases each weight
+    after use) every weight of this small model stays gathered from its use in the forward to
+    its use in the backward, well within DeepSpeed's reuse distance: the whole model in bf16 at
+    once, which the memory model charges beside the bucket."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     from vlmshard.model_sizes import bytes_per_param
@@ -442,10 +446,13 @@ def test_engine_holds_what_the_memory_model_charges_per_parameter(small_shards, 
     params = {}
     for pp, zero in ((2, 1), (1, 2), (1, 3)):
         out = tmp_path / f"pp{pp}-zero{zero}"
+        split = ["--max-steps", "2", "--zero3-persistence-threshold", "0"] if zero == 3 else \
+            ["--max-steps", "1"]
         vlmshard("train", "--config", CONFIG, "--shards", small_shards, "--pp", str(pp),
-                 "--dp", "2", "--zero", str(zero), "--precision", "bf16", "--max-steps", "1",
+                 "--dp", "2", "--zero", str(zero), "--precision", "bf16", *split,
                  "--no-save-checkpoints", "--out", str(out))
-        ranks = _log(out / "train_log.jsonl")[0]["ranks"]
+        log = _log(out / "train_log.jsonl")
+        ranks = log[0]["ranks"]
         assert len(ranks) == pp * 2
         for rank in ranks:
             held = rank["engine_bytes"]
@@ -454,6 +461,14 @@ def test_engine_holds_what_the_memory_model_charges_per_parameter(small_shards, 
             assert held["total"] == held["weights"] + held["gradients"] + held["optimizer"]
             assert held["buckets"] == (bucket if zero == 3 else 0), (pp, zero, rank)
             params[pp, zero, rank["stage"]] = held["params"]
+        memory = json.loads((out / "pipeline.json").read_text())["stages"][0]["memory"]
+        if zero == 3:
+            whole = 2 * held["params"]  # every weight gathered, in bf16
+            assert [r["zero3_gathered_peak_bytes"] for r in log[1]["ranks"]] == [whole] * 2
+            assert (memory["zero3_reduce_bucket"], memory["zero3_gathered"]) == (bucket, whole)
+            assert memory["zero3_persistent"] == 0
+        else:
+            assert not any(part.startswith("zero3") for part in memory)
     # ZeRO-3's bytes are per parameter of the whole model, which every rank counts
     assert params[1, 2, 0] == params[1, 3, 0] > max(params[2, 1, 0], params[2, 1, 1])
 

@@ -23,7 +23,7 @@ import logging
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import islice
 from typing import TYPE_CHECKING
 
@@ -31,7 +31,12 @@ import numpy as np
 
 from vlmshard.errors import ConfigError
 from vlmshard.hardware import GPUS, SUSTAINED_SHARE, gpu_named
-from vlmshard.model_sizes import Size, bytes_per_param
+from vlmshard.model_sizes import (
+    ZERO3_PERSISTENCE_THRESHOLD,
+    Size,
+    bytes_per_param,
+    zero3_fixed_bytes,
+)
 from vlmshard.partition import (
     Machine,
     PartitionError,
@@ -138,6 +143,15 @@ def choose_partition(cfg: TrainConfig, model: "ModelLayers", device: Device | No
     stage's predicted peak. Raises ConfigError where the search finds no partition that fits."""
     mean, caps = shard_sizes(cfg.shards, cfg.dp)
     machine, flops_per_s, where = device_machine(device, ranks_on_node)
+    fixed = zero3_fixed(cfg, model)
+    if fixed:  # what ZeRO-3 holds whatever the layers: the layers' search gets the rest
+        held = sum(fixed.values())
+        if held >= machine.memory_budget:
+            raise ConfigError(
+                f"ZeRO-3's buffers and gathered weights ({held / 2**30:.2f} GiB: "
+                f"{', '.join(f'{k} {v / 2**30:.2f}' for k, v in fixed.items())}) leave "
+                f"nothing of {where} for the layers")
+        machine = replace(machine, memory_budget=machine.memory_budget - held)
     layers = analytic_layer_costs(
         model.analytic_work(), time_size=mean, memory_size=caps, flops_per_s=flops_per_s,
         bytes_per_param=bytes_per_param(cfg.precision, cfg.dp, cfg.grad_accum, cfg.zero))
@@ -168,11 +182,24 @@ def choose_partition(cfg: TrainConfig, model: "ModelLayers", device: Device | No
         parts = stage_memory_parts(layers, first, end, len(bounds) - 1 - s,
                                    sorted(i for i in again if first <= i < end),
                                    sorted(i for i in partly if first <= i < end))
+        parts.update({f"zero3_{name}": n for name, n in fixed.items()})
         memory.append({**parts, "predicted_peak_bytes": sum(parts.values())})
-    over = [s for s, m in enumerate(memory) if m["predicted_peak_bytes"] > machine.memory_budget]
+    budget = machine.memory_budget + sum(fixed.values())
+    over = [s for s, m in enumerate(memory) if m["predicted_peak_bytes"] > budget]
     if over:
         log.warning("the partition %s is predicted to need %s GiB on stage(s) %s, above the "
                     "%.2f GiB the memory model leaves a stage of %s", bounds,
                     ", ".join(f"{memory[s]['predicted_peak_bytes'] / 2**30:.2f}" for s in over),
-                    over, machine.memory_budget / 2**30, where)
-    return ChosenPartition(bounds, recompute, source, selective, memory, machine.memory_budget)
+                    over, budget / 2**30, where)
+    return ChosenPartition(bounds, recompute, source, selective, memory, budget)
+
+
+def zero3_fixed(cfg: TrainConfig, model: "ModelLayers") -> dict[str, int]:
+    """What a ZeRO-3 rank holds beyond the layers' parameters and activations, by part
+    (``model_sizes.zero3_fixed_bytes``); nothing for the other stages."""
+    if cfg.zero != 3:
+        return {}
+    threshold = cfg.zero3_persistence_threshold
+    weights = model.zero3_weights(ZERO3_PERSISTENCE_THRESHOLD if threshold is None
+                                  else threshold)
+    return zero3_fixed_bytes(weights, cfg.precision, cfg.dp)

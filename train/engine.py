@@ -24,7 +24,7 @@ from .config import TrainConfig
 from .data_parallel import VLMModel, train_batch
 from .deepspeed_compat import fewer_host_syncs, zero3_linear_bias_out_of_place
 from .default_partition import ChosenPartition
-from .engine_memory import engine_bytes, on_first_step
+from .engine_memory import GatheredWeights, engine_bytes, on_first_step
 from .hf_model import ModelLayers
 from .kernels import COMPILES
 from .micro import HostMeta
@@ -91,6 +91,7 @@ class TrainEngine(ABC):
         self.micro_batches = micro_batches
         self.cuda = device.type == "cuda"
         self.clock = StageClock(self.cuda)
+        self.gathered: GatheredWeights | None = None  # ZeRO-3's, for its first steps
         self.loss = AveTokenLoss()
         self.net = self._module(model, chosen, device, topology)
         trained = [p for p in self.net.parameters() if p.requires_grad]
@@ -189,6 +190,8 @@ class TrainEngine(ABC):
         if syncs.enabled:
             extra["host_syncs"] = syncs.count
             extra["host_sync_sites"] = dict(syncs.sites.most_common())
+        if self.gathered is not None and (peak := self.gathered.take()) is not None:
+            extra["zero3_gathered_peak_bytes"] = peak
         if self._held:
             extra["engine_bytes"] = dict(self._held)
             self._held.clear()
@@ -256,6 +259,7 @@ class DataParallelEngine(TrainEngine):
                      "(--zero3-persistence-threshold); the other %.1f%% of the elements are "
                      "split over the ranks and gathered around each use", len(kept), sum(kept),
                      100 * (1 - sum(kept) / numel))
+            self.gathered = GatheredWeights(self.net)
 
     def _module(self, model, chosen, device, topology) -> VLMModel:
         net = VLMModel(model, self.loss, device=device, dtype=self.cfg.dtype,

@@ -140,3 +140,37 @@ def on_first_step(optimizer, measure) -> None:
         measure()
 
     handle = optimizer.register_step_post_hook(hook)
+
+
+class GatheredWeights:
+    """The most bytes of ZeRO-3's split weights gathered whole at once in each of a run's first
+    ``steps`` steps (what ``model_sizes.zero3_fixed_bytes`` charges as ``gathered``): sampled
+    as every module's forward starts and ends (after DeepSpeed's own hooks gather or release)
+    and as each weight's gradient lands. The first step traces DeepSpeed's module order and
+    releases every weight after its use; the second runs as every later one. Then the hooks
+    go: each sample walks every weight."""
+
+    def __init__(self, module, steps: int = 2) -> None:
+        self.split = [p for p in module.parameters() if not getattr(p, "ds_persist", False)]
+        self.peak = 0
+        self.left = steps
+        self.handles = []
+        for m in module.modules():
+            self.handles += [m.register_forward_pre_hook(self.sample),
+                             m.register_forward_hook(self.sample)]
+        self.handles += [p.register_post_accumulate_grad_hook(self.sample)
+                         for p in self.split if p.requires_grad]
+
+    def sample(self, *_) -> None:
+        # a split weight's own data is empty but where it is gathered
+        self.peak = max(self.peak, sum(p.data.numel() * p.element_size() for p in self.split))
+
+    def take(self) -> int | None:
+        """The step's peak (and the next step starts afresh); None after the first ``steps``."""
+        if not self.left:
+            return None
+        peak, self.peak, self.left = self.peak, 0, self.left - 1
+        if not self.left:
+            for handle in self.handles:
+                handle.remove()
+        return peak

@@ -21,7 +21,7 @@ from torch import nn
 
 from vlmshard.families import family_for_model_type, model_sizes, read_model_folder
 from vlmshard.io import read_json
-from vlmshard.model_sizes import LayerWork, trainer_layer_work
+from vlmshard.model_sizes import LayerWork, Zero3Weights, trainer_layer_work
 
 from .attention import implementation, supports_runs
 from .kernels import Kernels
@@ -69,6 +69,20 @@ class ModelLayers:
     def parameter_count(self, index: int) -> int:
         """Layer ``index``'s parameters, counted on the meta model (nothing allocated)."""
         return sum(p.numel() for p in self.defs[index].build(self.meta).parameters())
+
+    def zero3_weights(self, persistence_threshold: int) -> Zero3Weights:
+        """The weights as ZeRO-3 splits them (``model_sizes.zero3_fixed_bytes``), counted on
+        the meta model: every layer's once (a tied head is the embedding's), those of at most
+        ``persistence_threshold`` elements, and the most one module holds itself."""
+        layers = [d.build(self.meta) for i, d in enumerate(self.defs) if self.first_of_tie(i)]
+        sizes, largest = {}, 0  # numel by parameter (each once), while ``layers`` holds them
+        for module in (m for layer in layers for m in layer.modules()):
+            own = {id(p): p.numel() for p in module.parameters(recurse=False)}
+            largest = max(largest, sum(own.values()))
+            sizes.update(own)
+        return Zero3Weights(sum(sizes.values()),
+                            sum(n for n in sizes.values() if n <= persistence_threshold),
+                            largest)
 
     @functools.cached_property
     def checkpoint(self) -> Checkpoint:

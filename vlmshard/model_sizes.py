@@ -258,8 +258,8 @@ def bytes_per_param(precision: str = "bf16", dp: int = 1, grad_accum: str = "fp3
     holds through backward and at the optimizer update (``deepspeed_config`` picks the
     optimizer; ``vlmshard.train.engine_memory`` counts the engine's tensors to check this).
     ``dp`` is the data-parallel degree ZeRO splits over. With ``zero=3`` the weights are split
-    too: the bytes are per parameter of the whole model, not of one rank's partition. Not
-    included: ZeRO's reduce buckets (fixed sizes, not per parameter) and the copies a gradient
+    too: the bytes are per parameter of the whole model, not of one rank's partition; what
+    ZeRO-3 holds beyond them is ``zero3_fixed_bytes``. Not included: the copies a gradient
     reduction or flattening makes for a moment.
 
     - fp32, ZeRO-1: the trainer configures no ZeRO in fp32, so DeepSpeed steps torch's AdamW
@@ -291,6 +291,49 @@ def bytes_per_param(precision: str = "bf16", dp: int = 1, grad_accum: str = "fp3
     if zero == 2:
         return 2 + 16 / dp
     return (2 + accum + 4 + 12) / dp
+
+
+# DeepSpeed's ZeRO-3 settings the trainer leaves at their defaults (deepspeed.runtime.zero.config,
+# checked against it by tests/test_model_sizes.py), in elements
+ZERO3_REDUCE_BUCKET = 500_000_000  # reduce_bucket_size
+ZERO3_PREFETCH_BUCKET = 50_000_000  # stage3_prefetch_bucket_size
+ZERO3_MAX_REUSE_DISTANCE = 1_000_000_000  # stage3_max_reuse_distance
+ZERO3_PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold
+
+
+@dataclass(frozen=True)
+class Zero3Weights:
+    """What ZeRO-3's fixed costs depend on, in elements of the trained weights: all of them,
+    those at most the persistence threshold (kept whole on every rank), and the largest set one
+    module holds itself (ZeRO-3 gathers a module's own weights together)."""
+
+    total: int
+    persistent: int
+    largest_module: int
+
+
+def zero3_fixed_bytes(weights: Zero3Weights, precision: str = "bf16",
+                      dp: int = 1) -> dict[str, int]:
+    """Bytes a ZeRO-3 rank holds beyond ``bytes_per_param`` times the parameters, which counts
+    every weight split over the ``dp`` ranks, by part:
+
+    - ``reduce_bucket``: the gradient reduce buffer, allocated whole for the run whatever the
+      model's size (``engine_memory`` counts it apart, as ``buckets``);
+    - ``gathered``: weights gathered whole around their use. A released module's weights stay
+      gathered where the trace uses them again within the reuse distance, so at once at most
+      that distance's worth, the prefetched bucket and the running module's own: at the turn
+      from forward to backward, the last layers of the forward (a small model's every weight);
+    - ``gradient``: the largest module's whole gradient, before the reduce bucket takes it;
+    - ``persistent``: the weights under the persistence threshold, kept whole on every rank
+      where ``bytes_per_param`` charged each rank its split.
+    """
+    width = 2 if precision == "bf16" else 4
+    split = weights.total - weights.persistent
+    gathered = min(split, ZERO3_MAX_REUSE_DISTANCE + ZERO3_PREFETCH_BUCKET
+                   + weights.largest_module)
+    return {"reduce_bucket": ZERO3_REDUCE_BUCKET * width, "gathered": gathered * width,
+            "gradient": weights.largest_module * width,
+            "persistent": int(width * weights.persistent * (1 - 1 / dp))}
 
 
 @dataclass(frozen=True)

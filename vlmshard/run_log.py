@@ -27,13 +27,18 @@ per storage (``vlmshard.train.engine_memory``): ``{"weights", "gradients", "opti
 weights, moments and DeepSpeed's flat buffers) is what ``model_sizes.bytes_per_param`` times
 ``params`` (the trained parameters the rank's stage holds; ZeRO-3: the whole model's) predicts;
 ``buckets`` are ZeRO's fixed-size reduce buckets and ``other`` the rest the engine reaches
-(module buffers, the pipeline's micro-batch buffers), neither in ``total``.
+(module buffers, the pipeline's micro-batch buffers), neither in ``total``. Under ZeRO-3 the
+first two steps also have, per rank, ``zero3_gathered_peak_bytes``: the most bytes of split
+weights gathered whole at once in the step (``vlmshard.train.engine_memory.GatheredWeights``;
+the second step is the steady one), which pipeline.json's ``zero3_gathered`` bounds.
 
 ``pipeline.json`` says what the stages held, each stage's predicted peak memory by part at the
 caps, and where that partition came from (``{"model", "partition_source",
 "memory_budget_bytes", "stages": [{"stage", "layers", "recompute", "memory": {"params",
-"activations", "rebuilt", "transient", "predicted_peak_bytes"}}]}``): what a replay of the run
-(``vlmshard.simulate.replay``) needs besides the log.
+"activations", "rebuilt", "transient", "predicted_peak_bytes"}}]}``; under ZeRO-3 the memory
+also has what it holds whatever the layers, ``zero3_reduce_bucket``, ``zero3_gathered``,
+``zero3_gradient`` and ``zero3_persistent``: ``model_sizes.zero3_fixed_bytes``): what a
+replay of the run (``vlmshard.simulate.replay``) needs besides the log.
 """
 
 from __future__ import annotations
