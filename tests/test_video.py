@@ -11,6 +11,8 @@ from __future__ import annotations
 import io
 import json
 import math
+import subprocess
+import sys
 
 import av
 import numpy as np
@@ -52,11 +54,22 @@ def test_probe_counts_what_decoding_every_frame_finds(container):
     assert header.frames == len(frames) == 13
     assert (header.width, header.height) == (96, 64) == frames[0].shape[1::-1]
     assert header.fps == pytest.approx(6)
-    again = make_clip(_photo(), clip)  # same arguments, same bytes
-    if again != data:  # rare, under load, cause unknown: say which encode and frames differ
-        third = make_clip(_photo(), clip)
-        pytest.fail("same arguments, different bytes; each encode's packet sizes: "
-                    + " / ".join(str(_packet_sizes(d)) for d in (data, again, third)))
+
+
+@pytest.mark.parametrize("container", ["mp4", "mkv", "webm", "avi"])
+def test_a_clip_is_the_same_bytes_from_every_fresh_process(container):
+    """Same arguments, same bytes, as the demo data's rerun needs: each encode in a process of
+    its own. (Two encodes in one long-lived pytest worker differed twice in about 16 suite
+    runs, never in isolation or in 800 back-to-back encodes under load; cause unknown, so this
+    test does not rest on a worker's state. On a difference it says from which packet.)"""
+    code = ("import sys; from PIL import Image; from skimage import data; "
+            "from vlmshard.preprocess.clips import Clip, make_clip; "
+            "sys.stdout.buffer.write(make_clip(Image.fromarray(data.astronaut()), Clip("
+            f"frames=13, fps=6, width=96, height=64, container={container!r})))")
+    first, second = (subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                    check=True).stdout for _ in range(2))
+    assert first, "no clip written"
+    assert first == second, f"packet sizes {_packet_sizes(first)} / {_packet_sizes(second)}"
 
 
 def _packet_sizes(data: bytes) -> list[int]:
