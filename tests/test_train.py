@@ -256,7 +256,7 @@ def test_without_a_partition_a_run_takes_the_search_over_analytic_costs(small_sh
     stage 0's send of its output at the caps), which every cut costed here by hand, from
     ``layer_work`` and the loader's own batches, confirms; each stage's predicted peak is the
     sum of its parts. With memory for no cut at all, the run is refused in one line naming the
-    stage and the bytes."""
+    stage and the bytes, or under ZeRO-3 what it holds whatever the layers."""
     from vlmshard.families import model_sizes
     from vlmshard.model_sizes import ACTIVATION_BYTES, layer_work
     from vlmshard.partition import Machine
@@ -312,6 +312,11 @@ def test_without_a_partition_a_run_takes_the_search_over_analytic_costs(small_sh
     with pytest.raises(ConfigError, match=r"do not fit 1 B: no partition into 2 stage\(s\) "
                                           r"fits: stage 0 \(layer \w+ alone\) needs [\d.]+ GiB"):
         dp.choose_partition(cfg, model, None, 2)
+    # ZeRO-3's fixed costs first: its 1 GB reduce bucket alone leaves nothing of the device
+    zero3 = TrainConfig(shards=small_shards, out="unused", dp=2, zero=3, precision="bf16")
+    with pytest.raises(ConfigError, match=r"ZeRO-3 holds 0\.9\d GiB beyond each weight's split "
+                                          r"\(reduce_bucket 0\.93, .*\): it leaves nothing of 1 B"):
+        dp.choose_partition(zero3, model, None, 2)
 
 
 def _log(path) -> list[dict]:

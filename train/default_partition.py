@@ -146,12 +146,13 @@ def choose_partition(cfg: TrainConfig, model: "ModelLayers", device: Device | No
     fixed = zero3_fixed(cfg, model)
     if fixed:  # what ZeRO-3 holds whatever the layers: the layers' search gets the rest
         held = sum(fixed.values())
+        said = (f"ZeRO-3 holds {held / 2**30:.2f} GiB beyond each weight's split ("
+                + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in fixed.items()) + " GiB)")
         if held >= machine.memory_budget:
-            raise ConfigError(
-                f"ZeRO-3's buffers and gathered weights ({held / 2**30:.2f} GiB: "
-                f"{', '.join(f'{k} {v / 2**30:.2f}' for k, v in fixed.items())}) leave "
-                f"nothing of {where} for the layers")
+            raise ConfigError(f"{said}: it leaves nothing of {where} for the layers")
         machine = replace(machine, memory_budget=machine.memory_budget - held)
+        log.info("%s; the layers get the other %.2f GiB of %s", said,
+                 machine.memory_budget / 2**30, where)
     layers = analytic_layer_costs(
         model.analytic_work(), time_size=mean, memory_size=caps, flops_per_s=flops_per_s,
         bytes_per_param=bytes_per_param(cfg.precision, cfg.dp, cfg.grad_accum, cfg.zero))
