@@ -54,8 +54,9 @@ def compile_block(module: nn.Module, kernels: Kernels) -> None:
     """Compile ``module`` in place (``nn.Module.compile``) and count the process's
     compilations. ``dynamic=True``: the graph breaks at the attention call resume in frames
     whose locals (the attention's output, the input's shape as numbers) no mark on the block's
-    input reaches; left to dynamo's automatic dynamic shapes, each such frame compiled once
-    more at the second packed length (and, on a GPU, up to 6 times more). The weights' shapes
+    input reaches; left to dynamo's automatic dynamic shapes, each such frame compiled again
+    at the second packed length (on the H200, with more causes unknown, one frame 7 times in
+    all). The weights' shapes
     stay static (``force_parameter_static_shapes``), so the hidden sizes do too. No duck
     sizing (process-wide): two inputs' sizes that happen to be equal at the first compilation
     (the image boundaries and the rotary table's width, say) would be one symbol, and a
