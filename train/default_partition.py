@@ -143,16 +143,7 @@ def choose_partition(cfg: TrainConfig, model: "ModelLayers", device: Device | No
     stage's predicted peak. Raises ConfigError where the search finds no partition that fits."""
     mean, caps = shard_sizes(cfg.shards, cfg.dp)
     machine, flops_per_s, where = device_machine(device, ranks_on_node)
-    fixed = zero3_fixed(cfg, model)
-    if fixed:  # what ZeRO-3 holds whatever the layers: the layers' search gets the rest
-        held = sum(fixed.values())
-        said = (f"ZeRO-3 holds {held / 2**30:.2f} GiB beyond each weight's split ("
-                + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in fixed.items()) + " GiB)")
-        if held >= machine.memory_budget:
-            raise ConfigError(f"{said}: it leaves nothing of {where} for the layers")
-        machine = replace(machine, memory_budget=machine.memory_budget - held)
-        log.info("%s; the layers get the other %.2f GiB of %s", said,
-                 machine.memory_budget / 2**30, where)
+    machine, fixed = less_zero3_fixed(cfg, model, machine, where)
     layers = analytic_layer_costs(
         model.analytic_work(), time_size=mean, memory_size=caps, flops_per_s=flops_per_s,
         bytes_per_param=bytes_per_param(cfg.precision, cfg.dp, cfg.grad_accum, cfg.zero))
@@ -195,12 +186,23 @@ def choose_partition(cfg: TrainConfig, model: "ModelLayers", device: Device | No
     return ChosenPartition(bounds, recompute, source, selective, memory, budget)
 
 
-def zero3_fixed(cfg: TrainConfig, model: "ModelLayers") -> dict[str, int]:
-    """What a ZeRO-3 rank holds beyond the layers' parameters and activations, by part
-    (``model_sizes.zero3_fixed_bytes``); nothing for the other stages."""
+def less_zero3_fixed(cfg: TrainConfig, model: "ModelLayers", machine: Machine,
+                     where: str) -> tuple[Machine, dict[str, int]]:
+    """``machine`` with what a ZeRO-3 rank holds whatever the layers taken from its budget (the
+    layers are fitted into the rest), and that by part (``model_sizes.zero3_fixed_bytes``;
+    nothing for the other stages). ``where``: the device in words, for the log and the error
+    where nothing is left."""
     if cfg.zero != 3:
-        return {}
+        return machine, {}
     threshold = cfg.zero3_persistence_threshold
-    weights = model.zero3_weights(ZERO3_PERSISTENCE_THRESHOLD if threshold is None
-                                  else threshold)
-    return zero3_fixed_bytes(weights, cfg.precision, cfg.dp)
+    fixed = zero3_fixed_bytes(model.zero3_weights(
+        ZERO3_PERSISTENCE_THRESHOLD if threshold is None else threshold), cfg.precision, cfg.dp)
+    held = sum(fixed.values())
+    said = (f"ZeRO-3 holds {held / 2**30:.2f} GiB beyond each weight's split ("
+            + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in fixed.items()) + " GiB)")
+    if held >= machine.memory_budget:
+        raise ConfigError(f"{said}: it leaves nothing of {where} for the layers")
+    machine = replace(machine, memory_budget=machine.memory_budget - held)
+    log.info("%s; the layers get the other %.2f GiB of %s", said, machine.memory_budget / 2**30,
+             where)
+    return machine, fixed

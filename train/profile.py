@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -50,7 +50,7 @@ from vlmshard.stage import Result
 from .attention import choose_backend
 from .clock import Mark
 from .config import ProfileConfig
-from .default_partition import zero3_fixed
+from .default_partition import less_zero3_fixed
 from .hf_model import ModelLayers, model_layers
 from .kernels import Kernels
 from .launcher import model_folder
@@ -131,9 +131,7 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
         machine = Machine.for_device(parse_size(cfg.memory_budget), cfg.link_bytes_per_s)
     except ValueError as e:  # a budget the CUDA context and buffers take whole
         raise ConfigError(f"--memory-budget {cfg.memory_budget}: {e}") from e
-    # what ZeRO-3 holds whatever the layers (as the trainer's own search counts it)
-    machine = replace(machine, memory_budget=machine.memory_budget
-                      - sum(zero3_fixed(cfg, model).values()))
+    machine, _ = less_zero3_fixed(cfg, model, machine, f"--memory-budget {cfg.memory_budget}")
     try:
         partitions = compare_partitions(profile.layers, cfg.pp, machine)
     except PartitionError as e:
