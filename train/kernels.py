@@ -56,11 +56,10 @@ def compile_block(module: nn.Module, kernels: Kernels) -> None:
     whose locals (the attention's output, the input's shape as numbers) no mark on the block's
     input reaches; left to dynamo's automatic dynamic shapes, each such frame compiled again
     at the second packed length (on the H200, with more causes unknown, one frame 7 times in
-    all). The weights' shapes
-    stay static (``force_parameter_static_shapes``), so the hidden sizes do too. No duck
-    sizing (process-wide): two inputs' sizes that happen to be equal at the first compilation
-    (the image boundaries and the rotary table's width, say) would be one symbol, and a
-    micro-batch where they differ would compile again."""
+    all). The weights' shapes stay static (``force_parameter_static_shapes``), so the hidden
+    sizes do too. No duck sizing (process-wide): two inputs' sizes that happen to be equal at
+    the first compilation (the image boundaries and the rotary table's width, say) would be
+    one symbol, and a micro-batch where they differ would compile again."""
     import torch.fx.experimental._config as fx_config
 
     COMPILES.watch(kernels.max_recompiles)

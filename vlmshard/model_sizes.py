@@ -327,7 +327,7 @@ def zero3_fixed_bytes(weights: Zero3Weights, precision: str = "bf16",
     - ``persistent``: the weights under the persistence threshold, kept whole on every rank
       where ``bytes_per_param`` charged each rank its split.
     """
-    width = 2 if precision == "bf16" else 4
+    width = ACTIVATION_BYTES if precision == "bf16" else FP32
     split = weights.total - weights.persistent
     gathered = min(split, ZERO3_MAX_REUSE_DISTANCE + ZERO3_PREFETCH_BUCKET
                    + weights.largest_module)
