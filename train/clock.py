@@ -21,8 +21,6 @@ builds.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 import sys
 import time
@@ -276,8 +274,8 @@ class HostSyncs:
     accelerator, counted): the synchronizing CUDA calls ``torch.cuda``'s sync debug mode warns
     at (a ``.item()``, a copy from the device, a pageable copy to it), and
     ``torch.cuda.synchronize``, counted by wrapping it while inside (the mode sees it on some
-    torch versions and not on others, naming the line in ``synchronize`` that calls the device:
-    reports of that line are dropped, so each call counts once, at its caller). A no-op when
+    torch versions and not on others: what it reports during the wrapped call is dropped, so
+    each call counts once, at its caller). A no-op when
     not ``enabled``; off CUDA only ``synchronize`` calls are counted."""
 
     def __init__(self, enabled: bool) -> None:
@@ -294,9 +292,12 @@ class HostSyncs:
             self._synchronize = torch.cuda.synchronize
 
             def counted(*args, **kwargs):
+                reported = len(self._caught) if self._debug else 0
                 try:
                     return self._synchronize(*args, **kwargs)
                 finally:
+                    if self._debug:  # the mode's own report of this call (torch 2.11)
+                        del self._caught[reported:]
                     self.sites[_caller(sys._getframe(1))] += 1
 
             torch.cuda.synchronize = counted
@@ -311,25 +312,14 @@ class HostSyncs:
         if self._debug:
             torch.cuda.set_sync_debug_mode("default")
             self._warnings.__exit__(*exc)
-            wrapped = _device_calls(self._synchronize)
-            self.sites.update(site for w in self._caught if "synchronizing" in str(w.message)
-                              and (site := code_site(w.filename, w.lineno)) not in wrapped)
+            self.sites.update(code_site(w.filename, w.lineno) for w in self._caught
+                              if "synchronizing" in str(w.message))
         if self.enabled:
             torch.cuda.synchronize = self._synchronize
 
 
 # frames a synchronisation passes through on its way from the code that asked for it
 _PASSED = (f"{os.sep}torch{os.sep}", f"{os.sep}deepspeed{os.sep}accelerator{os.sep}")
-
-
-@functools.cache
-def _device_calls(synchronize) -> frozenset[str]:
-    """The sites in ``torch.cuda.synchronize``'s own source that call the device
-    (``_cuda_synchronize``): where the sync debug mode reports a call the wrapper counted."""
-    lines, first = inspect.getsourcelines(synchronize)
-    path = inspect.getsourcefile(synchronize)
-    return frozenset(code_site(path, first + i) for i, line in enumerate(lines)
-                     if "_cuda_synchronize" in line)
 
 
 def _caller(frame) -> str:

@@ -104,7 +104,9 @@ class TrainConfig:
                    "releases", default_text="on with CUDA")
     compile_blocks: bool = option(
         False, help="torch.compile each ViT block and decoder layer (regional compilation), "
-                    "the packed length dynamic; the compilations are counted in the log")
+                    "the packed length dynamic; the compilations are counted in the log. "
+                    "Inductor then fuses the blocks' norms, activations and rotary embeddings "
+                    "in place of Liger's kernels, which stay in the other layers")
     max_recompiles: int = option(
         4, help="with --compile-blocks, warn when torch.compile compiles one frame more than "
                 "this many times again: a block kind compiles each frame at most twice (fixed "

@@ -187,6 +187,9 @@ def set_up(cfg: TrainConfig) -> Setup:
         backend = "varlen"
     model = model_layers(cfg.model, backend, Kernels.of(cfg))
     log.info("attention backend: %s (vlmshard.train.attention)", model.backend)
+    if cfg.compile_blocks and cfg.liger:
+        log.info("--compile-blocks: Inductor fuses the compiled blocks' norms, activations and "
+                 "rotary embeddings; Liger's kernels run in the layers not compiled")
     check_shards_fit(probe, model)
     check_model(model, probe.manifest, pp=cfg.pp, dp=cfg.dp)
     make_groups(degrees)  # a collective: every rank, the same degrees

@@ -50,11 +50,14 @@ class HFLayer(nn.Module):
 
     def use_kernels(self, kernels: Kernels) -> None:
         """Take the optional kernels ``kernels`` switches on (``vlmshard.train.kernels``), once
-        loaded: here, Liger's kernels, then the regional compile of ``repeated``."""
-        if kernels.liger:
-            liger.fuse(self, getattr(self, self.repeated) if self.repeated else None)
+        loaded: the regional compile of ``repeated``, else Liger's kernels. A compiled block
+        gets Inductor's fusion of its norms, activations and rotary embeddings instead of
+        Liger's: Liger's autograd functions in a compiled block that is recomputed stop Dynamo
+        (torch 2.11 on an H200, at the decoder layers' first norm)."""
         if kernels.compile_blocks and self.repeated:
             compile_block(getattr(self, self.repeated), kernels)
+        elif kernels.liger:
+            liger.fuse(self, getattr(self, self.repeated) if self.repeated else None)
 
     def hf_name(self, local: str) -> str:
         """The checkpoint name of this layer's tensor ``local``."""
