@@ -6,8 +6,8 @@
 #   2. the CUDA cases of the numerical tests (attention backends, one-call ViT, Liger's
 #      kernels, host syncs);
 #   3. gpu_bench.py with the given arguments (default: the balanced plan at the first H100 run's
-#      sizes with a trace and a host-sampled step, again with whole recompute, the profile and
-#      its replay), its JSON written after each phase.
+#      sizes with a trace and a host-sampled step, again with its blocks compiled, the profile
+#      and its replay), its JSON written after each phase.
 #
 # Everything lands in $OUT (default build/gpu-session): logs, nvidia-smi, the bench's JSON, and
 # the runs' logs with the trace summaries, gzipped. Each step is bounded by `timeout`, so a hang
@@ -37,10 +37,11 @@ timeout "$TESTS_S" python3 -m pytest -q -p no:cacheprovider -p no:xdist -o addop
 
 stamp gpu_bench
 args=("$@")
-# default: where the step's time goes (the traced and host-sampled steps), whole recompute
-# beside selective, then the profile and the simulator's replay; the peers: add --baseline
+# default: where the step's time goes (the traced step by part and kernel class, the
+# host-sampled step), the blocks compiled beside Liger's kernels, then the profile and the
+# simulator's replay; the peers: add --baseline
 [ ${#args[@]} -eq 0 ] && args=(--target-samples 4 --steps 6 --warmup 2 --plans balanced
-                              --ab full_recompute --trace build/gpu-trace)
+                              --ab compiled --trace build/gpu-trace)
 timeout "$BENCH_S" python3 benchmarks/gpu_bench.py --json "$OUT/gpu.json" "${args[@]}" 2>&1 |
     tee "$OUT/bench.log" | grep -v "^{" | tail -40
 stamp "bench done (rc ${PIPESTATUS[0]})"

@@ -41,6 +41,7 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
     (``--baseline``, the Hugging Face Trainer's runs, is not run here: on CPU its packed step
     builds a dense mask over the micro-batch and takes minutes.)"""
     import json
+    from collections import Counter
 
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_bench.py"),
@@ -78,7 +79,18 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
     assert run["hfu"] >= run["mfu"]
     trace = tmp_path / "trace" / "balanced" / "trace-rank0-step1.json"
     with open(trace, encoding="utf-8") as f:
-        assert json.load(f)["traceEvents"]
+        events = json.load(f)["traceEvents"]
+    # every layer ran in its range (what charges a GPU trace's kernels to the parts), the
+    # recomputed ones twice
+    ranges = Counter(e["name"] for e in events if e.get("cat") == "user_annotation"
+                     and e["name"].startswith("vlmshard::"))
+    run_folder = tmp_path / "work" / "run-balanced"
+    traced = json.loads((run_folder / "train_log.jsonl").read_text().splitlines()[1])
+    micro_batches = sum(len(d["micro_sizes"]) for d in traced["data"])
+    for stage in json.loads((run_folder / "pipeline.json").read_text())["stages"]:
+        for name in stage["layers"]:
+            again = name in stage["recompute"] or name in stage["selective"]
+            assert ranges[f"vlmshard::{name}"] == micro_batches * (1 + again), (name, ranges)
     # its summary (no device work on CPU), and the counted synchronize calls' sites
     assert run["trace"]["file"] == str(trace)
     assert run["trace"]["device_span_s"] == 0

@@ -11,6 +11,8 @@ import torch
 
 from vlmshard.train.trace import (
     HostSampler,
+    annotated,
+    by_part,
     host_while_idle,
     kernel_class,
     sampled_step,
@@ -40,6 +42,8 @@ def test_summary_of_a_hand_written_trace(tmp_path):
     assert [(k["class"], k["calls"], k["s"]) for k in summary["top_kernels"]] == [
         ("gemm", 2, 25e-6), ("attention", 1, 8e-6)]
     assert summary["host_syncs"] == {"cudaStreamSynchronize": {"calls": 1, "s": 4e-6}}
+    # no layer ranges, no launches: nothing is charged to a part
+    assert summary["by_part"] == {"unattributed": summary["by_class"]}
 
 
 def test_kernel_classes_of_names_seen_on_an_h200():
@@ -93,6 +97,63 @@ def test_idle_device_time_goes_to_what_the_launching_thread_ran():
     assert idle == pytest.approx({"aten::nonzero": 15e-6, "aten::linear": 8e-6,
                                   "autograd::engine::evaluate_function: MmBackward0": 20e-6,
                                   "(python)": 7e-6 + 20e-6})
+
+
+def test_kernels_go_to_the_part_whose_layer_launched_them_or_made_their_node():
+    """Thread 1 runs a ViT block's range [0, 100) and an LLM block's [100, 200); thread 2 (the
+    autograd engine) runs backward nodes and an LLM block's recompute range [400, 450). Charged
+    by hand: a kernel launched in a range, to its part; one launched by a node, to the part of
+    the forward op with the node's sequence number (7: made in the ViT; 9: made in the ViT on
+    thread 1 and in the LLM's recompute on thread 2, so the thread with the most ranges, thread
+    1, decides: ViT); one launched by the optimizer, or by a node no layer made (11),
+    unattributed."""
+    import pytest
+
+    def kernel(name, dur, correlation):
+        return {"cat": "kernel", "name": name, "ts": 1000 + correlation, "dur": dur,
+                "args": {"correlation": correlation}}
+
+    def launch(tid, ts, correlation):
+        return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1,
+                "tid": tid, "args": {"correlation": correlation}}
+
+    def span(tid, name, ts, dur, cat="user_annotation", **args):
+        return {"cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+    node = "autograd::engine::evaluate_function: MmBackward0"
+    events = [span(1, "vlmshard::vit_block_0", 0, 100), span(1, "vlmshard::llm_block_3", 100, 100),
+              span(2, "vlmshard::llm_block_3", 400, 50),
+              span(1, "aten::mm", 10, 5, "cpu_op", **{"Sequence number": 7}),
+              span(1, "aten::mul", 50, 5, "cpu_op", **{"Sequence number": 9}),
+              span(2, "aten::mul", 410, 5, "cpu_op", **{"Sequence number": 9}),
+              span(2, node, 300, 50, "cpu_op", **{"Sequence number": 7}),
+              span(2, node, 360, 20, "cpu_op", **{"Sequence number": 9}),
+              span(2, node, 500, 20, "cpu_op", **{"Sequence number": 11}),
+              launch(1, 20, 1), launch(1, 120, 2), launch(2, 310, 3), launch(2, 370, 4),
+              launch(2, 420, 5), launch(2, 510, 6), launch(1, 600, 7),
+              kernel("nvjet_tst", 10, 1), kernel("vectorized_elementwise_kernel", 3, 2),
+              kernel("nvjet_tst", 20, 3), kernel("nvjet_tst", 5, 4),
+              kernel("vectorized_elementwise_kernel", 2, 5), kernel("nvjet_tst", 7, 6),
+              kernel("multi_tensor_apply_kernel", 4, 7)]
+    got = by_part(events, [e for e in events if e["cat"] == "kernel"])
+    assert got == {"vit": {"gemm": pytest.approx(35e-6)},
+                   "llm": {"elementwise": pytest.approx(5e-6)},
+                   "unattributed": {"gemm": pytest.approx(7e-6), "other": pytest.approx(4e-6)}}
+
+
+def test_a_layer_runs_in_its_range_forward_and_recomputed_while_profiled():
+    """Under the profiler a checkpointed layer's range shows twice (its forward, its recompute
+    in backward); off the profiler the layer is called as it is."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils.checkpoint import checkpoint
+
+    layer = annotated("llm_block_0", lambda x: x.sin() * 2)
+    x = torch.randn(8, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        checkpoint(layer, x, use_reentrant=False).sum().backward()
+    names = [e.name for e in prof.events() if e.name.startswith("vlmshard::")]
+    assert names == ["vlmshard::llm_block_0"] * 2
+    torch.testing.assert_close(layer(x), x.sin() * 2)
 
 
 def _spin(seconds: float) -> None:

@@ -30,6 +30,7 @@ from vlmshard.errors import ConfigError
 
 from . import deepspeed_compat as ds
 from .clock import StageClock, layer_part
+from .trace import annotated
 from .hf_model import ModelLayers, model_layers
 from .kernels import Kernels
 from .micro import HostMeta, Micro, pack, unpack, wire_inputs
@@ -76,6 +77,7 @@ def run_layers(layers: list[nn.Module], defs: list[LayerDef], micro: Micro,
     marks the forward's start: ``StageClock.forward_begin``)."""
     parts = [layer_part(d.name) for d in defs]
     for i, (layer, d, mode) in enumerate(zip(layers, defs, modes)):
+        layer = annotated(d.name, layer)
         if clock is not None and mode:
             layer = clock.recomputed(parts[i], layer)
         micro = micro.with_output(run_layer(layer, micro, mode), d.output)

@@ -24,10 +24,14 @@ import time
 from collections import defaultdict
 from typing import ContextManager
 
+import torch
+
 from vlmshard.io import read_json, write_json_atomic
 
-from .clock import code_site
+from .clock import code_site, layer_part
 
+# the profiler ranges each layer's forward and recompute run in (``annotated``)
+LAYER_RANGE = "vlmshard::"
 # trace event categories that are device work
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 # kernel classes, by the first pattern a kernel's name matches (lower case)
@@ -59,6 +63,18 @@ def traced_step(folder: str | None, rank: int, step: int, cuda: bool, on: bool
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     return profile(activities=activities, record_shapes=True, on_trace_ready=ready)
+
+
+def annotated(name: str, layer):
+    """``layer`` run inside a profiler range named ``vlmshard::<name>`` while a profiler
+    records (its recompute in backward too), so a trace's kernels can be charged to their
+    model part (``by_part``); otherwise called as it is."""
+    def run(*args):
+        if not torch.autograd.profiler._is_profiler_enabled:
+            return layer(*args)
+        with torch.profiler.record_function(LAYER_RANGE + name):
+            return layer(*args)
+    return run
 
 
 class HostSampler:
@@ -173,6 +189,7 @@ def summarize(path: str, top: int = 25) -> dict:
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     idle = host_while_idle(events, kernels)
     return {"device_busy_s": busy / 1e6,
+            "by_part": by_part(events, kernels),
             "device_span_s": (spans[-1][1] - spans[0][0]) / 1e6 if spans else 0.0,
             "device_idle_host": dict(sorted(idle.items(), key=lambda kv: -kv[1])[:top]),
             "by_class": dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
@@ -216,3 +233,59 @@ def host_while_idle(events: list[dict], kernels: list[dict], min_gap_us: float =
             idle["(python)"] += (k["ts"] - end - covered) / 1e6
         end = k["ts"] + k["dur"] if end is None else max(end, k["ts"] + k["dur"])
     return dict(idle)
+
+
+def by_part(events: list[dict], kernels: list[dict]) -> dict[str, dict[str, float]]:
+    """Device seconds by model part (``clock.PARTS``) and kernel class. A kernel launched inside
+    a layer's range (``annotated``: its forward, or its recompute in backward) is that layer's
+    part's; one launched by the backward of an autograd node is the part of the forward op
+    that made the node (the op's ``Sequence number``, inside a layer's range on some thread:
+    where threads' numbers collide, the thread with the most ranges); the rest is
+    ``unattributed`` (the optimizer, DeepSpeed's own work)."""
+    ranges: dict[object, list[tuple[float, float, str]]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "user_annotation" and e.get("name", "").startswith(LAYER_RANGE):
+            ranges[e["tid"]].append((e["ts"], e["ts"] + e["dur"],
+                                     layer_part(e["name"][len(LAYER_RANGE):])))
+    for spans in ranges.values():
+        spans.sort()
+    starts = {tid: [span[0] for span in spans] for tid, spans in ranges.items()}
+
+    def part_at(tid, ts: float) -> str | None:
+        i = bisect.bisect_right(starts.get(tid, []), ts) - 1
+        return ranges[tid][i][2] if i >= 0 and ts <= ranges[tid][i][1] else None
+
+    main = max(ranges, key=lambda tid: len(ranges[tid]), default=None)
+    made_by: dict[int, dict[object, str]] = defaultdict(dict)  # sequence number -> tid -> part
+    for e in events:
+        seq = e.get("args", {}).get("Sequence number")
+        if (e.get("cat") == "cpu_op" and seq is not None and "evaluate_function" not in e["name"]
+                and (part := part_at(e.get("tid"), e["ts"])) is not None):
+            made_by[seq].setdefault(e.get("tid"), part)
+    backward_ops: dict[object, list[tuple[float, float, int]]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "cpu_op" and e.get("name", "").startswith(
+                "autograd::engine::evaluate_function") and "Sequence number" in e.get("args", {}):
+            backward_ops[e["tid"]].append((e["ts"], e["ts"] + e["dur"],
+                                           e["args"]["Sequence number"]))
+    for ops in backward_ops.values():
+        ops.sort()
+    op_starts = {tid: [op[0] for op in ops] for tid, ops in backward_ops.items()}
+
+    def node_part(tid, ts: float) -> str | None:
+        i = bisect.bisect_right(op_starts.get(tid, []), ts) - 1
+        if i < 0 or ts > backward_ops[tid][i][1]:
+            return None
+        parts = made_by.get(backward_ops[tid][i][2], {})
+        return parts[main] if len(parts) > 1 and main in parts else next(iter(parts.values()),
+                                                                          None)
+
+    launches = {e["args"]["correlation"]: (e.get("tid"), e["ts"]) for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for k in kernels:
+        tid, ts = launches.get(k.get("args", {}).get("correlation"), (None, 0.0))
+        part = part_at(tid, ts) or node_part(tid, ts) or "unattributed"
+        seconds[part][kernel_class(k["name"])] += k["dur"] / 1e6
+    return {part: dict(sorted(by_class.items(), key=lambda kv: -kv[1]))
+            for part, by_class in seconds.items()}
