@@ -210,7 +210,7 @@ def test_compiled_blocks_take_inductors_fusion_and_the_other_layers_ligers(tmp_p
                                                                         monkeypatch):
     """With ``compile_blocks`` and ``liger``, Liger's kernels go to the layers not compiled
     (the final norm) and none into a compiled block: with Liger's autograd functions inside a
-    recomputed compiled decoder layer, Dynamo stopped on an H200 (torch 2.11). Liger itself
+    compiled decoder layer, Dynamo stopped on an H200 (torch 2.11). Liger itself
     runs on CUDA only, so which layers it is given is recorded here; without
     ``compile_blocks`` every layer is given it."""
     from vlmshard.train.models import liger

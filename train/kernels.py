@@ -21,7 +21,7 @@
 - ``liger``: Liger Kernel's fused RMSNorm, gated-MLP and rotary kernels in each layer
   (``vlmshard.train.models.liger``; CUDA only); with ``compile_blocks``, only in the layers
   not compiled (the final norm): Inductor fuses a compiled block's own ops, and Liger's
-  autograd functions inside a compiled block that is recomputed stopped Dynamo on torch 2.11.
+  autograd functions inside a compiled decoder layer stopped Dynamo on torch 2.11.
 """
 
 from __future__ import annotations

@@ -52,8 +52,8 @@ class HFLayer(nn.Module):
         """Take the optional kernels ``kernels`` switches on (``vlmshard.train.kernels``), once
         loaded: the regional compile of ``repeated``, else Liger's kernels. A compiled block
         gets Inductor's fusion of its norms, activations and rotary embeddings instead of
-        Liger's: Liger's autograd functions in a compiled block that is recomputed stop Dynamo
-        (torch 2.11 on an H200, at the decoder layers' first norm)."""
+        Liger's: Liger's autograd functions in a compiled decoder layer stopped Dynamo (torch
+        2.11 on an H200, at the layer's first norm)."""
         if kernels.compile_blocks and self.repeated:
             compile_block(getattr(self, self.repeated), kernels)
         elif kernels.liger:
