@@ -91,7 +91,8 @@ QWEN3_VL_2B = {
 }
 # vlmshard's runs, in the result's and the table's order
 # ``--ab``: a name, and the train options its run flips (given the model's layer names)
-AB = {"compiled": lambda names: {"compile_blocks": True},
+AB = {"compiled": lambda names: {"compile_blocks": ["vit", "llm"]},
+      "compiled_vit": lambda names: {"compile_blocks": ["vit"]},
       "no_liger": lambda names: {"liger": False},
       "no_vit_varlen": lambda names: {"vit_varlen": False},
       "conv_patch": lambda names: {"patch_linear": False},
@@ -472,7 +473,8 @@ def main() -> None:
                         "train its steps)")
     p.add_argument("--ab", nargs="+", choices=list(AB), default=[],
                    help="also train the balanced plan with one switch flipped, each beside the "
-                        "run with the defaults: compiled (--compile-blocks), no_liger "
+                        "run with the defaults: compiled (--compile-blocks vit llm), "
+                        "compiled_vit (--compile-blocks vit), no_liger "
                         "(--no-liger), no_vit_varlen (--no-vit-varlen), conv_patch "
                         "(--no-patch-linear), full_recompute (every "
                         "LLM block recomputed whole, not selectively)")

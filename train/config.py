@@ -12,6 +12,8 @@ from vlmshard.families import model_types
 
 Precision = Literal["bf16", "fp32"]
 SchedulerName = Literal["cosine", "linear", "constant", "constant_with_warmup"]
+# the parts whose repeated blocks --compile-blocks compiles (vlmshard.train.clock.PARTS)
+CompiledPart = Literal["vit", "llm"]
 
 
 @dataclass(kw_only=True)
@@ -102,11 +104,13 @@ class TrainConfig:
         None, help="a Qwen ViT's patch embedding (a Conv3d whose stride is its kernel) runs as "
                    "the matmul it is: cuDNN has no fast kernel for that conv on some GPUs and "
                    "releases", default_text="on with CUDA")
-    compile_blocks: bool = option(
-        False, help="torch.compile each ViT block and decoder layer (regional compilation), "
-                    "the packed length dynamic; the compilations are counted in the log. "
-                    "Inductor then fuses the blocks' norms, activations and rotary embeddings "
-                    "in place of Liger's kernels, which stay in the other layers")
+    compile_blocks: list[CompiledPart] = option(
+        factory=list, metavar="PART",
+        help="torch.compile the repeated blocks of these parts: vit (the ViT blocks), llm (the "
+             "decoder layers), or both (regional compilation), the packed length dynamic; the "
+             "compilations are counted in the log. Inductor then fuses those blocks' norms, "
+             "activations and rotary embeddings in place of Liger's kernels, which stay in the "
+             "other layers", default_text="none")
     max_recompiles: int = option(
         4, help="with --compile-blocks, warn when torch.compile compiles one frame more than "
                 "this many times again: a block kind compiles each frame at most twice (fixed "

@@ -24,6 +24,7 @@ from vlmshard.io import read_json
 from vlmshard.model_sizes import LayerWork, Zero3Weights, trainer_layer_work
 
 from .attention import implementation, supports_runs
+from .clock import layer_part
 from .kernels import Kernels
 from .micro import HostMeta, Micro, Phase, unpack, wire_inputs
 from .models.layers import Geometry, LayerDef
@@ -99,7 +100,7 @@ class ModelLayers:
         """Layer ``index`` with its tensors loaded from the folder (and nothing else), taking
         the optional kernels."""
         layer = load_layer(self.defs[index].build(self.meta), self.checkpoint, device, dtype)
-        layer.use_kernels(self.kernels)
+        layer.use_kernels(self.kernels.in_part(layer_part(self.defs[index].name)))
         return layer
 
     def build_all(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

@@ -11,8 +11,9 @@
   GPUs and releases (torch 2.9's Conv3d regression, pytorch#166122; bf16 on Blackwell,
   transformers#45750). The same arithmetic in another order (on by default on CUDA; on CPU
   oneDNN's conv is fast, and the CPU tests hold the layers to the model's own op).
-- ``compile_blocks``: regional ``torch.compile`` of the repeated blocks (each ViT block's and
-  decoder layer's ``transformers`` module, in place: its weights keep their names), with
+- ``compile_blocks``: regional ``torch.compile`` of the repeated blocks of the parts it names
+  (``vit``: each ViT block's ``transformers`` module; ``llm``: each decoder layer's; in place:
+  their weights keep their names), with
   dynamic shapes from the first compilation, so a new packed length does not recompile. The
   attention backends registered in ``attention`` run outside the graph (their host lengths
   would be guarded on). Every compilation in the process is counted and logged
@@ -26,6 +27,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass
@@ -40,7 +42,7 @@ class Kernels:
     vit_varlen: bool = True
     liger: bool = False
     patch_linear: bool = False
-    compile_blocks: bool = False
+    compile_blocks: tuple[str, ...] = ()  # parts: "vit", "llm"
     compile_backend: str = "inductor"
     max_recompiles: int = 4  # compilations of one frame beyond its first
 
@@ -49,7 +51,14 @@ class Kernels:
         """The switches a ``TrainConfig`` sets (its device defaults resolved)."""
         return cls(vit_varlen=cfg.vit_varlen, liger=bool(cfg.liger),
                    patch_linear=bool(cfg.patch_linear),
-                   compile_blocks=cfg.compile_blocks, max_recompiles=cfg.max_recompiles)
+                   compile_blocks=tuple(cfg.compile_blocks),
+                   max_recompiles=cfg.max_recompiles)
+
+    def in_part(self, part: str) -> "Kernels":
+        """The switches as a layer of ``part`` (``clock.PARTS``) takes them: its repeated block
+        compiled where ``compile_blocks`` names the part."""
+        return dataclasses.replace(self, compile_blocks=tuple(
+            p for p in self.compile_blocks if p == part))
 
 
 def compile_block(module: nn.Module, kernels: Kernels) -> None:
