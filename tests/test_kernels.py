@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hf_reference import make_folder
@@ -86,12 +88,14 @@ def _segments_alone(block, x, rope, lengths):
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("backend, device, vit_varlen", [
-    ("sdpa", "cpu", True), ("sdpa", "cpu", False), ("varlen", "cpu", True),
-    ("varlen", "cuda", True)])
+@pytest.mark.parametrize("backend, device, vit_varlen, cudnn", [
+    ("sdpa", "cpu", True, False), ("sdpa", "cpu", False, False), ("varlen", "cpu", True, False),
+    ("varlen", "cuda", True, False), ("sdpa", "cuda", False, True)])
 def test_vit_block_over_all_images_equals_each_image_alone(folder, monkeypatch, backend, device,
-                                                           vit_varlen):
+                                                           vit_varlen, cudnn):
+    """... and with ``sdpa_cudnn`` on CUDA, cuDNN's kernels ran (the profiler's kernel names)."""
     import torch.nn.attention.varlen
+    from torch.profiler import ProfilerActivity, profile
 
     cuda = device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -99,7 +103,7 @@ def test_vit_block_over_all_images_equals_each_image_alone(folder, monkeypatch, 
     if not cuda and backend == "varlen":
         monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", varlen_reference)
     dtype = torch.bfloat16 if cuda else torch.float32
-    model = model_layers(folder, backend, Kernels(vit_varlen=vit_varlen))
+    model = model_layers(folder, backend, Kernels(vit_varlen=vit_varlen, sdpa_cudnn=cudnn))
     plain = model_layers(folder, "sdpa", Kernels(vit_varlen=False))
     hidden = model.meta.config.vision_config.hidden_size
     patches = sum(t * h * w for t, h, w in GRIDS)
@@ -110,8 +114,13 @@ def test_vit_block_over_all_images_equals_each_image_alone(folder, monkeypatch, 
         x = torch.randn(patches, hidden, device=device, dtype=dtype, requires_grad=True)
         micro = _micro(x, backend, GRIDS)
         calls.clear()
-        out = layer(micro)
+        with profile(activities=[ProfilerActivity.CUDA]) if cudnn else \
+                contextlib.nullcontext() as prof:
+            out = layer(micro)
         assert len(calls) == (backend == "varlen" and not cuda)  # one kernel call, or none
+        if cudnn:
+            assert any("cudnn" in e.name.lower() for e in prof.events()), \
+                sorted({e.name for e in prof.events()})[:20]
         meta = layer.geometry.meta(micro)
         spans = meta.images if layer.full else meta.windows
         if index == _vision_blocks(model)[0]:  # the images, or Qwen2.5's windows, differ
@@ -204,6 +213,33 @@ def test_compiled_blocks_compile_once_whatever_the_lengths_and_equal_eager(tmp_p
         frames = [compile_id.split("/")[0] for compile_id in ids]
         assert len(set(frames)) == len(frames), ids
     assert COMPILES.total - counted == len(started)
+
+
+def test_sdpa_cudnn_puts_cudnn_first_while_a_layer_runs(tmp_path):
+    """With ``sdpa_cudnn`` a layer runs with SDPA's priority cuDNN, flash, memory-efficient,
+    math (read inside its ``transformers`` block), and the order before it after; the output
+    is the plain layer's (on CPU SDPA has no cuDNN kernel: the same arithmetic)."""
+    from torch.nn.attention import SDPBackend
+
+    folder = make_folder("qwen3_vl", str(tmp_path / "model"))
+    before = torch._C._get_sdp_priority_order()
+    seen = []
+    outs = []
+    x = None
+    for cudnn in (True, False):
+        model = model_layers(folder, "sdpa", Kernels(vit_varlen=False, sdpa_cudnn=cudnn))
+        layer = model.build_layer(model.names.index("vit_block_1"))
+        layer.block.register_forward_hook(
+            lambda *_: seen.append(torch._C._get_sdp_priority_order()))
+        if x is None:
+            x = torch.randn(sum(t * h * w for t, h, w in GRIDS),
+                            model.meta.config.vision_config.hidden_size)
+        outs.append(layer(_micro(x, "sdpa", GRIDS)))
+        assert torch._C._get_sdp_priority_order() == before
+    assert seen[0][:4] == [int(b) for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                                            SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)]
+    assert seen[1] == before
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
 
 
 def test_compiled_blocks_take_inductors_fusion_and_the_other_layers_ligers(tmp_path,

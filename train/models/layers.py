@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from vlmshard.model_sizes import LOSS_CHUNK
 from vlmshard.preprocess.tokenize import IGNORE_INDEX
 
-from ..kernels import Kernels, compile_block
+from ..kernels import Kernels, compile_block, cudnn_first
 from ..micro import CARRIED, TOKENS, LayerOutput, Micro, Phase
 from . import liger
 
@@ -58,6 +58,8 @@ class HFLayer(nn.Module):
             compile_block(getattr(self, self.repeated), kernels)
         elif kernels.liger:
             liger.fuse(self, getattr(self, self.repeated) if self.repeated else None)
+        if kernels.sdpa_cudnn:
+            cudnn_first(self)
 
     def hf_name(self, local: str) -> str:
         """The checkpoint name of this layer's tensor ``local``."""
