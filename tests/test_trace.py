@@ -73,7 +73,8 @@ def test_idle_device_time_goes_to_what_the_launching_thread_ran():
     """Gaps of 30 µs ([10, 40)), 2 µs (under the 10 µs bound: left out) and 40 µs ([60, 100)),
     each charged, by hand, to the outermost ops of the thread that launched the kernel ending it
     (thread 1, then the autograd thread 2; thread 1's op in the second gap is not charged), the
-    rest of the gap to ``(python)``."""
+    rest of the gap to ``(python)``, named by the layer whose range the launch was made in
+    (thread 1's, in ``vit_embed``'s)."""
     import pytest
 
     def kernel(ts, dur, correlation):
@@ -92,11 +93,13 @@ def test_idle_device_time_goes_to_what_the_launching_thread_ran():
               op(1, "aten::nonzero", 5, 20), op(1, "aten::copy_", 6, 14),
               op(1, "aten::linear", 30, 8), op(1, "aten::addmm", 31, 6),
               op(1, "aten::add", 65, 30),
-              op(2, "autograd::engine::evaluate_function: MmBackward0", 70, 20)]
+              op(2, "autograd::engine::evaluate_function: MmBackward0", 70, 20),
+              {"cat": "user_annotation", "name": "vlmshard::vit_embed", "ts": -1, "dur": 10,
+               "tid": 1}]
     idle = host_while_idle(events, [e for e in events if e["cat"] == "kernel"])
     assert idle == pytest.approx({"aten::nonzero": 15e-6, "aten::linear": 8e-6,
                                   "autograd::engine::evaluate_function: MmBackward0": 20e-6,
-                                  "(python)": 7e-6 + 20e-6})
+                                  "(python) vit_embed": 7e-6, "(python)": 20e-6})
 
 
 def test_kernels_go_to_the_part_whose_layer_launched_them_or_made_their_node():

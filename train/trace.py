@@ -204,9 +204,10 @@ def host_while_idle(events: list[dict], kernels: list[dict], min_gap_us: float =
     the host was running then on the thread that launched the kernel ending the gap: its
     outermost CPU op (``aten::nonzero``; in backward ``autograd::engine::evaluate_function:
     ...``), ``(python)`` where that thread was between ops (interpreter time: our code, the
-    engine's, the optimizer's loops)."""
-    launch_tid = {e["args"]["correlation"]: e["tid"] for e in events
-                  if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    engine's, the optimizer's loops), ``(python) <layer>`` where it launched the kernel inside
+    that layer's range (``annotated``)."""
+    launches = _launches(events)
+    layers = LayerRanges(events)
     outermost: dict[object, list[tuple[float, float, str]]] = defaultdict(list)
     cpu_ops = (e for e in events if e.get("cat") == "cpu_op" and "dur" in e and "tid" in e)
     for e in sorted(cpu_ops, key=lambda e: (e["ts"], -e["dur"])):
@@ -218,7 +219,7 @@ def host_while_idle(events: list[dict], kernels: list[dict], min_gap_us: float =
     end = None
     for k in sorted(kernels, key=lambda e: e["ts"]):
         if end is not None and k["ts"] - end >= min_gap_us:
-            tid = launch_tid.get(k.get("args", {}).get("correlation"))
+            tid, launched = launches.get(k.get("args", {}).get("correlation"), (None, 0.0))
             ops = outermost.get(tid, [])
             covered = 0.0
             # a thread's outermost ops are disjoint and in order: from the first that ends
@@ -230,7 +231,8 @@ def host_while_idle(events: list[dict], kernels: list[dict], min_gap_us: float =
                 overlap = min(stop, k["ts"]) - max(start, end)
                 idle[name] += overlap / 1e6
                 covered += overlap
-            idle["(python)"] += (k["ts"] - end - covered) / 1e6
+            layer = layers.at(tid, launched)
+            idle["(python)" + (f" {layer}" if layer else "")] += (k["ts"] - end - covered) / 1e6
         end = k["ts"] + k["dur"] if end is None else max(end, k["ts"] + k["dur"])
     return dict(idle)
 
@@ -242,20 +244,13 @@ def by_part(events: list[dict], kernels: list[dict]) -> dict[str, dict[str, floa
     that made the node (the op's ``Sequence number``, inside a layer's range on some thread:
     where threads' numbers collide, the thread with the most ranges); the rest is
     ``unattributed`` (the optimizer, DeepSpeed's own work)."""
-    ranges: dict[object, list[tuple[float, float, str]]] = defaultdict(list)
-    for e in events:
-        if e.get("cat") == "user_annotation" and e.get("name", "").startswith(LAYER_RANGE):
-            ranges[e["tid"]].append((e["ts"], e["ts"] + e["dur"],
-                                     layer_part(e["name"][len(LAYER_RANGE):])))
-    for spans in ranges.values():
-        spans.sort()
-    starts = {tid: [span[0] for span in spans] for tid, spans in ranges.items()}
+    layers = LayerRanges(events)
 
     def part_at(tid, ts: float) -> str | None:
-        i = bisect.bisect_right(starts.get(tid, []), ts) - 1
-        return ranges[tid][i][2] if i >= 0 and ts <= ranges[tid][i][1] else None
+        layer = layers.at(tid, ts)
+        return layer_part(layer) if layer else None
 
-    main = max(ranges, key=lambda tid: len(ranges[tid]), default=None)
+    main = layers.busiest
     made_by: dict[int, dict[object, str]] = defaultdict(dict)  # sequence number -> tid -> part
     for e in events:
         seq = e.get("args", {}).get("Sequence number")
@@ -280,8 +275,7 @@ def by_part(events: list[dict], kernels: list[dict]) -> dict[str, dict[str, floa
         return parts[main] if len(parts) > 1 and main in parts else next(iter(parts.values()),
                                                                           None)
 
-    launches = {e["args"]["correlation"]: (e.get("tid"), e["ts"]) for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    launches = _launches(events)
     seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for k in kernels:
         tid, ts = launches.get(k.get("args", {}).get("correlation"), (None, 0.0))
@@ -289,3 +283,29 @@ def by_part(events: list[dict], kernels: list[dict]) -> dict[str, dict[str, floa
         seconds[part][kernel_class(k["name"])] += k["dur"] / 1e6
     return {part: dict(sorted(by_class.items(), key=lambda kv: -kv[1]))
             for part, by_class in seconds.items()}
+
+
+def _launches(events: list[dict]) -> dict[int, tuple[object, float]]:
+    """Each kernel's launch by its correlation id: the launching thread and the time."""
+    return {e["args"]["correlation"]: (e.get("tid"), e["ts"]) for e in events
+            if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+
+
+class LayerRanges:
+    """The layers' profiler ranges (``annotated``) on each thread: which layer a thread was
+    running at a time (``at``); ``busiest``: the thread with the most (the forward's)."""
+
+    def __init__(self, events: list[dict]) -> None:
+        self.spans: dict[object, list[tuple[float, float, str]]] = defaultdict(list)
+        for e in events:
+            if e.get("cat") == "user_annotation" and e.get("name", "").startswith(LAYER_RANGE):
+                self.spans[e["tid"]].append((e["ts"], e["ts"] + e["dur"],
+                                             e["name"][len(LAYER_RANGE):]))
+        for spans in self.spans.values():
+            spans.sort()
+        self.starts = {tid: [span[0] for span in spans] for tid, spans in self.spans.items()}
+        self.busiest = max(self.spans, key=lambda tid: len(self.spans[tid]), default=None)
+
+    def at(self, tid, ts: float) -> str | None:
+        i = bisect.bisect_right(self.starts.get(tid, []), ts) - 1
+        return self.spans[tid][i][2] if i >= 0 and ts <= self.spans[tid][i][1] else None
