@@ -196,6 +196,10 @@ def test_host_sampler_charges_time_inside_torch_to_its_caller():
         for _ in range(300):
             torch.testing.assert_close(torch.ones(300), torch.ones(300))
     test = test_host_sampler_charges_time_inside_torch_to_its_caller.__code__
-    here = sampler.time[f"tests/test_trace.py:{test.co_firstlineno} {test.co_name}"]
-    assert here > 0.9 * sum(sampler.time.values()), sampler.time  # the rest: leaving
+    site = f"tests/test_trace.py:{test.co_firstlineno} {test.co_name}"
+    # nothing is charged to torch's frames; the rest is the sampler's own leaving, which a
+    # loaded machine stretches (16% of this loop once, beside a test suite on 2 CPUs)
+    assert sampler.time[site] > 0 and all(
+        key == site or (key.startswith("train/trace.py:") and key.endswith(" __exit__"))
+        for key in sampler.time), sampler.time
     assert not any("torch/" in site for site in sampler.time), sampler.time
