@@ -599,10 +599,10 @@ def table(result: dict) -> str:
             lines.append(f"{algo} traced step: device busy {trace['device_busy_s']:.3f} s of "
                          f"{trace['device_span_s']:.3f} s; " + ", ".join(
                              f"{cls} {s:.3f}" for cls, s in trace["by_class"].items()))
-            lines.append(f"{algo} device by part: " + "; ".join(
-                f"{part} {sum(classes.values()):.3f} (" + ", ".join(
+            lines.append(f"{algo} device by layer: " + "; ".join(
+                f"{kind} {sum(classes.values()):.3f} (" + ", ".join(
                     f"{cls} {s:.3f}" for cls, s in classes.items()) + ")"
-                for part, classes in trace.get("by_part", {}).items()))
+                for kind, classes in trace.get("by_layer", {}).items()))
             lines.append(f"{algo} device idle, the host in: " + ", ".join(
                 f"{name[:60]} {s:.3f}" for name, s in list(trace["device_idle_host"].items())[:8]))
         if trace and "host_sites" in trace:

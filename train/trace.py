@@ -28,7 +28,7 @@ import torch
 
 from vlmshard.io import read_json, write_json_atomic
 
-from .clock import code_site, layer_part
+from .clock import code_site
 
 # the profiler ranges each layer's forward and recompute run in (``annotated``)
 LAYER_RANGE = "vlmshard::"
@@ -68,7 +68,7 @@ def traced_step(folder: str | None, rank: int, step: int, cuda: bool, on: bool
 def annotated(name: str, layer):
     """``layer`` run inside a profiler range named ``vlmshard::<name>`` while a profiler
     records (its recompute in backward too), so a trace's kernels can be charged to their
-    model part (``by_part``); otherwise called as it is."""
+    layer (``by_layer``); otherwise called as it is."""
     def run(*args):
         if not torch.autograd.profiler._is_profiler_enabled:
             return layer(*args)
@@ -189,7 +189,7 @@ def summarize(path: str, top: int = 25) -> dict:
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     idle = host_while_idle(events, kernels)
     return {"device_busy_s": busy / 1e6,
-            "by_part": by_part(events, kernels),
+            "by_layer": by_layer(events, kernels),
             "device_span_s": (spans[-1][1] - spans[0][0]) / 1e6 if spans else 0.0,
             "device_idle_host": dict(sorted(idle.items(), key=lambda kv: -kv[1])[:top]),
             "by_class": dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
@@ -237,26 +237,27 @@ def host_while_idle(events: list[dict], kernels: list[dict], min_gap_us: float =
     return dict(idle)
 
 
-def by_part(events: list[dict], kernels: list[dict]) -> dict[str, dict[str, float]]:
-    """Device seconds by model part (``clock.PARTS``) and kernel class. A kernel launched inside
-    a layer's range (``annotated``: its forward, or its recompute in backward) is that layer's
-    part's; one launched by the backward of an autograd node is the part of the forward op
-    that made the node (the op's ``Sequence number``, inside a layer's range on some thread:
-    where threads' numbers collide, the thread with the most ranges); the rest is
+def by_layer(events: list[dict], kernels: list[dict]) -> dict[str, dict[str, float]]:
+    """Device seconds by layer kind (``vit_embed``, ``vit_block``, ``projector``,
+    ``llm_block``, ``head``, ...: a layer's name without its number) and kernel class. A kernel
+    launched inside a layer's range (``annotated``: its forward, or its recompute in backward)
+    is that layer's; one launched by the backward of an autograd node is the layer of the
+    forward op that made the node (the op's ``Sequence number``, inside a layer's range on
+    some thread: where threads' numbers collide, the thread with the most ranges); the rest is
     ``unattributed`` (the optimizer, DeepSpeed's own work)."""
     layers = LayerRanges(events)
 
-    def part_at(tid, ts: float) -> str | None:
+    def kind_at(tid, ts: float) -> str | None:
         layer = layers.at(tid, ts)
-        return layer_part(layer) if layer else None
+        return re.sub(r"_\d+$", "", layer) if layer else None
 
     main = layers.busiest
-    made_by: dict[int, dict[object, str]] = defaultdict(dict)  # sequence number -> tid -> part
+    made_by: dict[int, dict[object, str]] = defaultdict(dict)  # sequence number -> tid -> kind
     for e in events:
         seq = e.get("args", {}).get("Sequence number")
         if (e.get("cat") == "cpu_op" and seq is not None and "evaluate_function" not in e["name"]
-                and (part := part_at(e.get("tid"), e["ts"])) is not None):
-            made_by[seq].setdefault(e.get("tid"), part)
+                and (kind := kind_at(e.get("tid"), e["ts"])) is not None):
+            made_by[seq].setdefault(e.get("tid"), kind)
     backward_ops: dict[object, list[tuple[float, float, int]]] = defaultdict(list)
     for e in events:
         if e.get("cat") == "cpu_op" and e.get("name", "").startswith(
@@ -267,22 +268,22 @@ def by_part(events: list[dict], kernels: list[dict]) -> dict[str, dict[str, floa
         ops.sort()
     op_starts = {tid: [op[0] for op in ops] for tid, ops in backward_ops.items()}
 
-    def node_part(tid, ts: float) -> str | None:
+    def node_kind(tid, ts: float) -> str | None:
         i = bisect.bisect_right(op_starts.get(tid, []), ts) - 1
         if i < 0 or ts > backward_ops[tid][i][1]:
             return None
-        parts = made_by.get(backward_ops[tid][i][2], {})
-        return parts[main] if len(parts) > 1 and main in parts else next(iter(parts.values()),
+        kinds = made_by.get(backward_ops[tid][i][2], {})
+        return kinds[main] if len(kinds) > 1 and main in kinds else next(iter(kinds.values()),
                                                                           None)
 
     launches = _launches(events)
     seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for k in kernels:
         tid, ts = launches.get(k.get("args", {}).get("correlation"), (None, 0.0))
-        part = part_at(tid, ts) or node_part(tid, ts) or "unattributed"
-        seconds[part][kernel_class(k["name"])] += k["dur"] / 1e6
-    return {part: dict(sorted(by_class.items(), key=lambda kv: -kv[1]))
-            for part, by_class in seconds.items()}
+        kind = kind_at(tid, ts) or node_kind(tid, ts) or "unattributed"
+        seconds[kind][kernel_class(k["name"])] += k["dur"] / 1e6
+    return {kind: dict(sorted(by_class.items(), key=lambda kv: -kv[1]))
+            for kind, by_class in seconds.items()}
 
 
 def _launches(events: list[dict]) -> dict[int, tuple[object, float]]:
