@@ -95,8 +95,10 @@ AB = {"compiled": lambda names: {"compile_blocks": ["vit", "llm"]},
       "compiled_vit": lambda names: {"compile_blocks": ["vit"]},
       "no_liger": lambda names: {"liger": False},
       "no_vit_varlen": lambda names: {"vit_varlen": False},
-      # the Qwen ViT image by image through SDPA, cuDNN's kernel first
-      "cudnn_vit": lambda names: {"vit_varlen": False, "sdpa_cudnn": True},
+      # the Qwen ViT image by image through SDPA, cuDNN's kernel first; and with its blocks
+      # compiled too
+      "cudnn_vit": lambda names: {"sdpa_cudnn": True},
+      "compiled_cudnn_vit": lambda names: {"compile_blocks": ["vit"], "sdpa_cudnn": True},
       "conv_patch": lambda names: {"patch_linear": False},
       # every LLM block recomputed whole: the recompute's FLOPs instead of selective
       # recompute's per-op dispatch on the host (4x a plain block's host time on a CPU:
@@ -476,8 +478,8 @@ def main() -> None:
     p.add_argument("--ab", nargs="+", choices=list(AB), default=[],
                    help="also train the balanced plan with one switch flipped, each beside the "
                         "run with the defaults: compiled (--compile-blocks vit llm), "
-                        "compiled_vit (--compile-blocks vit), cudnn_vit (--no-vit-varlen "
-                        "--sdpa-cudnn), no_liger "
+                        "compiled_vit (--compile-blocks vit), cudnn_vit (--sdpa-cudnn), "
+                        "compiled_cudnn_vit (both), no_liger "
                         "(--no-liger), no_vit_varlen (--no-vit-varlen), conv_patch "
                         "(--no-patch-linear), full_recompute (every "
                         "LLM block recomputed whole, not selectively)")

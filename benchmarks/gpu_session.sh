@@ -38,10 +38,11 @@ timeout "$TESTS_S" python3 -m pytest -q -p no:cacheprovider -p no:xdist -o addop
 stamp gpu_bench
 args=("$@")
 # default: where the step's time goes (the traced step by part and kernel class, the
-# host-sampled step), the ViT's blocks compiled, the ViT on cuDNN's attention image by image,
-# all blocks compiled, then the profile and the simulator's replay; the peers: add --baseline
+# host-sampled step), the ViT on cuDNN's attention image by image, the ViT's blocks compiled,
+# both, then the profile and the simulator's replay; the peers: add --baseline
 [ ${#args[@]} -eq 0 ] && args=(--target-samples 4 --steps 6 --warmup 2 --plans balanced
-                              --ab compiled_vit cudnn_vit compiled --trace build/gpu-trace)
+                              --ab cudnn_vit compiled_vit compiled_cudnn_vit
+                              --trace build/gpu-trace)
 timeout "$BENCH_S" python3 benchmarks/gpu_bench.py --json "$OUT/gpu.json" "${args[@]}" 2>&1 |
     tee "$OUT/bench.log" | grep -v "^{" | tail -40
 stamp "bench done (rc ${PIPESTATUS[0]})"

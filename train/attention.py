@@ -57,6 +57,8 @@ from vlmshard.shards.model_inputs import allowed_keys
 PACKED_SDPA = "vlmshard_packed_sdpa"
 PACKED_VARLEN = "vlmshard_packed_varlen"
 PACKED_ONE_CALL = "vlmshard_packed_flash_convention"  # see packed_one_call
+# the same convention, each segment on SDPA whatever the backend (``Kernels.sdpa_cudnn``)
+PACKED_ONE_CALL_SDPA = "vlmshard_packed_flash_convention_sdpa"
 IMPLEMENTATIONS = {"flash": "flash_attention_2", "varlen": PACKED_VARLEN, "sdpa": PACKED_SDPA}
 
 log = logging.getLogger(__name__)
@@ -225,6 +227,7 @@ AttentionInterface.register(PACKED_SDPA, torch.compiler.disable(across_sequence(
 AttentionInterface.register(PACKED_VARLEN,
                             torch.compiler.disable(across_sequence(packed_varlen)))
 AttentionInterface.register(PACKED_ONE_CALL, torch.compiler.disable(packed_one_call))
+AttentionInterface.register(PACKED_ONE_CALL_SDPA, torch.compiler.disable(packed_sdpa))
 
 
 def from_host(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:

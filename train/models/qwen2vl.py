@@ -24,7 +24,7 @@ from transformers.vision_utils import (
     get_vision_window_index,
 )
 
-from ..attention import PACKED_ONE_CALL, Spans, from_host
+from ..attention import PACKED_ONE_CALL, PACKED_ONE_CALL_SDPA, Spans, from_host
 from ..kernels import Kernels
 from ..micro import Micro, Phase
 from .layers import (
@@ -142,7 +142,9 @@ class VisionBlock(HFLayer):
     def use_kernels(self, kernels: Kernels) -> None:
         config = self.block.attn.config  # this layer's own copy
         if kernels.vit_varlen and config._attn_implementation != "flash_attention_2":
-            config._attn_implementation = PACKED_ONE_CALL
+            # with sdpa_cudnn each image on SDPA, which then takes cuDNN's kernel
+            config._attn_implementation = (PACKED_ONE_CALL_SDPA if kernels.sdpa_cudnn
+                                           else PACKED_ONE_CALL)
             self.one_call = True
         super().use_kernels(kernels)
 
