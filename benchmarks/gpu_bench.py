@@ -190,24 +190,28 @@ def loader_throughput(shards: str, workers: int, cuda: bool, dtype) -> dict:
             "tiles_per_s": tiles / seconds}
 
 
-def train_config(args, setup: dict, algo: str, run: str | None = None, **options):
+def train_config(args, setup: dict, algo: str, run: str | None = None, traced: bool = True,
+                 **options):
     """The options vlmshard trains a plan with (the baselines take its optimizer's); ``run``
-    names the run's folder (default: the plan's), ``options`` are further train options."""
+    names the run's folder (default: the plan's), ``traced``: with ``--trace``, its second
+    step is traced; ``options`` are further train options."""
     from vlmshard.train.config import TrainConfig
 
     run = run or algo
     return TrainConfig(shards=setup["shards"][algo], out=os.path.join(args.work, f"run-{run}"),
                        model=setup["model"], pp=1, dp=1, max_steps=args.steps,
                        save_checkpoints=False, count_host_syncs=True,
-                       trace=os.path.join(args.trace, run) if args.trace else None, **options)
+                       trace=os.path.join(args.trace, run) if args.trace and traced else None,
+                       **options)
 
 
-def train_plan(args, setup: dict, algo: str, run: str | None = None, **options) -> dict:
-    """Train one plan (``run``, ``options``: as ``train_config``); its step statistics after
-    the warm-up steps."""
+def train_plan(args, setup: dict, algo: str, run: str | None = None, traced: bool = True,
+               **options) -> dict:
+    """Train one plan (``run``, ``traced``, ``options``: as ``train_config``); its step
+    statistics after the warm-up steps."""
     from vlmshard.train.launcher import train
 
-    cfg = train_config(args, setup, algo, run, **options)
+    cfg = train_config(args, setup, algo, run, traced, **options)
     out = cfg.out
     records = train(cfg, output=out + ".log")
     kept = [r for r in records[args.warmup:] if not r.get("traced")]
@@ -485,8 +489,8 @@ def main() -> None:
                         "LLM block recomputed whole, not selectively)")
     p.add_argument("--json", help="also write the result here (after each phase)")
     p.add_argument("--trace", help="write a torch profiler trace (Chrome trace JSON) of each "
-                                   "plan's second step under this folder; that step is left "
-                                   "out of the figures")
+                                   "plan's second step under this folder (not the --ab "
+                                   "runs'); that step is left out of the figures")
     args = p.parse_args()
     smoke = args.smoke
     args.scale = args.scale or (1 if smoke else 4)
@@ -527,8 +531,10 @@ def main() -> None:
 
         names = model_layers(setup["model"]).names
     for name in args.ab:
+        # not traced: the trace and its summary take a lease's minutes; the traced step is a
+        # warm-up step with the defaults
         result[f"balanced_{name}"] = train_plan(args, setup, "balanced", f"balanced-{name}",
-                                                **AB[name](names))
+                                                traced=False, **AB[name](names))
         save(args, result, peak)
     if args.baseline is not None:
         result["baseline"] = {}

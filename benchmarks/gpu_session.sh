@@ -37,7 +37,7 @@ timeout "$TESTS_S" python3 -m pytest -q -p no:cacheprovider -p no:xdist -o addop
 
 stamp gpu_bench
 args=("$@")
-# default: where the step's time goes (the traced step by part and kernel class, the
+# default: where the step's time goes (the traced step by layer and kernel class, the
 # host-sampled step), the ViT on cuDNN's attention image by image, the ViT's blocks compiled,
 # both, then the profile and the simulator's replay; the peers: add --baseline
 [ ${#args[@]} -eq 0 ] && args=(--target-samples 4 --steps 6 --warmup 2 --plans balanced
