@@ -190,10 +190,10 @@ def loader_throughput(shards: str, workers: int, cuda: bool, dtype) -> dict:
             "tiles_per_s": tiles / seconds}
 
 
-def train_config(args, setup: dict, algo: str, run: str | None = None, traced: bool = True,
-                 **options):
+def train_config(args, setup: dict, algo: str, run: str | None = None,
+                 with_trace: bool = True, **options):
     """The options vlmshard trains a plan with (the baselines take its optimizer's); ``run``
-    names the run's folder (default: the plan's), ``traced``: with ``--trace``, its second
+    names the run's folder (default: the plan's), ``with_trace``: with ``--trace``, its second
     step is traced; ``options`` are further train options."""
     from vlmshard.train.config import TrainConfig
 
@@ -201,17 +201,17 @@ def train_config(args, setup: dict, algo: str, run: str | None = None, traced: b
     return TrainConfig(shards=setup["shards"][algo], out=os.path.join(args.work, f"run-{run}"),
                        model=setup["model"], pp=1, dp=1, max_steps=args.steps,
                        save_checkpoints=False, count_host_syncs=True,
-                       trace=os.path.join(args.trace, run) if args.trace and traced else None,
+                       trace=os.path.join(args.trace, run) if args.trace and with_trace else None,
                        **options)
 
 
-def train_plan(args, setup: dict, algo: str, run: str | None = None, traced: bool = True,
+def train_plan(args, setup: dict, algo: str, run: str | None = None, with_trace: bool = True,
                **options) -> dict:
-    """Train one plan (``run``, ``traced``, ``options``: as ``train_config``); its step
+    """Train one plan (``run``, ``with_trace``, ``options``: as ``train_config``); its step
     statistics after the warm-up steps."""
     from vlmshard.train.launcher import train
 
-    cfg = train_config(args, setup, algo, run, traced, **options)
+    cfg = train_config(args, setup, algo, run, with_trace, **options)
     out = cfg.out
     records = train(cfg, output=out + ".log")
     kept = [r for r in records[args.warmup:] if not r.get("traced")]
@@ -534,7 +534,7 @@ def main() -> None:
         # not traced: the trace and its summary take a lease's minutes; the traced step is a
         # warm-up step with the defaults
         result[f"balanced_{name}"] = train_plan(args, setup, "balanced", f"balanced-{name}",
-                                                traced=False, **AB[name](names))
+                                                with_trace=False, **AB[name](names))
         save(args, result, peak)
     if args.baseline is not None:
         result["baseline"] = {}

@@ -17,8 +17,8 @@
 set -u
 OUT=${OUT:-build/gpu-session}
 WHEELS=${WHEELS:-.device-wheels}
-BENCH_S=${BENCH_S:-420}
-TESTS_S=${TESTS_S:-180}
+BENCH_S=${BENCH_S:-460}
+TESTS_S=${TESTS_S:-90}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 start=$SECONDS
