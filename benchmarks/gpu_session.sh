@@ -6,8 +6,9 @@
 #   2. the CUDA cases of the numerical tests (attention backends, one-call ViT, Liger's
 #      kernels, host syncs);
 #   3. gpu_bench.py with the given arguments (default: the balanced plan at the first H100 run's
-#      sizes with a trace and a host-sampled step, again with its blocks compiled, the profile
-#      and its replay), its JSON written after each phase.
+#      sizes with a trace and a host-sampled step, again with the ViT on cuDNN's attention, with
+#      its blocks compiled and with both, the profile and its replay), its JSON written after
+#      each phase.
 #
 # Everything lands in $OUT (default build/gpu-session): logs, nvidia-smi, the bench's JSON, and
 # the runs' logs with the trace summaries, gzipped. Each step is bounded by `timeout`, so a hang

@@ -28,8 +28,9 @@
   path builds a cuDNN graph per call).
 - ``liger``: Liger Kernel's fused RMSNorm, gated-MLP and rotary kernels in each layer
   (``vlmshard.train.models.liger``; CUDA only); with ``compile_blocks``, only in the layers
-  not compiled (the final norm): Inductor fuses a compiled block's own ops, and Liger's
-  autograd functions inside a compiled decoder layer stopped Dynamo on torch 2.11.
+  not compiled (the final norm; the decoder layers where only the ViT is): Inductor fuses a
+  compiled block's own ops, and Liger's autograd functions inside a compiled decoder layer
+  stopped Dynamo on torch 2.11.
 """
 
 from __future__ import annotations

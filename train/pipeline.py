@@ -30,12 +30,12 @@ from vlmshard.errors import ConfigError
 
 from . import deepspeed_compat as ds
 from .clock import StageClock, layer_part
-from .trace import annotated
 from .hf_model import ModelLayers, model_layers
 from .kernels import Kernels
 from .micro import HostMeta, Micro, pack, unpack, wire_inputs
 from .models.layers import LayerDef
 from .recompute import run_layer
+from .trace import annotated
 
 
 class PipeLayer(nn.Module):
