@@ -15,11 +15,14 @@ network: install them, or carry a virtual environment built for it). Nothing is 
 2. Data: the demo generator at ``--scale`` (captions, document QA with long answers, multi-image
    and text-only chat), preprocessed for the model; packed ``random`` and ``balanced`` under the
    random plan's caps, for one rank, ``--micro-batches`` a step. The caps come from the memory
-   model for the device the bench runs on: the largest micro-batch shaped like the mean sample
-   that one stage holds with every layer recomputed where it must
-   (``vlmshard.partition.largest_micro_batch``); random takes as many samples a micro-batch as
-   its padded caps (that many of the largest sample) keep inside it (``--target-samples``
-   overrides).
+   model for the device the bench runs on, with the kernels the trainer runs there: the
+   largest micro-batch shaped like the mean sample that one stage holds with every layer
+   recomputed where it must (``vlmshard.partition.largest_micro_batch``); random takes as many
+   samples a micro-batch as its padded caps (that many of the largest sample) keep inside it
+   (``--target-samples`` overrides). ``memory_bound.recompute_free`` is the bound where no
+   layer is recomputed whole (selectively at most: no matmul runs twice, which MFU does not
+   count), with its samples a micro-batch: smaller micro-batches, each with more of the host's
+   fixed cost, for no recomputed FLOPs.
 3. Each plan trains ``--steps`` steps (PP=1, DP=1, the partition and recompute vlmshard searches
    by default, host syncs counted); the first ``--warmup`` steps are dropped.
 4. Then the loader alone: the balanced shards through the trainer's loader (its workers, pinned
@@ -113,25 +116,37 @@ BENCH_MAX_PIXELS = 32 * 32 * 1024
 
 def memory_bound(model: str, pre: str, device_bytes: int) -> tuple[dict, int]:
     """The largest micro-batch (tiles, tokens) the memory model lets one bf16 stage of
-    ``model`` hold on a device of ``device_bytes``, shaped like the mean sample of the stats
-    ``pre``; and the most samples a random micro-batch may take, its padded caps (that many of
-    the largest sample) inside it."""
-    from vlmshard.families import model_sizes
-    from vlmshard.model_sizes import Size, bytes_per_param, layer_work
+    ``model`` hold on a device of ``device_bytes`` with the kernels the trainer runs there by
+    default, shaped like the mean sample of the stats ``pre``: recomputing layers whole where
+    it must (``max_qv``, ``max_qt``), and selectively only (``recompute_free``); and the most
+    samples a random micro-batch may take, its padded caps (that many of the largest sample)
+    inside the first (at least one; under the second: ``recompute_free.samples``)."""
+    from vlmshard.model_sizes import Size, bytes_per_param
     from vlmshard.packing.algorithms import padded_caps
     from vlmshard.packing.stats import load_stats
     from vlmshard.partition import Machine, largest_micro_batch
+    from vlmshard.train.config import TrainConfig
+    from vlmshard.train.hf_model import rank_model
 
     lengths = load_stats(pre).lengths
     shape = Size(float(lengths.tiles.mean()), float(lengths.tokens.mean()))
-    work = layer_work(model_sizes(read_json(os.path.join(model, "config.json")), model))
-    bound = largest_micro_batch(work, shape, Machine.for_device(device_bytes),
-                                bytes_per_param("bf16", 1))
-    samples = 1
-    while (caps := padded_caps(lengths, samples + 1)).qv <= bound.tiles and \
-            caps.qt <= bound.tokens:
-        samples += 1
-    return {"max_qv": int(bound.tiles), "max_qt": int(bound.tokens)}, samples
+    cfg = TrainConfig(shards=pre, out="", model=model)
+    cfg.resolve_device_defaults(cuda=True)
+    work = rank_model(cfg, "cuda", sequence_parallel=False).analytic_work()
+    machine, per_param = Machine.for_device(device_bytes), bytes_per_param("bf16", 1)
+    bound = largest_micro_batch(work, shape, machine, per_param)
+    free = largest_micro_batch(work, shape, machine, per_param, whole_recompute=False)
+
+    def samples_within(size: Size) -> int:
+        samples = 1
+        while (caps := padded_caps(lengths, samples + 1)).qv <= size.tiles and \
+                caps.qt <= size.tokens:
+            samples += 1
+        return samples
+
+    return {"max_qv": int(bound.tiles), "max_qt": int(bound.tokens),
+            "recompute_free": {"max_qv": int(free.tiles), "max_qt": int(free.tokens),
+                               "samples": samples_within(free)}}, samples_within(bound)
 
 
 def prepare(args, device_bytes: int | None) -> dict:
@@ -240,7 +255,7 @@ def train_plan(args, setup: dict, algo: str, run: str | None = None, with_trace:
             # kept step's largest micro-batch (what max_memory_allocated is held to)
             "predicted_peak_bytes": pipeline["stages"][0]["memory"]["predicted_peak_bytes"],
             "predicted_step_peak_bytes": predicted_step_peak(setup["model"], kept, recompute,
-                                                             selective),
+                                                             selective, pipeline["saves"]),
             "host_syncs_per_step": statistics.median(syncs) if syncs else None,
             "host_sync_sites": sync_sites(kept),
             # with --compile-blocks, torch.compile's compilations so far at each step's end
@@ -249,7 +264,7 @@ def train_plan(args, setup: dict, algo: str, run: str | None = None, with_trace:
             "loss": [r["loss"] for r in records],
             "trace": traced(cfg.trace),
             "partition": pipeline.get("partition_source", ""),
-            "kernels": pipeline.get("kernels", {}),
+            "kernels": pipeline.get("kernels", {}), "saves": pipeline["saves"],
             "recompute": recompute, "selective": selective}
 
 
@@ -416,18 +431,21 @@ def hf_train(args, setup: dict, padded: bool) -> tuple[str, list[float], list[fl
 
 
 def predicted_step_peak(model: str, records: list[dict], recompute: list[str],
-                        selective: list[str]) -> int:
+                        selective: list[str], saves: dict) -> int:
     """The memory model's peak for the largest micro-batch of any of ``records``' steps, one
     bf16 stage holding the whole model, recomputing ``recompute`` whole and ``selective``
-    selectively."""
-    from vlmshard.model_sizes import Size, bytes_per_param
+    selectively, its layers keeping what the run's kernels keep (``saves``, as
+    ``pipeline.json`` records them)."""
+    from vlmshard.families import model_sizes
+    from vlmshard.model_sizes import Saves, Size, bytes_per_param, trainer_layer_work
     from vlmshard.partition import predicted_stage_peak
     from vlmshard.train.hf_model import model_layers
 
-    layers = model_layers(model)
-    again = [layers.names.index(n) for n in recompute]
-    partly = [layers.names.index(n) for n in selective]
-    work = layers.analytic_work()
+    names = model_layers(model).names
+    again = [names.index(n) for n in recompute]
+    partly = [names.index(n) for n in selective]
+    work = trainer_layer_work(names, model_sizes(read_json(os.path.join(model, "config.json")),
+                                                 model), Saves(**saves))
     return max(predicted_stage_peak(work, again, Size(max(m["tiles"] for m in d["micro_sizes"]),
                                                       max(m["tokens"] for m in d["micro_sizes"])),
                                     1, bytes_per_param("bf16", 1), partly)["predicted_peak_bytes"]

@@ -6,15 +6,17 @@ and every layer kind of every family against the bytes autograd saves.
     python benchmarks/memory_bench.py --layer-kinds   # also the layer kinds, about 2 minutes
 
 A run folder holds what ``benchmarks/gpu_bench.py`` wrote on the device: ``gpu.json`` (the model
-it trained: Qwen3-VL-2B's sizes unless it names another; the recompute each plan ran) and the
-plans' ``*-train_log.jsonl`` (per step and rank the allocator's peak and each micro-batch's
-tiles and tokens). For every step after the first (the first has no Adam moments yet: torch
+it trained: Qwen3-VL-2B's sizes unless it names another; the recompute each plan ran, whole
+and selective, and what its kernels keep for backward) and the plans' ``*-train_log.jsonl``
+(per step and rank the allocator's peak and each micro-batch's tiles and tokens), in the folder
+or its ``logs/``. For every step after the first (the first has no Adam moments yet: torch
 makes them at the first optimizer step) the model's peak for one pipeline stage (PP=1) holding
 the step's largest micro-batch is ``vlmshard.partition.predicted_stage_peak``: parameters with
 their gradients and optimizer states (``model_sizes.bytes_per_param``), the activations the
 recompute plan keeps, the largest recomputed layer rebuilt and the largest transient
-(``model_sizes.layer_work``). Prints a table per plan and the median and worst ratio of
-predicted to measured; ``--json`` also writes them.
+(``model_sizes.layer_work``, keeping what the run's kernels keep: ``run_saves``). Prints a
+table per plan and the median and worst ratio of predicted to measured; ``--json`` also writes
+them.
 
 ``--layer-kinds``: each family's tiny test model (``tests/hf_reference.py``) on one micro-batch of
 the tests' rows, profiled layer by layer in bf16 on this CPU (``vlmshard train profile``'s
@@ -36,7 +38,7 @@ from pathlib import Path
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from vlmshard.model_sizes import Size, bytes_per_param, layer_work  # noqa: E402
+from vlmshard.model_sizes import Saves, Size, bytes_per_param, layer_work  # noqa: E402
 from vlmshard.partition import predicted_stage_peak  # noqa: E402
 
 DEFAULT_RUN = os.path.join(os.path.dirname(REPO), "shared", "measurements", "h100-2026-11-26")
@@ -55,11 +57,30 @@ def qwen3_vl_2b():
     return model_sizes(config, "qwen3-vl-2b")
 
 
-def step_rows(log: str, recompute: list[str], sizes) -> list[dict]:
+def run_saves(gpu: dict, plan: dict) -> Saves:
+    """What a run's kernels kept for backward (``model_sizes.Saves``): as its JSON line records
+    them, or, for a run from before it did, read from its kernels (none recorded: the ViT
+    attended image by image, no Liger), attention backend and torch (K/V heads repeated for
+    torch's varlen kernel before 2.12). Qwen3-VL's ViT has no module Liger swaps."""
+    if "saves" in plan:
+        return Saves(**plan["saves"])
+    kernels = plan.get("kernels", {})
+    varlen = gpu.get("attention") == "varlen"
+    major, minor = (int(n) for n in gpu["torch"].split(".")[:2])
+    return Saves(vit_one_call=varlen and kernels.get("vit_varlen", False)
+                 and not kernels.get("sdpa_cudnn", False),
+                 liger_llm=kernels.get("liger", False) and "llm" not in (
+                     kernels.get("compile_blocks") or ()),
+                 kv_repeated=varlen and (major, minor) < (2, 12))
+
+
+def step_rows(log: str, recompute: list[str], selective: list[str], sizes,
+              saves: Saves) -> list[dict]:
     """Per step after the first: the measured peak and the model's, by part."""
-    work = layer_work(sizes)
+    work = layer_work(sizes, saves)
     names = [w.name for w in work]
-    again = [names.index("projector_merge" if n == "projector" else n) for n in recompute]
+    again, partly = ([names.index("projector_merge" if n == "projector" else n) for n in layers]
+                     for layers in (recompute, selective))
     param_bytes = bytes_per_param("bf16", dp=1)
     rows = []
     with open(log, encoding="utf-8") as f:
@@ -67,7 +88,7 @@ def step_rows(log: str, recompute: list[str], sizes) -> list[dict]:
     for record in records[1:]:
         micro = record["data"][0]["micro_sizes"]
         largest = Size(max(m["tiles"] for m in micro), max(m["tokens"] for m in micro))
-        parts = predicted_stage_peak(work, again, largest, 1, param_bytes)
+        parts = predicted_stage_peak(work, again, largest, 1, param_bytes, partly)
         measured = max(r["peak_memory_bytes"] for r in record["ranks"])
         rows.append({"step": record["step"], "tiles": largest.tiles, "tokens": largest.tokens,
                      "measured": measured, "predicted": parts.pop("predicted_peak_bytes"),
@@ -126,17 +147,27 @@ def main() -> None:
     sizes = qwen3_vl_2b()
     result = {"run": os.path.abspath(args.run), "device": gpu["device"], "plans": {}}
     gib = 2 ** 30
-    for log in sorted(glob.glob(os.path.join(args.run, "*-train_log.jsonl"))):
+    logs = sorted(glob.glob(os.path.join(args.run, "*-train_log.jsonl"))) + sorted(
+        glob.glob(os.path.join(args.run, "logs", "*-train_log.jsonl")))
+    for log in logs:
         plan = os.path.basename(log).removesuffix("-train_log.jsonl")
-        recompute = gpu[plan]["recompute"] if plan in gpu else None
-        if recompute is None:  # a run the JSON line does not describe (it ran out of memory)
-            with open(os.path.join(args.run, f"{plan}-pipeline.json"), encoding="utf-8") as f:
-                recompute = [n for s in json.load(f)["stages"] for n in s["recompute"]]
-        rows = step_rows(log, recompute, sizes)
+        described = os.path.join(args.run, f"{plan}-pipeline.json")
+        if plan in gpu:
+            run = gpu[plan]
+        elif os.path.exists(described):  # a run the JSON line leaves out (out of memory)
+            with open(described, encoding="utf-8") as f:
+                stages = json.load(f)["stages"]
+            run = {key: [n for s in stages for n in s.get(key, [])]
+                   for key in ("recompute", "selective")}
+        else:  # another call's log in the folder
+            continue
+        recompute, selective = run["recompute"], run.get("selective", [])
+        rows = step_rows(log, recompute, selective, sizes, run_saves(gpu, run))
         ratios = [r["predicted"] / r["measured"] for r in rows]
         result["plans"][plan] = {"rows": rows, "median_ratio": statistics.median(ratios),
                                  "min_ratio": min(ratios), "max_ratio": max(ratios)}
-        print(f"\n{plan} ({gpu['device']}, {len(recompute)} layers recomputed)")
+        print(f"\n{plan} ({gpu['device']}, {len(recompute)} layers recomputed whole, "
+              f"{len(selective)} selectively; kept as {run_saves(gpu, run)})")
         print("| step | largest micro-batch | measured GiB | predicted GiB | params | "
               "activations | rebuilt | transient | predicted / measured |")
         print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")

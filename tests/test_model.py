@@ -206,12 +206,36 @@ def test_analytic_memory_matches_what_a_layer_holds(setup):
     LLM block keeps beyond its input within 15% of what its forward left alive; the transient
     never below what the layer's forward + backward held beyond its activations (torch's
     memory tracker, parameters and their gradients aside)."""
+    folder, shards = setup
+    check_memory_model(model_layers(folder), shards, "cpu")
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
+def test_analytic_memory_matches_what_the_gpu_kernels_hold(family, tmp_path):
+    """The same on a GPU with the kernels a GPU rank runs by default: torch's varlen attention
+    (a Qwen ViT's images in one call) and Liger's kernels, in the LLM and, Qwen2.5-VL's, in the
+    ViT (``model_sizes.Saves``)."""
+    from vlmshard.train.attention import available_backends
+    from vlmshard.train.kernels import Kernels
+    from vlmshard.train.models import liger
+
+    if not liger.available() or "varlen" not in available_backends("cuda", torch.bfloat16):
+        pytest.skip("needs CUDA, liger-kernel and torch's varlen attention")
+    folder = make_folder(family, str(tmp_path / "model"))
+    shards = make_shards(folder, tmp_path, target_samples=3, micro_batches=2)
+    model = model_layers(folder, "varlen", Kernels(liger=True))
+    assert model.saves().liger_llm and model.saves().vit_one_call
+    check_memory_model(model, shards, "cuda")
+
+
+def check_memory_model(model, shards: str, device: str) -> None:
+    """``test_analytic_memory_matches_what_a_layer_holds``'s checks of ``model`` on the first
+    micro-batch of ``shards``, run on ``device`` in bf16."""
     from vlmshard.train.profile import profile_layers
 
-    folder, shards = setup
-    model = model_layers(folder)
     batches = list(ShardDataset(shards, pixel_dtype=torch.bfloat16))[:1]
-    profile = profile_layers(model, batches, dtype=torch.bfloat16, repeats=1, warmup=0)
+    profile = profile_layers(model, batches, device=device, dtype=torch.bfloat16, repeats=1,
+                             warmup=0)
     kinds = {}
     for d, cost, analytic in zip(model.defs, profile.layers, profile.analytic):
         kinds.setdefault(d.kind, (cost, analytic))

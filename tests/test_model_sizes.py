@@ -4,6 +4,7 @@ model (on the meta device: no memory) and counting, never from the formulas unde
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 
@@ -214,3 +215,82 @@ def test_zero3_fixed_bytes_by_hand():
     assert zero3_fixed_bytes(small, "fp32", 2) == {
         "reduce_bucket": 2_000_000_000, "gathered": 12_000_000, "gradient": 4_000_000,
         "persistent": 0}
+
+
+def test_the_kernels_that_run_change_what_a_layer_keeps_by_a_hand_count():
+    """What ``Saves`` changes in each layer, counted by hand from what the kernels save for
+    backward (liger-kernel 0.8.5's ``ctx.save_for_backward``; torch's varlen ``setup_context``):
+    Liger's RMSNorm keeps its bf16 input and fp32 1/rms where ``transformers``' keeps an fp32
+    copy of its input and the bf16 normalized values (4 bytes less an element), its SwiGLU keeps
+    gate and up but not the activation (2 bytes an intermediate channel); a Qwen ViT's one
+    varlen call keeps a copy of v (one hidden) where SDPA per image kept views holding the fused
+    qkv output (three) and the projection the images' outputs concatenated (one)."""
+    from dataclasses import replace
+
+    from vlmshard.model_sizes import Saves
+
+    def kept(config, saves, name):
+        return {w.name: w.activation_bytes for w in layer_work(config, saves)}[name]
+
+    qwen3 = presets()["qwen3-vl-8b"]
+    t, v = qwen3.llm, qwen3.vision
+    plain, liger = Saves(), Saves(liger_llm=True)
+    norms = 2 * t.hidden + t.heads * t.head_size + t.kv_heads * t.head_size  # with q/k norms
+    assert (kept(qwen3, plain, "llm_block_0").tokens - kept(qwen3, liger, "llm_block_0").tokens
+            == 4 * norms + 2 * t.intermediate)
+    assert kept(qwen3, plain, "head").tokens - kept(qwen3, liger, "head").tokens == 4 * t.hidden
+    patches = qwen3.patches_per_tile
+    one_call = Saves(vit_one_call=True)
+    for block in ("vit_block_0", "vit_block_8"):  # a plain block and a DeepStack one
+        assert (kept(qwen3, plain, block).tiles - kept(qwen3, one_call, block).tiles
+                == patches * 2 * 3 * v.hidden)
+    assert kept(qwen3, plain, "llm_block_0") == kept(qwen3, one_call, "llm_block_0")
+    # K/V heads repeated to the query heads: the kernel keeps k and v as wide as q
+    assert (kept(qwen3, Saves(kv_repeated=True), "llm_block_0").tokens
+            - kept(qwen3, plain, "llm_block_0").tokens
+            == 2 * 2 * (t.heads - t.kv_heads) * t.head_size)
+    # a ViT of RMSNorms and SwiGLU MLPs (Qwen2.5-VL's): Liger's in both
+    gated = replace(qwen3, vision=replace(v, rms_norm=True, gated_mlp=True))
+    mlp = int(v.hidden * v.mlp_ratio)
+    assert (kept(gated, plain, "vit_block_0").tiles
+            - kept(gated, Saves(liger_vit=True), "vit_block_0").tiles
+            == patches * (2 * 4 * v.hidden + 2 * mlp))
+    assert kept(qwen3, plain, "vit_block_0") == kept(qwen3, Saves(liger_vit=True), "vit_block_0")
+
+
+@pytest.mark.parametrize("model_type, vit_liger", [("qwen3_vl", False), ("qwen2_5_vl", True)])
+def test_a_model_says_what_its_kernels_keep(model_type, vit_liger, tmp_path):
+    """``ModelLayers.saves`` from the backend and switches a rank builds with: the one varlen
+    call only on torch's varlen kernel (SDPA splits per image, and so does ``--sdpa-cudnn``),
+    Liger's counts only where Liger runs (not in compiled blocks), and in the ViT only where
+    its blocks have modules Liger swaps: Qwen2.5-VL's RMSNorms and SwiGLU MLPs, not Qwen3-VL's
+    LayerNorms and GELU MLPs."""
+    from vlmshard.model_sizes import Saves
+    from vlmshard.train.hf_model import model_layers
+    from vlmshard.train.kernels import Kernels
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    folder = make_folder(model_type, str(tmp_path / "model"))
+    assert model_layers(folder, "sdpa", Kernels()).saves() == Saves()
+    # torch's varlen kernel takes grouped-query heads from 2.12 on; before, they are repeated
+    repeated = "enable_gqa" not in inspect.signature(varlen_attn).parameters
+    assert model_layers(folder, "varlen", Kernels(liger=True)).saves() == Saves(
+        vit_one_call=True, liger_llm=True, liger_vit=vit_liger, kv_repeated=repeated)
+    assert model_layers(folder, "varlen", Kernels(vit_varlen=False)).saves() == Saves(
+        kv_repeated=repeated)
+    assert model_layers(folder, "varlen", Kernels(sdpa_cudnn=True)).saves() == Saves(
+        kv_repeated=repeated)
+    assert model_layers(folder, "sdpa", Kernels(liger=True, compile_blocks=("llm", "vit"))
+                        ).saves() == Saves()
+    assert (model_layers(folder, "sdpa", Kernels(liger=True)).analytic_work()
+            == model_sizes_work(folder, Saves(liger_llm=True, liger_vit=vit_liger)))
+
+
+def model_sizes_work(folder: str, saves) -> list:
+    """The analytic work of the trainer's layers of ``folder`` keeping what ``saves`` says."""
+    from vlmshard.train.hf_model import model_layers
+
+    with open(os.path.join(folder, "config.json")) as f:
+        sizes = model_sizes(json.load(f), folder)
+    return trainer_layer_work(model_layers(folder).names, sizes, saves)

@@ -152,7 +152,8 @@ def test_the_largest_micro_batch_of_the_analytic_model_is_the_edge_of_fitting(pr
     """``largest_micro_batch`` (the caps' memory bound before any profile): a micro-batch of its
     size fits some partition of the real model's analytic layers on an 80 GiB device, one 1%
     larger fits none (an 8B model's states alone fill one device: four stages); the loss's
-    chunk is costed at each size, not scaled from one."""
+    chunk is costed at each size, not scaled from one. Likewise the largest that recomputes no
+    layer whole (``whole_recompute=False``)."""
     from vlmshard.families import presets
     from vlmshard.model_sizes import Size, bytes_per_param, layer_work
     from vlmshard.partition import analytic_layer_costs, largest_micro_batch
@@ -171,6 +172,14 @@ def test_the_largest_micro_batch_of_the_analytic_model_is_the_edge_of_fitting(pr
     with pytest.raises(PartitionError):
         search_partition(costs(Size(largest.tiles * 1.01, largest.tokens * 1.01)), stages,
                          machine)
+    # without recomputing any layer whole: the searched partition at that size has none, at
+    # 1% more it has some
+    free = largest_micro_batch(work, shape, machine, bytes_per_param("bf16"), stages,
+                               whole_recompute=False)
+    assert 0 < free.tokens < largest.tokens
+    assert not search_partition(costs(free), stages, machine).recompute
+    assert search_partition(costs(Size(free.tiles * 1.01, free.tokens * 1.01)), stages,
+                            machine).recompute
 
 
 def test_selective_recompute_comes_before_whole_layers_by_hand():

@@ -140,6 +140,16 @@ def varlen_parameters(kernel) -> frozenset[str]:
     return names
 
 
+def repeats_kv_heads(backend: str) -> bool:
+    """Whether ``backend`` hands its kernel K/V heads repeated to the query heads: torch's
+    varlen kernel where it takes no grouped-query heads (before 2.12, ``packed_varlen``)."""
+    if backend != "varlen":
+        return False
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" not in varlen_parameters(varlen_attn)
+
+
 def packed_varlen(module, query, key, value, attention_mask, *, packed_spans=None,
                   scaling=None, is_causal=None, sliding_window=None, **kwargs):
     """torch's varlen flash attention over every packed segment in one call (``packed_spans``'

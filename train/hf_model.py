@@ -21,12 +21,13 @@ from torch import nn
 
 from vlmshard.families import family_for_model_type, model_sizes, read_model_folder
 from vlmshard.io import read_json
-from vlmshard.model_sizes import LayerWork, Zero3Weights, trainer_layer_work
+from vlmshard.model_sizes import LayerWork, Saves, Zero3Weights, trainer_layer_work
 
-from .attention import implementation, supports_runs
+from .attention import choose_backend, implementation, repeats_kv_heads, supports_runs
 from .clock import layer_part
 from .kernels import Kernels
 from .micro import HostMeta, Micro, Phase, unpack, wire_inputs
+from .models import liger
 from .models.layers import Geometry, LayerDef
 from .weights import Checkpoint, load_layer
 
@@ -63,9 +64,27 @@ class ModelLayers:
 
     def analytic_work(self) -> list[LayerWork]:
         """Per layer, its work in the analytic model of the folder's config (FLOPs, parameters
-        and the activation bytes it keeps: ``model_sizes.trainer_layer_work``)."""
+        and the activation bytes it keeps with this model's kernels:
+        ``model_sizes.trainer_layer_work``)."""
         sizes = model_sizes(read_json(os.path.join(self.path, "config.json")), self.path)
-        return trainer_layer_work(self.names, sizes)
+        return trainer_layer_work(self.names, sizes, self.saves())
+
+    def saves(self) -> Saves:
+        """Where the layers this model builds keep other tensors for backward than
+        ``transformers``' own modules on SDPA (``model_sizes.Saves``): the ViT's attention in
+        one call of torch's varlen kernel, K/V heads repeated for it, Liger's kernels in the
+        parts that take them (not in compiled blocks) where they swap a module of the part's
+        first block."""
+        k = self.kernels
+
+        def liger_in(part: str) -> bool:
+            block = next((d for d in self.defs if d.kind.startswith(f"{part}_block")), None)
+            return (k.liger and part not in k.compile_blocks and block is not None
+                    and liger.fuses(block.build(self.meta)))
+
+        return Saves(vit_one_call=k.vit_varlen and self.backend == "varlen" and not k.sdpa_cudnn,
+                     liger_llm=liger_in("llm"), liger_vit=liger_in("vit"),
+                     kv_repeated=repeats_kv_heads(self.backend))
 
     def parameter_count(self, index: int) -> int:
         """Layer ``index``'s parameters, counted on the meta model (nothing allocated)."""
@@ -116,6 +135,18 @@ class ModelLayers:
                 built[key] = self.build_layer(i, device, dtype)
             layers.append(built[key])
         return layers
+
+
+def rank_model(cfg, device: torch.device | str, sequence_parallel: bool) -> ModelLayers:
+    """The layer list a rank of the ``TrainConfig`` ``cfg`` builds on ``device``: its attention
+    backend (the best there, ``choose_backend``) and kernels (``Kernels.of``). With
+    ``sequence_parallel`` not flash-attn: ``transformers`` calls it itself, where the
+    sequence-parallel exchange wraps the backends vlmshard registers
+    (``vlmshard.train.attention.across_sequence``); torch's varlen kernel instead."""
+    backend = choose_backend(device, cfg.dtype)
+    if sequence_parallel and backend == "flash":
+        backend = "varlen"
+    return model_layers(cfg.model, backend, Kernels.of(cfg))
 
 
 @functools.cache

@@ -125,10 +125,13 @@ def launch(cfg: TrainConfig, output: str | None = None) -> int:
     if cuda:
         cluster.check_devices(torch.cuda.device_count(), visible_devices)
     if cfg.bounds is None:  # caps no recompute fits are one line here, before any rank starts
-        from .hf_model import model_layers
+        from vlmshard.shards.layout import read_manifest
 
-        choose_partition(cfg, model_layers(cfg.model), Device.probe() if cuda else None,
-                         cluster.procs_per_node)
+        from .hf_model import rank_model
+
+        model = rank_model(cfg, "cuda" if cuda else "cpu",
+                           max(read_manifest(cfg.shards).sp_degrees) > 1)
+        choose_partition(cfg, model, Device.probe() if cuda else None, cluster.procs_per_node)
     os.makedirs(cfg.out, exist_ok=True)
     config_path = os.path.join(os.path.abspath(cfg.out), "train_config.json")
     write_json_atomic(config_path, asdict(cfg.training_options()))

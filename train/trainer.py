@@ -157,9 +157,7 @@ def set_up(cfg: TrainConfig) -> Setup:
     from vlmshard.families import model_sizes
     from vlmshard.shards.loader import ShardDataset
 
-    from .attention import choose_backend
-    from .hf_model import model_layers
-    from .kernels import Kernels
+    from .hf_model import rank_model
     from .sequence_parallel import check_model, make_groups
 
     cuda = torch.cuda.is_available()
@@ -180,12 +178,7 @@ def set_up(cfg: TrainConfig) -> Setup:
         raise ConfigError("the training config names no model folder: start training with "
                           "`vlmshard train`")
     degrees = probe.manifest.sp_degrees
-    backend = choose_backend(device, cfg.dtype)
-    if max(degrees) > 1 and backend == "flash":
-        # transformers calls flash-attn itself; the sequence-parallel exchange wraps the
-        # backends vlmshard registers (vlmshard.train.attention.across_sequence)
-        backend = "varlen"
-    model = model_layers(cfg.model, backend, Kernels.of(cfg))
+    model = rank_model(cfg, device, max(degrees) > 1)
     log.info("attention backend: %s (vlmshard.train.attention)", model.backend)
     if cfg.compile_blocks and cfg.liger:
         log.info("--compile-blocks: Inductor fuses the compiled blocks' norms, activations and "
@@ -215,7 +208,8 @@ def write_pipeline(cfg: TrainConfig, setup: Setup, engine: TrainEngine) -> None:
         write_json_atomic(os.path.join(cfg.out, PIPELINE_NAME),
                           pipeline_record(setup.sizes.to_dict(), stages, chosen.source,
                                           chosen.memory, chosen.budget_bytes,
-                                          asdict(setup.model.kernels)))
+                                          asdict(setup.model.kernels),
+                                          asdict(setup.model.saves())))
 
 
 def rank_0_log(cfg: TrainConfig, engine: TrainEngine, first_step: int

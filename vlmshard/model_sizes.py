@@ -232,12 +232,44 @@ LOSS_CHUNK = 1024  # rows of logits the LM loss makes at a time (vlmshard.train'
 CHECKPOINT_STATE_BYTES = 5056
 
 
-def rms_norm_kept(width: float, rows: float = 1, offset: bool = False) -> float:
+@dataclass(frozen=True)
+class Saves:
+    """Where the kernels a trainer runs keep other tensors for backward than ``transformers``'
+    own modules on SDPA (the default: what a CPU run keeps, and what the packer assumes).
+
+    ``vit_one_call``: a Qwen ViT attends over all of a micro-batch's images in one call of
+    torch's varlen kernel (``vlmshard.train.attention.packed_varlen``), which keeps q, k, a
+    copy of v and its output; split per image, SDPA keeps views of v that hold the whole fused
+    qkv output, and the projection keeps the images' outputs concatenated. ``liger_llm`` and
+    ``liger_vit``: Liger's kernels in the LLM's (the ViT's) layers: an RMSNorm keeps its input
+    and 1/rms per row (not fp32 copies), a gated MLP its gate and up projections (not the
+    activation between them). ``kv_repeated``: the LLM's attention kernel is given K/V heads
+    repeated to the query heads (torch's varlen kernel before 2.12 takes no grouped-query
+    heads), and keeps them so. Compiled blocks are counted as their eager modules."""
+
+    vit_one_call: bool = False
+    liger_llm: bool = False
+    liger_vit: bool = False
+    kv_repeated: bool = False
+
+
+def rms_norm_kept(width: float, rows: float = 1, offset: bool = False,
+                  fused: bool = False) -> float:
     """Bytes a ``transformers`` RMSNorm of ``width`` keeps per token (``rows`` norms a token):
     its input upcast to fp32, 1/rms per row, and the normalized values the weight multiplies,
-    in bf16, or in fp32 for a (1 + weight) norm (``LLMConfig.offset_norms``). What reads its
-    output keeps that apart."""
+    in bf16, or in fp32 for a (1 + weight) norm (``LLMConfig.offset_norms``). ``fused``:
+    Liger's kernel, which keeps the input as it came and 1/rms in fp32. What reads its output
+    keeps that apart."""
+    if fused:
+        return ACTIVATION_BYTES * width + FP32 * rows
     return FP32 * width + FP32 * rows + (FP32 if offset else ACTIVATION_BYTES) * width
+
+
+def gated_mlp_kept(intermediate: float, fused: bool = False) -> float:
+    """Bytes a gated MLP keeps per token beyond its input: the gate and up projections' outputs,
+    the activation of the gate (not with Liger's fused kernel, ``fused``) and the product the
+    down projection reads."""
+    return (3 if fused else 4) * ACTIVATION_BYTES * intermediate
 
 
 def rms_norm_backward(width: float) -> float:
@@ -401,9 +433,9 @@ class LayerWork:
 
 
 
-def _vit_norm_kept(v: VisionConfig) -> float:
-    """Bytes one of the ViT's norms keeps per patch."""
-    return rms_norm_kept(v.hidden) if v.rms_norm else layer_norm_kept(v.hidden)
+def _vit_norm_kept(v: VisionConfig, fused: bool = False) -> float:
+    """Bytes one of the ViT's norms keeps per patch (``fused``: an RMSNorm, Liger's)."""
+    return rms_norm_kept(v.hidden, fused=fused) if v.rms_norm else layer_norm_kept(v.hidden)
 
 
 def _vit_norm_params(v: VisionConfig) -> int:
@@ -454,8 +486,9 @@ def pool_projector(c: ModelConfig) -> ProjectorWork:
 PROJECTORS = {"mlp": mlp_projector, "merger": merger_projector, "pool": pool_projector}
 
 
-def layer_work(config: ModelConfig) -> list[LayerWork]:
-    """Every pipeline layer of ``config``, in pipeline order (``config.layer_names()``)."""
+def layer_work(config: ModelConfig, saves: Saves = Saves()) -> list[LayerWork]:
+    """Every pipeline layer of ``config``, in pipeline order (``config.layer_names()``), keeping
+    for backward what the kernels ``saves`` describes keep."""
     v, t = config.vision, config.llm
     a = ACTIVATION_BYTES
     patches = config.patches_per_tile
@@ -477,7 +510,7 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
     # + biases (q, k, v, o; the MLP's), two norms and the layer scales
     vit_params = (vit_linear + (3 * v.qkv_bias + 2) * v.hidden + (mlp_matrices - 1) * mlp
                   + 2 * _vit_norm_params(v) * v.hidden + 2 * v.layer_scale * v.hidden)
-    vit_norm_kept = _vit_norm_kept(v)
+    vit_norm_kept = _vit_norm_kept(v, saves.liger_vit)
     projector_work = PROJECTORS[config.projector](config)
     projector_linear = projector_work.linear
     # a DeepStack merger: the merger with its norm over the width
@@ -485,22 +518,23 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
     # What the LLM's layers keep, in bytes per token, as ``transformers``' own modules save it
     # for backward (tests/test_model.py holds each layer kind to the saved-tensor hooks'
     # count): a norm, and its output as the projections' input.
-    offset = t.offset_norms
-    normed = rms_norm_kept(t.hidden, offset=offset) + a * t.hidden
+    offset, fused = t.offset_norms, saves.liger_llm
+    normed = rms_norm_kept(t.hidden, offset=offset, fused=fused) + a * t.hidden
     # Beside the widest gradients inside a layer (``Mixer.transient``), its backward holds its
     # output, that output's gradient and its input's gradient, and a norm's fp32 gradients.
     llm_io = 3 * a * t.hidden + rms_norm_backward(t.hidden)
     # The token mixers. Attention: q (doubled when gated), k, v, o; causal attention is
     # 2·s²·heads·head_dim per sample. Keeps: q/k norms, the rotary tables, the kernel's q, k,
-    # v, output and log-sum-exp, o's input (and, gated, the gate's sigmoid and the ungated
-    # output).
+    # v (``Saves.kv_repeated``: k and v as wide as q), output and log-sum-exp, o's input (and,
+    # gated, the gate's sigmoid and the ungated output).
     attention_linear = (2 + t.attention_gate) * t.hidden * q + 2 * t.hidden * kv
-    qk_norms = (rms_norm_kept(q, t.heads, offset) + rms_norm_kept(kv, t.kv_heads, offset)
-                if t.qk_norm else 0)
+    qk_norms = (rms_norm_kept(q, t.heads, offset, fused)
+                + rms_norm_kept(kv, t.kv_heads, offset, fused) if t.qk_norm else 0)
     attention = Mixer(
         params=attention_linear + (2 * head_dim if t.qk_norm else 0) + (q + 2 * kv) * t.qkv_bias,
         flops=Size(tokens=2 * attention_linear, squares=2 * q),
-        kept=(normed + qk_norms + 2 * a * head_dim + a * (2 * q + 2 * kv) + FP32 * t.heads
+        kept=(normed + qk_norms + 2 * a * head_dim
+              + a * (2 * q + 2 * (q if saves.kv_repeated else kv)) + FP32 * t.heads
               + a * q * (1 + 2 * t.attention_gate)),
         # the kernel's fp32 dq accumulator and softmax rows, dq, dk, dv; the q/k norms' fp32
         # gradients
@@ -539,7 +573,7 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
     # product and output with their indices and weight.
     dense = Mixer(params=3 * t.hidden * t.intermediate,
                   flops=Size(tokens=2 * 3 * t.hidden * t.intermediate),
-                  kept=normed + 4 * a * t.intermediate,
+                  kept=normed + gated_mlp_kept(t.intermediate, fused),
                   transient=3 * a * t.intermediate,
                   selective=a * (2 * t.intermediate + t.hidden))  # gate, up, down
     shared = 3 * t.hidden * t.shared_expert_intermediate + (t.hidden if
@@ -550,7 +584,7 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
         flops=Size(tokens=2 * (t.hidden * t.experts + t.experts_per_token * expert + shared)),
         kept=(normed + (FP32 + a) * t.experts + FP32
               + t.experts_per_token * (2 * a * t.hidden + 4 * a * t.moe_intermediate + 46)
-              + (4 * a * t.shared_expert_intermediate + a * t.hidden + 2 * a
+              + (gated_mlp_kept(t.shared_expert_intermediate, fused) + a * t.hidden + 2 * a
                  if t.shared_expert_intermediate else 0)),
         transient=(FP32 * t.experts + t.experts_per_token * (3 * a * t.moe_intermediate
                                                               + 2 * a * t.hidden)
@@ -566,7 +600,8 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
         token_mixer = (linear if t.is_linear(i) else sliding if t.is_sliding(i) else attention)
         mixers = (token_mixer, sparse if t.is_moe(i) else dense)
         # sandwich norms: their outputs join the residual, nothing else keeps them
-        sandwich = 2 * rms_norm_kept(t.hidden, offset=offset) if t.sandwich_norms else 0
+        sandwich = (2 * rms_norm_kept(t.hidden, offset=offset, fused=fused) if t.sandwich_norms
+                    else 0)
         selective = (None if any(m.selective is None for m in mixers)
                      else Size(tokens=sum(m.selective for m in mixers)))
         return dict(params=sum(m.params for m in mixers) + (2 + 2 * t.sandwich_norms) * t.hidden,
@@ -591,15 +626,17 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
         transient_bytes=Size(tiles=patches * a * v.hidden * (6 + 16 * (
             v.position_embeddings > 0))))
     # Per patch: two norms and their outputs (the projections' inputs); q, k, v, the kernel's
-    # output and log-sum-exp (Qwen's: q and k rotated, the fused qkv output, the fp32 rotary
-    # tables, and the images' outputs concatenated for the projection); the layer scales'
-    # inputs; the MLP's hiddens (gelu: fc1's output and its activation; quick_gelu a sigmoid
-    # more; SwiGLU gate, up, activation and product).
+    # output and log-sum-exp (Qwen's: q and k rotated, the fp32 rotary tables, and split per
+    # image the fused qkv output and the images' outputs concatenated for the projection, in
+    # one varlen call a copy of v: ``Saves.vit_one_call``); the layer scales' inputs; the MLP's
+    # hiddens (gelu: fc1's output and its activation; quick_gelu a sigmoid more; SwiGLU gate,
+    # up, activation and product, Liger's without the activation).
     if v.fused_qkv:
-        vit_attention = 5 * a * v.hidden + 2 * FP32 * v.hidden // v.heads + 2 * a * v.hidden
+        rotary = 2 * FP32 * v.hidden // v.heads
+        vit_attention = a * v.hidden * (4 if saves.vit_one_call else 7) + rotary
     else:
         vit_attention = 4 * a * v.hidden
-    mlp_hiddens = 4 if v.gated_mlp else 3 if v.quick_gelu else 2
+    mlp_hiddens = (3 if saves.liger_vit else 4) if v.gated_mlp else 3 if v.quick_gelu else 2
     # backward: output, its gradient, the input's, a norm's fp32 gradients, and the wider of
     # the MLP's hidden gradients and attention's (fp32 dq accumulator, dq, dk, dv)
     vit_transient = patches * (3 * a * v.hidden + 2 * FP32 * v.hidden + max(
@@ -633,11 +670,11 @@ def layer_work(config: ModelConfig) -> list[LayerWork]:
         # per supervised token (here: every token, the most there can be) its hidden state, its
         # target and index; the logits are chunked and recomputed in backward
         activation_bytes=Size(tokens=a * t.hidden + 16
-                              + _final_norm_work(t).activation_bytes.tokens),
+                              + _final_norm_work(t, saves).activation_bytes.tokens),
         output_bytes=Size(),
         # the hidden rows' gradient, the final norm's backward; per row of a loss chunk its
         # fp32 log-softmax, the gradient in and out of it and the bf16 logits' gradient
-        transient_bytes=_final_norm_work(t).transient_bytes,
+        transient_bytes=_final_norm_work(t, saves).transient_bytes,
         chunk_row_bytes=14 * t.vocab_size)
 
     deepstack = dict(  # the block, then its merger (a norm over the width) on its output
@@ -675,27 +712,29 @@ def _token_embedding_work(t: LLMConfig, tokens_per_tile: int) -> LayerWork:
                      fixed_transient_bytes=FP32 * t.vocab_size * t.hidden)
 
 
-def _final_norm_work(t: LLMConfig) -> LayerWork:
+def _final_norm_work(t: LLMConfig, saves: Saves) -> LayerWork:
     """The final norm: its output, that output's gradient and the input's, and the fp32
     gradients of its backward."""
     return LayerWork("final_norm", t.hidden, Size(),
-                     Size(tokens=rms_norm_kept(t.hidden, offset=t.offset_norms)),
+                     Size(tokens=rms_norm_kept(t.hidden, offset=t.offset_norms,
+                                               fused=saves.liger_llm)),
                      Size(tokens=ACTIVATION_BYTES * t.hidden),
                      transient_bytes=Size(tokens=3 * ACTIVATION_BYTES * t.hidden
                                           + rms_norm_backward(t.hidden)))
 
 
-def trainer_layer_work(names: list[str], config: ModelConfig) -> list[LayerWork]:
+def trainer_layer_work(names: list[str], config: ModelConfig,
+                       saves: Saves = Saves()) -> list[LayerWork]:
     """Per trainer layer ``names`` (in pipeline order) its analytic work, each analytic layer
     given to exactly one of them. The token embedding holds its table (taken off the
     projector's parameters), the final norm its weight (off the head's); both pass the hidden
     states on with no FLOPs counted. Raises ConfigError when the names do not cover the analytic
-    layers once each."""
-    work = layer_work(config)
+    layers once each. ``saves``: as ``layer_work``'s."""
+    work = layer_work(config, saves)
     index = {w.name: i for i, w in enumerate(work)}
     moved = {"embed_tokens": ("projector_merge",
                               _token_embedding_work(config.llm, config.tokens_per_tile)),
-             "final_norm": ("head", _final_norm_work(config.llm))}
+             "final_norm": ("head", _final_norm_work(config.llm, saves))}
     out, used = [], []
     for name in names:
         if name in NO_LAYER_WORK:

@@ -308,10 +308,12 @@ def largest_micro_batch_scale(layers: list[LayerCost], bounds: list[int], machin
 
 
 def largest_micro_batch(work: list[LayerWork], shape: Size, machine: Machine,
-                        bytes_per_param: float, stages: int = 1, steps: int = 40) -> Size:
+                        bytes_per_param: float, stages: int = 1, steps: int = 40,
+                        whole_recompute: bool = True) -> Size:
     """The largest micro-batch of ``shape`` (e.g. a mean sample's tiles and tokens) that some
     partition of the analytic model ``work`` into ``stages`` holds in ``machine``'s memory,
-    recomputing what it must: the memory bound on the packer's caps before any profile. Each
+    recomputing what it must (with ``whole_recompute`` off, selectively only: no layer's
+    matrix FLOPs run twice): the memory bound on the packer's caps before any profile. Each
     candidate is costed at its own size (the loss's chunk does not grow past its rows). Zero
     when the parameters alone do not fit."""
     def fits(scale: float) -> bool:
@@ -319,10 +321,10 @@ def largest_micro_batch(work: list[LayerWork], shape: Size, machine: Machine,
         layers = analytic_layer_costs(work, time_size=size, memory_size=size, flops_per_s=1.0,
                                       bytes_per_param=bytes_per_param)
         try:
-            search_partition(layers, stages, machine)
+            found = search_partition(layers, stages, machine)
         except PartitionError:
             return False
-        return True
+        return whole_recompute or not found.recompute
 
     scale = _largest_scale(fits, steps)
     return Size(shape.tiles * scale, shape.tokens * scale)

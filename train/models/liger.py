@@ -92,6 +92,12 @@ def fuse(layer: nn.Module, repeated: nn.Module | None) -> None:
         _rope_while_running(repeated)
 
 
+def fuses(layer: nn.Module) -> bool:
+    """Whether ``fuse`` swaps any of ``layer``'s modules: a norm of a class in ``NORMS`` or a
+    gated MLP (a ViT's LayerNorms and plain MLP it leaves as they are)."""
+    return any(type(m).__name__ in NORMS or _gated(m) for m in layer.modules())
+
+
 def _liger_norm(norm: nn.Module, cls, offset: float, casting: str) -> nn.Module:
     eps = getattr(norm, "variance_epsilon", None) or norm.eps
     fused = cls(norm.weight.shape[0], eps=eps, offset=offset, casting_mode=casting,
