@@ -211,7 +211,7 @@ def test_analytic_memory_matches_what_a_layer_holds(setup):
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
-def test_analytic_memory_matches_what_the_gpu_kernels_hold(family, tmp_path):
+def test_analytic_memory_matches_what_cuda_and_liger_kernels_hold(family, tmp_path):
     """The same on a GPU with the kernels a GPU rank runs by default: torch's varlen attention
     (a Qwen ViT's images in one call) and Liger's kernels, in the LLM and, Qwen2.5-VL's, in the
     ViT (``model_sizes.Saves``)."""
