@@ -125,7 +125,10 @@ def test_demo_data_and_model_are_reused_when_unchanged(demo, tmp_path, monkeypat
         f.write(" ")
     demo_data.generate(copy, seed=0)
     demo_data.demo_model("internvl", model)
-    assert (tree_bytes(copy), tree_bytes(model)) == built
+    # by name: which file came back other (once in many runs one did; preprocess/clips.py)
+    differ = [name for now, then in zip((tree_bytes(copy), tree_bytes(model)), built)
+              for name in sorted(set(now) | set(then)) if now.get(name) != then.get(name)]
+    assert not differ, f"rebuilt to other bytes: {differ}"
 
 
 def test_every_input_format_gives_the_same_rows(demo, tmp_path):
