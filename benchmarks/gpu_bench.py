@@ -373,8 +373,10 @@ def hf_baseline(args, setup: dict, padded: bool) -> dict:
 
 def hf_train(args, setup: dict, padded: bool) -> tuple[str, list[float], list[float]]:
     """The balanced shards' steps trained by Hugging Face's ``Trainer`` (examples/hf_trainer.py):
-    packed (``model_inputs``: flash-attn's varlen kernel where it is installed, else SDPA with a
-    block mask) or padded per sample; vlmshard's optimizer, schedule, clipping, steps and
+    packed (``model_inputs``: flash-attn's varlen kernel where it is installed, else torch's
+    through the same ``transformers`` path, ``TORCH_VARLEN``: the ViT's images in one call, no
+    mask over the micro-batch) or padded per sample (SDPA); vlmshard's optimizer, schedule,
+    clipping, steps and
     precision (fp32 master weights, bf16 compute on a GPU; fp32 on CPU), gradient checkpointing
     on a GPU. Each step's time is from the end of the step before (its data included) to the
     end of its optimizer step on the device; tokens and model FLOPs are vlmshard's log's for
@@ -384,14 +386,21 @@ def hf_train(args, setup: dict, padded: bool) -> tuple[str, list[float], list[fl
     from transformers import AutoModelForImageTextToText, TrainerCallback
     from transformers.utils import is_flash_attn_2_available
 
+    from vlmshard.shards.model_inputs import TORCH_VARLEN
+    from vlmshard.train.attention import attend_with_torch_varlen
+
     sys.path.insert(0, os.path.join(REPO, "examples"))
     from hf_trainer import PackedBatches, PaddedBatches, shard_trainer
 
     cuda = torch.cuda.is_available()
     cfg = train_config(args, setup, "balanced")
-    attention = "flash_attention_2" if cuda and is_flash_attn_2_available() else "sdpa"
-    model = AutoModelForImageTextToText.from_pretrained(setup["model"], dtype=torch.float32,
-                                                        attn_implementation=attention)
+    flash = cuda and is_flash_attn_2_available()
+    model = AutoModelForImageTextToText.from_pretrained(
+        setup["model"], dtype=torch.float32,
+        attn_implementation="flash_attention_2" if flash else "sdpa")
+    attention = "flash_attention_2" if flash else "sdpa" if padded else TORCH_VARLEN
+    if attention == TORCH_VARLEN:
+        attend_with_torch_varlen(model)
     # the padded peer: as many micro-batches a step as keep each, padded, within the packed
     # micro-batch's tokens over the steps trained (``PaddedBatches``)
     batches = functools.partial(PaddedBatches, steps=args.steps) if padded else PackedBatches

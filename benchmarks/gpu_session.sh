@@ -4,11 +4,11 @@
 #
 #   1. install the wheels in $WHEELS (built beforehand; see docs/gpu.md) and this checkout;
 #   2. the CUDA cases of the numerical tests (attention backends, one-call ViT, Liger's
-#      kernels, host syncs);
+#      kernels, host syncs, the memory model with the GPU's kernels, the peer's varlen path);
 #   3. gpu_bench.py with the given arguments (default: the balanced plan at the first H100 run's
-#      sizes with a trace and a host-sampled step, again with the ViT on cuDNN's attention, with
-#      its blocks compiled and with both, the profile and its replay), its JSON written after
-#      each phase.
+#      sizes with a trace and a host-sampled step, again with the ViT on cuDNN's attention and
+#      with its blocks compiled, the packed Hugging Face Trainer peer on torch's varlen kernel,
+#      the profile and its replay), its JSON written after each phase.
 #
 # Everything lands in $OUT (default build/gpu-session): logs, nvidia-smi, the bench's JSON, and
 # the runs' logs with the trace summaries, gzipped. Each step is bounded by `timeout`, so a hang
@@ -33,16 +33,17 @@ nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 
 stamp "CUDA tests"
 timeout "$TESTS_S" python3 -m pytest -q -p no:cacheprovider -p no:xdist -o addopts="" \
-    tests/test_kernels.py tests/test_model.py tests/test_clock.py -k "cuda or liger" 2>&1 |
+    tests/test_kernels.py tests/test_model.py tests/test_clock.py tests/test_model_inputs.py \
+    -k "cuda or liger" 2>&1 |
     tee "$OUT/cuda-tests.log" | tail -15
 
 stamp gpu_bench
 args=("$@")
 # default: where the step's time goes (the traced step by layer and kernel class, the
 # host-sampled step), the ViT on cuDNN's attention image by image, the ViT's blocks compiled,
-# both, then the profile and the simulator's replay; the peers: add --baseline
+# the packed peer (no longer on a block mask), then the profile and the simulator's replay
 [ ${#args[@]} -eq 0 ] && args=(--target-samples 4 --steps 6 --warmup 2 --plans balanced
-                              --ab cudnn_vit compiled_vit compiled_cudnn_vit
+                              --ab cudnn_vit compiled_vit --baseline hf_packed
                               --trace build/gpu-trace)
 timeout "$BENCH_S" python3 benchmarks/gpu_bench.py --json "$OUT/gpu.json" "${args[@]}" 2>&1 |
     tee "$OUT/bench.log" | grep -v "^{" | tail -40

@@ -21,7 +21,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--family", default="internvl", help="--smoke's model_type")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--attn", default="sdpa", help="attn_implementation (flash_attention_2 on GPUs)")
+    p.add_argument("--attn", default="sdpa",
+                   help="attn_implementation (flash_attention_2 on GPUs; without flash-attn, "
+                        "vlmshard_torch_varlen_as_flash: the same on torch's varlen kernel)")
     return p
 
 

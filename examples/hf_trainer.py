@@ -177,9 +177,16 @@ def shard_trainer(model, batches, out: str, steps: int, callbacks=(), **options)
 def train(folder: str, shards: str, out: str, args) -> None:
     from transformers import AutoModelForImageTextToText
 
+    from vlmshard.shards.model_inputs import TORCH_VARLEN
+    from vlmshard.train.attention import attend_with_torch_varlen
+
     cpu = not torch.cuda.is_available()
+    varlen = args.attn == TORCH_VARLEN  # set after loading (attend_with_torch_varlen)
     model = AutoModelForImageTextToText.from_pretrained(
-        folder, dtype=torch.float32 if cpu else torch.bfloat16, attn_implementation=args.attn)
+        folder, dtype=torch.float32 if cpu else torch.bfloat16,
+        attn_implementation="sdpa" if varlen else args.attn)
+    if varlen:
+        attend_with_torch_varlen(model)
     shard_trainer(model, lambda rank, world: PackedBatches(shards, model, rank, world), out,
                   args.steps, learning_rate=args.lr, lr_scheduler_type="cosine",
                   warmup_steps=1, bf16=not cpu).train()

@@ -12,6 +12,9 @@ attention implementation (``model.config._attn_implementation``):
 
 - ``flash_attention_2`` / ``flash_attention_3``: each sample's boundaries as ``cu_seq_lens_q/k``
   and ``max_length_q/k``, which ``transformers`` hands to flash-attn's varlen kernel;
+  ``TORCH_VARLEN`` (registered by importing ``vlmshard.train.attention``) takes the same to
+  torch's own varlen flash kernel (CUDA, torch 2.10 on), where flash-attn is not installed,
+  and to SDPA on each sample elsewhere;
 - ``sdpa`` and ``eager``: a 4-D additive mask [1, 1, n, n] in the model's dtype, causal within each
   sample and ``-inf`` across them (``transformers`` takes a 4-D mask as it is). It costs n²
   memory: for long micro-batches, use flash-attn on a GPU. A model whose layers attend
@@ -46,7 +49,10 @@ import torch
 from vlmshard.errors import ConfigError
 from vlmshard.preprocess.tokenize import IGNORE_INDEX
 
-FLASH = ("flash_attention_2", "flash_attention_3")
+# flash-attn's convention on torch's varlen kernel (``vlmshard.train.attention``): "flash" in
+# the name, so ``transformers`` hands it what it hands flash-attn
+TORCH_VARLEN = "vlmshard_torch_varlen_as_flash"
+FLASH = ("flash_attention_2", "flash_attention_3", TORCH_VARLEN)
 MASKED = ("sdpa", "eager")
 
 

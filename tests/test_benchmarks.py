@@ -38,8 +38,9 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
     same code), the loader alone, DeepSpeed runs, the profile, and every figure filled from
     them. The simulator's replay of each step comes with its error against the measured step.
     Of 4 steps, the first (warm-up) and the second (traced by the profiler) are left out.
-    (``--baseline``, the Hugging Face Trainer's runs, is not run here: on CPU its packed step
-    builds a dense mask over the micro-batch and takes minutes.)"""
+    The Hugging Face ``Trainer`` peers (``--baseline``) train the same steps: packed on
+    ``TORCH_VARLEN`` (flash-attn's convention; here each sample on SDPA) and padded per
+    sample, each losing at its first step what vlmshard's first step lost, within 1e-4."""
     import json
     from collections import Counter
 
@@ -47,7 +48,7 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_bench.py"),
                            "--smoke", "--work", str(tmp_path / "work"), "--json", str(out),
                            "--peak-tflops", "1", "--steps", "4", "--target-samples", "4",
-                           "--plans", "balanced", "--trace",
+                           "--plans", "balanced", "--baseline", "--trace",
                            str(tmp_path / "trace")],
                           capture_output=True, text=True, timeout=2100)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -99,6 +100,15 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
     sites = run["trace"]["host_sites"]
     assert 0 < sum(sites["seconds"].values()) <= sites["sampled_s"] * 1.01
     assert any("models/" in site for site in sites["seconds"])  # the layers' own forwards
+    # the peers: the same samples, the same first-step loss
+    from vlmshard.shards.model_inputs import TORCH_VARLEN
+
+    peers = result["baseline"]
+    assert peers["hf_packed"]["attention"] == TORCH_VARLEN
+    assert peers["hf_padded"]["attention"] == "sdpa"
+    for peer in peers.values():
+        assert len(peer["loss"]) == 4 and peer["tokens_per_s"] > 0 and 0 < peer["mfu"] < 1
+        assert peer["loss"][0] == pytest.approx(run["loss"][0], rel=1e-4)
     # the ViT's and the LLM's blocks ran at a measured rate, below the given 1 TFLOP/s
     assert {"vit_block", "llm_block"} <= set(result["sustained_share"])
     assert all(0 < share < 1 for share in result["sustained_share"].values())

@@ -13,7 +13,8 @@ from transformers import AutoModelForImageTextToText
 
 from vlmshard.errors import ConfigError
 from vlmshard.shards.loader import ShardDataset
-from vlmshard.shards.model_inputs import model_inputs
+from vlmshard.shards.model_inputs import TORCH_VARLEN, model_inputs
+from vlmshard.train.attention import attend_with_torch_varlen
 
 # (tokens per tile, pixel rows per tile)
 UNITS = {"internvl": (256, 1), "qwen2_vl": (1, 4), "gemma3": (4, 1)}
@@ -31,9 +32,13 @@ def packed(request, tmp_path_factory):
     return family, folder, shards, batch
 
 
-def _model(folder: str, implementation: str):
+def _model(folder: str, implementation: str, dtype: torch.dtype = torch.float32):
+    if implementation == TORCH_VARLEN:
+        model = _model(folder, "sdpa", dtype)
+        attend_with_torch_varlen(model)
+        return model
     return AutoModelForImageTextToText.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation=implementation).eval()
+        folder, dtype=dtype, attn_implementation=implementation).eval()
 
 
 def _alone(model, family: str, batch: dict) -> list[dict]:
@@ -41,9 +46,13 @@ def _alone(model, family: str, batch: dict) -> list[dict]:
                                                  *UNITS[family]))
 
 
-@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("implementation", ["sdpa", "eager", TORCH_VARLEN])
 def test_packed_logits_and_loss_equal_each_sample_alone(packed, implementation):
+    """Under ``TORCH_VARLEN`` on this CPU each sample goes to SDPA alone (the ViT's images too:
+    ``transformers`` hands it the boundaries in one call, as it does flash-attn)."""
     family, folder, _, batch = packed
+    if family == "gemma3" and implementation == TORCH_VARLEN:
+        pytest.skip("refused for Gemma 3 (test_models_that_packing_breaks_are_refused)")
     model = _model(folder, implementation)
     samples = _alone(model, family, batch)
     count = sum(supervised(s) for s in samples)
@@ -54,6 +63,34 @@ def test_packed_logits_and_loss_equal_each_sample_alone(packed, implementation):
     assert float((out.logits[0] - logits).abs().max()) <= 1e-4
     summed = sum(float(w.loss) * supervised(s) for w, s in zip(want, samples))
     assert float(out.loss) == pytest.approx(summed / count, rel=1e-5)
+
+
+@pytest.mark.parametrize("family", ["internvl", "qwen2_vl"])
+def test_torch_varlen_on_cuda_equals_each_sample_alone(family, tmp_path):
+    """``TORCH_VARLEN`` on a GPU as the Hugging Face ``Trainer`` peer trains (fp32 weights,
+    bf16 autocast): torch's varlen kernel over the whole micro-batch, in the LLM and (Qwen2-VL)
+    the ViT, against the same model on each sample alone with SDPA: logits within bf16's error,
+    the loss within 1%."""
+    from vlmshard.train.attention import available_backends
+
+    if not torch.cuda.is_available() or "varlen" not in available_backends("cuda",
+                                                                            torch.bfloat16):
+        pytest.skip("needs CUDA and torch's varlen attention")
+    folder = make_folder(family, str(tmp_path / "model"))
+    shards = make_shards(folder, tmp_path, micro_batches=1)
+    batch = max(ShardDataset(shards, pad_to_caps=False), key=lambda b: b["num_samples"])
+    models = {name: _model(folder, name).cuda() for name in (TORCH_VARLEN, "sdpa")}
+    samples = _alone(models["sdpa"], family, batch)
+    count = sum(supervised(s) for s in samples)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        out = models[TORCH_VARLEN](**model_inputs(batch, models[TORCH_VARLEN],
+                                                  num_items_in_batch=count))
+        want = [models["sdpa"](**{k: v.cuda() if torch.is_tensor(v) else v
+                                  for k, v in s.items()}, use_cache=False) for s in samples]
+    logits = torch.cat([w.logits[0] for w in want]).float()
+    torch.testing.assert_close(out.logits[0].float(), logits, rtol=5e-2, atol=5e-2)
+    summed = sum(float(w.loss) * supervised(s) for w, s in zip(want, samples))
+    assert float(out.loss) == pytest.approx(summed / count, rel=1e-2)
 
 
 def test_padding_to_the_caps_changes_nothing(packed):

@@ -32,6 +32,11 @@ kernel takes a window (``window_size``, from 2.11) but no runs, so a micro-batch
 window, on 2.10) goes to SDPA; flash-attn is not offered for a model with runs
 (``supports_runs``).
 
+A plain ``transformers`` model packed by ``vlmshard.shards.model_inputs`` (the Hugging Face
+``Trainer`` peer of ``gpu_bench``) attends with ``varlen_as_flash`` where flash-attn is not
+installed (``TORCH_VARLEN``, set by ``attend_with_torch_varlen``): flash-attn's convention, on
+torch's varlen kernel.
+
 ``Spans`` holds one segmentation (its boundaries, on the device and the host) and gives the
 keyword arguments each layer passes to its ``transformers`` module: the backends registered here
 take it whole, and run outside any ``torch.compile`` graph (``vlmshard.train.kernels``). Where
@@ -51,8 +56,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-from vlmshard.shards.model_inputs import allowed_keys
+from vlmshard.shards.model_inputs import TORCH_VARLEN, allowed_keys
 
 PACKED_SDPA = "vlmshard_packed_sdpa"
 PACKED_VARLEN = "vlmshard_packed_varlen"
@@ -140,14 +146,17 @@ def varlen_parameters(kernel) -> frozenset[str]:
     return names
 
 
+def varlen_takes(parameter: str) -> bool:
+    """Whether the installed torch's ``varlen_attn`` has ``parameter`` (``varlen_parameters``)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return parameter in varlen_parameters(varlen_attn)
+
+
 def repeats_kv_heads(backend: str) -> bool:
     """Whether ``backend`` hands its kernel K/V heads repeated to the query heads: torch's
     varlen kernel where it takes no grouped-query heads (before 2.12, ``packed_varlen``)."""
-    if backend != "varlen":
-        return False
-    from torch.nn.attention.varlen import varlen_attn
-
-    return "enable_gqa" not in varlen_parameters(varlen_attn)
+    return backend == "varlen" and not varlen_takes("enable_gqa")
 
 
 def packed_varlen(module, query, key, value, attention_mask, *, packed_spans=None,
@@ -188,6 +197,42 @@ def packed_varlen(module, query, key, value, attention_mask, *, packed_spans=Non
     out = varlen_attn(q, k, v, spans.cu_seqlens, spans.cu_seqlens, spans.max_len,
                       spans.max_len, **options)
     return out.unsqueeze(0), None
+
+
+def varlen_as_flash(module, query, key, value, attention_mask, *, cu_seq_lens_q=None,
+                    max_length_q=None, sliding_window=None, **kwargs):
+    """flash-attn's convention (``transformers`` hands an implementation named "flash" each
+    packed sample's boundaries, ``cu_seq_lens_q/k`` and ``max_length_q/k``, and no mask) on
+    torch's varlen kernel where it runs, else on SDPA per sample: a plain ``transformers``
+    model packed by ``model_inputs`` (``TORCH_VARLEN``: the Hugging Face ``Trainer`` peer of
+    ``gpu_bench``) without flash-attn. Only the per-sample path reads the boundaries back."""
+    for name in ("cu_seq_lens_k", "max_length_k"):
+        kwargs.pop(name, None)
+    if cu_seq_lens_q is None:  # one unpacked sequence
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      sliding_window=sliding_window, **kwargs)
+    device = query.device.type
+    if torch.is_autocast_enabled(device):  # as transformers' flash path: fp32 norms and rotary
+        # leave q and k in fp32 under autocast, which a custom kernel is not cast for
+        query, key, value = (t.to(torch.get_autocast_dtype(device)) for t in (query, key, value))
+    kernel = "varlen" in available_backends(query.device, query.dtype)
+    if kernel and not (sliding_window and not varlen_takes("window_size")):
+        spans = Spans(cu_seq_lens_q.to(torch.int32), None, int(max_length_q), None, "varlen")
+        return packed_varlen(module, query, key, value, None, packed_spans=spans,
+                             sliding_window=sliding_window, **kwargs)
+    host = cu_seq_lens_q.tolist()
+    spans = Spans.from_lengths([b - a for a, b in zip(host, host[1:])], "sdpa", query.device)
+    return packed_sdpa(module, query, key, value, None, packed_spans=spans,
+                       sliding_window=sliding_window, **kwargs)
+
+
+def attend_with_torch_varlen(model) -> None:
+    """A loaded ``transformers`` model attends packed samples with ``varlen_as_flash``
+    (``TORCH_VARLEN``): its config and sub-configs name it. Set after loading, since
+    ``from_pretrained`` looks for flash-attn itself under a name that says "flash"."""
+    config = model.config
+    for sub in [config, *(getattr(config, name) for name in getattr(config, "sub_configs", {}))]:
+        sub._attn_implementation = TORCH_VARLEN
 
 
 def packed_one_call(module, query, key, value, attention_mask, *, packed_spans=None,
@@ -238,6 +283,8 @@ AttentionInterface.register(PACKED_VARLEN,
                             torch.compiler.disable(across_sequence(packed_varlen)))
 AttentionInterface.register(PACKED_ONE_CALL, torch.compiler.disable(packed_one_call))
 AttentionInterface.register(PACKED_ONE_CALL_SDPA, torch.compiler.disable(packed_sdpa))
+AttentionInterface.register(TORCH_VARLEN, torch.compiler.disable(varlen_as_flash))
+AttentionMaskInterface.register(TORCH_VARLEN, flash_attention_mask)
 
 
 def from_host(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
