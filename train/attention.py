@@ -205,7 +205,7 @@ def varlen_as_flash(module, query, key, value, attention_mask, *, cu_seq_lens_q=
     packed sample's boundaries, ``cu_seq_lens_q/k`` and ``max_length_q/k``, and no mask) on
     torch's varlen kernel where it runs, else on SDPA per sample: a plain ``transformers``
     model packed by ``model_inputs`` (``TORCH_VARLEN``: the Hugging Face ``Trainer`` peer of
-    ``gpu_bench``) without flash-attn. Only the per-sample path reads the boundaries back."""
+    ``gpu_bench``) without flash-attn. Only the per-sample paths read the boundaries back."""
     for name in ("cu_seq_lens_k", "max_length_k"):
         kwargs.pop(name, None)
     if cu_seq_lens_q is None:  # one unpacked sequence
@@ -215,15 +215,10 @@ def varlen_as_flash(module, query, key, value, attention_mask, *, cu_seq_lens_q=
     if torch.is_autocast_enabled(device):  # as transformers' flash path: fp32 norms and rotary
         # leave q and k in fp32 under autocast, which a custom kernel is not cast for
         query, key, value = (t.to(torch.get_autocast_dtype(device)) for t in (query, key, value))
-    kernel = "varlen" in available_backends(query.device, query.dtype)
-    if kernel and not (sliding_window and not varlen_takes("window_size")):
-        spans = Spans(cu_seq_lens_q.to(torch.int32), None, int(max_length_q), None, "varlen")
-        return packed_varlen(module, query, key, value, None, packed_spans=spans,
-                             sliding_window=sliding_window, **kwargs)
-    host = cu_seq_lens_q.tolist()
-    spans = Spans.from_lengths([b - a for a, b in zip(host, host[1:])], "sdpa", query.device)
-    return packed_sdpa(module, query, key, value, None, packed_spans=spans,
-                       sliding_window=sliding_window, **kwargs)
+    backend = "varlen" if "varlen" in available_backends(query.device, query.dtype) else "sdpa"
+    spans = Spans(cu_seq_lens_q.to(torch.int32), int(max_length_q), backend)
+    return packed_one_call(module, query, key, value, None, packed_spans=spans,
+                           sliding_window=sliding_window, **kwargs)
 
 
 def attend_with_torch_varlen(model) -> None:
@@ -300,9 +295,7 @@ class Spans:
     """Consecutive segments of a packed sequence that attend only within themselves."""
 
     cu_seqlens: torch.Tensor  # int32 [segments + 1], from 0 to the sequence length
-    host_cu_seqlens: torch.Tensor  # the same on the host, for code that reads them back
     max_len: int
-    lengths: list[int]  # on the host
     backend: str
     # per segment, [start, end) runs within it that attend bidirectionally (Gemma 3's images)
     runs: list[list[tuple[int, int]]] | None = None
@@ -311,6 +304,18 @@ class Spans:
     # the segments are a whole micro-batch of which this rank holds a share: the exchanges
     # that attend over it (``vlmshard.train.sequence_parallel.Exchange``)
     sequence: object | None = None
+    # ``cu_seqlens`` on the host where they were made there (``from_lengths``)
+    made_on_host: torch.Tensor | None = field(default=None, repr=False)
+
+    @functools.cached_property
+    def host_cu_seqlens(self) -> torch.Tensor:
+        """The boundaries on the host, for code that reads them: as made, or read back from
+        the device at first use (which waits for it: boundaries ``transformers`` hands over)."""
+        return self.cu_seqlens.cpu() if self.made_on_host is None else self.made_on_host
+
+    @functools.cached_property
+    def lengths(self) -> list[int]:
+        return self.host_cu_seqlens.diff().tolist()
 
     @classmethod
     def from_lengths(cls, lengths: list[int], backend: str, device: torch.device,
@@ -326,8 +331,8 @@ class Spans:
             for start, end in runs:
                 segment = bisect.bisect_right(starts, start) - 1
                 local[segment].append((start - starts[segment], end - starts[segment]))
-        return cls(from_host(cu, device), cu, max(lengths, default=0), list(lengths), backend,
-                   local, sequence=sequence)
+        return cls(from_host(cu, device), max(lengths, default=0), backend, local,
+                   sequence=sequence, made_on_host=cu)
 
     def kwargs(self) -> dict:
         """Keyword arguments for a ``transformers`` attention layer call: flash-attn takes the
