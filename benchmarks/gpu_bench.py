@@ -9,9 +9,9 @@ network: install them, or carry a virtual environment built for it). Nothing is 
 
 1. Model: ``--model DIR``, or Qwen3-VL-2B's published sizes (its LLM is Qwen3-1.7B's: 28
    layers of 2048, GQA 16/8, head_dim 128, vocabulary 151,936; a 24-block ViT of 1024 with
-   DeepStack from blocks 5, 11, 17) with random weights and, unlike the published model, an LM
-   head of its own (0.3B more parameters than its tied one); ``--smoke``: the tests' tiny
-   folder.
+   DeepStack from blocks 5, 11, 17; the LM head tied to the token embedding) with random
+   weights; ``--untied-head`` gives it an LM head of its own (0.3B more parameters: the
+   model of the GPU runs before 2026-11-28); ``--smoke``: the tests' tiny folder.
 2. Data: the demo generator at ``--scale`` (captions, document QA with long answers, multi-image
    and text-only chat), preprocessed for the model; packed ``random`` and ``balanced`` under the
    random plan's caps, for one rank, ``--micro-batches`` a step. The caps come from the memory
@@ -169,7 +169,8 @@ def prepare(args, device_bytes: int | None) -> dict:
         model = demo_model("qwen3_vl", os.path.join(work, "model"))
     else:
         model = tiny_folder("qwen3_vl", os.path.join(work, "model"), max_pixels=BENCH_MAX_PIXELS,
-                            init_std=0.02, weights_dtype="bfloat16", **QWEN3_VL_2B)
+                            init_std=0.02, weights_dtype="bfloat16",
+                            tie_word_embeddings=not args.untied_head, **QWEN3_VL_2B)
     pre = os.path.join(work, "preprocess")
     run_preprocess(PreprocessConfig(inputs=[data.meta], out=pre, model=model, keep_tokens=True,
                                     max_seq_len=args.max_seq_len, part_size=256))
@@ -249,8 +250,8 @@ def train_plan(args, setup: dict, algo: str, run: str | None = None, with_trace:
             "hfu_flops_per_s": statistics.median(r["hardware_flops_per_s"] for r in kept),
             **breakdown(kept),
             "peak_memory_bytes": max(peaks) if peaks else None,
-            "peak_reserved_bytes": max((x["peak_reserved_bytes"] for r in kept for x in r["ranks"]
-                                        if "peak_reserved_bytes" in x), default=None),
+            **{key: max((x[key] for r in kept for x in r["ranks"] if key in x), default=None)
+               for key in ("peak_reserved_bytes", "outside_allocator_bytes")},
             # the memory model: at the caps (what the partition search trusted), and at each
             # kept step's largest micro-batch (what max_memory_allocated is held to)
             "predicted_peak_bytes": pipeline["stages"][0]["memory"]["predicted_peak_bytes"],
@@ -479,6 +480,9 @@ def main() -> None:
                    help="the same path on CPU with the tests' tiny model, in seconds")
     p.add_argument("--model", help="a model folder to train (default: Qwen3-VL-2B's sizes "
                                    "with random weights)")
+    p.add_argument("--untied-head", action="store_true",
+                   help="Qwen3-VL-2B's sizes with an LM head of its own, not tied to the token "
+                        "embedding as published (the model of the GPU runs before 2026-11-28)")
     p.add_argument("--work", default=os.path.join(REPO, "build", "gpu_bench"))
     p.add_argument("--scale", type=int, default=None, help="demo data scale (default 4; "
                                                             "smoke 1)")
@@ -528,9 +532,12 @@ def main() -> None:
         p.error("--steps must exceed --warmup")
     if "balanced" not in args.plans:
         p.error("--plans must include balanced")
+    if args.untied_head and (args.model or smoke):
+        p.error("--untied-head changes the bench's own model: not with --model or --smoke")
 
     import torch
 
+    from vlmshard.families import model_sizes
     from vlmshard.hardware import gpu_named
     from vlmshard.train.attention import choose_backend
     from vlmshard.train.default_partition import Device
@@ -549,7 +556,10 @@ def main() -> None:
     runs = {algo: train_plan(args, setup, algo) for algo in plans}
     workers = args.loader_workers if args.loader_workers is not None else (4 if cuda else 0)
     result = {**environment(cuda), "attention": choose_backend("cuda" if cuda else "cpu", dtype),
-              "model": os.path.basename(setup["model"].rstrip("/")), "caps": setup["caps"],
+              "model": os.path.basename(setup["model"].rstrip("/")),
+              "tied_head": model_sizes(read_json(os.path.join(setup["model"], "config.json")),
+                                       setup["model"]).llm.tied_embeddings,
+              "caps": setup["caps"],
               "memory_bound": setup["memory_bound"], "target_samples": setup["target_samples"],
               "peak_flops": peak, **runs}
     save(args, result, peak)

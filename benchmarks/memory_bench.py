@@ -6,8 +6,9 @@ and every layer kind of every family against the bytes autograd saves.
     python benchmarks/memory_bench.py --layer-kinds   # also the layer kinds, about 2 minutes
 
 A run folder holds what ``benchmarks/gpu_bench.py`` wrote on the device: ``gpu.json`` (the model
-it trained: Qwen3-VL-2B's sizes unless it names another; the recompute each plan ran, whole
-and selective, and what its kernels keep for backward) and the plans' ``*-train_log.jsonl``
+it trained: Qwen3-VL-2B's sizes, its head tied or not, unless it names another; the recompute
+each plan ran, whole and selective, and what its kernels keep for backward) and the plans'
+``*-train_log.jsonl``
 (per step and rank the allocator's peak and each micro-batch's tiles and tokens), in the folder
 or its ``logs/``. For every step after the first (the first has no Adam moments yet: torch
 makes them at the first optimizer step) the model's peak for one pipeline stage (PP=1) holding
@@ -44,8 +45,9 @@ from vlmshard.partition import predicted_stage_peak  # noqa: E402
 DEFAULT_RUN = os.path.join(os.path.dirname(REPO), "shared", "measurements", "h100-2026-11-26")
 
 
-def qwen3_vl_2b():
-    """Qwen3-VL-2B's sizes as ``gpu_bench.py`` builds its model (``QWEN3_VL_2B``), read by the
+def qwen3_vl_2b(tied: bool):
+    """Qwen3-VL-2B's sizes as ``gpu_bench.py`` builds its model (``QWEN3_VL_2B``; the LM head
+    tied to the token embedding, or, as the runs before 2026-11-28 did, not), read by the
     family as a folder's config.json is."""
     from transformers import Qwen3VLConfig
 
@@ -53,7 +55,8 @@ def qwen3_vl_2b():
     from vlmshard.families import model_sizes
 
     config = Qwen3VLConfig(text_config=QWEN3_VL_2B["text_sizes"],
-                           vision_config=QWEN3_VL_2B["vision_sizes"]).to_dict()
+                           vision_config=QWEN3_VL_2B["vision_sizes"],
+                           tie_word_embeddings=tied).to_dict()
     return model_sizes(config, "qwen3-vl-2b")
 
 
@@ -144,7 +147,7 @@ def main() -> None:
     args = p.parse_args()
     with open(os.path.join(args.run, "gpu.json"), encoding="utf-8") as f:
         gpu = json.load(f)
-    sizes = qwen3_vl_2b()
+    sizes = qwen3_vl_2b(gpu.get("tied_head", False))  # runs before it was recorded: untied
     result = {"run": os.path.abspath(args.run), "device": gpu["device"], "plans": {}}
     gib = 2 ** 30
     logs = sorted(glob.glob(os.path.join(args.run, "*-train_log.jsonl"))) + sorted(

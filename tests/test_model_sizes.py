@@ -7,12 +7,14 @@ from __future__ import annotations
 import inspect
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
 from hf_reference import FAMILIES, make_folder
 
 from vlmshard.families import model_sizes, presets, tiny_folder
+from vlmshard.io import read_json
 from vlmshard.model_sizes import (
     ZERO3_MAX_REUSE_DISTANCE,
     ZERO3_PERSISTENCE_THRESHOLD,
@@ -21,10 +23,12 @@ from vlmshard.model_sizes import (
     LLMConfig,
     ModelConfig,
     Zero3Weights,
+    Size,
     layer_work,
     trainer_layer_work,
     zero3_fixed_bytes,
 )
+from vlmshard.partition import analytic_layer_costs, stage_param_bytes
 
 # Qwen3-VL's published ViT and rotary settings, the same in every size
 VIT = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
@@ -50,13 +54,57 @@ def test_each_layer_kind_counts_the_hf_modules_parameters(model_type, tmp_path):
         sizes = model_sizes(json.load(f), folder)
     # per trainer layer (what a stage partition holds), and over the whole model
     counted = [layers.parameter_count(i) for i in range(len(layers.names))]
-    assert [w.params for w in trainer_layer_work(layers.names, sizes)] == counted
+    work = trainer_layer_work(layers.names, sizes)
+    assert [w.params for w in work] == counted
     assert sum(counted) == sum(w.params for w in layer_work(sizes))
+    # one stage holding every layer holds each parameter once, a tied table too (InternVL's
+    # and Gemma 3's heads are their token embeddings): as many as the HF model has
+    assert sizes.llm.tied_embeddings == any(d.tied_key for d in layers.defs)
+    assert _stage_params(work) == sum(p.numel() for p in layers.meta.parameters())
     if not model_type.startswith("qwen3_vl"):
         return
     kinds = {d.kind for d in layers.defs}
     assert {"vit_block", "vit_block_deepstack", "llm_block_deepstack"} <= kinds
     assert ("llm_block_moe" if model_type.endswith("moe") else "llm_block") in kinds
+
+
+def _stage_params(work, bounds=None) -> list[int] | int:
+    """Parameters one stage holds (or each stage of ``bounds``), as the memory model counts
+    them (one byte a parameter)."""
+    costs = analytic_layer_costs(work, time_size=Size(1, 1), memory_size=Size(1, 1),
+                                 flops_per_s=1.0, bytes_per_param=1)
+    if bounds is None:
+        return stage_param_bytes(costs, 0, len(costs))
+    return [stage_param_bytes(costs, a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def test_a_tied_head_is_held_once_by_a_stage_holding_both(tmp_path):
+    """Qwen3-VL-2B ties its LM head to the token embedding, Qwen3-VL-8B does not: the memory
+    model reads it as ``transformers`` builds the model, and a stage holding both layers holds
+    the table once (the HF model's parameters), two stages a copy each (as DeepSpeed's tied
+    layers are held: 151,936 x 2,048 = 311M more for Qwen3-VL-2B's sizes)."""
+    from vlmshard.train.hf_model import model_layers
+
+    for tied in (True, False):
+        folder = tiny_folder("qwen3_vl", str(tmp_path / f"tied-{tied}"),
+                             tie_word_embeddings=tied)
+        layers = model_layers(folder)
+        hf = layers.meta
+        assert (hf.lm_head.weight is hf.get_input_embeddings().weight) == tied
+        sizes = model_sizes(read_json(os.path.join(folder, "config.json")), folder)
+        assert sizes.llm.tied_embeddings == tied
+        work = trainer_layer_work(layers.names, sizes)
+        real = sum(p.numel() for p in hf.parameters())
+        table = hf.get_input_embeddings().weight.numel()
+        assert _stage_params(work) == real
+        head = layers.names.index("head")
+        assert sum(_stage_params(work, [0, head, len(work)])) == real + table * tied
+    # Qwen3-VL-2B's LLM (Qwen3-1.7B's sizes, tied), the head on a stage of its own
+    llm = replace(presets()["qwen3-vl-8b"].llm, hidden=2048, layers=28, heads=16,
+                  intermediate=6144, tied_embeddings=True)
+    work = layer_work(ModelConfig(llm=llm))
+    assert sum(_stage_params(work, [0, len(work) - 1, len(work)])) - _stage_params(work) \
+        == 151_936 * 2_048
 
 
 def test_a_moe_layer_costs_its_active_experts(tmp_path):
@@ -225,7 +273,6 @@ def test_the_kernels_that_run_change_what_a_layer_keeps_by_a_hand_count():
     gate and up but not the activation (2 bytes an intermediate channel); a Qwen ViT's one
     varlen call keeps a copy of v (one hidden) where SDPA per image kept views holding the fused
     qkv output (three) and the projection the images' outputs concatenated (one)."""
-    from dataclasses import replace
 
     from vlmshard.model_sizes import Saves
 

@@ -183,6 +183,11 @@ class TrainEngine(ABC):
         if self.cuda:
             extra["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
             extra["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
+            # what the device holds beyond the allocator's segments: the CUDA context, kernel
+            # modules, NCCL (the memory model's CUDA_CONTEXT_BYTES and NCCL_BUFFER_BYTES)
+            free, total = torch.cuda.mem_get_info(self.device)
+            extra["outside_allocator_bytes"] = (total - free
+                                                - torch.cuda.memory_reserved(self.device))
             extra["allocator_calls"] = {name: n - allocator[name] for name, n in
                                         allocator_calls(self.device).items()}
         if self.cfg.compile_blocks:

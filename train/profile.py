@@ -253,9 +253,10 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
         per_batch.append({**micro_batch_size(batch, window), "vit_s": float(sum(times[:vision])),
                           "llm_s": float(sum(times[vision:]))})
     means = sums / max(1, len(batches))
-    costs = [LayerCost(name, float(f), float(b), int(act), int(inp), int(out),
-                       int(param_bytes * model.parameter_count(i)), int(peak),
-                       int(inp + kept) if selective[i] else None)
+    params = [int(param_bytes * model.parameter_count(i)) for i in range(len(model.names))]
+    costs = [LayerCost(name, float(f), float(b), int(act), int(inp), int(out), params[i],
+                       int(peak), int(inp + kept) if selective[i] else None,
+                       tied_bytes=params[i] if model.defs[i].tied_key else 0)
              for i, (name, (f, b, act, inp, out, peak, _, _, kept, _))
              in enumerate(zip(model.names, means))]
     return Profile(costs, per_batch, device,

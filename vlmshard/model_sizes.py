@@ -91,6 +91,9 @@ class LLMConfig:
     # RMSNorms scaling by (1 + weight) in fp32 (Gemma's, Qwen3.5's): they keep their normalized
     # values in fp32, where the others keep them in the activations' dtype
     offset_norms: bool = False
+    # the LM head's weight is the token embedding's table (``tie_word_embeddings``, as the
+    # model's ``transformers`` config class reads it): a stage holding both holds it once
+    tied_embeddings: bool = False
 
     @property
     def head_size(self) -> int:
@@ -425,6 +428,9 @@ class LayerWork:
     # kept under selective recompute besides the layer's input: its matmuls' and attention
     # kernels' outputs (``vlmshard.train.recompute``); None where a layer has no such mode
     selective_bytes: Size | None = None
+    # of ``params``, the table a tied LM head and the token embedding share
+    # (``LLMConfig.tied_embeddings``): a stage holding both layers holds it once
+    tied_params: int = 0
 
     def transient(self, size: Size) -> float:
         """The transient bytes at a micro-batch of ``size``."""
@@ -655,7 +661,7 @@ def layer_work(config: ModelConfig, saves: Saves = Saves()) -> list[LayerWork]:
                                               + (1 + v.gated_mlp) * a * mlp)))
     lookup = _token_embedding_work(t, tokens)
     projector = LayerWork(
-        "projector_merge", projector_work.params + t.vocab_size * t.hidden,
+        "projector_merge", projector_work.params + lookup.params,
         flops=Size(tiles=2 * tokens * projector_linear),
         activation_bytes=Size(tiles=projector_work.kept + lookup.activation_bytes.tiles,
                               tokens=lookup.activation_bytes.tokens),
@@ -663,7 +669,7 @@ def layer_work(config: ModelConfig, saves: Saves = Saves()) -> list[LayerWork]:
         transient_bytes=Size(tiles=patches * (3 * a * v.hidden + rms_norm_backward(v.hidden)
                                               * v.rms_norm)
                              + tokens * (3 * a * width + 2 * a * t.hidden)),
-        fixed_transient_bytes=lookup.fixed_transient_bytes)
+        fixed_transient_bytes=lookup.fixed_transient_bytes, tied_params=lookup.tied_params)
     head = LayerWork(
         "head", t.hidden * t.vocab_size + t.hidden,
         flops=Size(tokens=2 * t.hidden * t.vocab_size),
@@ -675,7 +681,7 @@ def layer_work(config: ModelConfig, saves: Saves = Saves()) -> list[LayerWork]:
         # the hidden rows' gradient, the final norm's backward; per row of a loss chunk its
         # fp32 log-softmax, the gradient in and out of it and the bf16 logits' gradient
         transient_bytes=_final_norm_work(t, saves).transient_bytes,
-        chunk_row_bytes=14 * t.vocab_size)
+        chunk_row_bytes=14 * t.vocab_size, tied_params=lookup.tied_params)
 
     deepstack = dict(  # the block, then its merger (a norm over the width) on its output
         params=vit_params + deepstack_params,
@@ -705,11 +711,13 @@ def _token_embedding_work(t: LLMConfig, tokens_per_tile: int) -> LayerWork:
     features are copied to; its backward holds its output, that output's gradient with the
     image tokens' rows zeroed, the image features' gradient, the gradient in fp32 where the
     table's accumulates, and the table's fp32 gradient."""
-    return LayerWork("embed_tokens", t.vocab_size * t.hidden, Size(),
+    table = t.vocab_size * t.hidden
+    return LayerWork("embed_tokens", table, Size(),
                      Size(tokens=8, tiles=8 * tokens_per_tile),
                      Size(tokens=ACTIVATION_BYTES * t.hidden),
                      transient_bytes=Size(tokens=(3 * ACTIVATION_BYTES + FP32) * t.hidden),
-                     fixed_transient_bytes=FP32 * t.vocab_size * t.hidden)
+                     fixed_transient_bytes=FP32 * table,
+                     tied_params=table if t.tied_embeddings else 0)
 
 
 def _final_norm_work(t: LLMConfig, saves: Saves) -> LayerWork:
@@ -755,8 +763,10 @@ def trainer_layer_work(names: list[str], config: ModelConfig,
             holder, own = moved[name]
             i = analytic.index(holder)
             held, kept = out[i].activation_bytes, own.activation_bytes
-            out[i] = replace(out[i], params=out[i].params - own.params, activation_bytes=Size(
-                held.tiles - kept.tiles, held.tokens - kept.tokens))
+            out[i] = replace(out[i], params=out[i].params - own.params,
+                             tied_params=out[i].tied_params - own.tied_params,
+                             activation_bytes=Size(held.tiles - kept.tiles,
+                                                   held.tokens - kept.tokens))
     return out
 
 

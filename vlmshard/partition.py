@@ -48,6 +48,9 @@ class LayerCost:
     # kept under selective recompute (its matmuls' and attention's outputs, and its input:
     # ``vlmshard.train.recompute``); None: the layer has no selective mode
     selective_bytes: int | None = None
+    # of ``param_bytes``, those of the table a tied LM head and the token embedding share: a
+    # stage holding both holds it once (``stage_param_bytes``)
+    tied_bytes: int = 0
 
     @property
     def transient_bytes(self) -> int:
@@ -138,7 +141,8 @@ def analytic_layer_costs(work: list[LayerWork], *, time_size: Size, memory_size:
         costs.append(LayerCost(
             w.name, forward, 2 * forward, kept, held,
             int(w.output_bytes.dot(memory_size)), int(w.params * bytes_per_param),
-            peak_bytes=kept + int(w.transient(memory_size)), selective_bytes=selective))
+            peak_bytes=kept + int(w.transient(memory_size)), selective_bytes=selective,
+            tied_bytes=int(w.tied_params * bytes_per_param)))
     return costs
 
 
@@ -160,7 +164,8 @@ def choose_recompute(layers: list[LayerCost], first: int, end: int, in_flight: i
     if stage_memory(layers, first, end, in_flight, []) <= budget:
         return []
     rebuilt = rebuilt or [c.activation_bytes for c in layers]
-    fixed = (sum(layers[i].param_bytes + in_flight * layers[i].activation_bytes for i in span)
+    fixed = (stage_param_bytes(layers, first, end)
+             + in_flight * sum(layers[i].activation_bytes for i in span)
              + max(layers[i].transient_bytes for i in span))
     by_saving = sorted(span, key=lambda i: (-(layers[i].activation_bytes
                                               - layers[i].input_bytes), i))
@@ -182,6 +187,15 @@ def choose_recompute(layers: list[LayerCost], first: int, end: int, in_flight: i
     return None if best is None else best[2]
 
 
+def stage_param_bytes(layers: list[LayerCost], first: int, end: int) -> int:
+    """The parameters (with their gradients and optimizer states) of the layers [first, end):
+    the table a tied LM head and the token embedding share once where the stage holds both
+    (one module, as DeepSpeed's tied layers are on one stage), a copy on each stage otherwise."""
+    span = layers[first:end]
+    tied = [c.tied_bytes for c in span if c.tied_bytes]
+    return sum(c.param_bytes for c in span) - sum(tied) + max(tied, default=0)
+
+
 def stage_memory_parts(layers: list[LayerCost], first: int, end: int, in_flight: int,
                        recompute: list[int], selective: list[int] = ()) -> dict[str, int]:
     """A stage's modelled peak by part: parameters with their gradients and optimizer states,
@@ -191,7 +205,7 @@ def stage_memory_parts(layers: list[LayerCost], first: int, end: int, in_flight:
     layers = with_selective(layers, selective)
     kept = sum(layers[i].input_bytes if i in recompute else layers[i].activation_bytes
                for i in range(first, end))
-    return {"params": sum(layers[i].param_bytes for i in range(first, end)),
+    return {"params": stage_param_bytes(layers, first, end),
             "activations": in_flight * kept,
             "rebuilt": max((layers[i].activation_bytes for i in recompute), default=0),
             "transient": max((layers[i].transient_bytes for i in range(first, end)), default=0)}
@@ -221,7 +235,7 @@ def choose_selective(layers: list[LayerCost], first: int, end: int, in_flight: i
     eligible = sorted((i for i in range(first, end) if layers[i].selective_bytes is not None),
                       key=lambda i: (-(layers[i].activation_bytes - layers[i].selective_bytes), i))
     # stage_memory with ``chosen`` selective, kept up as each joins
-    params = sum(layers[i].param_bytes for i in range(first, end))
+    params = stage_param_bytes(layers, first, end)
     kept = in_flight * sum(layers[i].activation_bytes for i in range(first, end))
     transient = max(layers[i].transient_bytes for i in range(first, end))
     chosen: list[int] = []

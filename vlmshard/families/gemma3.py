@@ -150,7 +150,7 @@ PRESETS = {
         llm=LLMConfig(vocab_size=262208, hidden=2560, layers=34, heads=8, kv_heads=4,
                       intermediate=10240, head_dim=256, sliding_window=1024,
                       sliding_layers=tuple(i for i in range(34) if (i + 1) % 6),
-                      **asdict(LLM_FEATURES)),
+                      tied_embeddings=True, **asdict(LLM_FEATURES)),
         downsample_ratio=0.25, projector="pool"),
 }
 

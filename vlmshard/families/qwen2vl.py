@@ -188,16 +188,17 @@ TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
 LLM_FEATURES = LLMFeatures(qkv_bias=True)
 
 PRESETS = {
-    # Qwen2-VL-2B: its 675M ViT + Qwen2-1.5B. The ViT unit is a merged patch (28 px: 2×2
-    # patches of 14 px, one LLM token after the merger), as the Qwen2-VL stats count it. ViT
-    # attention is modeled within the unit; the real one spans the image (see BENCHMARKS.md).
+    # Qwen2-VL-2B: its 675M ViT + Qwen2-1.5B, whose LM head is its token embedding. The ViT
+    # unit is a merged patch (28 px: 2×2 patches of 14 px, one LLM token after the merger), as
+    # the Qwen2-VL stats count it. ViT attention is modeled within the unit; the real one spans
+    # the image (see BENCHMARKS.md).
     "qwen2-vl-2b": ModelConfig(
         name="qwen2-vl-2b",
         vision=VisionConfig(image_size=28, patch_size=14, hidden=1280, layers=32, heads=16,
                             position_embeddings=0, temporal_patch=2, patch_bias=False,
                             fused_qkv=True, quick_gelu=True),
         llm=LLMConfig(vocab_size=151936, hidden=1536, layers=28, heads=12, kv_heads=2,
-                      intermediate=8960, **asdict(LLM_FEATURES)),
+                      intermediate=8960, tied_embeddings=True, **asdict(LLM_FEATURES)),
         downsample_ratio=0.5, projector="merger"),
 }
 

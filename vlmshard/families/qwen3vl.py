@@ -204,11 +204,13 @@ class Qwen3VL(Qwen2VL):
                     min_pixels: int = 64 * 64, max_pixels: int = 32 * 32 * 64,
                     corpus: list[str] = CORPUS, vocab_size: int = 420, seed: int = 0,
                     init_std: float = 0.2, text_sizes: dict | None = None,
-                    vision_sizes: dict | None = None, weights_dtype: str = "float32") -> str:
+                    vision_sizes: dict | None = None, weights_dtype: str = "float32",
+                    tie_word_embeddings: bool = False) -> str:
         """Three ViT blocks, DeepStack from blocks 0 and 1 into LLM layers 0 and 1 of three
         (of four for MoE); LLM heads of 16 (not hidden / heads), as Qwen3 sets ``head_dim``
         apart. ``text_sizes`` and ``vision_sizes`` override the configs' sizes (a benchmark's
-        published model with random weights; its embedding may exceed the tokenizer)."""
+        published model with random weights; its embedding may exceed the tokenizer);
+        ``tie_word_embeddings``: the LM head is the token embedding (Qwen3-VL-2B's and 4B's)."""
         from transformers import AutoConfig
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
             Qwen2VLImageProcessorPil,
@@ -235,7 +237,7 @@ class Qwen3VL(Qwen2VL):
             model_type, text_config=text, vision_config=vision,
             image_token_id=vocab - 2, video_token_id=vocab - 1,
             vision_start_token_id=vocab - 4, vision_end_token_id=vocab - 3,
-            tie_word_embeddings=False)
+            tie_word_embeddings=tie_word_embeddings)
         config.save_pretrained(path)
         Qwen2VLImageProcessorPil(patch_size=16, image_mean=list(QWEN3_MEAN),
                                  image_std=list(QWEN3_STD), min_pixels=min_pixels,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from vlmshard.errors import ConfigError, InputError
 from vlmshard.io import sha256_file
@@ -147,7 +147,21 @@ def model_sizes(config: dict, folder: str) -> ModelConfig:
     """The ``vlmshard.model_sizes.ModelConfig`` a ``config.json`` states (of the model folder
     ``folder``, which names it), in the ViT unit its family's stats count."""
     fam = family_for_model_type(config.get("model_type", ""), folder)
-    return fam.model_sizes(config, os.path.basename(os.path.abspath(folder)))
+    sizes = fam.model_sizes(config, os.path.basename(os.path.abspath(folder)))
+    return replace(sizes, llm=replace(sizes.llm, tied_embeddings=ties_embeddings(config)))
+
+
+def ties_embeddings(config: dict) -> bool:
+    """Whether ``transformers`` ties the LM head to the token embedding of a ``config.json``: as
+    its config class reads the file (the class's default where the file leaves it out, older
+    Qwen2.5-VL files' ``text_config`` value); for a ``model_type`` it does not know, the
+    file's ``tie_word_embeddings``."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = config.get("model_type", "")
+    if model_type not in CONFIG_MAPPING:
+        return bool(config.get("tie_word_embeddings", False))
+    return bool(CONFIG_MAPPING[model_type].from_dict(config).tie_word_embeddings)
 
 
 def policy_from_dict(d: dict) -> TilingPolicy:
