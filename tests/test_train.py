@@ -442,7 +442,9 @@ def test_engine_holds_what_the_memory_model_charges_per_parameter(small_shards, 
     0), 2 steps: in the second (the first traces the module order and releases each weight
     after use) every weight of this small model stays gathered from its use in the forward to
     its use in the backward, well within DeepSpeed's reuse distance: the whole model in bf16 at
-    once, which the memory model charges beside the bucket."""
+    once, which the memory model charges beside the bucket. Outside ZeRO-3, each stage's
+    parameter bytes in ``pipeline.json`` are the engine's: the tied embedding and head of this
+    InternVL counted once on the stage holding both (PP=1), a copy on each stage at PP=2."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     from vlmshard.model_sizes import bytes_per_param
@@ -459,14 +461,18 @@ def test_engine_holds_what_the_memory_model_charges_per_parameter(small_shards, 
         log = _log(out / "train_log.jsonl")
         ranks = log[0]["ranks"]
         assert len(ranks) == pp * 2
+        stages = json.loads((out / "pipeline.json").read_text())["stages"]
         for rank in ranks:
             held = rank["engine_bytes"]
             expected = bytes_per_param("bf16", 2, "fp32", zero) * held["params"]
             assert held["total"] == pytest.approx(expected, rel=0.02), (pp, zero, rank)
+            if zero < 3:
+                charged = stages[rank["stage"]]["memory"]["params"]
+                assert charged == pytest.approx(expected, rel=1e-6), (pp, zero, rank)
             assert held["total"] == held["weights"] + held["gradients"] + held["optimizer"]
             assert held["buckets"] == (bucket if zero == 3 else 0), (pp, zero, rank)
             params[pp, zero, rank["stage"]] = held["params"]
-        memory = json.loads((out / "pipeline.json").read_text())["stages"][0]["memory"]
+        memory = stages[0]["memory"]
         if zero == 3:
             whole = 2 * held["params"]  # every weight gathered, in bf16
             assert [r["zero3_gathered_peak_bytes"] for r in log[1]["ranks"]] == [whole] * 2
