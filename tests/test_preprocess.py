@@ -63,7 +63,8 @@ def test_stats_table_contract(demo_out):
     keys = [(order.index(r["source"]), r["row"]) for r in rows]
     assert keys == sorted(keys)
     for r in rows:
-        assert r["n_images"] == len(r["image_tiles"]) == len(r["image_paths"]) == len(r["image_sizes"])
+        assert r["n_images"] == len(r["image_tiles"]) == len(r["image_paths"]) \
+            == len(r["image_sizes"])
         # a video's frames are 448-px tiles of 256 tokens each, as InternVL (the demo) has them
         assert r["vit_tiles"] == sum(r["image_tiles"]) + sum(len(v["frames"]) for v in r["videos"])
         assert r["seq_len"] == r["text_tokens"] + 256 * r["vit_tiles"] == len(r["input_ids"])
@@ -158,7 +159,8 @@ def test_meta_repeat_time_above_one_repeats(demo, tmp_path):
                       "repeat_time": 0.3, "max_dynamic_patch": 4}}
     path = tmp_path / "meta.json"
     path.write_text(json.dumps(meta))
-    result = run_preprocess(PreprocessConfig(inputs=[str(path)], out=str(tmp_path / "o"), workers=1))
+    result = run_preprocess(PreprocessConfig(inputs=[str(path)], out=str(tmp_path / "o"),
+                                             workers=1))
     t = _stats(tmp_path / "o")
     twice = t.filter(pa.compute.equal(t["source"], "twice"))["row"].to_pylist()
     assert twice == list(range(80)) * 2

@@ -139,7 +139,8 @@ class TrainConfig:
                    "torchrun-style NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_ADDR) runs this "
                    "node's share", default_text="this node alone, or the job's environment")
     master_port: int | None = option(
-        None, help="node 0's rendezvous port", default_text="MASTER_PORT, else a free port on one node, 29500 on several")
+        None, help="node 0's rendezvous port",
+        default_text="MASTER_PORT, else a free port on one node, 29500 on several")
     resume: str | None = option(
         None, help="run folder to continue from its latest checkpoint; the data position follows "
                    "from the step", default_text="start afresh")

@@ -117,7 +117,8 @@ class Exchange:
             firsts.append(firsts[-1] + tokens)
         ranges = [self.image_tokens_of(rank) for rank in range(shard.sp)]
 
-        def pieces(owner: int, lo: int, hi: int):  # (medium, first, last + 1) of owner's in [lo, hi)
+        # (medium, first, last + 1) of owner's media in [lo, hi)
+        def pieces(owner: int, lo: int, hi: int):
             for i, (first, tokens) in enumerate(zip(firsts, shard.media_tokens)):
                 if shard.media_owner[i] == owner and min(hi, first + tokens) > max(lo, first):
                     yield i, max(lo, first), min(hi, first + tokens)
