@@ -4,7 +4,9 @@
 #
 #   1. install the wheels in $WHEELS (built beforehand; see docs/gpu.md) and this checkout;
 #   2. the CUDA cases of the numerical tests (attention backends, one-call ViT, Liger's
-#      kernels, host syncs, the memory model with the GPU's kernels, the peer's varlen path);
+#      kernels, host syncs, the memory model with the GPU's kernels, the peer's varlen path),
+#      and whether torch's varlen kernel takes fewer K/V heads as they are
+#      (benchmarks/varlen_gqa_probe.py);
 #   3. gpu_bench.py with the given arguments (default: the balanced plan at the first H100 run's
 #      sizes with a trace and a host-sampled step, again with the ViT on cuDNN's attention and
 #      with its blocks compiled, the packed Hugging Face Trainer peer on torch's varlen kernel,
@@ -36,6 +38,9 @@ timeout "$TESTS_S" python3 -m pytest -q -p no:cacheprovider -p no:xdist -o addop
     tests/test_kernels.py tests/test_model.py tests/test_clock.py tests/test_model_inputs.py \
     -k "cuda or liger" 2>&1 |
     tee "$OUT/cuda-tests.log" | tail -15
+# whether this torch's varlen kernel takes fewer K/V heads as they are (the trainer repeats them
+# where varlen_attn has no enable_gqa), beside the tests' log
+timeout 60 python3 benchmarks/varlen_gqa_probe.py 2>&1 | tee -a "$OUT/cuda-tests.log"
 
 stamp gpu_bench
 args=("$@")
