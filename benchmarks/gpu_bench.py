@@ -16,13 +16,13 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    and text-only chat), preprocessed for the model; packed ``random`` and ``balanced`` under the
    random plan's caps, for one rank, ``--micro-batches`` a step. The caps come from the memory
    model for the device the bench runs on, with the kernels the trainer runs there: the
-   largest micro-batch shaped like the mean sample that one stage holds with every layer
-   recomputed where it must (``vlmshard.partition.largest_micro_batch``); random takes as many
-   samples a micro-batch as its padded caps (that many of the largest sample) keep inside it
-   (``--target-samples`` overrides). ``memory_bound.recompute_free`` is the bound where no
-   layer is recomputed whole (selectively at most: no matmul runs twice, which MFU does not
-   count), with its samples a micro-batch: smaller micro-batches, each with more of the host's
-   fixed cost, for no recomputed FLOPs.
+   largest micro-batch shaped like the mean sample that one stage holds recomputing no layer
+   whole (selectively at most: no matmul runs twice, which MFU does not count;
+   ``vlmshard.partition.largest_micro_batch``, ``memory_bound.recompute_free``); random takes
+   as many samples a micro-batch as its padded caps (that many of the largest sample) keep
+   inside it (``--target-samples`` overrides: the runs before 2026-11-28 took 4).
+   ``memory_bound`` also holds the largest micro-batch with layers recomputed whole where they
+   must: larger micro-batches, each with less of the host's fixed cost, for recomputed FLOPs.
 3. Each plan trains ``--steps`` steps (PP=1, DP=1, the partition and recompute vlmshard searches
    by default, host syncs counted); the first ``--warmup`` steps are dropped.
 4. Then the loader alone: the balanced shards through the trainer's loader (its workers, pinned
@@ -120,7 +120,8 @@ def memory_bound(model: str, pre: str, device_bytes: int) -> tuple[dict, int]:
     default, shaped like the mean sample of the stats ``pre``: recomputing layers whole where
     it must (``max_qv``, ``max_qt``), and selectively only (``recompute_free``); and the most
     samples a random micro-batch may take, its padded caps (that many of the largest sample)
-    inside the first (at least one; under the second: ``recompute_free.samples``)."""
+    inside the second (at least one: ``recompute_free.samples``), and inside the first
+    (``samples``)."""
     from vlmshard.model_sizes import Size, bytes_per_param
     from vlmshard.packing.algorithms import padded_caps
     from vlmshard.packing.stats import load_stats
@@ -144,9 +145,11 @@ def memory_bound(model: str, pre: str, device_bytes: int) -> tuple[dict, int]:
             samples += 1
         return samples
 
+    samples = samples_within(free)
     return {"max_qv": int(bound.tiles), "max_qt": int(bound.tokens),
+            "samples": samples_within(bound),
             "recompute_free": {"max_qv": int(free.tiles), "max_qt": int(free.tokens),
-                               "samples": samples_within(free)}}, samples_within(bound)
+                               "samples": samples}}, samples
 
 
 def prepare(args, device_bytes: int | None) -> dict:
@@ -493,7 +496,7 @@ def main() -> None:
     p.add_argument("--micro-batches", type=int, default=4, help="per step")
     p.add_argument("--target-samples", type=int, default=None,
                    help="samples per random micro-batch (default: as many as the memory model "
-                        "lets the device hold; 8 with --smoke)")
+                        "lets the device hold recomputing no layer whole; 8 with --smoke)")
     p.add_argument("--max-seq-len", type=int, default=8192)
     p.add_argument("--loader-workers", type=int, default=None,
                    help="the trainer's default: 4 on GPU, 0 on CPU")
