@@ -50,8 +50,10 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    attending to itself alone, as LLaMA-Factory's packing trains) and ``hf_padded`` with each
    step's samples in random micro-batches of about equal padded tokens, padded per sample (the
    common default), as many a step as keep each within a packed micro-batch's tokens; their
-   tokens/s, MFU (the same steps' model FLOPs) and loss per step. A peer that runs out of
-   memory at this budget is reported so (``error``), and the bench goes on.
+   tokens/s, MFU (the same steps' model FLOPs) and loss per step. Each peer trains without
+   gradient checkpointing where the device holds it, else with it (``gradient_checkpointing``:
+   the runs before 2026-11-28 always checkpointed on a GPU); a peer that runs out of memory
+   even so is reported so (``error``), and the bench goes on.
 7. ``--ab NAME ...``: the balanced plan trained again with one switch flipped, beside the run
    with the defaults: ``compiled`` (regional ``torch.compile``), ``no_liger`` (Liger's kernels
    off), ``no_vit_varlen`` (the ViT's attention once per image), ``conv_patch`` (the patch
@@ -350,42 +352,54 @@ def replayed(args, run: str, profile_dir: str, kept: list[int]) -> dict:
 
 def hf_baseline(args, setup: dict, padded: bool) -> dict:
     """``hf_train``'s run: its time, tokens/s, model FLOP/s and loss per step, and the device's
-    memory handed back (gradients, optimizer states and the model gone)."""
+    memory handed back (gradients, optimizer states and the model gone). As a user tunes it:
+    without gradient checkpointing, and where that runs out of the device's memory, again with
+    it (``gradient_checkpointing`` says which ran); out of memory with it too, the peer's own
+    limit at this budget is the result (``error``)."""
     import gc
 
     import torch
 
     from vlmshard.run_log import read_log
 
-    try:
-        attention, times, losses = hf_train(args, setup, padded)
-    except torch.OutOfMemoryError as e:  # the peer's own limit at this budget: a result
+    trained, error = None, None
+    for checkpointing in (False, True) if torch.cuda.is_available() else (False,):
+        try:
+            trained = hf_train(args, setup, padded, checkpointing)
+        except torch.OutOfMemoryError as e:
+            error = f"out of memory{' with gradient checkpointing' * checkpointing}: " \
+                    f"{str(e).splitlines()[0]}"
+            print(f"hf_{'padded' if padded else 'packed'}: {error}", flush=True)
+        # outside the handler (its traceback holds the model): the Trainer's reference cycles
         gc.collect()
-        torch.cuda.empty_cache()
-        return {"error": f"out of memory: {str(e).splitlines()[0]}"}
-    gc.collect()  # the Trainer holds the model in reference cycles
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if trained:
+            break
+    if trained is None:
+        return {"error": error}
+    attention, times, losses = trained
     logged = read_log(os.path.join(train_config(args, setup, "balanced").out,
                                    "train_log.jsonl"))
     logged, kept = logged[args.warmup:args.steps], times[args.warmup:]
-    return {"attention": attention, "steps": len(kept), "median_step_s": statistics.median(kept),
+    return {"attention": attention, "gradient_checkpointing": checkpointing,
+            "steps": len(kept), "median_step_s": statistics.median(kept),
             "tokens_per_s": sum(r["tokens"] for r in logged) / sum(kept),
             "mfu_flops_per_s": sum(r["model_flops"] for r in logged) / sum(kept),
             "loss": losses}
 
 
-def hf_train(args, setup: dict, padded: bool) -> tuple[str, list[float], list[float]]:
+def hf_train(args, setup: dict, padded: bool,
+             checkpointing: bool) -> tuple[str, list[float], list[float]]:
     """The balanced shards' steps trained by Hugging Face's ``Trainer`` (examples/hf_trainer.py):
     packed (``model_inputs``: flash-attn's varlen kernel where it is installed, else torch's
     through the same ``transformers`` path, ``TORCH_VARLEN``: the ViT's images in one call, no
     mask over the micro-batch) or padded per sample (SDPA); vlmshard's optimizer, schedule,
-    clipping, steps and
-    precision (fp32 master weights, bf16 compute on a GPU; fp32 on CPU), gradient checkpointing
-    on a GPU. Each step's time is from the end of the step before (its data included) to the
-    end of its optimizer step on the device; tokens and model FLOPs are vlmshard's log's for
-    the same step (the same samples). Returns the attention used, and per step its seconds and
-    loss."""
+    clipping, steps and precision (fp32 master weights, bf16 compute on a GPU; fp32 on CPU),
+    with gradient checkpointing where ``checkpointing`` says. Each step's time is from the end
+    of the step before (its data included) to the end of its optimizer step on the device;
+    tokens and model FLOPs are vlmshard's log's for the same step (the same samples). Returns
+    the attention used, and per step its seconds and loss."""
     import torch
     from transformers import AutoModelForImageTextToText, TrainerCallback
     from transformers.utils import is_flash_attn_2_available
@@ -439,7 +453,7 @@ def hf_train(args, setup: dict, padded: bool) -> tuple[str, list[float], list[fl
         out, args.steps, callbacks=[clock], learning_rate=cfg.lr,
         lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps_of(args.steps),
         weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
-        optim="adamw_torch_fused", bf16=cuda, gradient_checkpointing=cuda).train()
+        optim="adamw_torch_fused", bf16=cuda, gradient_checkpointing=checkpointing).train()
     return attention, clock.times, clock.losses
 
 
@@ -640,7 +654,8 @@ def table(result: dict) -> str:
             lines.append(f"{name:<22} {r['error']}")
             continue
         lines.append(f"{name:<22} {r['median_step_s']:>9.3f} {'-':>7} {r['tokens_per_s']:>9,.0f} "
-                     f"{'-':>8} {fmt(r.get('mfu'), '.1%'):>6}   ({r['attention']})")
+                     f"{'-':>8} {fmt(r.get('mfu'), '.1%'):>6}   ({r['attention']}"
+                     f"{', gradient checkpointing' * r['gradient_checkpointing']})")
     for algo in RUNS:
         trace = result.get(algo, {}).get("trace")
         if trace and trace["device_span_s"]:
