@@ -55,10 +55,13 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    the runs before 2026-11-28 always checkpointed on a GPU); a peer that runs out of memory
    even so is reported so (``error``), and the bench goes on.
 7. ``--ab NAME ...``: the balanced plan trained again with one switch flipped, beside the run
-   with the defaults: ``compiled`` (regional ``torch.compile``), ``no_liger`` (Liger's kernels
+   with the defaults: ``compiled`` (regional ``torch.compile`` of the ViT's and the LLM's
+   blocks), ``compiled_vit`` (the ViT's only), ``cudnn_vit`` (a Qwen ViT image by image on
+   SDPA, cuDNN's kernel first), ``compiled_cudnn_vit`` (both), ``no_liger`` (Liger's kernels
    off), ``no_vit_varlen`` (the ViT's attention once per image), ``conv_patch`` (the patch
    embedding as ``transformers``' Conv3d), ``full_recompute`` (every LLM block recomputed
-   whole, not selectively); each as ``balanced_NAME``. ``--quick``: the
+   whole, not selectively); each as ``balanced_NAME``, or, where its training fails on the
+   device (a compiler's error), that error (``error``) and the bench goes on. ``--quick``: the
    balanced plan alone (no random plan, loader, profile or replay), for an A/B inside a short
    GPU lease; ``--plans balanced`` leaves out the random plan only.
 
@@ -554,6 +557,7 @@ def main() -> None:
 
     import torch
 
+    from vlmshard.errors import JobError
     from vlmshard.families import model_sizes
     from vlmshard.hardware import gpu_named
     from vlmshard.train.attention import choose_backend
@@ -587,8 +591,11 @@ def main() -> None:
     for name in args.ab:
         # not traced: the trace and its summary take a lease's minutes; the traced step is a
         # warm-up step with the defaults
-        result[f"balanced_{name}"] = train_plan(args, setup, "balanced", f"balanced-{name}",
-                                                with_trace=False, **AB[name](names))
+        try:
+            result[f"balanced_{name}"] = train_plan(args, setup, "balanced", f"balanced-{name}",
+                                                    with_trace=False, **AB[name](names))
+        except JobError as e:  # a switch that fails on this device is its result: go on
+            result[f"balanced_{name}"] = {"error": str(e)}
         save(args, result, peak)
     if args.baseline is not None:
         result["baseline"] = {}
@@ -639,6 +646,9 @@ def table(result: dict) -> str:
         if algo not in result:
             continue
         r = result[algo]
+        if "error" in r:
+            lines.append(f"{algo:<22} {r['error']}")
+            continue
         errors = r.get("replay_step_error")
         peak = r["peak_memory_bytes"] / 2**30 if r["peak_memory_bytes"] else None
         lines.append(f"{algo:<22} {r['median_step_s']:>9.3f} {r['p90_step_s']:>7.3f} "
@@ -674,7 +684,7 @@ def table(result: dict) -> str:
                          + ", ".join(f"{site} {s:.3f}" for site, s in sorted(
                              sites["seconds"].items(), key=lambda kv: -kv[1])[:8]))
     for algo in RUNS:
-        if algo not in result:
+        if algo not in result or "error" in result[algo]:
             continue
         r = result[algo]
         lines.append(f"{algo} step of {r['breakdown_step_s']:.3f} s: " + ", ".join(
