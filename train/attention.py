@@ -146,17 +146,14 @@ def varlen_parameters(kernel) -> frozenset[str]:
     return names
 
 
-def varlen_takes(parameter: str) -> bool:
-    """Whether the installed torch's ``varlen_attn`` has ``parameter`` (``varlen_parameters``)."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    return parameter in varlen_parameters(varlen_attn)
-
-
 def repeats_kv_heads(backend: str) -> bool:
     """Whether ``backend`` hands its kernel K/V heads repeated to the query heads: torch's
     varlen kernel where it takes no grouped-query heads (before 2.12, ``packed_varlen``)."""
-    return backend == "varlen" and not varlen_takes("enable_gqa")
+    if backend != "varlen":
+        return False
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" not in varlen_parameters(varlen_attn)
 
 
 def packed_varlen(module, query, key, value, attention_mask, *, packed_spans=None,
