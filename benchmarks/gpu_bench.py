@@ -56,8 +56,8 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    even so is reported so (``error``), and the bench goes on.
 7. ``--ab NAME ...``: the balanced plan trained again with one switch flipped, beside the run
    with the defaults: ``compiled`` (regional ``torch.compile`` of the ViT's and the LLM's
-   blocks), ``compiled_vit`` (the ViT's only), ``cudnn_vit`` (a Qwen ViT image by image on
-   SDPA, cuDNN's kernel first), ``compiled_cudnn_vit`` (both), ``no_liger`` (Liger's kernels
+   blocks), ``compiled_vit`` (the ViT's only), ``cudnn_vit`` (a Qwen ViT on SDPA, a call per
+   run of equal-sized images, cuDNN's kernel first), ``compiled_cudnn_vit`` (both), ``no_liger`` (Liger's kernels
    off), ``no_vit_varlen`` (the ViT's attention once per image), ``conv_patch`` (the patch
    embedding as ``transformers``' Conv3d), ``full_recompute`` (every LLM block recomputed
    whole, not selectively); each as ``balanced_NAME``, or, where its training fails on the
@@ -103,8 +103,8 @@ AB = {"compiled": lambda names: {"compile_blocks": ["vit", "llm"]},
       "compiled_vit": lambda names: {"compile_blocks": ["vit"]},
       "no_liger": lambda names: {"liger": False},
       "no_vit_varlen": lambda names: {"vit_varlen": False},
-      # the Qwen ViT image by image through SDPA, cuDNN's kernel first; and with its blocks
-      # compiled too
+      # the Qwen ViT through SDPA (equal-sized images batched), cuDNN's kernel first; and
+      # with its blocks compiled too
       "cudnn_vit": lambda names: {"sdpa_cudnn": True},
       "compiled_cudnn_vit": lambda names: {"compile_blocks": ["vit"], "sdpa_cudnn": True},
       "conv_patch": lambda names: {"patch_linear": False},

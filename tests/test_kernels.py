@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import pytest
 import torch
@@ -28,9 +29,10 @@ from vlmshard.train.kernels import COMPILES, Kernels
 from vlmshard.train.micro import HostMeta, LayerOutput, Micro, Phase
 
 QWEN_VITS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-# (t, h, w) patches: three images of different sizes; Qwen2.5-VL's 8-patch windows cut the
-# first and last into windows of 4 sizes
-GRIDS = [(1, 12, 10), (1, 4, 6), (1, 2, 18)]
+# (t, h, w) patches: images of three sizes, and a video of two frames (each its own segment) the
+# size of the image before it; Qwen2.5-VL's 8-patch windows cut the first and last into windows
+# of 4 sizes
+GRIDS = [(1, 12, 10), (1, 4, 6), (2, 4, 6), (1, 2, 18)]
 
 calls: list[torch.Tensor] = []
 
@@ -93,8 +95,9 @@ def _segments_alone(block, x, rope, lengths):
     ("varlen", "cpu", True, True), ("varlen", "cuda", True, False), ("varlen", "cuda", True, True)])
 def test_vit_block_over_all_images_equals_each_image_alone(folder, monkeypatch, backend, device,
                                                            vit_varlen, cudnn):
-    """The varlen backend makes one kernel call a block; with ``sdpa_cudnn`` none (each image
-    on SDPA), and on CUDA cuDNN's kernels ran (the profiler's kernel names)."""
+    """The varlen backend makes one kernel call a block; with ``sdpa_cudnn`` none (the images
+    on SDPA, consecutive ones of one size in one call), and on CUDA cuDNN's kernels ran (the
+    profiler's kernel names)."""
     import torch.nn.attention.varlen
     from torch.profiler import ProfilerActivity, profile
 
@@ -116,7 +119,8 @@ def test_vit_block_over_all_images_equals_each_image_alone(folder, monkeypatch, 
         micro = _micro(x, backend, GRIDS)
         calls.clear()
         with profile(activities=[ProfilerActivity.CUDA]) if cudnn and cuda else \
-                contextlib.nullcontext() as prof:
+                contextlib.nullcontext() as prof, \
+                _calls_of(torch.nn.functional, "scaled_dot_product_attention") as sdpa:
             out = layer(micro)
         assert len(calls) == (backend == "varlen" and not cuda and not cudnn)
         if cudnn and cuda:
@@ -126,6 +130,12 @@ def test_vit_block_over_all_images_equals_each_image_alone(folder, monkeypatch, 
         spans = meta.images if layer.full else meta.windows
         if index == _vision_blocks(model)[0]:  # the images, or Qwen2.5's windows, differ
             assert len(set(spans.lengths)) > 2, spans.lengths
+        if backend == "sdpa" or cudnn:  # (the CPU's reference varlen kernel calls SDPA)
+            # one SDPA call a run of equal lengths (the video's frames and the image before
+            # them) where the block hands all images over at once, else one an image
+            runs = len([k for k, _ in itertools.groupby(spans.lengths)])
+            assert len(sdpa) == (runs if vit_varlen else len(spans.lengths)), \
+                [s[2] for s in sdpa]
         want = _segments_alone(reference.block, x, meta.rope, spans.lengths)
         weights = torch.randn_like(out)
         got_grads = torch.autograd.grad((out * weights).sum(), [x, *layer.parameters()])
@@ -135,11 +145,27 @@ def test_vit_block_over_all_images_equals_each_image_alone(folder, monkeypatch, 
                                backend, spans.lengths, weights, [out, *got_grads],
                                [want, *want_grads])
             continue
-        # the reference kernel sums a whole micro-batch's masked rows (another order)
-        tolerance = {"rtol": 1e-4, "atol": 1e-4} if backend == "varlen" else {}
+        # fp32 sums in other orders: the reference varlen kernel's over a whole micro-batch's
+        # masked rows, a batch of equal segments', the projections' over all rows (oneDNN
+        # blocks a GEMM by its row count); attending across images would be off by the scale
+        tolerance = {"rtol": 1e-4, "atol": 1e-4}
         torch.testing.assert_close(out, want, **tolerance)
         for got, expected in zip(got_grads, want_grads):
             torch.testing.assert_close(got, expected, **tolerance)
+
+
+@contextlib.contextmanager
+def _calls_of(owner, name: str):
+    """The first argument's shape of each call of ``owner.name`` in the block."""
+    seen, real = [], getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        seen.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(owner, name, counted)
+        yield seen
 
 
 def _within_bf16_error(layer, exact_layer, x, backend, lengths, weights, got, plain):

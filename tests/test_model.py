@@ -265,8 +265,9 @@ ATTENTION_CASES = [(device, dtype, backend)
 @pytest.mark.parametrize("device, dtype, backend", ATTENTION_CASES)
 def test_packed_attention_equals_each_sample_alone(device, dtype, backend):
     """Each backend's packed attention over segments against torch's SDPA run on each segment
-    by hand, outputs and gradients: causal (the LLM, grouped-query heads) and full. Each runs
-    where it can (varlen and flash: CUDA in bf16; on this CPU, SDPA)."""
+    by hand, outputs and gradients: causal (the LLM, grouped-query heads) and full; three
+    segments of one length in a row (SDPA takes them as one batch). Each runs where it can
+    (varlen and flash: CUDA in bf16; on this CPU, SDPA)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from vlmshard.train.attention import available_backends, implementation
@@ -276,7 +277,7 @@ def test_packed_attention_equals_each_sample_alone(device, dtype, backend):
     if backend not in available_backends(device, dtype):
         pytest.skip(f"{backend} does not run on {device} in {dtype} (or is not installed)")
     torch.manual_seed(0)
-    lengths = [5, 1, 9, 3]
+    lengths = [5, 1, 4, 4, 4, 9, 3]
     n = sum(lengths)
 
     class Module(torch.nn.Module):
@@ -308,12 +309,22 @@ def test_packed_attention_equals_each_sample_alone(device, dtype, backend):
             torch.testing.assert_close(got, want, **tolerance)
 
 
+def test_sdpa_takes_consecutive_unmasked_segments_of_one_length_in_one_call():
+    from vlmshard.train.attention import sdpa_batches
+
+    lengths = [4, 4, 4, 2, 4, 4, 4, 3, 3]
+    masked = [False, False, False, False, True, False, False, False, True]
+    assert sdpa_batches(lengths, masked) == [(0, 3), (3, 4), (4, 5), (5, 7), (7, 8), (8, 9)]
+    assert sdpa_batches([], []) == []
+
+
 @pytest.mark.parametrize("device, dtype, backend",
                          [c for c in ATTENTION_CASES if supports_runs(c[2])])
 def test_windowed_and_bidirectional_attention_equal_a_hand_mask(device, dtype, backend):
     """Gemma 3's patterns within packed samples: image runs attended both ways, a sliding
     window of 3 (on and off), against SDPA on each sample with a mask written out by hand from
-    transformers' definitions (causal or same run, and key > query - window)."""
+    transformers' definitions (causal or same run, and key > query - window). The last two
+    samples are of one length, a run in the first of them only."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from vlmshard.train.attention import available_backends, implementation
@@ -323,7 +334,8 @@ def test_windowed_and_bidirectional_attention_equal_a_hand_mask(device, dtype, b
     if backend not in available_backends(device, dtype):
         pytest.skip(f"{backend} does not run on {device} in {dtype} (or is not installed)")
     torch.manual_seed(0)
-    lengths, runs = [5, 1, 9, 3], [(0, 2), (7, 11), (12, 14)]  # sequence positions
+    lengths = [5, 1, 9, 3, 3]
+    runs = [(0, 2), (7, 11), (12, 14), (15, 17)]  # sequence positions
     n = sum(lengths)
 
     class Module(torch.nn.Module):

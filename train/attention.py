@@ -111,25 +111,49 @@ def packed_sdpa(module, query, key, value, attention_mask, *, packed_spans=None,
     lengths): Σ len² work, no mask over the micro-batch, grouped-query heads kept; causality as
     the module (or ``is_causal``) says, a sample's mask (``sample_mask``) where it has
     bidirectional runs (``Spans.runs``) or the module a ``sliding_window``, made once per
-    micro-batch and window and shared by the layers (``Spans.masks``)."""
+    micro-batch and window and shared by the layers (``Spans.masks``). Consecutive segments of
+    one length that take no mask go in one call, as a batch (``sdpa_batches``): a video's
+    frames, a Qwen2.5-VL ViT's full windows, images of one size."""
     for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
         kwargs.pop(name, None)
     if packed_spans is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     lengths = packed_spans.lengths
     runs = packed_spans.runs or [[]] * len(lengths)
+    windows = [sliding_window if sliding_window and n > sliding_window else None
+               for n in lengths]
     masks = packed_spans.masks
-    outputs = []
-    for index, (length, sample_runs, q, k, v) in enumerate(zip(lengths, runs, *(
-            t.split(lengths, dim=2) for t in (query, key, value)))):
-        window = sliding_window if sliding_window and length > sliding_window else None
+    outputs, start = [], 0
+    for first, end in sdpa_batches(lengths, [bool(r) or w is not None
+                                             for r, w in zip(runs, windows)]):
+        length, count = lengths[first], end - first
+        # [count, heads, length, d]: views of [1, heads, tokens, d], no copy
+        q, k, v = (t[0, :, start:start + count * length].unflatten(1, (count, length))
+                   .transpose(0, 1) for t in (query, key, value))
+        start += count * length
         mask = None
-        if sample_runs or window:
-            if (index, window) not in masks:
-                masks[index, window] = sample_mask(length, sample_runs, window, q.device)
-            mask = masks[index, window]
-        outputs.append(sdpa_attention_forward(module, q, k, v, mask, **kwargs)[0])
+        if runs[first] or windows[first]:
+            if (first, windows[first]) not in masks:
+                masks[first, windows[first]] = sample_mask(length, runs[first], windows[first],
+                                                           q.device)
+            mask = masks[first, windows[first]]
+        out = sdpa_attention_forward(module, q, k, v, mask, **kwargs)[0]
+        outputs.append(out.reshape(1, count * length, *out.shape[2:]))
     return torch.cat(outputs, dim=1), None
+
+
+def sdpa_batches(lengths: list[int], masked: list[bool]) -> list[tuple[int, int]]:
+    """[first, end) ranges of segment indices, one SDPA call each: consecutive segments of one
+    length where none takes a mask, and each ``masked`` segment alone."""
+    batches: list[tuple[int, int]] = []
+    for i, (length, mask) in enumerate(zip(lengths, masked)):
+        if batches and not mask:
+            first, end = batches[-1]
+            if not masked[first] and lengths[first] == length:
+                batches[-1] = (first, i + 1)
+                continue
+        batches.append((i, i + 1))
+    return batches
 
 
 @functools.lru_cache(maxsize=None)

@@ -102,8 +102,9 @@ class TrainConfig:
         default_text="on where it runs: CUDA with liger-kernel installed")
     sdpa_cudnn: bool = option(
         False, help="scaled_dot_product_attention tries cuDNN's fused attention before its flash "
-                    "kernel, in every layer: a Qwen ViT then attends image by image on SDPA in "
-                    "its one call (not torch's varlen flash kernel), and so do InternVL's and "
+                    "kernel, in every layer: a Qwen ViT then attends on SDPA in its one call "
+                    "(consecutive images of one size batched; not torch's varlen flash "
+                    "kernel), and so do InternVL's and "
                     "Gemma 3's ViTs and the layers that fall back to SDPA. On Hopper, "
                     "transformers#48163 measured cuDNN's 1.7-2.3x flash's training speed; not "
                     "yet measured here")

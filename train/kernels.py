@@ -23,9 +23,10 @@
   tries cuDNN's fused attention first (``cudnn_first``), then flash, memory-efficient and math,
   as it would without: on Hopper cuDNN's kernels train 1.7-2.3x faster than flash's
   (transformers#48163), and SDPA's fixed order puts flash first. A shape cuDNN cannot serve
-  falls to the next, as before. A Qwen ViT's one call then runs each image on SDPA
-  (``attention.PACKED_ONE_CALL_SDPA``), not torch's varlen flash kernel (torch's ragged cuDNN
-  path builds a cuDNN graph per call).
+  falls to the next, as before. A Qwen ViT's one call then runs on SDPA
+  (``attention.PACKED_ONE_CALL_SDPA``), consecutive images (or frames, or windows) of one size
+  in one batched call, not torch's varlen flash kernel (torch's ragged cuDNN path builds a
+  cuDNN graph per call).
 - ``liger``: Liger Kernel's fused RMSNorm, gated-MLP and rotary kernels in each layer
   (``vlmshard.train.models.liger``; CUDA only); with ``compile_blocks``, only in the layers
   not compiled (the final norm; the decoder layers where only the ViT is): Inductor fuses a
