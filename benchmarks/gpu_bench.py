@@ -57,8 +57,8 @@ network: install them, or carry a virtual environment built for it). Nothing is 
 7. ``--ab NAME ...``: the balanced plan trained again with one switch flipped, beside the run
    with the defaults: ``compiled`` (regional ``torch.compile`` of the ViT's and the LLM's
    blocks), ``compiled_vit`` (the ViT's only), ``cudnn_vit`` (a Qwen ViT on SDPA, a call per
-   run of equal-sized images, cuDNN's kernel first), ``compiled_cudnn_vit`` (both), ``no_liger`` (Liger's kernels
-   off), ``no_vit_varlen`` (the ViT's attention once per image), ``conv_patch`` (the patch
+   run of equal-sized images, cuDNN's kernel first), ``compiled_cudnn_vit`` (both),
+   ``no_liger`` (Liger's kernels off), ``no_vit_varlen`` (the ViT's attention once per image), ``conv_patch`` (the patch
    embedding as ``transformers``' Conv3d), ``full_recompute`` (every LLM block recomputed
    whole, not selectively); each as ``balanced_NAME``, or, where its training fails on the
    device (a compiler's error), that error (``error``) and the bench goes on. ``--quick``: the
