@@ -57,8 +57,8 @@ network: install them, or carry a virtual environment built for it). Nothing is 
 7. ``--ab NAME ...``: the balanced plan trained again with one switch flipped, beside the run
    with the defaults: ``compiled`` (regional ``torch.compile`` of the ViT's and the LLM's
    blocks), ``compiled_vit`` (the ViT's only), ``cudnn_vit`` (a Qwen ViT on SDPA, a call per
-   run of equal-sized images, cuDNN's kernel first), ``compiled_cudnn_vit`` (both),
-   ``no_liger`` (Liger's kernels off), ``no_vit_varlen`` (the ViT's attention once per image), ``conv_patch`` (the patch
+   run of equal-sized images, cuDNN's kernel first), ``compiled_cudnn_vit`` (both), ``cudnn``
+   (every layer on SDPA, cuDNN's kernel first: the LLM's samples too), ``no_liger`` (Liger's kernels off), ``no_vit_varlen`` (the ViT's attention once per image), ``conv_patch`` (the patch
    embedding as ``transformers``' Conv3d), ``full_recompute`` (every LLM block recomputed
    whole, not selectively); each as ``balanced_NAME``, or, where its training fails on the
    device (a compiler's error), that error (``error``) and the bench goes on. ``--quick``: the
@@ -107,6 +107,9 @@ AB = {"compiled": lambda names: {"compile_blocks": ["vit", "llm"]},
       # with its blocks compiled too
       "cudnn_vit": lambda names: {"sdpa_cudnn": True},
       "compiled_cudnn_vit": lambda names: {"compile_blocks": ["vit"], "sdpa_cudnn": True},
+      # every layer on SDPA, cuDNN's kernel first: the LLM's samples too (one call each, its
+      # grouped K/V heads as they are) where torch's varlen kernel takes the micro-batch
+      "cudnn": lambda names: {"attention": "sdpa", "sdpa_cudnn": True},
       "conv_patch": lambda names: {"patch_linear": False},
       # every LLM block recomputed whole: the recompute's FLOPs instead of selective
       # recompute's per-op dispatch on the host (4x a plain block's host time on a CPU:
@@ -273,7 +276,8 @@ def train_plan(args, setup: dict, algo: str, run: str | None = None, with_trace:
             "loss": [r["loss"] for r in records],
             "trace": traced(cfg.trace),
             "partition": pipeline.get("partition_source", ""),
-            "kernels": pipeline.get("kernels", {}), "saves": pipeline["saves"],
+            "attention": pipeline.get("attention"), "kernels": pipeline.get("kernels", {}),
+            "saves": pipeline["saves"],
             "recompute": recompute, "selective": selective}
 
 
@@ -534,7 +538,8 @@ def main() -> None:
                    help="also train the balanced plan with one switch flipped, each beside the "
                         "run with the defaults: compiled (--compile-blocks vit llm), "
                         "compiled_vit (--compile-blocks vit), cudnn_vit (--sdpa-cudnn), "
-                        "compiled_cudnn_vit (both), no_liger "
+                        "compiled_cudnn_vit (both), cudnn (--attention sdpa --sdpa-cudnn), "
+                        "no_liger "
                         "(--no-liger), no_vit_varlen (--no-vit-varlen), conv_patch "
                         "(--no-patch-linear), full_recompute (every "
                         "LLM block recomputed whole, not selectively)")

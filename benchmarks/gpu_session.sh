@@ -8,8 +8,8 @@
 #      and whether torch's varlen kernel takes fewer K/V heads as they are
 #      (benchmarks/varlen_gqa_probe.py);
 #   3. gpu_bench.py with the given arguments (default: the balanced plan at the first H100 run's
-#      sizes with a trace and a host-sampled step, again with the ViT on cuDNN's attention and
-#      with its blocks compiled, the packed Hugging Face Trainer peer on torch's varlen kernel,
+#      sizes with a trace and a host-sampled step; again with every layer on cuDNN's attention;
+#      again with the ViT's blocks compiled; the packed Hugging Face Trainer peer on torch's varlen kernel,
 #      the profile and its replay), its JSON written after each phase.
 #
 # Everything lands in $OUT (default build/gpu-session): logs, nvidia-smi, the bench's JSON, and
@@ -45,10 +45,11 @@ timeout 60 python3 benchmarks/varlen_gqa_probe.py 2>&1 | tee -a "$OUT/cuda-tests
 stamp gpu_bench
 args=("$@")
 # default: where the step's time goes (the traced step by layer and kernel class, the
-# host-sampled step), the ViT on cuDNN's attention image by image, the ViT's blocks compiled,
+# host-sampled step), every layer on SDPA with cuDNN's attention first (the run's parts say
+# what it does to the ViT and to the LLM), the ViT's blocks compiled,
 # the packed peer (no longer on a block mask), then the profile and the simulator's replay
 [ ${#args[@]} -eq 0 ] && args=(--target-samples 4 --steps 6 --warmup 2 --plans balanced
-                              --ab cudnn_vit compiled_vit --baseline hf_packed
+                              --ab cudnn compiled_vit --baseline hf_packed
                               --trace build/gpu-trace)
 timeout "$BENCH_S" python3 benchmarks/gpu_bench.py --json "$OUT/gpu.json" "${args[@]}" 2>&1 |
     tee "$OUT/bench.log" | grep -v "^{" | tail -40

@@ -60,6 +60,7 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
     assert run["steps"] == 2 and 0 < run["median_step_s"] <= run["p90_step_s"]
     assert run["tokens_per_s"] > 0 and run["tiles_per_s"] > 0 and 0 < run["mfu"] < 1
     assert run["partition"].startswith("searched") and run["recompute"] == []
+    assert run["attention"] == "sdpa"  # the backend the run's pipeline.json records
     assert run["predicted_step_s"] > 0 and len(run["replay_step_error"]) == run["steps"]
     assert f"{'balanced':<22} {run['median_step_s']:>9.3f}" in proc.stdout
     # the memory model at the caps bounds it at the micro-batches that ran

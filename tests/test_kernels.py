@@ -413,6 +413,24 @@ def test_liger_asked_for_where_it_cannot_run_is_refused_and_off_by_default():
         asked.resolve_device_defaults(cuda)
 
 
+def test_an_attention_backend_asked_for_where_it_cannot_run_is_refused():
+    """``--attention``: a backend the device cannot run in the run's precision is a config
+    error naming what runs there, before any rank starts; one that runs is taken as asked."""
+    from vlmshard.config import ConfigError
+    from vlmshard.train.attention import choose_backend
+    from vlmshard.train.config import TrainConfig
+
+    asked = TrainConfig(shards="s", out="o", attention="varlen")
+    with pytest.raises(ConfigError, match="attention: varlen does not run on cpu in float32; "
+                                          "here: sdpa"):
+        asked.resolve_device_defaults(cuda=False)
+    TrainConfig(shards="s", out="o", attention="sdpa").resolve_device_defaults(cuda=False)
+    assert choose_backend("cpu", torch.float32, "sdpa") == "sdpa"
+    assert choose_backend("cpu", torch.float32) == "sdpa"
+    with pytest.raises(ValueError, match="unknown attention backend 'xformers'"):
+        choose_backend("cpu", torch.float32, "xformers")
+
+
 @pytest.mark.parametrize("family", ("qwen2_vl", "qwen3_vl"))
 def test_patch_embedding_as_a_matmul_is_as_close_to_float64_as_the_conv(family, tmp_path):
     """``patch_linear``: the ViT's patch embedding run as a matmul on the Conv3d's weight is the

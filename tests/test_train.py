@@ -341,7 +341,7 @@ def test_pipeline_of_two_stages_learns_from_its_plan(small_shards, partition, tm
     segments_before = _shm_segments()
     vlmshard("train", "--config", CONFIG, "--shards", small_shards, "--pp", "2", "--dp", "1",
              "--max-steps", "20", "--lr", "0.003", "--partition", partition,
-             "--out", str(tmp_path / "run"))
+             "--attention", "sdpa", "--out", str(tmp_path / "run"))
     config = read_json(tmp_path / "run" / "train_config.json")
     assert config["bounds"] == read_json(partition)["chosen"]["bounds"]
     assert config["recompute"] or config["selective"]
@@ -365,6 +365,7 @@ def test_pipeline_of_two_stages_learns_from_its_plan(small_shards, partition, tm
     names = [lay["name"] for lay in read_json(os.path.join(os.path.dirname(partition),
                                                             "profile.json"))["layers"]]
     described = read_json(tmp_path / "run" / "pipeline.json")
+    assert described["attention"] == "sdpa"
     bounds = config["bounds"]
     # Each rank's time by part covers its loading and step: measured apart, the parts sum to it
     # within 5%; a stage spends time on the parts of the model it holds and no other, and

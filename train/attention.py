@@ -58,6 +58,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
+from vlmshard.errors import ConfigError
 from vlmshard.shards.model_inputs import TORCH_VARLEN, allowed_keys
 
 PACKED_SDPA = "vlmshard_packed_sdpa"
@@ -81,9 +82,20 @@ def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[s
     return ["flash"] * flash + ["varlen"] * varlen + ["sdpa"]
 
 
-def choose_backend(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
-    """The best of ``available_backends``."""
-    return available_backends(device, dtype)[0]
+def choose_backend(device: torch.device | str, dtype: torch.dtype = torch.float32,
+                   wanted: str = "auto") -> str:
+    """``wanted`` (a name of ``IMPLEMENTATIONS``), or the best of ``available_backends`` for
+    "auto"; a backend that does not run on ``device`` in ``dtype`` is a ``ConfigError``."""
+    available = available_backends(device, dtype)
+    if wanted == "auto":
+        return available[0]
+    implementation(wanted)  # a known name
+    if wanted not in available:
+        raise ConfigError(f"attention: {wanted} does not run on {torch.device(device).type} in "
+                          f"{str(dtype).removeprefix('torch.')}"
+                          f"{' (flash-attn is not installed)' * (wanted == 'flash')}; here: "
+                          f"{', '.join(available)}")
+    return wanted
 
 
 def implementation(backend: str) -> str:

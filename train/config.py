@@ -14,6 +14,8 @@ Precision = Literal["bf16", "fp32"]
 SchedulerName = Literal["cosine", "linear", "constant", "constant_with_warmup"]
 # the parts whose repeated blocks --compile-blocks compiles (vlmshard.train.clock.PARTS)
 CompiledPart = Literal["vit", "llm"]
+# the attention backends (vlmshard.train.attention.IMPLEMENTATIONS), or the best that runs
+Attention = Literal["auto", "flash", "varlen", "sdpa"]
 
 
 @dataclass(kw_only=True)
@@ -90,6 +92,12 @@ class TrainConfig:
                   "steps (YAML null: at the end only)")
     save_checkpoints: bool = option(True, help="save DeepSpeed checkpoints at all (off for short "
                                                "validation runs)")
+    attention: Attention = option(
+        "auto", help="the kernel packed samples attend with: flash (flash-attn's varlen kernel), "
+                     "varlen (torch's varlen flash kernel, one call a micro-batch; CUDA, bf16), "
+                     "sdpa (scaled_dot_product_attention on each sample or image alone, those "
+                     "of one length in a row batched; with --sdpa-cudnn cuDNN's kernel first); "
+                     "auto: the first of these that runs on the device in the run's precision")
     vit_varlen: bool = option(
         True, help="a Qwen ViT block attends over every image (or window) of the micro-batch "
                    "in one call of the attention backend (on CUDA one varlen kernel), where "
@@ -180,8 +188,10 @@ class TrainConfig:
             self.loader_workers = 4 if cuda else 0
         if self.patch_linear is None:
             self.patch_linear = cuda
+        from .attention import choose_backend
         from .models import liger
 
+        choose_backend("cuda" if cuda else "cpu", self.dtype, self.attention)  # runs there
         if self.liger is None:
             self.liger = liger.available()
         elif self.liger and not liger.available():

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vlmshard.errors import ConfigError
 from vlmshard.families import family_for_model_type, model_sizes, read_model_folder
 from vlmshard.io import read_json
 from vlmshard.model_sizes import LayerWork, Saves, Zero3Weights, trainer_layer_work
@@ -139,12 +140,15 @@ class ModelLayers:
 
 def rank_model(cfg, device: torch.device | str, sequence_parallel: bool) -> ModelLayers:
     """The layer list a rank of the ``TrainConfig`` ``cfg`` builds on ``device``: its attention
-    backend (the best there, ``choose_backend``) and kernels (``Kernels.of``). With
-    ``sequence_parallel`` not flash-attn: ``transformers`` calls it itself, where the
-    sequence-parallel exchange wraps the backends vlmshard registers
+    backend (``cfg.attention``, or the best there: ``choose_backend``) and kernels
+    (``Kernels.of``). With ``sequence_parallel`` not flash-attn: ``transformers`` calls it
+    itself, where the sequence-parallel exchange wraps the backends vlmshard registers
     (``vlmshard.train.attention.across_sequence``); torch's varlen kernel instead."""
-    backend = choose_backend(device, cfg.dtype)
+    backend = choose_backend(device, cfg.dtype, cfg.attention)
     if sequence_parallel and backend == "flash":
+        if cfg.attention == "flash":
+            raise ConfigError("attention: flash cannot attend over a sequence-parallel "
+                              "share (transformers calls flash-attn itself); varlen instead")
         backend = "varlen"
     return model_layers(cfg.model, backend, Kernels.of(cfg))
 

@@ -112,7 +112,8 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
     torch.manual_seed(cfg.seed)
     folder = model_folder(cfg)
     try:
-        model = model_layers(folder, choose_backend(device, cfg.dtype), Kernels.of(cfg))
+        model = model_layers(folder, choose_backend(device, cfg.dtype, cfg.attention),
+                             Kernels.of(cfg))
     except VlmshardError:
         raise
     except ValueError as e:  # a config.json the layer maps cannot build

@@ -139,7 +139,7 @@ def step_record(step: int, loss: float, lr: float, ranks: list[dict],
 
 def pipeline_record(model: dict, stages: list[tuple[int, list[str], list[str], list[str]]],
                     partition_source: str = "", memory: list[dict] | None = None,
-                    budget_bytes: int = 0, kernels: dict | None = None,
+                    budget_bytes: int = 0, attention: str = "", kernels: dict | None = None,
                     saves: dict | None = None) -> dict:
     """``pipeline.json``: the model's analytic sizes (``ModelConfig.to_dict``) and, per stage,
     the layers it held and those it recomputed whole and selectively, from every rank's
@@ -147,12 +147,14 @@ def pipeline_record(model: dict, stages: list[tuple[int, list[str], list[str], l
     ``vlmshard.train.recompute``), its predicted peak by part at the
     caps (``memory``, per stage) beside the budget the memory model leaves a stage, and where
     the partition came from (``vlmshard.train.default_partition.ChosenPartition``), the
-    optional kernels the layers took (``vlmshard.train.kernels.Kernels``) and what the memory
+    attention backend (``vlmshard.train.attention``) and optional kernels the layers took
+    (``vlmshard.train.kernels.Kernels``) and what the memory
     model counted them to keep for backward (``vlmshard.model_sizes.Saves``)."""
     by_stage = {stage: rest for stage, *rest in stages}
     memory = memory or [{} for _ in by_stage]
     return {"model": model, "partition_source": partition_source,
-            "memory_budget_bytes": budget_bytes, "kernels": kernels or {},
+            "memory_budget_bytes": budget_bytes, "attention": attention,
+            "kernels": kernels or {},
             "saves": saves or {},
             "stages": [{"stage": s, "layers": by_stage[s][0], "recompute": by_stage[s][1],
                         "selective": by_stage[s][2],

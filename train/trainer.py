@@ -208,7 +208,7 @@ def write_pipeline(cfg: TrainConfig, setup: Setup, engine: TrainEngine) -> None:
         write_json_atomic(os.path.join(cfg.out, PIPELINE_NAME),
                           pipeline_record(setup.sizes.to_dict(), stages, chosen.source,
                                           chosen.memory, chosen.budget_bytes,
-                                          asdict(setup.model.kernels),
+                                          setup.model.backend, asdict(setup.model.kernels),
                                           asdict(setup.model.saves())))
 
 
