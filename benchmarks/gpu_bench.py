@@ -58,8 +58,9 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    with the defaults: ``compiled`` (regional ``torch.compile`` of the ViT's and the LLM's
    blocks), ``compiled_vit`` (the ViT's only), ``cudnn_vit`` (a Qwen ViT on SDPA, a call per
    run of equal-sized images, cuDNN's kernel first), ``compiled_cudnn_vit`` (both), ``cudnn``
-   (every layer on SDPA, cuDNN's kernel first: the LLM's samples too), ``no_liger`` (Liger's kernels off), ``no_vit_varlen`` (the ViT's attention once per image), ``conv_patch`` (the patch
-   embedding as ``transformers``' Conv3d), ``full_recompute`` (every LLM block recomputed
+   (every layer on SDPA, cuDNN's kernel first: the LLM's samples too), ``no_liger`` (Liger's
+   kernels off), ``no_vit_varlen`` (the ViT's attention once per image), ``conv_patch`` (the
+   patch embedding as ``transformers``' Conv3d), ``full_recompute`` (every LLM block recomputed
    whole, not selectively); each as ``balanced_NAME``, or, where its training fails on the
    device (a compiler's error), that error (``error``) and the bench goes on. ``--quick``: the
    balanced plan alone (no random plan, loader, profile or replay), for an A/B inside a short

@@ -9,8 +9,8 @@
 #      (benchmarks/varlen_gqa_probe.py);
 #   3. gpu_bench.py with the given arguments (default: the balanced plan at the first H100 run's
 #      sizes with a trace and a host-sampled step; again with every layer on cuDNN's attention;
-#      again with the ViT's blocks compiled; the packed Hugging Face Trainer peer on torch's varlen kernel,
-#      the profile and its replay), its JSON written after each phase.
+#      again with the ViT's blocks compiled; the packed Hugging Face Trainer peer on torch's
+#      varlen kernel; the profile and its replay), its JSON written after each phase.
 #
 # Everything lands in $OUT (default build/gpu-session): logs, nvidia-smi, the bench's JSON, and
 # the runs' logs with the trace summaries, gzipped. Each step is bounded by `timeout`, so a hang
