@@ -68,5 +68,20 @@ constraints:
 wheelhouse: $(STAMP)
 	$(PY) scripts/wheelhouse.py --out .wheelhouse $(if $(FREEZE),--freeze $(FREEZE))
 
+# What a lent GPU machine (../.library/device: Python 3.12, torch 2.11+cu130, transformers 5.17,
+# numpy, pyarrow, numba, msgpack, accelerate) lacks, in .device-wheels/ at constraints.txt's pins:
+# about 56 MB, inside the 64 MiB a run carries (docs/gpu.md). Liger at the version measured.
+DEVICE_WHEELS := webdataset braceexpand pydantic pydantic-core annotated-types typing-inspection \
+  hjson tenacity datasets dill multiprocess av transformers py-cpuinfo
+.PHONY: device-wheels
+device-wheels: $(STAMP)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .device-wheels -c constraints.txt $(DEVICE_WHEELS) \
+	  liger-kernel==0.8.5
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w .device-wheels -c constraints.txt \
+	  deepspeed
+	du -sh .device-wheels
+
 clean:
 	rm -rf build
