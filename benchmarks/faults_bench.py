@@ -112,7 +112,8 @@ def kill_and_rerun(outcome: Outcome, work: str, stage: str, args: list[str], ref
     done = {"preprocess": "preprocess.json", "write": "manifest.json"}[stage]
     pattern = {"preprocess": os.path.join("_work", "parts", "part-*.json"),
                "write": os.path.join("_work", "done", "*.json")}[stage]
-    units = {"preprocess": lambda: len(json.load(open(os.path.join(reference, done)))["stats_files"]),
+    units = {"preprocess":
+             lambda: len(json.load(open(os.path.join(reference, done)))["stats_files"]),
              "write": lambda: len(records_of(reference))}[stage]()
     for i in range(kills):
         out = os.path.join(work, f"{stage}-kill-{i}")

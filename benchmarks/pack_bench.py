@@ -253,7 +253,8 @@ def main() -> int:
         print(json.dumps(speed_child(args.child, args.repeats, args.data)))
         return 0
     results = {"machine": f"{platform.processor() or platform.machine()}, "
-                          f"{len(os.sched_getaffinity(0))} CPUs, Python {platform.python_version()}"}
+                          f"{len(os.sched_getaffinity(0))} CPUs, "
+                          f"Python {platform.python_version()}"}
     lengths = real_lengths(args.data)
     if not args.skip_quality:
         results["quality"] = quality(lengths)

@@ -86,7 +86,8 @@ def make_model(root: str, data: str, model_type: str) -> str:
 
 
 def model_bare(model_type: str) -> str:
-    return f"bare limit, {MODELS[model_type][0].split(':')[0]} tokenizer.json (encode + headers, 1 process)"
+    return (f"bare limit, {MODELS[model_type][0].split(':')[0]} tokenizer.json "
+            "(encode + headers, 1 process)")
 
 
 def bare_limit(path: str, shard: int = 0, shards: int = 1,
@@ -134,7 +135,8 @@ def run_stage(path: str, out: str, engine: str, workers: int, model: str | None 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=int, default=100_000)
     p.add_argument("--out", default="build/bench/preprocess")
     p.add_argument("--engines", default="local,ray")
@@ -198,7 +200,8 @@ def main() -> None:
                           for m, t in model_tokens.items())
     print(f"\n{n:,} samples, {tokens / n:,.0f} Tekken text tokens/sample on average "
           f"({per_model}); median of {args.repeats} repeat(s)\n")
-    print("| run | workers | seconds | samples/s | samples/s per worker | per worker vs its bare limit |")
+    print("| run | workers | seconds | samples/s | samples/s per worker "
+          "| per worker vs its bare limit |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, workers, seconds, limit in rows:
         rate = n / seconds
@@ -213,7 +216,8 @@ def main() -> None:
     print(f"\nlocal scaling 1 → 2 workers: {local2 / local1:.2f}x "
           f"(bare limit 1 → 2 processes: {bare_s / bare2_s:.2f}x)")
     if ("vlmshard preprocess --engine ray", 2) in by:
-        print(f"ray vs local at 2 workers: {by[('vlmshard preprocess --engine ray', 2)] / local2:.0%}")
+        print("ray vs local at 2 workers: "
+              f"{by[('vlmshard preprocess --engine ray', 2)] / local2:.0%}")
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
 

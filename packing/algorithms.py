@@ -52,7 +52,8 @@ def whole_steps(items: np.ndarray, group: np.ndarray, ranks: int, micro_batches:
     offsets = np.r_[starts[:keep_micro], cut].astype(np.int64)
     rest = items[cut:]
     return Packing(items[:cut].astype(np.int64), offsets, ranks, micro_batches,
-                   np.r_[unplaced, rest].astype(np.int64), list(reasons) + ["remainder"] * len(rest))
+                   np.r_[unplaced, rest].astype(np.int64),
+                   list(reasons) + ["remainder"] * len(rest))
 
 
 # --- random and lengthgroup: fixed samples per micro-batch, padded -------------------------------
@@ -160,7 +161,8 @@ def deal_groups(items: np.ndarray, group: np.ndarray, *, ranks: int, micro_batch
     position[np.random.default_rng(seed).permutation(n_groups)] = np.arange(n_groups)
     new_group = position[group]
     sort = np.argsort(new_group, kind="stable")
-    return whole_steps(items[sort], new_group[sort], ranks, micro_batches, np.array([], np.int64), [])
+    return whole_steps(items[sort], new_group[sort], ranks, micro_batches,
+                       np.array([], np.int64), [])
 
 
 def search_isf_caps(lengths: Lengths, *, ranks: int, target_samples: int, seed: int,

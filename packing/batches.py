@@ -64,7 +64,8 @@ class Packing:
 
     @classmethod
     def from_bins(cls, items: np.ndarray, bins: np.ndarray, order: np.ndarray, ranks: int,
-                  micro_batches: int, unplaced: np.ndarray, unplaced_reason: list[str]) -> "Packing":
+                  micro_batches: int, unplaced: np.ndarray,
+                  unplaced_reason: list[str]) -> "Packing":
         """Build from a bin number per item and the bins' step-major ``order`` (a permutation).
 
         Items keep their relative order inside a bin: that order becomes the slot order.

@@ -1,10 +1,10 @@
 """The cost model of ``docs/design.md``: what one micro-batch costs on each resource.
 
-``vit_cost = a_v·Σtiles`` and ``llm_cost = a_t·Σseq_len + b·Σseq_len²`` (packed samples attend only
-within themselves, so attention is quadratic per sample). Only attention layers make the ``b`` term
-(a linear-attention layer costs linear in tokens). Where some of them attend within a sliding
-``window`` w (Gemma 3's local layers), their ``window_share`` of ``b`` costs w·(2·seq_len − w) a
-sample past the window instead (causal pairs, as seq_len² counts them for full attention):
+``vit_cost = a_v·Σtiles`` and ``llm_cost = a_t·Σseq_len + b·Σseq_len²`` (packed samples
+attend only within themselves, so attention is quadratic per sample). Only attention layers make the
+``b`` term (a linear-attention layer costs linear in tokens). Where some of them attend within a
+sliding ``window`` w (Gemma 3's local layers), their ``window_share`` of ``b`` costs w·(2·seq_len
+− w) a sample past the window instead (causal pairs, as seq_len² counts them for full attention):
 ``squares`` gives each sample's quadratic work in units of ``b``, seq_len² up to the window, and
 the packer, its metrics and report use it. Defaults are the training FLOPs (forward + backward = 3×
 forward) of the model, from its layer sizes (``vlmshard/model_sizes.py``): a model folder's

@@ -192,7 +192,8 @@ class GroupedPacking:
         """One plan whose steps run through the epochs in order."""
         first = epochs[0]
         return cls(first.groups,
-                   [concat_steps([e.packings[g] for e in epochs]) for g in range(len(first.groups))],
+                   [concat_steps([e.packings[g] for e in epochs])
+                    for g in range(len(first.groups))],
                    np.concatenate([e.order for e in epochs]),
                    np.concatenate([e.unplaced for e in epochs]),
                    [r for e in epochs for r in e.unplaced_reason])

@@ -9,8 +9,8 @@ For step s and rank r let V, L, A be the rank's Σtiles, Σtokens and Σseq_len�
   longest in its micro-batch.
 - ``vit_fill = ΣV / (micro-batches · Qv)``, ``llm_fill = ΣL / (micro-batches · Qt)``.
 - ``cost_efficiency = Σ_s mean_r C / Σ_s max_r C`` (1: no rank ever waits).
-- ``step_efficiency = Σ_s Σ_r C / Σ_s (R · max_r E)``, the headline figure: useful work (the cost
-  of the real tiles, tokens and per-sample attention) over what the ranks spend, each step
+- ``step_efficiency = Σ_s Σ_r C / Σ_s (R · max_r E)``, the headline figure: useful work (the
+  cost of the real tiles, tokens and per-sample attention) over what the ranks spend, each step
   lasting as long as its busiest rank's executed work E. E is what the trainer computes in the
   plan's compute mode (``executed_sizes``; padded baselines pad each sample to the longest
   in its micro-batch), so throughput is proportional to it. In ``padding-free`` mode a packed
@@ -32,9 +32,9 @@ from .batches import Lengths, Packing
 from .cost import CostModel
 
 # The keys ``vlmshard report --json`` prints, in this order.
-REPORT_KEYS = ("step_efficiency", "pad_ratio", "vit_dist_ratio", "llm_dist_ratio", "attn_dist_ratio", "vit_fill",
-               "llm_fill", "cost_efficiency", "order_spearman", "steps", "micro_batches",
-               "samples", "unplaced", "qv", "qt", "pack_seconds")
+REPORT_KEYS = ("step_efficiency", "pad_ratio", "vit_dist_ratio", "llm_dist_ratio",
+               "attn_dist_ratio", "vit_fill", "llm_fill", "cost_efficiency", "order_spearman",
+               "steps", "micro_batches", "samples", "unplaced", "qv", "qt", "pack_seconds")
 
 
 def format_value(value) -> str:
@@ -77,8 +77,9 @@ class Metrics:
 
 
 def dist_ratio_per_step(x: np.ndarray) -> np.ndarray:
-    """Each step's Σ_r (max_r X − X[s,r]) / (max_r X · R) = 1 − mean_r X / max_r X of a [steps,
-    ranks] load table: the share of the step the ranks spend waiting (0 where all loads are 0)."""
+    """Each step's Σ_r (max_r X − X[s,r]) / (max_r X · R) = 1 − mean_r X / max_r X of a
+    [steps, ranks] load table: the share of the step the ranks spend waiting
+    (0 where all loads are 0)."""
     peak = x.max(axis=1).astype(np.float64)
     waste = (peak[:, None] - x).sum(axis=1)
     return np.divide(waste, peak * x.shape[1], out=np.zeros_like(peak), where=peak > 0)

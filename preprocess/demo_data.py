@@ -69,7 +69,8 @@ WORDS = ("the a of to in is on for with that this image shows left right top bot
          "figure chart value number answer question describe where what how many color shape "
          "object background foreground near far sky road building window light dark bright "
          "document line column row total sum average label title caption region detail "
-         "motorcycle camera portrait astronaut flag suit helmet planet nebula retina vessel").split()
+         "motorcycle camera portrait astronaut flag suit helmet planet nebula retina "
+         "vessel").split()
 
 QUESTIONS = ["Describe the image.", "What is shown here?", "What color dominates the picture?",
              "Read the text in the image.", "How many objects are visible?",
@@ -205,7 +206,8 @@ def _make_images(out: str, rng: random.Random) -> list[str]:
         photo = photos[k % len(photos)]
         pw, ph = photo.size
         # Largest crop of the photo with the target aspect ratio, at a seeded offset.
-        cw, ch = (pw, max(1, round(pw * h / w))) if pw * h <= ph * w else (max(1, round(ph * w / h)), ph)
+        cw, ch = ((pw, max(1, round(pw * h / w))) if pw * h <= ph * w
+                  else (max(1, round(ph * w / h)), ph))
         x0, y0 = rng.randint(0, pw - cw), rng.randint(0, ph - ch)
         image = photo.crop((x0, y0, x0 + cw, y0 + ch)).resize((w, h), Image.BICUBIC)
         ext = "jpg" if k % 2 == 0 else "png"
@@ -347,7 +349,8 @@ def _noisy_rows(bad: dict[str, str], good_image: str) -> list[bytes]:
     rows = [
         line({"id": "accepted-1", "image": good_image, "conversations": ok}),
         b'{"id": "malformed_json", "conversations": [',
-        b'{"id": "undecodable_text", "conversations": [{"from": "human", "value": "caf\xe9 \xff"}]}',
+        (b'{"id": "undecodable_text", "conversations": [{"from": "human", '
+         b'"value": "caf\xe9 \xff"}]}'),
         line({"id": "missing_field", "image": good_image}),
         line({"id": "bad_field", "image": 42, "conversations": ok}),
         line({"id": "bad_role", "conversations": [{"from": "robot", "value": "beep"},
@@ -392,7 +395,8 @@ def _generate(out: str, seed: int, scale: int) -> dict:
     by_label: dict[str, list[str]] = {}
     for name in images:
         by_label.setdefault(os.path.basename(name).split("-")[0], []).append(name)
-    docs = by_label["wide"] + by_label["tall"] + by_label["huge"] + by_label["doc"] + by_label["banner"]
+    docs = (by_label["wide"] + by_label["tall"] + by_label["huge"] + by_label["doc"]
+            + by_label["banner"])
 
     captions = [{"id": f"cap-{i}", "image": rng.choice(images),
                  "conversations": _conv(rng.choice(QUESTIONS), _answer(rng, 5, 60), 1)}

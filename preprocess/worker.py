@@ -76,7 +76,8 @@ class PartWorker:
             try:
                 stats = self.samples.process(part.source_index, record, spec.keep_tokens)
             except Reject as r:
-                for name, value in zip(REJECTS_SCHEMA.names, (source.name, row, r.reason, r.message)):
+                for name, value in zip(REJECTS_SCHEMA.names,
+                                       (source.name, row, r.reason, r.message)):
                     rejects[name].append(value)
                 continue
             stats["row"] = row

@@ -114,8 +114,8 @@ class ShardDataset(IterableDataset):
 
     def step_ranks(self, sp: int) -> list[int]:
         """The virtual ranks whose records this rank takes in a step of sequence-parallel
-        degree ``sp``: ranks (w // sp)·sp … (w // sp)·sp + sp − 1 form a group, and rank w takes
-        share w mod sp of the micro-batches of the group's virtual data-parallel ranks (k =
+        degree ``sp``: ranks (w // sp)·sp … (w // sp)·sp + sp − 1 form a group, and rank w
+        takes share w mod sp of the micro-batches of the group's virtual data-parallel ranks (k =
         virtual ranks ÷ world size of them, each written to sp virtual ranks:
         ``vlmshard.shards.writer``). At ``sp`` 1 these are virtual ranks w·k … w·k + k − 1."""
         k, w = self.per_rank, self.rank

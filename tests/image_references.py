@@ -13,8 +13,8 @@ from PIL import Image
 
 def internvl_grid(width: int, height: int, min_tiles: int, max_tiles: int,
                   tile: int) -> tuple[int, int]:
-    """Candidate grids (columns, rows) with min ≤ c·r ≤ max, listed columns-major then sorted by
-    area (stable); the closest aspect ratio wins, and a grid at exactly the same distance later
+    """Candidate grids (columns, rows) with min ≤ c·r ≤ max, listed columns-major then sorted
+    by area (stable); the closest aspect ratio wins, and a grid at exactly the same distance later
     in that order replaces it while the image has more than half of that grid's pixels."""
     grids = []
     for cols in range(1, max_tiles + 1):
@@ -71,7 +71,8 @@ def smart_resize(width: int, height: int, factor: int = 28, min_pixels: int = 56
         w = max(factor, math.floor(width * scale / factor) * factor)
     elif h * w < min_pixels:
         scale = math.sqrt(min_pixels / (height * width))
-        h, w = math.ceil(height * scale / factor) * factor, math.ceil(width * scale / factor) * factor
+        h, w = (math.ceil(height * scale / factor) * factor,
+                math.ceil(width * scale / factor) * factor)
     return h, w
 
 

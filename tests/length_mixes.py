@@ -4,8 +4,8 @@ VLM data mixes that stress a packer differently, plus OmniBal's two real files
 
 The real ones are the whole of OmniBal's ai2d (12,413 rows) and docvqa (10,211 rows) length files
 (``tests/data/omnibal/full_lengths.npz``: their ``vit_num`` and ``token_num`` columns). Sizes of
-the synthetic ones follow InternVL's layout: a 448-px tile makes 256 image tokens, so a sample's seq_len is
-256 per tile plus its text. Every mix is a pure function of (name, n, seed).
+the synthetic ones follow InternVL's layout: a 448-px tile makes 256 image tokens, so a sample's
+seq_len is 256 per tile plus its text. Every mix is a pure function of (name, n, seed).
 """
 
 from __future__ import annotations

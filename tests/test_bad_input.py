@@ -179,7 +179,8 @@ def _rows(root: str, tiling: str) -> list[tuple[str, bytes]]:
                               b'[{"from": "human", "value": "Latin-1: caf\xe9"}]}')),
         ("undecodable_text", b"\xff\xfe" + utf16),  # a UTF-16 line (with its BOM)
         ("undecodable_text", (b'{"id": "undecodable_text", "conversations": [{"from": "human", '
-                              b'"value": "lone \\ud800 surrogate"}, {"from": "gpt", "value": "x"}]}')),
+                              b'"value": "lone \\ud800 surrogate"}, '
+                              b'{"from": "gpt", "value": "x"}]}')),
         row("missing_field", image="images/good.png"),
         row("missing_field", conversations=[{"from": "human"}, {"from": "gpt", "value": "x"}]),
         row("bad_field", image=42, conversations=OK),
@@ -460,8 +461,8 @@ def test_a_model_tokenizer_bounds_a_10mb_turn_without_tokenizing_it(qwen_folder)
 
     model, tiling = load_model(qwen_folder)
     encoder = ChatTemplateEncoder(model)
-    texts = ["Hello there.", "e\u0301\u0301 composed " * 50, "漢字かな交じり文" * 40, "😀" * 300,
-             "=" * 5000 + " " * 3000, "<|im_end|> stays text " * 30, "x" * 20000]
+    texts = ["Hello there.", "e\u0301\u0301 composed " * 50, "漢字かな交じり文" * 40,
+             "😀" * 300, "=" * 5000 + " " * 3000, "<|im_end|> stays text " * 30, "x" * 20000]
     for text in texts:
         turns = [text_turn("user", "<image>\n" + text), text_turn("assistant", text)]
         assert 0 < encoder.min_text_tokens(turns) <= encoder.encode(turns, [4], False).text_tokens

@@ -91,9 +91,11 @@ def rows(tmp_path_factory) -> list[dict]:
                                                            "text": "What animal is this?"}]},
                       {"role": "assistant", "content": "A cat."}]},
         {"conversations": [{"from": "human", "value": "Hello there"},  # text only, non-ASCII
-                           {"from": "gpt", "value": "Hi! ünïcödé 漢字 😀\n\n  how can I help?"}],
+                           {"from": "gpt",
+                            "value": "Hi! ünïcödé 漢字 😀\n\n  how can I help?"}],
          "messages": [{"role": "user", "content": "Hello there"},
-                      {"role": "assistant", "content": "Hi! ünïcödé 漢字 😀\n\n  how can I help?"}]},
+                      {"role": "assistant",
+                       "content": "Hi! ünïcödé 漢字 😀\n\n  how can I help?"}]},
         {"image": tiny,  # 12x10: Qwen2-VL scales it up to min_pixels
          "conversations": [{"from": "human", "value": "<image>\nWhat color?"},
                            {"from": "gpt", "value": "Grey."}],
@@ -646,8 +648,8 @@ def test_pack_charges_attention_to_the_full_attention_layers_only(shards, folder
 
 def test_pack_charges_sliding_window_layers_within_their_window(shards, folders):
     """Gemma 3's plan costs its tiny folder by hand: of three layers, two attend causally
-    within a window of 8, so a sample's quadratic work is a third len² and two thirds 8·(2·len −
-    8) past the window (causal pairs, counted as len² counts them); the plan records the window
+    within a window of 8, so a sample's quadratic work is a third len² and two thirds 8·(2·len
+    − 8) past the window (causal pairs, counted as len² counts them); the plan records the window
     and its share, and the packer's cost model uses them."""
     plan = json.load(open(os.path.join(os.path.dirname(shards["gemma3"][1]), "gemma3-plan",
                                        "plan.json")))

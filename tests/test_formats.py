@@ -40,7 +40,8 @@ CONVERSATIONS = [
               ("user", ["Which is taller?"]),
               ("assistant", ["The rocket."])]),
     ([2], [("user", [0, "What animal is this?"]), ("assistant", ["A cat."])]),
-    ([], [("user", ["Hello there"]), ("assistant", ["Hi! ünïcödé 漢字 😀\n\n  how can I help?"])]),
+    ([], [("user", ["Hello there"]),
+          ("assistant", ["Hi! ünïcödé 漢字 😀\n\n  how can I help?"])]),
     ([3], [("user", ["Look: ", 0, " What is in the cup?\n"]), ("assistant", ["Coffee."])]),
 ]
 

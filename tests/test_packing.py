@@ -166,8 +166,10 @@ def _check_contract(lengths: Lengths, packing: Packing, caps: algorithms.Caps, r
     sizes = np.diff(packing.offsets)
     assert (sizes > 0).all()
     m = packing.micro_of_item()
-    assert (np.bincount(m, lengths.tiles[packing.items], minlength=packing.n_micro) <= caps.qv).all()
-    assert (np.bincount(m, lengths.tokens[packing.items], minlength=packing.n_micro) <= caps.qt).all()
+    assert (np.bincount(m, lengths.tiles[packing.items], minlength=packing.n_micro)
+            <= caps.qv).all()
+    assert (np.bincount(m, lengths.tokens[packing.items], minlength=packing.n_micro)
+            <= caps.qt).all()
     assert set(packing.unplaced_reason) <= {"remainder", "tiles_over_qv", "tokens_over_qt"}
     if padded:  # fixed k samples per micro-batch
         assert len(set(sizes.tolist())) <= 1
@@ -345,7 +347,8 @@ def test_report_prints_the_keys(tmp_path):
     assert set(report) == {*REPORT_KEYS, "source_mix_tv"}
     plan = pq.read_table(out / "plan.parquet")
     assert plan.column_names == ["step", "rank", "micro", "slot", "sample_id"]
-    assert report["samples"] == plan.num_rows and report["steps"] == max(plan["step"].to_pylist()) + 1
+    assert (report["samples"] == plan.num_rows
+            and report["steps"] == max(plan["step"].to_pylist()) + 1)
 
 
 def test_rerun_keeps_a_finished_plan_and_other_options_repack(tmp_path):
@@ -410,7 +413,8 @@ def _omnibal_lengths() -> tuple[np.ndarray, np.ndarray]:
 
 def _real_rank_balance(plan_dir, dp: int) -> dict[str, float]:
     """Dist ratios and cost efficiency of a plan as ``dp`` real ranks run it, computed here from
-    plan.parquet: real rank w takes virtual ranks w·R/dp .. (w+1)·R/dp − 1 (the loader's rule)."""
+    plan.parquet: real rank w takes virtual ranks w·R/dp .. (w+1)·R/dp − 1
+    (the loader's rule)."""
     tiles, tokens = _omnibal_lengths()
     plan = pq.read_table(os.path.join(plan_dir, "plan.parquet")).to_pandas()
     info = json.load(open(os.path.join(plan_dir, "plan.json")))

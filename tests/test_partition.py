@@ -30,7 +30,8 @@ layer = st.builds(
 # Stage s of P over layers [first, end), recomputing the set R, under 1F1B:
 #   memory = Σ params + (P − s) · Σ (input if recomputed else activation) + max activation in R
 #            + max over the stage of (peak − activation, or 0): what a layer needs while it runs
-#   time   = Σ (forward + backward) + Σ_R forward + output bytes of its last layer / link (not last)
+#   time   = Σ (forward + backward) + Σ_R forward + output bytes of its last layer / link
+#            (not last)
 # The recompute a stage gets is the fewest layers that fit the budget, of those the least memory.
 
 def _memory(layers, first, end, in_flight, recompute) -> int:

@@ -39,8 +39,8 @@ from helpers import vlmshard
 from pipeline_reference import makespan
 
 META = os.path.join(os.path.dirname(__file__), "data", "omnibal", "meta.json")
-ROWS = ["step_efficiency", "pad_ratio", "vit_dist_ratio", "llm_dist_ratio", "attn_dist_ratio", "vit_fill",
-        "llm_fill", "cost_efficiency", "order_spearman", "source_mix_tv", "steps",
+ROWS = ["step_efficiency", "pad_ratio", "vit_dist_ratio", "llm_dist_ratio", "attn_dist_ratio",
+        "vit_fill", "llm_fill", "cost_efficiency", "order_spearman", "source_mix_tv", "steps",
         "micro_batches", "samples", "unplaced", "qv", "qt", "pack_seconds"]
 TRAIN_STEPS = 50  # past the balanced plan's 40 steps: the trainer starts over, so does the log
 FIGURES = 6  # comparison, imbalance, fill, cumulative load, source mix, training log
@@ -73,8 +73,8 @@ def _omnibal_lengths() -> tuple[np.ndarray, np.ndarray]:
 
 
 def _rank_costs(plan_dir: Path, dp: int) -> np.ndarray:
-    """[plan steps, dp] each DP rank's cost (a_v·tiles + a_t·tokens + b·Σlen²) at each plan step,
-    computed here from plan.parquet, the OmniBal files and plan.json's cost model."""
+    """[plan steps, dp] each DP rank's cost (a_v·tiles + a_t·tokens + b·Σlen²) at each plan
+    step, computed here from plan.parquet, the OmniBal files and plan.json's cost model."""
     info = json.loads((plan_dir / "plan.json").read_text())
     tiles, tokens = _omnibal_lengths()
     a_v, a_t, b = (info["cost_model"][k] for k in ("a_v", "a_t", "b"))
@@ -82,7 +82,8 @@ def _rank_costs(plan_dir: Path, dp: int) -> np.ndarray:
     cost = np.zeros((steps, dp))
     for (step, rank, _), ids in _micro_batches(plan_dir).items():
         t = tokens[ids].astype(float)
-        cost[step, rank // (ranks // dp)] += a_v * tiles[ids].sum() + a_t * t.sum() + b * (t ** 2).sum()
+        cost[step, rank // (ranks // dp)] += (a_v * tiles[ids].sum() + a_t * t.sum()
+                                              + b * (t ** 2).sum())
     return cost
 
 

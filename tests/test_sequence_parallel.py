@@ -34,8 +34,8 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_media_go_largest_first_to_the_least_loaded_rank():
-    # by hand, largest first: 9 → r0; 5 → r1; 4 → r1 (load 5 < 9); 3 → r0 (loads 9 and 9: the
-    # lower rank)
+    # by hand, largest first: 9 → r0; 5 → r1; 4 → r1 (load 5 < 9); 3 → r0 (loads 9 and 9:
+    # the lower rank)
     assert media_owners([3, 9, 5, 4], 2) == [0, 0, 1, 1]
     assert media_owners([], 4) == []
     assert media_owners([2, 2, 2], 4) == [0, 1, 2]

@@ -186,8 +186,8 @@ def test_write_names_the_sample_whose_image_vanished(demo, tmp_path):
         for name in ("a.jpg", "a.jpg", "b.jpg")]
     with open(tmp_path / "tiny.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    run_preprocess(PreprocessConfig(inputs=[str(tmp_path / "tiny.jsonl")], out=str(tmp_path / "pre"),
-                                    keep_tokens=True, workers=1))
+    run_preprocess(PreprocessConfig(inputs=[str(tmp_path / "tiny.jsonl")],
+                                    out=str(tmp_path / "pre"), keep_tokens=True, workers=1))
     run_pack(PackConfig(stats=str(tmp_path / "pre"), dp=1, out=str(tmp_path / "plan"),
                         target_samples=1))
     os.unlink(images / "b.jpg")

@@ -34,7 +34,8 @@ from vlmshard.rejects import Reject
 
 log = logging.getLogger(__name__)
 
-TRICKY = ['"', "\\", "]", "}", ",", "[", "{", ":", '\\"', "é", "漢字", "🎉", "\n", "\t", " ", "a"]
+TRICKY = ['"', "\\", "]", "}", ",", "[", "{", ":", '\\"',
+          "é", "漢字", "🎉", "\n", "\t", " ", "a"]
 
 
 def _text(rng: random.Random, n: int) -> str:

@@ -19,7 +19,8 @@ from vlmshard.rejects import Reject
 # max_patches 12 (per-sample: 12, 6, 4 each)
 INTERNVL_PER_SAMPLE = {
     (448, 448): (1, 1, 1),      # exact 1:1, no thumbnail for a single tile
-    (1024, 768): (13, 7, 5),    # 4:3 → 4×3 (+thumb); max 6 → 3×2; max 4 → 2×2 wins the 1:1 tie
+    (1024, 768): (13, 7, 5),    # 4:3 → 4×3 (+thumb); max 6 → 3×2; max 4 → 2×2 wins the
+                                # 1:1 tie
     (1792, 448): (5, 5, 5),     # 4:1 exact
     (448, 1344): (4, 4, 4),     # 1:3; the 2×6 tie is refused (image < half of its area)
     (24, 18): (13, 7, 1),       # tiny 4:3 images are upsampled to the 4×3 grid

@@ -47,7 +47,8 @@ def test_special_token_text_is_not_injected(tekken):
     enc = tekken.encode(turns(("user", text), ("assistant", text)), [], keep_tokens=True)
     specials = {tekken.tokenizer.special_id(t) for t in ("[INST]", "</s>", "[IMG]", "<s>")}
     # only the template's own: <s>, [INST], [/INST] and the answer's </s>
-    assert [i for i in enc.input_ids if i in specials] == [1, tekken.tokenizer.special_id("[INST]"), 2]
+    assert ([i for i in enc.input_ids if i in specials]
+            == [1, tekken.tokenizer.special_id("[INST]"), 2])
     assert tekken.tokenizer.encode(text) == enc.input_ids[2:2 + len(tekken.tokenizer.encode(text))]
 
 
@@ -55,7 +56,8 @@ def test_tekken_fast_path_equals_mistral_common(tekken):
     from mistral_common.tokens.tokenizers.tekken import Tekkenizer
 
     reference = Tekkenizer.from_file(tekken.config.path)
-    for text in ["Hello world, this is a test.", "  ünïcödé 漢字 😀\n\n\ttabs", "[INST] </s>", ""]:
+    for text in ["Hello world, this is a test.", "  ünïcödé 漢字 😀\n\n\ttabs",
+                 "[INST] </s>", ""]:
         assert tekken.tokenizer.encode(text) == reference.encode(text, bos=False, eos=False)
         assert tekken.tokenizer.count(text) == len(reference.encode(text, bos=False, eos=False))
     for token in ["<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[SYSTEM_PROMPT]"]:

@@ -54,7 +54,8 @@ def test_wheel_installs_into_a_fresh_venv_and_runs(wheel, tmp_path, demo):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = str(venv / "bin" / "python")
-    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+    site = subprocess.run([python, "-c",
+                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     with open(os.path.join(site, "deps.pth"), "w") as f:
         f.write(sysconfig.get_paths()["purelib"] + "\n")

@@ -8,8 +8,8 @@ an exit status (``vlmshard.stage``), and nothing else (a bug) is hidden behind t
     │   └── Reject         one input row that becomes a reject record with a reason code
     │                      (``vlmshard.rejects``); preprocess catches it, so it never reaches
     │                      the command line
-    └── JobError           a job that cannot go on (the folder is in use, a write that no longer
-                           matches its plan, training processes that failed)
+    └── JobError           a job that cannot go on (the folder is in use, a write that no
+                           longer matches its plan, training processes that failed)
 
 Each class also derives from the built-in exception it stood for before this module existed
 (``ValueError``, ``RuntimeError``), so callers that caught those still do.

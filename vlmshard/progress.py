@@ -10,7 +10,8 @@ from tqdm import tqdm
 
 
 class Progress:
-    """Counts units of work; draws a bar when stderr is a terminal, else logs every ``interval`` s."""
+    """Counts units of work; draws a bar when stderr is a terminal, else logs every
+    ``interval`` s."""
 
     def __init__(self, total: int, desc: str, unit: str = "it", interval: float = 10.0,
                  logger: logging.Logger | None = None) -> None:

@@ -1,7 +1,7 @@
 """``vlmshard run``: every stage in order from one config, each output feeding the next.
 
-demo data (optional) → preprocess → pack → write → verify → train → report. All outputs go
-under ``out`` (``data/``, ``preprocess/``, ``plan/``, ``shards/``, ``train/``, ``report.html``,
+demo data (optional) → preprocess → pack → write → verify → train → report. All outputs
+go under ``out`` (``data/``, ``preprocess/``, ``plan/``, ``shards/``, ``train/``, ``report.html``,
 ``report.json``); each section of the config holds the options of its own subcommand, less the
 paths ``run`` connects. Every stage resumes or redoes deterministically, so a rerun after a
 crash picks up where the failed stage was.

@@ -26,6 +26,7 @@ from .registry import (
 )
 
 __all__ = ["DEMO_FAMILY", "Family", "ImageLayout", "ModelFolder", "ModelFolderError", "ModelSpec",
-           "TileBudget", "TilingPolicy", "families", "family", "family_for_model_type", "load_model",
-           "model_sizes", "model_types", "policy_from_dict", "presets", "processor_value",
-           "read_model_folder", "register", "source_tiling", "tiny_folder", "to_rgb"]
+           "TileBudget", "TilingPolicy", "families", "family", "family_for_model_type",
+           "load_model", "model_sizes", "model_types", "policy_from_dict", "presets",
+           "processor_value", "read_model_folder", "register", "source_tiling", "tiny_folder",
+           "to_rgb"]

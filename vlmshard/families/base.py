@@ -6,8 +6,8 @@ becomes tokens (``ImageLayout``), how an image becomes ViT units, LLM tokens and
 ``TilingPolicy``, with the limits the folder's processor config sets), how position ids run,
 the model's sizes for the analytic cost model (those a ``config.json`` states, with the
 features its layers have that the file does not say, and named presets), the tiny offline
-folders tests and the demo use, and where the trainer's layer map lives. ``vlmshard.families.registry`` holds one instance per
-family; the stages ask it and name no family.
+folders tests and the demo use, and where the trainer's layer map lives.
+``vlmshard.families.registry`` holds one instance per family; the stages ask it and name no family.
 
 Counting needs only an image's size, so preprocessing reads headers and never decodes pixels; the
 same policy objects are recorded in ``preprocess.json`` and the shards' manifest, and the loader

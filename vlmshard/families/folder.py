@@ -63,11 +63,13 @@ def read_model_folder(path: str) -> ModelFolder:
     for name in REQUIRED_FILES:
         if not os.path.isfile(os.path.join(path, name)):
             raise ModelFolderError(f"{os.path.join(path, name)}: missing (a model folder needs "
-                                   f"{', '.join(REQUIRED_FILES)} and {' or '.join(PROCESSOR_FILES)})")
+                                   f"{', '.join(REQUIRED_FILES)} and "
+                                   f"{' or '.join(PROCESSOR_FILES)})")
     present = [n for n in PROCESSOR_FILES if os.path.isfile(os.path.join(path, n))]
     if not present:
         raise ModelFolderError(f"{os.path.join(path, PROCESSOR_FILES[0])}: missing (nor is there "
-                               f"a {PROCESSOR_FILES[1]}): the image processor's limits come from it")
+                               f"a {PROCESSOR_FILES[1]}): the image processor's limits come "
+                               "from it")
     processor = (_read_json(os.path.join(path, PROCESSOR_FILES[1]))
                  if PROCESSOR_FILES[1] in present else {})
     image_processor = (_read_json(os.path.join(path, PROCESSOR_FILES[0]))

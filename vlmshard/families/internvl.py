@@ -124,7 +124,8 @@ def tiled_canvas(width: int, height: int, min_tiles: int, max_tiles: int,
 
 
 def _cut_grid(pixels: np.ndarray, rows: int, cols: int, size: int) -> np.ndarray:
-    """An image of exactly (cols·size) × (rows·size) px as row-major tiles [rows·cols, S, S, 3]."""
+    """An image of exactly (cols·size) × (rows·size) px as row-major tiles
+    [rows·cols, S, S, 3]."""
     return (pixels.reshape(rows, size, cols, size, 3).transpose(0, 2, 1, 3, 4)
             .reshape(rows * cols, size, size, 3))
 

@@ -1,8 +1,8 @@
 """The figures of ``vlmshard report --html``: pure functions from series to matplotlib Figures.
 
 Figures are built with ``matplotlib.figure.Figure`` (no pyplot, so no global state and no GUI
-backend); ``vlmshard.report.html_report`` renders them with Agg. Each figure has a title, labelled axes
-and a caption (``report_figures``) that says how to read it. Every figure compares something:
+backend); ``vlmshard.report.html_report`` renders them with Agg. Each figure has a title, labelled
+axes and a caption (``report_figures``) that says how to read it. Every figure compares something:
 plans (the report adds its own baseline packings to a lone plan), steps, ranks, or a training
 run's measurements with their prediction; a figure that would show one plan's bars alone is left
 out.
@@ -44,7 +44,8 @@ def imbalance_figure(plans: list[PlanSeries]) -> Figure:
     fig, axes = _rows(plans, "Per-step imbalance over the epoch (dist ratio, 0 = all ranks equal)")
     for ax, p in zip(axes, plans):
         steps = np.arange(len(p.vit_imbalance))
-        for series, name in ((p.vit_imbalance, "ViT (Σtiles)"), (p.llm_imbalance, "LLM (Σtokens)"),
+        for series, name in ((p.vit_imbalance, "ViT (Σtiles)"),
+                             (p.llm_imbalance, "LLM (Σtokens)"),
                              (p.attn_imbalance, "attention (Σseq_len²)")):
             ax.plot(steps, series, lw=0.9, label=f"{name}, mean {series.mean():.4f}")
         ax.set_title(p.label, loc="left", fontsize="medium")
@@ -213,8 +214,8 @@ def report_figures(plans: list[PlanSeries], train: Replay | None = None
                     "Flat near 0 is balanced; spikes are unbalanced steps."))
     if len(plans) > 1:
         figures.append((fill_figure(plans),
-                        "Histograms over micro-batches of Σtiles / Qv and Σseq_len / Qt, one line "
-                        "per plan: mass near 1 means full micro-batches; mass to the left is "
+                        "Histograms over micro-batches of Σtiles / Qv and Σseq_len / Qt, one "
+                        "line per plan: mass near 1 means full micro-batches; mass to the left is "
                         "padding paid for by every micro-batch."))
     figures += [
         (cumulative_load_figure(plans),
