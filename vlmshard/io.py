@@ -11,9 +11,13 @@ import posixpath
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, TypeVar
+from typing import IO, TYPE_CHECKING, Any, Callable, TypeVar
 
 from .errors import InputError
+
+if TYPE_CHECKING:  # imported where used: a command's start does not pay for them
+    import numpy
+    import pyarrow
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
