@@ -188,10 +188,12 @@ class TrainConfig:
             self.loader_workers = 4 if cuda else 0
         if self.patch_linear is None:
             self.patch_linear = cuda
-        from .attention import choose_backend
         from .models import liger
 
-        choose_backend("cuda" if cuda else "cpu", self.dtype, self.attention)  # runs there
+        if self.attention != "auto":  # it runs there (imported only then: it loads transformers)
+            from .attention import choose_backend
+
+            choose_backend("cuda" if cuda else "cpu", self.dtype, self.attention)
         if self.liger is None:
             self.liger = liger.available()
         elif self.liger and not liger.available():
