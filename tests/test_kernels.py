@@ -416,10 +416,13 @@ def test_liger_asked_for_where_it_cannot_run_is_refused_and_off_by_default():
 def test_an_attention_backend_asked_for_where_it_cannot_run_is_refused():
     """``--attention``: a backend the device cannot run in the run's precision is a config
     error naming what runs there, before any rank starts; one that runs is taken as asked."""
-    from vlmshard.config import ConfigError
-    from vlmshard.train.attention import choose_backend
-    from vlmshard.train.config import TrainConfig
+    from typing import get_args
 
+    from vlmshard.config import ConfigError
+    from vlmshard.train.attention import IMPLEMENTATIONS, choose_backend
+    from vlmshard.train.config import Attention, TrainConfig
+
+    assert set(get_args(Attention)) == {"auto", *IMPLEMENTATIONS}  # the option names them all
     asked = TrainConfig(shards="s", out="o", attention="varlen")
     with pytest.raises(ConfigError, match="attention: varlen does not run on cpu in float32; "
                                           "here: sdpa"):

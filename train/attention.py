@@ -134,17 +134,17 @@ def packed_sdpa(module, query, key, value, attention_mask, *, packed_spans=None,
     runs = packed_spans.runs or [[]] * len(lengths)
     windows = [sliding_window if sliding_window and n > sliding_window else None
                for n in lengths]
+    masked = [bool(r) or w is not None for r, w in zip(runs, windows)]
     masks = packed_spans.masks
     outputs, start = [], 0
-    for first, end in sdpa_batches(lengths, [bool(r) or w is not None
-                                             for r, w in zip(runs, windows)]):
+    for first, end in sdpa_batches(lengths, masked):
         length, count = lengths[first], end - first
         # [count, heads, length, d]: views of [1, heads, tokens, d], no copy
         q, k, v = (t[0, :, start:start + count * length].unflatten(1, (count, length))
                    .transpose(0, 1) for t in (query, key, value))
         start += count * length
         mask = None
-        if runs[first] or windows[first]:
+        if masked[first]:
             if (first, windows[first]) not in masks:
                 masks[first, windows[first]] = sample_mask(length, runs[first], windows[first],
                                                            q.device)
