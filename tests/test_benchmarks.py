@@ -37,7 +37,8 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
     both plans packed, the balanced one trained (``--plans``: the random one trains through the
     same code), the loader alone, DeepSpeed runs, the profile, and every figure filled from
     them. The simulator's replay of each step comes with its error against the measured step.
-    Of 4 steps, the first (warm-up) and the second (traced by the profiler) are left out.
+    Of 4 steps of 2 micro-batches, the first (warm-up) and the second (traced by the profiler)
+    are left out.
     The Hugging Face ``Trainer`` peers (``--baseline``) train the same steps: packed on
     ``TORCH_VARLEN`` (flash-attn's convention; here each sample on SDPA) and padded per
     sample, each losing at its first step what vlmshard's first step lost, within 1e-4."""
@@ -48,7 +49,7 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_bench.py"),
                            "--smoke", "--work", str(tmp_path / "work"), "--json", str(out),
                            "--peak-tflops", "1", "--steps", "4", "--target-samples", "4",
-                           "--plans", "balanced", "--baseline", "--trace",
+                           "--micro-batches", "2", "--plans", "balanced", "--baseline", "--trace",
                            str(tmp_path / "trace")],
                           capture_output=True, text=True, timeout=2100)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field, fields, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from vlmshard.errors import ConfigError
 from vlmshard.model_sizes import CHECKPOINT_STATE_BYTES, LayerWork, Size
@@ -59,6 +59,10 @@ class LayerCost:
     def selectively(self) -> "LayerCost":
         """This layer recomputed selectively: it keeps ``selective_bytes``, and its backward
         rebuilds the rest beside its transient, so its peak is unchanged."""
+        return self._selectively
+
+    @cached_property
+    def _selectively(self) -> "LayerCost":  # made once: the search asks millions of times
         return replace(self, activation_bytes=self.selective_bytes, selective_bytes=None)
 
     @classmethod
@@ -163,28 +167,27 @@ def choose_recompute(layers: list[LayerCost], first: int, end: int, in_flight: i
     span = range(first, end)
     if stage_memory(layers, first, end, in_flight, []) <= budget:
         return []
-    rebuilt = rebuilt or [c.activation_bytes for c in layers]
+    saving = {i: in_flight * (layers[i].activation_bytes - layers[i].input_bytes) for i in span}
+    size = {i: rebuilt[i] if rebuilt else layers[i].activation_bytes for i in span}
     fixed = (stage_param_bytes(layers, first, end)
              + in_flight * sum(layers[i].activation_bytes for i in span)
              + max(layers[i].transient_bytes for i in span))
-    by_saving = sorted(span, key=lambda i: (-(layers[i].activation_bytes
-                                              - layers[i].input_bytes), i))
-    best: tuple[int, int, list[int]] | None = None  # (layers, memory, chosen)
-    for peak in span:
-        cap = rebuilt[peak]
+    by_saving = sorted(span, key=lambda i: (-saving[i], i))
+    # (layers, memory, largest layer, chosen): ties go to the first largest layer in order
+    best: tuple[int, int, int, list[int]] | None = None
+    for peak in sorted(span, key=lambda i: -size[i]):  # most choice first: the best soonest
+        cap = size[peak]
         chosen = [peak]
-        memory = fixed + cap - in_flight * (layers[peak].activation_bytes
-                                            - layers[peak].input_bytes)
-        others = (i for i in by_saving if i != peak and rebuilt[i] <= cap)
-        while memory > budget:
-            i = next(others, None)
-            if i is None:
-                break
-            chosen.append(i)
-            memory -= in_flight * (layers[i].activation_bytes - layers[i].input_bytes)
-        if memory <= budget and (best is None or (len(chosen), memory) < best[:2]):
-            best = (len(chosen), memory, sorted(chosen))
-    return None if best is None else best[2]
+        memory = fixed + cap - saving[peak]
+        for i in by_saving:
+            if memory <= budget or (best and len(chosen) > best[0]):
+                break  # fits, or already more layers than the best: it cannot win
+            if i != peak and size[i] <= cap:
+                chosen.append(i)
+                memory -= saving[i]
+        if memory <= budget and (best is None or (len(chosen), memory, peak) < best[:3]):
+            best = (len(chosen), memory, peak, sorted(chosen))
+    return None if best is None else best[3]
 
 
 def stage_param_bytes(layers: list[LayerCost], first: int, end: int) -> int:
@@ -202,13 +205,13 @@ def stage_memory_parts(layers: list[LayerCost], first: int, end: int, in_flight:
     the activations its ``in_flight`` micro-batches keep (a recomputed layer its input, a
     selective one its matmuls' outputs), the largest recomputed layer rebuilt in backward, and
     the largest transient (a selective layer's rebuild among them)."""
-    layers = with_selective(layers, selective)
-    kept = sum(layers[i].input_bytes if i in recompute else layers[i].activation_bytes
-               for i in range(first, end))
-    return {"params": stage_param_bytes(layers, first, end),
+    span = with_selective(layers[first:end], [i - first for i in selective])
+    whole = {i - first for i in recompute}
+    kept = sum(c.input_bytes if k in whole else c.activation_bytes for k, c in enumerate(span))
+    return {"params": stage_param_bytes(span, 0, len(span)),
             "activations": in_flight * kept,
-            "rebuilt": max((layers[i].activation_bytes for i in recompute), default=0),
-            "transient": max((layers[i].transient_bytes for i in range(first, end)), default=0)}
+            "rebuilt": max((span[k].activation_bytes for k in whole), default=0),
+            "transient": max((c.transient_bytes for c in span), default=0)}
 
 
 def stage_memory(layers: list[LayerCost], first: int, end: int, in_flight: int,
