@@ -1,6 +1,7 @@
 """What the examples share: their common options, and the ``--smoke`` set-up (shards and a model
 folder made offline: the demo's Hub-style source, Parquet with embedded images, a tiny model of
-the demo with random weights, packed for 2 ranks; about half a minute on 2 CPUs), made in a
+the demo with random weights, packed for 2 ranks, 2 samples a micro-batch: attention over a
+packed micro-batch on CPU grows with its length squared; about 15 seconds on 2 CPUs), made in a
 temporary folder that is removed when the example ends."""
 
 from __future__ import annotations
@@ -56,6 +57,6 @@ def smoke_setup(root: str, model_type: str = "internvl") -> tuple[str, str]:
                          for name in ("preprocess", "plan", "shards"))
     run_preprocess(PreprocessConfig(inputs=[os.path.join(data.root, data.sources["hub"])],
                                     out=pre, model=folder, workers=1))
-    run_pack(PackConfig(stats=pre, dp=2, out=plan))
+    run_pack(PackConfig(stats=pre, dp=2, out=plan, target_samples=2))
     run_write(WriteConfig(plan=plan, stats=pre, out=shards, workers=1))
     return folder, shards
