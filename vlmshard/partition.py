@@ -56,13 +56,11 @@ class LayerCost:
     def transient_bytes(self) -> int:
         return max(0, self.peak_bytes - self.activation_bytes)
 
+    @cached_property
     def selectively(self) -> "LayerCost":
         """This layer recomputed selectively: it keeps ``selective_bytes``, and its backward
-        rebuilds the rest beside its transient, so its peak is unchanged."""
-        return self._selectively
-
-    @cached_property
-    def _selectively(self) -> "LayerCost":  # made once: the search asks millions of times
+        rebuilds the rest beside its transient, so its peak is unchanged. Made once: the
+        search asks for it millions of times."""
         return replace(self, activation_bytes=self.selective_bytes, selective_bytes=None)
 
     @classmethod
@@ -223,7 +221,7 @@ def with_selective(layers: list[LayerCost], selective) -> list[LayerCost]:
     """``layers`` with those at the indices ``selective`` recomputed selectively (one without a
     selective mode costed as it is: it keeps at most what it keeps unrecomputed)."""
     chosen = set(selective)
-    return [c.selectively() if i in chosen and c.selective_bytes is not None else c
+    return [c.selectively if i in chosen and c.selective_bytes is not None else c
             for i, c in enumerate(layers)]
 
 
@@ -245,7 +243,7 @@ def choose_selective(layers: list[LayerCost], first: int, end: int, in_flight: i
     for i in eligible:
         chosen.append(i)
         kept -= in_flight * (layers[i].activation_bytes - layers[i].selective_bytes)
-        transient = max(transient, layers[i].selectively().transient_bytes)
+        transient = max(transient, layers[i].selectively.transient_bytes)
         if params + kept + transient <= budget:
             return [], sorted(chosen)
     whole = choose_recompute(with_selective(layers, eligible), first, end, in_flight, budget,
