@@ -109,12 +109,26 @@ class HostSampler:
     def _run(self) -> None:
         last = self._start
         while not self._stop.wait(self.interval):
-            frame = sys._current_frames().get(self.thread)
+            site = self._site()
             now = time.perf_counter()
-            if frame is not None:
+            if site is not None:
                 self.samples += 1
-                self.time[_calling_site(frame)] += now - last
+                self.time[site] += now - last
             last = now
+
+    def _site(self, tries: int = 3) -> str | None:
+        """The sampled thread's calling site; None when it has no frame. A generator's frame
+        loses its caller when it yields, so a walk that the sampled thread interrupts (the OS
+        can pause this one while it holds the GIL) may find no frame outside torch: that
+        sample is taken again, and only after ``tries`` such is the innermost frame charged."""
+        for _ in range(tries):
+            frame = sys._current_frames().get(self.thread)
+            if frame is None:
+                return None
+            outside = _outside(frame)
+            if outside is not None:
+                return _site_of(outside)
+        return _site_of(frame)
 
     def seconds(self, top: int = 40) -> dict[str, float]:
         """The sampled time by site, the ``top`` sites."""
@@ -131,13 +145,16 @@ def _passed(filename: str) -> bool:
         filename.startswith(_STDLIB) and "-packages" not in filename)
 
 
-def _calling_site(frame) -> str:
-    """The innermost frame of ``frame``'s stack outside torch and the standard library, as
-    "file:first line function"."""
-    inner = frame
+def _outside(frame):
+    """The innermost frame of ``frame``'s stack outside torch and the standard library (None
+    when the walk finds none)."""
     while frame is not None and _passed(frame.f_code.co_filename):
         frame = frame.f_back
-    code = (frame or inner).f_code
+    return frame
+
+
+def _site_of(frame) -> str:
+    code = frame.f_code
     return f"{code_site(code.co_filename, code.co_firstlineno)} {code.co_name}"
 
 
