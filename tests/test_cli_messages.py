@@ -84,3 +84,25 @@ def test_a_source_of_unknown_roles_hints_the_mapping(tmp_path):
     result = run_preprocess(PreprocessConfig(inputs=[str(path)], out=str(tmp_path / "b"),
                                              workers=1, roles=["bot=assistant"]))
     assert (result.accepted, result.rejected) == (3, 0)
+
+
+def test_the_command_line_exits_without_collecting_what_is_alive():
+    """``vlmshard`` freezes the objects alive at its exit (``vlmshard.process``), once however
+    often ``main`` runs: an exit handler registered before the command, so called after its
+    handler, finds them frozen."""
+    import subprocess
+    import sys
+
+    code = ("import atexit, gc\n"
+            "freeze = gc.freeze\n"
+            "gc.freeze = lambda: (print('freeze'), freeze())\n"
+            "atexit.register(lambda: print('frozen', gc.get_freeze_count()))\n"
+            "from vlmshard.cli import main\n"
+            "for _ in range(3):\n"
+            "    try:\n"
+            "        main(['--version'])\n"
+            "    except SystemExit:\n"
+            "        pass\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out.count("freeze") == 1 and out[-2] == "frozen" and int(out[-1]) > 1000, out

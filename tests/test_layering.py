@@ -27,7 +27,7 @@ LAYERS = {
     "vlmshard.io": 0, "vlmshard.jobs": 0, "vlmshard.engines": 0, "vlmshard.progress": 0,
     "vlmshard.config": 0, "vlmshard.model_sizes": 0, "vlmshard.errors": 0, "vlmshard.rejects": 0,
     "vlmshard.partition": 0, "vlmshard.run_log": 0, "vlmshard.stage": 0, "vlmshard.compat": 0,
-    "vlmshard.plugins": 0,
+    "vlmshard.plugins": 0, "vlmshard.process": 0,
     "vlmshard.hardware": 0,
     "vlmshard.families": 1,
     "vlmshard.preprocess": 2, "vlmshard.packing": 3,

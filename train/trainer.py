@@ -31,6 +31,7 @@ import vlmshard.io
 from vlmshard.errors import ConfigError, InputError
 from vlmshard.io import read_json, write_json_atomic
 from vlmshard.model_sizes import ModelConfig, training_flops
+from vlmshard.process import skip_collection_at_exit
 from vlmshard.run_log import PIPELINE_NAME
 
 from .config import TrainConfig
@@ -314,6 +315,7 @@ def main() -> None:
     """Entry point under the DeepSpeed launcher: ``python -m vlmshard.train.trainer
     [--local_rank=N] CONFIG_JSON`` (the launcher adds ``--local_rank``; the rank comes from the
     environment)."""
+    skip_collection_at_exit()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                                                     "%(message)s")
     config_path = [a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]
