@@ -25,9 +25,10 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    must: larger micro-batches, each with less of the host's fixed cost, for recomputed FLOPs.
 3. Each plan trains ``--steps`` steps (PP=1, DP=1, the partition and recompute vlmshard searches
    by default, host syncs counted); the first ``--warmup`` steps are dropped.
-4. Then the loader alone: the balanced shards through the trainer's loader (its workers, pinned
-   memory, real pixel rows), no model: micro-batches, tokens and tiles per second. (After the
-   training: its pinned memory makes a CUDA context in this process.)
+4. Then the loader alone: the micro-batches the balanced plan's steps trained, through the
+   trainer's loader (its workers, pinned memory, real pixel rows), no model: micro-batches,
+   tokens and tiles per second. (After the training: its pinned memory makes a CUDA context in
+   this process.)
 5. One JSON line and a table: device; torch, CUDA, NCCL, DeepSpeed, transformers versions;
    attention backend; median and p90 step time; real tokens/s and tiles/s; MFU (the step's
    model FLOPs over step time × the device's dense bf16 peak, from ``vlmshard.hardware`` or
@@ -73,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import platform
@@ -203,13 +205,16 @@ def prepare(args, device_bytes: int | None) -> dict:
             "target_samples": samples}
 
 
-def loader_throughput(shards: str, workers: int, cuda: bool, dtype) -> dict:
-    """The trainer's loader alone over one pass of the shards."""
+def loader_throughput(shards: str, micro_batches: int, workers: int, cuda: bool,
+                      dtype) -> dict:
+    """The trainer's loader alone over the shards' first ``micro_batches``: those a plan's
+    steps train."""
     from vlmshard.shards.loader import make_loader
 
     start, batches, tokens, tiles = time.perf_counter(), 0, 0, 0
-    for batch in make_loader(shards, num_workers=workers, pin_memory=cuda, pixel_dtype=dtype,
-                             pad_pixels=False):
+    loader = make_loader(shards, num_workers=workers, pin_memory=cuda, pixel_dtype=dtype,
+                         pad_pixels=False)
+    for batch in itertools.islice(loader, micro_batches):
         batches += 1
         tokens += batch["num_tokens"]
         tiles += batch["num_tiles"]
@@ -609,7 +614,9 @@ def main() -> None:
             result["baseline"][name] = hf_baseline(args, setup, padded=name == "hf_padded")
             save(args, result, peak)
     if not args.quick:
-        result["loader"] = loader_throughput(setup["shards"]["balanced"], workers, cuda, dtype)
+        result["loader"] = loader_throughput(setup["shards"]["balanced"],
+                                             args.steps * args.micro_batches, workers, cuda,
+                                             dtype)
         profile = profile_kinds(args, setup, device.memory_bytes if device else None)
         result["sustained_flops_per_s"] = profile["flops_per_s"]
         if peak:

@@ -13,6 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from vlmshard.process import skip_collection_at_exit
 from vlmshard.shards.loader import ShardDataset
 from vlmshard.shards.sequence import share
 from vlmshard.train.hf_model import model_layers
@@ -53,4 +54,5 @@ def main(folder: str, out: str, degrees: list[int], shards: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    skip_collection_at_exit()  # as the trainer's ranks
     main(sys.argv[1], sys.argv[2], [int(a) for a in sys.argv[3].split(",")], sys.argv[4:])
