@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
+import gc
 import http.server
 import os
 import random
@@ -20,20 +21,22 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_python(path: str) -> ast.Module:
-    """A source file's syntax tree. CPython 3.11 keeps the AST constructor's recursion count per
-    interpreter, not per thread: when a garbage collection during the build runs finalizers and
-    another thread builds a tree meanwhile (a thread Ray Data left behind, formatting a
-    traceback: 3.11 finds its carets by parsing the line), the build fails with "SystemError: AST
-    constructor recursion depth mismatch" (python/cpython#106905; once in a run of the suite, 11
-    times in 12,799 builds with both provoked). It is built again then."""
+    """A source file's syntax tree, built with the garbage collector off. CPython 3.11.7 keeps
+    the AST constructor's recursion count per interpreter, not per thread: when a collection
+    during the build runs finalizers, another thread may build a tree meanwhile (a Ray Data
+    usage thread left behind formats tracebacks, and 3.11 finds a traceback's carets by parsing
+    the line), and the build fails with "SystemError: AST constructor recursion depth mismatch"
+    (python/cpython#106905, fixed in 3.11.8). Retrying was not enough: CI failed three builds in a
+    row. With no collection, no Python code runs during the build and no other thread can."""
     with open(path, encoding="utf-8") as f:
         source = f.read()
-    for attempt in range(3):
-        try:
-            return ast.parse(source, path)
-        except SystemError:
-            if attempt == 2:
-                raise
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return ast.parse(source, path)
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def vlmshard(*args: str, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
