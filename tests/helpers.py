@@ -48,6 +48,19 @@ def vlmshard(*args: str, check: bool = True, **kwargs) -> subprocess.CompletedPr
     return proc
 
 
+def vlmshard_here(*args: str) -> None:
+    """Run ``vlmshard ARGS`` in this process: its parsing, checks and stage, with DeepSpeed's
+    launcher and the ranks started as processes of their own. For tests of what a command does,
+    not of its process (exit status, output: :func:`vlmshard`); it spares each launch the ~9 s of
+    CPU a fresh interpreter spends importing torch and transformers before the ranks start,
+    which this process has imported already."""
+    from vlmshard.cli import main
+
+    status = main(list(args))
+    if status:
+        raise AssertionError(f"vlmshard {' '.join(args)} exited {status} (its error is above)")
+
+
 def kill_9_when(*args: str, ready: Callable[[], bool], timeout: float = 120,
                 session: bool = False) -> None:
     """Start ``vlmshard ARGS`` and SIGKILL it as soon as ``ready()`` holds (a crash mid-job).

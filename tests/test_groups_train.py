@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from helpers import kill_9_when, vlmshard
+from helpers import kill_9_when, vlmshard, vlmshard_here
 from hf_reference import ROWS, hf_loss_and_grads, make_folder
 
 from vlmshard.errors import ConfigError
@@ -108,7 +108,7 @@ def test_sequence_parallel_steps_train_as_the_hf_model_at_each_zero_stage_and_re
     steps = 5  # SP 1, 2 and 4 among them
     common = [*COMMON, "--shards", shards, "--max-steps", str(steps)]
     straight = tmp_path / "straight"
-    vlmshard("train", *common, "--checkpoint-every", "1", "--out", str(straight))
+    vlmshard_here("train", *common, "--checkpoint-every", "1", "--out", str(straight))
     log = _log(straight / "train_log.jsonl")
     assert [r["sp"] for r in log] == degrees[:steps]
     # every step's loss is the HF model's per-token mean over the step's samples, at the
@@ -142,8 +142,8 @@ def test_sequence_parallel_steps_train_as_the_hf_model_at_each_zero_stage_and_re
     assert [r["sp"] for r in resumed] == degrees[:steps]
     assert [r["data"] for r in resumed] == [r["data"] for r in log]
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in log], rel=1e-5)
-    vlmshard("train", *COMMON, "--shards", shards, "--max-steps", "3", "--zero", "2",
-             "--no-save-checkpoints", "--out", str(tmp_path / "zero2"))
+    vlmshard_here("train", *COMMON, "--shards", shards, "--max-steps", "3", "--zero", "2",
+                  "--no-save-checkpoints", "--out", str(tmp_path / "zero2"))
     zero2 = _log(tmp_path / "zero2" / "train_log.jsonl")
     assert [r["loss"] for r in zero2] == pytest.approx([r["loss"] for r in log[:3]], rel=1e-5)
     # ZeRO-3's model folder, gathered from every rank's partition, loads with from_pretrained

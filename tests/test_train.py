@@ -10,7 +10,7 @@ import statistics
 import numpy as np
 import pytest
 import torch
-from helpers import kill_9_when, vlmshard
+from helpers import kill_9_when, vlmshard, vlmshard_here
 from hf_reference import (
     FAMILIES,
     ROWS,
@@ -234,9 +234,9 @@ def test_profile_calibrates_and_recomputes_to_fit(partition, small_shards, tmp_p
 @pytest.mark.slow
 def test_validate_top_trains_each_candidate_and_chooses_the_fastest(small_shards, tmp_path):
     out = tmp_path / "profile"
-    vlmshard("train", "profile", "--config", CONFIG, "--shards", small_shards, "--pp", "2",
-             "--micro-batches", "2", "--validate-top", "2", "--validate-steps", "3",
-             "--out", str(out))
+    vlmshard_here("train", "profile", "--config", CONFIG, "--shards", small_shards, "--pp", "2",
+                  "--micro-batches", "2", "--validate-top", "2", "--validate-steps", "3",
+                  "--out", str(out))
     partitions = read_json(out / "partition.json")
     validated = partitions["validated"]
     assert [p["name"] for p in validated] == ["search", partitions["omnibal"][0]["name"]]
@@ -339,9 +339,9 @@ def test_pipeline_of_two_stages_learns_from_its_plan(small_shards, partition, tm
     on DeepSpeed's engine, and leaves none of DeepSpeed's shared-memory segments behind (69 MB
     of RAM per rank per run)."""
     segments_before = _shm_segments()
-    vlmshard("train", "--config", CONFIG, "--shards", small_shards, "--pp", "2", "--dp", "1",
-             "--max-steps", "20", "--lr", "0.003", "--partition", partition,
-             "--attention", "sdpa", "--out", str(tmp_path / "run"))
+    vlmshard_here("train", "--config", CONFIG, "--shards", small_shards, "--pp", "2", "--dp", "1",
+                  "--max-steps", "20", "--lr", "0.003", "--partition", partition,
+                  "--attention", "sdpa", "--out", str(tmp_path / "run"))
     config = read_json(tmp_path / "run" / "train_config.json")
     assert config["bounds"] == read_json(partition)["chosen"]["bounds"]
     assert config["recompute"] or config["selective"]
@@ -414,9 +414,9 @@ def test_pipeline_of_two_stages_learns_from_its_plan(small_shards, partition, tm
 def test_two_data_parallel_ranks_learn_from_exactly_their_plan(small_shards, tmp_path):
     """20 steps over a 6-step plan: each rank reads its own shards, epoch after epoch, in plan
     order through a DataLoader worker process; its loading is logged apart from the step."""
-    vlmshard("train", "--config", CONFIG, "--shards", small_shards, "--pp", "1", "--dp", "2",
-             "--max-steps", "20", "--lr", "0.003", "--loader-workers", "1",
-             "--out", str(tmp_path / "run"))
+    vlmshard_here("train", "--config", CONFIG, "--shards", small_shards, "--pp", "1", "--dp", "2",
+                  "--max-steps", "20", "--lr", "0.003", "--loader-workers", "1",
+                  "--out", str(tmp_path / "run"))
     log = _log(tmp_path / "run" / "train_log.jsonl")
     for r in log:
         assert r["load_s"] == max(rank["load_s"] for rank in r["ranks"]) > 0
@@ -456,9 +456,9 @@ def test_engine_holds_what_the_memory_model_charges_per_parameter(small_shards, 
         out = tmp_path / f"pp{pp}-zero{zero}"
         split = ["--max-steps", "2", "--zero3-persistence-threshold", "0"] if zero == 3 else \
             ["--max-steps", "1"]
-        vlmshard("train", "--config", CONFIG, "--shards", small_shards, "--pp", str(pp),
-                 "--dp", "2", "--zero", str(zero), "--precision", "bf16", *split,
-                 "--no-save-checkpoints", "--out", str(out))
+        vlmshard_here("train", "--config", CONFIG, "--shards", small_shards, "--pp", str(pp),
+                      "--dp", "2", "--zero", str(zero), "--precision", "bf16", *split,
+                      "--no-save-checkpoints", "--out", str(out))
         log = _log(out / "train_log.jsonl")
         ranks = log[0]["ranks"]
         assert len(ranks) == pp * 2
@@ -542,7 +542,8 @@ def test_bf16_training_tracks_fp32(small_shards, tmp_path):
               "--max-steps", "12", "--no-save-checkpoints"]
     runs = {}
     for precision in ("fp32", "bf16"):
-        vlmshard("train", *common, "--precision", precision, "--out", str(tmp_path / precision))
+        vlmshard_here("train", *common, "--precision", precision,
+                      "--out", str(tmp_path / precision))
         assert read_json(tmp_path / precision / "train_config.json")["precision"] == precision
         runs[precision] = [r["loss"] for r in _log(tmp_path / precision / "train_log.jsonl")]
     assert runs["bf16"] != runs["fp32"]  # it really ran in bf16
@@ -576,7 +577,7 @@ def test_two_nodes_on_localhost_train_as_one_node_does(small_shards, tmp_path):
     for rank, node in enumerate(nodes):
         _, err = node.communicate(timeout=600)
         assert node.returncode == 0, f"node {rank}:\n{err[-3000:]}"
-    vlmshard("train", *common, "--out", str(tmp_path / "one"))
+    vlmshard_here("train", *common, "--out", str(tmp_path / "one"))
     two = _log(tmp_path / "nodes" / "train_log.jsonl")
     one = _log(tmp_path / "one" / "train_log.jsonl")
     assert [sorted((r["rank"], r["stage"]) for r in rec["ranks"]) for rec in two] == [
@@ -663,7 +664,7 @@ def test_a_run_that_fails_mid_loop_closes_its_log(small_shards, tmp_path):
 def test_resume_after_kill_9_continues_the_loss_trajectory_exactly(small_shards, tmp_path):
     common = ["--config", CONFIG, "--shards", small_shards, "--pp", "2", "--lr", "0.003",
               "--max-steps", "6", "--lr-scheduler-type", "cosine", "--warmup-steps", "2"]
-    vlmshard("train", *common, "--out", str(tmp_path / "straight"))
+    vlmshard_here("train", *common, "--out", str(tmp_path / "straight"))
     crashed = tmp_path / "crashed"
     log = crashed / "train_log.jsonl"
     logged = lambda: log.read_text().count("\n") if log.exists() else 0  # noqa: E731
@@ -674,7 +675,7 @@ def test_resume_after_kill_9_continues_the_loss_trajectory_exactly(small_shards,
                 ready=lambda: logged() >= 3, timeout=600, session=True)
     assert not (crashed / "hf").exists() and 3 <= logged() < 6, "the run ended before its kill"
     assert (crashed / "checkpoints" / "latest").read_text() == "step-2"
-    vlmshard("train", *common, "--resume", str(crashed))
+    vlmshard_here("train", *common, "--resume", str(crashed))
     straight = _log(tmp_path / "straight" / "train_log.jsonl")
     resumed = _log(log)
     assert [r["step"] for r in resumed] == list(range(6))  # each step once
@@ -749,8 +750,8 @@ def test_first_pipeline_step_equals_the_hf_model(family, tmp_path):
            "qwen3_5_moe": ["--bounds", "0", "8", "12", "--recompute", "llm_block_2"],
            "gemma3": ["--bounds", "0", "6", "10", "--recompute", "llm_block_2"],
            }.get(family, [])
-    vlmshard("train", "--shards", shards, "--pp", "2", "--max-steps", "1", "--lr", "0.001",
-             "--warmup-steps", "0", "--max-grad-norm", "0", "--out", str(run), *cut)
+    vlmshard_here("train", "--shards", shards, "--pp", "2", "--max-steps", "1", "--lr", "0.001",
+                  "--warmup-steps", "0", "--max-grad-norm", "0", "--out", str(run), *cut)
     model = model_layers(folder)
     batches = list(ShardDataset(shards, pixel_dtype=torch.float32))[:2]
     if videos:  # the whole data in the step trained
