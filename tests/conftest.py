@@ -70,9 +70,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
-    """A real Ray cluster on loopback: a head node and a second worker node, one CPU each.
+    """A real Ray cluster on loopback: a head node and a second worker node, one CPU each. One
+    a module, stopped after it: idle, the cluster's daemons burn 5 s of CPU a minute, which a
+    session-wide one spent on the rest of the suite (14 s to start one).
 
     Token authentication with a token of its own: a stale ``~/.ray/auth_token`` (left by any
     earlier ``ray.init``) otherwise makes ``ray start --address`` fail with InvalidAuthToken.

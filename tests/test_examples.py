@@ -65,17 +65,19 @@ def _first_step_loss(folder: str, shards: str) -> float:
 
 @pytest.fixture(scope="module", params=["images", "videos"])
 def setup(request, tmp_path_factory) -> tuple[list[str], float]:
-    """(the examples' arguments, their first step's loss computed here). Images: ``--smoke``,
-    whose set-up makes the same bytes every time; videos: shards made here."""
+    """(the examples' arguments, their first step's loss computed here). Images: ``--smoke``'s
+    model and shards, made once here for every example (``--smoke`` makes them in each run:
+    10 s of CPU; ``test_own_loop_check_on_a_qwen2_vl_smoke`` runs it); videos: shards made
+    here."""
     root = tmp_path_factory.mktemp(request.param)
     if request.param == "images":
         sys.path.insert(0, EXAMPLES)
         from common import smoke_setup
 
         folder, shards = smoke_setup(str(root))
-        return ["--smoke"], _first_step_loss(folder, shards)
-    folder = make_folder("qwen2_5_vl", str(root / "model"))
-    shards = make_shards(folder, root, rows="videos", target_samples=2)
+    else:
+        folder = make_folder("qwen2_5_vl", str(root / "model"))
+        shards = make_shards(folder, root, rows="videos", target_samples=2)
     return ["--model", folder, "--shards", shards], _first_step_loss(folder, shards)
 
 
