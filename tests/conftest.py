@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from typing import Iterator
 
 # pytest-xdist's workers share the CPUs: each worker, and every process it starts, takes its share
 # of OpenMP threads, set before torch or numpy is imported. Two workers of two threads each on 2
@@ -70,21 +71,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
-    """A real Ray cluster on loopback: a head node and a second worker node, one CPU each. One
-    a module, stopped after it: idle, the cluster's daemons burn 5 s of CPU a minute, which a
-    session-wide one spent on the rest of the suite (14 s to start one).
-
-    Token authentication with a token of its own: a stale ``~/.ray/auth_token`` (left by any
-    earlier ``ray.init``) otherwise makes ``ray start --address`` fail with InvalidAuthToken.
-    Its own temp dir too, and stopped by it: ``ray stop`` would stop every Ray on the machine,
-    the other test worker's cluster among them.
-    """
+@pytest.fixture(scope="session")
+def ray_auth_token(tmp_path_factory) -> Iterator[str]:
+    """Token authentication for this process's Ray clusters, with a token of its own: a stale
+    ``~/.ray/auth_token`` (left by any earlier ``ray.init``) otherwise makes ``ray start
+    --address`` fail with InvalidAuthToken. One token for the whole session: a driver keeps the
+    first token it read, and a later cluster with another refuses it."""
     token = tmp_path_factory.mktemp("ray") / "auth_token"
     token.write_text(secrets.token_hex(32))
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+    yield str(token)
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(ray_auth_token) -> Iterator[str]:
+    """A real Ray cluster on loopback: a head node and a second worker node, one CPU each. One
+    a module, stopped after it: idle, the cluster's daemons burn 5 s of CPU a minute, which a
+    session-wide one spent on the rest of the suite (14 s to start one).
+
+    Its own temp dir, and stopped by it: ``ray stop`` would stop every Ray on the machine, the
+    other test worker's cluster among them.
+    """
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     port = _free_port()
     address = f"127.0.0.1:{port}"
@@ -103,11 +116,6 @@ def ray_cluster(tmp_path_factory):
     finally:
         _stop_ray(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def expected_minutes(item) -> float:
