@@ -163,9 +163,10 @@ def memory_bound(model: str, pre: str, device_bytes: int) -> tuple[dict, int]:
                                "samples": samples}}, samples
 
 
-def prepare(args, device_bytes: int | None) -> dict:
-    """Model folder, preprocessed demo data, and the two plans' shards. ``device_bytes``: the
-    device's memory, which sets the caps (None: ``--target-samples``, on CPU 8)."""
+def prepare(args, device_bytes: int | None, plans: tuple[str, ...]) -> dict:
+    """Model folder, preprocessed demo data, both plans, and the shards of the ``plans`` trained
+    (the random plan is packed either way: it sets the balanced one's caps). ``device_bytes``:
+    the device's memory, which sets the caps (None: ``--target-samples``, on CPU 8)."""
     from vlmshard.families import tiny_folder
     from vlmshard.packing.config import PackConfig
     from vlmshard.packing.plan import run_pack
@@ -199,8 +200,9 @@ def prepare(args, device_bytes: int | None) -> dict:
         if algo == "random":  # the balanced plan packs under the same memory bound
             metrics = read_json(os.path.join(plan, "plan.json"))["metrics"]
             caps = {"max_qv": int(metrics["qv"]), "max_qt": int(metrics["qt"])}
-        shards[algo] = os.path.join(work, f"shards-{algo}")
-        run_write(WriteConfig(plan=plan, stats=pre, out=shards[algo], workers=1))
+        if algo in plans:
+            shards[algo] = os.path.join(work, f"shards-{algo}")
+            run_write(WriteConfig(plan=plan, stats=pre, out=shards[algo], workers=1))
     return {"model": model, "shards": shards, "caps": caps, "memory_bound": bound,
             "target_samples": samples}
 
@@ -583,8 +585,8 @@ def main() -> None:
     device = Device.probe() if cuda else None
     gpu = gpu_named(device.name) if device else None
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (gpu.peak_flops if gpu else None)
-    setup = prepare(args, device.memory_bytes if device else None)
     plans = ("balanced",) if args.quick else tuple(args.plans)
+    setup = prepare(args, device.memory_bytes if device else None, plans)
     runs = {algo: train_plan(args, setup, algo) for algo in plans}
     workers = args.loader_workers if args.loader_workers is not None else (4 if cuda else 0)
     result = {**environment(cuda), "attention": choose_backend("cuda" if cuda else "cpu", dtype),

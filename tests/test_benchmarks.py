@@ -48,7 +48,7 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_bench.py"),
                            "--smoke", "--work", str(tmp_path / "work"), "--json", str(out),
-                           "--peak-tflops", "1", "--steps", "4", "--target-samples", "4",
+                           "--peak-tflops", "1", "--steps", "4", "--target-samples", "2",
                            "--micro-batches", "2", "--plans", "balanced", "--baseline", "--trace",
                            str(tmp_path / "trace")],
                           capture_output=True, text=True, timeout=2100)
