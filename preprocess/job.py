@@ -38,7 +38,7 @@ from vlmshard.families import (
     load_model,
 )
 from vlmshard.io import atomic_write, is_url, write_json_atomic, write_parquet
-from vlmshard.jobs import WORK, claim_output, locked_output
+from vlmshard.jobs import WORK, claim_output, finished_job, locked_output
 from vlmshard.progress import Progress
 from vlmshard.rejects import REASONS
 from vlmshard.stage import Result
@@ -109,6 +109,13 @@ def _preprocess(cfg: PreprocessConfig, start: float) -> PreprocessResult:
                           decode_videos=cfg.decode_videos,
                           allow_outside_image_root=cfg.allow_outside_image_root)
     identity = _job_identity(cfg, sources, model, tokenizer, tiling, limits)
+    if finished_job(cfg.out, "preprocess.json", identity) is None:
+        # a folder whose tokenizer cannot load fails here, before the job claims OUT (a finished
+        # job's identity holds the same folder's bytes: it loaded then)
+        try:
+            make_encoder(tokenizer, model)
+        except InputError as e:
+            raise ConfigError(str(e)) from e
     fingerprint, done = claim_output(cfg.out, "preprocess.json", identity, error=ConfigError,
                                      recorded_as="config")
     if done is not None:
@@ -239,7 +246,7 @@ def _why_empty(source: Source, index: SourceIndex) -> str:
 
 def resolve_model(cfg: PreprocessConfig) -> tuple[ModelSpec, TokenizerConfig, TilingPolicy]:
     """The model folder's family, tokenizer and tiling (or the demo's), with the options that
-    adjust the tiling applied. Builds the encoder once, so a broken folder fails here."""
+    adjust the tiling applied."""
     if cfg.model is not None:
         try:
             model, tiling = load_model(cfg.model)
@@ -262,7 +269,6 @@ def resolve_model(cfg: PreprocessConfig) -> tuple[ModelSpec, TokenizerConfig, Ti
                   if f.default_tiling().with_limits() is not None]
         raise ConfigError(f"--max-patches applies to {' or '.join(limits)} tiling, not "
                           f"{model.family}")
-    make_encoder(tokenizer, model)
     return model, tokenizer, tiling
 
 

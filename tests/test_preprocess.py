@@ -84,15 +84,44 @@ def test_bytes_identical_for_1_and_2_workers(demo, demo_out, tmp_path):
     assert tree_bytes(tmp_path / "two") == tree_bytes(demo_out)
 
 
-def test_finished_job_rerun_is_a_noop(demo, demo_out):
+def test_finished_job_rerun_is_a_noop(demo, demo_out, monkeypatch):
+    """A finished job's rerun writes nothing and builds no tokenizer (the builder is replaced by
+    one that fails); other options are refused."""
+    from vlmshard.preprocess import job
+
+    def built(*args, **kwargs):
+        raise AssertionError("encoder built")
+
     before = {n: os.stat(os.path.join(demo_out, "stats", n)).st_mtime_ns
               for n in os.listdir(demo_out / "stats")}
-    result = _run(demo, demo_out, keep_tokens=True, workers=1)
+    with monkeypatch.context() as patched:
+        patched.setattr(job, "make_encoder", built)
+        result = _run(demo, demo_out, keep_tokens=True, workers=1)
     assert result.already_complete
     assert before == {n: os.stat(os.path.join(demo_out, "stats", n)).st_mtime_ns
                       for n in os.listdir(demo_out / "stats")}
     with pytest.raises(ConfigError, match="finished job with other inputs or config"):
         _run(demo, demo_out, keep_tokens=False, workers=1)
+
+
+def test_a_tokenizer_that_does_not_load_is_one_error_before_the_job_claims_out(demo, tmp_path):
+    """The folder is checked before ``OUT`` is claimed: once fixed, the same command runs (an
+    interrupted job's record would name the broken folder's bytes and refuse it)."""
+    from vlmshard.preprocess import demo_data
+
+    model = demo_data.demo_model("internvl", str(tmp_path / "model"))
+    tokenizer = os.path.join(model, "tokenizer.json")
+    good = open(tokenizer, "rb").read()
+    with open(tokenizer, "wb") as f:
+        f.write(b"{not json")
+    captions = os.path.join(demo.root, "captions.jsonl")
+    cfg = PreprocessConfig(inputs=[captions], out=str(tmp_path / "o"), model=model, workers=1)
+    with pytest.raises(ConfigError, match="the tokenizer does not load"):
+        run_preprocess(cfg)
+    assert not os.path.exists(tmp_path / "o" / "_work" / "job.json")
+    with open(tokenizer, "wb") as f:
+        f.write(good)
+    assert run_preprocess(cfg).accepted == 80
 
 
 def test_demo_data_and_model_are_reused_when_unchanged(demo, tmp_path, monkeypatch):

@@ -104,6 +104,17 @@ def _live_owner(record: str) -> dict | None:
     return owner
 
 
+def finished_job(out: str, final_name: str, identity: dict) -> dict | None:
+    """The final file's content if ``out`` already holds this very job finished, else None: a
+    stage can skip its set-up for a finished job before it claims ``out``."""
+    final = os.path.join(out, final_name)
+    if os.path.exists(final):
+        done = read_json(final)
+        if done.get("fingerprint") == fingerprint(identity):
+            return done
+    return None
+
+
 def claim_output(out: str, final_name: str, identity: dict,
                  error: type[Exception] = ValueError, recorded_as: str | None = None
                  ) -> tuple[str, dict | None]:
@@ -112,11 +123,12 @@ def claim_output(out: str, final_name: str, identity: dict,
     holds another job, finished or not, naming the keys that differ where the final file keeps
     its identity (under ``recorded_as``). Call it inside ``locked_output(out)``."""
     key = fingerprint(identity)
+    done = finished_job(out, final_name, identity)
+    if done is not None:
+        return key, done
     final = os.path.join(out, final_name)
     if os.path.exists(final):
         done = read_json(final)
-        if done.get("fingerprint") == key:
-            return key, done
         recorded = done.get(recorded_as) if recorded_as else None
         raise error(f"{out} holds a finished job with other inputs or config"
                     f"{_differing(recorded, identity)}; pass a new --out or delete that folder")
