@@ -9,7 +9,7 @@ import shutil
 import pytest
 import yaml
 
-from helpers import REPO, tree_bytes, vlmshard
+from helpers import REPO, tree_bytes, vlmshard, vlmshard_here
 from vlmshard.io import read_json
 
 
@@ -23,13 +23,14 @@ def _config(tmp_path, out, name: str = "demo.yaml", **changes) -> str:
 
 
 @pytest.mark.slow(minutes=1.5)
-def test_the_qwen3_vl_config_runs_every_stage(tmp_path):
+def test_the_qwen3_vl_config_runs_every_stage(tmp_path, capsys):
     """configs/run-qwen3-vl.yaml: a tiny Qwen3-VL through every stage, its 32-px unit costed from
     its own config.json, DeepStack features crossing the configured stage cut."""
     out = tmp_path / "qwen3-vl"
-    stdout = vlmshard("run", "--config", _config(tmp_path, out, "run-qwen3-vl.yaml",
-                                                 train={"pp": 2, "dp": 1, "max_steps": 2,
-                                                        "bounds": [0, 3, 11]})).stdout
+    vlmshard_here("run", "--config", _config(tmp_path, out, "run-qwen3-vl.yaml",
+                                             train={"pp": 2, "dp": 1, "max_steps": 2,
+                                                    "bounds": [0, 3, 11]}))
+    stdout = capsys.readouterr().out
     assert [line.split()[1] for line in stdout.splitlines()[:-1]] == [
         "demo-data", "demo-model", "preprocess", "pack", "write", "verify", "train", "report"]
     assert read_json(out / "model" / "config.json")["model_type"] == "qwen3_vl"
@@ -42,7 +43,8 @@ def test_the_qwen3_vl_config_runs_every_stage(tmp_path):
 
 
 @pytest.mark.slow(minutes=3)
-def test_demo_config_runs_every_stage_and_reruns_to_the_same_bytes(tmp_path):
+def test_demo_config_runs_every_stage_and_reruns_to_the_same_bytes(tmp_path, capsys):
+    """The first run as ``make demo`` runs it, a process of its own; the reruns in this one."""
     out = tmp_path / "demo"
     train = {"pp": 2, "dp": 1, "max_steps": 2}
     stdout = vlmshard("run", "--config", _config(tmp_path, out, train=train)).stdout
@@ -73,7 +75,9 @@ def test_demo_config_runs_every_stage_and_reruns_to_the_same_bytes(tmp_path):
     assert (out / "report.html").stat().st_size > 10_000
 
     before = {name: tree_bytes(str(out / name)) for name in ("plan", "shards")}
-    stdout = vlmshard("run", "--config", _config(tmp_path, out, train=None)).stdout
+    capsys.readouterr()
+    vlmshard_here("run", "--config", _config(tmp_path, out, train=None))
+    stdout = capsys.readouterr().out
     assert [line.split()[1] for line in stdout.splitlines()[:-1]] == \
         ["demo-data", "demo-model", "preprocess", "pack", "write", "verify", "report"]
     assert {name: tree_bytes(str(out / name)) for name in ("plan", "shards")} == before
@@ -89,7 +93,7 @@ def test_demo_config_runs_every_stage_and_reruns_to_the_same_bytes(tmp_path):
     first_plan, first_info = (out / "plan" / "plan.parquet").read_bytes(), plan_json()
     assert first["shards"] and first["preprocess"] and first_plan
     shutil.rmtree(out)
-    vlmshard("run", "--config", _config(tmp_path, out, train=None))
+    vlmshard_here("run", "--config", _config(tmp_path, out, train=None))
     again = {name: tree_bytes(str(out / name)) for name in first}
     for name in first:  # manifest.json included
         assert sorted(again[name]) == sorted(first[name]), name
