@@ -38,7 +38,7 @@ from vlmshard.families import (
     load_model,
 )
 from vlmshard.io import atomic_write, is_url, write_json_atomic, write_parquet
-from vlmshard.jobs import WORK, claim_output, finished_job, locked_output
+from vlmshard.jobs import WORK, claim_output, locked_output
 from vlmshard.progress import Progress
 from vlmshard.rejects import REASONS
 from vlmshard.stage import Result
@@ -109,15 +109,17 @@ def _preprocess(cfg: PreprocessConfig, start: float) -> PreprocessResult:
                           decode_videos=cfg.decode_videos,
                           allow_outside_image_root=cfg.allow_outside_image_root)
     identity = _job_identity(cfg, sources, model, tokenizer, tiling, limits)
-    if finished_job(cfg.out, "preprocess.json", identity) is None:
-        # a folder whose tokenizer cannot load fails here, before the job claims OUT (a finished
-        # job's identity holds the same folder's bytes: it loaded then)
+
+    def tokenizer_loads() -> None:
+        """A folder whose tokenizer cannot load fails before the job claims OUT (a finished
+        job's identity holds the same folder's bytes: it loaded then)."""
         try:
             make_encoder(tokenizer, model)
         except InputError as e:
             raise ConfigError(str(e)) from e
+
     fingerprint, done = claim_output(cfg.out, "preprocess.json", identity, error=ConfigError,
-                                     recorded_as="config")
+                                     recorded_as="config", before_claim=tokenizer_loads)
     if done is not None:
         log.info("%s is already complete (same inputs and config): nothing to do", cfg.out)
         totals = done["totals"]

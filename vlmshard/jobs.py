@@ -23,7 +23,7 @@ import json
 import os
 import socket
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .io import canonical_json, read_json, sha256_text, write_json_atomic
 
@@ -104,34 +104,28 @@ def _live_owner(record: str) -> dict | None:
     return owner
 
 
-def finished_job(out: str, final_name: str, identity: dict) -> dict | None:
-    """The final file's content if ``out`` already holds this very job finished, else None: a
-    stage can skip its set-up for a finished job before it claims ``out``."""
-    final = os.path.join(out, final_name)
-    if os.path.exists(final):
-        done = read_json(final)
-        if done.get("fingerprint") == fingerprint(identity):
-            return done
-    return None
-
-
 def claim_output(out: str, final_name: str, identity: dict,
-                 error: type[Exception] = ValueError, recorded_as: str | None = None
-                 ) -> tuple[str, dict | None]:
+                 error: type[Exception] = ValueError, recorded_as: str | None = None,
+                 before_claim: Callable[[], None] | None = None) -> tuple[str, dict | None]:
     """(fingerprint of ``identity``, the final file's content if ``out`` already holds this very
     job finished). Otherwise prepares ``OUT/_work`` for this job, or raises ``error`` if ``out``
     holds another job, finished or not, naming the keys that differ where the final file keeps
-    its identity (under ``recorded_as``). Call it inside ``locked_output(out)``."""
+    its identity (under ``recorded_as``). Call it inside ``locked_output(out)``.
+
+    ``before_claim`` runs only for a job not yet finished, before ``out`` is claimed: a check
+    that can fail (a model folder that does not load) then leaves nothing behind, and a finished
+    job's rerun skips it."""
     key = fingerprint(identity)
-    done = finished_job(out, final_name, identity)
-    if done is not None:
-        return key, done
     final = os.path.join(out, final_name)
     if os.path.exists(final):
         done = read_json(final)
+        if done.get("fingerprint") == key:
+            return key, done
         recorded = done.get(recorded_as) if recorded_as else None
         raise error(f"{out} holds a finished job with other inputs or config"
                     f"{_differing(recorded, identity)}; pass a new --out or delete that folder")
+    if before_claim is not None:
+        before_claim()
     work = os.path.join(out, WORK)
     job = os.path.join(work, "job.json")
     if os.path.exists(job):
