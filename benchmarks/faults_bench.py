@@ -43,8 +43,6 @@ sys.path.insert(0, os.path.join(REPO, "tests"))
 
 from helpers import kill_9_when, serve_http, tree_bytes, vlmshard  # noqa: E402
 
-TRAIN_PORT = 29611  # the bench's own, so the shared-memory segments it leaves are its own
-
 
 @dataclass
 class Outcome:
@@ -242,12 +240,6 @@ def flaky_http(outcome_pre: Outcome, outcome_load: Outcome, work: str, data_root
         outcome_load.lost += len(set(local_records) - set(got))
 
 
-def free_shared_memory() -> None:
-    """DeepSpeed's shared-memory segments left by ranks killed before they unlinked them."""
-    for segment in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{TRAIN_PORT}_*"):
-        os.unlink(segment)
-
-
 def train_kills(outcome: Outcome, work: str, train_args: list[str], kills: int,
                 rng: random.Random) -> None:
     reference = os.path.join(work, "train-clean")
@@ -259,8 +251,7 @@ def train_kills(outcome: Outcome, work: str, train_args: list[str], kills: int,
         start = time.monotonic()
         kill_9_when("train", *train_args, "--out", out, session=True, timeout=900,
                     ready=lambda: time.monotonic() - start > delay)
-        time.sleep(1)  # the kernel reaps the stage processes and frees the port
-        free_shared_memory()
+        time.sleep(1)  # the kernel reaps the stage processes
         outcome.add_faults({"kill -9": 1})
         resumable = os.path.exists(os.path.join(out, "checkpoints", "latest"))
         if resumable:
@@ -319,7 +310,7 @@ def main() -> None:
     vlmshard("write", "--plan", os.path.join(work, "model-plan"), "--stats", model_pre,
              "--workers", "1", "--out", model_shards)
     train_args = ["--shards", model_shards, "--pp", "2", "--max-steps", "6",
-                  "--checkpoint-every", "2", "--lr", "0.003", "--master-port", str(TRAIN_PORT)]
+                  "--checkpoint-every", "2", "--lr", "0.003"]
 
     outcomes = {k: Outcome(k) for k in (
         "preprocess kill -9", "write kill -9", "train kill -9", "torn part",

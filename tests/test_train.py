@@ -340,8 +340,8 @@ def _shm_segments(port: int) -> set[str]:
 @pytest.mark.slow
 def test_pipeline_of_two_stages_learns_from_its_plan(small_shards, partition, tmp_path):
     """The searched partition, with its per-stage recompute (whole or selective layers), trains
-    on DeepSpeed's engine, and leaves none of DeepSpeed's shared-memory segments behind (69 MB
-    of RAM per rank per run)."""
+    on DeepSpeed's engine, and maps none of DeepSpeed's shared-memory segments (69 MB of RAM
+    per rank, never unlinked: its all-reduce op for inference is left out)."""
     port = free_port()
     vlmshard_here("train", "--config", CONFIG, "--shards", small_shards, "--pp", "2", "--dp", "1",
                   "--master-port", str(port),

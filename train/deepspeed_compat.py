@@ -4,6 +4,7 @@
 layers by index: vlmshard overrides ``_partition_layers`` and reads the attributes it sets. These
 are private, so a DeepSpeed release may rename them; ``check_compatible`` fails loudly, naming
 the release and the tested range, before anything is built (``setup.cfg`` pins the same range).
+``without_shm_allreduce`` keeps DeepSpeed's CPU backend from building an op training never uses.
 ``fewer_host_syncs`` replaces one helper of DeepSpeed's gradient-norm code with one that does
 the same without making the host wait; ``zero3_linear_bias_out_of_place`` replaces ZeRO-3's
 linear with one that leaves the matmul's output as it was made.
@@ -75,6 +76,23 @@ def stage_functions(module) -> list:
 def layer_module(module, index: int, tied_key: str | None) -> nn.Module:
     """The module of global layer ``index`` on this stage (a tied layer is held once per key)."""
     return module.tied_modules[tied_key] if tied_key else getattr(module, str(index))
+
+
+def without_shm_allreduce() -> None:
+    """Before ``deepspeed.init_distributed`` on CPU. DeepSpeed's torch backend JIT-builds its
+    shared-memory all-reduce op there (a C++ build with ninja: 66 s and 2 CPU-minutes here, on
+    the first run of each install; it fails on a host with no compiler) and maps a 69 MB
+    ``/dev/shm`` segment per rank, which it never unlinks. The op serves only
+    ``inference_all_reduce`` (AutoTP inference), which training never calls: marked incompatible,
+    it is neither built nor mapped, and every collective runs on gloo as before."""
+    import deepspeed.ops
+
+    compatible = deepspeed.ops.__compatible_ops__
+    if "deepspeed_shm_comm" not in compatible:
+        raise DeepSpeedCompatError(
+            f"deepspeed {deepspeed.__version__} has no deepspeed_shm_comm op to leave out; "
+            "train/deepspeed_compat.py needs updating")
+    compatible["deepspeed_shm_comm"] = False
 
 
 # The modules that call DeepSpeed's non-finite mask of the global gradient norm (two import it
