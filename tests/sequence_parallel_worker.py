@@ -1,10 +1,11 @@
 """One rank of a world of sequence-parallel groups, launched by ``torch.distributed.run`` from
-``test_sequence_parallel.py``: for each degree s, the world's ranks form groups of s
-consecutive ranks (as the trainer's ``make_groups``), group d running the pipeline layers of a
-model folder on its shares of micro-batches d, d + world/s, ... of some
-shards folders' micro-batches. Rank 0 saves, per degree, the summed loss and every gradient
-summed over the world. Usage: ``sequence_parallel_worker.py FOLDER OUT DEGREES SHARDS...``
-(``DEGREES``: comma-separated)."""
+``test_sequence_parallel.py``: for each model folder and each degree s, the world's ranks form
+groups of s consecutive ranks (as the trainer's ``make_groups``), group d running the pipeline
+layers of the folder on its shares of micro-batches d, d + world/s, ... of the folder's shards
+folders' micro-batches. Rank 0 saves, per folder and degree, the summed loss and every gradient
+summed over the world. One launch serves every folder: each rank imports torch and
+``transformers`` once. Usage: ``sequence_parallel_worker.py OUT DEGREES FOLDER SHARDS[,SHARDS...]
+[FOLDER SHARDS...]...`` (``DEGREES``: comma-separated)."""
 
 from __future__ import annotations
 
@@ -21,10 +22,8 @@ from vlmshard.train.pipeline import recompute_modes, run_layers
 from vlmshard.train.sequence_parallel import make_groups
 
 
-def main(folder: str, out: str, degrees: list[int], shards: list[str]) -> None:
-    dist.init_process_group("gloo")
+def sequence_parallel(folder: str, degrees: list[int], shards: list[str]) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    make_groups(degrees)
     model = model_layers(folder)
     layers = model.build_all()
     # one LLM block recomputed whole: its exchanges run again in backward, on every rank
@@ -48,11 +47,19 @@ def main(folder: str, out: str, degrees: list[int], shards: list[str]) -> None:
                 grads[layer.hf_name(local)] = grad
         dist.all_reduce(total)
         results[sp] = {"loss": float(total), "grads": grads}
-    if rank == 0:
+    return results
+
+
+def main(out: str, degrees: list[int], jobs: list[str]) -> None:
+    dist.init_process_group("gloo")
+    make_groups(degrees)
+    results = {folder: sequence_parallel(folder, degrees, shards.split(","))
+               for folder, shards in zip(jobs[::2], jobs[1::2])}
+    if dist.get_rank() == 0:
         torch.save(results, out)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     skip_collection_at_exit()  # as the trainer's ranks
-    main(sys.argv[1], sys.argv[2], [int(a) for a in sys.argv[3].split(",")], sys.argv[4:])
+    main(sys.argv[1], [int(a) for a in sys.argv[2].split(",")], sys.argv[3:])

@@ -84,16 +84,22 @@ def test_degrees_the_heads_do_not_split_are_refused_in_one_line():
         LLMConfig(heads=4, kv_heads=2, linear_layers=(0,)), 2)
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl", "gemma3"])
-def setup(request, tmp_path_factory):
+SP_FAMILIES = ["qwen2_vl", "qwen3_vl", "gemma3"]
+
+
+def _folder_and_shards(family: str, root) -> tuple[str, list[str]]:
     """A model folder and two shards folders of one micro-batch each: every sample with every
     image (the shares split samples and images), and the two-image chat alone (at SP 4, four
     times a share's tokens; two shares without media)."""
-    root = tmp_path_factory.mktemp(request.param)
-    folder = make_folder(request.param, str(root / "model"))
+    folder = make_folder(family, str(root / "model"))
     mixed = make_shards(folder, root, target_samples=5, micro_batches=1)
     (root / "long").mkdir()
     return folder, [mixed, make_shards(folder, root / "long", rows=ROWS[:1])]
+
+
+@pytest.fixture(scope="module", params=SP_FAMILIES)
+def setup(request, tmp_path_factory):
+    return _folder_and_shards(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def test_a_share_is_its_tokens_and_its_media(setup):
@@ -154,34 +160,44 @@ def test_a_micro_batch_without_images_trains_as_the_hf_model(family, tmp_path):
         assert_grad_close(name, grads[name], grad, floor)
 
 
-def _launch(folder: str, shards: list[str], degrees: list[int], out: str) -> dict:
+def _launch(jobs: dict[str, list[str]], degrees: list[int], out: str) -> dict:
+    """Each folder's results (``sequence_parallel_worker.py``), from one launch for them all."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": TESTS}
+    args = [a for folder, shards in jobs.items() for a in (folder, ",".join(shards))]
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          f"--nproc-per-node={max(degrees)}", os.path.join(TESTS, "sequence_parallel_worker.py"),
-         folder, out, ",".join(map(str, degrees)), *shards],
+         out, ",".join(map(str, degrees)), *args],
         capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return torch.load(out)
 
 
-@pytest.mark.slow(minutes=1.5)
-def test_sequence_parallel_loss_and_gradients_equal_one_rank_and_the_hf_model(setup, tmp_path):
-    """SP 2 (two groups, a micro-batch each) and SP 4 over 4 processes (Qwen's and Gemma's 2
-    key/value heads repeated to 4; Gemma 3's sliding windows and images attended both ways):
-    the summed loss and every gradient, against the ``transformers`` model on each sample alone
-    (which one rank with the whole micro-batch equals: ``test_model.py``)."""
-    folder, shards = setup
-    model = model_layers(folder)
-    batches = [b for path in shards for b in ShardDataset(path, pixel_dtype=torch.float32)]
-    assert len(batches) == 2 and all(b["num_tiles"] > 0 for b in batches)
-    assert batches[1]["num_samples"] == 1 and len(batches[1]["media_tiles"]) == 2
-    ref_loss, _, ref_grads = hf_loss_and_grads(folder, batches, model.geometry.tokens_per_tile,
-                                               model.geometry.pixel_rows_per_tile)
-    floor = grad_floor(ref_grads)
-    got = _launch(folder, shards, [2, 4], str(tmp_path / "sp.pt"))
-    for sp in (2, 4):
-        assert got[sp]["loss"] == pytest.approx(ref_loss, rel=1e-5), sp
-        assert set(got[sp]["grads"]) == set(ref_grads)
-        for name, grad in ref_grads.items():
-            assert_grad_close(name, got[sp]["grads"][name], grad, floor)
+@pytest.mark.slow(minutes=2)
+def test_sequence_parallel_loss_and_gradients_equal_one_rank_and_the_hf_model(tmp_path):
+    """For each family: SP 2 (two groups, a micro-batch each) and SP 4 over 4 processes (Qwen's
+    and Gemma's 2 key/value heads repeated to 4; Gemma 3's sliding windows and images attended
+    both ways): the summed loss and every gradient, against the ``transformers`` model on each
+    sample alone (which one rank with the whole micro-batch equals: ``test_model.py``)."""
+    jobs = {}
+    for family in SP_FAMILIES:
+        (tmp_path / family).mkdir()
+        folder, shards = _folder_and_shards(family, tmp_path / family)
+        jobs[folder] = shards
+    got = _launch(jobs, [2, 4], str(tmp_path / "sp.pt"))
+    for family, (folder, shards) in zip(SP_FAMILIES, jobs.items()):
+        model = model_layers(folder)
+        batches = [b for path in shards for b in ShardDataset(path, pixel_dtype=torch.float32)]
+        assert len(batches) == 2 and all(b["num_tiles"] > 0 for b in batches), family
+        assert batches[1]["num_samples"] == 1 and len(batches[1]["media_tiles"]) == 2, family
+        ref_loss, _, ref_grads = hf_loss_and_grads(folder, batches,
+                                                   model.geometry.tokens_per_tile,
+                                                   model.geometry.pixel_rows_per_tile)
+        floor = grad_floor(ref_grads)
+        for sp in (2, 4):
+            result = got[folder][sp]
+            assert result["loss"] == pytest.approx(ref_loss, rel=1e-5), (family, sp)
+            assert set(result["grads"]) == set(ref_grads), (family, sp)
+            for name, grad in ref_grads.items():
+                assert_grad_close(f"{family} SP {sp} {name}", result["grads"][name], grad,
+                                  floor)
