@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from helpers import kill_9_when, serve_http, tree_bytes, vlmshard
+from helpers import kill_9_when, serve_http, tree_bytes, vlmshard, vlmshard_here
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
 from vlmshard.preprocess.demo_data import generate
 
@@ -16,7 +16,7 @@ from vlmshard.preprocess.demo_data import generate
 def test_kill_9_then_rerun_gives_identical_bytes(tmp_path):
     data = generate(str(tmp_path / "data"), seed=1, scale=5)
     args = [data.meta, "--part-size", "5", "--workers", "1", "--max-seq-len", "8192"]
-    vlmshard("preprocess", *args, "--out", str(tmp_path / "reference"))
+    vlmshard_here("preprocess", *args, "--out", str(tmp_path / "reference"))
 
     out = tmp_path / "crashed"
     committed = lambda: glob.glob(str(out / "_work" / "parts" / "part-*.json"))  # noqa: E731

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import vlmshard
+from helpers import vlmshard, vlmshard_here
 from PIL import Image
 
 from vlmshard.families import tiny_folder
@@ -621,8 +621,8 @@ def test_pack_costs_the_model_the_stats_were_made_for(shards, folders, tmp_path)
     proc = vlmshard("pack", "--stats", qwen_pre, "--dp", "1", "--out", str(tmp_path / "p"),
                     "--model", "internvl2-2b", check=False)
     assert proc.returncode != 0 and "counts 448-px ViT units" in proc.stderr
-    vlmshard("pack", "--stats", qwen_pre, "--dp", "1", "--out", str(tmp_path / "q"),
-             "--model", "qwen2-vl-2b")
+    vlmshard_here("pack", "--stats", qwen_pre, "--dp", "1", "--out", str(tmp_path / "q"),
+                  "--model", "qwen2-vl-2b")
     assert json.load(open(tmp_path / "q" / "plan.json"))["cost_model"]["origin"] == \
         "flops:qwen2-vl-2b"
 
@@ -673,8 +673,8 @@ def test_pack_refuses_a_cost_model_of_another_patch_size(shards, tmp_path):
                     "--model", "qwen2-vl-2b", check=False)
     assert proc.returncode != 0
     assert "counts 28-px ViT units, but the stats count qwen3vl's 32-px units" in proc.stderr
-    vlmshard("pack", "--stats", pre, "--dp", "1", "--out", str(tmp_path / "q"),
-             "--model", "qwen3-vl-8b")
+    vlmshard_here("pack", "--stats", pre, "--dp", "1", "--out", str(tmp_path / "q"),
+                  "--model", "qwen3-vl-8b")
     assert json.load(open(tmp_path / "q" / "plan.json"))["cost_model"]["origin"] == \
         "flops:qwen3-vl-8b"
 

@@ -23,7 +23,7 @@ from vlmshard.shards.layout import read_manifest
 from vlmshard.shards.loader import ShardDataset
 from vlmshard.shards.reader import ShardError
 
-from helpers import kill_9_when, serve_http, tree_bytes, vlmshard
+from helpers import kill_9_when, serve_http, tree_bytes, vlmshard, vlmshard_here
 
 
 @pytest.fixture(autouse=True)
@@ -152,7 +152,7 @@ def test_a_part_torn_behind_the_jobs_back_is_done_again(demo, tmp_path):
     os.unlink(gone)
     rerun = json.loads(vlmshard("preprocess", *args, "--out", str(out), "--json").stdout)
     assert rerun["parts_resumed"] == len(done) - 2
-    vlmshard("preprocess", *args, "--out", str(tmp_path / "clean"))
+    vlmshard_here("preprocess", *args, "--out", str(tmp_path / "clean"))
     assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
 
 
@@ -176,11 +176,12 @@ def small_disk(path, size: str) -> Iterator[str]:
 def test_a_full_disk_is_one_line_and_a_rerun_with_space_completes_identically(demo, tmp_path):
     pre_args = [demo.meta, "--part-size", "16", "--workers", "1", "--max-seq-len", "8192",
                 "--keep-tokens"]
-    vlmshard("preprocess", *pre_args, "--out", str(tmp_path / "pre"))
-    vlmshard("pack", "--stats", str(tmp_path / "pre"), "--dp", "1", "--out", str(tmp_path / "plan"))
+    vlmshard_here("preprocess", *pre_args, "--out", str(tmp_path / "pre"))
+    vlmshard_here("pack", "--stats", str(tmp_path / "pre"), "--dp", "1", "--out",
+                  str(tmp_path / "plan"))
     write_args = ["--plan", str(tmp_path / "plan"), "--stats", str(tmp_path / "pre"),
                   "--shard-bytes", "8MB", "--workers", "1"]
-    vlmshard("write", *write_args, "--out", str(tmp_path / "shards"))
+    vlmshard_here("write", *write_args, "--out", str(tmp_path / "shards"))
     disk = tmp_path / "disk"
     for stage, args, clean, size in (("preprocess", pre_args, "pre", "96k"),
                                      ("write", write_args, "shards", "48m")):

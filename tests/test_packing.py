@@ -16,7 +16,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import references
-from helpers import vlmshard
+from helpers import vlmshard, vlmshard_here
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
@@ -341,8 +341,8 @@ def test_pack_is_byte_identical_across_processes(tmp_path, algo):
 
 def test_report_prints_the_keys(tmp_path):
     out = tmp_path / "plan"
-    vlmshard("pack", "--stats", os.path.join(OMNIBAL, "meta.json"), "--dp", "4", "--out",
-             str(out), "--seed", "3")
+    vlmshard_here("pack", "--stats", os.path.join(OMNIBAL, "meta.json"), "--dp", "4", "--out",
+                  str(out), "--seed", "3")
     report = json.loads(vlmshard("report", str(out), "--json").stdout)["plans"][0]["metrics"]
     assert set(report) == {*REPORT_KEYS, "source_mix_tv"}
     plan = pq.read_table(out / "plan.parquet")

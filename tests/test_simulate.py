@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from helpers import vlmshard
+from helpers import vlmshard, vlmshard_here
 from vlmshard.simulate.model import (LayerRates, StageModel, one_f_one_b, pipeline_times,
                                     replica_micro_batches, simulate)
 from vlmshard.partition import Partition, Stage
@@ -116,8 +116,8 @@ def test_replicas_take_their_virtual_ranks_and_wait_for_the_slowest():
 
 def test_simulate_compares_strategies_and_levers(tmp_path):
     plan = tmp_path / "plan"
-    vlmshard("pack", "--stats", OMNIBAL_META, "--dp", "4", "--micro-batches", "2",
-             "--out", str(plan))
+    vlmshard_here("pack", "--stats", OMNIBAL_META, "--dp", "4", "--micro-batches", "2",
+                  "--out", str(plan))
     out = tmp_path / "sim.json"
     text = vlmshard("simulate", str(plan), "--model", "internvl2-2b", "--gpu", "h100",
                     "--pp", "2", "--micro-batches", "8", "--out-json", str(out)).stdout

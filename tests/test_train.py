@@ -214,8 +214,9 @@ def test_profile_calibrates_and_recomputes_to_fit(partition, small_shards, tmp_p
             assert search["max_stage_s"] <= chosen[other]["max_stage_s"] + 1e-12
     folder = os.path.dirname(partition)
     plan = tmp_path / "plan"
-    vlmshard("pack", "--stats", os.path.join(os.path.dirname(small_shards), "pre"), "--dp", "2",
-             "--cost-model", os.path.join(folder, "cost_model.json"), "--out", str(plan))
+    vlmshard_here("pack", "--stats", os.path.join(os.path.dirname(small_shards), "pre"),
+                  "--dp", "2", "--cost-model", os.path.join(folder, "cost_model.json"),
+                  "--out", str(plan))
     info = read_json(plan / "plan.json")
     assert info["cost_model"]["origin"] == "file:" + os.path.join(folder, "cost_model.json")
     fitted = read_json(os.path.join(folder, "cost_model.json"))
