@@ -55,8 +55,12 @@ def smoke_setup(root: str, model_type: str = "internvl") -> tuple[str, str]:
     folder = demo_model(model_type, os.path.join(root, f"model-{model_type}"))
     pre, plan, shards = (os.path.join(root, f"{name}-{model_type}")
                          for name in ("preprocess", "plan", "shards"))
+    # InternVL's images at most two tiles: a packed micro-batch of two samples stays ~2k tokens,
+    # where the folder's six made ~7k, and the model's sdpa attends over the whole packed
+    # sequence under a mask on CPU (quadratic in its length: 80% of a step's time at 7k)
+    tiles = {"max_patches": 2} if model_type == "internvl" else {}
     run_preprocess(PreprocessConfig(inputs=[os.path.join(data.root, data.sources["hub"])],
-                                    out=pre, model=folder, workers=1))
+                                    out=pre, model=folder, workers=1, **tiles))
     run_pack(PackConfig(stats=pre, dp=2, out=plan, target_samples=2))
     run_write(WriteConfig(plan=plan, stats=pre, out=shards, workers=1))
     return folder, shards
