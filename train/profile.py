@@ -24,8 +24,11 @@ squares), the same three coefficients ``vlmshard pack --cost-model`` reads.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
+import weakref
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -211,48 +214,50 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
     selective = [w.selective_bytes is not None for w in work]
     per_batch = []
     cuda = device.startswith("cuda")
-    for batch in batches:
-        micro = model.first_micro(batch, device)
-        times = []
-        for i, func in enumerate(funcs):
-            # the pixels are data: no gradient reaches them in training
-            x_in, carry_in = _detached(micro, requires_grad=i > 0)
-            layer_in = micro.with_x(x_in, carry=carry_in)
-            parameters = list(func.parameters())
-            samples = []
-            for run in range(warmup + repeats):
-                saved = _SavedBytes(parameters)
-                clock = _Clock(cuda)
-                with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-                    out = func(layer_in)
-                clock.lap()
-                outputs = [t for t in _outputs(out) if t.requires_grad]
-                if outputs:
-                    torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-                clock.lap()
-                for p in parameters:
-                    p.grad = None
-                if run >= warmup:
-                    samples.append((*clock.read(), clock.peak_bytes))
-            forward, backward, peak = np.median(np.array(samples), axis=0)
-            if cuda:  # the parameters' gradients are counted with the parameters
-                peak = max(0, peak - sum(p.numel() * p.element_size() for p in parameters
-                                         if p.requires_grad))
-            else:
-                peak = _host_peak_bytes(func, layer_in)
-            sums[i] += (forward, backward, saved.bytes,
-                        sum(map(_tensor_bytes, _outputs(layer_in))),
-                        sum(map(_tensor_bytes, _outputs(out))) if i < len(funcs) - 1 else 0,
-                        peak, work[i].activation_bytes.dot(kept_size(model, i, micro.host)),
-                        work[i].transient(size := Size(micro.num_tiles, micro.num_tokens)),
-                        _selective_bytes(func, layer_in, cuda) if selective[i] else 0,
-                        work[i].selective_bytes.dot(size) + CHECKPOINT_STATE_BYTES
-                        if selective[i] else 0)
-            times.append(forward + backward)
-            micro = micro.with_output(_detached(out) if isinstance(out, LayerOutput)
-                                      else out.detach(), model.defs[i].output)
-        per_batch.append({**micro_batch_size(batch, window), "vit_s": float(sum(times[:vision])),
-                          "llm_s": float(sum(times[vision:]))})
+    with contextlib.nullcontext() if cuda else _LiveStorages() as live:
+        for batch in batches:
+            micro = model.first_micro(batch, device)
+            times = []
+            for i, func in enumerate(funcs):
+                # the pixels are data: no gradient reaches them in training
+                x_in, carry_in = _detached(micro, requires_grad=i > 0)
+                layer_in = micro.with_x(x_in, carry=carry_in)
+                parameters = list(func.parameters())
+                samples = []
+                for run in range(warmup + repeats):
+                    saved = _SavedBytes(parameters)
+                    clock = _Clock(cuda)
+                    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                        out = func(layer_in)
+                    clock.lap()
+                    outputs = [t for t in _outputs(out) if t.requires_grad]
+                    if outputs:
+                        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+                    clock.lap()
+                    for p in parameters:
+                        p.grad = None
+                    if run >= warmup:
+                        samples.append((*clock.read(), clock.peak_bytes))
+                forward, backward, peak = np.median(np.array(samples), axis=0)
+                if cuda:  # the parameters' gradients are counted with the parameters
+                    peak = max(0, peak - sum(p.numel() * p.element_size() for p in parameters
+                                             if p.requires_grad))
+                else:
+                    peak = _host_peak_bytes(func, layer_in)
+                sums[i] += (forward, backward, saved.bytes,
+                            sum(map(_tensor_bytes, _outputs(layer_in))),
+                            sum(map(_tensor_bytes, _outputs(out))) if i < len(funcs) - 1 else 0,
+                            peak, work[i].activation_bytes.dot(kept_size(model, i, micro.host)),
+                            work[i].transient(size := Size(micro.num_tiles, micro.num_tokens)),
+                            _selective_bytes(func, layer_in, live) if selective[i] else 0,
+                            work[i].selective_bytes.dot(size) + CHECKPOINT_STATE_BYTES
+                            if selective[i] else 0)
+                times.append(forward + backward)
+                micro = micro.with_output(_detached(out) if isinstance(out, LayerOutput)
+                                          else out.detach(), model.defs[i].output)
+            per_batch.append({**micro_batch_size(batch, window),
+                              "vit_s": float(sum(times[:vision])),
+                              "llm_s": float(sum(times[vision:]))})
     means = sums / max(1, len(batches))
     params = [int(param_bytes * model.parameter_count(i)) for i in range(len(model.names))]
     costs = [LayerCost(name, float(f), float(b), int(act), int(inp), int(out), params[i],
@@ -327,32 +332,50 @@ def _host_peak_bytes(func, layer_in: Micro) -> int:
                    for kind in (_MemRefType.ACT, _MemRefType.TEMP, _MemRefType.OTH)))
 
 
-def _selective_bytes(func, layer_in: Micro, cuda: bool) -> int:
+def _selective_bytes(func, layer_in: Micro, live: "_LiveStorages | None") -> int:
     """What one forward of ``func`` under selective recompute keeps beyond its input (the
     outputs of its matmuls and attention kernels, ``vlmshard.train.recompute``), its output
-    aside: on a GPU what the allocator holds more after it, on CPU the storages of the tensors
-    alive after it that were not before."""
-    if cuda:
+    aside: on a GPU (``live`` None) what the allocator holds more after it, on CPU the
+    storages of the tensors alive after it that were not before."""
+    if live is None:
         before = torch.cuda.memory_allocated()
         out = run_layer(func, layer_in, "selective")
         return torch.cuda.memory_allocated() - before - sum(
             t.untyped_storage().nbytes() for t in _outputs(out))
-    before = _live_storages()
+    before = live()
     out = run_layer(func, layer_in, "selective")
-    kept = {ptr: size for ptr, size in _live_storages().items() if ptr not in before}
+    kept = {ptr: size for ptr, size in live().items() if ptr not in before}
     for t in _outputs(out):
         kept.pop(t.untyped_storage().data_ptr(), None)
     return sum(kept.values())
 
 
-def _live_storages() -> dict[int, int]:
-    """The storage (address: bytes) of every plain tensor and parameter Python holds. By the
-    object's own type: ``isinstance`` asks a weak proxy for its referent's class (a dead one
-    raises), and the fake tensors ``torch.compile`` leaves behind have no data to point at."""
-    import gc
+# Plain tensors and parameters, by the object's own type: ``isinstance`` asks a weak proxy for
+# its referent's class (a dead one raises), and the fake tensors ``torch.compile`` leaves behind
+# have no data to point at.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in gc.get_objects() if type(t) in (torch.Tensor, torch.nn.Parameter)}
+
+class _LiveStorages:
+    """Called: the storage (address: bytes) of every plain tensor and parameter Python holds.
+    After importing torch and ``transformers`` that is a walk over millions of objects (0.3 s;
+    a profile asks twice per layer). So the objects alive on entry are walked once, their
+    tensors kept by weak reference, and frozen (the permanent generation, which
+    ``gc.get_objects`` skips): each call walks those tensors still alive and the objects made
+    since, no others."""
+
+    def __enter__(self) -> "_LiveStorages":
+        self._entered = [weakref.ref(t) for t in gc.get_objects() if type(t) in _PLAIN]
+        gc.freeze()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.unfreeze()
+
+    def __call__(self) -> dict[int, int]:
+        tensors = [t for t in (ref() for ref in self._entered) if t is not None]
+        tensors += [t for t in gc.get_objects() if type(t) in _PLAIN]
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
 
 
 class _SavedBytes:
