@@ -844,25 +844,37 @@ def test_a_folder_that_cannot_load_is_one_line_before_any_rank_starts(tmp_path):
 
 
 def test_live_storages_pass_over_a_dead_weak_proxy_and_fake_tensors():
-    """The profile's count of live tensors walks every object Python holds: a weak proxy whose
-    referent is gone, or a fake tensor ``torch.compile`` left (earlier in the same process, as
-    in a test worker), must not stop it."""
+    """The profile's count of live tensors walks every object Python holds on entry, then those
+    made since: a weak proxy whose referent is gone, or a fake tensor ``torch.compile`` left
+    (earlier in the same process, as in a test worker), must stop neither walk; tensors made
+    before entry and after it are both counted."""
     import weakref
 
-    from vlmshard.train.profile import _live_storages
+    from vlmshard.train.profile import _LiveStorages
 
     class Referent:
         pass
 
-    referent = Referent()
-    proxy = weakref.proxy(referent)
-    del referent
-    compiled = torch.compile(lambda x: torch.nn.functional.gelu(x) * 2, backend="aot_eager",
-                             dynamic=True)
-    compiled(torch.randn(5, requires_grad=True)).sum().backward()  # leaves fake tensors alive
-    held = torch.ones(1000)
-    assert _live_storages()[held.untyped_storage().data_ptr()] == 4000
-    assert proxy is not None
+    def leave_a_dead_proxy_and_fake_tensors(fn):
+        referent = Referent()
+        proxy = weakref.proxy(referent)
+        del referent
+        compiled = torch.compile(fn, backend="aot_eager", dynamic=True)
+        compiled(torch.randn(5, requires_grad=True)).sum().backward()  # fake tensors stay alive
+        return proxy
+
+    proxies = [leave_a_dead_proxy_and_fake_tensors(lambda x: torch.nn.functional.gelu(x) * 2)]
+    before = torch.ones(10)
+    with _LiveStorages() as live:
+        proxies.append(leave_a_dead_proxy_and_fake_tensors(lambda x: torch.tanh(x) * 3))
+        after = torch.ones(1000)
+        storages = live()
+        gone = before.untyped_storage().data_ptr()
+        del before  # a tensor alive on entry and gone since is not counted
+        assert gone not in live()
+    assert storages[gone] == 40
+    assert storages[after.untyped_storage().data_ptr()] == 4000
+    assert all(p is not None for p in proxies)
 
 
 def test_rank_threads_share_the_cpus_capped_by_omp_num_threads(monkeypatch):
