@@ -176,7 +176,7 @@ def test_the_largest_micro_batch_of_the_analytic_model_is_the_edge_of_fitting(pr
     # without recomputing any layer whole: the searched partition at that size has none, at
     # 1% more it has some
     free = largest_micro_batch(work, shape, machine, bytes_per_param("bf16"), stages,
-                               steps=20, whole_recompute=False)  # to 1e-6: enough for 1%
+                               whole_recompute=False)
     assert 0 < free.tokens < largest.tokens
     assert not search_partition(costs(free), stages, machine).recompute
     assert search_partition(costs(Size(free.tiles * 1.01, free.tokens * 1.01)), stages,

@@ -52,7 +52,7 @@ class LayerCost:
     # stage holding both holds it once (``stage_param_bytes``)
     tied_bytes: int = 0
 
-    @property
+    @cached_property
     def transient_bytes(self) -> int:
         return max(0, self.peak_bytes - self.activation_bytes)
 
@@ -171,9 +171,11 @@ def choose_recompute(layers: list[LayerCost], first: int, end: int, in_flight: i
              + in_flight * sum(layers[i].activation_bytes for i in span)
              + max(layers[i].transient_bytes for i in span))
     by_saving = sorted(span, key=lambda i: (-saving[i], i))
-    # (layers, memory, largest layer, chosen): ties go to the first largest layer in order
+    # (layers, memory, largest layer, chosen): ties go to the first largest layer in order, so
+    # of the layers alike in size and saving (a model's repeated blocks) only the first can win
+    peaks = {(size[i], saving[i]): i for i in reversed(span)}.values()
     best: tuple[int, int, int, list[int]] | None = None
-    for peak in sorted(span, key=lambda i: -size[i]):  # most choice first: the best soonest
+    for peak in sorted(peaks, key=lambda i: -size[i]):  # most choice first: the best soonest
         cap = size[peak]
         chosen = [peak]
         memory = fixed + cap - saving[peak]
@@ -227,18 +229,20 @@ def with_selective(layers: list[LayerCost], selective) -> list[LayerCost]:
 
 def choose_selective(layers: list[LayerCost], first: int, end: int, in_flight: int,
                      budget: int) -> tuple[list[int], list[int]] | None:
-    """Recompute for a stage that does not fit as it is: (whole layers, selective layers).
+    """Recompute for a stage: (whole layers, selective layers), none where it fits as it is.
     Selective recompute costs no matrix FLOPs, so it comes first: the fewest layers with a
     selective mode, largest saving first, that make the stage fit; where all of them are not
     enough, the fewest whole layers on top (``choose_recompute`` over the layers as selective
     recompute leaves them, a whole layer rebuilding its full activation). None if nothing
     fits."""
-    eligible = sorted((i for i in range(first, end) if layers[i].selective_bytes is not None),
-                      key=lambda i: (-(layers[i].activation_bytes - layers[i].selective_bytes), i))
     # stage_memory with ``chosen`` selective, kept up as each joins
     params = stage_param_bytes(layers, first, end)
     kept = in_flight * sum(layers[i].activation_bytes for i in range(first, end))
     transient = max(layers[i].transient_bytes for i in range(first, end))
+    if params + kept + transient <= budget:
+        return [], []
+    eligible = sorted((i for i in range(first, end) if layers[i].selective_bytes is not None),
+                      key=lambda i: (-(layers[i].activation_bytes - layers[i].selective_bytes), i))
     chosen: list[int] = []
     for i in eligible:
         chosen.append(i)
@@ -282,8 +286,6 @@ def make_stage(layers: list[LayerCost], first: int, end: int, index: int, stages
         recompute = list(range(first, end))
         if stage_memory(layers, first, end, in_flight, recompute) > machine.memory_budget:
             return None
-    elif stage_memory(layers, first, end, in_flight, []) <= machine.memory_budget:
-        recompute = []
     else:
         found = choose_selective(layers, first, end, in_flight, machine.memory_budget)
         if found is None:
@@ -307,7 +309,7 @@ def evaluate(layers: list[LayerCost], bounds: list[int], machine: Machine) -> Pa
 
 
 def largest_micro_batch_scale(layers: list[LayerCost], bounds: list[int], machine: Machine,
-                              steps: int = 40) -> float:
+                              steps: int = 20) -> float:
     """How many times the profiled micro-batch a micro-batch may hold (its activations, input
     checkpoints, sends and transients grow with it; parameters do not) for the partition
     ``bounds`` still to fit ``machine``, recomputing what it must: the memory bound on the
@@ -323,7 +325,7 @@ def largest_micro_batch_scale(layers: list[LayerCost], bounds: list[int], machin
 
 
 def largest_micro_batch(work: list[LayerWork], shape: Size, machine: Machine,
-                        bytes_per_param: float, stages: int = 1, steps: int = 40,
+                        bytes_per_param: float, stages: int = 1, steps: int = 20,
                         whole_recompute: bool = True) -> Size:
     """The largest micro-batch of ``shape`` (e.g. a mean sample's tiles and tokens) that some
     partition of the analytic model ``work`` into ``stages`` holds in ``machine``'s memory,
@@ -346,8 +348,9 @@ def largest_micro_batch(work: list[LayerWork], shape: Size, machine: Machine,
 
 
 def _largest_scale(fits, steps: int) -> float:
-    """The largest scale ``fits`` holds for (monotone), by doubling then bisection; 0 if not
-    even an empty micro-batch fits, inf if any does."""
+    """The largest scale ``fits`` holds for (monotone), by doubling then bisection to within
+    2^-``steps`` of it (the default's 1e-6: a fraction of a token at any cap); 0 if not even an
+    empty micro-batch fits, inf if any does."""
     if not fits(0.0):
         return 0.0
     high = 1.0
@@ -366,6 +369,9 @@ def search_partition(layers: list[LayerCost], stages: int, machine: Machine) -> 
     """The exact min-max partition into ``stages`` non-empty contiguous stages that fit memory."""
     n = len(layers)
     _check_stage_count(n, stages)
+    # a stage's compute, a lower bound on its time that grows with every layer it takes
+    compute = list(itertools.accumulate((c.forward_s + c.backward_s for c in layers),
+                                        initial=0.0))
 
     @lru_cache(maxsize=None)
     def best(s: int, first: int) -> tuple[float, tuple[int, ...]]:
@@ -375,6 +381,8 @@ def search_partition(layers: list[LayerCost], stages: int, machine: Machine) -> 
             return (stage.time_s, (first, n)) if stage else (float("inf"), ())
         result = (float("inf"), ())
         for end in range(first + 1, n - (stages - 1 - s) + 1):
+            if compute[end] - compute[first] >= result[0]:
+                break  # stage s's compute alone is no better: nor a longer stage's
             stage = make_stage(layers, first, end, s, stages, machine)
             if stage is None:
                 break  # a longer stage s holds at least as much: it cannot fit either
