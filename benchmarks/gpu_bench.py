@@ -11,7 +11,8 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    layers of 2048, GQA 16/8, head_dim 128, vocabulary 151,936; a 24-block ViT of 1024 with
    DeepStack from blocks 5, 11, 17; the LM head tied to the token embedding) with random
    weights; ``--untied-head`` gives it an LM head of its own (0.3B more parameters: the
-   model of the GPU runs before 2026-11-28); ``--smoke``: the tests' tiny folder.
+   model of the GPU runs before 2026-11-28); ``--smoke``: the demo's tiny Qwen3-VL, images
+   of at most a quarter of its pixels.
 2. Data: the demo generator at ``--scale`` (captions, document QA with long answers, multi-image
    and text-only chat), preprocessed for the model; packed ``random`` and ``balanced`` under the
    random plan's caps, for one rank, ``--micro-batches`` a step. The caps come from the memory
@@ -123,6 +124,8 @@ RUNS = ("balanced", "random", *(f"balanced_{name}" for name in AB))
 BASELINES = ("hf_packed", "hf_padded")
 # Images up to 1024 merged patches (~1 Mpx): the demo's photos and documents keep their size.
 BENCH_MAX_PIXELS = 32 * 32 * 1024
+# --smoke: up to 64 merged patches, a quarter of the demo model's (steps of a CPU second)
+SMOKE_MAX_PIXELS = 32 * 32 * 64
 
 
 def memory_bound(model: str, pre: str, device_bytes: int) -> tuple[dict, int]:
@@ -181,7 +184,7 @@ def prepare(args, device_bytes: int | None, plans: tuple[str, ...]) -> dict:
     if args.model:
         model = args.model
     elif args.smoke:
-        model = demo_model("qwen3_vl", os.path.join(work, "model"))
+        model = demo_model("qwen3_vl", os.path.join(work, "model"), max_pixels=SMOKE_MAX_PIXELS)
     else:
         model = tiny_folder("qwen3_vl", os.path.join(work, "model"), max_pixels=BENCH_MAX_PIXELS,
                             init_std=0.02, weights_dtype="bfloat16",

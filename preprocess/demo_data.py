@@ -101,22 +101,23 @@ def run_demo_model(cfg: DemoModelConfig) -> DemoModel:
     return DemoModel(cfg.model_type, demo_model(cfg.model_type, cfg.out))
 
 
-def demo_model(model_type: str, path: str) -> str:
+def demo_model(model_type: str, path: str, **limits) -> str:
     """The demo's tiny model folder of ``model_type`` (random weights) at ``path``: a tokenizer
-    that has seen the demo's words, the family's demo image limits. The same bytes every time;
-    built once (``_built_once``)."""
+    that has seen the demo's words, the family's demo image limits (``limits``: others, as
+    ``tiny_folder`` takes them). The same bytes every time; built once (``_built_once``)."""
     import vlmshard.families as families_package
     from vlmshard.families import family_for_model_type, tiny_folder
     from vlmshard.families.tiny import CORPUS
 
+    limits = {**family_for_model_type(model_type, path).demo_limits, **limits}
+
     def build() -> dict:
         corpus = CORPUS + [" ".join(WORDS[i:] + WORDS[:i]) for i in range(0, len(WORDS), 7)]
-        limits = family_for_model_type(model_type, path).demo_limits
         tiny_folder(model_type, path, corpus=corpus, vocab_size=1000, **limits)
         return {}
 
     code = [__file__, *glob.glob(os.path.join(os.path.dirname(families_package.__file__), "*.py"))]
-    _built_once(path, {"model_type": model_type, "code": _sources_hash(code),
+    _built_once(path, {"model_type": model_type, "limits": limits, "code": _sources_hash(code),
                        "versions": _versions("transformers", "tokenizers", "torch",
                                              "safetensors")}, build)
     return path
