@@ -44,7 +44,8 @@ def test_the_qwen3_vl_config_runs_every_stage(tmp_path, capsys):
 
 @pytest.mark.slow(minutes=3)
 def test_demo_config_runs_every_stage_and_reruns_to_the_same_bytes(tmp_path, capsys):
-    """The first run as ``make demo`` runs it, a process of its own; the reruns in this one."""
+    """The first run as ``make demo`` runs it, a process of its own; the reruns in this one,
+    their verify a quick one (the first decoded every image of the same bytes)."""
     out = tmp_path / "demo"
     train = {"pp": 2, "dp": 1, "max_steps": 2}
     stdout = vlmshard("run", "--config", _config(tmp_path, out, train=train)).stdout
@@ -78,7 +79,8 @@ def test_demo_config_runs_every_stage_and_reruns_to_the_same_bytes(tmp_path, cap
 
     before = {name: tree_bytes(str(out / name)) for name in ("plan", "shards")}
     capsys.readouterr()
-    vlmshard_here("run", "--config", _config(tmp_path, out, train=None))
+    rerun = _config(tmp_path, out, train=None, verify={"quick": True})
+    vlmshard_here("run", "--config", rerun)
     stdout = capsys.readouterr().out
     assert [line.split()[1] for line in stdout.splitlines()[:-1]] == \
         ["demo-data", "demo-model", "preprocess", "pack", "write", "verify", "report"]
@@ -95,7 +97,7 @@ def test_demo_config_runs_every_stage_and_reruns_to_the_same_bytes(tmp_path, cap
     first_plan, first_info = (out / "plan" / "plan.parquet").read_bytes(), plan_json()
     assert first["shards"] and first["preprocess"] and first_plan
     shutil.rmtree(out)
-    vlmshard_here("run", "--config", _config(tmp_path, out, train=None))
+    vlmshard_here("run", "--config", rerun)
     again = {name: tree_bytes(str(out / name)) for name in first}
     for name in first:  # manifest.json included
         assert sorted(again[name]) == sorted(first[name]), name
