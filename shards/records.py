@@ -18,6 +18,7 @@ shards as they are:
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import zlib
@@ -229,13 +230,16 @@ class DecodedVideo:
 
 
 def decoded_images(record: Record, policies: dict[str, "TilingPolicy"], *,
-                   rgb: bool = True, own: set[int] | None = None
-                   ) -> Iterator["DecodedImage | DecodedVideo"]:
+                   rgb: bool = True, own: set[int] | None = None,
+                   known: set[bytes] | None = None) -> Iterator["DecodedImage | DecodedVideo"]:
     """Decode each image and video frame of ``record`` in full, in token order, and check that
     each image makes the tiles the plan has under its source's policy and each video the frames
     and grid; RGB pixels only with ``rgb``. The one decode of the loader and ``verify``. With
     ``own`` (media indices, in token order), the others are read to their headers only: their
-    sizes checked, no pixels (a sequence-parallel share's loader)."""
+    sizes checked, no pixels (a sequence-parallel share's loader). ``known`` (without ``rgb``:
+    ``verify``'s): digests of image bytes decoded in full before, which decode alike and are read
+    to their headers; each image decoded here joins it (an image many samples share, or an
+    epoch's repeat, is decoded once)."""
     data = iter(record.images)
     index = -1
     for sample in record.samples:
@@ -251,7 +255,9 @@ def decoded_images(record: Record, policies: dict[str, "TilingPolicy"], *,
                                      full)
                 continue
             name, planned = next(images)
-            width, height, converted = _decode(record, name, next(data), rgb and full, full)
+            image = next(data)
+            load = full and not _seen(image, known)
+            width, height, converted = _decode(record, name, image, rgb and full, load)
             try:
                 tiles = policy.tiles(width, height, n_images)
             except Reject as e:
@@ -261,6 +267,18 @@ def decoded_images(record: Record, policies: dict[str, "TilingPolicy"], *,
                                   f"{sample['sample_id']} makes {tiles} tiles, the plan has "
                                   f"{planned}")
             yield DecodedImage(policy, n_images, width, height, converted)
+
+
+def _seen(image: bytes, known: set[bytes] | None) -> bool:
+    """Whether ``known`` holds the digest of these bytes; they join it if not (they are decoded
+    next, and a failure is the record's error)."""
+    if known is None:
+        return False
+    digest = hashlib.blake2b(image, digest_size=16).digest()
+    if digest in known:
+        return True
+    known.add(digest)
+    return False
 
 
 def _decode(record: Record, name: str, data: bytes, rgb: bool, load: bool = True):

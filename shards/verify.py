@@ -1,7 +1,8 @@
 """``vlmshard verify``: prove a shard folder holds exactly its plan, byte for byte.
 
 Full check, per shard (in parallel): sha256 and size, record count, records in (step, micro)
-order within the shard's steps, every member decodable (json, npy, each image decoded in full),
+order within the shard's steps, every member decodable (json, npy, each image decoded in full:
+once, where the same bytes recur, as images samples share and epochs' repeats do),
 CRC-32 of every member, tile counts recomputed from the decoded image sizes with the recorded
 policy, and image-token counts. Across shards: every rank covers the same steps back to back,
 no unlisted tars. With ``--plan``: the plan is the one written, and every planned sample sits
@@ -13,6 +14,7 @@ and the step coverage of each rank.
 
 from __future__ import annotations
 
+import functools
 import glob
 import logging
 import os
@@ -93,7 +95,8 @@ def verify_shards(root: str, plan: str | None = None, quick: bool = False,
     problems += [p for r in range(manifest.ranks) if (p := manifest.coverage_problem(r))]
     problems += _unlisted_files(root, manifest)
 
-    check = _quick_check if quick else _full_check
+    known: set[bytes] = set()  # the image bytes decoded so far, by digest: each once
+    check = _quick_check if quick else functools.partial(_full_check, known=known)
     placements: list[np.ndarray] = []
     with Progress(total=len(manifest.shards), desc="verify", unit="shards") as bar, \
             ThreadPoolExecutor(workers or available_cpus()) as pool:
@@ -132,15 +135,16 @@ def _quick_check(root: str, entry: ShardEntry, manifest: Manifest) -> tuple[str 
     return None, None
 
 
-def _full_check(root: str, entry: ShardEntry,
-                manifest: Manifest) -> tuple[str | None, np.ndarray | None]:
-    """(problem or None, placements [n, 5] of step, rank, micro, slot, sample_id)."""
+def _full_check(root: str, entry: ShardEntry, manifest: Manifest,
+                known: set[bytes]) -> tuple[str | None, np.ndarray | None]:
+    """(problem or None, placements [n, 5] of step, rank, micro, slot, sample_id); ``known``:
+    ``decoded_images``'s, shared by the shards' checks."""
     policies = manifest.policies()
     rows = []
     try:
         for record in iter_shard(root, entry, manifest):
             check_image_tokens(record, manifest.visual_token_ids, policies)
-            for _ in decoded_images(record, policies, rgb=False):
+            for _ in decoded_images(record, policies, rgb=False, known=known):
                 pass
             rows += [(record.step, record.rank, record.micro, slot, s["sample_id"])
                      for slot, s in enumerate(record.samples)]

@@ -408,6 +408,43 @@ def test_a_deleted_shard_is_named_by_verify_and_the_loader(shards, tmp_path):
         list(ShardDataset(root, 1, VIRTUAL_RANKS).records())
 
 
+def test_verify_decodes_recurring_image_bytes_once_and_a_bad_copy_still_fails(monkeypatch):
+    """``decoded_images`` with ``known`` (``verify``'s): bytes decoded in full once are read to
+    their header when they recur (Pillow's full decodes counted); other bytes, a truncated copy
+    of the same image among them, are decoded, and fail."""
+    import io
+
+    from PIL import ImageFile
+
+    from vlmshard.families.internvl import InternVLTiling
+    from vlmshard.shards.records import Record, decoded_images
+
+    full = []
+    load = ImageFile.ImageFile.load
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda im: full.append(1) or load(im))
+    buffer = io.BytesIO()
+    Image.new("RGB", (448, 224), (200, 30, 30)).save(buffer, "PNG")
+    png = buffer.getvalue()
+    policy = InternVLTiling()
+
+    def record(images: list[bytes]) -> Record:
+        return Record(shard="test", key="000000000_000", step=0, rank=0, micro=0,
+                      samples=[{"sample_id": i, "source": "rows", "images": [f"{i}.img"],
+                                "image_tiles": [policy.tiles(448, 224, 1)]}
+                               for i in range(len(images))],
+                      input_ids=np.zeros(0, np.int32), labels=np.zeros(0, np.int32),
+                      images=images, cu_seqlens=[0])
+
+    known: set[bytes] = set()
+    seen = [(d.width, d.height) for d in decoded_images(record([png] * 3), {"rows": policy},
+                                                        rgb=False, known=known)]
+    assert seen == [(448, 224)] * 3 and len(full) == 1 and len(known) == 1
+    with pytest.raises(RecordError, match="image 1.img does not decode"):
+        list(decoded_images(record([png, png[:len(png) // 2]]), {"rows": policy}, rgb=False,
+                            known=known))
+    assert len(full) == 2 and len(known) == 2  # the copy alone decoded
+
+
 def test_verify_names_a_plan_that_differs(shards, demo_out, tmp_path):
     other = _pack(demo_out, tmp_path / "other", seed=1)
     proc = vlmshard("verify", shards, "--plan", other, check=False)
