@@ -19,6 +19,7 @@ if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
 
 import pytest  # noqa: E402
+from helpers import shared_folder  # noqa: E402
 
 from vlmshard.preprocess import PreprocessConfig, run_preprocess  # noqa: E402
 from vlmshard.preprocess.demo_data import DemoDataset, generate  # noqa: E402
@@ -26,15 +27,19 @@ from vlmshard.preprocess.demo_data import DemoDataset, generate  # noqa: E402
 
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory) -> DemoDataset:
-    return generate(str(tmp_path_factory.mktemp("demo")), seed=0)
+    """The demo dataset, generated once for all workers (``generate`` finds it built after)."""
+    with shared_folder(tmp_path_factory, "demo") as folder:
+        return generate(str(folder), seed=0)
 
 
 @pytest.fixture(scope="session")
 def demo_out(demo, tmp_path_factory):
-    """The demo data preprocessed once (tokens kept), as later stages read it."""
-    out = tmp_path_factory.mktemp("pre") / "out"
-    run_preprocess(PreprocessConfig(inputs=[demo.meta], out=str(out), keep_tokens=True,
-                                    workers=1, max_seq_len=8192, part_size=64))
+    """The demo data preprocessed once (tokens kept), as later stages read it: by the first
+    worker that needs it (a test may rerun the finished job meanwhile, which holds its lock)."""
+    with shared_folder(tmp_path_factory, "pre") as out:
+        if not (out / "preprocess.json").exists():  # the job's record, written as it ends
+            run_preprocess(PreprocessConfig(inputs=[demo.meta], out=str(out), keep_tokens=True,
+                                            workers=1, max_seq_len=8192, part_size=64))
     return out
 
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Iterator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,6 +76,20 @@ def kill_9_when(*args: str, ready: Callable[[], bool], timeout: float = 120,
     with contextlib.suppress(ProcessLookupError):  # it may have ended (and been reaped)
         (os.killpg if session else os.kill)(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+@contextlib.contextmanager
+def shared_folder(tmp_path_factory, name: str) -> Iterator[Path]:
+    """The folder ``name`` that every pytest worker of this session shares, held under a file
+    lock while the block runs: what the block makes there the first worker makes, and the others
+    find made (pytest-xdist's recipe for a fixture run once). Without xdist, this process's."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each worker's
+    with FileLock(str(root / f"{name}.lock")):
+        yield root / name
 
 
 def tree_bytes(root: str) -> dict[str, bytes]:

@@ -10,7 +10,7 @@ import statistics
 import numpy as np
 import pytest
 import torch
-from helpers import kill_9_when, vlmshard, vlmshard_here
+from helpers import kill_9_when, shared_folder, vlmshard, vlmshard_here
 from hf_reference import (
     FAMILIES,
     ROWS,
@@ -335,17 +335,11 @@ STRAIGHT = ["--config", CONFIG, "--pp", "2", "--lr", "0.003", "--max-steps", "12
 @pytest.fixture(scope="module")
 def straight(small_shards, tmp_path_factory):
     """The run folder of ``STRAIGHT`` on the small shards. Trained once a session, by the first
-    pytest worker that needs it (pytest-xdist's recipe for a fixture run once: a file lock in
-    the folder the workers share); the others read it, their small shards the same bytes."""
+    pytest worker that needs it (``shared_folder``); the others read it, their small shards the
+    same bytes."""
     import shutil
 
-    from filelock import FileLock
-
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent  # the session's folder, above each worker's
-    out = shared / "straight-pp2"
-    with FileLock(f"{out}.lock"):
+    with shared_folder(tmp_path_factory, "straight-pp2") as out:
         if not (out / "hf").exists():  # the model folder, written once every step trained
             shutil.rmtree(out, ignore_errors=True)
             vlmshard_here("train", *STRAIGHT, "--shards", small_shards, "--out", str(out))
