@@ -57,8 +57,18 @@ def small_shards(demo, tmp_path_factory):
     embedding and head), packed for 2 ranks two samples a micro-batch (fixed caps: the searched
     ones take one, which leaves ``partition`` no recompute that fits). Their answers are long
     enough that the LLM's activations, not the first stage's pixels, set the memory a partition
-    needs, so a budget can force recompute and still fit."""
-    root = tmp_path_factory.mktemp("small")
+    needs, so a budget can force recompute and still fit. Made once for all workers."""
+    import shutil
+
+    with shared_folder(tmp_path_factory, "small") as root:
+        if not (root / "s" / "manifest.json").exists():  # the shards' index, written last
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            _make_small_shards(root, demo)
+    return str(root / "s")
+
+
+def _make_small_shards(root, demo) -> None:
     folder = tiny_folder("internvl", str(root / "model"), max_patches=2)
     photo = next(p for p in demo.images if p.endswith(".jpg"))
     with Image.open(os.path.join(demo.root, photo)) as im:
@@ -75,7 +85,6 @@ def small_shards(demo, tmp_path_factory):
                         qt=2 * longest))
     run_write(WriteConfig(plan=str(root / "plan"), stats=str(root / "pre"), out=str(root / "s"),
                           workers=1))
-    return str(root / "s")
 
 
 @pytest.fixture(scope="module")
@@ -335,8 +344,7 @@ STRAIGHT = ["--config", CONFIG, "--pp", "2", "--lr", "0.003", "--max-steps", "12
 @pytest.fixture(scope="module")
 def straight(small_shards, tmp_path_factory):
     """The run folder of ``STRAIGHT`` on the small shards. Trained once a session, by the first
-    pytest worker that needs it (``shared_folder``); the others read it, their small shards the
-    same bytes."""
+    pytest worker that needs it (``shared_folder``); the others read it."""
     import shutil
 
     with shared_folder(tmp_path_factory, "straight-pp2") as out:
