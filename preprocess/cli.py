@@ -18,10 +18,10 @@ fsspec URLs. The job commits its work in parts: rerun the same command after a c
 resumes; rerun a finished job and it does nothing.
 
 --model PATH (a local Hugging Face folder whose config.json model_type a registered family
-serves; see --model below) makes the samples that model's: its chat template and tokenizer \
-(rendered by transformers; text
-in the data never becomes control tokens), its image tokens, and its image processor's tiling
-limits. Without it, the offline demo tokenizer (Tekken, mistral template) is used."""
+serves; see --model below) makes the samples that model's: its chat template and tokenizer
+(rendered by transformers; text in the data never becomes control tokens), its image tokens,
+and its image processor's tiling limits. Without it, the offline demo tokenizer (Tekken,
+mistral template) is used."""
 
 
 add_arguments, main = stage_command("preprocess", PreprocessConfig,

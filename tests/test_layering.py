@@ -157,13 +157,16 @@ def test_the_distribution_owns_only_the_vlmshard_name():
 @pytest.mark.parametrize("argv", [["--help"], ["pack", "--help"], ["preprocess", "--help"],
                                   ["write", "--help"], ["train", "--help"], ["report", "--help"],
                                   ["simulate", "--help"], ["run", "--help"]])
-def test_help_imports_no_heavy_framework(argv):
+def test_help_imports_no_heavy_framework_and_fits_a_terminal(argv):
     code = ("import sys\nfrom vlmshard.cli import main\n"
             f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
             "heavy = sorted(m for m in ('torch', 'deepspeed', 'ray', 'numba', 'webdataset', "
             "'transformers', 'matplotlib') if m in sys.modules)\n"
             "print('HEAVY', ','.join(heavy))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                         check=True).stdout
+                         check=True, env={**os.environ, "COLUMNS": "100"}).stdout
     line = [ln for ln in out.splitlines() if ln.startswith("HEAVY")][-1]
     assert line == "HEAVY ", f"vlmshard {' '.join(argv)} imported {line[6:]}"
+    # argparse wraps to COLUMNS what it formats; descriptions and long usage items it does not
+    wide = [ln for ln in out.splitlines() if len(ln) > 100]
+    assert not wide, f"vlmshard {' '.join(argv)}: lines over 100 columns:\n" + "\n".join(wide)

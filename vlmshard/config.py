@@ -221,6 +221,9 @@ def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
         inner = _strip_optional(annotation)
         if typing.get_origin(inner) is Literal:
             kwargs["choices"] = [str(a) for a in typing.get_args(inner)]
+            if len(", ".join(kwargs["choices"])) > _INLINE_CHOICES:  # listed in the help instead
+                kwargs["metavar"] = _metavar(f.name, inner)
+                kwargs["help"] += f"; one of: {', '.join(kwargs['choices'])}"
         elif inner is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
@@ -240,6 +243,10 @@ def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(f.name, **kwargs)
         else:
             parser.add_argument(_flag_name(cls, f.name), dest=f.name, **kwargs)
+
+
+# Longer lists of choices would make the usage line wider than a terminal.
+_INLINE_CHOICES = 50
 
 
 def _field(cls: type, name: str) -> dataclasses.Field:
