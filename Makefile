@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-quick bench clean constraints
+.PHONY: demo test test-quick test-torch bench clean constraints
 
 # uv installs what pip would, at the same pins, in under half pip's time (73 s against 167 s
 # here, bytecode compiled as pip does). It reads no pip configuration: the find-links pip is
@@ -47,6 +47,26 @@ test: $(STAMP)
 
 test-quick: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist load --maxschedchunk 1 -m "not slow"
+
+# The tests that touch what differs between torch releases (attention signatures, compiled
+# blocks, the model inputs, host syncs, DeepSpeed launches, the GPU bench's path), under another
+# release users' GPUs run (2.10 to 2.13): PyPI's CUDA build, ~3 GB with its CUDA libraries,
+# in .venv-torch$(TORCH), run here on CPU. `make test-torch TORCH=2.10.0`.
+TORCH ?= 2.11.0
+TORCH_VENV := .venv-torch$(TORCH)
+TORCH_TESTS := tests/test_kernels.py tests/test_varlen_signatures.py tests/test_model.py \
+  tests/test_model_inputs.py tests/test_clock.py \
+  tests/test_train.py::test_pipeline_of_two_stages_learns_from_its_plan \
+  tests/test_benchmarks.py::test_gpu_bench_smoke_runs_the_gpu_path_on_cpu
+
+test-torch:
+	test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -m pip install --quiet uv==$(UV_VERSION)
+	# constraints.txt's pins, less torch's own (2.13's CUDA libraries, triton and setuptools)
+	grep -vE '^(torch|triton|setuptools|nvidia-|cuda-)' constraints.txt >$(TORCH_VENV)/constraints.txt
+	$(TORCH_VENV)/bin/uv pip install --quiet --python $(TORCH_VENV)/bin/python \
+	  -c $(TORCH_VENV)/constraints.txt torch==$(TORCH) -e '.[dev]'
+	$(TORCH_VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist load --maxschedchunk 1 $(TORCH_TESTS)
 
 # About an hour on 2 vCPUs; each script's docstring says what it measures (BENCHMARKS.md: results).
 bench: $(STAMP)

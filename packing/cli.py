@@ -10,7 +10,8 @@ DESCRIPTION = """\
 Reads the stats table (the preprocess output folder) or OmniBal length files (a JSON list of
 {vit_num, token_num} or OmniBal's meta JSON naming several token_lengths files) and writes
 OUT/plan.parquet (step, rank, micro, slot, sample_id: Contract 2 of docs/design.md) and
-OUT/plan.json (options, caps, cost model, metrics, timings, unplaced samples with reasons).
+OUT/plan.json (options, caps, cost model, metrics, unplaced samples with reasons) and
+OUT/plan.run.json (this run's facts: the stats' path, host, timings).
 
 Every step has DP x MICRO_BATCHES micro-batches (or VIRTUAL_RANKS x MICRO_BATCHES: shards planned
 for V virtual ranks serve any real DP size that divides V). Each micro-batch holds at most Qv

@@ -15,7 +15,8 @@ waits), Spearman rho between step index and step mean length, source-mix distanc
 --out-json PATH writes the same as JSON (--json prints it instead of the table). --html PATH
 writes one self-contained page (images inlined) with plots: per-step imbalance, micro-batch
 fill, per-rank cumulative load, source mix over steps and the plans side by side. The plots read
-the stats the plan was packed from (the path plan.json names; its sha256 must still match).
+the stats the plan was packed from (the path plan.run.json names; the sha256 plan.json records
+must still match).
 
 A lone plan is compared with random and ISF packings of its own samples, which the report
 packs itself (the summary's predicted speed-ups; the plots show them as "(baseline)").
