@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlmshard import __version__
+from vlmshard.compat import check_transformers
 from vlmshard.config import ConfigError
 from vlmshard.engines import resolve_workers, run_units
 from vlmshard.errors import InputError, JobError
@@ -250,6 +251,7 @@ def resolve_model(cfg: PreprocessConfig) -> tuple[ModelSpec, TokenizerConfig, Ti
     """The model folder's family, tokenizer and tiling (or the demo's), with the options that
     adjust the tiling applied."""
     if cfg.model is not None:
+        check_transformers()  # the folder's template and tokenizer are rendered by transformers
         try:
             model, tiling = load_model(cfg.model)
         except ModelFolderError as e:

@@ -7,12 +7,13 @@ each stand-in records what it is given and returns a tensor of the query's shape
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 
 import pytest
 import torch
 
-from vlmshard.compat import check_torch
+from vlmshard.compat import check_torch, check_transformers
 from vlmshard.errors import ConfigError
 from vlmshard.train.attention import Spans, packed_varlen, varlen_parameters
 
@@ -175,3 +176,39 @@ def test_train_refuses_an_unsupported_torch_in_one_line(monkeypatch, capsys, tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 1 and len(err) == 1
     assert err[0].startswith("vlmshard train: error: torch 2.9.1 is installed")
+
+
+def installed_transformers(monkeypatch, version: str) -> None:
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: version if name == "transformers" else real(name))
+
+
+@pytest.mark.parametrize("version, supported", [
+    ("5.17.0", False), ("5.18.0", False), ("5.19.0", True), ("5.23.0", True), ("6.0.0", False)])
+def test_transformers_outside_the_supported_range_is_one_line(monkeypatch, version, supported):
+    """5.17 and 5.18 fail the tests that hold packed inputs and video positions to the model's
+    own code (``test_model_inputs.py``, ``test_video.py``; run under each, 2026-11-29)."""
+    installed_transformers(monkeypatch, version)
+    if supported:
+        check_transformers()
+        return
+    with pytest.raises(ConfigError) as error:
+        check_transformers()
+    assert str(error.value) == (f"transformers {version} is installed; vlmshard supports "
+                                "transformers>=5.19,<6.0: install a release in that range")
+
+
+def test_preprocess_with_a_model_refuses_an_unsupported_transformers_in_one_line(
+        monkeypatch, capsys, tmp_path):
+    from vlmshard.cli import main
+
+    installed_transformers(monkeypatch, "5.17.0")
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"conversations": [{"from": "human", "value": "hi"}, '
+                    '{"from": "gpt", "value": "hello"}]}\n')
+    status = main(["preprocess", str(data), "--model", str(tmp_path / "model"), "--out",
+                   str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 1 and len(err) == 1
+    assert err[0].startswith("vlmshard preprocess: error: transformers 5.17.0 is installed")

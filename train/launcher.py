@@ -12,7 +12,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
-from vlmshard.compat import check_torch
+from vlmshard.compat import check_torch, check_transformers
 from vlmshard.errors import ConfigError, InputError, JobError
 from vlmshard.io import read_json, write_json_atomic
 from vlmshard.run_log import LOG_NAME, PIPELINE_NAME, read_log, stage_bounds
@@ -110,7 +110,8 @@ def launch(cfg: TrainConfig, output: str | None = None) -> int:
 
     The processes print to this process's stdout and stderr, or append to the file ``output``
     (``vlmshard run`` keeps DeepSpeed's chatter out of its one line per stage)."""
-    check_torch()  # a torch outside the supported range is one line, before anything is built
+    check_torch()  # a release outside the supported ranges is one line, before anything is built
+    check_transformers()
     resolve_partition(cfg)
     cfg.model = model_folder(cfg)  # a missing folder fails here, not in every process
     check_sequence_parallel(cfg)

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from vlmshard.compat import check_torch
+from vlmshard.compat import check_torch, check_transformers
 from vlmshard.errors import ConfigError, InputError, VlmshardError
 from vlmshard.model_sizes import CHECKPOINT_STATE_BYTES, Size, bytes_per_param
 from vlmshard.partition import (
@@ -108,6 +108,7 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
     from vlmshard.shards.loader import ShardDataset
 
     check_torch()
+    check_transformers()
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg.resolve_device_defaults(device.startswith("cuda"))
     if device == "cpu":  # a rank's device is its share of the cores, as in training
