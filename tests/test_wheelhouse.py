@@ -99,12 +99,15 @@ def test_freeze_skips_what_the_node_has_at_a_version_we_accept():
     freeze = {"webdataset": PINS["webdataset"], "transformers": wheelhouse.Version("4.40.0")}
     todo = wheelhouse.plan(REQUIREMENTS, TARGET, PINS, freeze)
     assert "webdataset" in todo.on_node and "webdataset" not in todo.download
-    # setup.cfg asks transformers>=5.0,<6: the node's 4.40 stays, ours is installed over it
+    # setup.cfg asks transformers>=5.19,<6: the node's 4.40 stays, ours is installed over it
     assert "transformers" not in todo.on_node and "transformers" in todo.download
-    # an older release than the pin that our specifier accepts is kept
+    # an older release than the pin that our specifier accepts is kept, one below it is not
+    todo = wheelhouse.plan(REQUIREMENTS, TARGET, PINS,
+                           {"transformers": wheelhouse.Version("5.19.0")})
+    assert todo.on_node == {"transformers": wheelhouse.Version("5.19.0")}
     todo = wheelhouse.plan(REQUIREMENTS, TARGET, PINS,
                            {"transformers": wheelhouse.Version("5.17.0")})
-    assert todo.on_node == {"transformers": wheelhouse.Version("5.17.0")}
+    assert todo.on_node == {} and "transformers" in todo.download
 
 
 def test_what_the_node_has_brings_no_requirements_of_our_pin():
