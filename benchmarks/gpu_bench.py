@@ -166,32 +166,41 @@ def memory_bound(model: str, pre: str, device_bytes: int) -> tuple[dict, int]:
                                "samples": samples}}, samples
 
 
+def preprocessed(work: str, scale: int, max_seq_len: int, model: str | None = None,
+                 smoke: bool = False, untied_head: bool = False) -> tuple[str, str]:
+    """``work`` made afresh: the demo data at ``scale``, the model folder (``model``, else the
+    smoke's demo Qwen3-VL or one of Qwen3-VL-2B's sizes) and the data preprocessed for it.
+    Returns the model folder and the preprocess output."""
+    from vlmshard.families import tiny_folder
+    from vlmshard.preprocess import PreprocessConfig, run_preprocess
+    from vlmshard.preprocess.demo_data import demo_model, generate
+
+    shutil.rmtree(work, ignore_errors=True)
+    data = generate(os.path.join(work, "data"), seed=0, scale=scale)
+    if not model and smoke:
+        model = demo_model("qwen3_vl", os.path.join(work, "model"), max_pixels=SMOKE_MAX_PIXELS)
+    elif not model:
+        model = tiny_folder("qwen3_vl", os.path.join(work, "model"), max_pixels=BENCH_MAX_PIXELS,
+                            init_std=0.02, weights_dtype="bfloat16",
+                            tie_word_embeddings=not untied_head, **QWEN3_VL_2B)
+    pre = os.path.join(work, "preprocess")
+    run_preprocess(PreprocessConfig(inputs=[data.meta], out=pre, model=model, keep_tokens=True,
+                                    max_seq_len=max_seq_len, part_size=256))
+    return model, pre
+
+
 def prepare(args, device_bytes: int | None, plans: tuple[str, ...]) -> dict:
     """Model folder, preprocessed demo data, both plans, and the shards of the ``plans`` trained
     (the random plan is packed either way: it sets the balanced one's caps). ``device_bytes``:
     the device's memory, which sets the caps (None: ``--target-samples``, on CPU 8)."""
-    from vlmshard.families import tiny_folder
     from vlmshard.packing.config import PackConfig
     from vlmshard.packing.plan import run_pack
-    from vlmshard.preprocess import PreprocessConfig, run_preprocess
-    from vlmshard.preprocess.demo_data import demo_model, generate
     from vlmshard.shards.config import WriteConfig
     from vlmshard.shards.writer import run_write
 
     work = args.work
-    shutil.rmtree(work, ignore_errors=True)
-    data = generate(os.path.join(work, "data"), seed=0, scale=args.scale)
-    if args.model:
-        model = args.model
-    elif args.smoke:
-        model = demo_model("qwen3_vl", os.path.join(work, "model"), max_pixels=SMOKE_MAX_PIXELS)
-    else:
-        model = tiny_folder("qwen3_vl", os.path.join(work, "model"), max_pixels=BENCH_MAX_PIXELS,
-                            init_std=0.02, weights_dtype="bfloat16",
-                            tie_word_embeddings=not args.untied_head, **QWEN3_VL_2B)
-    pre = os.path.join(work, "preprocess")
-    run_preprocess(PreprocessConfig(inputs=[data.meta], out=pre, model=model, keep_tokens=True,
-                                    max_seq_len=args.max_seq_len, part_size=256))
+    model, pre = preprocessed(work, args.scale, args.max_seq_len, model=args.model,
+                              smoke=args.smoke, untied_head=args.untied_head)
     bound, samples = memory_bound(model, pre, device_bytes) if device_bytes else ({}, 8)
     samples = args.target_samples or samples
     shards = {}

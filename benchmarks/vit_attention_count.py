@@ -10,8 +10,8 @@ within a tile, and not for the Qwen ViTs, whose tile is a merged 2×2 patch and 
 spans the image (a video's temporal step): 4·P²·h multiply-adds × 2 in the forward for P patches
 of width h, twice that in the backward, in every block.
 
-This script rebuilds the run's data exactly as ``gpu_bench.py`` does (demo data at ``--scale``, a
-folder of Qwen3-VL-2B's sizes at the bench's image limit, preprocessed), checks that every
+This script rebuilds the run's data with ``gpu_bench.py``'s own ``preprocessed`` (demo data at
+``--scale``, a folder of Qwen3-VL-2B's sizes at the bench's image limit), checks that every
 logged micro-batch's samples hold the tiles the log says, and prints per step the ViT attention
 FLOPs (12·h·blocks·Σ P², P per image or video temporal step) beside the logged model FLOPs,
 with the MFU each way. Writes ~4 GB (the folder's random bf16 weights) under ``--work``.
@@ -23,32 +23,12 @@ import argparse
 import glob
 import json
 import os
-import shutil
 import statistics
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-
-def prepare_stats(work: str, scale: int, max_seq_len: int) -> str:
-    """The bench's preprocessed data (``gpu_bench.prepare``'s steps up to preprocess)."""
-    import gpu_bench
-    from vlmshard.families import tiny_folder
-    from vlmshard.preprocess import PreprocessConfig, run_preprocess
-    from vlmshard.preprocess.demo_data import generate
-
-    shutil.rmtree(work, ignore_errors=True)
-    data = generate(os.path.join(work, "data"), seed=0, scale=scale)
-    model = tiny_folder("qwen3_vl", os.path.join(work, "model"),
-                        max_pixels=gpu_bench.BENCH_MAX_PIXELS, init_std=0.02,
-                        weights_dtype="bfloat16", tie_word_embeddings=True,
-                        **gpu_bench.QWEN3_VL_2B)
-    pre = os.path.join(work, "preprocess")
-    run_preprocess(PreprocessConfig(inputs=[data.meta], out=pre, model=model, keep_tokens=True,
-                                    max_seq_len=max_seq_len, part_size=256))
-    return pre
 
 
 def attention_squares(row: dict) -> int:
@@ -78,7 +58,7 @@ def main() -> None:
 
     vit = gpu_bench.QWEN3_VL_2B["vision_sizes"]
     per_square = 12 * vit["hidden_size"] * vit["depth"]  # fwd + bwd FLOPs per patch pair
-    pre = prepare_stats(args.work, args.scale, args.max_seq_len)
+    _, pre = gpu_bench.preprocessed(args.work, args.scale, args.max_seq_len)
     rows = {}
     for path in sorted(glob.glob(os.path.join(pre, "stats", "part-*.parquet"))):
         for row in pq.read_table(path, columns=["sample_id", "image_tiles", "vit_tiles",
