@@ -1,14 +1,16 @@
-"""What a gpu_bench.py run's MFU leaves out: a Qwen ViT's attention across each image's patches.
+"""What a gpu_bench.py run's MFU left out before the trainer counted it: a Qwen ViT's attention
+across each image's patches.
 
     python benchmarks/vit_attention_count.py \
         --log benchmarks/results/h200-2026-11-27c/logs/balanced-train_log.jsonl
 
 The trainer counts a step's model FLOPs from the analytic cost model (``model_sizes.
-training_flops``: per tile, per token, per squared sample length), whose ViT term is linear in
-tiles with attention within a tile. That is right for InternVL and Gemma 3, whose ViT attends
-within a tile, and not for the Qwen ViTs, whose tile is a merged 2×2 patch and whose attention
-spans the image (a video's temporal step): 4·P²·h multiply-adds × 2 in the forward for P patches
-of width h, twice that in the backward, in every block.
+training_flops``). Its logs before ``Size.vit_squares`` had a ViT term linear in tiles, with
+attention within a tile. That is right for InternVL and Gemma 3, whose ViT attends within a
+tile, and not for the Qwen ViTs, whose tile is a merged 2×2 patch and whose attention spans the
+image (a video's temporal step): 4·P²·h multiply-adds × 2 in the forward for P patches of width
+h, twice that in the backward, in every block. A log that counts it (``vit_squares`` in its
+micro-batch sizes) is checked instead: its squares must be the rebuilt samples'.
 
 This script rebuilds the run's data with ``gpu_bench.py``'s own ``preprocessed`` (demo data at
 ``--scale``, a folder of Qwen3-VL-2B's sizes at the bench's image limit), checks that every
@@ -78,7 +80,11 @@ def main() -> None:
                 if tiles != size["tiles"]:
                     sys.exit(f"step {record['step']}: the rebuilt samples hold {tiles} tiles, "
                              f"the log {size['tiles']}: not this run's data")
-                squares += sum(attention_squares(rows[i]) for i in ids)
+                rebuilt = sum(attention_squares(rows[i]) for i in ids)
+                if size.get("vit_squares", rebuilt) != rebuilt:
+                    sys.exit(f"step {record['step']}: the log counts {size['vit_squares']} "
+                             f"squared patches, the rebuilt samples hold {rebuilt}")
+                squares += 0 if "vit_squares" in size else rebuilt
             extra, flops, seconds = per_square * squares, record["model_flops"], \
                 record["step_time_s"]
             mfu, mfu_with = flops / seconds / peak, (flops + extra) / seconds / peak

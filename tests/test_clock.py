@@ -11,7 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from vlmshard.model_sizes import ModelConfig, trainer_layer_work, training_flops
+from vlmshard.model_sizes import (
+    SIZE_FIELDS,
+    ModelConfig,
+    VisionConfig,
+    trainer_layer_work,
+    training_flops,
+)
 from vlmshard.train.clock import HostSyncs, StageClock, allocator_calls
 from vlmshard.train.micro import Micro, Phase
 from vlmshard.train.models.layers import LayerDef
@@ -229,8 +235,10 @@ def test_deepspeed_times_no_micro_batch():
 
 def test_recompute_flops_are_the_recomputed_forwards_and_the_heads_logits():
     """Nothing recomputed: the head's logits again, 2 × hidden × vocabulary per token; every
-    layer recomputed: the whole forward (a third of the training FLOPs) on top."""
-    config = ModelConfig()
+    layer recomputed: the whole forward (a third of the training FLOPs) on top, a Qwen-like
+    ViT's attention across images and within windows too."""
+    config = ModelConfig(vision=VisionConfig(image_size=28, patch_size=14, layers=2,
+                                             fused_qkv=True, window=2, full_blocks=(1,)))
     names = config.layer_names()
     names[names.index("projector_merge")] = "projector"
     work = trainer_layer_work(names, config)
@@ -238,6 +246,7 @@ def test_recompute_flops_are_the_recomputed_forwards_and_the_heads_logits():
     assert recompute_flops(names, work, []).tokens == head
     every = recompute_flops(names, work, names)
     total = training_flops(config)
-    for key in ("tiles", "squares", "windowed"):
+    assert total.vit_squares > 0 and total.vit_windows > 0
+    for key in set(SIZE_FIELDS) - {"tokens"}:
         assert getattr(every, key) == pytest.approx(getattr(total, key) / 3)
     assert every.tokens == pytest.approx(total.tokens / 3 + head)

@@ -197,6 +197,37 @@ def test_profile_runs_each_layer_on_what_the_previous_made(setup):
         assert costs["llm_block_0"].input_bytes > costs["final_norm"].input_bytes
 
 
+def test_a_step_logs_the_spans_the_vit_attends_over(setup):
+    """What a step logs of a micro-batch's ViT attention (``train_log.micro_batch_size``) is
+    Σ len² over the spans the trainer's own ViT blocks attend within, and each block's FLOPs
+    follow the spans it takes: each image (or video temporal step) on a full block, each window
+    on Qwen2.5-VL's windowed ones. A ViT attending within each tile logs none."""
+    from vlmshard.train.train_log import micro_batch_size
+
+    folder, shards = setup
+    model = model_layers(folder)
+    sizes = model.sizes()
+    work = model.analytic_work()
+    blocks = [i for i, n in enumerate(model.names) if n.startswith("vit_block_")]
+    batches = [b for b in ShardDataset(shards, pixel_dtype=torch.float32) if b["num_tiles"]]
+    assert batches
+    for batch in batches:
+        logged = micro_batch_size(batch, sizes)
+        if not sizes.vision.fused_qkv:
+            assert "vit_squares" not in logged and "vit_windows" not in logged
+            continue
+        micro = model.first_micro(batch)
+        for i in blocks:
+            block = model.build_layer(i)
+            meta = block.geometry.meta(micro)
+            spans = meta.images if block.full else meta.windows
+            key = "vit_squares" if block.full else "vit_windows"
+            assert logged[key] == sum(n * n for n in spans.lengths) > 0
+            flops = work[i].flops
+            assert getattr(flops, key) == 4 * sizes.vision.hidden
+            assert flops.vit_squares + flops.vit_windows == getattr(flops, key)
+
+
 def test_analytic_memory_matches_what_a_layer_holds(setup):
     """The memory model (``model_sizes``, what the default partition and recompute plan trust)
     against each layer run in bf16 by the profile: the activations within 15% of the bytes

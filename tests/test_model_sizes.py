@@ -341,3 +341,58 @@ def model_sizes_work(folder: str, saves) -> list:
     with open(os.path.join(folder, "config.json")) as f:
         sizes = model_sizes(json.load(f), folder)
     return trainer_layer_work(model_layers(folder).names, sizes, saves)
+
+
+# Images and videos of several patch grids (t, h, w): windows cut at the edge, a side a whole
+# number of windows, a video of two temporal steps, a single tile
+GRIDS = [(1, 16, 20), (1, 8, 8), (2, 12, 6), (1, 2, 2), (3, 10, 18)]
+
+
+def test_a_qwen_vit_attention_size_is_the_square_of_each_span_transformers_makes():
+    """Σ P² over the spans transformers' own helpers cut a micro-batch's patches into: each
+    image and each temporal step of a video (``get_vision_cu_seqlens``), and Qwen2.5-VL's
+    windows of 112 px (``get_vision_window_index``: 4 × 4 merged patches of 2 × 2)."""
+    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_window_index
+
+    from vlmshard.model_sizes import VisionConfig, vit_attention_size
+
+    grids = torch.tensor(GRIDS)
+    images = get_vision_cu_seqlens(grids).diff()
+    windows = get_vision_window_index(grids, 2, 112, 14)[1].diff()
+    vision = VisionConfig(image_size=28, patch_size=14, fused_qkv=True, window=4)
+    assert vit_attention_size(vision, GRIDS) == Size(
+        vit_squares=int((images ** 2).sum()), vit_windows=int((windows ** 2).sum()))
+    # a ViT attending within each tile (InternViT's, Gemma's SigLIP) counts it per tile
+    assert vit_attention_size(replace(vision, fused_qkv=False, window=0), GRIDS) == Size()
+
+
+@pytest.mark.parametrize("model_type", [f for f in FAMILIES if f.startswith("qwen")])
+def test_a_qwen_vit_attention_flops_are_those_transformers_runs(model_type, tmp_path):
+    """The FLOPs of the attention products (q·kᵀ, and its softmax times v) a Qwen ViT runs in
+    ``transformers`` on images and videos of several grids, counted by torch's FlopCounterMode
+    in eager attention (batched matmuls; the projections are plain ones), equal the analytic
+    model's ViT blocks at the grids' ``vit_attention_size``: per image or temporal step, and
+    within windows on Qwen2.5-VL's windowed blocks."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForImageTextToText
+
+    from vlmshard.model_sizes import vit_attention_size
+
+    folder = make_folder(model_type, str(tmp_path / "model"))
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32,
+                                                        attn_implementation="eager")
+    visual = model.model.visual
+    config = visual.config
+    merge = config.spatial_merge_size
+    grids = [(t, h * merge // 2, w * merge // 2) for t, h, w in GRIDS]  # whole merged patches
+    width = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), width)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        visual(pixels, grid_thw=torch.tensor(grids))
+    batched = sum(n for op, n in counter.get_flop_counts()["Global"].items()
+                  if op.__name__.split(".")[0] == "bmm")
+    sizes = model_sizes(read_json(os.path.join(folder, "config.json")), folder)
+    size = vit_attention_size(sizes.vision, grids)
+    vit = [w for w in layer_work(sizes) if w.name.startswith("vit_block")]
+    assert batched == sum(w.flops.dot(size) for w in vit) > 0
+    assert (size.vit_windows > 0) == (model_type == "qwen2_5_vl")

@@ -19,7 +19,7 @@ from vlmshard.model_sizes import (
     training_flops,
 )
 from vlmshard.run_log import PIPELINE_NAME
-from vlmshard.simulate.model import PipelineTimes, StageModel
+from vlmshard.simulate.model import COLUMNS, PipelineTimes, StageModel, planned_columns
 from vlmshard.simulate.replay import (
     analytic_rates,
     compare,
@@ -42,8 +42,8 @@ def test_replay_of_two_stages_and_two_micro_batches_is_the_hand_count():
     [10,14]: makespan 14, each stage busy 9. Replica 1, two (1, 1): the textbook
     (M + P − 1)(f + b) = 9, each stage busy 6. So each stage idles 1 − 15/23 = 8/23 of the
     pipelines' time, and replica 1 waits 5 of the 28 replica-seconds: 5/28."""
-    stages = StageModel(forward=np.array([[1.0, 0, 0], [0, 1.0, 0]]),
-                        backward=np.array([[2.0, 0, 0], [0, 2.0, 0]]))
+    stages = StageModel(forward=planned_columns(np.array([[1.0, 0, 0], [0, 1.0, 0]])),
+                        backward=planned_columns(np.array([[2.0, 0, 0], [0, 2.0, 0]])))
     record = {"data": [{"micro_sizes": [_micro(1, 2), _micro(2, 1)]},
                        {"micro_sizes": [_micro(1, 1), _micro(1, 1)]}]}
     times = replay_batches([record], stages)
@@ -104,15 +104,18 @@ def test_analytic_layers_map_onto_the_trainers_layers(family, tmp_path):
     assert len(rates.forward) == len(names)
     total = training_flops(model)  # forward + backward, 3x the forward
     assert rates.forward.sum(axis=0) == pytest.approx(
-        np.array([total.tiles, total.tokens, total.squares]) / 3, rel=1e-12)
+        np.array([getattr(total.windows_as_full(), k) for k in COLUMNS]) / 3, rel=1e-12)
     assert rates.backward == pytest.approx(2 * rates.forward)
     work = {w.name: w.flops for w in layer_work(model)}
     projector = names.index("projector")
-    assert rates.forward[projector].tolist() == [work["projector_merge"].tiles, 0, 0]
+    assert rates.forward[projector].tolist() == [work["projector_merge"].tiles, 0, 0, 0, 0]
     for name in NO_LAYER_WORK:
-        assert rates.forward[names.index(name)].tolist() == [0, 0, 0]
-    assert (rates.forward[:projector + 1, 1:] == 0).all()
-    assert (rates.forward[projector + 1:, 0] == 0).all()
+        assert rates.forward[names.index(name)].tolist() == [0, 0, 0, 0, 0]
+    # a Qwen ViT's attention across images: its blocks, per their squares (Qwen2.5-VL's
+    # windowed blocks per their windows')
+    vit, llm = rates.forward[:projector + 1], rates.forward[projector + 1:]
+    assert (vit[:, 1:3] == 0).all() and (llm[:, [0, 3, 4]] == 0).all()
+    assert (vit[:, 3:].sum() > 0) == family.startswith("qwen")
     with pytest.raises(ValueError, match="'mystery' has no counterpart"):
         analytic_rates(names + ["mystery"], model)
     with pytest.raises(ValueError, match="do not cover"):

@@ -163,7 +163,8 @@ def write_train_log(plan_dir: Path, path: Path, dp: int, pp: int = 2,
                     if stage == 0:
                         timing["data"] = rank_data(
                             [_loader_batch(s, batches[(s, v, m)], tiles, tokens)
-                             for v in range(d * per_dp, (d + 1) * per_dp) for m in range(micro)])
+                             for v in range(d * per_dp, (d + 1) * per_dp) for m in range(micro)],
+                            MODEL)
                     timings.append(timing)
             write_record(f, step_record(step, 2.0, 1e-5, timings, flops))
     stages = [(stage, layers, [], []) for stage, layers in enumerate(_stage_layers())]

@@ -123,10 +123,15 @@ def test_a_share_is_its_tokens_and_its_media(setup):
     assert sum(s["num_pixel_rows"] for s in shares) == batch["num_pixel_rows"]
     loads = [s["num_tiles"] for s in shares]
     assert max(loads) - min(loads) <= max(tiles)
-    # what each rank logs it trained: the shares' sizes add up to the whole's
-    sizes, whole = [micro_batch_size(s) for s in shares], micro_batch_size(batch)
+    # what each rank logs it trained: the shares' sizes add up to the whole's (a Qwen ViT's
+    # attention across each image: each image whole on one rank)
+    model = model_layers(folder).sizes()
+    sizes = [micro_batch_size(s, model) for s in shares]
+    whole = micro_batch_size(batch, model)
     assert sum(x["tokens"] for x in sizes) == whole["tokens"] == n
     assert sum(x["tiles"] for x in sizes) == whole["tiles"]
+    assert sum(x.get("vit_squares", 0) for x in sizes) == whole.get("vit_squares", 0)
+    assert (whole.get("vit_squares", 0) > 0) == model.vision.fused_qkv
     assert abs(sum(x["squares"] for x in sizes) - whole["squares"]) <= sp
     for s in shares:
         assert s["pixel_values"].shape[0] == s["num_pixel_rows"]

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import vlmshard, vlmshard_here
 from vlmshard.simulate.model import (LayerRates, StageModel, one_f_one_b, pipeline_times,
-                                    replica_micro_batches, simulate)
+                                    planned_columns, replica_micro_batches, simulate)
 from vlmshard.partition import Partition, Stage
 from vlmshard.simulate.replay import validate_against_log
 
@@ -103,7 +103,8 @@ def test_replicas_take_their_virtual_ranks_and_wait_for_the_slowest():
         replica_micro_batches(sizes, ranks=4, micro=1, dp=3)
 
     # One stage costing 1 s per token forward, 2 s backward: replica loads are token sums.
-    model = StageModel(forward=np.array([[0.0, 1.0, 0.0]]), backward=np.array([[0.0, 2.0, 0.0]]))
+    model = StageModel(forward=planned_columns(np.array([[0.0, 1.0, 0.0]])),
+                       backward=planned_columns(np.array([[0.0, 2.0, 0.0]])))
     loads = np.zeros((2, 2, 1, 3))
     loads[:, :, 0, 1] = [[1, 3], [2, 2]]
     sim = simulate(loads, model)
@@ -260,10 +261,11 @@ def test_simulator_replays_a_recorded_cpu_run_within_a_quarter():
 
 
 def test_the_replay_takes_the_profiles_sustained_rate_per_layer_kind():
-    """Two ViT blocks (1e6 FLOPs per tile each), an LLM block (1e4 per token, 10 per squared
-    length) and the token embedding (no FLOPs), profiled on micro-batches of mean size
-    (3 tiles, 200 tokens, 8000 squares). By hand: the ViT blocks did 3·2·1e6·3 = 18e6 training
-    FLOPs in 0.001 + 0.002 + 0.002 + 0.004 = 0.009 s, 2e9 FLOP/s, half of a 4e9 peak; the LLM
+    """Two ViT blocks (1e6 FLOPs per tile each and 100 per image's squared patches), an LLM
+    block (1e4 per token, 10 per squared length) and the token embedding (no FLOPs), profiled
+    on micro-batches of mean size (3 tiles, 200 tokens, 8000 squares, 1e4 squared patches). By
+    hand: the ViT blocks did 3·2·(1e6·3 + 100·1e4) = 24e6 training FLOPs in 0.001 + 0.002 +
+    0.002 + 0.004 = 0.009 s, 2.67e9 FLOP/s, 2/3 of a 4e9 peak; the LLM
     block 3·(1e4·200 + 10·8000) = 6.24e6 in 0.003 s, 2.08e9, 52% of it; the embedding has no
     rate and costs nothing. Replayed at those rates, the mean micro-batch takes what the
     profile measured: 0.012 s."""
@@ -275,21 +277,23 @@ def test_the_replay_takes_the_profiles_sustained_rate_per_layer_kind():
         return ({"name": name, "kind": kind, "forward_s": forward_s, "backward_s": 2 * forward_s},
                 LayerWork(name, 0, flops, Size(), Size()))
 
-    rows = [layer("vit_block_0", "vit_block", 0.001, Size(tiles=1e6)),
-            layer("vit_block_1", "vit_block", 0.002, Size(tiles=1e6)),
+    rows = [layer("vit_block_0", "vit_block", 0.001, Size(tiles=1e6, vit_squares=100)),
+            layer("vit_block_1", "vit_block", 0.002, Size(tiles=1e6, vit_squares=100)),
             layer("embed_tokens", "embed_tokens", 0.0005, Size()),
             layer("llm_block_0", "llm_block", 0.001, Size(tokens=1e4, squares=10))]
     profile = {"layers": [r[0] for r in rows],
-               "micro_batches": [{"tiles": 2, "tokens": 100, "squares": 4000},
-                                 {"tiles": 4, "tokens": 300, "squares": 12000}]}
+               "micro_batches": [{"tiles": 2, "tokens": 100, "squares": 4000,
+                                  "vit_squares": 5000},
+                                 {"tiles": 4, "tokens": 300, "squares": 12000,
+                                  "vit_squares": 15000}]}
     work = [r[1] for r in rows]
     rates = sustained_flops_per_s(profile, work)
     assert set(rates) == {"vit_block", "llm_block"}
     assert {k: v / 4e9 for k, v in rates.items()} == pytest.approx(
-        {"vit_block": 0.5, "llm_block": 0.52}, rel=1e-12)
+        {"vit_block": 2 / 3, "llm_block": 0.52}, rel=1e-12)
     stage = StageModel.build(LayerRates.sustained(work, profile),
                              Partition([0, 4], [Stage(0, 4)]), float("inf"))
-    forward, backward = stage.times(np.array([[3.0, 200.0, 8000.0]]))
+    forward, backward = stage.times(np.array([[3.0, 200.0, 8000.0, 1e4, 0.0]]))
     assert float(forward[0, 0]) == pytest.approx(0.004, rel=1e-12)
     assert float(forward[0, 0] + backward[0, 0]) == pytest.approx(0.012, rel=1e-12)
     del profile["layers"][0]["kind"]

@@ -283,7 +283,8 @@ def test_without_a_partition_a_run_takes_the_search_over_analytic_costs(small_sh
     assert chosen.source.startswith("searched: the analytic FLOPs") and chosen.recompute == []
 
     count = dp.SIZE_STEPS * manifest.ranks * manifest.micro_batches
-    sizes = [micro_batch_size(b) for b in ShardDataset(small_shards, 0, 1)][:count]
+    sizes = [micro_batch_size(b, model.sizes())
+             for b in ShardDataset(small_shards, 0, 1)][:count]
     mean = {k: np.mean([s[k] for s in sizes]) for k in ("tiles", "tokens", "squares")}
     work = {w.name: w for w in layer_work(model_sizes(read_json(
         os.path.join(model.path, "config.json")), model.path))}

@@ -22,7 +22,13 @@ from torch import nn
 from vlmshard.errors import ConfigError
 from vlmshard.families import family_for_model_type, model_sizes, read_model_folder
 from vlmshard.io import read_json
-from vlmshard.model_sizes import LayerWork, Saves, Zero3Weights, trainer_layer_work
+from vlmshard.model_sizes import (
+    LayerWork,
+    ModelConfig,
+    Saves,
+    Zero3Weights,
+    trainer_layer_work,
+)
 
 from .attention import choose_backend, implementation, repeats_kv_heads, supports_runs
 from .clock import layer_part
@@ -63,12 +69,15 @@ class ModelLayers:
         host = HostMeta.of_batch(batch, self.geometry)
         return unpack(wire, host, self.input_phase(0), self.backend)
 
+    def sizes(self) -> ModelConfig:
+        """The analytic model of the folder's config (``vlmshard.families.model_sizes``)."""
+        return model_sizes(read_json(os.path.join(self.path, "config.json")), self.path)
+
     def analytic_work(self) -> list[LayerWork]:
         """Per layer, its work in the analytic model of the folder's config (FLOPs, parameters
         and the activation bytes it keeps with this model's kernels:
         ``model_sizes.trainer_layer_work``)."""
-        sizes = model_sizes(read_json(os.path.join(self.path, "config.json")), self.path)
-        return trainer_layer_work(self.names, sizes, self.saves())
+        return trainer_layer_work(self.names, self.sizes(), self.saves())
 
     def saves(self) -> Saves:
         """Where the layers this model builds keep other tensors for backward than

@@ -130,8 +130,7 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
     window = layer_kind_window(folder)
     profile = profile_layers(model, batches, device, cfg.dtype, cfg.repeats, cfg.warmup,
                              param_bytes=bytes_per_param(cfg.precision, cfg.dp,
-                                                         cfg.grad_accum, cfg.zero),
-                             window=window.get("window", 0))
+                                                         cfg.grad_accum, cfg.zero))
     try:
         machine = Machine.for_device(parse_size(cfg.memory_budget), cfg.link_bytes_per_s)
     except ValueError as e:  # a budget the CUDA context and buffers take whole
@@ -201,14 +200,13 @@ def _detached(out: LayerOutput | Micro, requires_grad: bool = False) -> LayerOut
 
 def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
                    dtype: torch.dtype = torch.float32, repeats: int = 3, warmup: int = 1,
-                   param_bytes: float = 16.0, window: int = 0) -> Profile:
+                   param_bytes: float = 16.0) -> Profile:
     """Time and measure every layer on each batch (collated micro-batches from the loader), each
     on the real rows the previous layer produced, as a pipeline stage runs it: ``warmup``
-    untimed runs (cuBLAS heuristics, allocator growth), then the median of ``repeats``.
-    ``window``: the model's sliding window, for the micro-batch sizes (``micro_batch_size``)."""
+    untimed runs (cuBLAS heuristics, allocator growth), then the median of ``repeats``."""
     funcs = model.build_all(device, dtype, one_per_kind=True)
     vision = sum(1 for d in model.defs if d.output.per_tile)  # ViT layers and the projector
-    work = model.analytic_work()
+    work, sizes = model.analytic_work(), model.sizes()
     # forward, backward, activation, input, output, peak; analytic activation and transient;
     # measured and analytic bytes kept under selective recompute beyond the input
     sums = np.zeros((len(funcs), 10))
@@ -256,7 +254,7 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
                 times.append(forward + backward)
                 micro = micro.with_output(_detached(out) if isinstance(out, LayerOutput)
                                           else out.detach(), model.defs[i].output)
-            per_batch.append({**micro_batch_size(batch, window),
+            per_batch.append({**micro_batch_size(batch, sizes),
                               "vit_s": float(sum(times[:vision])),
                               "llm_s": float(sum(times[vision:]))})
     means = sums / max(1, len(batches))

@@ -20,7 +20,6 @@ through the reverse exchange), on a group per degree that ``make_groups`` makes 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +27,6 @@ import torch.distributed as dist
 from torch.distributed.nn.functional import all_to_all_single
 
 from vlmshard.errors import ConfigError
-from vlmshard.families import model_sizes
-from vlmshard.io import read_json
 from vlmshard.model_sizes import sequence_parallel_refusal
 from vlmshard.shards.sequence import Shard
 
@@ -185,7 +182,7 @@ def check_model(model, manifest, *, pp: int, dp: int) -> None:
         raise ConfigError(f"{model.path}: its MoE auxiliary loss needs router statistics over "
                           f"the whole sequence, which {where} split; set output_router_logits "
                           "false or pack without SP groups")
-    llm = model_sizes(read_json(os.path.join(model.path, "config.json")), model.path).llm
+    llm = model.sizes().llm
     for sp in spread:
         if why := sequence_parallel_refusal(llm, sp):
             raise ConfigError(f"{model.path}: {why}, as {where} need; pack for this model "

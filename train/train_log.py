@@ -13,17 +13,18 @@ import os
 from typing import IO
 
 from vlmshard.io import atomic_write
-from vlmshard.model_sizes import LayerWork, Size
+from vlmshard.model_sizes import LayerWork, ModelConfig, Size, vit_attention_size
 from vlmshard.run_log import LOG_NAME
 
 log = logging.getLogger(__name__)
 
 
-def micro_batch_size(batch: dict, window: int = 0) -> dict:
-    """The sizes the cost model and the simulator read: tiles, tokens, Σseq_len², and for a
-    model with sliding-window layers (``window``) their Σ m·(2·seq_len − m), m = min(seq_len,
-    window) (``model_sizes.Size.windowed``). A sequence-parallel share's are this rank's part:
-    its own tiles, its real tokens and 1/sp of the whole's attention."""
+def micro_batch_size(batch: dict, model: ModelConfig) -> dict:
+    """The sizes the cost model and the simulator read: tiles, tokens, Σseq_len², for a model
+    with sliding-window layers their Σ m·(2·seq_len − m), m = min(seq_len, window)
+    (``model_sizes.Size.windowed``), and for a ViT attending across whole images its spans'
+    squares (``model_sizes.vit_attention_size``). A sequence-parallel share's are this rank's
+    part: its own tiles and media, its real tokens and 1/sp of the whole's attention."""
     import numpy as np
 
     shard = batch.get("shard")
@@ -37,9 +38,16 @@ def micro_batch_size(batch: dict, window: int = 0) -> dict:
         share = shard.sp
     sizes = {"tiles": int(batch["num_tiles"]), "tokens": tokens,
              "squares": int(round((lens ** 2).sum() / share))}
+    window = model.llm.sliding_window
     if window:
         m = np.minimum(lens, window)
         sizes["windowed"] = int(round((m * (2 * lens - m)).sum() / share))
+    if model.vision.fused_qkv:
+        grids = batch["image_grid_thw"].tolist() if "image_grid_thw" in batch else []
+        vit = vit_attention_size(model.vision, grids)
+        sizes["vit_squares"] = int(vit.vit_squares)
+        if model.vision.window:
+            sizes["vit_windows"] = int(vit.vit_windows)
     return sizes
 
 
@@ -83,10 +91,10 @@ def time_breakdown(*, parts: dict[str, float], recompute_s: float, optimizer_s: 
     return out
 
 
-def rank_data(micro: list[dict], window: int = 0) -> dict:
-    """What a data-parallel rank's first stage trained in a step, from its loader batches
-    (``window``: the model's sliding window, see ``micro_batch_size``)."""
-    sizes = [micro_batch_size(b, window) for b in micro]
+def rank_data(micro: list[dict], model: ModelConfig) -> dict:
+    """What a data-parallel rank's first stage trained in a step, from its loader batches, in
+    the sizes of ``model`` (``micro_batch_size``)."""
+    sizes = [micro_batch_size(b, model) for b in micro]
     return {"tokens": sum(s["tokens"] for s in sizes),
             "plan_steps": [b["step"] for b in micro],
             "micro_sizes": sizes,
@@ -102,8 +110,7 @@ def recompute_flops(names: list[str], work: list[LayerWork], recompute: list[str
     recompute runs no matrix multiplies again and adds none."""
     again = [w.flops for n, w in zip(names, work) if n in recompute] + [
         w.flops for n, w in zip(names, work) if n == "head"]
-    return Size(*(sum(getattr(f, k) for f in again)
-                  for k in ("tiles", "tokens", "squares", "windowed")))
+    return sum(again, Size())
 
 
 def step_record(step: int, loss: float, lr: float, ranks: list[dict],
@@ -112,11 +119,11 @@ def step_record(step: int, loss: float, lr: float, ranks: list[dict],
     from ``rank_data`` on first-stage ranks).
 
     ``model_flops`` is the step's useful training work (forward + backward of the real tiles,
-    tokens and per-sample attention, padding excluded) from the model's analytic FLOPs: divided
-    by step time and the cluster's peak it is the MFU; ``hardware_flops`` adds the FLOPs run
-    again in backward (``again``, per unit of ``Size``: ``recompute_flops``), for the HFU.
-    ``end_to_end_tokens_per_s`` also counts
-    the slowest rank's loading, which precedes the step. ``lr``: the learning rate the step's
+    tokens and per-sample attention, and the ViT's attention per image, padding excluded) from
+    the model's analytic FLOPs: divided by step time and the cluster's peak it is the MFU;
+    ``hardware_flops`` adds the FLOPs run again in backward (``again``, per unit of ``Size``:
+    ``recompute_flops``), for the HFU. ``end_to_end_tokens_per_s`` also counts the slowest
+    rank's loading, which precedes the step. ``lr``: the learning rate the step's
     update used."""
     seconds = max(r["step_time_s"] for r in ranks)
     load = max(r.get("load_s", 0.0) for r in ranks)

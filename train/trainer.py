@@ -29,7 +29,7 @@ from typing import IO, TYPE_CHECKING, ContextManager, Iterator
 
 import vlmshard.io
 from vlmshard.errors import ConfigError, InputError
-from vlmshard.io import read_json, write_json_atomic
+from vlmshard.io import write_json_atomic
 from vlmshard.model_sizes import ModelConfig, training_flops
 from vlmshard.process import skip_collection_at_exit
 from vlmshard.run_log import PIPELINE_NAME
@@ -155,7 +155,6 @@ def set_up(cfg: TrainConfig) -> Setup:
     import torch
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
-    from vlmshard.families import model_sizes
     from vlmshard.shards.loader import ShardDataset
 
     from .hf_model import rank_model
@@ -193,7 +192,7 @@ def set_up(cfg: TrainConfig) -> Setup:
         cfg, model, Device.of_rank(device), int(os.environ.get("LOCAL_SIZE", 1))), groups)
     log.info("partition: bounds %s, recompute %s, selective %s; %s", chosen.bounds,
              chosen.recompute or "none", chosen.selective or "none", chosen.source)
-    sizes = model_sizes(read_json(os.path.join(model.path, "config.json")), model.path)
+    sizes = model.sizes()
     return Setup(device, model, topology, groups, chosen, probe.micro_batches_per_step,
                  cfg.max_steps or probe.steps, sizes)
 
@@ -271,7 +270,7 @@ def train(cfg: TrainConfig, setup: Setup, engine: TrainEngine, first_step: int,
                            host=times.host)
         mine.update(done.extra)
         if reads:
-            mine["data"] = rank_data(micro, setup.sizes.llm.sliding_window)
+            mine["data"] = rank_data(micro, setup.sizes)
         ranks = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(ranks, mine, group=setup.groups.world)
         if log_file:

@@ -23,7 +23,8 @@ trainer's engine holds per parameter (``bytes_per_param``: 20 bytes in bf16 at D
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
+from collections.abc import Iterable, Sequence
 
 from .errors import ConfigError
 
@@ -47,9 +48,14 @@ class VisionConfig:
     qkv_bias: bool = True  # biases on q, k and v (InternViT-6B and HF's InternViT default: none)
     layer_scale: bool = False  # a learned scale per channel on each residual branch (InternViT)
     cls_token: bool = False  # a class token and its position row (InternViT)
-    # Qwen's ViTs: one qkv matrix, rotary positions (tables in fp32), attention image by image
-    # with the outputs concatenated
+    # Qwen's ViTs: one qkv matrix, rotary positions (tables in fp32), attention across each
+    # image (each temporal step of a video), not within a tile, with the outputs concatenated:
+    # its FLOPs follow ``Size.vit_squares`` (``vit_attention_size``)
     fused_qkv: bool = False
+    # Qwen2.5-VL: its blocks but ``full_blocks`` attend within windows of ``window`` × ``window``
+    # tiles (``Size.vit_windows``; 0: no windows)
+    window: int = 0
+    full_blocks: tuple[int, ...] = ()
     quick_gelu: bool = False  # x·sigmoid(1.702·x): keeps one MLP hidden more than gelu (Qwen2-VL)
 
 
@@ -199,6 +205,12 @@ class ModelConfig:
         if any(not 0 <= i < v.layers for i in v.deepstack):
             raise ConfigError(f"deepstack blocks {list(v.deepstack)} are not ViT blocks "
                               f"0..{v.layers - 1}")
+        if any(not 0 <= i < v.layers for i in v.full_blocks):
+            raise ConfigError(f"full-attention blocks {list(v.full_blocks)} are not ViT blocks "
+                              f"0..{v.layers - 1}")
+        if v.window and not v.fused_qkv:
+            raise ConfigError("ViT windows are windows of an image: a ViT attending within each "
+                              "tile (fused_qkv false) has none")
         if t.head_size % 2:
             raise ConfigError("the LLM head size must be even for rotary embeddings")
 
@@ -373,7 +385,9 @@ def zero3_fixed_bytes(weights: Zero3Weights, precision: str = "bf16",
 
 @dataclass(frozen=True)
 class Size:
-    """The three sizes of a micro-batch (or a sum of them) that every cost is linear in."""
+    """The sizes of a micro-batch (or a sum of them) that every cost is linear in: tiles,
+    tokens, the LLM's attention and, for a ViT attending across whole images (Qwen's), its
+    attention (``vit_attention_size``)."""
 
     tiles: float = 0.0
     tokens: float = 0.0
@@ -381,16 +395,51 @@ class Size:
     # Σ m·(2·seq_len − m), m = min(seq_len, window): a causal sliding-window layer's pairs in
     # the units where full causal attention's are seq_len² (= seq_len² up to the window)
     windowed: float = 0.0
+    vit_squares: float = 0.0  # Σ P² over images and videos' temporal steps of P patches
+    vit_windows: float = 0.0  # Σ P² over the ViT's windows of P patches (Qwen2.5-VL)
 
     def dot(self, other: "Size") -> float:
-        return (self.tiles * other.tiles + self.tokens * other.tokens
-                + self.squares * other.squares + self.windowed * other.windowed)
+        return sum(getattr(self, k) * getattr(other, k) for k in SIZE_FIELDS)
+
+    def __add__(self, other: "Size") -> "Size":
+        return Size(*(getattr(self, k) + getattr(other, k) for k in SIZE_FIELDS))
+
+    def scaled(self, factor: float) -> "Size":
+        return Size(*(factor * getattr(self, k) for k in SIZE_FIELDS))
 
     def windows_as_full(self) -> "Size":
         """These FLOPs with sliding-window layers charged as full attention: for sizes that
         know only Σseq_len² (the simulator's, the default partition's), exact for samples no
         longer than the window and an upper bound beyond."""
-        return Size(self.tiles, self.tokens, self.squares + self.windowed)
+        return replace(self, squares=self.squares + self.windowed, windowed=0.0)
+
+
+SIZE_FIELDS = tuple(f.name for f in fields(Size))
+
+
+def vit_attention_size(vision: VisionConfig, grids: Iterable[Sequence[int]]) -> Size:
+    """The attention sizes of images and videos of ViT patch ``grids`` (t, h, w) for a ViT that
+    attends across each image and each temporal step of a video (``VisionConfig.fused_qkv``:
+    Qwen's, as ``transformers.vision_utils.get_vision_cu_seqlens`` splits them): Σ P² over
+    temporal steps of P = h·w patches; with windows (Qwen2.5-VL, ``get_vision_window_index``)
+    Σ P² over each step's windows of ``window`` × ``window`` tiles, the last row and column of
+    windows cut at the image's edge. A ViT that attends within a tile has its attention in the
+    per-tile FLOPs: empty."""
+    if not vision.fused_qkv:
+        return Size()
+    merge = vision.image_size // vision.patch_size  # a tile: merge × merge patches
+    full = windows = 0
+    for t, h, w in grids:
+        full += t * (h * w) ** 2
+        if vision.window:
+            rows, cols = (_cut(side // merge, vision.window) for side in (h, w))
+            windows += t * merge ** 4 * sum(r * r for r in rows) * sum(c * c for c in cols)
+    return Size(vit_squares=full, vit_windows=windows)
+
+
+def _cut(length: int, window: int) -> list[int]:
+    """``length`` in pieces of ``window``, the last one shorter."""
+    return [window] * (length // window) + ([length % window] if length % window else [])
 
 
 @dataclass(frozen=True)
@@ -647,9 +696,22 @@ def layer_work(config: ModelConfig, saves: Saves = Saves()) -> list[LayerWork]:
     # the MLP's hidden gradients and attention's (fp32 dq accumulator, dq, dk, dv)
     vit_transient = patches * (3 * a * v.hidden + 2 * FP32 * v.hidden + max(
         (mlp_hiddens + 1) * a * mlp, FP32 * v.hidden + 3 * a * v.hidden))
+    # Attention: q·kᵀ and its product with v, 2·P²·hidden FLOPs each for P patches attending
+    # to each other: those of a tile, or for a Qwen ViT those of an image or window, counted
+    # per block (``image_attention``)
+    vit_flops = Size(tiles=2 * patches * vit_linear
+                     + (0 if v.fused_qkv else 4 * patches ** 2 * v.hidden))
+
+    def image_attention(i: int) -> Size:
+        """Block i's attention across images or windows, per unit of their squares."""
+        if not v.fused_qkv:
+            return Size()
+        windowed = v.window and i not in v.full_blocks
+        return Size(vit_windows=4 * v.hidden) if windowed else Size(vit_squares=4 * v.hidden)
+
     vit_block = dict(
         params=vit_params,
-        flops=Size(tiles=2 * patches * vit_linear + 4 * patches ** 2 * v.hidden),
+        flops=vit_flops,
         activation_bytes=Size(tiles=patches * (
             2 * vit_norm_kept + 2 * a * v.hidden + vit_attention + FP32 * v.heads
             + 2 * a * v.hidden * v.layer_scale + mlp_hiddens * a * mlp)),
@@ -685,15 +747,19 @@ def layer_work(config: ModelConfig, saves: Saves = Saves()) -> list[LayerWork]:
 
     deepstack = dict(  # the block, then its merger (a norm over the width) on its output
         params=vit_params + deepstack_params,
-        flops=Size(tiles=vit_block["flops"].tiles + 2 * tokens * projector_linear),
+        flops=vit_flops + Size(tiles=2 * tokens * projector_linear),
         activation_bytes=Size(tiles=vit_block["activation_bytes"].tiles
                               + tokens * (layer_norm_kept(width) + 3 * a * width)),
         output_bytes=Size(tiles=vit_out.tiles + a * tokens * t.hidden),
         transient_bytes=Size(tiles=vit_transient + tokens * 3 * a * width),
         selective_bytes=Size(tiles=vit_block["selective_bytes"].tiles
                              + tokens * a * (width + t.hidden)))
-    vit = [LayerWork(f"vit_block_{i}", **(deepstack if i in v.deepstack else vit_block))
-           for i in range(v.layers)]
+    def vit_layer(i: int) -> LayerWork:
+        block = deepstack if i in v.deepstack else vit_block
+        return LayerWork(f"vit_block_{i}", **{**block, "flops": block["flops"]
+                                              + image_attention(i)})
+
+    vit = [vit_layer(i) for i in range(v.layers)]
     llm = [LayerWork(f"llm_block_{i}", **llm_block(i)) for i in range(t.layers)]
     return [embed, *vit, projector, *llm, head]
 
@@ -804,8 +870,6 @@ def sequence_parallel_bytes(config: ModelConfig) -> float:
 
 
 def training_flops(config: ModelConfig) -> Size:
-    """Forward + backward FLOPs of the whole model per tile, per token and per squared length:
-    the packer's default cost model (``a_v``, ``a_t``, ``b``)."""
-    work = layer_work(config)
-    return Size(*(3 * sum(getattr(lay.flops, k) for lay in work)
-                  for k in ("tiles", "tokens", "squares", "windowed")))
+    """Forward + backward FLOPs of the whole model per unit of each ``Size``: per tile, per
+    token and per squared length the packer's default cost model (``a_v``, ``a_t``, ``b``)."""
+    return sum((lay.flops for lay in layer_work(config)), Size()).scaled(3)

@@ -274,14 +274,19 @@ class Qwen2VL(Family):
             else vision["hidden_size"]
         mlp = vision.get("mlp_ratio") or vision["intermediate_size"] / hidden
         merge = vision.get("spatial_merge_size", 2)
-        swiglu = config["model_type"] == "qwen2_5_vl"  # its ViT: SwiGLU MLPs and RMSNorms
+        # Qwen2.5-VL's ViT: SwiGLU MLPs, RMSNorms, and windows of window_size px but on its
+        # full-attention blocks (transformers' Qwen2_5_VLVisionConfig defaults: 112 px; 7, 15,
+        # 23 and 31)
+        swiglu = config["model_type"] == "qwen2_5_vl"
+        windows = dict(window=vision.get("window_size", 112) // merge // vision["patch_size"],
+                       full_blocks=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))))
         vit = VisionConfig(image_size=vision["patch_size"] * merge,
                            patch_size=vision["patch_size"], hidden=hidden, layers=vision["depth"],
                            heads=vision["num_heads"], mlp_ratio=mlp,
                            temporal_patch=vision.get("temporal_patch_size", 2),
                            gated_mlp=swiglu, rms_norm=swiglu, fused_qkv=True,
                            quick_gelu=vision.get("hidden_act") == "quick_gelu",
-                           **self.vision_extras(vision))
+                           **(windows if swiglu else {}), **self.vision_extras(vision))
         model = ModelConfig(name=name, vision=vit,
                             llm=LLMConfig.from_hf_config(config, self.llm_features),
                             downsample_ratio=1 / merge, projector="merger")

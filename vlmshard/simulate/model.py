@@ -85,15 +85,34 @@ def pipeline_times(forward: np.ndarray, backward: np.ndarray) -> tuple[np.ndarra
 # ---------------------------------------------------------------------------------------------
 # Stage times from layer work
 
+# The sizes a layer's time is linear in (``model_sizes.Size``'s, the LLM's sliding-window
+# attention charged as full): a logged micro-batch has them all (``logged_columns``); a plan
+# the first three (``planned_columns``)
+COLUMNS = ("tiles", "tokens", "squares", "vit_squares", "vit_windows")
+
+
+def logged_columns(sizes: dict) -> list[float]:
+    """A micro-batch's sizes as the trainer logs them (``train_log.micro_batch_size``) in
+    ``COLUMNS``; those a model has none of are 0."""
+    return [float(sizes.get(k, 0.0)) for k in COLUMNS]
+
+
+def planned_columns(sizes: np.ndarray) -> np.ndarray:
+    """A plan's sizes [..., 3] (tiles, tokens, Σseq_len²) in ``COLUMNS``: a simulated plan
+    leaves out a Qwen ViT's attention across images, as the packer's cost model does (``a_v``
+    per tile)."""
+    return np.concatenate([sizes, np.zeros((*sizes.shape[:-1], len(COLUMNS) - 3))], axis=-1)
+
+
 
 @dataclass(frozen=True)
 class LayerRates:
-    """Per layer, seconds per unit of (tiles, tokens, squares) forward and backward, and the
-    output activation's bytes per unit: analytic (``from_work``) or measured (``from_profile``)."""
+    """Per layer, seconds per unit of each of ``COLUMNS`` forward and backward, and the output
+    activation's bytes per unit: analytic (``from_work``) or measured (``from_profile``)."""
 
-    forward: np.ndarray  # [layers, 3]
-    backward: np.ndarray  # [layers, 3]
-    output_bytes: np.ndarray  # [layers, 3]
+    forward: np.ndarray  # [layers, COLUMNS]
+    backward: np.ndarray  # [layers, COLUMNS]
+    output_bytes: np.ndarray  # [layers, COLUMNS]
 
     @classmethod
     def from_work(cls, work: list[LayerWork], flops_per_s: float | np.ndarray) -> "LayerRates":
@@ -120,10 +139,10 @@ class LayerRates:
         by tiles, LLM-side layers by the fitted ``a_t·tokens + b·squares``."""
         batches = profile["micro_batches"]
         mean = {k: np.mean([b[k] for b in batches]) for k in ("tiles", "tokens", "squares")}
-        llm = np.array([0.0, cost_model["a_t"], cost_model["b"]])
-        llm_unit = llm / max(llm @ [0.0, mean["tokens"], mean["squares"]], 1e-30)
-        vit_unit = np.array([1.0 / max(mean["tiles"], 1e-30), 0.0, 0.0])
-        per_token = np.array([0.0, 1.0 / max(mean["tokens"], 1e-30), 0.0])
+        llm = planned_columns(np.array([0.0, cost_model["a_t"], cost_model["b"]]))
+        llm_unit = llm / max(llm[:3] @ [0.0, mean["tokens"], mean["squares"]], 1e-30)
+        vit_unit = planned_columns(np.array([1.0 / max(mean["tiles"], 1e-30), 0.0, 0.0]))
+        per_token = planned_columns(np.array([0.0, 1.0 / max(mean["tokens"], 1e-30), 0.0]))
         layers = profile["layers"]
         unit = [vit_unit if i <= _last_vision_layer(profile) else llm_unit
                 for i in range(len(layers))]
@@ -141,8 +160,7 @@ def sustained_flops_per_s(profile: dict, work: list[LayerWork]) -> dict[str, flo
     and backward, three forwards) at the profiled micro-batches' mean size over their measured
     forward + backward seconds. Kinds with no FLOPs counted (the token embedding, the final
     norm) have none. Divided by the device's peak: the sustained share of it per kind."""
-    mean = np.mean([[m["tiles"], m["tokens"], m["squares"]] for m in profile["micro_batches"]],
-                   axis=0)
+    mean = np.mean([logged_columns(m) for m in profile["micro_batches"]], axis=0)
     flops: dict[str, float] = {}
     seconds: dict[str, float] = {}
     for layer, w in zip(profile["layers"], work, strict=True):
@@ -160,15 +178,15 @@ def _last_vision_layer(profile: dict) -> int:
 
 @dataclass(frozen=True)
 class StageModel:
-    """Per stage, seconds per unit of (tiles, tokens, squares): compute forward and backward, and
+    """Per stage, seconds per unit of each of ``COLUMNS``: compute forward and backward, and
     the sends between stages (forward: the stage's output; backward: its input's gradient). A
     micro-batch's compute follows its sizes; its sends follow the shapes the stages exchange,
     the caps (a pipeline sends static shapes)."""
 
-    forward: np.ndarray  # [P, 3] compute
-    backward: np.ndarray  # [P, 3] compute, recomputed forwards included
-    send_forward: np.ndarray | None = None  # [P, 3] output sent to the next stage
-    send_backward: np.ndarray | None = None  # [P, 3] gradient sent back to the stage before
+    forward: np.ndarray  # [P, COLUMNS] compute
+    backward: np.ndarray  # [P, COLUMNS] compute, recomputed forwards included
+    send_forward: np.ndarray | None = None  # [P, COLUMNS] output sent to the next stage
+    send_backward: np.ndarray | None = None  # [P, COLUMNS] gradient sent back to the stage before
 
     @classmethod
     def build(cls, rates: LayerRates, partition: Partition,
@@ -183,14 +201,14 @@ class StageModel:
             backward.append(rates.backward[layers].sum(axis=0)
                             + rates.forward[stage.recompute].sum(axis=0))
             send_forward.append(rates.output_bytes[stage.end - 1] / link_bytes_per_s
-                                if index < last else np.zeros(3))
+                                if index < last else np.zeros(rates.forward.shape[1]))
             send_backward.append(rates.output_bytes[stage.first - 1] / link_bytes_per_s
-                                 if index else np.zeros(3))
+                                 if index else np.zeros(rates.forward.shape[1]))
         return cls(*(np.array(x) for x in (forward, backward, send_forward, send_backward)))
 
     def times(self, sizes: np.ndarray,
               wire: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Forward and backward seconds [..., P] of micro-batches with sizes [..., 3] whose
+        """Forward and backward seconds [..., P] of micro-batches with sizes [..., COLUMNS] whose
         stages exchange tensors of ``wire`` sizes (the caps; by default the sizes)."""
         forward, backward = sizes @ self.forward.T, sizes @ self.backward.T
         if self.send_forward is not None:
@@ -202,7 +220,7 @@ class StageModel:
 
 def _vector(size: Size) -> np.ndarray:
     size = size.windows_as_full()  # the simulator's sizes know Σseq_len² only
-    return np.array([size.tiles, size.tokens, size.squares], dtype=np.float64)
+    return np.array([getattr(size, k) for k in COLUMNS], dtype=np.float64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,7 +306,8 @@ def simulate(batches: np.ndarray, model: StageModel,
     """One epoch of ``batches`` [steps, D, M, 3] through the stage model, the stages exchanging
     ``wire``-sized tensors (the caps)."""
     steps, dp, micro, _ = batches.shape
-    forward, backward = model.times(batches.reshape(steps * dp, micro, 3), wire)
+    forward, backward = model.times(planned_columns(batches.reshape(steps * dp, micro, 3)),
+                                    None if wire is None else planned_columns(wire))
     makespan, busy = pipeline_times(forward, backward)
     times = PipelineTimes(makespan.reshape(steps, dp), busy.reshape(steps, dp, -1))
     step = times.makespan.max(axis=1)

@@ -35,6 +35,7 @@ from vlmshard.run_log import PIPELINE_NAME, read_log, stage_bounds
 
 from .model import (
     LayerRates,
+    logged_columns,
     PipelineTimes,
     StageModel,
     pipeline_times,
@@ -57,10 +58,10 @@ class Replay:
 
 def replay_batches(records: list[dict], stages: StageModel) -> PipelineTimes:
     """The logged micro-batch sizes of each step and replica through the 1F1B stage model."""
-    batches = np.array([[[[m["tiles"], m["tokens"], m["squares"]] for m in d["micro_sizes"]]
-                         for d in r["data"]] for r in records], dtype=np.float64)
-    steps, dp, micro, _ = batches.shape
-    forward, backward = stages.times(batches.reshape(steps * dp, micro, 3))
+    batches = np.array([[[logged_columns(m) for m in d["micro_sizes"]] for d in r["data"]]
+                        for r in records], dtype=np.float64)
+    steps, dp, micro, columns = batches.shape
+    forward, backward = stages.times(batches.reshape(steps * dp, micro, columns))
     makespan, busy = pipeline_times(forward, backward)
     return PipelineTimes(makespan.reshape(steps, dp), busy.reshape(steps, dp, -1))
 
@@ -82,7 +83,7 @@ def measured_times(records: list[dict]) -> PipelineTimes | None:
 
 def analytic_rates(names: list[str], model: ModelConfig, profile: dict | None = None
                    ) -> LayerRates:
-    """Per trainer layer ``names``, FLOPs per unit of (tiles, tokens, squares) from the analytic
+    """Per trainer layer ``names``, FLOPs per unit of each size (``COLUMNS``) from the analytic
     model (``model_sizes.trainer_layer_work``); with a ``profile`` of those layers, seconds at
     the FLOP rate it measured for each layer's kind (``sustained_flops_per_s``)."""
     try:
