@@ -90,6 +90,8 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
     run_folder = tmp_path / "work" / "run-balanced"
     traced = json.loads((run_folder / "train_log.jsonl").read_text().splitlines()[1])
     micro_batches = sum(len(d["micro_sizes"]) for d in traced["data"])
+    # its Qwen3-VL ViT's attention across each image, in the step's model FLOPs
+    assert any(m["vit_squares"] > 0 for d in traced["data"] for m in d["micro_sizes"])
     for stage in json.loads((run_folder / "pipeline.json").read_text())["stages"]:
         for name in stage["layers"]:
             again = name in stage["recompute"] or name in stage["selective"]

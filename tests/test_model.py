@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from hf_reference import (
@@ -204,12 +205,22 @@ def test_a_step_logs_the_spans_the_vit_attends_over(setup):
     on Qwen2.5-VL's windowed ones. A ViT attending within each tile logs none."""
     from vlmshard.train.train_log import micro_batch_size
 
+    from vlmshard.train.default_partition import SIZE_STEPS, shard_sizes
+
     folder, shards = setup
     model = model_layers(folder)
     sizes = model.sizes()
     work = model.analytic_work()
     blocks = [i for i, n in enumerate(model.names) if n.startswith("vit_block_")]
-    batches = [b for b in ShardDataset(shards, pixel_dtype=torch.float32) if b["num_tiles"]]
+    loaded = list(ShardDataset(shards, pixel_dtype=torch.float32))
+    # the default partition's mean sizes, from the images' headers, are the loader's
+    dataset = ShardDataset(shards)
+    first = [micro_batch_size(b, sizes)
+             for b in loaded[:SIZE_STEPS * dataset.micro_batches_per_step]]
+    mean, _ = shard_sizes(shards, 1, sizes)
+    for key in ("tiles", "vit_squares", "vit_windows"):
+        assert getattr(mean, key) == pytest.approx(np.mean([m.get(key, 0) for m in first]))
+    batches = [b for b in loaded if b["num_tiles"]]
     assert batches
     for batch in batches:
         logged = micro_batch_size(batch, sizes)

@@ -33,8 +33,10 @@ from vlmshard.errors import ConfigError
 from vlmshard.hardware import GPUS, SUSTAINED_SHARE, gpu_named
 from vlmshard.model_sizes import (
     ZERO3_PERSISTENCE_THRESHOLD,
+    ModelConfig,
     Size,
     bytes_per_param,
+    vit_attention_size,
     zero3_fixed_bytes,
 )
 from vlmshard.partition import (
@@ -101,24 +103,34 @@ class ChosenPartition:
     budget_bytes: int = 0  # what the memory model leaves a stage of this device
 
 
-def shard_sizes(shards: str, dp: int) -> tuple[Size, Size]:
-    """The mean (tiles, tokens, Σ seq_len²) of what a rank of ``dp`` trains per micro-batch in
-    the shards' first steps, and the largest micro-batch a rank holds (the caps; in a
+def shard_sizes(shards: str, dp: int, model: ModelConfig) -> tuple[Size, Size]:
+    """The mean sizes (tiles, tokens, Σ seq_len², and a Qwen ViT's squared spans:
+    ``model_sizes.vit_attention_size``) of what a rank of ``dp`` trains per micro-batch in the
+    shards' first steps, and the largest micro-batch a rank holds (the caps; in a
     sequence-parallel group, 1/sp of its tokens and attention heads, and the tiles the plan
-    bounds each rank's media to, ``rank_qv``); read without decoding an image."""
+    bounds each rank's media to, ``rank_qv``); read without decoding an image (the patch grids
+    from the images' headers)."""
     from vlmshard.shards.layout import read_manifest
     from vlmshard.shards.loader import ShardDataset
+    from vlmshard.shards.records import decoded_images
 
     # every rank's records of plain shards; a grouped plan's as one rank of dp reads them
     dataset = ShardDataset(shards, 0, dp if read_manifest(shards).step_groups else 1)
     m = dataset.manifest
     records = islice(dataset.records(), SIZE_STEPS * dataset.micro_batches_per_step)
-    sizes = np.array([np.array((r.tiles, len(r.input_ids), sum(n * n for n in r.seq_lens)))
-                      / m.step_group(r.step)["sp"] for r in records], dtype=float)
+    sizes = []
+    for r in records:
+        grids = ([im.grid for im in decoded_images(r, dataset.policies, rgb=False, own=set())]
+                 if model.vision.fused_qkv else [])
+        vit = vit_attention_size(model.vision, grids)
+        sizes.append(np.array((r.tiles, len(r.input_ids), sum(n * n for n in r.seq_lens),
+                               vit.vit_squares, vit.vit_windows), dtype=float)
+                     / m.step_group(r.step)["sp"])
     groups = m.groups or [m.step_group(0)]
     caps = Size(max(g["rank_qv"] for g in groups), max(g["length"] / g["sp"] for g in groups))
     # memory has no squared term: no attention backend keeps an [n x n] score matrix
-    return Size(*sizes.mean(axis=0)), caps
+    tiles, tokens, squares, vit_squares, vit_windows = np.mean(sizes, axis=0)
+    return Size(tiles, tokens, squares, vit_squares=vit_squares, vit_windows=vit_windows), caps
 
 
 def device_machine(device: Device | None, ranks_on_node: int) -> tuple[Machine, float, str]:
@@ -141,7 +153,7 @@ def choose_partition(cfg: TrainConfig, model: "ModelLayers", device: Device | No
     """The partition ``cfg`` names (the profile's, or ``--bounds``; its own ``--recompute``
     too), else the search's for ``cfg.pp`` stages (see the module docstring), with each
     stage's predicted peak. Raises ConfigError where the search finds no partition that fits."""
-    mean, caps = shard_sizes(cfg.shards, cfg.dp)
+    mean, caps = shard_sizes(cfg.shards, cfg.dp, model.sizes())
     machine, flops_per_s, where = device_machine(device, ranks_on_node)
     machine, fixed = less_zero3_fixed(cfg, model, machine, where)
     layers = analytic_layer_costs(
