@@ -23,8 +23,8 @@ trainer's engine holds per parameter (``bytes_per_param``: 20 bytes in bf16 at D
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
 from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from .errors import ConfigError
 
@@ -754,6 +754,7 @@ def layer_work(config: ModelConfig, saves: Saves = Saves()) -> list[LayerWork]:
         transient_bytes=Size(tiles=vit_transient + tokens * 3 * a * width),
         selective_bytes=Size(tiles=vit_block["selective_bytes"].tiles
                              + tokens * a * (width + t.hidden)))
+
     def vit_layer(i: int) -> LayerWork:
         block = deepstack if i in v.deepstack else vit_block
         return LayerWork(f"vit_block_{i}", **{**block, "flops": block["flops"]
