@@ -33,9 +33,11 @@ network: install them, or carry a virtual environment built for it). Nothing is 
 5. One JSON line and a table: device; torch, CUDA, NCCL, DeepSpeed, transformers versions;
    attention backend; median and p90 step time; real tokens/s and tiles/s; MFU (the step's
    model FLOPs over step time × the device's dense bf16 peak, from ``vlmshard.hardware`` or
-   ``--peak-tflops``); peak memory (``max_memory_allocated``) beside the memory model's for the
-   steps' largest micro-batches and at the caps; loader throughput; host syncs per step; and
-   the simulator's predicted step time beside the measured, with each step's relative error
+   ``--peak-tflops``; ``vit_attention_share`` of those FLOPs a Qwen ViT's attention across each
+   image, which a count linear in tiles leaves out); peak memory (``max_memory_allocated``)
+   beside the memory model's for the steps' largest micro-batches and at the caps; loader
+   throughput; host syncs per step; and the simulator's predicted step time beside the
+   measured, with each step's relative error
    (``replay_step_error``): the run replayed with the analytic FLOPs at the FLOP rate
    ``vlmshard train profile`` measured per layer kind on the balanced shards
    (``sustained_flops_per_s``; over the peak, ``sustained_share``); HFU (MFU's FLOPs plus those
@@ -277,6 +279,7 @@ def train_plan(args, setup: dict, algo: str, run: str | None = None, with_trace:
             "tokens_per_s": sum(r["tokens"] for r in kept) / seconds,
             "tiles_per_s": tiles / seconds,
             "model_flops_per_step": statistics.median(r["model_flops"] for r in kept),
+            "vit_attention_share": vit_attention_share(setup["model"], kept),
             "mfu_flops_per_s": statistics.median(r["model_flops_per_s"] for r in kept),
             "hfu_flops_per_s": statistics.median(r["hardware_flops_per_s"] for r in kept),
             **breakdown(kept),
@@ -482,6 +485,19 @@ def hf_train(args, setup: dict, padded: bool,
         weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
         optim="adamw_torch_fused", bf16=cuda, gradient_checkpointing=checkpointing).train()
     return attention, clock.times, clock.losses
+
+
+def vit_attention_share(model: str, records: list[dict]) -> float:
+    """The median share of a step's model FLOPs that is a Qwen ViT's attention across each
+    image, video temporal step or window (``model_sizes.vit_attention_size``; none where the
+    ViT attends within a tile): what the MFU counts beyond a count linear in tiles."""
+    from vlmshard.families import model_sizes
+    from vlmshard.model_sizes import Size, training_flops
+
+    flops = training_flops(model_sizes(read_json(os.path.join(model, "config.json")), model))
+    vit = Size(vit_squares=flops.vit_squares, vit_windows=flops.vit_windows)
+    return statistics.median(sum(vit.dot(Size(**m)) for d in r["data"] for m in d["micro_sizes"])
+                             / r["model_flops"] for r in records)
 
 
 def predicted_step_peak(model: str, records: list[dict], recompute: list[str],
@@ -693,6 +709,10 @@ def table(result: dict) -> str:
         lines.append(f"{name:<22} {r['median_step_s']:>9.3f} {'-':>7} {r['tokens_per_s']:>9,.0f} "
                      f"{'-':>8} {fmt(r.get('mfu'), '.1%'):>6}   ({r['attention']}"
                      f"{', gradient checkpointing' * r['gradient_checkpointing']})")
+    for algo in RUNS:
+        if share := result.get(algo, {}).get("vit_attention_share"):
+            lines.append(f"{algo}: its MFU counts the ViT's attention across each image, "
+                         f"{share:.1%} of the model FLOPs")
     for algo in RUNS:
         trace = result.get(algo, {}).get("trace")
         if trace and trace["device_span_s"]:

@@ -60,6 +60,10 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
     run = result["balanced"]
     assert run["steps"] == 2 and 0 < run["median_step_s"] <= run["p90_step_s"]
     assert run["tokens_per_s"] > 0 and run["tiles_per_s"] > 0 and 0 < run["mfu"] < 1
+    # its Qwen3-VL ViT attends across each image: a share of the MFU's FLOPs
+    assert 0 < run["vit_attention_share"] < 1
+    assert f"balanced: its MFU counts the ViT's attention across each image, " \
+        f"{run['vit_attention_share']:.1%}" in proc.stdout
     assert run["partition"].startswith("searched") and run["recompute"] == []
     assert run["attention"] == "sdpa"  # the backend the run's pipeline.json records
     assert run["predicted_step_s"] > 0 and len(run["replay_step_error"]) == run["steps"]
