@@ -2,26 +2,31 @@
 across each image's patches.
 
     python benchmarks/vit_attention_count.py \
-        --log benchmarks/results/h200-2026-11-27c/logs/balanced-train_log.jsonl
+        --log benchmarks/results/h200-2026-11-27c/logs/balanced-train_log.jsonl \
+        --replay benchmarks/results/h200-2026-11-27c
 
 The trainer counts a step's model FLOPs from the analytic cost model (``model_sizes.
 training_flops``). Its logs before ``Size.vit_squares`` had a ViT term linear in tiles, with
 attention within a tile. That is right for InternVL and Gemma 3, whose ViT attends within a
 tile, and not for the Qwen ViTs, whose tile is a merged 2×2 patch and whose attention spans the
-image (a video's temporal step): 4·P²·h multiply-adds × 2 in the forward for P patches of width
-h, twice that in the backward, in every block. A log that counts it (``vit_squares`` in its
-micro-batch sizes) is checked instead: its squares must be the rebuilt samples'.
+image (a video's temporal step): 2·P²·h multiply-adds (q·kᵀ and its product with v; 4·P²·h
+FLOPs) in the forward for P patches of width h, twice that in the backward, in every block. A
+log that counts it (``vit_squares`` in its micro-batch sizes) is checked instead: its squares
+must be the rebuilt samples'.
 
 This script rebuilds the run's data with ``gpu_bench.py``'s own ``preprocessed`` (demo data at
 ``--scale``, a folder of Qwen3-VL-2B's sizes at the bench's image limit), checks that every
 logged micro-batch's samples hold the tiles the log says, and prints per step the ViT attention
 FLOPs (12·h·blocks·Σ P², P per image or video temporal step) beside the logged model FLOPs,
-with the MFU each way. Writes ~4 GB (the folder's random bf16 weights) under ``--work``.
+with the MFU each way. ``--replay``: the simulator's replay of the run per layer kind (as
+gpu_bench.py replays it) as logged and with the ViT's attention in the log's and the profile's
+sizes, step by step. Writes ~4 GB (the folder's random bf16 weights) under ``--work``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import glob
 import json
 import os
@@ -52,6 +57,10 @@ def main() -> None:
     p.add_argument("--max-seq-len", type=int, default=8192)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
     p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--replay", metavar="RESULTS",
+                   help="a lease's results folder (profile.json, pipeline-balanced.json): replay "
+                        "the log per layer kind as it was logged and with the ViT's attention "
+                        "in its sizes and the profile's, side by side")
     args = p.parse_args()
 
     import pyarrow.parquet as pq
@@ -66,35 +75,96 @@ def main() -> None:
         for row in pq.read_table(path, columns=["sample_id", "image_tiles", "vit_tiles",
                                                 "videos"]).to_pylist():
             rows[row["sample_id"]] = row
+    with open(args.log, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    squares = [counted_squares(record, rows) for record in records]
     peak = args.peak_tflops * 1e12
     print("| step | step s | logged model FLOPs | ViT attention FLOPs | share | MFU logged | "
           "MFU with it |\n|---:|---:|---:|---:|---:|---:|---:|")
     logged, counted = [], []
-    with open(args.log, encoding="utf-8") as f:
-        for line in f:
-            record = json.loads(line)
-            data = record["data"][0] if isinstance(record["data"], list) else record["data"]
-            squares = 0
-            for ids, size in zip(data["sample_ids"], data["micro_sizes"]):
-                tiles = sum(rows[i]["vit_tiles"] for i in ids)
-                if tiles != size["tiles"]:
-                    sys.exit(f"step {record['step']}: the rebuilt samples hold {tiles} tiles, "
-                             f"the log {size['tiles']}: not this run's data")
-                rebuilt = sum(attention_squares(rows[i]) for i in ids)
-                if size.get("vit_squares", rebuilt) != rebuilt:
-                    sys.exit(f"step {record['step']}: the log counts {size['vit_squares']} "
-                             f"squared patches, the rebuilt samples hold {rebuilt}")
-                squares += 0 if "vit_squares" in size else rebuilt
-            extra, flops, seconds = per_square * squares, record["model_flops"], \
-                record["step_time_s"]
-            mfu, mfu_with = flops / seconds / peak, (flops + extra) / seconds / peak
-            if record["step"] >= args.warmup:
-                logged.append(mfu)
-                counted.append(mfu_with)
-            print(f"| {record['step']} | {seconds:.3f} | {flops:.4g} | {extra:.4g} | "
-                  f"{extra / flops:.1%} | {mfu:.1%} | {mfu_with:.1%} |")
+    for record, micro in zip(records, squares):
+        extra = per_square * sum(n for n, already in micro if not already)
+        flops, seconds = record["model_flops"], record["step_time_s"]
+        mfu, mfu_with = flops / seconds / peak, (flops + extra) / seconds / peak
+        if record["step"] >= args.warmup:
+            logged.append(mfu)
+            counted.append(mfu_with)
+        print(f"| {record['step']} | {seconds:.3f} | {flops:.4g} | {extra:.4g} | "
+              f"{extra / flops:.1%} | {mfu:.1%} | {mfu_with:.1%} |")
     print(f"median MFU from step {args.warmup}: {statistics.median(logged):.1%} logged, "
           f"{statistics.median(counted):.1%} with the ViT's attention")
+    if args.replay:
+        replay_both(args, records, squares)
+
+
+def counted_squares(record: dict, rows: dict) -> list[tuple[int, bool]]:
+    """Per micro-batch of a logged step (its first data-parallel rank's), the ViT's squared
+    patch counts of its rebuilt samples, and whether the log counts them already (its
+    ``vit_squares``, then checked equal). Exits where the samples do not hold the logged
+    tiles: not this run's data."""
+    data = record["data"][0] if isinstance(record["data"], list) else record["data"]
+    out = []
+    for ids, size in zip(data["sample_ids"], data["micro_sizes"]):
+        tiles = sum(rows[i]["vit_tiles"] for i in ids)
+        if tiles != size["tiles"]:
+            sys.exit(f"step {record['step']}: the rebuilt samples hold {tiles} tiles, "
+                     f"the log {size['tiles']}: not this run's data")
+        rebuilt = sum(attention_squares(rows[i]) for i in ids)
+        if size.get("vit_squares", rebuilt) != rebuilt:
+            sys.exit(f"step {record['step']}: the log counts {size['vit_squares']} "
+                     f"squared patches, the rebuilt samples hold {rebuilt}")
+        out.append((rebuilt, "vit_squares" in size))
+    return out
+
+
+def replay_both(args, records: list[dict], squares: list[list[tuple[int, bool]]]) -> None:
+    """The simulator's replay per layer kind (``replay_run``, as gpu_bench.py runs it) of the
+    logged steps as logged, and with each micro-batch's ``vit_squares`` in the log and in the
+    profile's micro-batches (the profile's are the plan's first step's, matched by their
+    tiles, tokens and squares): predicted against measured, step by step."""
+    import shutil
+
+    from vlmshard.io import read_json
+    from vlmshard.simulate.replay import replay_run, step_seconds
+
+    profile = read_json(os.path.join(args.replay, "profile.json"))
+    # the profile's micro-batches: as logged (a new log's own count), and counted
+    first = {(m["tiles"], m["tokens"], m["squares"]): {False: m.get("vit_squares", 0), True: n}
+             for m, (n, _) in zip(records[0]["data"][0]["micro_sizes"], squares[0])}
+    results = {}
+    for name, count in (("as logged", False), ("ViT attention counted", True)):
+        run = os.path.join(args.work, "replay", name.replace(" ", "-"))
+        os.makedirs(run, exist_ok=True)
+        shutil.copy(os.path.join(args.replay, "pipeline-balanced.json"),
+                    os.path.join(run, "pipeline.json"))
+        with open(os.path.join(run, "train_log.jsonl"), "w", encoding="utf-8") as f:
+            for record, micro in zip(records, squares):
+                record = copy.deepcopy(record)
+                sizes = record["data"][0]["micro_sizes"]
+                for size, (n, _) in zip(sizes, micro):
+                    size["vit_squares"] = n if count else size.get("vit_squares", 0)
+                f.write(json.dumps(record) + "\n")
+        batches = [{**m, "vit_squares": first[(m["tiles"], m["tokens"], m["squares"])][count]}
+                   for m in profile["micro_batches"]]
+        with open(os.path.join(run, "profile.json"), "w", encoding="utf-8") as f:
+            json.dump({**profile, "micro_batches": batches}, f)
+        steps = step_seconds(replay_run(os.path.join(run, "train_log.jsonl"), run,
+                                        per_kind=True))["per_step"]
+        results[name] = {s["step"]: s for s in steps if s["step"] >= args.warmup}
+    print("\n| step | measured s | " + " | ".join(f"replayed {n} (error)" for n in results)
+          + " |\n|---:|---:|" + "---:|" * len(results))
+    for step, base in results["as logged"].items():
+        cells = [f"{r[step]['predicted_s']:.3f} s ({error(r[step]):+.1%})"
+                 for r in results.values()]
+        print(f"| {step} | {base['measured_s']:.3f} | " + " | ".join(cells) + " |")
+    for name, r in results.items():
+        print(f"{name}: median |error| "
+              f"{statistics.median(abs(error(s)) for s in r.values()):.1%}")
+
+
+def error(step: dict) -> float:
+    """A replayed step's relative error against the measured."""
+    return step["predicted_s"] / step["measured_s"] - 1
 
 
 if __name__ == "__main__":

@@ -55,6 +55,19 @@ def test_replay_of_two_stages_and_two_micro_batches_is_the_hand_count():
     assert times.waiting() == pytest.approx(5 / 28)
 
 
+def test_replay_costs_the_logged_vit_attention_sizes():
+    """One stage costing 1 s per squared patch count of whole images and 10 s per windows',
+    forward (backward twice that), and nothing else: a micro-batch logging 2 and 1 of them
+    (and tiles, tokens and squares that cost nothing here) runs 12 s forward and 24 s backward;
+    one logging none, of an older log or a ViT attending within tiles, runs 0 s."""
+    stages = StageModel(forward=np.array([[0.0, 0, 0, 1, 10]]),
+                        backward=np.array([[0.0, 0, 0, 2, 20]]))
+    qwen = {**_micro(5, 7), "squares": 49, "vit_squares": 2, "vit_windows": 1}
+    record = {"data": [{"micro_sizes": [qwen]}, {"micro_sizes": [_micro(5, 7)]}]}
+    times = replay_batches([record], stages)
+    assert times.makespan.tolist() == [[36.0, 0.0]]
+
+
 def _rank(stage: int, d: int, forward: float, backward: float, pipeline: float) -> dict:
     return {"rank": 2 * stage + d, "stage": stage, "dp_rank": d, "forward_s": forward,
             "backward_s": backward, "pipeline_s": pipeline, "step_time_s": 6.0}
@@ -91,7 +104,9 @@ def test_analytic_layers_map_onto_the_trainers_layers(family, tmp_path):
     """The trainer's real pipeline layers of each family (train/models) take the analytic
     model's layers once each: the projector is projector_merge, the token embedding and final
     norm do no counted work, so the rows sum to the whole model's forward FLOPs; layers up to
-    the projector scale with tiles only, the others with tokens and squares only."""
+    the projector scale with tiles (a Qwen ViT block also with its spans' squares: 4 × its
+    hidden size per squared patch count, Qwen2.5-VL's windowed blocks per their windows', its
+    ``fullatt_block_indexes`` per the images'), the others with tokens and squares only."""
     from vlmshard.families import model_sizes
     from vlmshard.preprocess.demo_data import demo_model
     from vlmshard.train.hf_model import model_layers
@@ -99,7 +114,8 @@ def test_analytic_layers_map_onto_the_trainers_layers(family, tmp_path):
     folder = demo_model(family, str(tmp_path / "model"))
     names = model_layers(folder).names
     with open(f"{folder}/config.json") as f:
-        model = model_sizes(json.load(f), "tiny")
+        config = json.load(f)
+    model = model_sizes(config, "tiny")
     rates = analytic_rates(names, model)
     assert len(rates.forward) == len(names)
     total = training_flops(model)  # forward + backward, 3x the forward
@@ -111,11 +127,18 @@ def test_analytic_layers_map_onto_the_trainers_layers(family, tmp_path):
     assert rates.forward[projector].tolist() == [work["projector_merge"].tiles, 0, 0, 0, 0]
     for name in NO_LAYER_WORK:
         assert rates.forward[names.index(name)].tolist() == [0, 0, 0, 0, 0]
-    # a Qwen ViT's attention across images: its blocks, per their squares (Qwen2.5-VL's
-    # windowed blocks per their windows')
     vit, llm = rates.forward[:projector + 1], rates.forward[projector + 1:]
     assert (vit[:, 1:3] == 0).all() and (llm[:, [0, 3, 4]] == 0).all()
-    assert (vit[:, 3:].sum() > 0) == family.startswith("qwen")
+    vision = config["vision_config"]
+    full = vision.get("fullatt_block_indexes")  # Qwen2.5-VL's; the other Qwens': every block
+    for i, name in enumerate(names[:projector]):
+        if not name.startswith("vit_block_"):
+            assert rates.forward[i, 3:].tolist() == [0, 0]
+        elif family.startswith("qwen"):
+            per_square = 4 * vision.get("embed_dim", vision["hidden_size"])
+            windowed = full is not None and int(name.rsplit("_", 1)[1]) not in full
+            assert rates.forward[i, 3:].tolist() == ([0, per_square] if windowed
+                                                     else [per_square, 0]), name
     with pytest.raises(ValueError, match="'mystery' has no counterpart"):
         analytic_rates(names + ["mystery"], model)
     with pytest.raises(ValueError, match="do not cover"):

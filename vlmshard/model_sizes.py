@@ -11,14 +11,16 @@ patch_size x downsample_ratio)^2. An LLM's FLOPs count what a token runs through
 its router and its ``experts_per_token`` experts (active parameters), while its memory holds all
 of them.
 
-Every layer cost is linear in three sizes of a micro-batch, the same three the packer balances:
-Σtiles, Σtokens and Σseq_len² (packed samples attend only within themselves; only attention
-layers have the last term, a linear-attention layer costs linear in tokens). ``vlmshard train
-profile`` measures the same quantities on a real device; the functions here are its analytic
-twin. Conventions: forward FLOPs count a multiply-add as 2 (backward is 2x forward); activations
-are bf16 (2 bytes) with memory-efficient attention, so no score matrix is kept, and are counted
-as ``transformers``' modules save them (fp32 where they upcast); parameters cost what the
-trainer's engine holds per parameter (``bytes_per_param``: 20 bytes in bf16 at DP=1).
+Every layer cost is linear in the sizes of a micro-batch (``Size``); the packer balances three of
+them: Σtiles, Σtokens and Σseq_len² (packed samples attend only within themselves; only attention
+layers have the last term, a linear-attention layer costs linear in tokens). A Qwen ViT attends
+across each image, so its blocks' FLOPs also follow Σ P² over images of P patches, which the
+trainer's MFU and the replay count and the packer leaves out (``vit_attention_size``).
+``vlmshard train profile`` measures the same quantities on a real device; the functions here
+are its analytic twin. Conventions: forward FLOPs count a multiply-add as 2 (backward is 2x
+forward); activations are bf16 (2 bytes) with memory-efficient attention, so no score matrix is
+kept, and are counted as ``transformers``' modules save them (fp32 where they upcast); parameters
+cost what the trainer's engine holds per parameter (``bytes_per_param``: 20 bytes in bf16 at DP=1).
 """
 
 from __future__ import annotations

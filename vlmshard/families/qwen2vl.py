@@ -190,8 +190,7 @@ LLM_FEATURES = LLMFeatures(qkv_bias=True)
 PRESETS = {
     # Qwen2-VL-2B: its 675M ViT + Qwen2-1.5B, whose LM head is its token embedding. The ViT
     # unit is a merged patch (28 px: 2×2 patches of 14 px, one LLM token after the merger), as
-    # the Qwen2-VL stats count it. ViT attention is modeled within the unit; the real one spans
-    # the image (see BENCHMARKS.md).
+    # the Qwen2-VL stats count it; its attention spans each image (``Size.vit_squares``).
     "qwen2-vl-2b": ModelConfig(
         name="qwen2-vl-2b",
         vision=VisionConfig(image_size=28, patch_size=14, hidden=1280, layers=32, heads=16,
@@ -279,7 +278,9 @@ class Qwen2VL(Family):
         # 23 and 31)
         swiglu = config["model_type"] == "qwen2_5_vl"
         windows = dict(window=vision.get("window_size", 112) // merge // vision["patch_size"],
-                       full_blocks=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))))
+                       full_blocks=tuple(i for i in vision.get("fullatt_block_indexes",
+                                                               (7, 15, 23, 31))
+                                         if i < vision["depth"]))
         vit = VisionConfig(image_size=vision["patch_size"] * merge,
                            patch_size=vision["patch_size"], hidden=hidden, layers=vision["depth"],
                            heads=vision["num_heads"], mlp_ratio=mlp,

@@ -104,7 +104,6 @@ def planned_columns(sizes: np.ndarray) -> np.ndarray:
     return np.concatenate([sizes, np.zeros((*sizes.shape[:-1], len(COLUMNS) - 3))], axis=-1)
 
 
-
 @dataclass(frozen=True)
 class LayerRates:
     """Per layer, seconds per unit of each of ``COLUMNS`` forward and backward, and the output
@@ -136,7 +135,9 @@ class LayerRates:
     @classmethod
     def from_profile(cls, profile: dict, cost_model: dict) -> "LayerRates":
         """``vlmshard train profile``'s mean layer times, scaled per micro-batch: ViT-side layers
-        by tiles, LLM-side layers by the fitted ``a_t·tokens + b·squares``."""
+        by tiles, LLM-side layers by the fitted ``a_t·tokens + b·squares`` (the packer's cost
+        model: a Qwen ViT's attention across images is in its per-tile time at the profiled
+        mean, not scaled by each micro-batch's; ``sustained`` scales it)."""
         batches = profile["micro_batches"]
         mean = {k: np.mean([b[k] for b in batches]) for k in ("tiles", "tokens", "squares")}
         llm = planned_columns(np.array([0.0, cost_model["a_t"], cost_model["b"]]))
