@@ -299,3 +299,37 @@ def test_the_replay_takes_the_profiles_sustained_rate_per_layer_kind():
     del profile["layers"][0]["kind"]
     with pytest.raises(InputError, match="names no layer kinds"):
         LayerRates.sustained(work, profile)
+
+
+def test_measured_layer_times_scale_a_qwen_vits_attention_by_its_analytic_flops():
+    """A profiled ViT block (1 s forward, 2 s backward at the profile's mean: 2 tiles and 100
+    squared patch counts) whose analytic FLOPs are 10 per tile and 0.8 per squared count (20 +
+    80 at the mean), the projector (0.5 s; tiles only), an LLM block (1 s at 10 tokens, a_t
+    only). A micro-batch of 2 tiles and 200 squared counts takes (20 + 160) / 100 = 1.8 s in
+    the ViT block, 0.5 s in the projector and 1 s in the LLM block at 10 tokens; without the
+    layers' work (or with a profile that logged no squared counts) the ViT block scales by
+    tiles alone: 1 s."""
+    from vlmshard.model_sizes import LayerWork, Size
+
+    def layer(name, forward_s):
+        return {"name": name, "forward_s": forward_s, "backward_s": 2 * forward_s,
+                "output_bytes": 0}
+
+    profile = {"layers": [layer("vit_block_0", 1.0), layer("projector", 0.5),
+                          layer("llm_block_0", 1.0)],
+               "micro_batches": [{"tiles": 1, "tokens": 5, "squares": 25, "vit_squares": 50},
+                                 {"tiles": 3, "tokens": 15, "squares": 25,
+                                  "vit_squares": 150}]}
+    work = [LayerWork("vit_block_0", 0, Size(tiles=10, vit_squares=0.8), Size(), Size()),
+            LayerWork("projector_merge", 0, Size(tiles=3), Size(), Size()),
+            LayerWork("llm_block_0", 0, Size(tokens=7), Size(), Size())]
+    cost = {"a_t": 1.0, "b": 0.0}
+    micro = np.array([2.0, 10, 25, 200, 0])
+    rates = LayerRates.from_profile(profile, cost, work)
+    np.testing.assert_allclose(rates.forward @ micro, [1.8, 0.5, 1.0])
+    np.testing.assert_allclose(rates.backward @ micro, [3.6, 1.0, 2.0])
+    for plain in (LayerRates.from_profile(profile, cost),
+                  LayerRates.from_profile({**profile, "micro_batches": [
+                      {k: v for k, v in m.items() if k != "vit_squares"}
+                      for m in profile["micro_batches"]]}, cost, work)):
+        np.testing.assert_allclose(plain.forward @ micro, [1.0, 0.5, 1.0])

@@ -133,19 +133,29 @@ class LayerRates:
                                              for layer in profile["layers"]]))
 
     @classmethod
-    def from_profile(cls, profile: dict, cost_model: dict) -> "LayerRates":
-        """``vlmshard train profile``'s mean layer times, scaled per micro-batch: ViT-side layers
-        by tiles, LLM-side layers by the fitted ``a_t·tokens + b·squares`` (the packer's cost
-        model: a Qwen ViT's attention across images is in its per-tile time at the profiled
-        mean, not scaled by each micro-batch's; ``sustained`` scales it)."""
+    def from_profile(cls, profile: dict, cost_model: dict,
+                     work: list[LayerWork] | None = None) -> "LayerRates":
+        """``vlmshard train profile``'s mean layer times, scaled per micro-batch: LLM-side layers
+        by the fitted ``a_t·tokens + b·squares``, ViT-side layers by tiles, or given the
+        layers' analytic ``work`` by their FLOPs at the micro-batch over their FLOPs at the
+        profiled mean, so that a Qwen ViT block's attention across images follows each
+        micro-batch's squared patch counts (where the profile logged them)."""
         batches = profile["micro_batches"]
         mean = {k: np.mean([b[k] for b in batches]) for k in ("tiles", "tokens", "squares")}
+        mean_columns = np.mean([logged_columns(b) for b in batches], axis=0)
         llm = planned_columns(np.array([0.0, cost_model["a_t"], cost_model["b"]]))
         llm_unit = llm / max(llm[:3] @ [0.0, mean["tokens"], mean["squares"]], 1e-30)
         vit_unit = planned_columns(np.array([1.0 / max(mean["tiles"], 1e-30), 0.0, 0.0]))
         per_token = planned_columns(np.array([0.0, 1.0 / max(mean["tokens"], 1e-30), 0.0]))
         layers = profile["layers"]
-        unit = [vit_unit if i <= _last_vision_layer(profile) else llm_unit
+
+        def vision_unit(i: int) -> np.ndarray:
+            if work is None or not mean_columns[3:].any():  # no ViT attention sizes logged
+                return vit_unit
+            shape = _vector(work[i].flops)
+            return shape / (shape @ mean_columns) if shape @ mean_columns > 0 else vit_unit
+
+        unit = [vision_unit(i) if i <= _last_vision_layer(profile) else llm_unit
                 for i in range(len(layers))]
         forward = np.array([u * lay["forward_s"] for u, lay in zip(unit, layers)])
         backward = np.array([u * lay["backward_s"] for u, lay in zip(unit, layers)])

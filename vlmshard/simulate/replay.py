@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vlmshard.errors import ConfigError, InputError
-from vlmshard.model_sizes import ModelConfig, trainer_layer_work
+from vlmshard.model_sizes import LayerWork, ModelConfig, trainer_layer_work
 from vlmshard.partition import Partition, Stage
 from vlmshard.run_log import PIPELINE_NAME, read_log, stage_bounds
 
@@ -86,13 +86,18 @@ def analytic_rates(names: list[str], model: ModelConfig, profile: dict | None = 
     """Per trainer layer ``names``, FLOPs per unit of each size (``COLUMNS``) from the analytic
     model (``model_sizes.trainer_layer_work``); with a ``profile`` of those layers, seconds at
     the FLOP rate it measured for each layer's kind (``sustained_flops_per_s``)."""
-    try:
-        work = trainer_layer_work(names, model)
-    except ConfigError as e:
-        raise InputError(f"the run's layers: {e}") from e
+    work = _layer_work(names, model)
     if profile is None:
         return LayerRates.from_work(work, flops_per_s=1.0)  # FLOPs: shares need no rate
     return LayerRates.sustained(work, profile)
+
+
+def _layer_work(names: list[str], model: ModelConfig) -> list[LayerWork]:
+    """The analytic work of the run's layers ``names`` (``model_sizes.trainer_layer_work``)."""
+    try:
+        return trainer_layer_work(names, model)
+    except ConfigError as e:
+        raise InputError(f"the run's layers: {e}") from e
 
 
 def _partition(names: list[str], bounds: list[int], recompute: list[str]) -> Partition:
@@ -138,15 +143,18 @@ def replay_run(train_log: str, profile_dir: str | None = None, per_kind: bool = 
     pipeline = read_json(pipeline_path) if os.path.exists(pipeline_path) else None
     if profile_dir and not per_kind:
         profile = read_json(os.path.join(profile_dir, "profile.json"))
-        rates = LayerRates.from_profile(profile, read_json(os.path.join(profile_dir,
-                                                                        "cost_model.json")))
         profiled = [lay["name"] for lay in profile["layers"]]
+        work = None
         if pipeline is None:
             names, partition = profiled, _configured_partition(
                 read_json(os.path.join(run, "train_config.json")), profile)
         else:
             names, partition = described_partition(pipeline["stages"])
             _same_layers(profiled, names, profile_dir)
+            work = _layer_work(names, ModelConfig.from_dict(pipeline["model"]))
+        rates = LayerRates.from_profile(profile, read_json(os.path.join(profile_dir,
+                                                                        "cost_model.json")),
+                                        work)
         basis = f"the measured layer times of {profile_dir}"
     else:
         if pipeline is None:
