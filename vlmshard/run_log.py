@@ -10,7 +10,9 @@ rank, what its first stage trained:
 "hardware_flops_per_s", "ranks": [{"rank", "stage", "dp_rank", "forward_s", "backward_s",
 "pipeline_s", "wait_s", "step_time_s", "load_s", "time_breakdown": {"vit", "projector", "llm",
 "head", "recompute", "optimizer", "pipeline_wait", "data_wait", "other"}}], "data": [{"dp_rank",
-"tokens", "plan_steps", "micro_sizes", "sample_ids"}]}`` (``hardware_flops``: the model's
+"tokens", "plan_steps", "micro_sizes", "sample_ids"}]}`` (``micro_sizes``: per micro-batch
+its tiles, tokens and squares, and where the model has them ``windowed``, ``vit_squares`` and
+``vit_windows``: ``vlmshard.train.train_log.micro_batch_size``; ``hardware_flops``: the model's
 FLOPs and those recompute runs again; ``time_breakdown``: the rank's ``load_s + step_time_s``
 by part, ``vlmshard.train.train_log.time_breakdown``); a step traced by the profiler
 (``--trace``) has ``"traced": true``; on GPU a rank
