@@ -35,9 +35,9 @@ from vlmshard.run_log import PIPELINE_NAME, read_log, stage_bounds
 
 from .model import (
     LayerRates,
-    logged_columns,
     PipelineTimes,
     StageModel,
+    logged_columns,
     pipeline_times,
     share,
 )
