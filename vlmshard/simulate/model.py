@@ -140,20 +140,19 @@ class LayerRates:
         layers' analytic ``work`` by their FLOPs at the micro-batch over their FLOPs at the
         profiled mean, so that a Qwen ViT block's attention across images follows each
         micro-batch's squared patch counts (where the profile logged them)."""
-        batches = profile["micro_batches"]
-        mean = {k: np.mean([b[k] for b in batches]) for k in ("tiles", "tokens", "squares")}
-        mean_columns = np.mean([logged_columns(b) for b in batches], axis=0)
+        mean = np.mean([logged_columns(b) for b in profile["micro_batches"]], axis=0)
         llm = planned_columns(np.array([0.0, cost_model["a_t"], cost_model["b"]]))
-        llm_unit = llm / max(llm[:3] @ [0.0, mean["tokens"], mean["squares"]], 1e-30)
-        vit_unit = planned_columns(np.array([1.0 / max(mean["tiles"], 1e-30), 0.0, 0.0]))
-        per_token = planned_columns(np.array([0.0, 1.0 / max(mean["tokens"], 1e-30), 0.0]))
+        llm_unit = llm / max(llm @ mean, 1e-30)
+        vit_unit = planned_columns(np.array([1.0 / max(mean[0], 1e-30), 0.0, 0.0]))
+        per_token = planned_columns(np.array([0.0, 1.0 / max(mean[1], 1e-30), 0.0]))
         layers = profile["layers"]
 
         def vision_unit(i: int) -> np.ndarray:
-            if work is None or not mean_columns[3:].any():  # no ViT attention sizes logged
+            if work is None or not mean[3:].any():  # no ViT attention sizes logged
                 return vit_unit
             shape = _vector(work[i].flops)
-            return shape / (shape @ mean_columns) if shape @ mean_columns > 0 else vit_unit
+            at_mean = shape @ mean
+            return shape / at_mean if at_mean > 0 else vit_unit
 
         unit = [vision_unit(i) if i <= _last_vision_layer(profile) else llm_unit
                 for i in range(len(layers))]
