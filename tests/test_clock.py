@@ -106,7 +106,8 @@ def test_the_clock_splits_a_step_by_part_with_recompute_apart(engine):
         loss.backward()
         if engine == "plain":
             clock.backward_done()
-    optimizer.register_step_pre_hook(lambda *_: time.sleep(0.02))  # before the clock's: timed
+    optimizer_slept = []  # before the clock's hook: timed
+    optimizer.register_step_pre_hook(lambda *_: optimizer_slept.append(_sleep(0.02)))
     optimizer.step()
     times = clock.take()
     step_s = time.perf_counter() - start
@@ -132,7 +133,7 @@ def test_the_clock_splits_a_step_by_part_with_recompute_apart(engine):
         assert expected <= times.parts[part] <= 2 * expected, (part, times.parts)
     recomputed = sum(sum(by_name[n].forwards[1::2]) for n in ("vit_block_0", "llm_block_0"))
     assert recomputed <= times.recompute_s <= 2 * recomputed
-    assert 0.02 <= times.optimizer_s <= 0.04
+    assert optimizer_slept[0] <= times.optimizer_s <= 2 * optimizer_slept[0]
     forward = forward_slept(set().union(*parts.values()))
     assert forward <= times.forward_s <= 2 * forward
     # each mark's host reading: on CPU the device is the host, so the same seconds
