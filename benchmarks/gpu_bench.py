@@ -34,12 +34,14 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    attention backend; median and p90 step time; real tokens/s and tiles/s; MFU (the step's
    model FLOPs over step time × the device's dense bf16 peak, from ``vlmshard.hardware`` or
    ``--peak-tflops``; ``vit_attention_share`` of those FLOPs a Qwen ViT's attention across each
-   image, which a count linear in tiles leaves out); peak memory (``max_memory_allocated``)
-   beside the memory model's for the steps' largest micro-batches and at the caps; loader
-   throughput; host syncs per step; and the simulator's predicted step time beside the
-   measured, with each step's relative error
-   (``replay_step_error``): the run replayed with the analytic FLOPs at the FLOP rate
-   ``vlmshard train profile`` measured per layer kind on the balanced shards
+   image, which a count linear in tiles leaves out; the LLM's causal attention counted as the
+   half square it computes, and in ``mfu_full_attention`` as the full square, the convention
+   of Megatron-LM's, torchtitan's and llm-foundry's published MFU); peak memory
+   (``max_memory_allocated``) beside the memory model's for the steps' largest micro-batches
+   and at the caps; loader throughput; host syncs per step; and the simulator's predicted step
+   time beside the measured, with each step's relative error (``replay_step_error``): the run
+   replayed with the analytic FLOPs at the FLOP rate ``vlmshard train profile`` measured per
+   layer kind on the balanced shards
    (``sustained_flops_per_s``; over the peak, ``sustained_share``); HFU (MFU's FLOPs plus those
    recompute runs again: ``train_log.recompute_flops``); and the time breakdown: seconds per
    step by part (ViT, projector, LLM, head + loss, recompute, optimizer, pipeline wait, data
@@ -273,14 +275,20 @@ def train_plan(args, setup: dict, algo: str, run: str | None = None, with_trace:
     pipeline = read_json(os.path.join(out, "pipeline.json"))
     recompute = [n for s in pipeline["stages"] for n in s["recompute"]]
     selective = [n for s in pipeline["stages"] for n in s["selective"]]
+    attention = attention_flops(setup["model"], kept)
     return {"steps": len(kept), "kept_steps": [r["step"] for r in kept],
             "median_step_s": statistics.median(times),
             "p90_step_s": times[min(len(times) - 1, int(0.9 * len(times)))],
             "tokens_per_s": sum(r["tokens"] for r in kept) / seconds,
             "tiles_per_s": tiles / seconds,
             "model_flops_per_step": statistics.median(r["model_flops"] for r in kept),
-            "vit_attention_share": vit_attention_share(setup["model"], kept),
+            "vit_attention_share": statistics.median(
+                vit / r["model_flops"] for vit, r in zip(attention["vit"], kept)),
             "mfu_flops_per_s": statistics.median(r["model_flops_per_s"] for r in kept),
+            # the MFU in the convention of the public anchors issue 41 names
+            "mfu_full_attention_flops_per_s": statistics.median(
+                (r["model_flops"] + causal) / r["step_time_s"]
+                for causal, r in zip(attention["causal"], kept)),
             "hfu_flops_per_s": statistics.median(r["hardware_flops_per_s"] for r in kept),
             **breakdown(kept),
             "peak_memory_bytes": max(peaks) if peaks else None,
@@ -487,17 +495,21 @@ def hf_train(args, setup: dict, padded: bool,
     return attention, clock.times, clock.losses
 
 
-def vit_attention_share(model: str, records: list[dict]) -> float:
-    """The median share of a step's model FLOPs that is a Qwen ViT's attention across each
-    image, video temporal step or window (``model_sizes.vit_attention_size``; none where the
-    ViT attends within a tile): what the MFU counts beyond a count linear in tiles."""
+def attention_flops(model: str, records: list[dict]) -> dict[str, list[float]]:
+    """Per step of ``records``, two parts of its model FLOPs (``model_sizes.training_flops``
+    at its micro-batches' logged sizes): ``vit``, a Qwen ViT's attention across each image,
+    video temporal step or window (``model_sizes.vit_attention_size``; none where the ViT
+    attends within a tile), which a count linear in tiles leaves out; ``causal``, the LLM's
+    causal attention, counted as the half square it computes, which Megatron-LM, torchtitan
+    and llm-foundry count twice (their MFU takes causal attention as the full square)."""
     from vlmshard.families import model_sizes
     from vlmshard.model_sizes import Size, training_flops
 
     flops = training_flops(model_sizes(read_json(os.path.join(model, "config.json")), model))
-    vit = Size(vit_squares=flops.vit_squares, vit_windows=flops.vit_windows)
-    return statistics.median(sum(vit.dot(Size(**m)) for d in r["data"] for m in d["micro_sizes"])
-                             / r["model_flops"] for r in records)
+    parts = {"vit": Size(vit_squares=flops.vit_squares, vit_windows=flops.vit_windows),
+             "causal": Size(squares=flops.squares, windowed=flops.windowed)}
+    return {name: [sum(part.dot(Size(**m)) for d in r["data"] for m in d["micro_sizes"])
+                   for r in records] for name, part in parts.items()}
 
 
 def predicted_step_peak(model: str, records: list[dict], recompute: list[str],
@@ -667,6 +679,8 @@ def save(args, result: dict, peak: float | None) -> None:
             run["mfu"] = run["mfu_flops_per_s"] / peak
             if "hfu_flops_per_s" in run:
                 run["hfu"] = run["hfu_flops_per_s"] / peak
+            if "mfu_full_attention_flops_per_s" in run:
+                run["mfu_full_attention"] = run["mfu_full_attention_flops_per_s"] / peak
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)
@@ -713,6 +727,10 @@ def table(result: dict) -> str:
         if share := result.get(algo, {}).get("vit_attention_share"):
             lines.append(f"{algo}: its MFU counts the ViT's attention across each image, "
                          f"{share:.1%} of the model FLOPs")
+        if full := result.get(algo, {}).get("mfu_full_attention"):
+            lines.append(f"{algo}: MFU {full:.1%} with the LLM's causal attention counted as "
+                         "the full square, as Megatron-LM, torchtitan and llm-foundry count it "
+                         "(the MFU above counts the half it computes)")
     for algo in RUNS:
         trace = result.get(algo, {}).get("trace")
         if trace and trace["device_span_s"]:

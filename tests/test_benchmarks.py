@@ -104,6 +104,19 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
     assert 0 < run["vit_attention_share"] < 1
     assert f"balanced: its MFU counts the ViT's attention across each image, " \
         f"{run['vit_attention_share']:.1%}" in proc.stdout
+    # in the anchors' convention, causal attention as the full square: each full-attention
+    # layer's QKᵀ and AV, 2 × 2·q FLOPs per squared sample length forward, 3× with backward,
+    # where the MFU counts the half the causal kernel computes (peak: --peak-tflops 1)
+    text = json.loads((tmp_path / "work" / "model" / "config.json").read_text())["text_config"]
+    assert set(text.get("layer_types") or ["full_attention"]) == {"full_attention"}
+    half = 6 * text["num_attention_heads"] * text["head_dim"] * text["num_hidden_layers"]
+    full = [(r["model_flops"] + half * sum(m["squares"] for d in r["data"]
+                                           for m in d["micro_sizes"])) / r["step_time_s"]
+            for r in logged if r["step"] in run["kept_steps"]]
+    assert run["mfu_full_attention"] == pytest.approx(statistics.median(full) / 1e12, rel=1e-9)
+    assert run["mfu"] < run["mfu_full_attention"] < 2 * run["mfu"]
+    assert f"balanced: MFU {run['mfu_full_attention']:.1%} with the LLM's causal attention " \
+        "counted as the full square" in proc.stdout
     for stage in json.loads((run_folder / "pipeline.json").read_text())["stages"]:
         for name in stage["layers"]:
             again = name in stage["recompute"] or name in stage["selective"]
