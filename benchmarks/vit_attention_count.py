@@ -19,9 +19,10 @@ This script rebuilds the run's data with ``gpu_bench.py``'s own ``preprocessed``
 logged micro-batch's samples hold the tiles the log says, and prints per step the ViT attention
 FLOPs (12·h·blocks·Σ P², P per image or video temporal step) beside the logged model FLOPs,
 with the MFU each way, and with the LLM's causal attention counted as the full square too (the
-convention of Megatron-LM's, torchtitan's and llm-foundry's MFU). ``--replay``: the simulator's replay of the run per layer kind (as
-gpu_bench.py replays it) as logged and with the ViT's attention in the log's and the profile's
-sizes, step by step. Writes ~4 GB (the folder's random bf16 weights) under ``--work``.
+convention of Megatron-LM's, torchtitan's and llm-foundry's MFU). ``--replay``: the
+simulator's replay of the run per layer kind (as gpu_bench.py replays it) as logged and with
+the ViT's attention in the log's and the profile's sizes, step by step. Writes ~4 GB (the
+folder's random bf16 weights) under ``--work``.
 """
 
 from __future__ import annotations
