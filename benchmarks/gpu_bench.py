@@ -285,7 +285,7 @@ def train_plan(args, setup: dict, algo: str, run: str | None = None, with_trace:
             "vit_attention_share": statistics.median(
                 vit / r["model_flops"] for vit, r in zip(attention["vit"], kept)),
             "mfu_flops_per_s": statistics.median(r["model_flops_per_s"] for r in kept),
-            # the MFU in the convention of the public anchors issue 41 names
+            # as Megatron-LM, torchtitan and llm-foundry count: causal attention's full square
             "mfu_full_attention_flops_per_s": statistics.median(
                 (r["model_flops"] + causal) / r["step_time_s"]
                 for causal, r in zip(attention["causal"], kept)),
