@@ -14,16 +14,19 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    model of the GPU runs before 2026-11-28); ``--smoke``: the demo's tiny Qwen3-VL, images
    of at most a quarter of its pixels.
 2. Data: the demo generator at ``--scale`` (captions, document QA with long answers, multi-image
-   and text-only chat), preprocessed for the model; packed ``random`` and ``balanced`` under the
-   random plan's caps, for one rank, ``--micro-batches`` a step. The caps come from the memory
-   model for the device the bench runs on, with the kernels the trainer runs there: the
+   and text-only chat), preprocessed for the model; packed ``random`` and ``balanced`` for one
+   rank, ``--micro-batches`` a step, each filling what the device holds for it. The memory
+   model for the device the bench runs on, with the kernels the trainer runs there, gives the
    largest micro-batch shaped like the mean sample that one stage holds recomputing no layer
    whole (selectively at most: no matmul runs twice, which MFU does not count;
-   ``vlmshard.partition.largest_micro_batch``, ``memory_bound.recompute_free``); random takes
-   as many samples a micro-batch as its padded caps (that many of the largest sample) keep
-   inside it (``--target-samples`` overrides: the runs before 2026-11-28 took 4).
-   ``memory_bound`` also holds the largest micro-batch with layers recomputed whole where they
-   must: larger micro-batches, each with less of the host's fixed cost, for recomputed FLOPs.
+   ``vlmshard.partition.largest_micro_batch``, ``memory_bound.recompute_free``). Balanced packs
+   under it (``caps``), as ``vlmshard pack --max-qv --max-qt`` takes what a device holds;
+   random takes as many samples a micro-batch as its padded caps (that many of the largest
+   sample, ``random_caps``) keep inside it, for any draw of samples must fit.
+   ``--target-samples`` sets random's samples instead and packs balanced under random's caps,
+   as every run before 2026-11-30 did (those before 2026-11-28 took 4). ``memory_bound`` also
+   holds the largest micro-batch with layers recomputed whole where they must: larger
+   micro-batches, each with less of the host's fixed cost, for recomputed FLOPs.
 3. Each plan trains ``--steps`` steps (PP=1, DP=1, the partition and recompute vlmshard searches
    by default, host syncs counted); the first ``--warmup`` steps are dropped.
 4. Then the loader alone: the micro-batches the balanced plan's steps trained, through the
@@ -195,8 +198,10 @@ def preprocessed(work: str, scale: int, max_seq_len: int, model: str | None = No
 
 def prepare(args, device_bytes: int | None, plans: tuple[str, ...]) -> dict:
     """Model folder, preprocessed demo data, both plans, and the shards of the ``plans`` trained
-    (the random plan is packed either way: it sets the balanced one's caps). ``device_bytes``:
-    the device's memory, which sets the caps (None: ``--target-samples``, on CPU 8)."""
+    (the random plan is packed either way: the bench reports its caps). ``device_bytes``: the
+    device's memory, whose recompute-free micro-batch sets random's samples and bounds balanced's
+    caps (None, or ``--target-samples``: those samples, on CPU 8, and balanced under random's
+    caps, as where that micro-batch does not hold random's)."""
     from vlmshard.packing.config import PackConfig
     from vlmshard.packing.plan import run_pack
     from vlmshard.shards.config import WriteConfig
@@ -207,20 +212,26 @@ def prepare(args, device_bytes: int | None, plans: tuple[str, ...]) -> dict:
                               smoke=args.smoke, untied_head=args.untied_head)
     bound, samples = memory_bound(model, pre, device_bytes) if device_bytes else ({}, 8)
     samples = args.target_samples or samples
-    shards = {}
-    caps = {}
+    shards, caps = {}, {}
     for algo in ("random", "balanced"):
         plan = os.path.join(work, f"plan-{algo}")
         run_pack(PackConfig(stats=pre, dp=1, out=plan, algo=algo,
-                            micro_batches=args.micro_batches, target_samples=samples, **caps))
-        if algo == "random":  # the balanced plan packs under the same memory bound
+                            micro_batches=args.micro_batches, target_samples=samples,
+                            **caps.get(algo, {})))
+        if algo == "random":
             metrics = read_json(os.path.join(plan, "plan.json"))["metrics"]
-            caps = {"max_qv": int(metrics["qv"]), "max_qt": int(metrics["qt"])}
+            caps["random"] = {"max_qv": int(metrics["qv"]), "max_qt": int(metrics["qt"])}
+            # where the device holds more than random's caps (not with --target-samples, nor
+            # where even one largest sample needs recompute), balanced packs up to it
+            free = {k: v for k, v in bound.get("recompute_free", {}).items() if k != "samples"}
+            roomier = not args.target_samples and free and all(
+                free[k] >= v for k, v in caps["random"].items())
+            caps["balanced"] = free if roomier else caps["random"]
         if algo in plans:
             shards[algo] = os.path.join(work, f"shards-{algo}")
             run_write(WriteConfig(plan=plan, stats=pre, out=shards[algo], workers=1))
-    return {"model": model, "shards": shards, "caps": caps, "memory_bound": bound,
-            "target_samples": samples}
+    return {"model": model, "shards": shards, "caps": caps["balanced"],
+            "random_caps": caps["random"], "memory_bound": bound, "target_samples": samples}
 
 
 def loader_throughput(shards: str, micro_batches: int, workers: int, cuda: bool,
@@ -633,7 +644,7 @@ def main() -> None:
               "model": os.path.basename(setup["model"].rstrip("/")),
               "tied_head": model_sizes(read_json(os.path.join(setup["model"], "config.json")),
                                        setup["model"]).llm.tied_embeddings,
-              "caps": setup["caps"],
+              "caps": setup["caps"], "random_caps": setup["random_caps"],
               "memory_bound": setup["memory_bound"], "target_samples": setup["target_samples"],
               "peak_flops": peak, **runs}
     save(args, result, peak)
@@ -696,6 +707,10 @@ def table(result: dict) -> str:
              "loader alone: " + (f"{result['loader']['tokens_per_s']:,.0f} tokens/s, "
                                  f"{result['loader']['tiles_per_s']:,.0f} tiles/s"
                                  if "loader" in result else "-"),
+             f"micro-batches: balanced up to {result['caps']['max_qv']:,} tiles and "
+             f"{result['caps']['max_qt']:,} tokens; random {result['target_samples']} samples "
+             f"(up to {result['random_caps']['max_qv']:,} and "
+             f"{result['random_caps']['max_qt']:,})",
              f"{'plan':<22} {'median s':>9} {'p90 s':>7} {'tokens/s':>9} {'tiles/s':>8} "
              f"{'MFU':>6} {'HFU':>6} {'peak GiB':>8} {'model GiB':>9} {'syncs':>5} "
              f"{'predicted s':>11} {'replay error':>12}"]

@@ -7,8 +7,10 @@
 #      kernels, host syncs, the memory model with the GPU's kernels, the peer's varlen path),
 #      and whether torch's varlen kernel takes fewer K/V heads as they are
 #      (benchmarks/varlen_gqa_probe.py);
-#   3. gpu_bench.py with the given arguments (default: the balanced plan at the first H100 run's
-#      sizes with a trace and a host-sampled step; again with every layer on cuDNN's attention;
+#   3. gpu_bench.py with the given arguments (default: the balanced plan packed up to the
+#      largest micro-batch the memory model lets the device hold recomputing no layer whole,
+#      on an H200 ~1.6x the tokens of the earlier leases' (their --target-samples 4), with a
+#      trace and a host-sampled step; again with every layer on cuDNN's attention;
 #      again with the ViT's blocks compiled; the packed Hugging Face Trainer peer on torch's
 #      varlen kernel; the profile and its replay), its JSON written after each phase.
 #
@@ -48,9 +50,8 @@ args=("$@")
 # host-sampled step), every layer on SDPA with cuDNN's attention first (the run's parts say
 # what it does to the ViT and to the LLM), the ViT's blocks compiled,
 # the packed peer (no longer on a block mask), then the profile and the simulator's replay
-[ ${#args[@]} -eq 0 ] && args=(--target-samples 4 --steps 6 --warmup 2 --plans balanced
-                              --ab cudnn compiled_vit --baseline hf_packed
-                              --trace build/gpu-trace)
+[ ${#args[@]} -eq 0 ] && args=(--steps 6 --warmup 2 --plans balanced --ab cudnn compiled_vit
+                              --baseline hf_packed --trace build/gpu-trace)
 timeout "$BENCH_S" python3 benchmarks/gpu_bench.py --json "$OUT/gpu.json" "${args[@]}" 2>&1 |
     tee "$OUT/bench.log" | grep -v "^{" | tail -40
 stamp "bench done (rc ${PIPESTATUS[0]})"
