@@ -575,8 +575,10 @@ def main() -> None:
                                                              "smoke 1)")
     p.add_argument("--micro-batches", type=int, default=4, help="per step")
     p.add_argument("--target-samples", type=int, default=None,
-                   help="samples per random micro-batch (default: as many as the memory model "
-                        "lets the device hold recomputing no layer whole; 8 with --smoke)")
+                   help="samples per random micro-batch, balanced packed under random's caps "
+                        "(default: as many as the memory model lets the device hold "
+                        "recomputing no layer whole, balanced packed up to that micro-batch; "
+                        "8 with --smoke, balanced under random's caps)")
     p.add_argument("--max-seq-len", type=int, default=8192)
     p.add_argument("--loader-workers", type=int, default=None,
                    help="the trainer's default: 4 on GPU, 0 on CPU")
