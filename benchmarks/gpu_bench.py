@@ -445,10 +445,11 @@ def hf_train(args, setup: dict, padded: bool,
     through the same ``transformers`` path, ``TORCH_VARLEN``: the ViT's images in one call, no
     mask over the micro-batch) or padded per sample (SDPA); vlmshard's optimizer, schedule,
     clipping, steps and precision (fp32 master weights, bf16 compute on a GPU; fp32 on CPU),
-    with gradient checkpointing where ``checkpointing`` says. Each step's time is from the end
-    of the step before (its data included) to the end of its optimizer step on the device;
-    tokens and model FLOPs are vlmshard's log's for the same step (the same samples). Returns
-    the attention used, and per step its seconds and loss."""
+    with gradient checkpointing where ``checkpointing`` says. Each step's time is vlmshard's
+    ``step_time_s``'s: from its micro-batches in hand (the ``Trainer`` fetches a step's before
+    ``on_step_begin``; vlmshard logs its wait for them apart, ``load_s``) to the end of its
+    optimizer step on the device; tokens and model FLOPs are vlmshard's log's for the same step
+    (the same samples). Returns the attention used, and per step its seconds and loss."""
     import torch
     from transformers import AutoModelForImageTextToText, TrainerCallback
     from transformers.utils import is_flash_attn_2_available
@@ -482,13 +483,11 @@ def hf_train(args, setup: dict, padded: bool,
                 torch.cuda.synchronize()
             return time.perf_counter()
 
-        def on_train_begin(self, *_, **__) -> None:
-            self.last = self.now()
+        def on_step_begin(self, *_, **__) -> None:
+            self.start = self.now()
 
         def on_step_end(self, *_, **__) -> None:
-            now = self.now()
-            self.times.append(now - self.last)
-            self.last = now
+            self.times.append(self.now() - self.start)
 
         def on_log(self, *_, logs=None, **__) -> None:
             if logs and "loss" in logs:
