@@ -8,6 +8,7 @@ supervised tokens is its summed loss; the gradients are those of the sum over al
 
 from __future__ import annotations
 
+import glob
 import inspect
 import json
 import os
@@ -215,16 +216,20 @@ def padded(samples: list[dict]) -> dict:
 
 
 def hf_loss_and_grads(folder: str, batches: list[dict], tokens_per_tile: int,
-                      rows_per_tile: int) -> tuple[float, int, dict[str, torch.Tensor]]:
+                      rows_per_tile: int, trains=None
+                      ) -> tuple[float, int, dict[str, torch.Tensor]]:
     """(J, supervised tokens, gradients of J by parameter name). J is Σ per-token losses, and
     for a MoE model trained with the router's auxiliary loss (``output_router_logits``), plus
     tokens × coef × the mean over micro-batches of the aux loss HF computes on each micro-batch
-    (its samples as one padded batch): J / tokens is then the step's loss."""
+    (its samples as one padded batch): J / tokens is then the step's loss. ``trains(name)``:
+    whether parameter ``name`` trains (the others' ``requires_grad`` off; default: all)."""
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32,
                                                         attn_implementation="sdpa")
     model.train()
+    for name, p in model.named_parameters():
+        p.requires_grad_(trains is None or trains(name))
     text = model.config.get_text_config()
     coef = text.router_aux_loss_coef if getattr(text, "output_router_logits", False) else 0.0
     image_token_id = model.config.image_token_id
@@ -243,7 +248,8 @@ def hf_loss_and_grads(folder: str, batches: list[dict], tokens_per_tile: int,
             out = model(**sample, use_cache=False, **({"output_router_logits": False}
                                                       if coef else {}))
             loss = out.loss * n
-            loss.backward()
+            if loss.requires_grad:  # not where nothing trained touches the sample
+                loss.backward()
             total += loss.detach().double()
             count += n
     for samples in micro if coef else []:
@@ -253,6 +259,31 @@ def hf_loss_and_grads(folder: str, batches: list[dict], tokens_per_tile: int,
         total += weighted.detach().double()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return float(total), count, grads
+
+
+def pipeline_grads(run, model) -> dict[str, dict[str, torch.Tensor]]:
+    """Per pipeline stage, the gradients of the first optimizer step by checkpoint name, read
+    back from DeepSpeed's own checkpoint: AdamW's first moment after one step from zero is
+    (1 - beta1) x gradient, the data-parallel and tied-weight all-reduces included. A stage
+    that trains nothing has none."""
+    stages = {}
+    pattern = run / "checkpoints" / "step-1" / "mp_rank_*_model_states.pt"
+    for path in sorted(glob.glob(str(pattern))):
+        state = torch.load(path, weights_only=False)
+        groups = state["optimizer"]["param_groups"]  # none on a stage that trains nothing
+        names = state["parameters"]  # the trainer's record of the optimizer's order
+        grads = {}
+        for index, name in zip([i for g in groups for i in g["params"]], names):
+            beta1 = groups[0]["betas"][0]
+            layer, local = name.split(".", 1)
+            if layer == "tied_modules":  # tied_modules.KEY.inner...: the embedding's
+                i, local = model.names.index("embed_tokens"), local.split(".", 1)[1]
+            else:
+                i = int(layer)
+            hf = model.defs[i].build(model.meta).hf_name(local.removeprefix("inner."))
+            grads[hf] = state["optimizer"]["state"][index]["exp_avg"] / (1 - beta1)
+        stages[os.path.basename(path)] = grads
+    return stages
 
 
 def grad_floor(grads: dict[str, torch.Tensor]) -> float:

@@ -28,7 +28,7 @@ LAYERS = {
     "vlmshard.config": 0, "vlmshard.model_sizes": 0, "vlmshard.errors": 0, "vlmshard.rejects": 0,
     "vlmshard.partition": 0, "vlmshard.run_log": 0, "vlmshard.stage": 0, "vlmshard.compat": 0,
     "vlmshard.plugins": 0, "vlmshard.process": 0,
-    "vlmshard.hardware": 0,
+    "vlmshard.hardware": 0, "vlmshard.recipe": 0,
     "vlmshard.families": 1,
     "vlmshard.preprocess": 2, "vlmshard.packing": 3,
     "vlmshard.shards": 4, "vlmshard.simulate": 4,

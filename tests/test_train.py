@@ -19,6 +19,7 @@ from hf_reference import (
     hf_loss_and_grads,
     make_folder,
     make_shards,
+    pipeline_grads,
 )
 from PIL import Image
 from pipeline_reference import replay
@@ -718,32 +719,6 @@ def test_resume_after_kill_9_continues_the_loss_trajectory_exactly(small_shards,
     assert [r["lr"] for r in whole] == [r["lr"] for r in resumed]
 
 
-def _stage_grads(run, model) -> dict[str, dict[str, torch.Tensor]]:
-    """Per pipeline stage, the gradients of the first optimizer step by checkpoint name, read
-    back from DeepSpeed's own checkpoint: AdamW's first moment after one step from zero is
-    (1 - beta1) x gradient, the data-parallel and tied-weight all-reduces included."""
-    import glob
-
-    stages = {}
-    pattern = run / "checkpoints" / "step-1" / "mp_rank_*_model_states.pt"
-    for path in sorted(glob.glob(str(pattern))):
-        state = torch.load(path, weights_only=False)
-        group = state["optimizer"]["param_groups"][0]
-        beta1 = group["betas"][0]
-        names = state["parameters"]  # the trainer's record of the optimizer's order
-        grads = {}
-        for index, name in zip(group["params"], names):
-            layer, local = name.split(".", 1)
-            if layer == "tied_modules":  # tied_modules.KEY.inner...: the embedding's
-                i, local = model.names.index("embed_tokens"), local.split(".", 1)[1]
-            else:
-                i = int(layer)
-            hf = model.defs[i].build(model.meta).hf_name(local.removeprefix("inner."))
-            grads[hf] = state["optimizer"]["state"][index]["exp_avg"] / (1 - beta1)
-        stages[os.path.basename(path)] = grads
-    return stages
-
-
 VIDEO_FAMILIES = ("qwen2_5_vl", "internvl", "qwen3_vl", "qwen3_5")  # one of each video path
 
 
@@ -791,7 +766,7 @@ def test_first_pipeline_step_equals_the_hf_model(family, tmp_path):
     logged = _log(run / "train_log.jsonl")[0]
     assert logged["loss"] == pytest.approx(loss / count, rel=1e-5)
 
-    stages = _stage_grads(run, model)
+    stages = pipeline_grads(run, model)
     assert len(stages) == 2
     held = [set(g) for g in stages.values()]
     tied = {n for n in held[0] & held[1]}  # only a tied embedding/head is on both stages

@@ -182,6 +182,15 @@ class StageClock:
         for p in parameters:
             p.register_post_accumulate_grad_hook(self._on_parameter_grad)
 
+    def watch_input(self, x: torch.Tensor) -> None:
+        """Or at its input's gradient, where later (a stage whose frozen layers only pass the
+        gradient down has no parameter's to wait for)."""
+        x.register_hook(self._on_input_grad)
+
+    def _on_input_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        self._on_parameter_grad(None)
+        return grad
+
     def _on_parameter_grad(self, _param) -> None:
         if self._open is None:
             return

@@ -9,6 +9,7 @@ from typing import Literal
 
 from vlmshard.config import ConfigError, option, parse_size
 from vlmshard.families import model_types
+from vlmshard.recipe import RecipeOptions
 
 Precision = Literal["bf16", "fp32"]
 SchedulerName = Literal["cosine", "linear", "constant", "constant_with_warmup"]
@@ -19,7 +20,7 @@ Attention = Literal["auto", "flash", "varlen", "sdpa"]
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
+class TrainConfig(RecipeOptions):
     """Options of ``vlmshard train``."""
 
     shards: str = option(help="shard folder or URL")
@@ -155,6 +156,7 @@ class TrainConfig:
                    "from the step", default_text="start afresh")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("pp", "dp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")

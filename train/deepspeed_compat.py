@@ -5,8 +5,11 @@ layers by index: vlmshard overrides ``_partition_layers`` and reads the attribut
 are private, so a DeepSpeed release may rename them; ``check_compatible`` fails loudly, naming
 the release and the tested range, before anything is built (``setup.cfg`` pins the same range).
 ``without_shm_allreduce`` keeps DeepSpeed's CPU backend from building an op training never uses.
-``fewer_host_syncs`` replaces one helper of DeepSpeed's gradient-norm code with one that does
-the same without making the host wait; ``zero3_linear_bias_out_of_place`` replaces ZeRO-3's
+``skip_frozen_gradients`` leaves out the gradient exchange and backward of stages a frozen
+prefix of the model holds, and ``clip_over_every_stage`` clips fp32 gradients by the norm over
+every stage, as torch's ``clip_grad_norm_`` over the whole model would. ``fewer_host_syncs``
+replaces one helper of DeepSpeed's gradient-norm code with one that does the same without
+making the host wait; ``zero3_linear_bias_out_of_place`` replaces ZeRO-3's
 linear with one that leaves the matmul's output as it was made.
 """
 
@@ -150,3 +153,80 @@ def zero3_linear_bias_out_of_place() -> None:
         return OutOfPlaceBias.apply(input, weight, bias)
 
     torch.nn.functional.linear = zero3_linear
+
+
+def skip_frozen_gradients(engine, input_needs_grad: bool, output_needs_grad: bool) -> None:
+    """On a stage of DeepSpeed's ``PipelineEngine`` next to a frozen prefix of the model (layers
+    that train nothing and follow none that trains): no gradient crosses that boundary. A stage
+    whose input needs no gradient sends none back (its input buffer freed as DeepSpeed's send
+    frees it); a stage whose output has no graph (all its layers in the prefix) receives none
+    and runs no backward (its output buffer freed as DeepSpeed's backward frees it). The schedule
+    stays DeepSpeed's 1F1B: only those instructions do nothing. The engine looks its
+    instructions up in ``_INSTRUCTION_MAP`` through the instance, so the instance's own map
+    takes precedence."""
+    from deepspeed.runtime.pipe import schedule
+
+    if not hasattr(engine, "_INSTRUCTION_MAP") or not hasattr(engine, "pipe_buffers"):
+        raise DeepSpeedCompatError("deepspeed's PipelineEngine no longer dispatches through "
+                                   "_INSTRUCTION_MAP over pipe_buffers; "
+                                   "train/deepspeed_compat.py needs updating")
+
+    def release_inputs(self, buffer_id):
+        self.pipe_buffers["inputs"][buffer_id] = None
+
+    def release_outputs(self, buffer_id):
+        self.pipe_buffers["outputs"][buffer_id] = None
+        self.pipe_buffers["output_tensors"][buffer_id] = None
+
+    def nothing(self, buffer_id):
+        pass
+
+    skipped = {}
+    if not input_needs_grad and not engine.is_first_stage():
+        skipped[schedule.SendGrad] = release_inputs
+    if not output_needs_grad and not engine.is_last_stage():
+        skipped[schedule.BackwardPass] = release_outputs
+        skipped[schedule.RecvGrad] = nothing
+    if skipped:
+        engine._INSTRUCTION_MAP = {**type(engine)._INSTRUCTION_MAP, **skipped}
+
+
+
+def clip_over_every_stage() -> None:
+    """DeepSpeed's fp32 gradient clipping (``deepspeed.runtime.utils.clip_grad_norm_``, as its
+    engine imports it) by the norm of every stage's gradients. DeepSpeed's, written for
+    Megatron's tensor slices, counts a gradient only on model-parallel rank 0 or where the weight
+    is a tensor slice, and a pipeline's model-parallel group is its stages: only the first
+    stage's gradients made the norm (none at all where a frozen part fills the first stage), and
+    it read the device off the first gradient, which a stage that trains nothing lacks. Here, as
+    torch's ``clip_grad_norm_`` over the whole model: the L2 norm of every gradient, a tied
+    weight's once (DeepSpeed marks its other copies ``ds_pipe_replicated``, as its bf16
+    optimizer's norm skips them), summed over the stages; each rank's gradients are already the
+    data-parallel mean. The bf16 optimizer and ZeRO-2/3 clip in their own code."""
+    import torch
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime import engine
+
+    if not hasattr(engine, "clip_grad_norm_"):
+        raise DeepSpeedCompatError("deepspeed.runtime.engine no longer imports clip_grad_norm_; "
+                                   "train/deepspeed_compat.py needs updating")
+
+    def clip_grad_norm_(parameters, max_norm, norm_type=2, mpu=None):
+        if float(norm_type) != 2.0:
+            raise ValueError(f"gradient clipping takes the L2 norm, got norm_type {norm_type}")
+        held = [p for p in parameters if p.grad is not None]
+        squares = torch.zeros((), dtype=torch.float32,
+                              device=get_accelerator().current_device_name())
+        for p in held:
+            if not getattr(p, "ds_pipe_replicated", False):
+                squares += p.grad.detach().float().square().sum()
+        if mpu is not None:
+            dist.all_reduce(squares, group=mpu.get_model_parallel_group())
+        norm = squares.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in held:
+            p.grad.detach().mul_(coef.to(p.grad.dtype))
+        return norm
+
+    engine.clip_grad_norm_ = clip_grad_norm_

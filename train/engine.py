@@ -11,18 +11,25 @@ it builds time themselves on it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from .clock import HostSyncs, StageClock, StageTimes, allocator_calls
 from .config import TrainConfig
 from .data_parallel import VLMModel, train_batch
-from .deepspeed_compat import fewer_host_syncs, zero3_linear_bias_out_of_place
+from .deepspeed_compat import (
+    clip_over_every_stage,
+    fewer_host_syncs,
+    skip_frozen_gradients,
+    zero3_linear_bias_out_of_place,
+)
 from .default_partition import ChosenPartition
 from .engine_memory import GatheredWeights, engine_bytes, on_first_step
 from .hf_model import ModelLayers
@@ -63,6 +70,16 @@ def deepspeed_config(cfg: TrainConfig, gas: int) -> dict:
     return config
 
 
+def learning_rates(peak: float, schedule) -> Callable[[int], float]:
+    """The learning rate at each step of ``schedule`` (a Hugging Face scheduler of an
+    optimizer), read off its rule over an optimizer of no weights: a stage with nothing to
+    train has no group whose rate it could read."""
+    import torch
+
+    rule = schedule(torch.optim.SGD([{"params": []}], lr=peak)).lr_lambdas[0]
+    return lambda step: peak * rule(step)
+
+
 @dataclass(frozen=True)
 class StepResult:
     """One optimizer step as this rank saw it."""
@@ -96,20 +113,23 @@ class TrainEngine(ABC):
         self.net = self._module(model, chosen, device, topology)
         trained = [p for p in self.net.parameters() if p.requires_grad]
         # torch's own AdamW (fused kernels): DeepSpeed's "AdamW" compiles its fused_adam op on
-        # first use (nvcc on GPU, minutes of ninja on CPU).
-        optimizer = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                      fused=True)
+        # first use (nvcc on GPU, minutes of ninja on CPU). On a stage the recipe leaves nothing
+        # to train its one group is empty, and DeepSpeed drops it: every rank still steps, as
+        # DeepSpeed's collectives need.
+        optimizer = torch.optim.AdamW([{"params": trained}], lr=cfg.lr,
+                                      weight_decay=cfg.weight_decay, fused=True)
         self.clock.watch_optimizer(optimizer)
-        # Hugging Face's schedules, stepped by DeepSpeed after each optimizer step and saved
-        # with its checkpoints (a resumed run continues the schedule)
-        self.schedule = get_scheduler(cfg.lr_scheduler_type, optimizer,
-                                      num_warmup_steps=cfg.warmup_steps_of(steps),
-                                      num_training_steps=steps)
+        # Hugging Face's schedules, built by DeepSpeed over the groups it keeps, stepped after
+        # each optimizer step and saved with its checkpoints (a resumed run continues it)
+        schedule = functools.partial(get_scheduler, cfg.lr_scheduler_type,
+                                     num_warmup_steps=cfg.warmup_steps_of(steps),
+                                     num_training_steps=steps)
+        self.lr_at = learning_rates(cfg.lr, schedule)
         log.info("lr %g, %s schedule over %d steps, %d warm-up", cfg.lr, cfg.lr_scheduler_type,
                  steps, cfg.warmup_steps_of(steps))
         self.engine, _, _, _ = deepspeed.initialize(
             model=self.net, model_parameters=trained, optimizer=optimizer,
-            lr_scheduler=self.schedule, config=deepspeed_config(cfg, micro_batches))
+            lr_scheduler=schedule, config=deepspeed_config(cfg, micro_batches))
         self.loss.scale = micro_batches * cfg.dp
         # What the engine holds for its parameters, counted once, in the first step's optimizer
         # update (the memory model's bytes per parameter are checked against it)
@@ -173,7 +193,8 @@ class TrainEngine(ABC):
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             allocator = allocator_calls(self.device)
-        lr = self.schedule.get_last_lr()[0]  # this step's: DeepSpeed steps it after the step
+        # this step's: DeepSpeed steps the schedule after the step
+        lr = self.lr_at(self.engine.lr_scheduler.last_epoch)
         with HostSyncs(self.cfg.count_host_syncs) as syncs:
             value = self._train_batch(inputs, hosts)
         value = float(value)
@@ -221,6 +242,12 @@ class TrainEngine(ABC):
 
 class PipelineEngine(TrainEngine):
     """DeepSpeed's ``PipelineEngine`` over ``VLMPipeline``: any number of stages, ZeRO-1."""
+
+    def __init__(self, cfg: TrainConfig, model: ModelLayers, *args, **kwargs) -> None:
+        super().__init__(cfg, model, *args, **kwargs)
+        first, last = self.net.layer_indices[0], self.net.layer_indices[-1]
+        skip_frozen_gradients(self.engine, model.input_needs_grad(first),
+                              model.input_needs_grad(last + 1))
 
     def _module(self, model, chosen, device, topology) -> VLMPipeline:
         return VLMPipeline(model, self.cfg.pp, self.loss, clock=self.clock,
@@ -298,6 +325,7 @@ def build_engine(cfg: TrainConfig, model: ModelLayers, chosen: ChosenPartition, 
     """The engine ``cfg.zero`` takes: the pipeline engine at ZeRO-1, the plain one at 2 and 3
     (``TrainConfig`` has checked these run at one stage)."""
     fewer_host_syncs()
+    clip_over_every_stage()
     engine = PipelineEngine if cfg.zero == 1 else DataParallelEngine
     return engine(cfg, model, chosen, device=device, topology=topology,
                   micro_batches=micro_batches, steps=steps)

@@ -22,6 +22,7 @@ from torch import nn
 from vlmshard.errors import ConfigError
 from vlmshard.families import family_for_model_type, model_sizes, read_model_folder
 from vlmshard.io import read_json
+from vlmshard.recipe import Recipe
 from vlmshard.model_sizes import (
     LayerWork,
     ModelConfig,
@@ -51,10 +52,23 @@ class ModelLayers:
     defs: list[LayerDef]
     geometry: Geometry
     kernels: Kernels  # the optional kernels each built layer takes
+    recipe: Recipe  # what trains
 
     @property
     def names(self) -> list[str]:
         return [d.name for d in self.defs]
+
+    @functools.cached_property
+    def modes(self) -> list[str]:
+        """Per layer, how it runs under the recipe: ``forward``, ``input_grad`` or ``train``
+        (``vlmshard.recipe``)."""
+        return self.recipe.modes(self.names, tied=any(d.tied_key for d in self.defs))
+
+    def input_needs_grad(self, index: int) -> bool:
+        """Whether the input of layer ``index`` needs its gradient: a layer before it trains.
+        Where none does, the stage holding it takes its input detached and sends no gradient
+        back."""
+        return "train" in self.modes[:index]
 
     def input_phase(self, index: int) -> Phase:
         """What layer ``index`` receives: pixels for the first, else its predecessor's output."""
@@ -127,8 +141,9 @@ class ModelLayers:
     def build_layer(self, index: int, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.float32) -> nn.Module:
         """Layer ``index`` with its tensors loaded from the folder (and nothing else), taking
-        the optional kernels."""
+        the optional kernels; its weights frozen where the recipe does not train it."""
         layer = load_layer(self.defs[index].build(self.meta), self.checkpoint, device, dtype)
+        layer.requires_grad_(self.modes[index] == "train")
         layer.use_kernels(self.kernels.in_part(layer_part(self.defs[index].name)))
         return layer
 
@@ -159,12 +174,14 @@ def rank_model(cfg, device: torch.device | str, sequence_parallel: bool) -> Mode
             raise ConfigError("attention: flash cannot attend over a sequence-parallel "
                               "share (transformers calls flash-attn itself); varlen instead")
         backend = "varlen"
-    return model_layers(cfg.model, backend, Kernels.of(cfg))
+    return model_layers(cfg.model, backend, Kernels.of(cfg), cfg.recipe)
 
 
 @functools.cache
-def model_layers(path: str, backend: str = "sdpa", kernels: Kernels = Kernels()) -> ModelLayers:
-    """The layer list of the model folder ``path`` (cached per process)."""
+def model_layers(path: str, backend: str = "sdpa", kernels: Kernels = Kernels(),
+                 recipe: Recipe = Recipe()) -> ModelLayers:
+    """The layer list of the model folder ``path`` trained as ``recipe`` says (cached per
+    process)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     folder = read_model_folder(path)
@@ -181,4 +198,4 @@ def model_layers(path: str, backend: str = "sdpa", kernels: Kernels = Kernels())
             config, attn_implementation=implementation(backend))
     defs, geometry = layers(meta)  # outside meta: rotary tables are real
     return ModelLayers(folder.path, family.name, backend, meta.config, meta, defs, geometry,
-                       kernels)
+                       kernels, recipe)

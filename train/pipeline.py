@@ -27,6 +27,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
 from vlmshard.errors import ConfigError
+from vlmshard.recipe import Recipe
 
 from . import deepspeed_compat as ds
 from .clock import StageClock, layer_part
@@ -43,10 +44,11 @@ class PipeLayer(nn.Module):
     straight onto the stage's device (what a DeepSpeed ``LayerSpec`` builds on the stage that
     holds it)."""
 
-    def __init__(self, path: str, index: int, backend: str, kernels: Kernels,
+    def __init__(self, path: str, index: int, backend: str, kernels: Kernels, recipe: Recipe,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         super().__init__()
-        self.inner = model_layers(path, backend, kernels).build_layer(index, device, dtype)
+        self.inner = model_layers(path, backend, kernels, recipe).build_layer(index, device,
+                                                                              dtype)
 
     @property
     def weight(self) -> torch.Tensor:  # the tied embedding's, for DeepSpeed's tie
@@ -58,13 +60,17 @@ class PipeLayer(nn.Module):
 
 def recompute_modes(names: list[str], recompute: set[str], selective: set[str],
                     model: ModelLayers) -> list[str | None]:
-    """Per layer of ``names``, how it is recomputed (``vlmshard.train.recompute``): ``full``
-    where named in ``recompute``, else ``selective`` where named there, else not at all."""
+    """Per layer of ``names``, how it is recomputed (``vlmshard.train.recompute``): ``no_grad``
+    where the recipe runs it forward only (frozen, nothing trained before it: there is no
+    backward to keep anything for), else ``full`` where named in ``recompute``, else
+    ``selective`` where named there, else not at all."""
     unknown = (set(recompute) | set(selective)) - set(model.names)
     if unknown:
         raise ConfigError(f"recompute names {sorted(unknown)} are not layers of {model.path} "
                           f"({', '.join(model.names)})")
-    return ["full" if n in recompute else "selective" if n in selective else None for n in names]
+    runs = dict(zip(model.names, model.modes))
+    return ["no_grad" if runs[n] == "forward" else "full" if n in recompute
+            else "selective" if n in selective else None for n in names]
 
 
 def run_layers(layers: list[nn.Module], defs: list[LayerDef], micro: Micro,
@@ -78,7 +84,7 @@ def run_layers(layers: list[nn.Module], defs: list[LayerDef], micro: Micro,
     parts = [layer_part(d.name) for d in defs]
     for i, (layer, d, mode) in enumerate(zip(layers, defs, modes)):
         layer = annotated(d.name, layer)
-        if clock is not None and mode:
+        if clock is not None and mode in ("full", "selective"):
             layer = clock.recomputed(parts[i], layer)
         micro = micro.with_output(run_layer(layer, micro, mode), d.output)
         if clock is not None and (i + 1 == len(parts) or parts[i + 1] != parts[i]):
@@ -106,12 +112,11 @@ class VLMPipeline(PipelineModule):
         self.backend = backend
         specs = []
         for i, d in enumerate(model.defs):
+            args = (model.path, i, backend, model.kernels, model.recipe, dtype, device)
             if d.tied_key:
-                specs.append(TiedLayerSpec(d.tied_key, PipeLayer, model.path, i, backend,
-                                           model.kernels, dtype, device))
+                specs.append(TiedLayerSpec(d.tied_key, PipeLayer, *args))
             else:
-                specs.append(LayerSpec(PipeLayer, model.path, i, backend, model.kernels, dtype,
-                                       device))
+                specs.append(LayerSpec(PipeLayer, *args))
         super().__init__(layers=specs, num_stages=stages, loss_fn=loss_fn,
                          partition_method="bounds" if bounds else "parameters", **kwargs)
         self.layer_indices = ds.local_layers(self)
@@ -144,8 +149,12 @@ class VLMPipeline(PipelineModule):
     def forward(self, wire: tuple):
         self.clock.forward_begin()
         first = self.layer_indices[0]
-        if first == 0:  # DeepSpeed makes the float inputs require grad; pixels need none
-            wire = (wire[0].detach(), *wire[1:])
+        if not self.model.input_needs_grad(first):
+            # DeepSpeed makes the float inputs require grad; pixels, and what a frozen stage
+            # before this one made, need none (and ``frozen_boundaries`` sends none back)
+            wire = tuple(t.detach() for t in wire)
+        elif wire[0].requires_grad:
+            self.clock.watch_input(wire[0])
         if not self._hosts:
             raise RuntimeError("a forward with no HostMeta: give the step's with expect() "
                                "before train_batch")

@@ -42,7 +42,11 @@ def saved_ops() -> list:
 
 
 def run_layer(layer, micro, mode: str | None):
-    """``layer(micro)``, its activations recomputed in backward as ``mode`` says."""
+    """``layer(micro)``, its activations recomputed in backward as ``mode`` says; ``no_grad``:
+    a layer with no backward (frozen, nothing trained before it) keeps nothing."""
+    if mode == "no_grad":
+        with torch.no_grad():
+            return layer(micro)
     if not mode or not torch.is_grad_enabled():
         return layer(micro)
     if mode == "selective":

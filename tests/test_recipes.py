@@ -1,0 +1,161 @@
+"""The recipes users run: parts of the model frozen (``--train``, ``--freeze-embeddings``).
+
+The reference is the ``transformers`` model with ``requires_grad`` set as LLaMA-Factory sets it
+for ``freeze_vision_tower`` / ``freeze_multi_modal_projector`` / ``freeze_language_model``:
+its ``_register_composite_model`` keys per model type
+(LLaMA-Factory ``src/llamafactory/model/model_utils/visual.py``), matched on the parameters'
+names here, independently of the trainer's layer list.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import vlmshard_here
+from hf_reference import (
+    ROWS,
+    assert_grad_close,
+    grad_floor,
+    hf_loss_and_grads,
+    make_folder,
+    make_shards,
+    pipeline_grads,
+)
+
+from vlmshard.errors import ConfigError
+from vlmshard.recipe import Recipe
+from vlmshard.shards.loader import ShardDataset
+from vlmshard.train.config import TrainConfig
+from vlmshard.train.hf_model import model_layers
+
+# LLaMA-Factory's keys: the vision tower's and the projector's (``vision_model_keys``,
+# ``projector_key``); the language model is ``language_model`` and ``lm_head``.
+VISION = {"qwen2_vl": ("visual.patch_embed", "visual.blocks"),
+          "qwen3_vl": ("visual.pos_embed", "visual.patch_embed", "visual.blocks",
+                       "visual.deepstack_merger_list"),
+          "internvl": ("vision_tower",)}
+PROJECTOR = {"qwen2_vl": ("visual.merger",), "qwen3_vl": ("visual.merger",),
+             "internvl": ("multi_modal_projector",)}
+LANGUAGE = ("language_model", "lm_head")
+
+
+def llamafactory_trains(family: str, parts: set[str], freeze_embeddings: bool = False):
+    """Whether a ``transformers`` parameter of ``family`` trains when only ``parts`` do."""
+    def trains(name: str) -> bool:
+        name = name.removeprefix("model.")
+        for part, keys in (("vit", VISION[family]), ("projector", PROJECTOR[family]),
+                           ("llm", LANGUAGE)):
+            if name.startswith(keys):
+                embedding = name.startswith(("language_model.embed_tokens", "lm_head"))
+                return part in parts and not (embedding and freeze_embeddings)
+        raise AssertionError(f"{name} is in no part")
+    return trains
+
+
+def _weights(folder) -> dict[str, torch.Tensor]:
+    """The parameters of the model a folder loads as, by their ``transformers`` names."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def _losses(run) -> list[float]:
+    with open(run / "train_log.jsonl") as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+# (family, --train, bounds): a stage 0 of a frozen ViT alone, which runs no backward (Qwen3-VL's
+# DeepStack features crossing to stage 1 without a gradient); and InternVL's projector alone
+# trained, where stage 1 holds the frozen LLM (its tied embedding and head among it), trains
+# nothing and passes the gradient down
+CASES = [("qwen2_vl", "projector,llm", [0, 2, 8]),
+         ("qwen3_vl", "projector,llm", [0, 2, 11]),
+         ("internvl", "projector", [0, 3, 8])]
+
+
+@pytest.mark.slow(minutes=1.5)
+@pytest.mark.parametrize("family, parts, bounds", CASES)
+def test_a_frozen_part_trains_as_the_hf_model_with_the_same_requires_grad(family, parts,
+                                                                          bounds, tmp_path):
+    """PP=2 through DeepSpeed: step 0's loss and every trainable gradient equal the
+    ``transformers`` model's with LLaMA-Factory's ``requires_grad`` (fp32, rtol 1e-4), no frozen
+    weight has an optimizer state, and after 3 steps every frozen weight is bit-identical to
+    the folder's and every trained one has moved."""
+    folder = make_folder(family, str(tmp_path / "model"))
+    shards = make_shards(folder, tmp_path, rows=ROWS, micro_batches=2, target_samples=3)
+    run = tmp_path / "run"
+    vlmshard_here("train", "--shards", shards, "--pp", "2", "--max-steps", "3", "--lr", "0.001",
+                  "--warmup-steps", "0", "--max-grad-norm", "0", "--checkpoint-every", "1",
+                  "--bounds", *map(str, bounds), "--train", parts, "--out", str(run))
+    model = model_layers(folder)
+    batches = list(ShardDataset(shards, pixel_dtype=torch.float32))[:2]
+    trains = llamafactory_trains(family, set(parts.split(",")))
+    loss, count, ref_grads = hf_loss_and_grads(folder, batches, model.geometry.tokens_per_tile,
+                                               model.geometry.pixel_rows_per_tile, trains)
+    assert _losses(run)[0] == pytest.approx(loss / count, rel=1e-5)
+    grads = {k: v for g in pipeline_grads(run, model).values() for k, v in g.items()}
+    assert set(grads) == set(ref_grads)  # the optimizer holds the trained weights only
+    assert ref_grads and all(trains(n) for n in ref_grads)
+    floor = grad_floor(ref_grads)
+    for name, grad in ref_grads.items():
+        assert_grad_close(name, grads[name] * count, grad, floor)
+
+    before, after = _weights(tmp_path / "model"), _weights(run / "hf")
+    assert before.keys() == after.keys()
+    frozen = [n for n in before if not trains(n)]
+    assert frozen
+    for name in before:
+        assert torch.equal(before[name], after[name]) == (name in frozen), name
+
+
+@pytest.mark.slow(minutes=1.5)
+def test_zero_2_and_3_train_a_frozen_vit_as_the_pipeline_does(tmp_path):
+    """At PP=1 under ZeRO-2 and ZeRO-3 (every weight split): the same 3 losses as the pipeline
+    engine's PP=2 run of the recipe, the same trained weights, and the frozen ones untouched."""
+    folder = make_folder("qwen2_vl", str(tmp_path / "model"))
+    shards = make_shards(folder, tmp_path, rows=ROWS, micro_batches=2, target_samples=3)
+    common = ["--shards", shards, "--max-steps", "3", "--lr", "0.001", "--warmup-steps", "0",
+              "--train", "projector", "llm"]
+    runs = {"pipeline": ["--pp", "2"], "zero2": ["--zero", "2"],
+            "zero3": ["--zero", "3", "--zero3-persistence-threshold", "0"]}
+    for name, args in runs.items():
+        vlmshard_here("train", *common, *args, "--out", str(tmp_path / name))
+    trains = llamafactory_trains("qwen2_vl", {"projector", "llm"})
+    before = _weights(tmp_path / "model")
+    reference = _weights(tmp_path / "pipeline" / "hf")
+    for name in ("zero2", "zero3"):
+        assert _losses(tmp_path / name) == pytest.approx(_losses(tmp_path / "pipeline"),
+                                                         rel=1e-5)
+        after = _weights(tmp_path / name / "hf")
+        for key, tensor in after.items():
+            if trains(key):
+                torch.testing.assert_close(tensor, reference[key], rtol=1e-5, atol=1e-4)
+            else:
+                assert torch.equal(tensor, before[key]), (name, key)
+
+
+def test_a_recipe_names_each_layers_mode():
+    """Frozen layers before the first trained one run forward only; frozen ones after it also
+    pass their input's gradient; a tied head freezes with the embedding."""
+    names = ["vit_embed", "vit_block_0", "projector", "embed_tokens", "llm_block_0",
+             "final_norm", "head"]
+    assert Recipe(("projector", "llm")).modes(names) == [
+        "forward", "forward", "train", "train", "train", "train", "train"]
+    assert Recipe(("projector",)).modes(names) == [
+        "forward", "forward", "train", "input_grad", "input_grad", "input_grad", "input_grad"]
+    assert Recipe(("llm",), freeze_embeddings=True).modes(names, tied=True) == [
+        "forward", "forward", "forward", "forward", "train", "train", "forward"]
+    assert Recipe(("llm",), freeze_embeddings=True).modes(names, tied=False)[-1] == "train"
+
+
+def test_a_recipe_that_trains_nothing_or_no_part_is_one_line():
+    with pytest.raises(ConfigError, match="'audio' is no part of a model"):
+        TrainConfig(shards="s", out="o", train=["vit", "audio"])
+    with pytest.raises(ConfigError, match="leaves no weight of the model to train"):
+        Recipe(("vit",)).modes(["embed_tokens", "llm_block_0", "head"])
+    # comma- and space-separated alike, each part once
+    assert TrainConfig(shards="s", out="o", train=["projector,llm", "llm"]).recipe == Recipe(
+        ("projector", "llm"))
