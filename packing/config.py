@@ -7,6 +7,7 @@ from typing import Literal, get_args
 
 from vlmshard.config import ConfigError, option
 from vlmshard.families import families, presets
+from vlmshard.recipe import RecipeOptions
 
 from .cost import ComputeMode
 from .groups import GroupOrder, parse_groups
@@ -24,7 +25,7 @@ _UNITS = "; ".join(f"{f.presets[f.default_preset].vision.image_size} px for {f.d
 
 
 @dataclass(kw_only=True)
-class PackConfig:
+class PackConfig(RecipeOptions):
     """Options of ``vlmshard pack``."""
 
     stats: str = option(help="preprocess output folder, a stats .parquet, or OmniBal "
@@ -82,6 +83,11 @@ class PackConfig:
                      f"preset ({', '.join(f.default_preset for f in families().values())})")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.cost_model and not self.recipe.full:
+            raise ConfigError("--train/--freeze-embeddings set the default cost model's FLOPs; "
+                              "--cost-model gives measured ones (a profile of the recipe): "
+                              "give one or the other")
         for name in ("dp", "micro_batches", "epochs", "target_samples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, "

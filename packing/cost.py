@@ -28,6 +28,7 @@ import numpy as np
 
 from vlmshard.errors import ConfigError, InputError
 from vlmshard.io import read_json
+from vlmshard.recipe import Recipe
 
 log = logging.getLogger(__name__)
 
@@ -47,25 +48,33 @@ class CostModel:
     window: int = 0  # the sliding window of the layers that have one (0: none)
     window_share: float = 0.0  # the share of ``b`` those layers make
     c_sp: float = 0.0  # per token, the sequence-parallel exchange at (s − 1)/s = 1
+    # what the run trains (``vlmshard.recipe``), and a_v over the a_v of training every part:
+    # a frozen ViT's forward alone is about a third of its training work
+    recipe: str = "vit,projector,llm"
+    a_v_share: float = 1.0
 
     @classmethod
-    def from_sizes(cls, model) -> "CostModel":
-        """Training FLOPs of a ``vlmshard.model_sizes.ModelConfig``, from its layer sizes."""
+    def from_sizes(cls, model, recipe: Recipe = Recipe()) -> "CostModel":
+        """Training FLOPs of a ``vlmshard.model_sizes.ModelConfig``, from its layer sizes, each
+        layer as ``recipe`` runs it."""
         from vlmshard.hardware import GPUS, REFERENCE_GPU, flops_per_sp_byte
         from vlmshard.model_sizes import sequence_parallel_bytes, training_flops
 
-        flops = training_flops(model)
+        flops = training_flops(model, recipe)
+        full = training_flops(model)
         b = flops.squares + flops.windowed
         return cls(flops.tiles, flops.tokens, b, f"flops:{model.name}",
                    window=model.llm.sliding_window if flops.windowed else 0,
                    window_share=flops.windowed / b if flops.windowed else 0.0,
-                   c_sp=sequence_parallel_bytes(model) * flops_per_sp_byte(GPUS[REFERENCE_GPU]))
+                   c_sp=sequence_parallel_bytes(model) * flops_per_sp_byte(GPUS[REFERENCE_GPU]),
+                   recipe=recipe.describe(),
+                   a_v_share=flops.tiles / full.tiles if full.tiles else 1.0)
 
     @classmethod
     def for_stats(cls, name: str | None, family: str, model_folder: str | None = None,
-                  unit_px: int | None = None) -> "CostModel":
-        """The FLOPs of ``model_for_stats``."""
-        return cls.from_sizes(model_for_stats(name, family, model_folder, unit_px))
+                  unit_px: int | None = None, recipe: Recipe = Recipe()) -> "CostModel":
+        """The FLOPs of ``model_for_stats``, trained as ``recipe`` says."""
+        return cls.from_sizes(model_for_stats(name, family, model_folder, unit_px), recipe)
 
     @classmethod
     def from_json(cls, path: str) -> "CostModel":

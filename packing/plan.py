@@ -106,7 +106,8 @@ def _pack(cfg: PackConfig) -> PackResult:
     stats = load_stats(cfg.stats)
     lengths = stats.lengths
     cost = (CostModel.from_json(cfg.cost_model) if cfg.cost_model
-            else CostModel.for_stats(cfg.model, stats.family, stats.model_folder, stats.unit_px))
+            else CostModel.for_stats(cfg.model, stats.family, stats.model_folder, stats.unit_px,
+                                     cfg.recipe))
     t_loaded = time.perf_counter()
     fingerprint = job_fingerprint({
         "vlmshard_version": __version__, "stats_sha256": stats.sha256, "cost_model": cost.to_dict(),

@@ -147,7 +147,7 @@ def test_a_recipe_names_each_layers_mode():
     assert Recipe(("projector",)).modes(names) == [
         "forward", "forward", "train", "input_grad", "input_grad", "input_grad", "input_grad"]
     assert Recipe(("llm",), freeze_embeddings=True).modes(names, tied=True) == [
-        "forward", "forward", "forward", "forward", "train", "train", "forward"]
+        "forward", "forward", "forward", "forward", "train", "train", "input_grad"]
     assert Recipe(("llm",), freeze_embeddings=True).modes(names, tied=False)[-1] == "train"
 
 
@@ -159,3 +159,104 @@ def test_a_recipe_that_trains_nothing_or_no_part_is_one_line():
     # comma- and space-separated alike, each part once
     assert TrainConfig(shards="s", out="o", train=["projector,llm", "llm"]).recipe == Recipe(
         ("projector", "llm"))
+
+
+@pytest.mark.parametrize("mode", ["forward", "input_grad", "train"])
+def test_a_layers_flops_in_each_mode_are_what_autograd_runs(mode, tmp_path):
+    """A Qwen2-VL decoder layer's matrix products through forward and backward, counted by
+    torch's FlopCounterMode as autograd runs them: the forward alone (frozen, nothing trained
+    before it: under no_grad), the input's gradient beside it (frozen weights), or both
+    gradients; equal to the analytic forward FLOPs in the mode (``executed_flops``)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from vlmshard.families import model_sizes
+    from vlmshard.io import read_json
+    from vlmshard.model_sizes import executed_flops, layer_work
+
+    folder = make_folder("qwen2_vl", str(tmp_path / "model"))
+    layers = model_layers(folder)
+    block = layers.build_layer(layers.names.index("llm_block_0")).layer
+    block.requires_grad_(mode == "train")
+    rotary = layers.meta.model.language_model.rotary_emb
+    tokens = 29
+    hidden = torch.randn(1, tokens, layers.config.get_text_config().hidden_size,
+                         requires_grad=mode != "forward")
+    positions = torch.arange(tokens).expand(3, 1, tokens)
+    with torch.no_grad():
+        rope = type(rotary)(rotary.config)(hidden, positions)
+    with FlopCounterMode(display=False) as counter, torch.set_grad_enabled(mode != "forward"):
+        out = block(hidden, attention_mask=None, position_embeddings=rope, use_cache=False)
+        out = out[0] if isinstance(out, tuple) else out
+        if mode != "forward":
+            out.sum().backward()
+    matmuls = sum(n for op, n in counter.get_flop_counts()["Global"].items()
+                  if op.__name__.split(".")[0] in ("mm", "addmm", "bmm"))
+    work = {w.name: w for w in layer_work(model_sizes(read_json(f"{folder}/config.json"),
+                                                      folder))}["llm_block_0"]
+    assert matmuls == executed_flops(work.flops, mode).tokens * tokens
+    assert matmuls == {"forward": 1, "input_grad": 2, "train": 3}[mode] * work.flops.tokens \
+        * tokens
+
+
+def test_pack_costs_a_frozen_vit_at_its_forward(tmp_path):
+    """``pack --train projector llm`` on Qwen2-VL stats: a_v is the ViT's forward alone plus
+    the trained merger's forward and backward, about a third of training both, recorded with
+    the recipe in plan.json's cost model; the LLM's coefficients are unchanged."""
+    from vlmshard.families import model_sizes
+    from vlmshard.io import read_json
+    from vlmshard.model_sizes import layer_work
+    from vlmshard.packing.config import PackConfig
+    from vlmshard.packing.plan import run_pack
+
+    folder = make_folder("qwen2_vl", str(tmp_path / "model"))
+    make_shards(folder, tmp_path, rows=ROWS)
+    costs = {}
+    for name, parts in (("full", ["vit", "projector", "llm"]), ("frozen", ["projector,llm"])):
+        run_pack(PackConfig(stats=str(tmp_path / "pre"), dp=1, out=str(tmp_path / name),
+                            train=parts))
+        costs[name] = read_json(str(tmp_path / name / "plan.json"))["cost_model"]
+    work = layer_work(model_sizes(read_json(f"{folder}/config.json"), folder))
+    vit = sum(w.flops.tiles for w in work if w.name.startswith("vit_"))
+    merger = next(w.flops.tiles for w in work if w.name == "projector_merge")
+    full, frozen = costs["full"], costs["frozen"]
+    assert full["a_v"] == pytest.approx(3 * (vit + merger))
+    assert frozen["a_v"] == pytest.approx(vit + 3 * merger)
+    assert frozen["a_v_share"] == pytest.approx(frozen["a_v"] / full["a_v"])
+    assert 1 / 3 < frozen["a_v_share"] < 1
+    # at Qwen2-VL-2B's sizes, where the merger is small beside the ViT: about a third
+    from vlmshard.families import presets
+    from vlmshard.packing.cost import CostModel
+
+    share = CostModel.from_sizes(presets()["qwen2-vl-2b"], Recipe(("projector", "llm")))
+    assert 1 / 3 < share.a_v_share < 0.35
+    assert (frozen["recipe"], full["recipe"], full["a_v_share"]) == (
+        "projector,llm", "vit,projector,llm", 1.0)
+    assert (frozen["a_t"], frozen["b"]) == (full["a_t"], full["b"])
+
+
+def test_a_frozen_vit_moves_the_partition_and_its_stage_runs_no_backward():
+    """Qwen3-VL-8B on 4 stages of an 80 GB device: with the ViT frozen the search puts more
+    layers on the first stage, which holds the ViT's weights alone (no gradients or optimizer
+    states) and runs no backward."""
+    from vlmshard.families import presets
+    from vlmshard.model_sizes import Size, bytes_per_param, layer_work, weight_bytes_per_param
+    from vlmshard.partition import Machine, analytic_layer_costs, search_partition
+
+    model = presets()["qwen3-vl-8b"]
+    work = layer_work(model)
+    size = Size(tiles=2048, tokens=8192, squares=8192 ** 2 / 4)
+    machine = Machine.for_device(80 * 2**30)
+    bounds = {}
+    for name, recipe in (("full", Recipe()), ("frozen", Recipe(("projector", "llm")))):
+        modes = recipe.modes(model.layer_names())
+        layers = analytic_layer_costs(work, time_size=size, memory_size=size, flops_per_s=1.0,
+                                      bytes_per_param=bytes_per_param(), modes=modes,
+                                      frozen_bytes_per_param=weight_bytes_per_param())
+        found = search_partition(layers, 4, machine)
+        bounds[name] = found.bounds
+        if name == "frozen":
+            vit = [i for i, n in enumerate(model.layer_names()) if n.startswith("vit_")]
+            assert all(layers[i].backward_s == 0 and layers[i].activation_bytes == 0
+                       and layers[i].param_bytes == work[i].params * 2 for i in vit)
+            assert set(vit) <= set(range(found.bounds[1]))
+    assert bounds["frozen"][1] > bounds["full"][1], bounds

@@ -37,6 +37,7 @@ from vlmshard.model_sizes import (
     Size,
     bytes_per_param,
     vit_attention_size,
+    weight_bytes_per_param,
     zero3_fixed_bytes,
 )
 from vlmshard.partition import (
@@ -158,7 +159,9 @@ def choose_partition(cfg: TrainConfig, model: "ModelLayers", device: Device | No
     machine, fixed = less_zero3_fixed(cfg, model, machine, where)
     layers = analytic_layer_costs(
         model.analytic_work(), time_size=mean, memory_size=caps, flops_per_s=flops_per_s,
-        bytes_per_param=bytes_per_param(cfg.precision, cfg.dp, cfg.grad_accum, cfg.zero))
+        bytes_per_param=bytes_per_param(cfg.precision, cfg.dp, cfg.grad_accum, cfg.zero),
+        modes=model.modes,
+        frozen_bytes_per_param=weight_bytes_per_param(cfg.precision, cfg.dp, cfg.zero))
     basis = (f"the analytic FLOPs and memory of {os.path.basename(model.path)} at micro-batches "
              f"of {mean.tiles:.0f} tiles and {mean.tokens:.0f} tokens (caps {caps.tiles:.0f}/"
              f"{caps.tokens:.0f}), {where}")
@@ -179,6 +182,14 @@ def choose_partition(cfg: TrainConfig, model: "ModelLayers", device: Device | No
         selective = [model.names[i] for i in found.selective]
         selective += [n for n in cfg.selective if n not in selective + recompute]
         source = f"searched: {basis}"
+    # a frozen prefix keeps nothing: there is nothing to recompute
+    runs = dict(zip(model.names, model.modes))
+    idle = [n for n in recompute + selective if runs.get(n) == "forward"]
+    if idle:
+        log.info("not recomputed: %s run forward only (frozen, nothing trained before them)",
+                 ", ".join(idle))
+    recompute = [n for n in recompute if n not in idle]
+    selective = [n for n in selective if n not in idle]
     again = {model.names.index(n) for n in recompute if n in model.names}
     partly = {model.names.index(n) for n in selective if n in model.names} - again
     memory = []

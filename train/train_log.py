@@ -147,7 +147,7 @@ def step_record(step: int, loss: float, lr: float, ranks: list[dict],
 def pipeline_record(model: dict, stages: list[tuple[int, list[str], list[str], list[str]]],
                     partition_source: str = "", memory: list[dict] | None = None,
                     budget_bytes: int = 0, attention: str = "", kernels: dict | None = None,
-                    saves: dict | None = None) -> dict:
+                    saves: dict | None = None, modes: dict[str, str] | None = None) -> dict:
     """``pipeline.json``: the model's analytic sizes (``ModelConfig.to_dict``) and, per stage,
     the layers it held and those it recomputed whole and selectively, from every rank's
     ``(stage, layers, recompute, selective)`` (the replicas of a stage hold the same;
@@ -156,7 +156,9 @@ def pipeline_record(model: dict, stages: list[tuple[int, list[str], list[str], l
     the partition came from (``vlmshard.train.default_partition.ChosenPartition``), the
     attention backend (``vlmshard.train.attention``) and optional kernels the layers took
     (``vlmshard.train.kernels.Kernels``) and what the memory
-    model counted them to keep for backward (``vlmshard.model_sizes.Saves``)."""
+    model counted them to keep for backward (``vlmshard.model_sizes.Saves``), and how the
+    run's recipe ran each layer (``modes``: ``vlmshard.recipe``; every layer trains without
+    it)."""
     by_stage = {stage: rest for stage, *rest in stages}
     memory = memory or [{} for _ in by_stage]
     return {"model": model, "partition_source": partition_source,
@@ -165,6 +167,7 @@ def pipeline_record(model: dict, stages: list[tuple[int, list[str], list[str], l
             "saves": saves or {},
             "stages": [{"stage": s, "layers": by_stage[s][0], "recompute": by_stage[s][1],
                         "selective": by_stage[s][2],
+                        "modes": [(modes or {}).get(n, "train") for n in by_stage[s][0]],
                         **({"memory": memory[s]} if memory[s] else {})}
                        for s in sorted(by_stage)]}
 

@@ -209,7 +209,8 @@ def write_pipeline(cfg: TrainConfig, setup: Setup, engine: TrainEngine) -> None:
                           pipeline_record(setup.sizes.to_dict(), stages, chosen.source,
                                           chosen.memory, chosen.budget_bytes,
                                           setup.model.backend, asdict(setup.model.kernels),
-                                          asdict(setup.model.saves())))
+                                          asdict(setup.model.saves()),
+                                          dict(zip(setup.model.names, setup.model.modes))))
 
 
 def rank_0_log(cfg: TrainConfig, engine: TrainEngine, first_step: int
@@ -239,7 +240,7 @@ def train(cfg: TrainConfig, setup: Setup, engine: TrainEngine, first_step: int,
     reads = engine.reads_data
     batches = repeated(cfg, engine.dp_rank, first_step, setup.cuda) if reads else None
     vocab = setup.model.config.get_text_config().vocab_size
-    flops = training_flops(setup.sizes)
+    flops = training_flops(setup.sizes, cfg.recipe)
     again = recompute_flops(setup.model.names, setup.model.analytic_work(),
                             setup.chosen.recompute)
     # --trace: the second step under the profiler, the third's host sampled (HostSampler)

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from .errors import ConfigError
+from .recipe import Recipe, flops_factor
 
 
 @dataclass(frozen=True)
@@ -872,7 +873,25 @@ def sequence_parallel_bytes(config: ModelConfig) -> float:
     return 2 * ACTIVATION_BYTES * float(sum(per_layer))
 
 
-def training_flops(config: ModelConfig) -> Size:
-    """Forward + backward FLOPs of the whole model per unit of each ``Size``: per tile, per
-    token and per squared length the packer's default cost model (``a_v``, ``a_t``, ``b``)."""
-    return sum((lay.flops for lay in layer_work(config)), Size()).scaled(3)
+def executed_flops(flops: Size, mode: str) -> Size:
+    """Forward + backward FLOPs of a layer of forward ``flops`` run in ``mode``
+    (``vlmshard.recipe``): the forward alone for a frozen prefix, the input's gradient beside
+    it for a frozen layer after a trained one, the whole backward for a trained layer."""
+    return Size(*(flops_factor(mode, k) * getattr(flops, k) for k in SIZE_FIELDS))
+
+
+def training_flops(config: ModelConfig, recipe: Recipe = Recipe()) -> Size:
+    """Forward + backward FLOPs of the whole model per unit of each ``Size``, each layer as
+    ``recipe`` runs it (a frozen ViT at the front: its forward alone): per tile, per token and
+    per squared length the packer's default cost model (``a_v``, ``a_t``, ``b``)."""
+    modes = recipe.modes(config.layer_names(), tied=config.llm.tied_embeddings)
+    return sum((executed_flops(lay.flops, mode)
+                for lay, mode in zip(layer_work(config), modes)), Size())
+
+
+def weight_bytes_per_param(precision: str = "bf16", dp: int = 1, zero: int = 1) -> float:
+    """Device bytes per frozen parameter: its weight alone, in the run's dtype (no gradient, no
+    master copy, no moments); ZeRO-3 splits it over the ``dp`` ranks as it splits every
+    weight."""
+    width = ACTIVATION_BYTES if precision == "bf16" else FP32
+    return width / dp if zero == 3 else float(width)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields, replace
 from functools import cached_property, lru_cache
 
 from vlmshard.errors import ConfigError
-from vlmshard.model_sizes import CHECKPOINT_STATE_BYTES, LayerWork, Size
+from vlmshard.model_sizes import CHECKPOINT_STATE_BYTES, LayerWork, Size, executed_flops
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,8 @@ class LayerCost:
     # of ``param_bytes``, those of the table a tied LM head and the token embedding share: a
     # stage holding both holds it once (``stage_param_bytes``)
     tied_bytes: int = 0
+    # False for a frozen layer before any trained one: forward only, nothing to recompute
+    has_backward: bool = True
 
     @cached_property
     def transient_bytes(self) -> int:
@@ -128,23 +130,34 @@ class Partition:
 
 
 def analytic_layer_costs(work: list[LayerWork], *, time_size: Size, memory_size: Size,
-                         flops_per_s: float, bytes_per_param: float) -> list[LayerCost]:
+                         flops_per_s: float, bytes_per_param: float,
+                         modes: list[str] | None = None,
+                         frozen_bytes_per_param: float = 0.0) -> list[LayerCost]:
     """``LayerCost``s from the analytic model (``model_sizes.layer_work``) for the search: times
-    at a typical micro-batch (backward twice the forward), memory (kept activations and the
-    transient beyond them) at the largest one (the one that must fit). The first layer's input
-    is the pixels its activation already keeps."""
+    at a typical micro-batch, memory (kept activations and the transient beyond them) at the
+    largest one (the one that must fit). The first layer's input is the pixels its activation
+    already keeps. ``modes``: per layer, how the run's recipe runs it (``vlmshard.recipe``;
+    default: every layer trained): a frozen layer holds its weights alone
+    (``frozen_bytes_per_param`` each), its backward computes its input's gradient alone, and a
+    frozen prefix keeps nothing and has no backward."""
     costs = []
-    for i, w in enumerate(work):
-        forward = w.flops.windows_as_full().dot(time_size) / flops_per_s
+    for i, (w, mode) in enumerate(zip(work, modes or ["train"] * len(work))):
+        flops = w.flops.windows_as_full()
+        forward = flops.dot(time_size) / flops_per_s
+        backward = executed_flops(flops, mode).dot(time_size) / flops_per_s - forward
         inputs = work[i - 1].output_bytes if i else w.activation_bytes
         kept, held = int(w.activation_bytes.dot(memory_size)), int(inputs.dot(memory_size))
         selective = None if w.selective_bytes is None else min(
             kept, held + int(w.selective_bytes.dot(memory_size)) + CHECKPOINT_STATE_BYTES)
+        if mode == "forward":  # nothing kept, nothing to recompute
+            kept = held = 0
+            selective = None
+        per_param = bytes_per_param if mode == "train" else frozen_bytes_per_param
         costs.append(LayerCost(
-            w.name, forward, 2 * forward, kept, held,
-            int(w.output_bytes.dot(memory_size)), int(w.params * bytes_per_param),
+            w.name, forward, backward, kept, held,
+            int(w.output_bytes.dot(memory_size)), int(w.params * per_param),
             peak_bytes=kept + int(w.transient(memory_size)), selective_bytes=selective,
-            tied_bytes=int(w.tied_params * bytes_per_param)))
+            tied_bytes=int(w.tied_params * per_param), has_backward=mode != "forward"))
     return costs
 
 
@@ -283,7 +296,7 @@ def make_stage(layers: list[LayerCost], first: int, end: int, index: int, stages
     in_flight = stages - index
     selective: list[int] = []
     if machine.full_recompute:
-        recompute = list(range(first, end))
+        recompute = [i for i in range(first, end) if layers[i].has_backward]
         if stage_memory(layers, first, end, in_flight, recompute) > machine.memory_budget:
             return None
     else:

@@ -88,9 +88,12 @@ class Recipe:
         return ",".join(p for p in PARTS if p in self.train) + (
             " (embeddings frozen)" if self.freeze_embeddings else "")
 
-    def to_dict(self) -> dict:
-        return {"train": [p for p in PARTS if p in self.train],
-                "freeze_embeddings": self.freeze_embeddings}
+    @classmethod
+    def from_params(cls, params: dict) -> "Recipe":
+        """The recipe a plan was packed for, from its ``params`` (every part, in a plan of a
+        vlmshard that trained them all)."""
+        return cls(tuple(params.get("train", PARTS)), params.get("freeze_embeddings", False))
+
 
 
 # Per ``Size`` field, what a mode's forward + backward costs in forwards. A weight's matmul has a

@@ -26,7 +26,7 @@ import numpy as np
 
 from vlmshard.errors import ConfigError, InputError
 from vlmshard.hardware import GPU
-from vlmshard.model_sizes import LayerWork, Size
+from vlmshard.model_sizes import LayerWork, Size, executed_flops
 from vlmshard.partition import Machine, Partition, analytic_layer_costs, deepspeed_bounds
 
 log = logging.getLogger(__name__)
@@ -114,23 +114,30 @@ class LayerRates:
     output_bytes: np.ndarray  # [layers, COLUMNS]
 
     @classmethod
-    def from_work(cls, work: list[LayerWork], flops_per_s: float | np.ndarray) -> "LayerRates":
-        """FLOPs at a sustained rate, one for all layers or one per layer; backward is twice
-        the forward."""
-        forward = np.array([_vector(w.flops) for w in work]) / np.reshape(flops_per_s, (-1, 1))
-        return cls(forward, 2 * forward, np.array([_vector(w.output_bytes) for w in work]))
+    def from_work(cls, work: list[LayerWork], flops_per_s: float | np.ndarray,
+                  modes: list[str] | None = None) -> "LayerRates":
+        """FLOPs at a sustained rate, one for all layers or one per layer; backward is what
+        each layer's mode runs (``vlmshard.recipe``; by default every layer trains: twice the
+        forward)."""
+        rate = np.reshape(flops_per_s, (-1, 1))
+        forward = np.array([_vector(w.flops) for w in work]) / rate
+        executed = np.array([_vector(executed_flops(w.flops, mode)) for w, mode
+                             in zip(work, modes or ["train"] * len(work))]) / rate
+        return cls(forward, executed - forward,
+                   np.array([_vector(w.output_bytes) for w in work]))
 
     @classmethod
-    def sustained(cls, work: list[LayerWork], profile: dict) -> "LayerRates":
+    def sustained(cls, work: list[LayerWork], profile: dict,
+                  modes: list[str] | None = None) -> "LayerRates":
         """FLOPs at the rate the profile measured for each layer's kind
-        (``sustained_flops_per_s``)."""
+        (``sustained_flops_per_s``), each layer's backward as its mode runs it."""
         if any("kind" not in layer for layer in profile["layers"]):
             raise InputError("the profile names no layer kinds (a profile of an older "
                              "vlmshard): run vlmshard train profile again")
         rates = sustained_flops_per_s(profile, work)
         # a kind with no FLOPs counted takes no time at any rate
         return cls.from_work(work, np.array([rates.get(layer["kind"], np.inf)
-                                             for layer in profile["layers"]]))
+                                             for layer in profile["layers"]]), modes)
 
     @classmethod
     def from_profile(cls, profile: dict, cost_model: dict,
@@ -199,10 +206,11 @@ class StageModel:
     send_backward: np.ndarray | None = None  # [P, COLUMNS] gradient sent back to the stage before
 
     @classmethod
-    def build(cls, rates: LayerRates, partition: Partition,
-              link_bytes_per_s: float) -> "StageModel":
+    def build(cls, rates: LayerRates, partition: Partition, link_bytes_per_s: float,
+              input_grads: list[bool] | None = None) -> "StageModel":
         """Stage sums of layer rates; a stage sends its output forward and its input's gradient
-        back over the link; recomputed layers run their forward again in backward."""
+        back over the link (where its first layer's input needs one: ``input_grads``, per
+        layer; by default all do); recomputed layers run their forward again in backward."""
         forward, backward, send_forward, send_backward = [], [], [], []
         last = len(partition.stages) - 1
         for index, stage in enumerate(partition.stages):
@@ -212,8 +220,9 @@ class StageModel:
                             + rates.forward[stage.recompute].sum(axis=0))
             send_forward.append(rates.output_bytes[stage.end - 1] / link_bytes_per_s
                                 if index < last else np.zeros(rates.forward.shape[1]))
+            grad_in = index and (input_grads is None or input_grads[stage.first])
             send_backward.append(rates.output_bytes[stage.first - 1] / link_bytes_per_s
-                                 if index else np.zeros(rates.forward.shape[1]))
+                                 if grad_in else np.zeros(rates.forward.shape[1]))
         return cls(*(np.array(x) for x in (forward, backward, send_forward, send_backward)))
 
     def times(self, sizes: np.ndarray,
@@ -330,14 +339,17 @@ def simulate(batches: np.ndarray, model: StageModel,
 
 def search_for(work: list[LayerWork], sizes: np.ndarray, stages: int, gpu: GPU, *,
                flops_per_s: float, bytes_per_param: float, full_recompute: bool = False,
-               method: str = "search") -> Partition:
+               method: str = "search", modes: list[str] | None = None,
+               frozen_bytes_per_param: float = 0.0) -> Partition:
     """The stage partition for these micro-batch sizes: the exact search (``method="search"``)
-    or DeepSpeed's ``parameters``/``uniform``, with adaptive (or full) recompute."""
+    or DeepSpeed's ``parameters``/``uniform``, with adaptive (or full) recompute; each layer
+    costed as ``modes`` runs it (``analytic_layer_costs``)."""
     from vlmshard.partition import PartitionError, evaluate, search_partition
 
     mean, peak = sizes.mean(axis=0), sizes.max(axis=0)
     layers = analytic_layer_costs(work, time_size=Size(*mean), memory_size=Size(*peak),
-                         flops_per_s=flops_per_s, bytes_per_param=bytes_per_param)
+                                  flops_per_s=flops_per_s, bytes_per_param=bytes_per_param,
+                                  modes=modes, frozen_bytes_per_param=frozen_bytes_per_param)
     machine = Machine.for_device(gpu.memory_bytes, gpu.link_bytes_per_s, full_recompute)
     if method == "search":
         return search_partition(layers, stages, machine)

@@ -81,15 +81,16 @@ def measured_times(records: list[dict]) -> PipelineTimes | None:
     return PipelineTimes(makespan, busy)
 
 
-def analytic_rates(names: list[str], model: ModelConfig, profile: dict | None = None
-                   ) -> LayerRates:
+def analytic_rates(names: list[str], model: ModelConfig, profile: dict | None = None,
+                   modes: list[str] | None = None) -> LayerRates:
     """Per trainer layer ``names``, FLOPs per unit of each size (``COLUMNS``) from the analytic
-    model (``model_sizes.trainer_layer_work``); with a ``profile`` of those layers, seconds at
-    the FLOP rate it measured for each layer's kind (``sustained_flops_per_s``)."""
+    model (``model_sizes.trainer_layer_work``), each layer's backward as its mode ran it
+    (``modes``: ``vlmshard.recipe``; default: all trained); with a ``profile`` of those layers,
+    seconds at the FLOP rate it measured for each layer's kind (``sustained_flops_per_s``)."""
     work = _layer_work(names, model)
     if profile is None:
-        return LayerRates.from_work(work, flops_per_s=1.0)  # FLOPs: shares need no rate
-    return LayerRates.sustained(work, profile)
+        return LayerRates.from_work(work, 1.0, modes)  # FLOPs: shares need no rate
+    return LayerRates.sustained(work, profile, modes)
 
 
 def _layer_work(names: list[str], model: ModelConfig) -> list[LayerWork]:
@@ -165,7 +166,9 @@ def replay_run(train_log: str, profile_dir: str | None = None, per_kind: bool = 
         profile = read_json(os.path.join(profile_dir, "profile.json")) if per_kind else None
         if profile is not None:
             _same_layers([lay["name"] for lay in profile["layers"]], names, profile_dir)
-        rates = analytic_rates(names, model, profile)
+        rates = analytic_rates(names, model, profile,
+                               [m for st in pipeline["stages"]
+                                for m in st.get("modes", ["train"] * len(st["layers"]))])
         basis = f"the analytic layer FLOPs of the trained model ({model.name})" + (
             f" at the FLOP rates {profile_dir} measured per layer kind" if per_kind else "")
     stages = StageModel.build(rates, partition, float("inf"))  # sends are not modelled

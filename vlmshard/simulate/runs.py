@@ -13,7 +13,8 @@ from vlmshard.errors import InputError
 from vlmshard.hardware import GPUS
 from vlmshard.io import write_json_atomic
 from vlmshard.families import presets
-from vlmshard.model_sizes import bytes_per_param, layer_work
+from vlmshard.model_sizes import bytes_per_param, layer_work, weight_bytes_per_param
+from vlmshard.recipe import Recipe
 from vlmshard.partition import Partition, PartitionError
 from vlmshard.stage import Result
 
@@ -61,13 +62,17 @@ def run_simulate(cfg: SimulateConfig) -> SimulateResult:
 class _Cluster:
     """The model, GPU and parallel layout every plan of one ``simulate`` call runs on."""
 
-    def __init__(self, cfg: SimulateConfig, ranks: int, micro: int) -> None:
+    def __init__(self, cfg: SimulateConfig, ranks: int, micro: int,
+                 recipe: Recipe = Recipe()) -> None:
         self.cfg, self.ranks, self.micro = cfg, ranks, micro
         self.dp = cfg.dp or ranks
-        self.work = layer_work(presets()[cfg.model])
+        model = presets()[cfg.model]
+        self.work = layer_work(model)
+        # each layer as the plan's recipe runs it: a frozen part's backward, or none
+        self.modes = recipe.modes(model.layer_names(), tied=model.llm.tied_embeddings)
         self.gpu = GPUS[cfg.gpu]
         self.flops_per_s = self.gpu.peak_flops * cfg.mfu
-        self.rates = LayerRates.from_work(self.work, self.flops_per_s)
+        self.rates = LayerRates.from_work(self.work, self.flops_per_s, self.modes)
 
     def run(self, sizes: np.ndarray, wire: np.ndarray, method: str = "search",
             full_recompute: bool = False) -> dict:
@@ -78,11 +83,13 @@ class _Cluster:
                                bytes_per_param=bytes_per_param(
                                    "bf16", self.dp if self.cfg.zero else 1, self.cfg.grad_accum,
                                    zero=1),
-                               full_recompute=full_recompute, method=method)
+                               full_recompute=full_recompute, method=method, modes=self.modes,
+                               frozen_bytes_per_param=weight_bytes_per_param("bf16"))
         batches = replica_micro_batches(sizes, self.ranks, self.micro, self.dp,
                                         self.cfg.micro_batches)
+        input_grads = ["train" in self.modes[:i] for i in range(len(self.modes))]
         sim = simulate(batches, StageModel.build(self.rates, partition,
-                                                 self.gpu.link_bytes_per_s), wire)
+                                                 self.gpu.link_bytes_per_s, input_grads), wire)
         return {**sim.summary(), "partition": _describe(partition, self.work)}
 
     def try_run(self, sizes: np.ndarray, wire: np.ndarray, **kwargs) -> dict:
@@ -100,7 +107,8 @@ def simulate_plan(cfg: SimulateConfig) -> dict:
 
     info, packing, lengths = load_plan(cfg.plan)
     mode = cfg.compute_mode or info["params"].get("compute_mode", "padding-free")
-    cluster = _Cluster(cfg, packing.ranks, packing.micro_batches)
+    cluster = _Cluster(cfg, packing.ranks, packing.micro_batches,
+                       Recipe.from_params(info["params"]))
     plan_caps = {"qv": info["metrics"]["qv"], "qt": info["metrics"]["qt"]}
     own = _executed(lengths, packing, info["algorithm"], mode, **plan_caps)
     out = {"plan": {"algorithm": info["algorithm"], "compute_mode": mode, "dp": cluster.dp,
