@@ -262,7 +262,7 @@ def train_config(args, setup: dict, algo: str, run: str | None = None,
     run = run or algo
     return TrainConfig(shards=setup["shards"][algo], out=os.path.join(args.work, f"run-{run}"),
                        model=setup["model"], pp=1, dp=1, max_steps=args.steps,
-                       save_checkpoints=False, count_host_syncs=True,
+                       save_checkpoints=False, count_host_syncs=True, train=args.train,
                        trace=os.path.join(args.trace, run) if args.trace and with_trace else None,
                        **options)
 
@@ -286,7 +286,7 @@ def train_plan(args, setup: dict, algo: str, run: str | None = None, with_trace:
     pipeline = read_json(os.path.join(out, "pipeline.json"))
     recompute = [n for s in pipeline["stages"] for n in s["recompute"]]
     selective = [n for s in pipeline["stages"] for n in s["selective"]]
-    attention = attention_flops(setup["model"], kept)
+    attention = attention_flops(setup["model"], kept, cfg.recipe)
     return {"steps": len(kept), "kept_steps": [r["step"] for r in kept],
             "median_step_s": statistics.median(times),
             "p90_step_s": times[min(len(times) - 1, int(0.9 * len(times)))],
@@ -456,6 +456,7 @@ def hf_train(args, setup: dict, padded: bool,
 
     from vlmshard.shards.model_inputs import TORCH_VARLEN
     from vlmshard.train.attention import attend_with_torch_varlen
+    from vlmshard.train.hf_model import model_layers
 
     sys.path.insert(0, os.path.join(REPO, "examples"))
     from hf_trainer import PackedBatches, PaddedBatches, shard_trainer
@@ -469,6 +470,7 @@ def hf_train(args, setup: dict, padded: bool,
     attention = "flash_attention_2" if flash else "sdpa" if padded else TORCH_VARLEN
     if attention == TORCH_VARLEN:
         attend_with_torch_varlen(model)
+    model_layers(setup["model"], recipe=cfg.recipe).freeze_as_recipe(model)  # the same recipe
     # the padded peer: as many micro-batches a step as keep each, padded, within the packed
     # micro-batch's tokens over the steps trained (``PaddedBatches``)
     batches = functools.partial(PaddedBatches, steps=args.steps) if padded else PackedBatches
@@ -505,17 +507,19 @@ def hf_train(args, setup: dict, padded: bool,
     return attention, clock.times, clock.losses
 
 
-def attention_flops(model: str, records: list[dict]) -> dict[str, list[float]]:
+def attention_flops(model: str, records: list[dict], recipe) -> dict[str, list[float]]:
     """Per step of ``records``, two parts of its model FLOPs (``model_sizes.training_flops``
     at its micro-batches' logged sizes): ``vit``, a Qwen ViT's attention across each image,
     video temporal step or window (``model_sizes.vit_attention_size``; none where the ViT
     attends within a tile), which a count linear in tiles leaves out; ``causal``, the LLM's
     causal attention, counted as the half square it computes, which Megatron-LM, torchtitan
-    and llm-foundry count twice (their MFU takes causal attention as the full square)."""
+    and llm-foundry count twice (their MFU takes causal attention as the full square). Each
+    layer counted as ``recipe`` runs it (``vlmshard.recipe``)."""
     from vlmshard.families import model_sizes
     from vlmshard.model_sizes import Size, training_flops
 
-    flops = training_flops(model_sizes(read_json(os.path.join(model, "config.json")), model))
+    flops = training_flops(model_sizes(read_json(os.path.join(model, "config.json")), model),
+                           recipe)
     parts = {"vit": Size(vit_squares=flops.vit_squares, vit_windows=flops.vit_windows),
              "causal": Size(squares=flops.squares, windowed=flops.windowed)}
     return {name: [sum(part.dot(Size(**m)) for d in r["data"] for m in d["micro_sizes"])
@@ -573,6 +577,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=None, help="steps dropped (default 3; "
                                                              "smoke 1)")
     p.add_argument("--micro-batches", type=int, default=4, help="per step")
+    p.add_argument("--train", nargs="+", default=["vit", "projector", "llm"], metavar="PART",
+                   help="the parts that train (vlmshard train --train), for vlmshard and the "
+                        "peers alike: 'projector llm' is the recipe users run, the vision "
+                        "tower frozen (default: all, a full fine-tune)")
     p.add_argument("--target-samples", type=int, default=None,
                    help="samples per random micro-batch, balanced packed under random's caps "
                         "(default: as many as the memory model lets the device hold "

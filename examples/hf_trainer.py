@@ -139,6 +139,8 @@ def fewest_parts(steps: list[list[int]], least: int, max_tokens: int, seed: int)
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--out", default=None, help="Trainer output folder (default: a temp folder)")
+    p.add_argument("--train", nargs="+", default=["vit", "projector", "llm"], metavar="PART",
+                   help="the parts that train, as vlmshard train --train (default: all)")
     args = p.parse_args()
     with model_and_shards(args, p) as (folder, shards), \
             tempfile.TemporaryDirectory(prefix="vlmshard-trainer-") as scratch:
@@ -177,8 +179,10 @@ def shard_trainer(model, batches, out: str, steps: int, callbacks=(), **options)
 def train(folder: str, shards: str, out: str, args) -> None:
     from transformers import AutoModelForImageTextToText
 
+    from vlmshard.recipe import Recipe
     from vlmshard.shards.model_inputs import TORCH_VARLEN
     from vlmshard.train.attention import attend_with_torch_varlen
+    from vlmshard.train.hf_model import model_layers
 
     cpu = not torch.cuda.is_available()
     varlen = args.attn == TORCH_VARLEN  # set after loading (attend_with_torch_varlen)
@@ -187,6 +191,8 @@ def train(folder: str, shards: str, out: str, args) -> None:
         attn_implementation="sdpa" if varlen else args.attn)
     if varlen:
         attend_with_torch_varlen(model)
+    # the parts --train leaves out frozen, as vlmshard train freezes them
+    model_layers(folder, recipe=Recipe(tuple(args.train))).freeze_as_recipe(model)
     shard_trainer(model, lambda rank, world: PackedBatches(shards, model, rank, world), out,
                   args.steps, learning_rate=args.lr, lr_scheduler_type="cosine",
                   warmup_steps=1, bf16=not cpu).train()

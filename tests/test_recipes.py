@@ -48,7 +48,8 @@ def llamafactory_trains(family: str, parts: set[str], freeze_embeddings: bool = 
         for part, keys in (("vit", VISION[family]), ("projector", PROJECTOR[family]),
                            ("llm", LANGUAGE)):
             if name.startswith(keys):
-                embedding = name.startswith(("language_model.embed_tokens", "lm_head"))
+                # (a head tied to the embedding is the embedding's one parameter)
+                embedding = name.startswith("language_model.embed_tokens")
                 return part in parts and not (embedding and freeze_embeddings)
         raise AssertionError(f"{name} is in no part")
     return trains
@@ -260,3 +261,19 @@ def test_a_frozen_vit_moves_the_partition_and_its_stage_runs_no_backward():
                        and layers[i].param_bytes == work[i].params * 2 for i in vit)
             assert set(vit) <= set(range(found.bounds[1]))
     assert bounds["frozen"][1] > bounds["full"][1], bounds
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "internvl"])
+def test_a_transformers_model_is_frozen_as_llamafactory_freezes_it(family, tmp_path):
+    """``freeze_as_recipe`` (for a trainer of one's own, and the GPU bench's peers) leaves
+    trainable exactly the parameters LLaMA-Factory's keys name, for each recipe."""
+    from transformers import AutoModelForImageTextToText
+
+    folder = make_folder(family, str(tmp_path / "model"))
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    for parts, freeze in ((("projector", "llm"), False), (("vit",), False), (("llm",), True),
+                          (("projector",), False)):
+        model_layers(folder, recipe=Recipe(parts, freeze)).freeze_as_recipe(model)
+        trains = llamafactory_trains(family, set(parts), freeze)
+        assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+            n for n, _ in model.named_parameters() if trains(n)}, (parts, freeze)

@@ -110,6 +110,21 @@ class ModelLayers:
                      liger_llm=liger_in("llm"), liger_vit=liger_in("vit"),
                      kv_repeated=repeats_kv_heads(self.backend))
 
+    def freeze_as_recipe(self, model: nn.Module) -> None:
+        """Set ``requires_grad`` on a ``transformers`` model of this folder as the trainer sets
+        it on its layers: for a trainer of one's own, or a peer run on the same recipe. Each
+        layer's submodules are found by their paths in the model (``HFLayer.paths``)."""
+        trains = {}
+        for d, mode in zip(self.defs, self.modes):
+            for path in d.build(self.meta).paths.values():
+                trains[path] = trains.get(path, False) or mode == "train"
+        for name, p in model.named_parameters():
+            owner = max((path for path in trains if name.startswith(path + ".")), key=len,
+                        default=None)
+            if owner is None:
+                raise ConfigError(f"{name} of {self.path} is in none of the trainer's layers")
+            p.requires_grad_(trains[owner])
+
     def parameter_count(self, index: int) -> int:
         """Layer ``index``'s parameters, counted on the meta model (nothing allocated)."""
         return sum(p.numel() for p in self.defs[index].build(self.meta).parameters())

@@ -57,8 +57,8 @@ def run_train(cfg: TrainConfig, output: str | None = None) -> TrainResult:
 
 def model_folder(cfg: TrainConfig) -> str:
     """``cfg.model``, or the folder the shards were preprocessed with; checked here (its family,
-    and a tensor for every parameter, as the stages will load them), so a wrong folder is one
-    line, not a traceback in every process."""
+    a tensor for every parameter, as the stages will load them, and something to train), so a
+    wrong folder or recipe is one line, not a traceback in every process."""
     from vlmshard.families import read_model_folder
 
     from .hf_model import model_layers
@@ -72,8 +72,9 @@ def model_folder(cfg: TrainConfig) -> str:
             raise ConfigError(f"{cfg.shards} were preprocessed without a model folder "
                               "(the default tokenizer); name the model to train with --model")
     folder = read_model_folder(path).path
-    layers = model_layers(folder)
+    layers = model_layers(folder, recipe=cfg.recipe)
     layers.checkpoint.check_complete(layers.meta)
+    layers.modes  # a recipe that leaves nothing to train is refused here
     return folder
 
 
