@@ -150,12 +150,15 @@ def test_pipeline_json_keeps_the_model_sizes_and_each_stages_layers():
     record = pipeline_record(model.to_dict(), [
         (1, ["llm_block_0", "head"], ["head"], ["llm_block_0"]),
         (0, ["vit_embed", "projector"], [], []),
-        (1, ["llm_block_0", "head"], ["head"], ["llm_block_0"])])
+        (1, ["llm_block_0", "head"], ["head"], ["llm_block_0"])],
+        modes={"vit_embed": "forward", "projector": "train", "llm_block_0": "train",
+               "head": "train"})
     assert ModelConfig.from_dict(json.loads(json.dumps(record["model"]))) == model
     assert record["stages"] == [
-        {"stage": 0, "layers": ["vit_embed", "projector"], "recompute": [], "selective": []},
+        {"stage": 0, "layers": ["vit_embed", "projector"], "recompute": [], "selective": [],
+         "modes": ["forward", "train"]},
         {"stage": 1, "layers": ["llm_block_0", "head"], "recompute": ["head"],
-         "selective": ["llm_block_0"]}]
+         "selective": ["llm_block_0"], "modes": ["train", "train"]}]
 
 
 def test_a_run_with_its_pipeline_json_replays_with_a_profile(tmp_path):
