@@ -216,20 +216,24 @@ def padded(samples: list[dict]) -> dict:
 
 
 def hf_loss_and_grads(folder: str, batches: list[dict], tokens_per_tile: int,
-                      rows_per_tile: int, trains=None
+                      rows_per_tile: int, trains=None, prepare=None
                       ) -> tuple[float, int, dict[str, torch.Tensor]]:
     """(J, supervised tokens, gradients of J by parameter name). J is Σ per-token losses, and
     for a MoE model trained with the router's auxiliary loss (``output_router_logits``), plus
     tokens × coef × the mean over micro-batches of the aux loss HF computes on each micro-batch
     (its samples as one padded batch): J / tokens is then the step's loss. ``trains(name)``:
-    whether parameter ``name`` trains (the others' ``requires_grad`` off; default: all)."""
+    whether parameter ``name`` trains (the others' ``requires_grad`` off; default: all).
+    ``prepare(model)``: the model to run instead (a ``peft.PeftModel`` of it)."""
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32,
                                                         attn_implementation="sdpa")
-    model.train()
     for name, p in model.named_parameters():
         p.requires_grad_(trains is None or trains(name))
+    forward = type(model).forward  # what the model's own forward takes
+    if prepare is not None:
+        model = prepare(model)
+    model.train()
     text = model.config.get_text_config()
     coef = text.router_aux_loss_coef if getattr(text, "output_router_logits", False) else 0.0
     image_token_id = model.config.image_token_id
@@ -239,7 +243,7 @@ def hf_loss_and_grads(folder: str, batches: list[dict], tokens_per_tile: int,
     micro = [with_token_types(model, split_samples(batch, image_token_id, tokens_per_tile,
                                                    rows_per_tile, video_token_id))
              for batch in batches]
-    if "second_per_grid_ts" not in inspect.signature(type(model).forward).parameters:
+    if "second_per_grid_ts" not in inspect.signature(forward).parameters:
         for sample in (s for samples in micro for s in samples):
             sample.pop("second_per_grid_ts", None)
     for samples in micro:

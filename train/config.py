@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from vlmshard.config import ConfigError, option, parse_size
 from vlmshard.families import model_types
-from vlmshard.recipe import RecipeOptions
+from vlmshard.recipe import Recipe, RecipeOptions
 
 Precision = Literal["bf16", "fp32"]
 SchedulerName = Literal["cosine", "linear", "constant", "constant_with_warmup"]
@@ -88,6 +88,10 @@ class TrainConfig(RecipeOptions):
         factory=list, help="layer names recomputed selectively in backward: the outputs of "
                            "their matmuls and attention kernels kept, the elementwise work "
                            "between them recomputed (besides those a searched partition picks)")
+    merge: bool = option(
+        False, help="with --lora-rank: also write the weights with each adapter folded in "
+                    "(W + alpha / rank x B·A) as a Hugging Face folder, OUT/hf, beside the "
+                    "adapter folder OUT/adapter")
     checkpoint_every: int | None = option(
         200, help="also save a DeepSpeed checkpoint every N steps, so a crash loses at most N "
                   "steps (YAML null: at the end only)")
@@ -173,6 +177,9 @@ class TrainConfig(RecipeOptions):
             raise ConfigError("--zero3-persistence-threshold takes a number of elements, at "
                               f"least 0, with --zero 3; got {self.zero3_persistence_threshold}"
                               f" with --zero {self.zero}")
+        if self.merge and not self.lora_rank:
+            raise ConfigError("--merge folds LoRA adapters into their weights: it needs "
+                              "--lora-rank (a run without LoRA writes OUT/hf as it is)")
         if self.warmup_steps < 0 or (self.warmup_steps >= 1
                                      and self.warmup_steps != int(self.warmup_steps)):
             raise ConfigError("--warmup-steps takes a whole number of steps or a fraction in "
@@ -181,6 +188,13 @@ class TrainConfig(RecipeOptions):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+    @property
+    def recipe(self) -> Recipe:
+        """What trains (``RecipeOptions.recipe``), LoRA's adapters initialized from ``seed``."""
+        recipe = super().recipe
+        return replace(recipe, lora=replace(recipe.lora, seed=self.seed)) if recipe.lora \
+            else recipe
 
     def resolve_device_defaults(self, cuda: bool) -> None:
         """Fill the options whose default depends on whether the ranks have GPUs."""

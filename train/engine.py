@@ -96,7 +96,7 @@ class TrainEngine(ABC):
     """A DeepSpeed engine over a model folder's layers, cut as ``chosen`` says, with torch's
     AdamW and Hugging Face's schedule over ``steps``; each step is ``micro_batches`` micro-batches
     (gradient accumulation). A subclass builds the module (``_module``), runs a step's
-    micro-batches (``_train_batch``), writes the Hugging Face folder (``write_hf``) and says
+    micro-batches (``_train_batch``), writes the trained model (``write_model``) and says
     where this rank sits."""
 
     def __init__(self, cfg: TrainConfig, model: ModelLayers, chosen: ChosenPartition, *,
@@ -149,8 +149,9 @@ class TrainEngine(ABC):
         """The step's micro-batches through the engine: the loss DeepSpeed reports."""
 
     @abstractmethod
-    def write_hf(self, folder: str) -> None:
-        """The trained weights as a Hugging Face folder (a collective: every rank calls it)."""
+    def write_model(self, root: str) -> None:
+        """The trained model under ``root`` (``save.save_model``: ``hf/``, or under LoRA
+        ``adapter/``, and ``hf/`` with ``--merge``; a collective: every rank calls it)."""
 
     @property
     @abstractmethod
@@ -224,12 +225,12 @@ class TrainEngine(ABC):
         return StepResult(value, lr, times, seconds, extra)
 
     def save(self, folder: str, step: int) -> None:
-        """A DeepSpeed checkpoint after ``step`` steps in ``folder/step-N``, with the weights as
-        a Hugging Face folder in its ``hf`` (a collective)."""
+        """A DeepSpeed checkpoint after ``step`` steps in ``folder/step-N``, with the model as
+        ``write_model`` writes it (a collective)."""
         tag = f"step-{step}"
         self.engine.save_checkpoint(folder, tag=tag, client_state={
             "step": step, "parameters": self._trained_names})
-        self.write_hf(os.path.join(folder, tag, "hf"))
+        self.write_model(os.path.join(folder, tag))
 
     def load(self, folder: str) -> int:
         """Weights, optimizer and schedule from ``folder``'s latest checkpoint; the steps it had
@@ -260,8 +261,8 @@ class PipelineEngine(TrainEngine):
         return self.engine.train_batch(iter(inputs or [no_inputs()
                                                         for _ in range(self.micro_batches)]))
 
-    def write_hf(self, folder: str) -> None:
-        save_hf(self.net, self.engine, folder)
+    def write_model(self, root: str) -> None:
+        save_hf(self.net, self.engine, root, self.cfg.merge)
 
     @property
     def dp_rank(self) -> int:
@@ -304,8 +305,8 @@ class DataParallelEngine(TrainEngine):
     def _train_batch(self, inputs, hosts) -> torch.Tensor:
         return train_batch(self.engine, self.clock, inputs, hosts)
 
-    def write_hf(self, folder: str) -> None:
-        save_hf_data_parallel(self.net, self.cfg.zero, folder)
+    def write_model(self, root: str) -> None:
+        save_hf_data_parallel(self.net, self.cfg.zero, root, self.cfg.merge)
 
     @property
     def dp_rank(self) -> int:

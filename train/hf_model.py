@@ -29,11 +29,13 @@ from vlmshard.model_sizes import (
     Saves,
     Zero3Weights,
     trainer_layer_work,
+    with_adapters,
 )
 
 from .attention import choose_backend, implementation, repeats_kv_heads, supports_runs
 from .clock import layer_part
 from .kernels import Kernels
+from .lora import add_adapters, targeted
 from .micro import HostMeta, Micro, Phase, unpack, wire_inputs
 from .models import liger
 from .models.layers import Geometry, LayerDef
@@ -90,8 +92,10 @@ class ModelLayers:
     def analytic_work(self) -> list[LayerWork]:
         """Per layer, its work in the analytic model of the folder's config (FLOPs, parameters
         and the activation bytes it keeps with this model's kernels:
-        ``model_sizes.trainer_layer_work``)."""
-        return trainer_layer_work(self.names, self.sizes(), self.saves())
+        ``model_sizes.trainer_layer_work``; LoRA's adapters: ``model_sizes.with_adapters``)."""
+        sizes = self.sizes()
+        return with_adapters(trainer_layer_work(self.names, sizes, self.saves()), sizes,
+                             self.recipe.lora)
 
     def saves(self) -> Saves:
         """Where the layers this model builds keep other tensors for backward than
@@ -159,8 +163,32 @@ class ModelLayers:
         the optional kernels; its weights frozen where the recipe does not train it."""
         layer = load_layer(self.defs[index].build(self.meta), self.checkpoint, device, dtype)
         layer.requires_grad_(self.modes[index] == "train")
+        if self.modes[index] == "lora":
+            add_adapters(getattr(layer, layer.repeated), self.recipe.lora, index)
         layer.use_kernels(self.kernels.in_part(layer_part(self.defs[index].name)))
         return layer
+
+    def lora_blocks(self) -> dict[str, list[str]]:
+        """Under LoRA, each adapted decoder block's path in the ``transformers`` model and the
+        linear layers in it that take adapters (counted on the meta model). Raises ConfigError
+        when the targets match no linear layer of any block."""
+        lora = self.recipe.lora
+        blocks = {}
+        for d, mode in zip(self.defs, self.modes):
+            if mode == "lora":
+                layer = d.build(self.meta)
+                blocks[layer.paths[layer.repeated]] = targeted(getattr(layer, layer.repeated),
+                                                               lora)
+        if lora and not any(blocks.values()):
+            raise ConfigError(f"--lora-targets {' '.join(lora.targets)} match no linear layer "
+                              f"of {self.path}'s decoder blocks")
+        return blocks
+
+    def trained_modules(self) -> list[str]:
+        """The paths in the ``transformers`` model of the modules the recipe trains in full
+        (PEFT's ``modules_to_save`` beside LoRA's adapters)."""
+        return [path for d, mode in zip(self.defs, self.modes) if mode == "train"
+                for path in d.build(self.meta).paths.values()]
 
     def build_all(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                   one_per_kind: bool = False) -> list[nn.Module]:

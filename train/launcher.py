@@ -74,7 +74,8 @@ def model_folder(cfg: TrainConfig) -> str:
     folder = read_model_folder(path).path
     layers = model_layers(folder, recipe=cfg.recipe)
     layers.checkpoint.check_complete(layers.meta)
-    layers.modes  # a recipe that leaves nothing to train is refused here
+    layers.modes  # a recipe that leaves nothing to train is refused here, and
+    layers.lora_blocks()  # LoRA targets that match no layer
     return folder
 
 

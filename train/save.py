@@ -1,4 +1,5 @@
-"""Save the pipeline's weights as a Hugging Face folder that ``from_pretrained`` loads.
+"""Save the pipeline's weights as a Hugging Face folder that ``from_pretrained`` loads (under
+LoRA: PEFT's adapter folder, and the merged weights where asked).
 
 Every stage writes its own layers (data-parallel rank 0 of the stage) to one safetensors shard,
 in the dtypes the input folder stored and under the names ``save_pretrained`` would write
@@ -18,34 +19,63 @@ import torch
 
 from . import deepspeed_compat as ds
 from .hf_model import ModelLayers
+from .lora import adapter_tensors, merged_state, write_adapter
 from .pipeline import VLMPipeline
 from .weights import write_index, write_shard
 
 
 def checkpoint_tensors(model: ModelLayers, layers: dict[int, torch.nn.Module]
                        ) -> dict[str, torch.Tensor]:
-    """The tensors of ``layers`` (layer index -> its built layer) under their checkpoint names;
-    a tied head's copy left out, since the embedding's layer holds the weight."""
+    """The tensors of ``layers`` (layer index -> its built layer) under their checkpoint names,
+    LoRA's adapters folded into their weights; a tied head's copy left out, since the
+    embedding's layer holds the weight."""
     out = {}
     for i, layer in layers.items():
         if model.first_of_tie(i):
-            for local, tensor in layer.state_dict().items():
+            state = merged_state(layer) if model.recipe.lora else layer.state_dict()
+            for local, tensor in state.items():
                 out[layer.hf_name(local)] = tensor
     return out
 
 
-def save_hf(net: VLMPipeline, engine, folder: str) -> None:
-    """Write ``folder`` from every stage (a collective: every rank calls it)."""
-    tensors = None
+def save_model(model: ModelLayers, layers: dict[int, torch.nn.Module] | None, stage: int,
+               stages: int, root: str, merge: bool) -> None:
+    """The trained model under ``root`` from every stage's ``layers`` (layer index -> its built
+    layer; None on the ranks that write none; a collective): ``hf/``, or under LoRA the PEFT
+    adapter folder ``adapter/``, and ``hf/`` with the adapters folded in where ``merge``
+    asks."""
+    if model.recipe.lora:
+        tensors = None if layers is None else {
+            k: t.detach().clone() for i, layer in layers.items()
+            if model.modes[i] in ("lora", "train") and model.first_of_tie(i)
+            for k, t in adapter_tensors(layer, whole=model.modes[i] == "train").items()}
+        pieces = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(pieces, tensors and {k: t.cpu()
+                                                                 for k, t in tensors.items()})
+        if torch.distributed.get_rank() == 0:
+            write_adapter(os.path.join(root, "adapter"),
+                          {k: t for piece in pieces if piece for k, t in piece.items()},
+                          model.recipe.lora, list(model.lora_blocks()),
+                          model.trained_modules(), model.path)
+        torch.distributed.barrier()
+        if not merge:
+            return
+    tensors = None if layers is None else {k: t.detach().clone() for k, t in
+                                           checkpoint_tensors(model, layers).items()}
+    write_folder(model, tensors, stage, stages, os.path.join(root, "hf"))
+
+
+def save_hf(net: VLMPipeline, engine, root: str, merge: bool) -> None:
+    """``save_model`` from every stage of the pipeline (a collective)."""
+    layers = None
     if engine.grid.get_data_parallel_id() == 0:
-        tensors = checkpoint_tensors(net.model, {
-            i: ds.layer_module(net, i, net.model.defs[i].tied_key).inner
-            for i in net.layer_indices})
-    write_folder(net.model, tensors, engine.stage_id, engine.num_stages, folder)
+        layers = {i: ds.layer_module(net, i, net.model.defs[i].tied_key).inner
+                  for i in net.layer_indices}
+    save_model(net.model, layers, engine.stage_id, engine.num_stages, root, merge)
 
 
-def save_hf_data_parallel(model, zero_stage: int, folder: str) -> None:
-    """Write ``folder`` from a ``VLMModel`` (``--pp 1``): rank 0 writes every tensor, gathered
+def save_hf_data_parallel(model, zero_stage: int, root: str, merge: bool) -> None:
+    """``save_model`` from a ``VLMModel`` (``--pp 1``): rank 0 writes every tensor, gathered
     from the ranks' partitions under ZeRO-3 (a collective: every rank calls it)."""
     import contextlib
 
@@ -53,11 +83,9 @@ def save_hf_data_parallel(model, zero_stage: int, folder: str) -> None:
 
     gathered = (deepspeed.zero.GatheredParameters(list(model.parameters()))
                 if zero_stage == 3 else contextlib.nullcontext())
-    with gathered:  # copies: ZeRO-3 frees the gathered parameters on leaving
-        tensors = ({k: t.detach().clone() for k, t in checkpoint_tensors(
-            model.model, dict(enumerate(model.ordered))).items()}
-                   if torch.distributed.get_rank() == 0 else None)
-    write_folder(model.model, tensors, 0, 1, folder)
+    with gathered:  # copies (save_model's): ZeRO-3 frees the gathered parameters on leaving
+        save_model(model.model, dict(enumerate(model.ordered))
+                   if torch.distributed.get_rank() == 0 else None, 0, 1, root, merge)
 
 
 def write_folder(model: ModelLayers, tensors: dict[str, torch.Tensor] | None, stage: int,

@@ -307,7 +307,7 @@ def run(cfg: TrainConfig) -> None:
     with rank_0_log(cfg, engine, first_step) as log_file:
         train(cfg, setup, engine, first_step, log_file)
     if cfg.save_checkpoints:
-        engine.write_hf(os.path.join(cfg.out, "hf"))
+        engine.write_model(cfg.out)
     leave()
 
 

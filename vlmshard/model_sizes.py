@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from .errors import ConfigError
-from .recipe import Recipe, flops_factor
+from .recipe import Lora, Recipe, flops_factor
 
 
 @dataclass(frozen=True)
@@ -483,6 +483,10 @@ class LayerWork:
     # of ``params``, the table a tied LM head and the token embedding share
     # (``LLMConfig.tied_embeddings``): a stage holding both layers holds it once
     tied_params: int = 0
+    # LoRA's adapters on the layer (``with_adapters``): trained while ``params`` stay frozen,
+    # and their forward FLOPs per unit of ``Size``
+    adapter_params: int = 0
+    adapter_flops: Size = Size()
 
     def transient(self, size: Size) -> float:
         """The transient bytes at a micro-batch of ``size``."""
@@ -880,13 +884,53 @@ def executed_flops(flops: Size, mode: str) -> Size:
     return Size(*(flops_factor(mode, k) * getattr(flops, k) for k in SIZE_FIELDS))
 
 
+def layer_training_flops(work: LayerWork, mode: str) -> Size:
+    """Forward + backward FLOPs of a layer in ``mode`` (``executed_flops``), its LoRA adapters'
+    trained beside it."""
+    return executed_flops(work.flops, mode) + work.adapter_flops.scaled(3)
+
+
+def lora_adapter_params(t: LLMConfig, layer: int, lora: Lora) -> int:
+    """The parameters of LoRA's adapters on decoder layer ``layer``: rank × (in + out) for each
+    targeted linear layer (``recipe.LORA_TARGETS``) the layer has, shaped as its
+    ``transformers`` module is: attention's projections (Qwen3.5's q_proj also makes its output
+    gate), a dense MLP's or a MoE layer's shared expert's; not a linear-attention token mixer
+    nor routed experts."""
+    q, kv = t.heads * t.head_size, t.kv_heads * t.head_size
+    shapes = {}
+    if not t.is_linear(layer):
+        shapes.update(q_proj=(t.hidden, q * (2 if t.attention_gate else 1)),
+                      k_proj=(t.hidden, kv), v_proj=(t.hidden, kv), o_proj=(q, t.hidden))
+    mlp = t.shared_expert_intermediate if t.is_moe(layer) else t.intermediate
+    if mlp:
+        shapes.update(gate_proj=(t.hidden, mlp), up_proj=(t.hidden, mlp),
+                      down_proj=(mlp, t.hidden))
+    return lora.rank * sum(i + o for name, (i, o) in shapes.items() if name in lora.targets)
+
+
+def with_adapters(work: list[LayerWork], config: ModelConfig, lora: Lora | None
+                  ) -> list[LayerWork]:
+    """``work`` with LoRA's adapters on each LLM decoder block (none without ``lora``): their
+    parameters and their forward FLOPs, a multiply-add per parameter per token."""
+    if lora is None:
+        return work
+    out = []
+    for w in work:
+        if w.name.startswith("llm_block_"):
+            n = lora_adapter_params(config.llm, int(w.name.rsplit("_", 1)[1]), lora)
+            w = replace(w, adapter_params=n, adapter_flops=Size(tokens=2 * n))
+        out.append(w)
+    return out
+
+
 def training_flops(config: ModelConfig, recipe: Recipe = Recipe()) -> Size:
     """Forward + backward FLOPs of the whole model per unit of each ``Size``, each layer as
-    ``recipe`` runs it (a frozen ViT at the front: its forward alone): per tile, per token and
-    per squared length the packer's default cost model (``a_v``, ``a_t``, ``b``)."""
+    ``recipe`` runs it (a frozen ViT at the front: its forward alone; LoRA's adapters beside
+    their frozen weights): per tile, per token and per squared length the packer's default
+    cost model (``a_v``, ``a_t``, ``b``)."""
     modes = recipe.modes(config.layer_names(), tied=config.llm.tied_embeddings)
-    return sum((executed_flops(lay.flops, mode)
-                for lay, mode in zip(layer_work(config), modes)), Size())
+    work = with_adapters(layer_work(config), config, recipe.lora)
+    return sum((layer_training_flops(lay, mode) for lay, mode in zip(work, modes)), Size())
 
 
 def weight_bytes_per_param(precision: str = "bf16", dp: int = 1, zero: int = 1) -> float:

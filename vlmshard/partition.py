@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields, replace
 from functools import cached_property, lru_cache
 
 from vlmshard.errors import ConfigError
-from vlmshard.model_sizes import CHECKPOINT_STATE_BYTES, LayerWork, Size, executed_flops
+from vlmshard.model_sizes import CHECKPOINT_STATE_BYTES, LayerWork, Size, layer_training_flops
 
 
 @dataclass(frozen=True)
@@ -139,12 +139,13 @@ def analytic_layer_costs(work: list[LayerWork], *, time_size: Size, memory_size:
     already keeps. ``modes``: per layer, how the run's recipe runs it (``vlmshard.recipe``;
     default: every layer trained): a frozen layer holds its weights alone
     (``frozen_bytes_per_param`` each), its backward computes its input's gradient alone, and a
-    frozen prefix keeps nothing and has no backward."""
+    frozen prefix keeps nothing and has no backward; LoRA's adapters (``adapter_params``) are
+    trained beside frozen weights."""
     costs = []
     for i, (w, mode) in enumerate(zip(work, modes or ["train"] * len(work))):
-        flops = w.flops.windows_as_full()
-        forward = flops.dot(time_size) / flops_per_s
-        backward = executed_flops(flops, mode).dot(time_size) / flops_per_s - forward
+        w = replace(w, flops=w.flops.windows_as_full())
+        forward = (w.flops + w.adapter_flops).dot(time_size) / flops_per_s
+        backward = layer_training_flops(w, mode).dot(time_size) / flops_per_s - forward
         inputs = work[i - 1].output_bytes if i else w.activation_bytes
         kept, held = int(w.activation_bytes.dot(memory_size)), int(inputs.dot(memory_size))
         selective = None if w.selective_bytes is None else min(
@@ -155,7 +156,8 @@ def analytic_layer_costs(work: list[LayerWork], *, time_size: Size, memory_size:
         per_param = bytes_per_param if mode == "train" else frozen_bytes_per_param
         costs.append(LayerCost(
             w.name, forward, backward, kept, held,
-            int(w.output_bytes.dot(memory_size)), int(w.params * per_param),
+            int(w.output_bytes.dot(memory_size)),
+            int(w.params * per_param + w.adapter_params * bytes_per_param),
             peak_bytes=kept + int(w.transient(memory_size)), selective_bytes=selective,
             tied_bytes=int(w.tied_params * per_param), has_backward=mode != "forward"))
     return costs

@@ -26,7 +26,7 @@ import numpy as np
 
 from vlmshard.errors import ConfigError, InputError
 from vlmshard.hardware import GPU
-from vlmshard.model_sizes import LayerWork, Size, executed_flops
+from vlmshard.model_sizes import LayerWork, Size, layer_training_flops
 from vlmshard.partition import Machine, Partition, analytic_layer_costs, deepspeed_bounds
 
 log = logging.getLogger(__name__)
@@ -120,8 +120,8 @@ class LayerRates:
         each layer's mode runs (``vlmshard.recipe``; by default every layer trains: twice the
         forward)."""
         rate = np.reshape(flops_per_s, (-1, 1))
-        forward = np.array([_vector(w.flops) for w in work]) / rate
-        executed = np.array([_vector(executed_flops(w.flops, mode)) for w, mode
+        forward = np.array([_vector(w.flops + w.adapter_flops) for w in work]) / rate
+        executed = np.array([_vector(layer_training_flops(w, mode)) for w, mode
                              in zip(work, modes or ["train"] * len(work))]) / rate
         return cls(forward, executed - forward,
                    np.array([_vector(w.output_bytes) for w in work]))

@@ -13,7 +13,12 @@ from vlmshard.errors import InputError
 from vlmshard.hardware import GPUS
 from vlmshard.io import write_json_atomic
 from vlmshard.families import presets
-from vlmshard.model_sizes import bytes_per_param, layer_work, weight_bytes_per_param
+from vlmshard.model_sizes import (
+    bytes_per_param,
+    layer_work,
+    weight_bytes_per_param,
+    with_adapters,
+)
 from vlmshard.recipe import Recipe
 from vlmshard.partition import Partition, PartitionError
 from vlmshard.stage import Result
@@ -67,7 +72,7 @@ class _Cluster:
         self.cfg, self.ranks, self.micro = cfg, ranks, micro
         self.dp = cfg.dp or ranks
         model = presets()[cfg.model]
-        self.work = layer_work(model)
+        self.work = with_adapters(layer_work(model), model, recipe.lora)
         # each layer as the plan's recipe runs it: a frozen part's backward, or none
         self.modes = recipe.modes(model.layer_names(), tied=model.llm.tied_embeddings)
         self.gpu = GPUS[cfg.gpu]
