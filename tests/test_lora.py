@@ -217,3 +217,31 @@ def test_lora_options_are_refused_in_one_line():
         TrainConfig(shards="s", out="o", lora_alpha=16)
     cfg = TrainConfig(shards="s", out="o", lora_rank=8, seed=3)
     assert cfg.recipe.lora == Lora(8, 16.0, 0.0, LORA_TARGETS, seed=3)  # LLaMA-Factory's alpha
+
+
+@pytest.mark.slow(minutes=1)
+def test_the_engine_holds_what_the_memory_model_charges_a_lora_recipe(tmp_path):
+    """One bf16 step at PP=2 of InternVL's recipe (the ViT frozen, the projector trained in
+    full, the LLM under LoRA): each stage's engine holds the memory model's bytes per trained
+    parameter (the projector's, the adapters') within 2%, and its frozen weights at 2 bytes
+    each (bf16, nothing else for them); each stage's parameter bytes in ``pipeline.json`` are
+    those two sums, from the analytic model."""
+    from vlmshard.model_sizes import bytes_per_param, weight_bytes_per_param
+
+    folder = make_folder("internvl", str(tmp_path / "model"))
+    shards = make_shards(folder, tmp_path, rows=ROWS, micro_batches=2, target_samples=3)
+    run = tmp_path / "run"
+    vlmshard_here("train", "--shards", shards, "--pp", "2", "--bounds", "0", "3", "8",
+                  "--precision", "bf16", "--max-steps", "1", "--train", "projector", "llm",
+                  "--lora-rank", str(RANK), "--no-save-checkpoints", "--out", str(run))
+    (record,) = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+    stages = json.loads((run / "pipeline.json").read_text())["stages"]
+    trained_bytes, frozen_bytes = bytes_per_param("bf16", 1, "fp32", 1), weight_bytes_per_param()
+    for rank in record["ranks"]:
+        held = rank["engine_bytes"]
+        assert held["params"] > 0 and held["frozen_params"] > 0, rank["stage"]
+        assert held["total"] == pytest.approx(trained_bytes * held["params"], rel=0.02)
+        assert held["frozen"] == frozen_bytes * held["frozen_params"]
+        charged = stages[rank["stage"]]["memory"]["params"]
+        assert charged == pytest.approx(trained_bytes * held["params"]
+                                        + frozen_bytes * held["frozen_params"], rel=1e-6)

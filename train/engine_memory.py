@@ -15,9 +15,11 @@ twice. Storages fall into:
   flat and partitioned buffers;
 - ``buckets`` (not in ``total``): ZeRO's reduce buckets (``ipg_buckets``), of a fixed size
   (``reduce_bucket_size`` elements), not per parameter: ZeRO-3 keeps one for the whole run;
-- ``other`` (not in ``total``): the rest the engine reaches: module buffers and frozen weights,
-  the pipeline engine's send and receive buffers (micro-batch sized: the activations' part of
-  the memory model, not the parameters').
+- ``frozen`` (not in ``total``): the weights the recipe leaves frozen (``vlmshard.recipe``),
+  their storage alone (``model_sizes.weight_bytes_per_param`` each);
+- ``other`` (not in ``total``): the rest the engine reaches: module buffers, the pipeline
+  engine's send and receive buffers (micro-batch sized: the activations' part of the memory
+  model, not the parameters').
 
 ``total`` is what grows with the parameters: ``model_sizes.bytes_per_param`` times ``params``.
 """
@@ -93,7 +95,8 @@ class _Walk:
 def engine_bytes(engine, trained: list, depth: int = 12) -> dict:
     """Bytes of the storages ``engine`` holds for its trained parameters ``trained`` (this
     rank's), by category (see the module docstring), and ``params``: how many parameters this
-    rank trains (ZeRO-3: the whole model's, as without it; its weights are partitions)."""
+    rank trains (ZeRO-3: the whole model's, as without it; its weights are partitions); and
+    ``frozen``, the bytes of the weights the recipe leaves frozen, ``frozen_params`` of them."""
     import torch
 
     walk = _Walk(depth)
@@ -104,8 +107,16 @@ def engine_bytes(engine, trained: list, depth: int = 12) -> dict:
             if isinstance(part, torch.Tensor):
                 walk.add(part, "weights")
     module = getattr(engine, "module", None)
+    frozen = [q for q in module.parameters() if not q.requires_grad] if module is not None \
+        else []
+    for q in frozen:  # a frozen weight: the storage alone (ZeRO-3: its partition)
+        walk.add(q, "frozen")
+        for attr in _PARTITION_ATTRS:
+            part = getattr(q, attr, None)
+            if isinstance(part, torch.Tensor):
+                walk.add(part, "frozen")
     if module is not None:  # not the optimizer's, though a ZeRO optimizer reaches the module
-        for tensor in [*module.buffers(), *(q for q in module.parameters() if not q.requires_grad)]:
+        for tensor in module.buffers():
             walk.add(tensor, "other")
     optimizer = getattr(engine, "optimizer", None)
     masters = [q for group in getattr(optimizer, "param_groups", []) for q in group["params"]]
@@ -119,14 +130,17 @@ def engine_bytes(engine, trained: list, depth: int = 12) -> dict:
             walk.walk(getattr(root, "ipg_buckets", None), "buckets")
             walk.walk(root, "optimizer")
     walk.walk(engine, "other")
-    totals = {"weights": 0, "gradients": 0, "optimizer": 0, "buckets": 0, "other": 0}
+    totals = {"weights": 0, "gradients": 0, "optimizer": 0, "buckets": 0, "other": 0,
+              "frozen": 0}
     for nbytes, category in walk.storages.values():
         totals[category] += nbytes
     params = sum(int(getattr(p, "ds_numel", 0) or p.numel()) for p in trained)
     return {"weights": totals["weights"], "gradients": totals["gradients"],
             "optimizer": totals["optimizer"],
             "total": totals["weights"] + totals["gradients"] + totals["optimizer"],
-            "params": params, "buckets": totals["buckets"], "other": totals["other"]}
+            "params": params, "buckets": totals["buckets"], "other": totals["other"],
+            "frozen": totals["frozen"],
+            "frozen_params": sum(int(getattr(q, "ds_numel", 0) or q.numel()) for q in frozen)}
 
 
 def on_first_step(optimizer, measure) -> None:

@@ -135,6 +135,12 @@ class VLMPipeline(PipelineModule):
                               f"{self.num_stages} non-empty stages")
         ds.set_stage_bounds(self, bounds)
 
+    def get_tied_weights_and_groups(self):
+        """DeepSpeed's tied weights whose gradients its engine all-reduces between the stages
+        holding them: a frozen one (an embedding --freeze-embeddings or LoRA leaves frozen) has
+        none, and its bf16 optimizer gives it no gradient buffer to read."""
+        return [(w, g) for w, g in super().get_tied_weights_and_groups() if w.requires_grad]
+
     @property
     def stage_layer_names(self) -> list[str]:
         return [self.model.names[i] for i in self.layer_indices]
