@@ -277,3 +277,25 @@ def test_a_transformers_model_is_frozen_as_llamafactory_freezes_it(family, tmp_p
         trains = llamafactory_trains(family, set(parts), freeze)
         assert {n for n, p in model.named_parameters() if p.requires_grad} == {
             n for n, _ in model.named_parameters() if trains(n)}, (parts, freeze)
+
+
+def test_the_profile_measures_each_layer_as_the_recipe_runs_it(tmp_path):
+    """``train profile``'s layer runs with the ViT frozen: its layers take no backward and keep
+    nothing (autograd's saved-tensor hooks see none); the LLM's, after the trained projector,
+    measure their backward; frozen weights are charged their storage alone."""
+    from vlmshard.train.profile import profile_layers
+
+    folder = make_folder("qwen2_vl", str(tmp_path / "model"))
+    shards = make_shards(folder, tmp_path, rows=ROWS)
+    model = model_layers(folder, recipe=Recipe(("projector", "llm")))
+    batch = list(ShardDataset(shards, pixel_dtype=torch.float32))[:1]
+    profile = profile_layers(model, batch, repeats=1, warmup=0, param_bytes=16, frozen_bytes=4)
+    for layer, mode in zip(profile.layers, model.modes):
+        if mode == "forward":
+            assert (layer.backward_s, layer.activation_bytes, layer.has_backward) == (0, 0, False)
+            assert layer.param_bytes == 4 * model.parameter_count(model.names.index(layer.name))
+        else:
+            assert layer.has_backward and layer.param_bytes == 16 * model.parameter_count(
+                model.names.index(layer.name))
+    assert [m for m in model.modes[:2]] == ["forward", "forward"]
+    assert all(c.backward_s > 0 for c in profile.layers[model.names.index("llm_block_0"):])

@@ -36,7 +36,12 @@ import torch
 
 from vlmshard.compat import check_torch, check_transformers
 from vlmshard.errors import ConfigError, InputError, VlmshardError
-from vlmshard.model_sizes import CHECKPOINT_STATE_BYTES, Size, bytes_per_param
+from vlmshard.model_sizes import (
+    CHECKPOINT_STATE_BYTES,
+    Size,
+    bytes_per_param,
+    weight_bytes_per_param,
+)
 from vlmshard.partition import (
     LayerCost,
     Machine,
@@ -117,7 +122,7 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
     folder = model_folder(cfg)
     try:
         model = model_layers(folder, choose_backend(device, cfg.dtype, cfg.attention),
-                             Kernels.of(cfg))
+                             Kernels.of(cfg), cfg.recipe)
     except VlmshardError:
         raise
     except ValueError as e:  # a config.json the layer maps cannot build
@@ -130,7 +135,9 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
     window = layer_kind_window(folder)
     profile = profile_layers(model, batches, device, cfg.dtype, cfg.repeats, cfg.warmup,
                              param_bytes=bytes_per_param(cfg.precision, cfg.dp,
-                                                         cfg.grad_accum, cfg.zero))
+                                                         cfg.grad_accum, cfg.zero),
+                             frozen_bytes=weight_bytes_per_param(cfg.precision, cfg.dp,
+                                                                 cfg.zero))
     try:
         machine = Machine.for_device(parse_size(cfg.memory_budget), cfg.link_bytes_per_s)
     except ValueError as e:  # a budget the CUDA context and buffers take whole
@@ -200,17 +207,22 @@ def _detached(out: LayerOutput | Micro, requires_grad: bool = False) -> LayerOut
 
 def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
                    dtype: torch.dtype = torch.float32, repeats: int = 3, warmup: int = 1,
-                   param_bytes: float = 16.0) -> Profile:
+                   param_bytes: float = 16.0, frozen_bytes: float = 4.0) -> Profile:
     """Time and measure every layer on each batch (collated micro-batches from the loader), each
-    on the real rows the previous layer produced, as a pipeline stage runs it: ``warmup``
-    untimed runs (cuBLAS heuristics, allocator growth), then the median of ``repeats``."""
+    on the real rows the previous layer produced, as a pipeline stage runs it, in the mode its
+    recipe runs it (``ModelLayers.modes``: a frozen prefix forward only, a frozen layer after a
+    trained one its input's gradient): ``warmup`` untimed runs (cuBLAS heuristics, allocator
+    growth), then the median of ``repeats``. A layer's parameters cost ``param_bytes`` each
+    trained, ``frozen_bytes`` frozen."""
     funcs = model.build_all(device, dtype, one_per_kind=True)
     vision = sum(1 for d in model.defs if d.output.per_tile)  # ViT layers and the projector
     work, sizes = model.analytic_work(), model.sizes()
     # forward, backward, activation, input, output, peak; analytic activation and transient;
     # measured and analytic bytes kept under selective recompute beyond the input
     sums = np.zeros((len(funcs), 10))
-    selective = [w.selective_bytes is not None for w in work]
+    # (a frozen prefix keeps nothing, so it has nothing to recompute)
+    selective = [w.selective_bytes is not None and mode != "forward"
+                 for w, mode in zip(work, model.modes)]
     per_batch = []
     cuda = device.startswith("cuda")
     with contextlib.nullcontext() if cuda else _LiveStorages() as live:
@@ -218,8 +230,8 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
             micro = model.first_micro(batch, device)
             times = []
             for i, func in enumerate(funcs):
-                # the pixels are data: no gradient reaches them in training
-                x_in, carry_in = _detached(micro, requires_grad=i > 0)
+                # the pixels are data, and what a frozen prefix makes: no gradient reaches them
+                x_in, carry_in = _detached(micro, requires_grad=model.input_needs_grad(i))
                 layer_in = micro.with_x(x_in, carry=carry_in)
                 parameters = list(func.parameters())
                 samples = []
@@ -238,6 +250,8 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
                     if run >= warmup:
                         samples.append((*clock.read(), clock.peak_bytes))
                 forward, backward, peak = np.median(np.array(samples), axis=0)
+                if model.modes[i] == "forward":
+                    backward = 0.0  # it has none (the lap timed an empty list)
                 if cuda:  # the parameters' gradients are counted with the parameters
                     peak = max(0, peak - sum(p.numel() * p.element_size() for p in parameters
                                              if p.requires_grad))
@@ -246,7 +260,8 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
                 sums[i] += (forward, backward, saved.bytes,
                             sum(map(_tensor_bytes, _outputs(layer_in))),
                             sum(map(_tensor_bytes, _outputs(out))) if i < len(funcs) - 1 else 0,
-                            peak, work[i].activation_bytes.dot(kept_size(model, i, micro.host)),
+                            peak, 0 if model.modes[i] == "forward" else
+                            work[i].activation_bytes.dot(kept_size(model, i, micro.host)),
                             work[i].transient(size := Size(micro.num_tiles, micro.num_tokens)),
                             _selective_bytes(func, layer_in, live) if selective[i] else 0,
                             work[i].selective_bytes.dot(size) + CHECKPOINT_STATE_BYTES
@@ -258,10 +273,13 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
                               "vit_s": float(sum(times[:vision])),
                               "llm_s": float(sum(times[vision:]))})
     means = sums / max(1, len(batches))
-    params = [int(param_bytes * model.parameter_count(i)) for i in range(len(model.names))]
+    params = [int((param_bytes if mode == "train" else frozen_bytes) * model.parameter_count(i)
+                  + param_bytes * w.adapter_params)
+              for i, (mode, w) in enumerate(zip(model.modes, work))]
     costs = [LayerCost(name, float(f), float(b), int(act), int(inp), int(out), params[i],
                        int(peak), int(inp + kept) if selective[i] else None,
-                       tied_bytes=params[i] if model.defs[i].tied_key else 0)
+                       tied_bytes=params[i] if model.defs[i].tied_key else 0,
+                       has_backward=model.modes[i] != "forward")
              for i, (name, (f, b, act, inp, out, peak, _, _, kept, _))
              in enumerate(zip(model.names, means))]
     return Profile(costs, per_batch, device,
@@ -318,7 +336,17 @@ def _host_peak_bytes(func, layer_in: Micro) -> int:
     makes. An untimed run of its own: the tracker slows each op."""
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
-    tracker = MemTracker()
+    class Tracker(MemTracker):
+        """torch's tracker, which hooks every weight's gradient of a module it enters: a
+        module holding frozen weights (which take no hook) is tracked without its gradients'
+        hooks, so a LoRA adapter's gradient beside them counts as a temporary (rank × width
+        bytes: small beside the layer's activations)."""
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            return super()._track_module_params_and_buffers(
+                module, install_grad_hooks and all(p.requires_grad for p in module.parameters()))
+
+    tracker = Tracker()
     with tracker:
         out = func(layer_in)
         outputs = [t for t in _outputs(out) if t.requires_grad]
