@@ -263,6 +263,7 @@ def train_config(args, setup: dict, algo: str, run: str | None = None,
     return TrainConfig(shards=setup["shards"][algo], out=os.path.join(args.work, f"run-{run}"),
                        model=setup["model"], pp=1, dp=1, max_steps=args.steps,
                        save_checkpoints=False, count_host_syncs=True, train=args.train,
+                       lora_rank=args.lora,
                        trace=os.path.join(args.trace, run) if args.trace and with_trace else None,
                        **options)
 
@@ -470,7 +471,7 @@ def hf_train(args, setup: dict, padded: bool,
     attention = "flash_attention_2" if flash else "sdpa" if padded else TORCH_VARLEN
     if attention == TORCH_VARLEN:
         attend_with_torch_varlen(model)
-    model_layers(setup["model"], recipe=cfg.recipe).freeze_as_recipe(model)  # the same recipe
+    model = model_layers(setup["model"], recipe=cfg.recipe).as_recipe(model)  # the same recipe
     # the padded peer: as many micro-batches a step as keep each, padded, within the packed
     # micro-batch's tokens over the steps trained (``PaddedBatches``)
     batches = functools.partial(PaddedBatches, steps=args.steps) if padded else PackedBatches
@@ -581,6 +582,9 @@ def main() -> None:
                    help="the parts that train (vlmshard train --train), for vlmshard and the "
                         "peers alike: 'projector llm' is the recipe users run, the vision "
                         "tower frozen (default: all, a full fine-tune)")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="train the LLM through LoRA adapters of this rank (vlmshard train "
+                        "--lora-rank; the peers through PEFT's same adapters); 0: none")
     p.add_argument("--target-samples", type=int, default=None,
                    help="samples per random micro-batch, balanced packed under random's caps "
                         "(default: as many as the memory model lets the device hold "

@@ -141,6 +141,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help="Trainer output folder (default: a temp folder)")
     p.add_argument("--train", nargs="+", default=["vit", "projector", "llm"], metavar="PART",
                    help="the parts that train, as vlmshard train --train (default: all)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="LoRA on the LLM, as vlmshard train --lora-rank (0: none)")
     args = p.parse_args()
     with model_and_shards(args, p) as (folder, shards), \
             tempfile.TemporaryDirectory(prefix="vlmshard-trainer-") as scratch:
@@ -179,7 +181,7 @@ def shard_trainer(model, batches, out: str, steps: int, callbacks=(), **options)
 def train(folder: str, shards: str, out: str, args) -> None:
     from transformers import AutoModelForImageTextToText
 
-    from vlmshard.recipe import Recipe
+    from vlmshard.recipe import RecipeOptions
     from vlmshard.shards.model_inputs import TORCH_VARLEN
     from vlmshard.train.attention import attend_with_torch_varlen
     from vlmshard.train.hf_model import model_layers
@@ -191,8 +193,11 @@ def train(folder: str, shards: str, out: str, args) -> None:
         attn_implementation="sdpa" if varlen else args.attn)
     if varlen:
         attend_with_torch_varlen(model)
-    # the parts --train leaves out frozen, as vlmshard train freezes them
-    model_layers(folder, recipe=Recipe(tuple(args.train))).freeze_as_recipe(model)
+    # trained as vlmshard train trains: the parts --train leaves out frozen, LoRA's adapters
+    model = model_layers(folder, recipe=RecipeOptions(
+        train=args.train, lora_rank=args.lora_rank).recipe).as_recipe(model)
+    if args.lora_rank:
+        model.print_trainable_parameters()
     shard_trainer(model, lambda rank, world: PackedBatches(shards, model, rank, world), out,
                   args.steps, learning_rate=args.lr, lr_scheduler_type="cosine",
                   warmup_steps=1, bf16=not cpu).train()

@@ -97,6 +97,19 @@ def test_hf_trainer(setup):
     assert float(logs[0]["loss"]) == pytest.approx(first_step_loss, abs=1e-3)  # logged as %.4g
 
 
+def test_hf_trainer_on_the_recipe_users_run(setup):
+    """The Trainer on LLaMA-Factory's default recipe (the vision tower and projector frozen,
+    LoRA on the LLM, through PEFT): its first step's loss is the full model's, since LoRA's B
+    starts at zero, and only the adapters train."""
+    args, first_step_loss = setup
+    out = _run("hf_trainer.py", *args, "--train", "llm", "--lora-rank", "4")
+    logs = [ast.literal_eval(line[line.index("{'loss'"):].split("}")[0] + "}")
+            for line in out.replace("\r", "\n").splitlines() if "{'loss'" in line]
+    assert len(logs) == 2
+    assert float(logs[0]["loss"]) == pytest.approx(first_step_loss, abs=1e-3)  # logged as %.4g
+    assert "trainable params:" in out and "trainable%" in out
+
+
 def test_accelerate_loop(setup):
     args, first_step_loss = setup
     steps = _json_lines(_run("accelerate_loop.py", *args))

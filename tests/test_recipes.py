@@ -265,7 +265,7 @@ def test_a_frozen_vit_moves_the_partition_and_its_stage_runs_no_backward():
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "internvl"])
 def test_a_transformers_model_is_frozen_as_llamafactory_freezes_it(family, tmp_path):
-    """``freeze_as_recipe`` (for a trainer of one's own, and the GPU bench's peers) leaves
+    """``as_recipe`` (for a trainer of one's own, and the GPU bench's peers) leaves
     trainable exactly the parameters LLaMA-Factory's keys name, for each recipe."""
     from transformers import AutoModelForImageTextToText
 
@@ -273,7 +273,7 @@ def test_a_transformers_model_is_frozen_as_llamafactory_freezes_it(family, tmp_p
     model = AutoModelForImageTextToText.from_pretrained(folder)
     for parts, freeze in ((("projector", "llm"), False), (("vit",), False), (("llm",), True),
                           (("projector",), False)):
-        model_layers(folder, recipe=Recipe(parts, freeze)).freeze_as_recipe(model)
+        assert model_layers(folder, recipe=Recipe(parts, freeze)).as_recipe(model) is model
         trains = llamafactory_trains(family, set(parts), freeze)
         assert {n for n, p in model.named_parameters() if p.requires_grad} == {
             n for n, _ in model.named_parameters() if trains(n)}, (parts, freeze)

@@ -35,7 +35,7 @@ from vlmshard.model_sizes import (
 from .attention import choose_backend, implementation, repeats_kv_heads, supports_runs
 from .clock import layer_part
 from .kernels import Kernels
-from .lora import add_adapters, targeted
+from .lora import add_adapters, lora_config, target_pattern, targeted
 from .micro import HostMeta, Micro, Phase, unpack, wire_inputs
 from .models import liger
 from .models.layers import Geometry, LayerDef
@@ -114,10 +114,12 @@ class ModelLayers:
                      liger_llm=liger_in("llm"), liger_vit=liger_in("vit"),
                      kv_repeated=repeats_kv_heads(self.backend))
 
-    def freeze_as_recipe(self, model: nn.Module) -> None:
-        """Set ``requires_grad`` on a ``transformers`` model of this folder as the trainer sets
-        it on its layers: for a trainer of one's own, or a peer run on the same recipe. Each
-        layer's submodules are found by their paths in the model (``HFLayer.paths``)."""
+    def as_recipe(self, model: nn.Module) -> nn.Module:
+        """A ``transformers`` model of this folder trained as the trainer trains its layers, for
+        a trainer of one's own or a peer run on the same recipe: ``requires_grad`` set as on
+        the layers (each layer's submodules found by their paths, ``HFLayer.paths``), and under
+        LoRA the model wrapped by PEFT with the same adapters (``peft_config``; initialized by
+        PEFT, not from the trainer's seed)."""
         trains = {}
         for d, mode in zip(self.defs, self.modes):
             for path in d.build(self.meta).paths.values():
@@ -128,6 +130,21 @@ class ModelLayers:
             if owner is None:
                 raise ConfigError(f"{name} of {self.path} is in none of the trainer's layers")
             p.requires_grad_(trains[owner])
+        if self.recipe.lora is None:
+            return model
+        from peft import get_peft_model
+
+        return get_peft_model(model, self.peft_config())
+
+    def peft_config(self):
+        """PEFT's ``LoraConfig`` of the recipe's adapters on the ``transformers`` model: its
+        targets a pattern of the LLM's decoder blocks alone (``lora.target_pattern``), the
+        modules trained in full beside them its ``modules_to_save``."""
+        config = lora_config(self.recipe.lora, target_pattern(list(self.lora_blocks()),
+                                                              self.recipe.lora))
+        config.base_model_name_or_path = self.path
+        config.modules_to_save = self.trained_modules() or None
+        return config
 
     def parameter_count(self, index: int) -> int:
         """Layer ``index``'s parameters, counted on the meta model (nothing allocated)."""

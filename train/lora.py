@@ -103,11 +103,10 @@ def target_pattern(block_paths: list[str], lora: Lora) -> str:
             rf"(?:{'|'.join(map(re.escape, lora.targets))})")
 
 
-def write_adapter(folder: str, tensors: dict[str, torch.Tensor], lora: Lora,
-                  block_paths: list[str], trained: list[str], base_model: str) -> None:
-    """The PEFT adapter folder: ``adapter_config.json`` and ``adapter_model.safetensors``,
-    assembled as ``FOLDER.partial`` and renamed when complete. ``trained``: the paths of the
-    modules trained in full beside the adapters, saved whole (``modules_to_save``)."""
+def write_adapter(folder: str, tensors: dict[str, torch.Tensor], config) -> None:
+    """The PEFT adapter folder of ``config`` (``ModelLayers.peft_config``): its
+    ``adapter_config.json`` and ``tensors`` as ``adapter_model.safetensors``, assembled as
+    ``FOLDER.partial`` and renamed when complete."""
     import shutil
 
     from safetensors.torch import save_file
@@ -115,9 +114,6 @@ def write_adapter(folder: str, tensors: dict[str, torch.Tensor], lora: Lora,
     partial = folder + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
-    config = lora_config(lora, target_pattern(block_paths, lora))
-    config.base_model_name_or_path = base_model
-    config.modules_to_save = trained or None
     config.save_pretrained(partial)
     path = os.path.join(partial, "adapter_model.safetensors")
     save_file({k: t.detach().to("cpu").contiguous() for k, t in sorted(tensors.items())}, path,

@@ -55,8 +55,7 @@ def save_model(model: ModelLayers, layers: dict[int, torch.nn.Module] | None, st
         if torch.distributed.get_rank() == 0:
             write_adapter(os.path.join(root, "adapter"),
                           {k: t for piece in pieces if piece for k, t in piece.items()},
-                          model.recipe.lora, list(model.lora_blocks()),
-                          model.trained_modules(), model.path)
+                          model.peft_config())
         torch.distributed.barrier()
         if not merge:
             return
