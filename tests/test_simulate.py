@@ -155,8 +155,9 @@ def _simulate(plan, **options) -> dict:
     from vlmshard.simulate.config import SimulateConfig
     from vlmshard.simulate.runs import run_simulate
 
-    return run_simulate(SimulateConfig(plan=str(plan), model="internvl2-2b", gpu="h100", pp=1,
-                                       mfu=0.5, compare=False, **options))
+    return run_simulate(SimulateConfig(**{"plan": str(plan), "model": "internvl2-2b",
+                                          "gpu": "h100", "pp": 1, "mfu": 0.5, "compare": False,
+                                          **options}))
 
 
 def hand_counted_seconds(plan, padded: bool) -> float:
@@ -333,3 +334,22 @@ def test_measured_layer_times_scale_a_qwen_vits_attention_by_its_analytic_flops(
                       {k: v for k, v in m.items() if k != "vit_squares"}
                       for m in profile["micro_batches"]]}, cost, work)):
         np.testing.assert_allclose(plain.forward @ micro, [1.0, 0.5, 1.0])
+
+
+def test_a_plan_packed_for_a_frozen_vit_is_simulated_as_it_trains(tmp_path):
+    """A plan packed with ``--train projector llm``: one stage's epoch is the hand count of its
+    own cost model (the ViT's forward alone in a_v), below the full fine-tune's; on two stages
+    the search gives the first stage more layers than it does for the full fine-tune."""
+    from vlmshard.packing.config import PackConfig
+    from vlmshard.packing.plan import run_pack
+
+    results = {}
+    for name, parts in (("full", ["vit", "projector", "llm"]), ("frozen", ["projector", "llm"])):
+        plan = tmp_path / name
+        run_pack(PackConfig(stats=OMNIBAL_META, dp=2, micro_batches=2, out=str(plan),
+                            model="internvl2-2b", train=parts))
+        one = _simulate(plan)["plan"]
+        assert one["seconds"] == pytest.approx(hand_counted_seconds(plan, False), rel=1e-9)
+        results[name] = (one["seconds"], _simulate(plan, pp=2)["plan"]["partition"]["bounds"])
+    assert results["frozen"][0] < results["full"][0]
+    assert results["frozen"][1][1] > results["full"][1][1], results
