@@ -10,6 +10,13 @@ simulated in its own mode with ``configs/simulate-omnibal.yaml`` (InternVL-Chat-
 on 4 × 32 A100s) and ``configs/simulate-h100.yaml``: the plan itself, the same samples packed
 random / lengthgroup / isf / balanced, and OmniBal's three levers next to the paper's A100
 GPU-days.
+
+    python benchmarks/simulate_bench.py --recipes      # about 4 minutes on 2 vCPUs
+
+``--recipes`` instead packs the same samples ``padding-free`` once per recipe users run (a full
+fine-tune, the vision tower frozen, the vision tower frozen and LoRA rank 16 on the LLM beside
+the trained projector, as InternVL's LoRA scripts) and simulates each plan on the same clusters
+without the comparisons: the cost model, partition and recompute each recipe yields.
 """
 
 from __future__ import annotations
@@ -34,6 +41,12 @@ from vlmshard.config import load_config  # noqa: E402
 from vlmshard.io import write_json_atomic  # noqa: E402
 
 
+# The recipes users run (vlmshard pack's --train and --lora-rank)
+RECIPES = {"full": {},
+           "vit-frozen": {"train": ["projector", "llm"]},
+           "vit-frozen-lora16": {"train": ["projector", "llm"], "lora_rank": 16}}
+
+
 def write_lengths(path: str, samples: int) -> None:
     """The resampled rows as one OmniBal length file."""
     lengths = resample(real_lengths(DATA), samples)
@@ -50,24 +63,31 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1_200_000)
     parser.add_argument("--dp", type=int, default=32)
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--recipes", action="store_true",
+                        help="a padding-free plan per recipe users run, each simulated alone")
     args = parser.parse_args()
     os.makedirs(args.work, exist_ok=True)
     lengths = os.path.join(args.work, "lengths.json")
     write_lengths(lengths, args.samples)
     results = {}
-    for mode in COMPUTE_MODES:
-        plan = os.path.join(args.work, f"plan-{mode}")
+    plans = ({name: {"compute_mode": "padding-free", **recipe}
+              for name, recipe in RECIPES.items()} if args.recipes
+             else {mode: {"compute_mode": mode} for mode in COMPUTE_MODES})
+    for label, options in plans.items():
+        plan = os.path.join(args.work, f"plan-{label}")
         run_pack(PackConfig(stats=lengths, dp=args.dp, out=plan, model="internvl-chat-1.5",
-                            compute_mode=mode))
+                            **options))
         for name in ("simulate-omnibal", "simulate-h100"):
             config = os.path.join(REPO, "configs", f"{name}.yaml")
-            cfg = load_config(SimulateConfig, {"plan": plan, "config": config})
-            results[f"{name} {mode}"] = result = run_simulate(cfg)
-            print(f"\n== vlmshard simulate {plan} --config configs/{name}.yaml  "
-                  f"({mode}, the plan's compute mode)")
+            values = {"plan": plan, "config": config, **({"compare": False}
+                                                          if args.recipes else {})}
+            cfg = load_config(SimulateConfig, values)
+            results[f"{name} {label}"] = result = run_simulate(cfg)
+            print(f"\n== vlmshard simulate {plan} --config configs/{name}.yaml  ({label})")
             print(format_result(result), flush=True)
     if args.json:
         write_json_atomic(args.json, results)
+
 
 
 if __name__ == "__main__":

@@ -523,7 +523,8 @@ def test_engine_holds_what_the_memory_model_charges_per_parameter(small_shards, 
 
 def test_engine_bytes_counts_each_storage_once_by_what_holds_it():
     """Parameters viewing one flat buffer count it once; gradients, optimizer states and a
-    reduce bucket each fall in their own part, found however deep the optimizer keeps them."""
+    reduce bucket each fall in their own part, found however deep the optimizer keeps them; a
+    frozen weight counts apart, its storage alone."""
     from types import SimpleNamespace
 
     from vlmshard.train.engine_memory import engine_bytes, on_first_step
@@ -533,6 +534,7 @@ def test_engine_bytes_counts_each_storage_once_by_what_holds_it():
     module = torch.nn.Module()
     module.a, module.b = params
     module.register_buffer("table", torch.zeros(3))
+    module.frozen = torch.nn.Parameter(torch.zeros(5), requires_grad=False)
     adam = torch.optim.AdamW(params)
     wrapper = SimpleNamespace(optimizer=adam, param_groups=adam.param_groups,
                               ipg_buckets={torch.float32: SimpleNamespace(buffer=torch.empty(7))},
@@ -545,7 +547,8 @@ def test_engine_bytes_counts_each_storage_once_by_what_holds_it():
             p.grad = torch.ones_like(p)
         adam.step()
     assert measured == [{"weights": 40, "gradients": 40, "optimizer": 80 + 8, "total": 168,
-                         "params": 10, "buckets": 28, "other": 12}]
+                         "params": 10, "buckets": 28, "other": 12, "frozen": 20,
+                         "frozen_params": 5}]
 
 
 def test_zero_2_and_3_need_one_stage():
