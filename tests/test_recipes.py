@@ -299,3 +299,22 @@ def test_the_profile_measures_each_layer_as_the_recipe_runs_it(tmp_path):
                 model.names.index(layer.name))
     assert [m for m in model.modes[:2]] == ["forward", "forward"]
     assert all(c.backward_s > 0 for c in profile.layers[model.names.index("llm_block_0"):])
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "internvl"])
+def test_the_memory_model_holds_each_recipe_to_what_autograd_keeps(family, tmp_path):
+    """Each layer run alone in bf16 as each recipe runs it, held as a full fine-tune's are
+    (``test_model.check_memory_model``: activations within 15% of what autograd's saved-tensor
+    hooks see, selective recompute's too, the transient never below torch's memory tracker):
+    the ViT frozen (a forward-only prefix), the projector alone trained (every LLM layer
+    frozen after it: its input's gradient only), and LoRA on the LLM (PEFT's adapters beside
+    frozen weights)."""
+    from test_model import check_memory_model
+
+    from vlmshard.recipe import Lora
+
+    folder = make_folder(family, str(tmp_path / "model"))
+    shards = make_shards(folder, tmp_path, target_samples=3, micro_batches=2)
+    for recipe in (Recipe(("projector", "llm")), Recipe(("projector",)),
+                   Recipe(("llm",), lora=Lora(4, 8.0))):
+        check_memory_model(model_layers(folder, recipe=recipe), shards, "cpu")

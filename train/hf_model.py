@@ -22,7 +22,7 @@ from torch import nn
 from vlmshard.errors import ConfigError
 from vlmshard.families import family_for_model_type, model_sizes, read_model_folder
 from vlmshard.io import read_json
-from vlmshard.recipe import Recipe
+from vlmshard.recipe import Recipe, input_needs_grad
 from vlmshard.model_sizes import (
     LayerWork,
     ModelConfig,
@@ -70,7 +70,7 @@ class ModelLayers:
         """Whether the input of layer ``index`` needs its gradient: a layer before it trains.
         Where none does, the stage holding it takes its input detached and sends no gradient
         back."""
-        return "train" in self.modes[:index]
+        return input_needs_grad(self.modes, index)
 
     def input_phase(self, index: int) -> Phase:
         """What layer ``index`` receives: pixels for the first, else its predecessor's output."""

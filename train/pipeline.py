@@ -174,6 +174,11 @@ class VLMPipeline(PipelineModule):
         else:
             out = pack(micro, self.model.defs[last].output, self.model.geometry.tokens_per_tile)
             activation = out[0]
+            if activation.requires_grad:
+                # DeepSpeed runs a backward from every floating output the next stage returns a
+                # gradient for: one a frozen part made (DeepStack features of a frozen ViT beside
+                # a trained LLM layer) takes its gradient as a leaf and passes it nowhere
+                out = tuple(t.requires_grad_() if t.is_floating_point() else t for t in out)
             self.clock.forward_part(part)  # the packing, with the stage's last part
         if activation.requires_grad:
             activation.register_hook(self.clock.output_grad_arrives(part))

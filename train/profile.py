@@ -40,6 +40,8 @@ from vlmshard.model_sizes import (
     CHECKPOINT_STATE_BYTES,
     Size,
     bytes_per_param,
+    kept_bytes,
+    held_transient,
     weight_bytes_per_param,
 )
 from vlmshard.partition import (
@@ -260,9 +262,10 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
                 sums[i] += (forward, backward, saved.bytes,
                             sum(map(_tensor_bytes, _outputs(layer_in))),
                             sum(map(_tensor_bytes, _outputs(out))) if i < len(funcs) - 1 else 0,
-                            peak, 0 if model.modes[i] == "forward" else
-                            work[i].activation_bytes.dot(kept_size(model, i, micro.host)),
-                            work[i].transient(size := Size(micro.num_tiles, micro.num_tokens)),
+                            peak, kept_bytes(work[i], model.modes[i]).dot(
+                                kept_size(model, i, micro.host)),
+                            held_transient(work[i], model.modes[i],
+                                            size := Size(micro.num_tiles, micro.num_tokens)),
                             _selective_bytes(func, layer_in, live) if selective[i] else 0,
                             work[i].selective_bytes.dot(size) + CHECKPOINT_STATE_BYTES
                             if selective[i] else 0)

@@ -458,6 +458,9 @@ class Mixer:
     # per token, the outputs of its matmuls and attention kernel: what selective recompute keeps
     # (None: no selective mode, e.g. linear attention's chunked kernel)
     selective: float | None = None
+    # per token, of ``kept``, what only its weights' gradients read (its linear layers' inputs
+    # no other op keeps): what it does not keep with its weights frozen
+    weight_only: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -483,10 +486,15 @@ class LayerWork:
     # of ``params``, the table a tied LM head and the token embedding share
     # (``LLMConfig.tied_embeddings``): a stage holding both layers holds it once
     tied_params: int = 0
+    # of ``activation_bytes``, what only the weights' gradients read (linear layers' inputs, a
+    # norm's normalized values): not kept with the weights frozen (``kept_bytes``)
+    weight_only_bytes: Size = Size()
     # LoRA's adapters on the layer (``with_adapters``): trained while ``params`` stay frozen,
-    # and their forward FLOPs per unit of ``Size``
+    # their forward FLOPs per unit of ``Size``, and what they keep (their linear layers'
+    # inputs again, and each adapter's rank-wide hidden)
     adapter_params: int = 0
     adapter_flops: Size = Size()
+    adapter_kept_bytes: Size = Size()
 
     def transient(self, size: Size) -> float:
         """The transient bytes at a micro-batch of ``size``."""
@@ -582,6 +590,11 @@ def layer_work(config: ModelConfig, saves: Saves = Saves()) -> list[LayerWork]:
     # count): a norm, and its output as the projections' input.
     offset, fused = t.offset_norms, saves.liger_llm
     normed = rms_norm_kept(t.hidden, offset=offset, fused=fused) + a * t.hidden
+
+    def normalized(width: float) -> float:
+        """Of what an RMSNorm keeps, the normalized values only its weight's gradient reads
+        (Liger's kernel keeps none: it recomputes them)."""
+        return 0.0 if fused else (FP32 if offset else a) * width
     # Beside the widest gradients inside a layer (``Mixer.transient``), its backward holds its
     # output, that output's gradient and its input's gradient, and a norm's fp32 gradients.
     llm_io = 3 * a * t.hidden + rms_norm_backward(t.hidden)
@@ -602,7 +615,11 @@ def layer_work(config: ModelConfig, saves: Saves = Saves()) -> list[LayerWork]:
         # gradients
         transient=(FP32 * (q + t.heads) + a * (q + 2 * kv) + 2 * FP32 * (q + kv) * t.qk_norm),
         # q (with its gate), k, v; the kernel's output and log-sum-exp; o
-        selective=a * ((1 + t.attention_gate) * q + 2 * kv + q + t.hidden) + FP32 * t.heads)
+        selective=a * ((1 + t.attention_gate) * q + 2 * kv + q + t.hidden) + FP32 * t.heads,
+        # the projections' input; the q/k norms' normalized values; gated, o's input (the
+        # gated output: ungated, o reads the kernel's output, which attention keeps anyway)
+        weight_only=(a * t.hidden + (normalized(q) + normalized(kv)) * t.qk_norm
+                     + a * q * t.attention_gate))
     # sliding-window attention: the same, its quadratic term within the window
     sliding = replace(attention, flops=Size(tokens=2 * attention_linear, windowed=2 * q))
     # Gated DeltaNet: projections to q/k/v (through the conv), the output gate z, a and b per
@@ -627,7 +644,10 @@ def layer_work(config: ModelConfig, saves: Saves = Saves()) -> list[LayerWork]:
                                                / chunk)
               + value_dim * (3 * FP32 + 3 * a) + FP32 * t.linear_value_heads),
         # the torch kernel's backward: gradients as wide as its fp32 chunk products
-        transient=t.linear_value_heads * FP32 * (5 * chunk + 12 * dk + 6 * dv))
+        transient=t.linear_value_heads * FP32 * (5 * chunk + 12 * dk + 6 * dv),
+        # the projections' input, out_proj's, the gated norm's normalized values and gated
+        # output, the decay's fp32 step per value head
+        weight_only=a * t.hidden + 3 * a * value_dim + FP32 * t.linear_value_heads)
     # The channel mixers: a SwiGLU MLP, or a MoE layer's router and each token through its
     # experts (active; all of them held), plus a gated shared expert where there is one.
     # Keeps: the norm, the SwiGLU gate, up, activation and product; a MoE layer its router's
@@ -637,7 +657,8 @@ def layer_work(config: ModelConfig, saves: Saves = Saves()) -> list[LayerWork]:
                   flops=Size(tokens=2 * 3 * t.hidden * t.intermediate),
                   kept=normed + gated_mlp_kept(t.intermediate, fused),
                   transient=3 * a * t.intermediate,
-                  selective=a * (2 * t.intermediate + t.hidden))  # gate, up, down
+                  selective=a * (2 * t.intermediate + t.hidden),  # gate, up, down
+                  weight_only=a * (t.hidden + t.intermediate))  # gate/up's input, down's
     shared = 3 * t.hidden * t.shared_expert_intermediate + (t.hidden if
                                                             t.shared_expert_intermediate else 0)
     expert = 3 * t.hidden * t.moe_intermediate
@@ -654,7 +675,11 @@ def layer_work(config: ModelConfig, saves: Saves = Saves()) -> list[LayerWork]:
         # the router's logits; per chosen expert its gate/up and down; the shared expert's
         selective=(a * t.experts + t.experts_per_token * a * (2 * t.moe_intermediate + t.hidden)
                    + (a * (2 * t.shared_expert_intermediate + t.hidden + 1)
-                      if t.shared_expert_intermediate else 0)))
+                      if t.shared_expert_intermediate else 0)),
+        # the router's input; per chosen expert its gathered input and down's; the shared
+        # expert's down's
+        weight_only=(a * t.hidden + t.experts_per_token * a * (t.hidden + t.moe_intermediate)
+                     + a * t.shared_expert_intermediate))
 
     def llm_block(i: int) -> dict:
         """Layer i: its token and channel mixers, two norms (four with sandwich norms), and the
@@ -671,6 +696,8 @@ def layer_work(config: ModelConfig, saves: Saves = Saves()) -> list[LayerWork]:
                                squares=sum(m.flops.squares for m in mixers),
                                windowed=sum(m.flops.windowed for m in mixers)),
                     activation_bytes=Size(tokens=sum(m.kept for m in mixers) + sandwich),
+                    weight_only_bytes=Size(tokens=sum(m.weight_only for m in mixers)
+                                           + (2 + 2 * t.sandwich_norms) * normalized(t.hidden)),
                     output_bytes=llm_out,
                     transient_bytes=Size(tokens=llm_io + max(m.transient for m in mixers)),
                     selective_bytes=selective)
@@ -791,18 +818,21 @@ def _token_embedding_work(t: LLMConfig, tokens_per_tile: int) -> LayerWork:
                      Size(tokens=ACTIVATION_BYTES * t.hidden),
                      transient_bytes=Size(tokens=(3 * ACTIVATION_BYTES + FP32) * t.hidden),
                      fixed_transient_bytes=FP32 * table,
-                     tied_params=table if t.tied_embeddings else 0)
+                     tied_params=table if t.tied_embeddings else 0,
+                     weight_only_bytes=Size(tokens=8))  # the ids index the table alone
 
 
 def _final_norm_work(t: LLMConfig, saves: Saves) -> LayerWork:
     """The final norm: its output, that output's gradient and the input's, and the fp32
     gradients of its backward."""
+    normalized = 0 if saves.liger_llm else (FP32 if t.offset_norms else ACTIVATION_BYTES)
     return LayerWork("final_norm", t.hidden, Size(),
                      Size(tokens=rms_norm_kept(t.hidden, offset=t.offset_norms,
                                                fused=saves.liger_llm)),
                      Size(tokens=ACTIVATION_BYTES * t.hidden),
                      transient_bytes=Size(tokens=3 * ACTIVATION_BYTES * t.hidden
-                                          + rms_norm_backward(t.hidden)))
+                                          + rms_norm_backward(t.hidden)),
+                     weight_only_bytes=Size(tokens=normalized * t.hidden))
 
 
 def trainer_layer_work(names: list[str], config: ModelConfig,
@@ -884,6 +914,25 @@ def executed_flops(flops: Size, mode: str) -> Size:
     return Size(*(flops_factor(mode, k) * getattr(flops, k) for k in SIZE_FIELDS))
 
 
+def kept_bytes(work: LayerWork, mode: str) -> Size:
+    """The activation bytes a layer keeps for backward in ``mode`` (``vlmshard.recipe``), per
+    unit of ``Size``: none in a frozen prefix; with its weights frozen, less what only their
+    gradients read; under LoRA that, plus what the adapters keep."""
+    if mode == "forward":
+        return Size()
+    if mode == "train":
+        return work.activation_bytes
+    frozen = work.activation_bytes + work.weight_only_bytes.scaled(-1)
+    return frozen + work.adapter_kept_bytes if mode == "lora" else frozen
+
+
+def held_transient(work: LayerWork, mode: str, size: Size) -> float:
+    """The transient bytes of a layer in ``mode`` at a micro-batch of ``size``: its
+    ``LayerWork.transient``; a frozen prefix, which keeps nothing, holds its forward's tensors
+    for a moment instead, at most what it would keep trained."""
+    return work.transient(size) + (work.activation_bytes.dot(size) if mode == "forward" else 0)
+
+
 def layer_training_flops(work: LayerWork, mode: str) -> Size:
     """Forward + backward FLOPs of a layer in ``mode`` (``executed_flops``), its LoRA adapters'
     trained beside it."""
@@ -896,6 +945,11 @@ def lora_adapter_params(t: LLMConfig, layer: int, lora: Lora) -> int:
     ``transformers`` module is: attention's projections (Qwen3.5's q_proj also makes its output
     gate), a dense MLP's or a MoE layer's shared expert's; not a linear-attention token mixer
     nor routed experts."""
+    return lora.rank * sum(i + o for i, o in _lora_shapes(t, layer, lora))
+
+
+def _lora_shapes(t: LLMConfig, layer: int, lora: Lora) -> list[tuple[int, int]]:
+    """(in, out) of each linear layer of decoder layer ``layer`` LoRA adapts."""
     q, kv = t.heads * t.head_size, t.kv_heads * t.head_size
     shapes = {}
     if not t.is_linear(layer):
@@ -905,7 +959,33 @@ def lora_adapter_params(t: LLMConfig, layer: int, lora: Lora) -> int:
     if mlp:
         shapes.update(gate_proj=(t.hidden, mlp), up_proj=(t.hidden, mlp),
                       down_proj=(mlp, t.hidden))
-    return lora.rank * sum(i + o for name, (i, o) in shapes.items() if name in lora.targets)
+    return [shape for name, shape in shapes.items() if name in lora.targets]
+
+
+def lora_selective_bytes(t: LLMConfig, layer: int, lora: Lora) -> float:
+    """Per token, what LoRA's adapters on decoder layer ``layer`` keep under selective
+    recompute: each adapter's two matmul outputs (A's, rank wide; B's, as wide as the layer's
+    output)."""
+    return ACTIVATION_BYTES * sum(lora.rank + out for _, out in _lora_shapes(t, layer, lora))
+
+
+def lora_kept_bytes(t: LLMConfig, layer: int, lora: Lora) -> float:
+    """Per token, what LoRA's adapters on decoder layer ``layer`` keep with its weights frozen:
+    each adapter's input (a targeted layer's input, which the frozen layer no longer keeps:
+    the projections' input, a gated attention's output, the MLP's input and down's) and its
+    rank-wide hidden (B's input)."""
+    a = ACTIVATION_BYTES
+    targets = set(lora.targets)
+    linear, moe = t.is_linear(layer), t.is_moe(layer)
+    mlp = t.shared_expert_intermediate if moe else t.intermediate
+    named = {} if linear else {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in",
+                               "o_proj": "o_in"}
+    if mlp:
+        named.update(gate_proj="mlp_in", up_proj="mlp_in", down_proj="down_in")
+    inputs = {named[n] for n in targets if n in named}
+    width = {"attn_in": t.hidden, "mlp_in": t.hidden * (not moe), "down_in": mlp,
+             "o_in": t.heads * t.head_size * t.attention_gate}
+    return a * sum(width[i] for i in inputs) + a * lora.rank * len(_lora_shapes(t, layer, lora))
 
 
 def with_adapters(work: list[LayerWork], config: ModelConfig, lora: Lora | None
@@ -917,8 +997,14 @@ def with_adapters(work: list[LayerWork], config: ModelConfig, lora: Lora | None
     out = []
     for w in work:
         if w.name.startswith("llm_block_"):
-            n = lora_adapter_params(config.llm, int(w.name.rsplit("_", 1)[1]), lora)
-            w = replace(w, adapter_params=n, adapter_flops=Size(tokens=2 * n))
+            layer = int(w.name.rsplit("_", 1)[1])
+            n = lora_adapter_params(config.llm, layer, lora)
+            # selectively recomputed, an adapter keeps its two matmuls' outputs too
+            selective = None if w.selective_bytes is None else w.selective_bytes + Size(
+                tokens=lora_selective_bytes(config.llm, layer, lora))
+            w = replace(w, adapter_params=n, adapter_flops=Size(tokens=2 * n),
+                        adapter_kept_bytes=Size(tokens=lora_kept_bytes(config.llm, layer, lora)),
+                        selective_bytes=selective)
         out.append(w)
     return out
 

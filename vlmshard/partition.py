@@ -27,7 +27,14 @@ from dataclasses import dataclass, field, fields, replace
 from functools import cached_property, lru_cache
 
 from vlmshard.errors import ConfigError
-from vlmshard.model_sizes import CHECKPOINT_STATE_BYTES, LayerWork, Size, layer_training_flops
+from vlmshard.model_sizes import (
+    CHECKPOINT_STATE_BYTES,
+    LayerWork,
+    Size,
+    kept_bytes,
+    layer_training_flops,
+    held_transient,
+)
 
 
 @dataclass(frozen=True)
@@ -147,7 +154,7 @@ def analytic_layer_costs(work: list[LayerWork], *, time_size: Size, memory_size:
         forward = (w.flops + w.adapter_flops).dot(time_size) / flops_per_s
         backward = layer_training_flops(w, mode).dot(time_size) / flops_per_s - forward
         inputs = work[i - 1].output_bytes if i else w.activation_bytes
-        kept, held = int(w.activation_bytes.dot(memory_size)), int(inputs.dot(memory_size))
+        kept, held = int(kept_bytes(w, mode).dot(memory_size)), int(inputs.dot(memory_size))
         selective = None if w.selective_bytes is None else min(
             kept, held + int(w.selective_bytes.dot(memory_size)) + CHECKPOINT_STATE_BYTES)
         if mode == "forward":  # nothing kept, nothing to recompute
@@ -158,7 +165,8 @@ def analytic_layer_costs(work: list[LayerWork], *, time_size: Size, memory_size:
             w.name, forward, backward, kept, held,
             int(w.output_bytes.dot(memory_size)),
             int(w.params * per_param + w.adapter_params * bytes_per_param),
-            peak_bytes=kept + int(w.transient(memory_size)), selective_bytes=selective,
+            peak_bytes=kept + int(held_transient(w, mode, memory_size)),
+            selective_bytes=selective,
             tied_bytes=int(w.tied_params * per_param), has_backward=mode != "forward"))
     return costs
 

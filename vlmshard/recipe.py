@@ -136,6 +136,17 @@ class Recipe:
 
 
 
+# The modes whose layer has weights that train (LoRA's adapters among them)
+TRAINED_MODES = ("train", "lora")
+
+
+def input_needs_grad(modes: list[str], index: int) -> bool:
+    """Whether layer ``index`` of layers run in ``modes`` needs its input's gradient: a layer
+    before it trains. Where none does, a stage starting there takes its input detached and
+    sends no gradient back."""
+    return any(mode in TRAINED_MODES for mode in modes[:index])
+
+
 # Per ``Size`` field, what a mode's forward + backward costs in forwards. A weight's matmul has a
 # backward of two such matmuls (its input's gradient and its weight's), so ``train`` is 3 × the
 # forward and ``input_grad`` 2 ×. Attention's score and value products have no weight: their

@@ -19,7 +19,7 @@ from vlmshard.model_sizes import (
     weight_bytes_per_param,
     with_adapters,
 )
-from vlmshard.recipe import Recipe
+from vlmshard.recipe import Recipe, input_needs_grad
 from vlmshard.partition import Partition, PartitionError
 from vlmshard.stage import Result
 
@@ -92,7 +92,7 @@ class _Cluster:
                                frozen_bytes_per_param=weight_bytes_per_param("bf16"))
         batches = replica_micro_batches(sizes, self.ranks, self.micro, self.dp,
                                         self.cfg.micro_batches)
-        input_grads = ["train" in self.modes[:i] for i in range(len(self.modes))]
+        input_grads = [input_needs_grad(self.modes, i) for i in range(len(self.modes))]
         sim = simulate(batches, StageModel.build(self.rates, partition,
                                                  self.gpu.link_bytes_per_s, input_grads), wire)
         return {**sim.summary(), "partition": _describe(partition, self.work)}
