@@ -4,7 +4,7 @@ adapters (``--lora-rank``).
 
 The recipes users run freeze parts (LLaMA-Factory's ``freeze_vision_tower``, Qwen's
 ``--tune_mm_vision False``, InternVL's ``freeze_backbone``), and a frozen part changes the work
-each pipeline layer executes. In pipeline order, a layer runs in one of three modes:
+each pipeline layer executes. In pipeline order, a layer runs in one of four modes:
 
 - ``forward``: frozen, with no trainable layer before it. Forward only, under ``no_grad``: it
   keeps no activations and has no backward.
@@ -96,7 +96,7 @@ class Recipe:
         """Every weight trains: the recipe of a full fine-tune."""
         return set(self.train) == set(PARTS) and not self.freeze_embeddings and not self.lora
 
-    def mode_of(self, layer: str, tied_to_head: bool = False) -> str | None:
+    def mode_of(self, layer: str, tied_to_head: bool = False) -> Mode | None:
         """How pipeline layer ``layer`` trains: ``train``, ``lora`` or None (frozen). The token
         embedding is frozen with ``freeze_embeddings``, and so is a head that shares its weight
         (``tied_to_head``: the model ties them, as ``tie_word_embeddings`` says); under LoRA the
@@ -108,7 +108,7 @@ class Recipe:
         embedding = layer == "embed_tokens" or (layer == "head" and tied_to_head)
         return None if embedding and self.freeze_embeddings else "train"
 
-    def modes(self, layers: list[str], tied: bool = False) -> list[str]:
+    def modes(self, layers: list[str], tied: bool = False) -> list[Mode]:
         """Per layer of ``layers`` (pipeline order), the mode it runs in (the module's
         docstring). ``tied``: the token embedding and the head share one weight. Raises
         ConfigError when nothing trains."""
@@ -140,7 +140,7 @@ class Recipe:
 TRAINED_MODES = ("train", "lora")
 
 
-def input_needs_grad(modes: list[str], index: int) -> bool:
+def input_needs_grad(modes: list[Mode], index: int) -> bool:
     """Whether layer ``index`` of layers run in ``modes`` needs its input's gradient: a layer
     before it trains. Where none does, a stage starting there takes its input detached and
     sends no gradient back."""
@@ -154,7 +154,7 @@ def input_needs_grad(modes: list[str], index: int) -> bool:
 ATTENTION_FIELDS = ("squares", "windowed", "vit_squares", "vit_windows")
 
 
-def flops_factor(mode: str, field: str) -> float:
+def flops_factor(mode: Mode, field: str) -> float:
     """Forward + backward FLOPs over forward FLOPs of a layer in ``mode``, for the work of its
     ``Size`` ``field`` (``vlmshard.model_sizes.Size``)."""
     if mode == "forward":
