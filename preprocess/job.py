@@ -231,13 +231,24 @@ def _check_something_accepted(cfg: PreprocessConfig, sources: list[Source],
             # job that accepts others: its rejects say it.
             continue
         reason = max(reasons, key=reasons.get)
-        record = first_record(source, index)
-        hint = format_hint(record, source.format) if record is not None else None
+        if reason == "unreadable_source":  # the file does not parse: where, from its reject
+            hint = first_reject_message(rejects, source.name)
+        else:
+            record = first_record(source, index)
+            hint = format_hint(record, source.format) if record is not None else None
         shutil.rmtree(os.path.join(cfg.out, WORK))
         raise NothingAccepted(
             f"source {source.name}: all {entry['input_rows']} row(s) rejected"
             f"{f' as {reason}' if len(reasons) == 1 else f', most as {reason}'}"
             f"{f': {hint}' if hint else ''}; see {rejects}")
+
+
+def first_reject_message(rejects: str, source: str) -> str | None:
+    """The message of ``source``'s first reject in the ``rejects`` file (a JSON syntax error
+    names its file, line and column)."""
+    table = pq.read_table(rejects, columns=["source", "message"])
+    return next((m for name, m in zip(table["source"].to_pylist(),
+                                       table["message"].to_pylist()) if name == source), None)
 
 
 def _why_empty(source: Source, index: SourceIndex) -> str:

@@ -86,6 +86,19 @@ def test_a_source_of_unknown_roles_hints_the_mapping(tmp_path):
     assert (result.accepted, result.rejected) == (3, 0)
 
 
+def test_a_json_file_that_does_not_parse_is_one_line_naming_where(tmp_path):
+    """A JSON file with a syntax error (a missing comma on line 2): the job's one-line error
+    names the file, the line and the column, not only the rejects file."""
+    path = tmp_path / "broken.json"
+    path.write_text('[{"conversations": [{"from": "human", "value": "Hi"}]},\n'
+                    ' {"conversations": [{"from": "human" "value": "x"}]}]\n')
+    with pytest.raises(NothingAccepted) as e:
+        run_preprocess(PreprocessConfig(inputs=[str(path)], out=str(tmp_path / "out"),
+                                        workers=1))
+    assert (f"all 1 row(s) rejected as unreadable_source: {path} is not valid JSON: "
+            "Expecting ',' delimiter: line 2 column 38") in str(e.value)
+
+
 def test_the_command_line_exits_without_collecting_what_is_alive():
     """``vlmshard`` freezes the objects alive at its exit (``vlmshard.process``), once however
     often ``main`` runs: an exit handler registered before the command, so called after its
