@@ -44,11 +44,15 @@ class VerifyResult(Result):
     root: str
     ok: bool
     quick: bool
-    plan: str | None = None  # the plan the samples were checked against    ranks: int = 0
+    plan: str | None = None  # the plan the samples were checked against
+    ranks: int = 0
     steps: int = 0
     shards: int = 0
+    # the plan's micro-batches and samples, each once: a sequence-parallel step's copies on
+    # its group's other ranks not counted (``copies`` of them)
     records: int = 0
     samples: int = 0
+    copies: int = 0
     bytes: int = 0
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
@@ -57,9 +61,11 @@ class VerifyResult(Result):
         if not self.ok:
             return (f"{self.root}: {len(self.problems)} problem(s), the first: "
                     f"{self.problems[0] if self.problems else '?'}")
+        copies = (f", {self.copies} records more as sequence-parallel copies" if self.copies
+                  else "")
         return (f"OK{' (quick)' if self.quick else ''}: {self.records} records, {self.samples} "
                 f"samples{', every one as planned' if self.plan else ''} ({self.shards} shards, "
-                f"{self.ranks} ranks x {self.steps} steps, {self.bytes / 1e6:.1f} MB)")
+                f"{self.ranks} ranks x {self.steps} steps{copies}, {self.bytes / 1e6:.1f} MB)")
 
     def text(self) -> str:
         if self.ok:
@@ -90,7 +96,8 @@ def verify_shards(root: str, plan: str | None = None, quick: bool = False,
         result.problems.append(str(e))
         return result
     result.ranks, result.steps, result.shards = manifest.ranks, manifest.steps, len(manifest.shards)
-    result.records, result.bytes = manifest.records, manifest.bytes
+    result.copies = _copies(manifest)
+    result.records, result.bytes = manifest.records - result.copies, manifest.bytes
     problems = result.problems
     problems += [p for r in range(manifest.ranks) if (p := manifest.coverage_problem(r))]
     problems += _unlisted_files(root, manifest)
@@ -106,13 +113,24 @@ def verify_shards(root: str, plan: str | None = None, quick: bool = False,
             if placed is not None:
                 placements.append(placed)
             bar.update(1)
-    result.samples = sum(len(p) for p in placements) if not quick else \
-        sum(e.samples for e in manifest.shards)
+    # (quick: the manifest counts a shard's samples, copies among them, not each record's)
+    result.samples = len(_as_planned(np.concatenate(placements), manifest)[0]) \
+        if placements else sum(e.samples for e in manifest.shards)
     if plan is not None:
         problems += _plan_problems(plan, manifest, None if quick else placements)
     result.ok = not problems
     result.seconds = time.monotonic() - start
     return result
+
+
+def _copies(manifest: Manifest) -> int:
+    """The records that copy a sequence-parallel step's micro-batches onto its group's ranks
+    after the first (``_as_planned``)."""
+    if not manifest.step_groups:
+        return 0
+    sp = [manifest.step_group(t)["sp"] for t in range(manifest.steps)]
+    return manifest.micro_batches * sum(
+        e.rank % sp[t] != 0 for e in manifest.shards for t in range(e.first_step, e.end_step))
 
 
 def _unlisted_files(root: str, manifest: Manifest) -> list[str]:

@@ -168,10 +168,22 @@ def test_sequence_parallel_steps_train_as_the_hf_model_at_each_zero_stage_and_re
 
 
 def test_verify_finds_the_grouped_plan_in_its_shards(grouped):
+    """Every planned sample where planned; the micro-batches and samples counted once each, as
+    the plan has them, a sequence-parallel step's copies on its group's other ranks apart."""
+    import pyarrow.parquet as pq
+
     _, shards = grouped
-    plan = read_manifest(shards).plan["path"]
-    result = vlmshard("verify", shards, "--plan", plan, check=False)
+    manifest = read_manifest(shards)
+    plan = manifest.plan["path"]
+    result = vlmshard("verify", shards, "--plan", plan, "--json", check=False)
     assert result.returncode == 0, result.stdout + result.stderr
+    verified = json.loads(result.stdout)
+    info = json.loads(open(os.path.join(plan, "plan.json")).read())
+    sp = [manifest.step_group(t)["sp"] for t in range(manifest.steps)]
+    micro = info["params"]["micro_batches"]
+    assert verified["samples"] == pq.read_metadata(os.path.join(plan, "plan.parquet")).num_rows
+    assert verified["records"] == sum(DP // s * micro for s in sp)
+    assert verified["copies"] == sum((DP - DP // s) * micro for s in sp) > 0
 
 
 def test_shards_with_sequence_parallel_steps_are_refused_where_they_cannot_train(grouped,
