@@ -26,8 +26,8 @@ import pyarrow as pa
 
 from vlmshard import __version__
 from vlmshard.errors import ConfigError, InputError
-from vlmshard.io import (arrow_column, atomic_write, read_json, sha256_file, write_json_atomic,
-                         write_parquet)
+from vlmshard.io import (arrow_column, atomic_write, file_in, read_json, sha256_file,
+                         write_json_atomic, write_parquet)
 from vlmshard.jobs import fingerprint as job_fingerprint
 from vlmshard.jobs import locked_output
 from vlmshard.model_sizes import sequence_parallel_refusal
@@ -103,6 +103,8 @@ def run_pack(cfg: PackConfig) -> PackResult:
 
 def _pack(cfg: PackConfig) -> PackResult:
     t0 = time.perf_counter()
+    if cfg.cost_model:  # a profile's folder for its cost_model.json
+        cfg.cost_model = file_in(cfg.cost_model, "cost_model.json", "--cost-model")
     stats = load_stats(cfg.stats)
     lengths = stats.lengths
     cost = (CostModel.from_json(cfg.cost_model) if cfg.cost_model

@@ -12,6 +12,7 @@ from vlmshard.cli import main
 from vlmshard.preprocess import NothingAccepted, PreprocessConfig, run_preprocess
 from vlmshard.preprocess.conversation import RowFormat, parse_conversation
 from vlmshard.rejects import Reject
+from vlmshard.stage import one_line
 
 
 def _run(capsys, *argv: str) -> tuple[int, str]:
@@ -119,3 +120,52 @@ def test_the_command_line_exits_without_collecting_what_is_alive():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
     assert out.count("freeze") == 1 and out[-2] == "frozen" and int(out[-1]) > 1000, out
+
+
+def test_a_path_option_given_a_folder_a_missing_path_or_an_unreadable_file_is_one_line(
+        tmp_path):
+    """Where a run's or a profile's file is expected, its folder is taken (the file inside it
+    found), and a folder without it or a missing path is one line naming the option; an
+    operating system's error on a path is the path and its reason, never a raw ``[Errno N]``
+    (as root, this machine's tests cannot make a file unreadable: ``one_line`` is held to
+    one directly)."""
+    import os
+
+    from helpers import vlmshard
+
+    data = os.path.join(os.path.dirname(__file__), "data", "omnibal", "meta.json")
+    plan = tmp_path / "plan"
+    vlmshard("pack", "--stats", data, "--dp", "2", "--out", str(plan))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train_log.jsonl").write_text("{}\n")
+    profile = tmp_path / "profile"
+    profile.mkdir()
+    (profile / "cost_model.json").write_text('{"a_v": 1.0, "a_t": 2.0, "b": 0.0}')
+    (profile / "profile.json").write_text("{}")
+    cases = {  # the command's words before the path, and what the line must name
+        "pack --cost-model": (["pack", "--stats", data, "--dp", "2", "--out",
+                               str(tmp_path / "p2"), "--cost-model"], "--cost-model"),
+        "report --train-log": (["report", str(plan), "--train-log"], "--train-log"),
+        "simulate --profile": (["simulate", "--train-log", str(run), "--profile"],
+                               "--profile"),
+    }
+    for name, (words, option) in cases.items():
+        for path, says in ((empty, "the folder holds no"), (tmp_path / "missing",
+                                                            "no such file or folder")):
+            result = vlmshard(*words, str(path), check=False)
+            error = result.stderr.strip().splitlines()[-1]
+            assert result.returncode == 1 and "[Errno" not in result.stderr, (name, path)
+            assert says in error and option in error, (name, error)
+    assert one_line(IsADirectoryError(21, "Is a directory", "run")) == "run: Is a directory"
+    assert one_line(PermissionError(13, "Permission denied", "a.json")) == \
+        "a.json: Permission denied"
+    # a profile's folder where its cost_model.json is asked for: taken as that file
+    vlmshard("pack", "--stats", data, "--dp", "2", "--out", str(tmp_path / "p3"),
+             "--cost-model", str(profile))
+    # a profile.json where the profile's folder is asked for, a run folder without a log
+    result = vlmshard("report", str(plan), "--train-log", str(empty), "--profile",
+                      str(profile / "profile.json"), check=False)
+    assert "--train-log" in result.stderr and "[Errno" not in result.stderr

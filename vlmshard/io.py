@@ -269,6 +269,33 @@ def arrow_column(values: "numpy.ndarray") -> "pyarrow.Array":
                                  [None, pa.py_buffer(values)])
 
 
+def file_in(path: str, name: str, option: str) -> str:
+    """The file an option names: ``path`` itself, or where ``path`` is a folder (a run's, a
+    profile's), its file ``name``; a missing one is one line naming the option."""
+    if os.path.isdir(path):
+        inner = os.path.join(path, name)
+        if not os.path.isfile(inner):
+            raise InputError(f"{option} {path}: the folder holds no {name}")
+        return inner
+    if not os.path.exists(path):
+        raise InputError(f"{option} {path}: no such file or folder")
+    return path
+
+
+def folder_of(path: str, name: str, option: str) -> str:
+    """The folder an option names, which must hold ``name``: ``path`` itself, or the folder of
+    ``path`` where that is the file ``name``; anything else is one line naming the option."""
+    if os.path.isfile(path) and os.path.basename(path) == name:
+        return os.path.dirname(path) or "."
+    if not os.path.exists(path):
+        raise InputError(f"{option} {path}: no such file or folder")
+    if not os.path.isdir(path):
+        raise InputError(f"{option} {path}: not a folder holding {name}")
+    if not os.path.isfile(os.path.join(path, name)):
+        raise InputError(f"{option} {path}: the folder holds no {name}")
+    return path
+
+
 def read_json(path: str | Path) -> Any:
     """A JSON file's content; a file that is not JSON is an :class:`InputError` naming it."""
     with open(path, encoding="utf-8") as f:

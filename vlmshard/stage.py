@@ -116,6 +116,10 @@ def run_command(command: str, config_cls: type[C], stage: Callable[[C], Result],
 
 
 def one_line(error: BaseException) -> str:
-    """An error's message on one line (a message quoting a file's lines keeps them, joined)."""
+    """An error's message on one line (a message quoting a file's lines keeps them, joined); an
+    operating system's error as the path and what is wrong with it, without its errno."""
+    if isinstance(error, OSError) and error.strerror and error.filename is not None:
+        paths = " -> ".join(str(p) for p in (error.filename, error.filename2) if p is not None)
+        return f"{paths}: {error.strerror}"
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return " | ".join(lines) or type(error).__name__

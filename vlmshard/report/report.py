@@ -11,12 +11,12 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-from vlmshard.io import atomic_write, write_json_atomic
+from vlmshard.io import atomic_write, file_in, folder_of, write_json_atomic
 from vlmshard.packing.batches import Lengths, Packing
 from vlmshard.packing.groups import is_grouped
 from vlmshard.packing.metrics import REPORT_KEYS, format_value
 from vlmshard.packing.plan import load_plan, plan_stats_path, read_plan, read_plan_json
-from vlmshard.run_log import PIPELINE_NAME, read_numbered
+from vlmshard.run_log import LOG_NAME, PIPELINE_NAME, read_numbered
 from vlmshard.simulate.replay import Replay, compare, replay_run
 from vlmshard.stage import Result
 
@@ -201,8 +201,11 @@ class ReportResult(Result):
 
 
 def run_report(cfg: ReportConfig) -> ReportResult:
-    """``vlmshard report``: the report of ``cfg.plan_dirs``, with the files it asks for."""
-    report, table = make_report(cfg.plan_dirs, train_log=cfg.train_log, profile=cfg.profile,
+    """``vlmshard report``: the report of ``cfg.plan_dirs``, with the files it asks for (a
+    run's folder for its ``train_log.jsonl``, a profile's ``profile.json`` for its folder)."""
+    train_log = cfg.train_log and file_in(cfg.train_log, LOG_NAME, "--train-log")
+    profile = cfg.profile and folder_of(cfg.profile, "profile.json", "--profile")
+    report, table = make_report(cfg.plan_dirs, train_log=train_log, profile=profile,
                                 html=cfg.html, out_json=cfg.out_json)
     return ReportResult(report, table, cfg.html, cfg.out_json)
 

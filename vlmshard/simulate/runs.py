@@ -11,7 +11,8 @@ import numpy as np
 
 from vlmshard.errors import InputError
 from vlmshard.hardware import GPUS
-from vlmshard.io import write_json_atomic
+from vlmshard.io import file_in, folder_of, write_json_atomic
+from vlmshard.run_log import LOG_NAME
 from vlmshard.families import presets
 from vlmshard.model_sizes import (
     bytes_per_param,
@@ -54,8 +55,10 @@ def run_simulate(cfg: SimulateConfig) -> SimulateResult:
     try:
         if cfg.plan:
             result.update(simulate_plan(cfg))
-        if cfg.train_log:
-            result["validation"] = validate_against_log(cfg.train_log, cfg.profile)
+        if cfg.train_log:  # a run's folder for its log, a profile's profile.json for its folder
+            result["validation"] = validate_against_log(
+                file_in(cfg.train_log, LOG_NAME, "--train-log"),
+                cfg.profile and folder_of(cfg.profile, "profile.json", "--profile"))
     except KeyError as e:  # a plan.json or run files of an older vlmshard
         raise InputError(f"{cfg.plan or cfg.train_log} lacks {e}: make it again with this "
                          "vlmshard") from e
