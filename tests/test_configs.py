@@ -94,6 +94,19 @@ def test_run_sections_use_the_stage_definitions(tmp_path):
     assert f"config {path}, section 'pack': dp: expected int, got 'two'" in proc.stderr
 
 
+def test_a_run_config_gives_the_report_its_options(tmp_path):
+    """``report:`` holds ``vlmshard report``'s options, checked by its definitions: a profile
+    to replay the run with, which needs the train section's log."""
+    out = str(tmp_path / "o")
+    base = {"out": out, "preprocess": {"inputs": ["x.json"]}, "pack": {"dp": 2}}
+    chosen = stages(RunConfig(**base, train={"pp": 2}, report={"profile": "prof"}))
+    report = next(options for stage, options, _ in chosen if stage.name == "report")
+    assert (report.profile, report.train_log) == ("prof", os.path.join(out, "train",
+                                                                       "train_log.jsonl"))
+    with pytest.raises(ConfigError, match="section 'report'.*give its --train-log too"):
+        stages(RunConfig(**base, report={"profile": "prof"}))
+
+
 def test_help_texts_state_each_default_once():
     out = subprocess.run([sys.executable, "-m", "vlmshard.cli", "pack", "--help"],
                          capture_output=True, text=True, check=True, cwd=REPO).stdout

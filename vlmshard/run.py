@@ -65,6 +65,9 @@ class RunConfig:
     write: Section = option(factory=dict, cli=False, help="vlmshard write's options")
     verify: Section = option(factory=dict, cli=False, help="vlmshard verify's options")
     train: Section | None = option(None, cli=False, help="omit to stop after verify")
+    report: Section = option(factory=dict, cli=False,
+                             help="vlmshard report's options (e.g. profile: a `train profile` "
+                                  "folder to replay the training run with)")
 
     def path(self, name: str) -> str:
         return os.path.join(self.out, name)
@@ -96,7 +99,7 @@ class Stage:
 
     name: str
     config: str  # the options class
-    section: str | None  # the RunConfig field holding its options; None: it has none, it runs
+    section: str  # the RunConfig field holding its options
     links: tuple[Link, ...]
     run: str  # run_<stage>(cfg, **arguments) -> Result
 
@@ -120,7 +123,7 @@ STAGES = (
           (Link("shards", "shards"), Link("out", "train"),
            Link("output", "train/launcher.log", argument=True)),
           "vlmshard.train.launcher:run_train"),
-    Stage("report", "vlmshard.report.config:ReportConfig", None,
+    Stage("report", "vlmshard.report.config:ReportConfig", "report",
           (Link("plan_dirs", "plan", many=True), Link("train_log", f"train/{LOG_NAME}", "train"),
            Link("html", "report.html"), Link("out_json", "report.json")),
           "vlmshard.report.report:run_report"),
@@ -133,7 +136,7 @@ def stages(cfg: RunConfig, where: str = "run config") -> list[tuple[Stage, Any, 
     preprocess. ``where`` names the config in errors."""
     chosen = []
     for stage in STAGES:
-        values = cfg.section(stage.section) if stage.section else {}
+        values = cfg.section(stage.section)
         if values is None:
             continue
         links = [link for link in stage.links if link.when is None
@@ -142,7 +145,7 @@ def stages(cfg: RunConfig, where: str = "run config") -> list[tuple[Stage, Any, 
                  for link in links}
         arguments = {link.name: paths.pop(link.name) for link in links if link.argument}
         options = load_section(resolve(stage.config), values,
-                               f"{where}, section '{stage.section or stage.name}'", **paths)
+                               f"{where}, section '{stage.section}'", **paths)
         chosen.append((stage, options, arguments))
     return chosen
 
