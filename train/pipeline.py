@@ -157,7 +157,7 @@ class VLMPipeline(PipelineModule):
         first = self.layer_indices[0]
         if not self.model.input_needs_grad(first):
             # DeepSpeed makes the float inputs require grad; pixels, and what a frozen stage
-            # before this one made, need none (and ``frozen_boundaries`` sends none back)
+            # before this one made, need none (and ``skip_frozen_gradients`` sends none back)
             wire = tuple(t.detach() for t in wire)
         elif wire[0].requires_grad:
             self.clock.watch_input(wire[0])
