@@ -24,7 +24,10 @@ step are its gradient accumulation, and the loss is normalized per supervised to
 global batch (Ave-Token). Writes OUT/train_log.jsonl: per step the loss, step time, tokens/s,
 every rank's forward, backward and waiting time, and the plan steps and sample ids each DP rank
 trained on; DeepSpeed checkpoints go to OUT/checkpoints/step-N (--resume continues exactly), each
-with an HF folder (hf/), and the final weights to OUT/hf (from_pretrained loads them).
+with an HF folder (hf/), and the final weights to OUT/hf (from_pretrained loads them). --train
+names the parts that train (the rest frozen, costed and partitioned as they run); --lora-rank
+trains the LLM through PEFT's LoRA adapters and writes PEFT's adapter folder (adapter/) instead,
+and with --merge also hf/ with the adapters folded in.
 
 `vlmshard train profile --help` shows the profiling command."""
 
