@@ -34,13 +34,15 @@ class TrainResult(Result):
     output: str | None = None  # the file the processes wrote to (None: this terminal)
     bounds: list[int] | None = None  # the stage partition that ran (pipeline.json)
     partition_source: str = ""  # where it came from
+    adapter: str | None = None  # under LoRA, the PEFT adapter folder written
 
     def summary(self) -> str:
         loss = f", loss {self.first_loss:.3f} -> {self.last_loss:.3f}" if self.steps else ""
         where = f" (DeepSpeed's output: {self.output})" if self.output else ""
         cut = (f", stages {self.bounds} ({self.partition_source.split(':')[0]})"
                if self.bounds else "")
-        return f"{self.steps} steps{loss}{cut} -> {self.out}{where}"
+        adapter = f" (LoRA adapter: {self.adapter})" if self.adapter else ""
+        return f"{self.steps} steps{loss}{cut} -> {self.out}{adapter}{where}"
 
 
 def run_train(cfg: TrainConfig, output: str | None = None) -> TrainResult:
@@ -49,10 +51,12 @@ def run_train(cfg: TrainConfig, output: str | None = None) -> TrainResult:
         os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
     records = train(cfg, output)
     pipeline = read_json(os.path.join(cfg.out, PIPELINE_NAME))
+    adapter = os.path.join(cfg.out, "adapter")
     return TrainResult(cfg.out, len(records), records[0]["loss"] if records else None,
                        records[-1]["loss"] if records else None, output,
                        stage_bounds(pipeline["stages"]),
-                       pipeline.get("partition_source", ""))
+                       pipeline.get("partition_source", ""),
+                       adapter if cfg.lora_rank and os.path.isdir(adapter) else None)
 
 
 def model_folder(cfg: TrainConfig) -> str:
