@@ -100,21 +100,18 @@ def engine_bytes(engine, trained: list, depth: int = 12) -> dict:
     import torch
 
     walk = _Walk(depth)
-    for p in trained:  # the weights first: a ZeRO-3 parameter's own data is empty
-        walk.add(p, "weights")
-        for attr in _PARTITION_ATTRS:
-            part = getattr(p, attr, None)
-            if isinstance(part, torch.Tensor):
-                walk.add(part, "weights")
     module = getattr(engine, "module", None)
     frozen = [q for q in module.parameters() if not q.requires_grad] if module is not None \
         else []
-    for q in frozen:  # a frozen weight: the storage alone (ZeRO-3: its partition)
-        walk.add(q, "frozen")
-        for attr in _PARTITION_ATTRS:
-            part = getattr(q, attr, None)
-            if isinstance(part, torch.Tensor):
-                walk.add(part, "frozen")
+    # the weights first (a ZeRO-3 parameter's own data is empty: its partition holds it); a
+    # frozen weight's storage alone
+    for params, category in ((trained, "weights"), (frozen, "frozen")):
+        for p in params:
+            walk.add(p, category)
+            for attr in _PARTITION_ATTRS:
+                part = getattr(p, attr, None)
+                if isinstance(part, torch.Tensor):
+                    walk.add(part, category)
     if module is not None:  # not the optimizer's, though a ZeRO optimizer reaches the module
         for tensor in module.buffers():
             walk.add(tensor, "other")

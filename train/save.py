@@ -49,10 +49,11 @@ def save_model(model: ModelLayers, layers: dict[int, torch.nn.Module] | None, st
             k: t.detach().clone() for i, layer in layers.items()
             if model.modes[i] in ("lora", "train") and model.first_of_tie(i)
             for k, t in adapter_tensors(layer, whole=model.modes[i] == "train").items()}
-        pieces = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(pieces, tensors and {k: t.cpu()
-                                                                 for k, t in tensors.items()})
-        if torch.distributed.get_rank() == 0:
+        rank_0 = torch.distributed.get_rank() == 0  # the one rank that writes the folder
+        pieces = [None] * torch.distributed.get_world_size() if rank_0 else None
+        torch.distributed.gather_object(tensors and {k: t.cpu() for k, t in tensors.items()},
+                                        pieces, dst=0)
+        if rank_0:
             write_adapter(os.path.join(root, "adapter"),
                           {k: t for piece in pieces if piece for k, t in piece.items()},
                           model.peft_config())
