@@ -223,14 +223,13 @@ class BalancedOptions:
 
 
 def memory_bound(lengths: Lengths, target_samples: int, max_qv: int | None = None,
-                 max_qt: int | None = None, *, at_least_largest: bool = True) -> Caps:
+                 max_qt: int | None = None) -> Caps:
     """The largest caps automatic caps may take: the given ones, else the tiles and tokens of
-    ``target_samples`` mean samples, and never below the largest sample (automatic caps leave
-    no sample out unless the user's bound does) unless ``at_least_largest`` is False (one
-    rank's budget under packing groups, whose larger groups hold the longest samples)."""
+    ``target_samples`` mean samples, never below the largest sample: automatic caps, and one
+    rank's default budget under packing groups, leave no sample out unless a bound the user or
+    a profile gives does (4 mean samples of mostly-text data hold fewer tiles than an image)."""
     def default(x: np.ndarray) -> int:
-        mean = int(round(target_samples * float(x.mean())))
-        return max(mean, int(x.max(initial=0))) if at_least_largest else mean
+        return max(int(round(target_samples * float(x.mean()))), int(x.max(initial=0)))
 
     return Caps(default(lengths.tiles) if max_qv is None else max_qv,
                 default(lengths.tokens) if max_qt is None else max_qt)

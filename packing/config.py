@@ -54,6 +54,11 @@ class PackConfig(RecipeOptions):
     target_samples: int = option(4, help="samples per micro-batch: for random and lengthgroup "
                                          "exactly; for isf the mean its caps search aims at; for "
                                          "balanced the default memory bound")
+    max_unplaced_ratio: float = option(
+        0.01, help="the share of the samples a plan may leave out for exceeding a cap (over "
+                   "--qv/--qt, the memory bound, or the largest group; an image or video over "
+                   "one rank's tiles); past it pack writes no plan and names the caps to raise "
+                   "(samples that fill no whole last step are not counted)")
     compute_mode: ComputeMode = option(
         "padding-free", help="what the trainer computes on, for step_efficiency: padding-free "
                              "(vlmshard train: real tiles and tokens only) or padded (linear "
@@ -92,6 +97,9 @@ class PackConfig(RecipeOptions):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, "
                                   f"got {getattr(self, name)}")
+        if not 0 <= self.max_unplaced_ratio <= 1:
+            raise ConfigError(f"--max-unplaced-ratio must be between 0 and 1, got "
+                              f"{self.max_unplaced_ratio}")
         if self.virtual_ranks is not None and (self.virtual_ranks < 1
                                                or self.virtual_ranks % self.dp):
             raise ConfigError(f"--virtual-ranks {self.virtual_ranks} must be a multiple of "

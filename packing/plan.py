@@ -138,6 +138,8 @@ def _pack(cfg: PackConfig) -> PackResult:
     over_cap = sum(r != "remainder" for r in packings[0].unplaced_reason)
     if first_step == 0:
         raise ConfigError(_places_nothing(cfg, packings[0], over_cap))
+    if over_cap > cfg.max_unplaced_ratio * len(lengths):
+        raise ConfigError(_too_many_unplaced(cfg, lengths, packings[0], caps_from))
     if over_cap:
         log.warning("%d samples exceed the caps on their own and are not placed", over_cap)
     pack_seconds = time.perf_counter() - t_loaded
@@ -203,6 +205,52 @@ def _places_nothing(cfg: PackConfig, packing: GroupedPacking, over_cap: int) -> 
             f"written to {cfg.out})")
 
 
+def _too_many_unplaced(cfg: PackConfig, lengths: Lengths, packing: GroupedPacking,
+                       caps_from: str) -> str:
+    """Why a plan that leaves more than --max-unplaced-ratio of the samples over a cap is not
+    written: how many break which cap, and the caps that would place them all."""
+    over = [i for i, r in enumerate(packing.unplaced_reason) if r != "remainder"]
+    ids = packing.unplaced[over]
+    reasons = Counter(packing.unplaced_reason[i] for i in over)
+    top, first = packing.groups[-1], packing.groups[0]
+    rank_qv = first.qv // first.sp  # pack_groups' bound on one medium
+    where = "the largest group's " if packing.grouped else ""
+    broken = {"tiles_over_qv": f"over {where}Qv {top.qv}",
+              "tokens_over_qt": f"over {where}Qt {top.length}",
+              "medium_over_rank_qv": f"with an image or video over one rank's Qv {rank_qv}"}
+    n, total = len(ids), len(lengths)
+    return (f"the plan leaves {n} of {total} samples ({n / total:.1%}) out over the caps, more "
+            f"than --max-unplaced-ratio {cfg.max_unplaced_ratio:g}: "
+            + ", ".join(f"{reasons[r]} {broken[r]} ({r})" for r in broken if reasons[r])
+            + f"; to place them, {_caps_to_raise(cfg, lengths, ids, top, rank_qv, caps_from)}"
+              f", or raise --max-unplaced-ratio (no plan written to {cfg.out})")
+
+
+def _caps_to_raise(cfg: PackConfig, lengths: Lengths, ids: np.ndarray, top: Group,
+                   rank_qv: int, caps_from: str) -> str:
+    """The options, and their values, that would place the samples ``ids`` over the caps of
+    the plan whose largest group is ``top``: the caps given, the memory bound searched under,
+    isf's caps, or under packing groups one rank's bound (the largest group spreads a sample
+    over its SP ranks; a rank encodes each image or video whole, ``rank_qv`` at most) or the
+    largest group's length when ``--groups`` names it."""
+    tiles, tokens = lengths.tiles[ids], lengths.tokens[ids]
+    over_v = int(tiles[tiles > top.qv].max(initial=0))
+    over_t = int(tokens[tokens > top.length].max(initial=0))
+    if caps_from == "isf_search":
+        return (f"give isf --qv {max(top.qv, int(tiles.max()))} "
+                f"--qt {max(top.length, int(tokens.max()))}")
+    if cfg.groups is None:
+        flags = ("--qv", "--qt") if caps_from == "given" else ("--max-qv", "--max-qt")
+        fixes = [(flags[0], over_v), (flags[1], over_t)]
+    else:
+        medium = (lengths.largest[ids] if lengths.largest is not None
+                  else np.zeros(len(ids), np.int64))
+        rank_v = max(-(-over_v // top.sp), int(medium[medium > rank_qv].max(initial=0)))
+        fixes = [("--max-qv", rank_v), ("--max-qt", -(-over_t // top.sp))
+                 if parse_groups(cfg.groups) is None else ("the largest --groups length", over_t)]
+    return "raise " + " and ".join(f"{flag} to {need}" for flag, need in fixes if need)
+
+
 def _finished_plan(out: str, fingerprint: str) -> dict | None:
     """``plan.json`` when ``out`` holds the plan this fingerprint names, whole; else None."""
     info_path, parquet = os.path.join(out, "plan.json"), os.path.join(out, "plan.parquet")
@@ -238,8 +286,7 @@ def choose_caps(cfg: PackConfig, lengths: Lengths,
         "bound": {"qv": bound.qv, "qt": bound.qt, "from": bound_from}, "tried": tried}
 
 
-def caps_bound(cfg: PackConfig, lengths: Lengths, *,
-               at_least_largest: bool = True) -> tuple[Caps, str]:
+def caps_bound(cfg: PackConfig, lengths: Lengths) -> tuple[Caps, str]:
     """The memory bound balanced's caps are searched under, and where it came from:
     ``--max-qv/--max-qt``, else the ``max_qv``/``max_qt`` that ``vlmshard train profile`` wrote
     into the ``--cost-model`` file (what the device's memory holds), else ``--target-samples``."""
@@ -251,8 +298,7 @@ def caps_bound(cfg: PackConfig, lengths: Lengths, *,
         origin = f"the profile's memory model ({cfg.cost_model})"
     else:
         given, origin = (None, None), "--target-samples"
-    return algorithms.memory_bound(lengths, cfg.target_samples, *given,
-                                   at_least_largest=at_least_largest), origin
+    return algorithms.memory_bound(lengths, cfg.target_samples, *given), origin
 
 
 def sp_refusal(cfg: PackConfig, stats, cost: CostModel) -> Refusal:
@@ -272,13 +318,13 @@ def choose_groups(cfg: PackConfig, lengths: Lengths, cost: CostModel,
                   refusal: Refusal) -> tuple[tuple[Group, ...], str, dict | None]:
     """The plan's groups, where they came from and what a search tried: without --groups one
     group of SP 1 whose caps ``choose_caps`` chooses; else the groups named, or ``auto``'s,
-    within one rank's memory bound (``caps_bound`` without the largest sample's floor: the
-    larger groups hold what one rank cannot), at SP degrees the model can take
-    (``refusal``)."""
+    within one rank's memory bound (``caps_bound``, as plain pack takes it: a default never
+    below the largest sample, so only a bound the user or the profile gives sends samples to
+    sequence parallelism), at SP degrees the model can take (``refusal``)."""
     if cfg.groups is None:
         caps, caps_from, search = choose_caps(cfg, lengths, cost)
         return (Group(caps.qt, caps.qv, 1, caps.qv),), caps_from, search
-    rank, rank_from = caps_bound(cfg, lengths, at_least_largest=False)
+    rank, rank_from = caps_bound(cfg, lengths)
     bound = {"rank_bound": {"qv": rank.qv, "qt": rank.qt, "from": rank_from}}
     spec = parse_groups(cfg.groups)
     if spec is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -263,3 +264,96 @@ def test_bad_groups_are_refused_before_packing(tmp_path, args, says):
                       *args, check=False)
     assert result.returncode != 0 and says in result.stderr
     assert not os.path.exists(tmp_path / "plan" / "plan.json")
+
+
+# --- groups place what plain packing places; a plan may leave out only so many ---------------
+
+def _mostly_text(path) -> str:
+    """A length file as LLaMA-Factory's demo data makes one: 200 short texts (no tiles, 300 to
+    349 tokens), 3 image samples of 20 tiles and 2000 tokens, 2 long texts of 3500 tokens. The
+    mean sample has about 0.3 tiles: --target-samples (4) of them hold no image."""
+    rows = ([(0, 300 + i % 50) for i in range(200)] + [(20, 2000)] * 3 + [(0, 3500)] * 2)
+    return _write_lengths(path, Lengths(np.array([v for v, _ in rows]),
+                                        np.array([t for _, t in rows]),
+                                        np.zeros(len(rows), np.int32), ("a",)))
+
+
+@pytest.mark.parametrize("caps", [(), ("--max-qt", "2000")])
+def test_auto_groups_without_caps_place_every_sample_plain_pack_places(tmp_path, caps):
+    """One rank's default caps are plain pack's, never below the largest sample: with no caps
+    or a token cap alone, every image sample finds a rank that encodes it."""
+    stats = _mostly_text(tmp_path / "lengths.json")
+    plain = tmp_path / "plain"
+    vlmshard("pack", "--stats", stats, "--dp", "2", "--out", str(plain))
+    grouped = tmp_path / "grouped"
+    vlmshard("pack", "--stats", stats, "--dp", "2", "--out", str(grouped), "--groups", "auto",
+             *caps)
+    placed = {d: set(pq.read_table(d / "plan.parquet")["sample_id"].to_pylist())
+              for d in (plain, grouped)}
+    assert placed[grouped] == placed[plain] == set(range(205))
+    info = json.loads((grouped / "plan.json").read_text())
+    # one rank holds the 20-tile images (4 mean samples hold 4 x 60 / 205: 1 tile)
+    assert info["caps_search"]["rank_bound"]["qv"] == 20
+
+
+RULE = "more than --max-unplaced-ratio 0.01"
+
+
+@pytest.mark.parametrize("args, says, fixed", [
+    (("--dp", "2", "--qv", "10", "--qt", "3000"),
+     "5 of 205 samples (2.4%) out over the caps, " + RULE + ": 3 over Qv 10 (tiles_over_qv), 2 "
+     "over Qt 3000 (tokens_over_qt); to place them, raise --qv to 20 and --qt to 3500",
+     ("--dp", "2", "--qv", "20", "--qt", "3500")),
+    (("--dp", "2", "--max-qv", "10", "--max-qt", "3000"),
+     "5 of 205 samples (2.4%) out over the caps, " + RULE + ": 3 over Qv 10 (tiles_over_qv), 2 "
+     "over Qt 3000 (tokens_over_qt); to place them, raise --max-qv to 20 and --max-qt to 3500",
+     ("--dp", "2", "--max-qv", "20", "--max-qt", "3500")),
+    # ladder 1000:1 (5 tiles), 2000:2 (10 tiles): the images need 20 / 2 tiles a rank, the long
+    # texts 3500 / 2 tokens
+    (("--dp", "2", "--groups", "auto", "--max-qv", "5", "--max-qt", "1000"),
+     "5 of 205 samples (2.4%) out over the caps, " + RULE + ": 3 over the largest group's Qv 10 "
+     "(tiles_over_qv), 2 over the largest group's Qt 2000 (tokens_over_qt); to place them, "
+     "raise --max-qv to 10 and --max-qt to 1750",
+     ("--dp", "2", "--groups", "auto", "--max-qv", "10", "--max-qt", "1750")),
+    # 1000:1 and 2000:2 of 4 ranks; 3500 takes SP 4
+    (("--dp", "4", "--groups", "1000,2000", "--max-qv", "5", "--max-qt", "1000"),
+     "5 of 205 samples (2.4%) out over the caps, " + RULE + ": 3 over the largest group's Qv 10 "
+     "(tiles_over_qv), 2 over the largest group's Qt 2000 (tokens_over_qt); to place them, "
+     "raise --max-qv to 10 and the largest --groups length to 3500",
+     ("--dp", "4", "--groups", "1000,3500", "--max-qv", "10", "--max-qt", "1000")),
+])
+def test_a_plan_leaving_out_more_than_the_ratio_names_the_caps_to_raise(tmp_path, args, says,
+                                                                       fixed):
+    """Plain or grouped, a plan that leaves more than --max-unplaced-ratio of the samples over
+    a cap is not written: one line says how many break which cap and the values that place
+    them, and those values leave no sample over a cap."""
+    stats = _mostly_text(tmp_path / "lengths.json")
+    common = ("pack", "--stats", stats, "--out")
+    out = tmp_path / "plan"
+    proc = vlmshard(*common, str(out), *args, check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[-1] == (
+        f"vlmshard pack: error: the plan leaves {says}, or raise --max-unplaced-ratio (no plan "
+        f"written to {out})")
+    assert not (out / "plan.json").exists()
+    vlmshard(*common, str(tmp_path / "fixed"), *fixed)
+    info = json.loads((tmp_path / "fixed" / "plan.json").read_text())
+    assert set(info["unplaced_by_reason"]) <= {"remainder"}
+    # within the ratio, the plan is written with the samples left out, and a warning
+    proc = vlmshard(*common, str(out), *args, "--max-unplaced-ratio", "0.025")
+    assert "5 samples exceed the caps on their own and are not placed" in proc.stderr
+    assert json.loads((out / "plan.json").read_text())["metrics"]["unplaced"] >= 5
+
+
+def test_isf_caps_that_leave_samples_out_name_the_caps_that_place_them(tmp_path):
+    """isf's searched caps (OmniBal's search for 4 samples a group) leave the images and the
+    long texts out: the one line names the --qv/--qt to give instead."""
+    stats = _mostly_text(tmp_path / "lengths.json")
+    proc = vlmshard("pack", "--stats", stats, "--dp", "4", "--out", str(tmp_path / "isf"),
+                    "--algo", "isf", check=False)
+    assert proc.returncode == 1
+    found = re.search(r"error: the plan leaves 5 of 205 samples \(2\.4%\) out over the caps, "
+                      r"more than --max-unplaced-ratio 0\.01: 3 over Qv (\d+) \(tiles_over_qv\), "
+                      r"2 over Qt (\d+) \(tokens_over_qt\); to place them, give isf --qv 20 "
+                      r"--qt 3500, or raise", proc.stderr)
+    assert found and int(found[1]) < 20 and int(found[2]) < 3500, proc.stderr

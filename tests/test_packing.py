@@ -506,6 +506,8 @@ def test_a_second_pack_into_a_folder_in_use_is_refused_naming_the_holder(tmp_pat
     (["--dp", "2", "--qv", "4"], "give both --qv and --qt"),
     (["--dp", "3", "--virtual-ranks", "4"], "must be a multiple of --dp 3"),
     (["--dp", "2", "--algo", "random", "--qv", "4", "--qt", "900"], "do not apply to random"),
+    (["--dp", "2", "--max-unplaced-ratio", "1.5"],
+     "--max-unplaced-ratio must be between 0 and 1, got 1.5"),
 ])
 def test_bad_options_fail_with_one_line(tmp_path, args, message):
     proc = vlmshard("pack", "--stats", os.path.join(OMNIBAL, "meta.json"), "--out",
