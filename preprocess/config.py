@@ -42,6 +42,13 @@ class PreprocessConfig(EngineOptions):
         factory=list, metavar="NAME=ROLE",
         help="extra role names and what they are (user, assistant or system), e.g. bot=assistant",
         default_text="human/user, gpt/assistant, system")
+    datasets: list[str] = option(
+        factory=list, metavar="NAME",
+        help="the entries of the meta files (LLaMA-Factory's dataset_info.json, InternVL's meta "
+             "file) to read, in this order, comma-separated, as LLaMA-Factory's dataset: names "
+             "them; only these are read and judged",
+        default_text="every entry; a dataset_info.json with entries that cannot be read (hub, "
+                     "ranking, KTO) is refused, listing them")
     split: str | None = option(
         None, help="the split to read from a DatasetDict folder (datasets.save_to_disk)",
         default_text="its only split")
@@ -71,6 +78,12 @@ class PreprocessConfig(EngineOptions):
                                            "writing shards needs no re-tokenizing")
     max_seq_len: int | None = option(None, help="reject samples longer than this",
                                      default_text="no limit")
+    cutoff_len: int | None = option(
+        None, metavar="N",
+        help="cut samples longer than N tokens as LLaMA-Factory's cutoff_len does (each prompt "
+             "and answer in turn, infer_seqlen's split between them), never inside an image's "
+             "or video's tokens: a sample whose media do not fit is a 'too_long' reject",
+        default_text="no cut: over-long samples are --max-seq-len rejects")
     max_image_pixels: int = option(DEFAULT_MAX_IMAGE_PIXELS,
                                    help="reject images with more pixels, as decompression bombs "
                                         "(Pillow's limit)")
@@ -102,10 +115,14 @@ class PreprocessConfig(EngineOptions):
             raise ConfigError("--tiling is for the demo tokenizer; with --model the model "
                               "folder's preprocessor config sets the tiling")
         self.row_format()  # checks --columns and --roles
+        self.datasets = list(dict.fromkeys(d for item in self.datasets
+                                           for d in str(item).split(",") if d))
         if self.part_size < 1:
             raise ConfigError(f"--part-size must be >= 1, got {self.part_size}")
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ConfigError(f"--max-seq-len must be >= 1, got {self.max_seq_len}")
+        if self.cutoff_len is not None and self.cutoff_len < 1:
+            raise ConfigError(f"--cutoff-len must be >= 1, got {self.cutoff_len}")
         if self.max_reject_ratio is not None and not 0 <= self.max_reject_ratio <= 1:
             raise ConfigError(f"--max-reject-ratio must be in [0, 1], got {self.max_reject_ratio}")
 

@@ -94,6 +94,7 @@ class SourceOptions:
     split: str | None = None  # a DatasetDict's split
     repeat_time: float = 1.0
     max_num: int | None = None
+    datasets: tuple[str, ...] | None = None  # the meta files' entries to read; None: all
 
 
 class Container:

@@ -41,7 +41,7 @@ from vlmshard.families import (
 from vlmshard.io import atomic_write, is_url, write_json_atomic, write_parquet
 from vlmshard.jobs import WORK, claim_output, locked_output
 from vlmshard.progress import Progress
-from vlmshard.rejects import REASONS
+from vlmshard.rejects import REASONS, UNSUPPORTED
 from vlmshard.stage import Result
 
 from .config import PreprocessConfig
@@ -101,11 +101,13 @@ def run_preprocess(cfg: PreprocessConfig) -> PreprocessResult:
 
 def _preprocess(cfg: PreprocessConfig, start: float) -> PreprocessResult:
     try:  # what the inputs and the model folder are is the job's configuration
-        sources = discover_sources(cfg.inputs, cfg.image_root, cfg.row_format(), cfg.split)
+        sources = discover_sources(cfg.inputs, cfg.image_root, cfg.row_format(), cfg.split,
+                                   cfg.datasets)
         model, tokenizer, tiling = resolve_model(cfg)
     except InputError as e:  # ours only: a bug's ValueError stays a bug with its traceback
         raise ConfigError(str(e)) from e
-    limits = SampleLimits(max_seq_len=cfg.max_seq_len, max_image_pixels=cfg.max_image_pixels,
+    limits = SampleLimits(max_seq_len=cfg.max_seq_len, cutoff_len=cfg.cutoff_len,
+                          max_image_pixels=cfg.max_image_pixels,
                           max_video_seconds=cfg.max_video_seconds,
                           decode_videos=cfg.decode_videos,
                           allow_outside_image_root=cfg.allow_outside_image_root)
@@ -229,6 +231,11 @@ def _check_something_accepted(cfg: PreprocessConfig, sources: list[Source],
         if report["totals"]["accepted"] and (len(reasons) > 1 or "unreadable_source" in reasons):
             # A source of many faults, or a whole file that does not parse (one reject), in a
             # job that accepts others: its rejects say it.
+            continue
+        if report["totals"]["accepted"] and set(reasons) <= UNSUPPORTED:
+            # Data of a kind the model does not read (audio), named on purpose with the rest.
+            log.warning("source %s: all %d row(s) rejected as %s; see %s", source.name,
+                        entry["input_rows"], ", ".join(reasons), rejects)
             continue
         reason = max(reasons, key=reasons.get)
         if reason == "unreadable_source":  # the file does not parse: where, from its reject

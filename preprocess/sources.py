@@ -27,17 +27,23 @@ __all__ = ["Part", "Source", "SourceIndex", "discover_sources", "first_record", 
 
 
 def discover_sources(inputs: list[str], image_root: str | None = None,
-                     row_format: RowFormat = RowFormat(), split: str | None = None
-                     ) -> list[Source]:
-    """Expand the command-line inputs into sources, in order (meta files in their key order).
-    ``row_format`` and ``split`` apply to every input but a meta file's entries, which give their
-    own (``format``, ``columns``, ``roles``, ``split``)."""
+                     row_format: RowFormat = RowFormat(), split: str | None = None,
+                     datasets: list[str] | None = None) -> list[Source]:
+    """Expand the command-line inputs into sources, in order (meta files in their key order, or
+    the entries ``datasets`` names, in its order). ``row_format`` and ``split`` apply to every
+    input but a meta file's entries, which give their own (``format``, ``columns``, ``roles``,
+    ``split``)."""
     sources: list[Source] = []
     for path in inputs:
         if not file_exists(path):
             raise InputError(f"input not found: {path}")
-        sources += sources_of(path, SourceOptions(name=None, image_root=image_root,
-                                                  format=row_format, split=split))
+        sources += sources_of(path, SourceOptions(
+            name=None, image_root=image_root, format=row_format, split=split,
+            datasets=tuple(datasets) if datasets else None))
+    missing = [d for d in datasets or () if d not in {s.name for s in sources}]
+    if missing:
+        raise InputError(f"--datasets {', '.join(missing)}: no such entry in the meta files "
+                         f"given ({', '.join(inputs)}); their entries are the files' keys")
     names = [s.name for s in sources]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
