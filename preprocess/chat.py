@@ -24,6 +24,9 @@ How, per conversation:
    a literal ``<|im_end|>`` in a user turn stays text.
 4. Labels: the tokens of assistant text, then the template's tokens up to and including the first
    special token after it (the end of turn, e.g. ``<|im_end|>``). The rest is ``IGNORE_INDEX``.
+   An assistant's tool calls are marked by their names: what the template writes of them is
+   supervised as its text is, and a turn of calls alone from where its generation prompt ends
+   (Qwen's ``<tool_call>`` included), as the model writes it, so LLaMA-Factory supervises it.
 
 For data without special-token text, the ids equal ``apply_chat_template(tokenize=True)`` with
 each placeholder expanded (``tests/test_families.py`` checks it per family).
@@ -36,7 +39,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import jinja2
 
@@ -94,10 +97,20 @@ def _trimmed(parts: list, rules: TextRules, role: str) -> list:
     return parts
 
 
+class Text(NamedTuple):
+    """The data text one marker stands for. ``opens_call``: a tool call's name that opens its
+    turn (the turn has no text), so the template's text before it in the turn is the call's."""
+
+    role: str
+    text: str
+    opens_call: bool = False
+
+
 def to_messages(turns: list[Turn], rules: TextRules = TextRules(), marked: bool = True
-                ) -> tuple[list[dict], list[tuple[str, str]]]:
-    """(messages with a marker per text item, the (role, text) of each marker in order), with
-    the template's ``rules`` applied to the text; ``marked=False``: the text in place."""
+                ) -> tuple[list[dict], list[Text]]:
+    """(messages with a marker per text item and tool call name, the text of each marker in
+    order), with the template's ``rules`` applied to the text; ``marked=False``: the text in
+    place."""
     messages, texts = [], []
     for turn in turns:
         content: list[dict] = []
@@ -115,10 +128,19 @@ def to_messages(turns: list[Turn], rules: TextRules = TextRules(), marked: bool 
             elif part:
                 content.append({"type": "text",
                                  "text": _MARK.format(len(texts)) if marked else part})
-                texts.append((turn.role, part))
+                texts.append(Text(turn.role, part))
         if not turn.typed:
             content = content[0]["text"] if content else ""
-        messages.append({"role": turn.role, "content": content})
+        message = {"role": turn.role, "content": content}
+        if turn.tool_calls:
+            opens = not content  # no text of the turn before its first call
+            message["tool_calls"] = []
+            for k, call in enumerate(turn.tool_calls):
+                name = _MARK.format(len(texts)) if marked else call.name
+                message["tool_calls"].append({"type": "function", "function": {
+                    "name": name, "arguments": call.arguments}})
+                texts.append(Text(turn.role, call.name, opens_call=opens and k == 0))
+        messages.append(message)
     return messages, texts
 
 
@@ -162,8 +184,12 @@ class ChatTemplateEncoder:
         # (prefix ids, token id, suffix ids) of an image's and a video's runs
         self._image_run = self._run_ids(layout)
         self._video_run = self._run_ids(video) if self._video_layout else None
+        # what --cutoff-len never cuts: the runs' tokens
+        self.media_ids = frozenset(i for run in (self._image_run, self._video_run or ([], 0, []))
+                                   for i in (*run[0], run[1], *run[2]))
         self._max_token_chars = _max_token_chars(self.backend)
         self._rules = TextRules(self._template_breaks_after_image(), *self._template_trims())
+        self._reply_prompt = self._generation_prompt()
 
     def _run_ids(self, layout) -> tuple[list[int], int, list[int]]:
         return ([self.special[t] for t in layout.prefix], self.special[layout.token],
@@ -206,6 +232,17 @@ class ChatTemplateEncoder:
         gap = "".join(self._split.split(after)[0::2])  # without the family's image tokens
         return gap != "" and gap.isspace()
 
+    def _generation_prompt(self) -> str:
+        """What ``add_generation_prompt`` adds after its last special token (Qwen's
+        ``assistant\\n``): what a reply's turn opens with that the model does not write."""
+        probe = [{"role": "user", "content": _MARK.format(0)}]
+        try:
+            without = self.hf.apply_chat_template(probe, tokenize=False)
+            added = self.hf.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+        except TEMPLATE_ERRORS:  # a template that refuses the probe: the whole turn is written
+            return ""
+        return self._split.split(added[len(without):])[-1] if added.startswith(without) else ""
+
     def _template_trims(self) -> tuple[bool, bool, bool]:
         """(trims each text item, trims each message's content, trims the system turn too),
         from where the whitespace around a probe's text items survives: a template that trims
@@ -240,13 +277,13 @@ class ChatTemplateEncoder:
             return 0
         normalizer = self.backend.normalizer
         chars = 0
-        for _, text in to_messages(turns, self._rules)[1]:
+        for _, text, _ in to_messages(turns, self._rules)[1]:
             # Less one per text: normalization may join its edge to the template's next character.
             chars += len(normalizer.normalize_str(text) if normalizer else text) - 1
         return max(0, chars) // self._max_token_chars
 
     def render(self, turns: list[Turn], tools: list[dict] = ()
-               ) -> tuple[list[str], list[tuple[str, str]]]:
+               ) -> tuple[list[str], list[Text]]:
         """The template's text between the markers (one more than texts), and the texts."""
         messages, texts = to_messages(turns, self._rules)
         # the text as written: the template's own trimming must give what the markers got
@@ -266,11 +303,14 @@ class ChatTemplateEncoder:
                                            "template takes none (it renders the same without)")
         pieces = _MARKS.split(rendered)
         order = [int(k) for k in pieces[1::2]]
+        if any(t.opens_call for t in texts) and not any(texts[k].opens_call for k in order):
+            raise Reject("template_error", "the chat template does not render an assistant's "
+                                           "tool calls (function_call turns)")
         if order != list(range(len(texts))):
             raise Reject("template_error", "the chat template drops, repeats or reorders message "
                                            "text; vlmshard needs each text once, in order")
         template = pieces[0::2]
-        if in_place != "".join(p + t for p, (_, t) in zip(template, texts)) + template[-1]:
+        if in_place != "".join(p + t.text for p, t in zip(template, texts)) + template[-1]:
             raise Reject("template_error", "the chat template rewrites this conversation's text "
                                            "(e.g. a <think> block in an answer becomes its "
                                            "reasoning), so its text and the template's cannot "
@@ -356,7 +396,11 @@ class ChatTemplateEncoder:
                 n_loss += supervise_template
                 supervise_template = False
             if k < len(texts):
-                role, text = texts[k]
+                role, text, opens_call = texts[k]
+                if opens_call:  # the turn's text since its last special token, less its prompt
+                    head = segment.pop()[0]
+                    n = len(os.path.commonprefix([head, self._reply_prompt]))
+                    segment += [(head[:n], False), (head[n:], True)]
                 segment.append((text, role == "assistant"))
                 supervise_template = role == "assistant"
         flush()

@@ -18,7 +18,16 @@ Formats (``RowFormat.name``; ``auto`` takes the first one whose turn list a row 
 A row's ``system`` string (a column; LLaMA-Factory's sharegpt and alpaca ``system``) is its
 system prompt, unless its turns start with a system turn, which wins (as in LLaMA-Factory). Its
 ``tools`` (LLaMA-Factory's JSON string of function definitions, or a list of them) go to the chat
-template as ``apply_chat_template``'s ``tools``.
+template as ``apply_chat_template``'s ``tools``, a bare definition wrapped as ``{"type":
+"function", "function": ...}`` as LLaMA-Factory's tool formatters wrap it.
+
+Tool calls as LLaMA-Factory's ``data/converter.py`` maps them: a ``function_call`` turn is an
+assistant turn whose text is the JSON of its calls (``{"name", "arguments"}`` or a list of them),
+given to the template as the message's ``tool_calls``; an ``observation`` turn is a ``tool``
+turn. An OpenAI assistant message's own ``tool_calls`` are read too.
+
+Audio is never dropped: a row with an ``audios`` (``audio``) column, an ``<audio>`` placeholder
+or an audio item is an ``unsupported_audio`` reject, since no family here reads audio.
 
 In text, ``<image>`` is a placeholder for the next image of the row's ``images`` (or ``image``)
 column and ``<video>`` for the next of its ``videos`` (or ``video``); in a typed content list,
@@ -40,7 +49,7 @@ import base64
 import binascii
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vlmshard.errors import ConfigError
 from vlmshard.rejects import Reject
@@ -48,8 +57,12 @@ from vlmshard.rejects import Reject
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
 _PLACEHOLDERS = re.compile(f"({IMAGE_PLACEHOLDER}|{VIDEO_PLACEHOLDER})")
+AUDIO_PLACEHOLDER = "<audio>"  # LLaMA-Factory's
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-         "system": "system"}
+         "system": "system", "observation": "tool", "tool": "tool",
+         "function_call": "function_call"}
+# What a source's role may stand for: function_call is an assistant turn holding tool calls.
+ROLE_KINDS = ("user", "assistant", "system", "tool", "function_call")
 FORMATS = {
     # name: (turn list columns, role keys, content keys), each tried in order
     "auto": (("conversations", "messages", "texts"), ("from", "role"), ("value", "content")),
@@ -64,15 +77,17 @@ ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output
 PAIR_ROLES = ("system", "user", "assistant")
 IMAGE_COLUMNS = ("images", "image")
 VIDEO_COLUMNS = ("videos", "video")
+AUDIO_COLUMNS = ("audios", "audio")
 # What RowFormat.columns renames
-COLUMN_KEYS = ("messages", "images", "videos", "role", "content", "system", "tools",
+COLUMN_KEYS = ("messages", "images", "videos", "audios", "role", "content", "system", "tools",
                *ALPACA_COLUMNS)
 EMBEDDED = "embedded:"  # stats image_paths prefix of an image whose bytes are in the source row
 # How rows become text, recorded by preprocess: re-tokenizing a run of another one would not give
 # its ids. 2: text kept as written (the line break after <image> as the template decides).
 # 3: <video> in text is a placeholder. 4: a row's system column is its system prompt, its tools
-# column the template's tools.
-TEXT_ENCODING = 4
+# column the template's tools. 5: function_call and observation turns are tool calls and results;
+# a bare function definition is wrapped as the template's tool.
+TEXT_ENCODING = 5
 
 
 @dataclass(frozen=True)
@@ -90,13 +105,24 @@ class VideoItem(ImageItem):
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function an assistant turn calls: its name and arguments (as the data gives them: an
+    object, or a JSON string)."""
+
+    name: str
+    arguments: object
+
+
+@dataclass(frozen=True)
 class Turn:
-    """One message: its role (system/user/assistant) and its content in order. ``typed``: the
-    source gave a content list (or the turn holds images), so the template gets a list."""
+    """One message: its role (system/user/assistant/tool) and its content in order. ``typed``:
+    the source gave a content list (or the turn holds images), so the template gets a list.
+    ``tool_calls``: an assistant turn's calls, after its content."""
 
     role: str
     content: tuple[str | ImageItem, ...]
     typed: bool
+    tool_calls: tuple[ToolCall, ...] = ()
 
     @property
     def texts(self) -> list[str]:
@@ -156,8 +182,9 @@ class RowFormat:
                 raise ConfigError(f"column mapping {key!r}: the keys that can be renamed are "
                                   f"{', '.join(COLUMN_KEYS)}")
         for name, role in self.roles:
-            if role not in ("user", "assistant", "system"):
-                raise ConfigError(f"role mapping {name}={role}: map to user, assistant or system")
+            if role not in ROLE_KINDS:
+                raise ConfigError(f"role mapping {name}={role}: map to "
+                                  f"{', '.join(ROLE_KINDS[:-1])} or {ROLE_KINDS[-1]}")
 
     @classmethod
     def from_options(cls, name: str = "auto", columns: dict[str, str] | None = None,
@@ -199,6 +226,11 @@ class RowFormat:
         return (renamed,) if renamed else VIDEO_COLUMNS
 
     @property
+    def audio_columns(self) -> tuple[str, ...]:
+        renamed = dict(self.columns).get("audios")
+        return (renamed,) if renamed else AUDIO_COLUMNS
+
+    @property
     def system_column(self) -> str:
         return dict(self.columns).get("system", "system")
 
@@ -218,6 +250,9 @@ class RowFormat:
 
 def parse_conversation(record: dict, fmt: RowFormat) -> Conversation:
     """The row's turns and images; raises ``Reject``. Cheap: reads no image."""
+    audio = next((c for c in fmt.audio_columns if record.get(c)), None)
+    if audio is not None:
+        raise _no_audio(f"an {audio!r} column")
     image_column = next((c for c in fmt.image_columns if record.get(c) is not None), None)
     listed = _image_values(record[image_column], image_column) if image_column else []
     video_column = next((c for c in fmt.video_columns if record.get(c) is not None), None)
@@ -236,9 +271,12 @@ def parse_conversation(record: dict, fmt: RowFormat) -> Conversation:
     for turn, refs in ([system] if system else []) + new:
         turns.append(turn)
         inline.extend(refs)
+    if any(AUDIO_PLACEHOLDER in text for t in turns for text in t.texts):
+        raise _no_audio(f"an {AUDIO_PLACEHOLDER} placeholder")
     if not any(t.role == "assistant" for t in turns):
         raise Reject("no_assistant_turn", "no gpt/assistant turn to supervise")
-    if not any(t.role == "assistant" and "".join(t.texts).strip() for t in turns):
+    if not any(t.role == "assistant" and ("".join(t.texts).strip() or t.tool_calls)
+               for t in turns):
         raise Reject("no_assistant_turn", "every gpt/assistant turn is empty or blank")
     kinds = [isinstance(p, VideoItem) for t in turns for p in t.content
              if isinstance(p, ImageItem)]
@@ -247,6 +285,11 @@ def parse_conversation(record: dict, fmt: RowFormat) -> Conversation:
     turns, videos = _place_images(turns, [r for r, v in zip(inline, kinds) if v],
                                   listed_videos, all_first=pairs, item=VideoItem)
     return Conversation(turns, images, videos, _tools(record, fmt.tools_column))
+
+
+def _no_audio(what: str) -> Reject:
+    return Reject("unsupported_audio", f"the row has audio ({what}); no vlmshard family reads "
+                                       "audio")
 
 
 def _turn_list(record: dict, fmt: RowFormat) -> list:
@@ -286,7 +329,8 @@ def _tools(record: dict, column: str) -> list[dict]:
     value = [value] if isinstance(value, dict) else value or []
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
         raise Reject("bad_field", f"{column!r} must hold function definitions (JSON objects)")
-    return value
+    return [t if "type" in t or "name" not in t else {"type": "function", "function": t}
+            for t in value]
 
 
 def _alpaca_turns(record: dict, fmt: RowFormat) -> list[tuple[Turn, list[None]]]:
@@ -360,6 +404,19 @@ def _parse_turn(message, i: int, fmt: RowFormat) -> tuple[Turn, list[ImageRef | 
         raise Reject("bad_role", f"turn {i} {role_key} is {message[role_key]!r}; expected one "
                                  f"of {', '.join(known)}")
     content = message[content_key]
+    if role == "function_call":
+        return Turn("assistant", (), False, _calls_of(content, f"turn {i}")), []
+    calls = message.get("tool_calls") if role == "assistant" else None
+    if calls:
+        turn, refs = _parse_content(role, content, content_key, i)
+        return replace(turn, tool_calls=_openai_calls(calls, f"turn {i}")), refs
+    return _parse_content(role, content, content_key, i)
+
+
+def _parse_content(role: str, content, content_key: str, i: int
+                   ) -> tuple[Turn, list[ImageRef | None]]:
+    if content is None and role == "assistant":  # OpenAI's content of a turn of tool calls
+        content = ""
     if isinstance(content, str):
         return _texts_turn(role, content, f"turn {i}")
     if not isinstance(content, list):
@@ -384,11 +441,40 @@ def _parse_turn(message, i: int, fmt: RowFormat) -> tuple[Turn, list[ImageRef | 
             parts.append(VideoItem(placeholder=False))
             value = _item_value(item, kind, where)
             refs.append(None if value is None else _video_value(value, where, item.get("fps")))
+        elif kind in ("audio", "audio_url", "input_audio"):
+            raise _no_audio(f"{where}, of type {kind!r}")
         else:
             what = f"type {kind!r}" if kind is not None else "no 'type'"
             raise Reject("bad_field", f"{where} has {what}; the types read are text, image, "
                                       "image_url, video and video_url")
     return Turn(role, tuple(parts), typed=True), refs
+
+
+def _calls_of(content, where: str) -> tuple[ToolCall, ...]:
+    """A function_call turn's calls: its text is the JSON of ``{"name", "arguments"}`` or a list
+    of them, as LLaMA-Factory's ``FunctionFormatter`` reads it."""
+    if isinstance(content, str):
+        try:
+            content = json.loads(content)
+        except json.JSONDecodeError as e:
+            raise Reject("bad_field", f"{where}: a function_call turn that is not JSON: "
+                                      f"{e}") from e
+    calls = content if isinstance(content, list) else [content]
+    if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
+                            and c["name"] and "arguments" in c for c in calls):
+        raise Reject("bad_field", f"{where}: a function_call turn must hold {{\"name\", "
+                                  "\"arguments\"} or a list of them")
+    for call in calls:
+        _check_text(call["name"], f"{where} function name")
+    return tuple(ToolCall(c["name"], c["arguments"]) for c in calls)
+
+
+def _openai_calls(calls, where: str) -> tuple[ToolCall, ...]:
+    """An OpenAI assistant message's ``tool_calls``: ``{"type": "function", "function": {"name",
+    "arguments"}}`` each."""
+    if not isinstance(calls, list):
+        raise Reject("bad_field", f"{where}: tool_calls must be a list")
+    return _calls_of([c.get("function", c) if isinstance(c, dict) else c for c in calls], where)
 
 
 def _item_value(item: dict, kind: str, where: str):

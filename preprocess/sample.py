@@ -19,10 +19,11 @@ from .conversation import (
     VideoRef,
     parse_conversation,
 )
+from .cutoff import cut
 from .images import read_image_header, resolve_image_path
 from .schema import MAX_IMAGES_PER_SAMPLE
 from .sources import Source
-from .tokenize import TekkenEncoder, TokenizerConfig
+from .tokenize import IGNORE_INDEX, EncodedSample, TekkenEncoder, TokenizerConfig
 from .videos import read_video_header, sampled_frames, video_bytes
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class SampleLimits:
     max_seq_len: int | None = None
+    cutoff_len: int | None = None  # LLaMA-Factory's: longer samples are cut (``cutoff``)
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_video_seconds: float | None = None
     decode_videos: bool = False
@@ -159,7 +161,7 @@ def process_record(record: dict, source: Source, tiling: TilingPolicy, encoder,
                                           "none (its family has no video layout, or its "
                                           "tokenizer lacks the layout's tokens)")
     paths = [image_path(im, source.image_root, limits.allow_outside_image_root) for im in images]
-    if limits.max_seq_len is not None:
+    if limits.max_seq_len is not None and limits.cutoff_len is None:
         bound = min_seq_len(turns, len(images) + len(videos), tiling, encoder)
         if bound > limits.max_seq_len:
             chars = sum(len(text) for turn in turns for text in turn.texts)
@@ -182,7 +184,17 @@ def process_record(record: dict, source: Source, tiling: TilingPolicy, encoder,
     video_rows, sampled = zip(*[video_stats(v, k, order[k], source.image_root, tiling, limits)
                                 for k, v in enumerate(videos)]) if videos else ((), ())
     image_tokens = [t * tiling.tokens_per_tile for t in tiles]
-    encoded = encoder.encode(turns, image_tokens, keep_tokens, list(sampled), conversation.tools)
+    cutting = limits.cutoff_len is not None
+    encoded = encoder.encode(turns, image_tokens, keep_tokens or cutting, list(sampled),
+                             conversation.tools)
+    if cutting:
+        ids, labels = cut(encoded.input_ids, encoded.labels, encoder.media_ids,
+                          limits.cutoff_len)
+        visual = len(encoded.input_ids) - encoded.text_tokens
+        encoded = EncodedSample(text_tokens=len(ids) - visual,
+                                loss_tokens=sum(label != IGNORE_INDEX for label in labels),
+                                input_ids=ids if keep_tokens else None,
+                                labels=labels if keep_tokens else None)
     if encoded.loss_tokens == 0:
         raise Reject("no_assistant_turn", "the assistant turns are empty")
     video_tokens = sum(v["tokens"] for v in video_rows)

@@ -133,6 +133,7 @@ class TekkenEncoder:
         self.image_token_id = self.tokenizer.special_id(self.template.image_token)
         self._demo_family = family(DEMO_FAMILY)  # whose frame lines a video becomes
         self.pad_token_id = self.tokenizer.special_id(self.PAD) or 0
+        self.media_ids = frozenset({self.image_token_id})  # what --cutoff-len never cuts
 
     @cached_property
     def _pieces(self) -> dict[str, list[int]]:
@@ -163,9 +164,11 @@ class TekkenEncoder:
         after an image). Returned ``text_tokens`` exclude image and video tokens; ``seq_len`` =
         text_tokens + Σimage_tokens + Σ video tokens. The demo's template takes no ``tools``.
         """
-        if tools:
-            raise Reject("template_error", "the row has tools and the demo tokenizer's template "
-                                           "takes none; pass --model with a template that does")
+        if tools or any(t.role not in ("system", "user", "assistant") or t.tool_calls
+                        for t in turns):
+            raise Reject("template_error", "the row has tools, tool calls or tool results, and "
+                                           "the demo tokenizer's template takes none; pass "
+                                           "--model with a template that does")
         p = self._pieces
         ids: list[int] = [] if keep_tokens else None
         labels: list[int] = [] if keep_tokens else None

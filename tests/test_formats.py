@@ -134,7 +134,7 @@ def folders(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("models")
     return {name: tiny_folder(name, str(root / name), **sizes)
             for name, sizes in (("qwen2_vl", {"max_pixels": 28 * 28 * 64}),
-                                ("internvl", {"max_patches": 4}))}
+                                ("internvl", {"max_patches": 4}), ("qwen3_vl", {}))}
 
 
 def _preprocess(args: list[str], out, **options):
@@ -238,7 +238,7 @@ def test_bad_rows_get_their_reasons_and_reconcile(tmp_path):
     parquet = tmp_path / "rows.parquet"  # pyarrow: datasets refuses to encode the bad values
     pq.write_table(pa.Table.from_pylist(list(rows.values()), schema=FEATURES.arrow_schema),
                    parquet)
-    unknown_item = {"messages": [{"role": "user", "content": [{"type": "audio", "audio": "a"}]},
+    unknown_item = {"messages": [{"role": "user", "content": [{"type": "file", "file": "a"}]},
                                  {"role": "assistant", "content": "ok"}]}
     uri = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
         "url": "data:image/png;base64,@@@"}}]}, {"role": "assistant", "content": "ok"}]}
@@ -364,17 +364,18 @@ def test_an_older_run_without_kept_tokens_is_refused_not_mistokenized(sources, t
 LLAMAFACTORY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "llamafactory")
 
 
-def _same_samples(inputs: list[str], out, folder) -> list[dict]:
+def _same_samples(inputs: list[str], out, folder, datasets=()) -> list[dict]:
     result = run_preprocess(PreprocessConfig(inputs=inputs, out=str(out), model=folder, workers=1,
-                                             keep_tokens=True))
+                                             keep_tokens=True, datasets=list(datasets)))
     assert result.rejected == 0, result.rejected_by_reason
     return pq.read_table(os.path.join(out, "stats"), columns=["source", *SAME]).to_pylist()
 
 
 def test_llamafactory_dataset_info_is_read_as_llamafactory_reads_it(folders, tmp_path):
-    """LLaMA-Factory's own entries (tests/data/llamafactory): alpaca by default (instruction and
-    input joined, output the answer), sharegpt with its columns and tags; each gives the samples
-    of the same conversations written as messages rows by hand."""
+    """LLaMA-Factory's own entries, picked by name from its shipped dataset_info.json
+    (tests/data/llamafactory): alpaca by default (instruction and input joined, output the
+    answer), sharegpt with its columns and tags; each gives the samples of the same
+    conversations written as messages rows by hand."""
     from PIL import Image
 
     data = tmp_path / "lf"
@@ -383,7 +384,7 @@ def test_llamafactory_dataset_info_is_read_as_llamafactory_reads_it(folders, tmp
     for name, photo in (("1.jpg", "rocket.jpg"), ("2.jpg", "chelsea.png")):
         Image.open(_photo(photo)).convert("RGB").save(data / "mllm_demo_data" / name)
     got = _same_samples([str(data / "dataset_info.json")], tmp_path / "lf-out",
-                        folders["qwen2_vl"])
+                        folders["qwen2_vl"], datasets=["identity", "mllm_demo"])
 
     identity = json.loads((data / "identity.json").read_text())
     mllm = json.loads((data / "mllm_demo.json").read_text())
@@ -402,21 +403,121 @@ def test_llamafactory_dataset_info_is_read_as_llamafactory_reads_it(folders, tmp
     assert got == want
 
 
-def test_a_dataset_info_entry_vlmshard_cannot_read_is_named(tmp_path):
-    """Hub entries and preference pairs are refused naming the file as dataset_info.json, not
-    as an InternVL meta file (entries of LLaMA-Factory's data/dataset_info.json)."""
-    cases = {"alpaca_en": ({"hf_hub_url": "llamafactory/alpaca_en"}, "loaded from hf_hub_url"),
-             "dpo_en_demo": ({"file_name": "dpo_en_demo.json", "ranking": True,
-                              "formatting": "sharegpt", "columns": {
-                                  "messages": "conversations", "chosen": "chosen",
-                                  "rejected": "rejected"}}, "ranking")}
-    for name, (entry, why) in cases.items():
-        info = tmp_path / name / "dataset_info.json"
-        info.parent.mkdir()
-        info.write_text(json.dumps({name: entry}))
-        with pytest.raises(ConfigError, match=rf"LLaMA-Factory file .*dataset_info.json: "
-                                              rf"entry '{name}'.*{why}"):
-            _preprocess([str(info)], tmp_path / name / "out")
+def test_dataset_info_entries_are_picked_by_name(tmp_path):
+    """LLaMA-Factory's shipped dataset_info.json (104 entries, most on a hub): without
+    --datasets it is refused whole, the entries it cannot read listed by kind; named, an entry
+    it cannot read is refused in one line naming it and why; a name it lacks is an error; the
+    named readable entries are read, in the order named."""
+    data = tmp_path / "lf"
+    shutil.copytree(LLAMAFACTORY, data)
+    info = str(data / "dataset_info.json")
+    with pytest.raises(ConfigError, match=r"dataset_info.json: \d+ of 104 entries cannot be "
+                                          r"read: .*--datasets") as refused:
+        _preprocess([info], tmp_path / "all")
+    assert "90 on a hub (alpaca_en, " in str(refused.value)
+    assert "3 preference data (dpo_en_demo, dpo_zh_demo, kto_en_demo)" in str(refused.value)
+    for name, why in (("alpaca_en", "loaded from hf_hub_url"), ("dpo_en_demo", "ranking"),
+                      ("kto_en_demo", "KTO"), ("alpaca_en_demo", "not found")):
+        with pytest.raises(ConfigError, match=rf"dataset_info.json: entry '{name}'.*{why}"):
+            _preprocess([info], tmp_path / name, datasets=["identity", name])
+    with pytest.raises(ConfigError, match="--datasets idnetity: no such entry"):
+        _preprocess([info], tmp_path / "typo", datasets=["idnetity"])
+    result = _preprocess([info], tmp_path / "picked", datasets=["identity,mllm_audio_demo"])
+    rows = {"identity": 3, "mllm_audio_demo": 3}
+    assert (result.input_rows, result.accepted) == (sum(rows.values()), rows["identity"])
+    assert result.rejected_by_reason == {"unsupported_audio": rows["mllm_audio_demo"]}
+    sources = pq.read_table(tmp_path / "picked" / "stats", columns=["source"])["source"]
+    assert sources.to_pylist() == ["identity"] * rows["identity"]
+
+
+def test_audio_is_rejected_never_dropped(tmp_path):
+    """A row with audio, however it says so (a column, LLaMA-Factory's <audio> placeholder, a
+    typed item), is an unsupported_audio reject; a source of only such rows beside accepted
+    ones is a warning, not a failed job."""
+    text = {"role": "assistant", "content": "Glass breaking."}
+    rows = [{"messages": [{"role": "user", "content": "What is that?"}, text],
+             "audios": ["1.mp3"]},
+            {"messages": [{"role": "user", "content": "<audio>What is that?"}, text]},
+            {"messages": [{"role": "user", "content": [
+                {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+                {"type": "text", "text": "What is that?"}]}, text]},
+            {"messages": [{"role": "user", "content": "What is that?"}, text]}]
+    path = _write_jsonl(tmp_path / "audio.jsonl", rows)
+    result = _preprocess([path], tmp_path / "out")
+    assert (result.accepted, result.rejected_by_reason) == (1, {"unsupported_audio": 3})
+    messages = pq.read_table(tmp_path / "out" / "rejects.parquet")["message"].to_pylist()
+    assert ["'audios' column" in messages[0], "<audio> placeholder" in messages[1],
+            "'input_audio'" in messages[2]] == [True] * 3
+
+
+def _as_llamafactory_maps(row: dict) -> tuple[list[dict], list[dict]]:
+    """(messages, tools) of a glaive row, as LLaMA-Factory's converter and Qwen tool formatter
+    map them: function_call turns are assistant tool calls, observation turns tool results,
+    a bare function definition is wrapped as a function tool."""
+    roles = {"human": "user", "gpt": "assistant", "observation": "tool"}
+    messages = []
+    for turn in row["conversations"]:
+        if turn["from"] == "function_call":
+            call = json.loads(turn["value"])
+            messages.append({"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": call}]})
+        else:
+            messages.append({"role": roles[turn["from"]], "content": turn["value"]})
+    tools = [{"type": "function", "function": t} for t in json.loads(row["tools"] or "[]")]
+    return messages, tools
+
+
+def test_tool_calls_render_as_the_template_renders_them(folders, tmp_path):
+    """LLaMA-Factory's glaive rows (tests/data/llamafactory) through its dataset_info.json entry:
+    with Qwen3-VL's published template (tools rendered), every row is accepted, its ids are
+    apply_chat_template's on the messages LLaMA-Factory maps it to, and what is supervised is
+    each assistant turn as the model writes it after the generation prompt, tool calls whole.
+    With a template that renders no tools (Qwen2-VL's), a row with tools or calls is a
+    template_error, never a bad_role or a call dropped."""
+    from transformers import AutoTokenizer
+
+    data = tmp_path / "lf"
+    shutil.copytree(LLAMAFACTORY, data)
+    rows = json.loads((data / "glaive_toolcall_en_demo.json").read_text())
+    info = str(data / "dataset_info.json")
+    result = _preprocess([info], tmp_path / "q3", datasets=["glaive_toolcall_en_demo"],
+                         model=folders["qwen3_vl"], keep_tokens=True)
+    assert (result.accepted, result.rejected) == (len(rows), 0)
+    samples = pq.read_table(tmp_path / "q3" / "stats").to_pylist()
+    tok = AutoTokenizer.from_pretrained(folders["qwen3_vl"], local_files_only=True)
+    calls = 0
+    for row, sample in zip(rows, samples):
+        messages, tools = _as_llamafactory_maps(row)
+        want = tok.apply_chat_template(messages, tools=tools or None, tokenize=True,
+                                       return_dict=False)
+        assert sample["input_ids"] == list(want)
+        replies = []  # each assistant turn: what follows its generation prompt, up to <|im_end|>
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant":
+                before = tok.apply_chat_template(messages[:i], tools=tools or None,
+                                                 tokenize=False, add_generation_prompt=True)
+                upto = tok.apply_chat_template(messages[:i + 1], tools=tools or None,
+                                               tokenize=False)
+                assert upto.startswith(before)
+                replies.append(upto[len(before):].rstrip("\n"))
+                calls += "tool_calls" in m
+        supervised, run = [], []
+        for token, label in zip(sample["input_ids"], sample["labels"]):
+            if label != -100:
+                run.append(token)
+            elif run:
+                supervised.append(tok.decode(run))
+                run = []
+        assert supervised + ([tok.decode(run)] if run else []) == replies
+    assert calls >= 5 and any(r.startswith("<tool_call>") for r in replies)
+
+    plain = _preprocess([info], tmp_path / "q2", datasets=["glaive_toolcall_en_demo"],
+                        model=folders["qwen2_vl"])
+    with_tools = sum(bool(json.loads(r["tools"])) for r in rows)
+    assert plain.rejected_by_reason == {"template_error": with_tools}
+    messages = pq.read_table(tmp_path / "q2" / "rejects.parquet")["message"].to_pylist()
+    assert any("does not render an assistant's tool calls" in m or "takes none" in m
+               for m in messages)
 
 
 @pytest.mark.parametrize("how", ["column", "renamed", "dataset_info"])
@@ -504,8 +605,9 @@ TOOLS = [{"name": "get_weather", "description": "The weather of a city",
 
 
 def test_a_rows_tools_go_to_a_template_that_takes_them(folders, tmp_path):
-    """LLaMA-Factory's ``tools`` (a JSON string) renders as ``apply_chat_template(tools=...)``
-    renders it; a template that takes no tools rejects the row rather than drop them."""
+    """LLaMA-Factory's ``tools`` (a JSON string of bare function definitions) renders as
+    ``apply_chat_template(tools=...)`` renders them wrapped as LLaMA-Factory's tool formatters
+    wrap them; a template that takes no tools rejects the row rather than drop them."""
     from transformers import AutoTokenizer
 
     takes = str(tmp_path / "takes-tools")
@@ -526,9 +628,79 @@ def test_a_rows_tools_go_to_a_template_that_takes_them(folders, tmp_path):
     sample = pq.read_table(tmp_path / "takes" / "stats").to_pylist()[0]
     assert sample["row"] == 0
     tok = AutoTokenizer.from_pretrained(takes, local_files_only=True)
-    rendered = tok.apply_chat_template(turns, tools=TOOLS, tokenize=False)
+    rendered = tok.apply_chat_template(turns, tokenize=False, tools=[
+        {"type": "function", "function": t} for t in TOOLS])
     assert '"name": "get_weather"' in rendered
     assert tok.decode(sample["input_ids"]) == rendered
     assert results["ignores"].rejected_by_reason == {"template_error": 1}
     (reject,) = pq.read_table(tmp_path / "ignores" / "rejects.parquet").to_pylist()
     assert "1 tool(s) and the chat template takes none" in reject["message"]
+
+
+def test_cutoff_len_cuts_as_llamafactory_and_never_an_image(folders, tmp_path):
+    """--cutoff-len: a one-turn sample over N tokens keeps the beginning of its prompt and of its
+    answer, split as LLaMA-Factory's infer_seqlen splits N (a short answer whole, else a short
+    prompt whole, else both in proportion); its image's tokens stay whole; a sample whose image
+    alone exceeds N is a too_long reject; the writer's re-tokenizing cuts alike."""
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from vlmshard.preprocess.retokenize import RecordedPreprocess, Retokenizer, SourceRows
+
+    photo = str(tmp_path / "cat.png")
+    Image.new("RGB", (56, 56), (200, 120, 40)).save(photo)
+    long_q, long_a = "tell me " * 60, "the cat sat " * 50
+    rows = [{"messages": [{"role": "user", "content": "<image>" + long_q},
+                          {"role": "assistant", "content": "A cat."}], "images": [photo]},
+            {"messages": [{"role": "user", "content": "Hi"},
+                          {"role": "assistant", "content": long_a}]},
+            {"messages": [{"role": "user", "content": "<image>" + long_q},
+                          {"role": "assistant", "content": long_a}], "images": [photo]},
+            {"messages": [{"role": "user", "content": "<image>Hi"},
+                          {"role": "assistant", "content": "A cat."}], "images": [photo]}]
+    path = _write_jsonl(tmp_path / "long.jsonl", rows)
+    full = _preprocess([path], tmp_path / "full", model=folders["qwen2_vl"], keep_tokens=True)
+    assert full.rejected == 0
+    whole = pq.read_table(tmp_path / "full" / "stats").to_pylist()
+    pad = AutoTokenizer.from_pretrained(folders["qwen2_vl"]).convert_tokens_to_ids("<|image_pad|>")
+    image_tokens = whole[3]["input_ids"].count(pad)
+    assert image_tokens > 0
+    cutoff = 120
+    cut = _preprocess([path], tmp_path / "cut", model=folders["qwen2_vl"], keep_tokens=True,
+                      cutoff_len=cutoff)
+    assert cut.rejected == 0
+    samples = pq.read_table(tmp_path / "cut" / "stats").to_pylist()
+    for before, after in zip(whole, samples):
+        ids, labels = before["input_ids"], before["labels"]
+        answer = [k for k, label in enumerate(labels) if label != -100]
+        prompt, target = answer[0], answer[-1] + 1 - answer[0]  # one turn: prompt, answer, "\n"
+        assert answer == list(range(answer[0], answer[-1] + 1))
+        if len(ids) <= cutoff:
+            assert after["input_ids"] == ids
+            continue
+        # LLaMA-Factory's split, by hand: the numbers of each case
+        if target * 2 < cutoff:
+            want_target = target
+        elif prompt * 2 < cutoff:
+            want_target = cutoff - prompt
+        else:
+            want_target = int(cutoff * target / (prompt + target))
+        want_prompt = min(cutoff - want_target, prompt)
+        assert after["input_ids"] == ids[:want_prompt] + ids[prompt:prompt + want_target]
+        assert after["seq_len"] == len(after["input_ids"]) <= cutoff
+        assert after["loss_tokens"] == want_target
+        assert after["input_ids"].count(pad) == ids.count(pad)  # the image whole
+    assert [len(s["input_ids"]) < len(w["input_ids"]) for s, w in zip(samples, whole)] == \
+        [True, True, True, False]
+
+    recorded = RecordedPreprocess(json.loads((tmp_path / "cut" / "preprocess.json").read_text()))
+    spec = recorded.sample_spec()
+    records = SourceRows(spec.sources).records([(s["source"], s["row"]) for s in samples])
+    again = Retokenizer(spec)
+    assert [again.encode(s, records[(s["source"], s["row"])]) for s in samples] == \
+        [(s["input_ids"], s["labels"]) for s in samples]
+
+    small = image_tokens // 2
+    tight = _preprocess([path], tmp_path / "tight", model=folders["qwen2_vl"], cutoff_len=small)
+    assert tight.rejected_by_reason == {"too_long": 3}
+    assert "raise it" in pq.read_table(tmp_path / "tight" / "rejects.parquet")["message"][0].as_py()

@@ -22,7 +22,8 @@ REASONS = {
                      "value/content) is absent",
     "bad_field": "a field has the wrong type or value: an image that is neither a path, a URL "
                  "nor {bytes, path}, a content item of unknown type, a turn that is not an object",
-    "bad_role": "a turn's role is not human/user, gpt/assistant or system (or one --roles maps)",
+    "bad_role": "a turn's role is not human/user, gpt/assistant, system, observation/tool or "
+                "function_call (or one --roles maps)",
     "no_assistant_turn": "nothing to supervise: no gpt/assistant turn, or only empty ones",
     "image_count_mismatch": "the <image> placeholders and image items differ in number from the "
                             "images",
@@ -41,6 +42,8 @@ REASONS = {
     "video_count_mismatch": "the <video> placeholders and video items differ in number from the "
                             "videos",
     "unsupported_video": "a video for a model whose family has no video layout (Gemma 3)",
+    "unsupported_audio": "a row with audio (an audios column, an <audio> placeholder or an "
+                         "audio item): no family reads audio",
     "missing_video": "a video file or URL does not exist, or is not a file that can be opened",
     "unreachable_video": "a video URL still failed after every retry",
     "empty_video": "a video file has zero bytes or its video stream holds no frame",
@@ -51,8 +54,13 @@ REASONS = {
     "unsupported_codec": "a video's codec has no decoder in FFmpeg (PyAV's build)",
     "video_too_long": "a video runs longer than --max-video-seconds",
     "template_error": "the model's chat template refuses the conversation or drops its text",
-    "too_long": "the sample's sequence length exceeds --max-seq-len",
+    "too_long": "the sample's sequence length exceeds --max-seq-len, or --cutoff-len cannot cut "
+                "it without cutting an image or video or every answer",
 }
+
+# Rows of a kind the model does not read, rather than rows the options misread: a source of only
+# these, beside sources that are accepted, is a warning, not a failed job.
+UNSUPPORTED = frozenset({"unsupported_audio", "unsupported_video"})
 
 MAX_MESSAGE = 1000  # characters: a 1 MB bad value must not make a 1 MB reject row
 
