@@ -35,7 +35,7 @@ from vlmshard.stage import Result
 
 from . import algorithms
 from .algorithms import BalancedOptions, Caps
-from .batches import Lengths, Packing
+from .batches import Lengths, Packing, concat_steps
 from .config import PADDED, PackConfig
 from .cost import CostModel, model_for_stats
 from .groups import (Group, GroupedPacking, Refusal, format_group_table, given_groups,
@@ -373,6 +373,49 @@ def pack_epoch(cfg: PackConfig, lengths: Lengths, caps: Caps, cost: CostModel, *
     packing.unplaced = np.r_[over, packing.unplaced].astype(np.int64)
     packing.unplaced_reason = over_reasons + packing.unplaced_reason
     return packing
+
+
+@dataclass
+class Repacked:
+    """A plan's samples packed again by another algorithm (``repack``)."""
+
+    packing: Packing  # over the stats' sample ids
+    caps: Caps  # what it packed under: ``chosen``, raised to hold the largest of ``samples``
+    chosen: Caps  # the algorithm's own caps (isf's search, the padded shape, balanced's search)
+    samples: np.ndarray  # int64: the plan's samples (``plan_samples``), which it packed
+
+
+def plan_samples(info: dict, n: int) -> np.ndarray:
+    """The samples a plan (its ``plan.json``) packs, of its stats' ``n``: all but those it
+    leaves out over a cap. Those left as a remainder are packed too (each epoch reshuffles
+    them in), and the over-cap ones are the same in every epoch."""
+    over = [u["sample_id"] for u in info["unplaced"] if u["reason"] != "remainder"]
+    return np.setdiff1d(np.arange(n, dtype=np.int64), np.asarray(over, np.int64))
+
+
+def repack(info: dict, lengths: Lengths, algo: str, mode: str) -> Repacked:
+    """The plan's samples packed again with ``algo`` for a trainer computing in ``mode``, with
+    the plan's ranks, micro-batches, epochs, seed, cost model and memory bound: what a plan is
+    compared with. The comparison holds only over equal samples, so where ``algo``'s own caps
+    (isf's search) would leave some of them out, the caps are raised to hold the largest; what
+    fills no whole step is its remainder, as in the plan."""
+    params = info["params"]
+    bound = (info.get("caps_search") or {}).get("bound") or {}  # the plan's memory bound
+    cfg = PackConfig(stats=info["run"].get("stats", ""), dp=params["dp"], out="", algo=algo,
+                     micro_batches=params["micro_batches"],
+                     virtual_ranks=params["virtual_ranks"], epochs=params["epochs"],
+                     target_samples=params["target_samples"], seed=params["seed"],
+                     compute_mode=mode, max_qv=bound.get("qv"), max_qt=bound.get("qt"))
+    cost = CostModel(**info["cost_model"])
+    ids = plan_samples(info, len(lengths))
+    own = lengths.take(ids)
+    chosen, _, _ = choose_caps(cfg, own, cost)
+    caps = Caps(max(chosen.qv, int(own.tiles.max(initial=0))),
+                max(chosen.qt, int(own.tokens.max(initial=0))))
+    packing = concat_steps([pack_epoch(cfg, own, caps, cost, seed=cfg.seed + epoch)
+                            for epoch in range(cfg.epochs)])
+    return Repacked(replace(packing, items=ids[packing.items], unplaced=ids[packing.unplaced]),
+                    caps, chosen, ids)
 
 
 def write_plan_parquet(path: str, plan: GroupedPacking) -> None:

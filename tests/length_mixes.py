@@ -1,6 +1,7 @@
 """Synthetic length distributions for the caps matrix (``test_caps_matrix.py``): shapes of real
 VLM data mixes that stress a packer differently, plus OmniBal's two real files
-(``tests/data/omnibal``).
+(``tests/data/omnibal``); and ``mostly_text``, whose images no default cap of a few mean samples
+holds (groups' and the report's baselines' tests).
 
 The real ones are the whole of OmniBal's ai2d (12,413 rows) and docvqa (10,211 rows) length files
 (``tests/data/omnibal/full_lengths.npz``: their ``vit_num`` and ``token_num`` columns). Sizes of
@@ -10,6 +11,7 @@ seq_len is 256 per tile plus its text. Every mix is a pure function of (name, n,
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -78,3 +80,20 @@ def mix(name: str, n: int = 20000, seed: int = 0) -> Lengths:
         tiles = tiles.astype(np.int64)
         tokens = tiles * TOKENS_PER_TILE + text.astype(np.int64)
     return Lengths(tiles, tokens, np.zeros(len(tiles), np.int32), (name,))
+
+
+def mostly_text() -> Lengths:
+    """Lengths shaped as LLaMA-Factory's demo data: 200 short texts (no tiles, 300 to 349
+    tokens), 3 image samples of 20 tiles and 2000 tokens, 2 long texts of 3500 tokens. The
+    mean sample has 0.3 tiles: 4 of them hold no image."""
+    rows = [(0, 300 + i % 50) for i in range(200)] + [(20, 2000)] * 3 + [(0, 3500)] * 2
+    return Lengths(np.array([v for v, _ in rows]), np.array([t for _, t in rows]),
+                   np.zeros(len(rows), np.int32), ("mostly-text",))
+
+
+def write_length_file(path, lengths: Lengths) -> str:
+    """``lengths`` as an OmniBal length file (``vit_num``, ``token_num`` per row) at ``path``."""
+    rows = [{"vit_num": int(v), "token_num": int(t)} for v, t in zip(lengths.tiles, lengths.tokens)]
+    with open(path, "w") as f:
+        json.dump(rows, f)
+    return str(path)

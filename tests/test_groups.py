@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from helpers import vlmshard
+from length_mixes import mostly_text, write_length_file
 
 from vlmshard.errors import ConfigError
 from vlmshard.families import presets
@@ -206,14 +207,8 @@ def test_auto_groups_choose_the_best_candidate_and_keep_the_top_level():
     assert one_cap["communication_ratio"] == 1.0 and chosen["communication_ratio"] < 1.0
 
 
-def _write_lengths(path, lengths: Lengths) -> str:
-    rows = [{"vit_num": int(v), "token_num": int(t)} for v, t in zip(lengths.tiles, lengths.tokens)]
-    path.write_text(json.dumps(rows))
-    return str(path)
-
-
 def test_pack_groups_writes_the_groups_and_each_steps_group(tmp_path):
-    stats = _write_lengths(tmp_path / "lengths.json", long_tail(3000, seed=2))
+    stats = write_length_file(tmp_path / "lengths.json", long_tail(3000, seed=2))
     out = tmp_path / "plan"
     args = ("pack", "--stats", stats, "--dp", "8", "--out", str(out), "--groups", "512,1024,4096",
             "--max-qt", "512", "--max-qv", "2", "--micro-batches", "2")
@@ -259,7 +254,7 @@ def test_pack_groups_writes_the_groups_and_each_steps_group(tmp_path):
     (("--groups", "9000", "--max-qt", "512"), "needs more than the 4 ranks' 2048 tokens"),
 ])
 def test_bad_groups_are_refused_before_packing(tmp_path, args, says):
-    stats = _write_lengths(tmp_path / "lengths.json", long_tail(200))
+    stats = write_length_file(tmp_path / "lengths.json", long_tail(200))
     result = vlmshard("pack", "--stats", stats, "--dp", "4", "--out", str(tmp_path / "plan"),
                       *args, check=False)
     assert result.returncode != 0 and says in result.stderr
@@ -268,21 +263,11 @@ def test_bad_groups_are_refused_before_packing(tmp_path, args, says):
 
 # --- groups place what plain packing places; a plan may leave out only so many ---------------
 
-def _mostly_text(path) -> str:
-    """A length file as LLaMA-Factory's demo data makes one: 200 short texts (no tiles, 300 to
-    349 tokens), 3 image samples of 20 tiles and 2000 tokens, 2 long texts of 3500 tokens. The
-    mean sample has about 0.3 tiles: --target-samples (4) of them hold no image."""
-    rows = ([(0, 300 + i % 50) for i in range(200)] + [(20, 2000)] * 3 + [(0, 3500)] * 2)
-    return _write_lengths(path, Lengths(np.array([v for v, _ in rows]),
-                                        np.array([t for _, t in rows]),
-                                        np.zeros(len(rows), np.int32), ("a",)))
-
-
 @pytest.mark.parametrize("caps", [(), ("--max-qt", "2000")])
 def test_auto_groups_without_caps_place_every_sample_plain_pack_places(tmp_path, caps):
     """One rank's default caps are plain pack's, never below the largest sample: with no caps
     or a token cap alone, every image sample finds a rank that encodes it."""
-    stats = _mostly_text(tmp_path / "lengths.json")
+    stats = write_length_file(tmp_path / "lengths.json", mostly_text())
     plain = tmp_path / "plain"
     vlmshard("pack", "--stats", stats, "--dp", "2", "--out", str(plain))
     grouped = tmp_path / "grouped"
@@ -327,7 +312,7 @@ def test_a_plan_leaving_out_more_than_the_ratio_names_the_caps_to_raise(tmp_path
     """Plain or grouped, a plan that leaves more than --max-unplaced-ratio of the samples over
     a cap is not written: one line says how many break which cap and the values that place
     them, and those values leave no sample over a cap."""
-    stats = _mostly_text(tmp_path / "lengths.json")
+    stats = write_length_file(tmp_path / "lengths.json", mostly_text())
     common = ("pack", "--stats", stats, "--out")
     out = tmp_path / "plan"
     proc = vlmshard(*common, str(out), *args, check=False)
@@ -348,7 +333,7 @@ def test_a_plan_leaving_out_more_than_the_ratio_names_the_caps_to_raise(tmp_path
 def test_isf_caps_that_leave_samples_out_name_the_caps_that_place_them(tmp_path):
     """isf's searched caps (OmniBal's search for 4 samples a group) leave the images and the
     long texts out: the one line names the --qv/--qt to give instead."""
-    stats = _mostly_text(tmp_path / "lengths.json")
+    stats = write_length_file(tmp_path / "lengths.json", mostly_text())
     proc = vlmshard("pack", "--stats", stats, "--dp", "4", "--out", str(tmp_path / "isf"),
                     "--algo", "isf", check=False)
     assert proc.returncode == 1

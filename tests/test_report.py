@@ -24,7 +24,8 @@ from vlmshard.packing.cost import CostModel
 from vlmshard.packing.metrics import REPORT_KEYS, measure
 from vlmshard.packing.config import PackConfig
 from vlmshard.packing.plan import read_plan, run_pack
-from vlmshard.report.report import load_plan, make_report, plan_labels
+from vlmshard.packing.plan import read_plan_json
+from vlmshard.report.report import baseline_plans, load_plan, make_report, plan_labels
 from vlmshard.report.series import PlanSeries, plan_series
 from vlmshard.packing.stats import load_stats
 from vlmshard.families import presets
@@ -36,6 +37,7 @@ from vlmshard.train.train_log import (pipeline_record, rank_data, rank_timing, s
                                       write_record)
 
 from helpers import vlmshard
+from length_mixes import mostly_text, write_length_file
 from pipeline_reference import makespan
 
 META = os.path.join(os.path.dirname(__file__), "data", "omnibal", "meta.json")
@@ -263,6 +265,75 @@ def test_the_summary_compares_the_plan_with_random_and_isf_packings(plans, repor
     assert f"{own['balanced'] / own['random']:.2f}x that of random packing" in first
     assert f"{own['balanced'] / isf:.2f}x that of isf packing" in first
     assert own["balanced"] > isf > own["random"]
+
+
+def test_baselines_pack_exactly_the_plans_samples_under_caps_that_hold_them(tmp_path):
+    """ISF's own caps (OmniBal's search for 4 samples a group) leave mostly-text data's image
+    samples out. The report's baselines pack exactly the samples the plan packs (not the long
+    texts it leaves over its caps), under caps raised to hold them; the speed ratio compares
+    those samples, as plans packed here of those samples alone give it; nothing the report
+    prints about them reads as the plan's."""
+    lengths = mostly_text()
+    stats = write_length_file(tmp_path / "lengths.json", lengths)
+    plan = tmp_path / "plan"  # the 2 long texts (ids 203, 204) over --max-qt: 0.98%, allowed
+    run_pack(PackConfig(stats=stats, dp=2, out=str(plan), max_qt=3000))
+    proc = vlmshard("report", str(plan), "--json")
+    assert "exceed the caps" not in proc.stderr and "WARNING" not in proc.stderr
+    report = json.loads(proc.stdout)
+    # the plan's 203 samples alone, packed here by pack itself: isf under its own search's
+    # caps raised to the largest sample's 20 tiles and 2000 tokens, random padded
+    own = write_length_file(tmp_path / "own.json", lengths.take(np.arange(203)))
+    searched = run_pack(PackConfig(stats=own, dp=2, out=str(tmp_path / "searched"), algo="isf",
+                                   max_unplaced_ratio=1.0)).metrics
+    assert searched.qv < 20  # isf's own caps would leave the images out
+    expected = {"isf": run_pack(PackConfig(stats=own, dp=2, out=str(tmp_path / "isf"),
+                                           algo="isf", qv=20, qt=max(searched.qt, 2000))),
+                "random": run_pack(PackConfig(stats=own, dp=2, out=str(tmp_path / "random"),
+                                              algo="random"))}
+    efficiency = report["summary"]["step_efficiency"]
+    for algo, packed in expected.items():
+        baseline = report["baselines"][algo]
+        assert baseline["plan_samples"] == 203
+        assert baseline["metrics"]["samples"] + baseline["metrics"]["unplaced"] == 203
+        assert {k: baseline["metrics"][k] for k in ("step_efficiency", "samples", "qv", "qt")} \
+            == {k: getattr(packed.metrics, k) for k in ("step_efficiency", "samples", "qv", "qt")}
+        assert report["summary"]["baseline_step_efficiency"][algo] == \
+            packed.metrics.step_efficiency
+        assert (f"{efficiency / packed.metrics.step_efficiency:.2f}x that of {algo} packing"
+                in report["summary"]["text"])
+    assert report["baselines"]["isf"]["chosen_caps"] == {"qv": searched.qv, "qt": searched.qt}
+    # the samples themselves: the plan's, each placed once or its baseline's remainder
+    _, packing, _ = load_plan(str(plan))
+    for _, baseline in baseline_plans(read_plan_json(str(plan)), lengths).values():
+        assert sorted(np.r_[baseline.items, baseline.unplaced].tolist()) == list(range(203))
+        assert set(baseline.unplaced_reason) <= {"remainder"}
+    assert sorted(packing.items.tolist()) == list(range(203))
+    text = vlmshard("report", str(plan)).stdout
+    assert (f"isf baseline: its own caps (Qv {searched.qv}, Qt {searched.qt}) would leave some "
+            f"of them out; packed under Qv 20, Qt {max(searched.qt, 2000)}") in text
+
+
+def test_a_baseline_that_makes_no_step_says_so_as_the_baselines(tmp_path):
+    """Random packing takes --target-samples (4) samples a micro-batch: of a plan's 3 samples
+    it makes no step, and the warning names that baseline, not the user's plan."""
+    stats = write_length_file(tmp_path / "three.json", mostly_text().take(np.arange(3)))
+    run_pack(PackConfig(stats=stats, dp=1, out=str(tmp_path / "plan")))
+    proc = vlmshard("report", str(tmp_path / "plan"), "--json")
+    assert proc.stderr.splitlines()[-1].endswith(
+        "the report's random baseline makes no whole step of the plan's 3 samples: no "
+        "comparison with it")
+    assert "the plan places no sample" not in proc.stderr
+    assert list(json.loads(proc.stdout)["baselines"]) == ["isf"]
+
+
+def test_a_plan_whose_stats_are_gone_is_reported_without_baselines(tmp_path):
+    stats = write_length_file(tmp_path / "lengths.json", mostly_text())
+    run_pack(PackConfig(stats=stats, dp=2, out=str(tmp_path / "plan")))
+    os.remove(stats)
+    proc = vlmshard("report", str(tmp_path / "plan"), "--json")
+    assert "no comparison with other packings: " in proc.stderr
+    assert f"{stats}: no such file or folder" in proc.stderr
+    assert json.loads(proc.stdout)["baselines"] == {}
 
 
 def test_json_dash_prints_what_json_path_writes(plans, tmp_path):
@@ -628,7 +699,9 @@ def test_a_lone_plan_is_plotted_next_to_its_baselines(plans, tmp_path):
     every bar panel has three bars; without them the plan-only panels are left out."""
     page = tmp_path / "report.html"
     stdout = vlmshard("report", str(plans["balanced"]), "--html", str(page)).stdout
-    assert "random (baseline), isf (baseline) in the plots: the report's own packing" in stdout
+    assert "random (baseline), isf (baseline) in the plots: the baselines above" in stdout
+    assert ("baselines: the report's own random and isf packings of balanced's 600 samples"
+            in stdout)
     parsed = _Page()
     parsed.feed(page.read_text(encoding="utf-8"))
     assert len([t for t, _ in parsed.tags if t == "img"]) == FIGURES - 1  # no training run

@@ -18,8 +18,10 @@ fill, per-rank cumulative load, source mix over steps and the plans side by side
 the stats the plan was packed from (the path plan.run.json names; the sha256 plan.json records
 must still match).
 
-A lone plan is compared with random and ISF packings of its own samples, which the report
-packs itself (the summary's predicted speed-ups; the plots show them as "(baseline)").
+A lone plan is compared with random and ISF packings of exactly the samples it packs, which the
+report packs itself under each algorithm's own caps, raised where they would leave one of them
+out (the summary's predicted speed-ups, over equal samples; the plots show them as
+"(baseline)"; report.json lists them under "baselines").
 
 --train-log RUN/train_log.jsonl (written by vlmshard train on the FIRST plan's shards) sets the
 run's measured pipeline bubble (per stage: 1 - forward + backward over its replica's pipeline

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from dataclasses import dataclass
 
+from vlmshard.errors import InputError
 from vlmshard.io import atomic_write, file_in, folder_of, write_json_atomic
 from vlmshard.packing.batches import Lengths, Packing
+from vlmshard.packing.config import PADDED
+from vlmshard.packing.cost import CostModel
 from vlmshard.packing.groups import is_grouped
-from vlmshard.packing.metrics import REPORT_KEYS, format_value
-from vlmshard.packing.plan import load_plan, plan_stats_path, read_plan, read_plan_json
+from vlmshard.packing.metrics import REPORT_KEYS, format_value, measure
+from vlmshard.packing.plan import load_plan, read_plan_json, repack
 from vlmshard.run_log import LOG_NAME, PIPELINE_NAME, read_numbered
 from vlmshard.simulate.replay import Replay, compare, replay_run
 from vlmshard.stage import Result
@@ -51,35 +53,50 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
 BASELINES = ("random", "isf")  # what a plan is compared with
 
 
-def baseline_plans(plan_dir: str, info: dict) -> dict[str, tuple[dict, Packing]]:
-    """``random`` and ``isf`` packings of the plan's own stats (plan.json and packing), with its
-    DP, micro-batches, seed, compute mode and cost model (each with its own caps): the packings
-    a user would otherwise train on, so one plan is always compared with something."""
-    from vlmshard.packing.config import PackConfig
-    from vlmshard.packing.plan import run_pack
-
-    params, stats = info["params"], plan_stats_path(info, plan_dir)
+def baseline_plans(info: dict, lengths: Lengths) -> dict[str, tuple[dict, Packing]]:
+    """``random`` and ``isf`` packings of exactly the plan's samples (``packing.plan.repack``:
+    its DP, micro-batches, seed, compute mode and cost model; each algorithm's own caps, raised
+    where they would leave one of the samples out), as a plan.json-like dict (their metrics,
+    caps and the caps their algorithm chose) and a packing: what a user would otherwise train
+    on, so that one plan is always compared with something, over equal samples. A baseline
+    that makes no whole step is left out, with a warning that names it."""
+    params = info["params"]
+    mode = params.get("compute_mode", "padding-free")
     out = {}
-    quiet = logging.getLogger("vlmshard.packing")  # these packings are the report's own
-    level = quiet.level
-    quiet.setLevel(logging.WARNING)
-    try:
-        with tempfile.TemporaryDirectory(prefix="vlmshard-report-") as tmp:
-            cost = os.path.join(tmp, "cost_model.json")
-            write_json_atomic(cost, info["cost_model"])
-            for algo in BASELINES:
-                if algo == info["algorithm"]:
-                    continue
-                run_pack(PackConfig(
-                    stats=stats, dp=params["dp"], virtual_ranks=params["ranks"],
-                    micro_batches=params["micro_batches"], algo=algo, seed=params["seed"],
-                    epochs=params["epochs"], target_samples=params["target_samples"],
-                    compute_mode=params.get("compute_mode", "padding-free"), cost_model=cost,
-                    out=os.path.join(tmp, algo)))
-                out[algo] = read_plan(os.path.join(tmp, algo))
-    finally:
-        quiet.setLevel(level)
+    for algo in BASELINES:
+        if algo == info["algorithm"]:
+            continue
+        packed = repack(info, lengths, algo, mode)
+        if not packed.packing.steps:
+            log.warning("the report's %s baseline makes no whole step of the plan's %d samples: "
+                        "no comparison with it", algo, len(packed.samples))
+            continue
+        metrics = measure(lengths, packed.packing, qv=packed.caps.qv, qt=packed.caps.qt,
+                          cost=CostModel(**info["cost_model"]), padded=algo in PADDED,
+                          dp=params["dp"], pack_seconds=0.0, mode=mode)
+        out[algo] = ({"algorithm": algo, "params": params, "cost_model": info["cost_model"],
+                      "metrics": metrics.to_dict(), "plan_samples": len(packed.samples),
+                      "chosen_caps": {"qv": packed.chosen.qv, "qt": packed.chosen.qt}},
+                     packed.packing)
     return out
+
+
+def baseline_notes(label: str, baselines: dict[str, tuple[dict, Packing]]) -> list[str]:
+    """What the baselines are, in the report's notes: whose samples, and caps raised."""
+    if not baselines:
+        return []
+    first = next(iter(baselines.values()))[0]
+    notes = [f"baselines: the report's own {' and '.join(baselines)} packings of {label}'s "
+             f"{first['plan_samples']} samples, with its DP size, micro-batches, seed, compute "
+             "mode and cost model (samples that fill no whole step wait for the next epoch, "
+             "as in the plan)"]
+    for algo, (b, _) in baselines.items():
+        chosen, m = b["chosen_caps"], b["metrics"]
+        if (chosen["qv"], chosen["qt"]) != (m["qv"], m["qt"]):
+            notes.append(f"{algo} baseline: its own caps (Qv {chosen['qv']}, Qt "
+                         f"{chosen['qt']}) would leave some of them out; packed under Qv "
+                         f"{m['qv']}, Qt {m['qt']}")
+    return notes
 
 
 def summary_line(label: str, info: dict, baselines: dict[str, float]) -> str:
@@ -176,7 +193,7 @@ def read_train_run(path: str, profile: str | None,
         raise ReportError(f"{path}: a step, or the run's {PIPELINE_NAME}, lacks {e}") from e
     try:
         return replay, compare(replay)
-    except ValueError as e:
+    except (InputError, ValueError) as e:  # ours (no pipeline_s), or numpy's
         raise ReportError(f"{path}: {e}") from e
 
 
@@ -237,14 +254,22 @@ def make_report(plan_dirs: list[str], train_log: str | None = None, profile: str
         if is_group:
             entry["groups"] = info["groups"]
             entry["metrics"]["communication_ratio"] = info["metrics"]["communication_ratio"]
-    try:  # one-cap packings of a grouped plan's samples compare with one cap, not its groups
-        baselines = {} if grouped[0] else baseline_plans(plan_dirs[0], infos[0])
-    except (FileNotFoundError, ValueError) as e:  # the stats are not here
-        log.warning("no comparison with other packings: %s", e)
-        baselines = {}
+    baselines: dict[str, tuple[dict, Packing]] = {}
+    if not grouped[0]:  # one-cap packings of a grouped plan's samples compare with one cap
+        try:
+            if plan_dirs[0] not in loaded:
+                loaded[plan_dirs[0]] = load_plan(plan_dirs[0])
+            baselines = baseline_plans(infos[0], loaded[plan_dirs[0]][2])
+        except (FileNotFoundError, InputError) as e:  # the stats are not here, or changed
+            log.warning("no comparison with other packings: %s", e)
     efficiencies = {algo: i["metrics"]["step_efficiency"] for algo, (i, _) in baselines.items()}
+    result["baselines"] = {algo: {"metrics": {k: i["metrics"][k] for k in ROWS},
+                                  "plan_samples": i["plan_samples"],
+                                  "chosen_caps": i["chosen_caps"]}
+                           for algo, (i, _) in baselines.items()}
     headline = summary_line(labels[0], infos[0], efficiencies)
     notes = [f"{label}: {d}" for label, d in zip(labels, plan_dirs)]
+    notes += baseline_notes(labels[0], baselines)
     tables = [(notes, header, rows)]
     tables += [group_table(label, info) for label, info, is_group in zip(labels, infos, grouped)
                if is_group]
@@ -271,8 +296,7 @@ def make_report(plan_dirs: list[str], train_log: str | None = None, profile: str
                    for label, info, packing in shown]
         if shown:
             notes.append(f"{', '.join(label for label, _, _ in shown)} in the plots: the "
-                         f"report's own packing of {labels[0]}'s samples with its DP size, "
-                         "micro-batches, seed and cost model")
+                         "baselines above")
         page = html_report.render("vlmshard report", headline,
                                   [html_report.Table(*t) for t in tables],
                                   plots.report_figures(series, train[0] if train else None))

@@ -111,7 +111,7 @@ def simulate_plan(cfg: SimulateConfig) -> dict:
     """The plan, and (``cfg.compare``) the strategies and levers, each costed on what the
     trainer executes in the compute mode: a padded trainer's work and activations are at the
     packing's own caps, so low-fill packings pay for their padding."""
-    from vlmshard.packing.plan import load_plan
+    from vlmshard.packing.plan import load_plan, repack
 
     info, packing, lengths = load_plan(cfg.plan)
     mode = cfg.compute_mode or info["params"].get("compute_mode", "padding-free")
@@ -127,8 +127,9 @@ def simulate_plan(cfg: SimulateConfig) -> dict:
         return out
     runs, out["strategies"] = {}, {}  # algo -> (executed sizes, wire)
     for algo in STRATEGIES:
-        repacked, caps = repack(info, lengths, algo, mode)
-        runs[algo] = (_executed(lengths, repacked, algo, mode, qv=caps.qv, qt=caps.qt),
+        repacked = repack(info, lengths, algo, mode)
+        caps = repacked.caps
+        runs[algo] = (_executed(lengths, repacked.packing, algo, mode, qv=caps.qv, qt=caps.qt),
                       _wire(caps.qv, caps.qt))
         out["strategies"][algo] = {"qv": caps.qv, "qt": caps.qt, **cluster.try_run(*runs[algo])}
     out["levers"] = {
@@ -155,28 +156,6 @@ def _executed(lengths, packing, algo: str, mode: str, *, qv: int, qt: int) -> np
 
     return executed_sizes(micro_batch_sizes(lengths, packing, algo in PADDED), qv=qv, qt=qt,
                           mode=mode)
-
-
-def repack(info: dict, lengths, algo: str, mode: str):
-    """The plan's samples packed again with ``algo`` for a trainer computing in ``mode`` (same
-    ranks, micro-batches, epochs, seed, cost model and memory bound), and the caps ``algo``
-    chose for itself."""
-    from vlmshard.packing.batches import concat_steps
-    from vlmshard.packing.config import PackConfig
-    from vlmshard.packing.cost import CostModel
-    from vlmshard.packing.plan import choose_caps, pack_epoch
-
-    params = info["params"]
-    bound = (info.get("caps_search") or {}).get("bound") or {}  # the plan's memory bound
-    cfg = PackConfig(stats=info["run"].get("stats", ""), dp=params["dp"], out="", algo=algo,
-                     micro_batches=params["micro_batches"],
-                     virtual_ranks=params["virtual_ranks"], epochs=params["epochs"],
-                     target_samples=params["target_samples"], seed=params["seed"],
-                     compute_mode=mode, max_qv=bound.get("qv"), max_qt=bound.get("qt"))
-    cost = CostModel(**info["cost_model"])
-    caps, _, _ = choose_caps(cfg, lengths, cost)
-    return concat_steps([pack_epoch(cfg, lengths, caps, cost, seed=cfg.seed + epoch)
-                         for epoch in range(cfg.epochs)]), caps
 
 
 def _describe(partition: Partition, work) -> dict:
