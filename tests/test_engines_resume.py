@@ -32,6 +32,22 @@ def test_kill_9_then_rerun_gives_identical_bytes(tmp_path):
     assert not (out / "_work").exists()
 
 
+@pytest.mark.slow
+def test_quiet_on_ray_prints_the_summary_line_alone(demo, tmp_path):
+    """``vlmshard -q preprocess --engine ray``, on a Ray cluster it starts, prints the stage's
+    one line and nothing else: Ray's loggers go through ours, its notices of its own defaults
+    (token authentication, progress bars off) are left out, and its actors start without the
+    restarts Ray warns about on stderr."""
+    out = tmp_path / "pre"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}  # Ray's own
+    proc = vlmshard("-q", "preprocess", os.path.join(demo.root, "captions.jsonl"), "--engine",
+                    "ray", "--workers", "2", "--part-size", "40", "--out", str(out), env=env)
+    totals = json.loads((out / "preprocess.json").read_text())["totals"]
+    assert proc.stderr == ""
+    assert proc.stdout == (f"{totals['accepted']} accepted, {totals['rejected']} rejected of "
+                           f"{totals['input_rows']} rows -> {out}\n")
+
+
 @pytest.fixture(scope="module")
 def http_root(demo):
     with serve_http(demo.root) as url:

@@ -175,6 +175,7 @@ def _launch(jobs: dict[str, list[str]], degrees: list[int], out: str) -> dict:
          out, ",".join(map(str, degrees)), *args],
         capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "FutureWarning" not in proc.stderr, proc.stderr[-6000:]  # no deprecated exchange
     return torch.load(out)
 
 

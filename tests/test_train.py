@@ -6,6 +6,7 @@ import json
 import math
 import os
 import statistics
+from itertools import accumulate
 
 import numpy as np
 import pytest
@@ -354,6 +355,30 @@ def straight(small_shards, tmp_path_factory):
             shutil.rmtree(out, ignore_errors=True)
             vlmshard_here("train", *STRAIGHT, "--shards", small_shards, "--out", str(out))
     return out
+
+
+@pytest.mark.slow(minutes=1)
+def test_quiet_training_prints_its_summary_line_alone(small_shards, tmp_path):
+    """``vlmshard -q train`` prints the stage's one line and nothing else: not DeepSpeed's
+    launcher nor its prints in the ranks, not the ranks' logs, not torch's warning at each
+    backward of a collective recorded in the graph (the tied weights' broadcast). Without
+    ``-q`` the launcher's and the ranks' lines are there, and the summary last."""
+    args = ["train", "--config", CONFIG, "--shards", small_shards, "--max-steps", "1",
+            "--no-save-checkpoints"]
+
+    def summary(out) -> str:  # the run's one step and its stages, from its files
+        loss = _log(out / "train_log.jsonl")[0]["loss"]
+        bounds = [0, *accumulate(len(s["layers"]) for s in read_json(
+            out / "pipeline.json")["stages"])]
+        return f"1 steps, loss {loss:.3f} -> {loss:.3f}, stages {bounds} (searched) -> {out}"
+
+    quiet = vlmshard("-q", *args, "--out", str(tmp_path / "quiet"))
+    assert quiet.stderr == "" and quiet.stdout == summary(tmp_path / "quiet") + "\n"
+    said = vlmshard(*args, "--out", str(tmp_path / "said"))
+    out = said.stdout + said.stderr
+    assert "[launch.py:" in out and "INFO __main__: partition: bounds" in out
+    assert "Using topology:" in out
+    assert said.stdout.splitlines()[-1] == summary(tmp_path / "said")
 
 
 def _plan_samples(shards: str, rank: int, world: int) -> list[list[int]]:

@@ -10,18 +10,25 @@ prefix of the model holds, and ``clip_over_every_stage`` clips fp32 gradients by
 every stage, as torch's ``clip_grad_norm_`` over the whole model would. ``fewer_host_syncs``
 replaces one helper of DeepSpeed's gradient-norm code with one that does the same without
 making the host wait; ``zero3_linear_bias_out_of_place`` replaces ZeRO-3's
-linear with one that leaves the matmul's output as it was made.
+linear with one that leaves the matmul's output as it was made. ``route_logging`` and
+``prints_logged`` put what DeepSpeed says on its own (a logger with a stdout handler, ``print``)
+through the rank's logging, so ``-q`` quiets it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
 import sys
+from typing import Iterator
 
 from torch import nn
 
 from vlmshard.compat import release
 from vlmshard.errors import JobError
+from vlmshard.process import adopt_logger
 
 # The DeepSpeed releases this adapter is tested with: [low, high).
 TESTED_RANGE = ((0, 19), (0, 20))
@@ -230,3 +237,25 @@ def clip_over_every_stage() -> None:
         return norm
 
     engine.clip_grad_norm_ = clip_grad_norm_
+
+
+def route_logging() -> None:
+    """DeepSpeed's logger, which prints on a stdout handler of its own, through this process's
+    logging (``vlmshard.process.adopt_logger``)."""
+    from deepspeed.utils import logger
+
+    adopt_logger(logger.name)
+
+
+@contextlib.contextmanager
+def prints_logged(log: logging.Logger) -> Iterator[None]:
+    """What DeepSpeed ``print``s meanwhile (``PipelineModule``'s seed and topology lines, on
+    rank 0) logged at INFO on ``log`` instead: printed, it would pass ``-q`` by."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            yield
+    finally:
+        for line in printed.getvalue().splitlines():
+            if line.strip():
+                log.info("%s", line)

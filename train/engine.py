@@ -27,6 +27,7 @@ from .data_parallel import VLMModel, train_batch
 from .deepspeed_compat import (
     clip_over_every_stage,
     fewer_host_syncs,
+    prints_logged,
     skip_frozen_gradients,
     zero3_linear_bias_out_of_place,
 )
@@ -235,7 +236,8 @@ class TrainEngine(ABC):
     def load(self, folder: str) -> int:
         """Weights, optimizer and schedule from ``folder``'s latest checkpoint; the steps it had
         made."""
-        _, state = self.engine.load_checkpoint(folder)
+        with torch.no_grad():  # it broadcasts the tied weights again, as ``_module`` says
+            _, state = self.engine.load_checkpoint(folder)
         if state is None:
             raise FileNotFoundError(f"{folder}: no checkpoint to resume from")
         return state["step"]
@@ -251,10 +253,13 @@ class PipelineEngine(TrainEngine):
                               model.input_needs_grad(last + 1))
 
     def _module(self, model, chosen, device, topology) -> VLMPipeline:
-        return VLMPipeline(model, self.cfg.pp, self.loss, clock=self.clock,
-                           backend=model.backend, dtype=self.cfg.dtype, device=device,
-                           bounds=chosen.bounds, recompute=set(chosen.recompute),
-                           selective=set(chosen.selective), topology=topology)
+        # Without autograd: the module broadcasts its tied weights as it builds them, and a
+        # collective recorded in the graph warns at every backward that it has no gradient
+        with torch.no_grad(), prints_logged(log):
+            return VLMPipeline(model, self.cfg.pp, self.loss, clock=self.clock,
+                               backend=model.backend, dtype=self.cfg.dtype, device=device,
+                               bounds=chosen.bounds, recompute=set(chosen.recompute),
+                               selective=set(chosen.selective), topology=topology)
 
     def _train_batch(self, inputs, hosts) -> torch.Tensor:
         self.net.expect(hosts)

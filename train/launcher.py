@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from vlmshard.compat import check_torch, check_transformers
 from vlmshard.errors import ConfigError, InputError, JobError
 from vlmshard.io import read_json, write_json_atomic
+from vlmshard.process import log_level
 from vlmshard.run_log import LOG_NAME, PIPELINE_NAME, read_log, stage_bounds
 from vlmshard.stage import Result
 
@@ -145,12 +146,14 @@ def launch(cfg: TrainConfig, output: str | None = None) -> int:
     env = dict(os.environ)
     if not cuda:
         env["LOCAL_SIZE"] = str(cluster.procs_per_node)  # the CPU accelerator's "devices"
+        # named, DeepSpeed's CPU accelerator is taken without the warning that it found no GPU
+        env.setdefault("DS_ACCELERATOR", "cpu")
     elif not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(env):
         # packed micro-batches change shape every step: segments that grow in place keep the
         # allocator from fragmenting (the older name: torch 2.9's new one ignored this option)
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     cmd = launcher_command(cluster, visible_devices if cuda else None) + [
-        "--module", "vlmshard.train.trainer", config_path]
+        "--module", "vlmshard.train.trainer", f"--log-level={log_level()}", config_path]
     if output is None:
         return subprocess.call(cmd, env=env)
     with open(output, "ab") as sink:
@@ -160,16 +163,17 @@ def launch(cfg: TrainConfig, output: str | None = None) -> int:
 def launcher_command(cluster: Cluster, visible_devices: str | None = None) -> list[str]:
     """DeepSpeed's multi-node runner for a hostfile, its per-node launcher otherwise (one node,
     or this node of a job started on every node), keeping the scheduler's
-    ``visible_devices``."""
+    ``visible_devices``; either logs at this process's level (the runner passes it on)."""
+    level = f"--log_level={log_level().lower()}"
     if cluster.hostfile:
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", cluster.hostfile,
-               "--master_port", str(cluster.master_port)]
+               "--master_port", str(cluster.master_port), level]
         return cmd + (["--master_addr", cluster.master_addr] if cluster.master_addr else [])
     info = json.dumps(cluster.world_info(visible_devices))
     world = base64.urlsafe_b64encode(info.encode()).decode()
     return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
             f"--node_rank={cluster.node_rank}", f"--master_addr={cluster.master_addr}",
-            f"--master_port={cluster.master_port}"]
+            f"--master_port={cluster.master_port}", level]
 
 
 def train(cfg: TrainConfig, output: str | None = None) -> list[dict]:

@@ -14,8 +14,10 @@ Before the token embedding each rank sends each other rank the rows of its media
 encodes its own images) that fall in that rank's share of the tokens, and puts what it gets
 into token order.
 
-All exchanges are ``torch.distributed.nn.functional.all_to_all_single`` (gradients flow back
-through the reverse exchange), on a group per degree that ``make_groups`` makes once.
+All exchanges are torch's functional ``all_to_all_single_autograd`` (gradients flow back
+through the reverse exchange; ``torch.distributed.nn.functional``'s, which did the same, is
+deprecated from torch 2.13, and the functional one is in every release supported, 2.10 on), on a
+group per degree that ``make_groups`` makes once.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from vlmshard.errors import ConfigError
 from vlmshard.model_sizes import sequence_parallel_refusal
@@ -67,8 +69,7 @@ class Exchange:
 
     def _swap(self, x: torch.Tensor) -> torch.Tensor:
         """Chunk i of dim 0 to rank i; the result's chunk i is rank i's chunk for this rank."""
-        x = x.contiguous()  # and so the output, which ``empty_like`` lays out as its input
-        return all_to_all_single(torch.empty_like(x), x, group=self.group)
+        return all_to_all_single_autograd(x.contiguous(), None, None, self.group)
 
     def heads_to_sequence(self, query: torch.Tensor, key: torch.Tensor,
                           value: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -97,10 +98,9 @@ class Exchange:
         the share's image tokens, each rank sending each other rank only the rows its share
         takes (``media_plan``)."""
         moved = own.movedim(dim, 0)
-        received = all_to_all_single(
-            moved.new_empty((sum(plan.receive), *moved.shape[1:])),
-            moved.index_select(0, plan.send_rows.to(own.device)).contiguous(),
-            output_split_sizes=plan.receive, input_split_sizes=plan.send, group=self.group)
+        received = all_to_all_single_autograd(
+            moved.index_select(0, plan.send_rows.to(own.device)).contiguous(), plan.receive,
+            plan.send, self.group)
         return received.index_select(0, plan.order.to(own.device)).movedim(0, dim)
 
     def media_plan(self) -> "MediaPlan":

@@ -18,11 +18,11 @@ layers each stage held, so the run can be replayed by the simulator.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import IO, TYPE_CHECKING, ContextManager, Iterator
@@ -31,10 +31,11 @@ import vlmshard.io
 from vlmshard.errors import ConfigError, InputError
 from vlmshard.io import write_json_atomic
 from vlmshard.model_sizes import ModelConfig, training_flops
-from vlmshard.process import skip_collection_at_exit
+from vlmshard.process import set_up_logging, skip_collection_at_exit
 from vlmshard.run_log import PIPELINE_NAME
 
 from .config import TrainConfig
+from .deepspeed_compat import route_logging
 from .default_partition import ChosenPartition, Device, choose_partition
 from .distributed import (
     SideGroups,
@@ -313,13 +314,18 @@ def run(cfg: TrainConfig) -> None:
 
 def main() -> None:
     """Entry point under the DeepSpeed launcher: ``python -m vlmshard.train.trainer
-    [--local_rank=N] CONFIG_JSON`` (the launcher adds ``--local_rank``; the rank comes from the
-    environment)."""
+    [--local_rank=N] [--log-level=LEVEL] CONFIG_JSON`` (the launcher adds ``--local_rank``; the
+    rank comes from the environment; the level is the launching command's, ``-q``'s
+    ``WARNING`` among them)."""
     skip_collection_at_exit()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
-                                                    "%(message)s")
-    config_path = [a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]
-    with open(config_path, encoding="utf-8") as f:
+    parser = argparse.ArgumentParser(prog="vlmshard.train.trainer")
+    parser.add_argument("--local_rank", type=int)
+    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("config")
+    args = parser.parse_args()
+    set_up_logging(args.log_level)
+    route_logging()
+    with open(args.config, encoding="utf-8") as f:
         run(TrainConfig(**json.load(f)))
 
 

@@ -12,7 +12,7 @@ import sys
 from importlib import import_module
 
 from vlmshard import __version__
-from vlmshard.process import skip_collection_at_exit
+from vlmshard.process import set_up_logging, skip_collection_at_exit
 from vlmshard.stage import add_global_options
 
 # name: (module, one-line help). Each module has DESCRIPTION, add_arguments(parser) and
@@ -73,11 +73,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     skip_collection_at_exit()
     args = parse(sys.argv[1:] if argv is None else argv)
-    level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    set_up_logging(logging.DEBUG if args.verbose else logging.WARNING if args.quiet
+                   else logging.INFO)
     func = args.func
-    for key in ("verbose", "quiet", "command", "func", "parser", "config_cls"):
+    # ``quiet`` stays: the runner prints a stage's one line under it (``stage.run_command``)
+    for key in ("verbose", "command", "func", "parser", "config_cls"):
         delattr(args, key)
     return func(args)
 

@@ -13,11 +13,13 @@ import json
 import logging
 import multiprocessing as mp
 import pickle
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Protocol, Sequence, get_args
 
 from .config import ConfigError, option
 from .io import available_cpus
+from .process import adopt_logger
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,13 @@ def _run_local(worker_cls: type[Worker], spec: Any, units: Sequence[Any],
         yield from pool.imap_unordered(_process_in_pool, units)
 
 
+def _not_token_default(record: logging.LogRecord) -> bool:
+    """Not Ray's warning, on every cluster it starts, that it chose its default (token
+    authentication): nothing to act on. Choosing it by name (``RAY_AUTH_MODE``) would have
+    to happen before ``import ray``, which reads it once."""
+    return not record.getMessage().startswith("Token authentication is enabled")
+
+
 class _RayActor:
     """Ray Data actor: builds the worker once, then processes the unit each row carries."""
 
@@ -109,14 +118,24 @@ def _run_ray(worker_cls: type[Worker], spec: Any, units: Sequence[Any], workers:
     """Run units as a Ray Data job (``address`` joins an existing cluster; None starts one).
 
     Workers write straight to the output folder, which must be on storage every node sees.
+    Ray's loggers go through this process's (``vlmshard.process.adopt_logger``), so ``-q``
+    quiets them.
     """
     import ray
+    import ray.data
 
     started_here = not ray.is_initialized()
     if started_here:
         kwargs = {"address": address} if address else {"num_cpus": workers}
+        logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+            _not_token_default)
         ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
                  **kwargs)
+    adopt_logger("ray")
+    adopt_logger("ray.data")
+    # Its one warning says that the progress bars are off, as turned off below: the units'
+    # progress is this process's own
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
     try:
         cpus = int(ray.cluster_resources().get("CPU", 1))
         concurrency = max(1, min(workers or cpus, cpus, len(units)))
@@ -128,8 +147,16 @@ def _run_ray(worker_cls: type[Worker], spec: Any, units: Sequence[Any], workers:
         # runs, not the whole list (whose parts hold row numbers and byte spans).
         ds = ray.data.from_items([{"unit": pickle.dumps(unit, pickle.HIGHEST_PROTOCOL)}
                                   for unit in units], override_num_blocks=len(units))
-        ds = ds.map(_RayActor, fn_constructor_args=(worker_cls, spec), num_cpus=1,
-                    compute=ray.data.ActorPoolStrategy(size=concurrency))
+        # No actor restarts: Ray Data hands each actor its arguments through the object store,
+        # from where Ray cannot restore them for a restarted actor (ray-project/ray#53727), and
+        # says so on stderr, past any logging, for every actor it starts with restarts allowed
+        # (ray#57733). A lost actor fails the job instead; a rerun resumes at its committed units.
+        with warnings.catch_warnings():
+            # Ray 2.60 deprecates remote arguments given to map, and names no other way to set
+            # this one
+            warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+            ds = ds.map(_RayActor, fn_constructor_args=(worker_cls, spec), num_cpus=1,
+                        compute=ray.data.ActorPoolStrategy(size=concurrency), max_restarts=0)
         for row in ds.iter_rows():
             yield json.loads(row["summary"])
     finally:

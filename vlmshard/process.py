@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import atexit
 import gc
+import logging
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def skip_collection_at_exit() -> None:
@@ -18,3 +21,33 @@ def skip_collection_at_exit() -> None:
     process, however often it is called."""
     atexit.unregister(gc.freeze)
     atexit.register(gc.freeze)
+
+
+def set_up_logging(level: int | str) -> None:
+    """Log records at ``level`` and above to stderr in one format, Python's warnings among
+    them (``-q``: warnings and errors only, in the command and in every process it starts,
+    which take :func:`log_level` from it). The level is set even where handlers exist already
+    (a test's capture), so the processes a command starts follow the command's flag."""
+    logging.basicConfig(format=LOG_FORMAT, datefmt="%H:%M:%S")
+    logging.getLogger().setLevel(level)
+    logging.captureWarnings(True)
+
+
+def log_level() -> str:
+    """This process's level by name (``WARNING`` under ``-q``), for the processes it starts."""
+    return logging.getLevelName(logging.getLogger().getEffectiveLevel())
+
+
+def adopt_logger(name: str) -> None:
+    """A library's logger that prints through a console handler of its own (DeepSpeed's, Ray
+    Data's), routed through this process's logging instead: its console handlers removed (a
+    file's stay), its records passed on in this process's format, at the library's own level or
+    this process's, whichever is higher. Call it once the library has set its logger
+    up (on import, or when it starts)."""
+    logger = logging.getLogger(name)
+    for handler in list(logger.handlers):
+        if isinstance(handler, logging.StreamHandler) and not isinstance(
+                handler, logging.FileHandler):
+            logger.removeHandler(handler)
+    logger.propagate = True
+    logger.setLevel(max(logger.getEffectiveLevel(), logging.getLogger().getEffectiveLevel()))

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 class Progress:
     """Counts units of work; draws a bar when stderr is a terminal, else logs every
-    ``interval`` s."""
+    ``interval`` s; neither where its logger leaves out INFO (``-q``)."""
 
     def __init__(self, total: int, desc: str, unit: str = "it", interval: float = 10.0,
                  logger: logging.Logger | None = None) -> None:
@@ -24,7 +24,7 @@ class Progress:
         self._start = time.monotonic()
         self._last_log = self._start
         self._bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True) \
-            if sys.stderr.isatty() else None
+            if sys.stderr.isatty() and self._log.isEnabledFor(logging.INFO) else None
 
     def update(self, n: int) -> None:
         self.done += n

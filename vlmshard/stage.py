@@ -3,10 +3,10 @@
 A stage's result says once how it reads and how it is stored, so its command, ``--json`` and
 ``vlmshard run`` cannot word it differently: ``summary()`` is one line (what ``vlmshard run``
 prints after the stage's name), ``text()`` what the stage's own command prints (the summary, or
-a table), ``to_json()`` what ``--json`` prints. :func:`run_command` is every subcommand's body:
-config in, stage called, result printed, and any :class:`~vlmshard.errors.VlmshardError` (or
-``OSError``: a missing file, a full disk) turned into one line on stderr and its exit status;
-any other exception is a bug and keeps its traceback.
+a table; under ``-q`` the summary alone), ``to_json()`` what ``--json`` prints.
+:func:`run_command` is every subcommand's body: config in, stage called, result printed, and any
+:class:`~vlmshard.errors.VlmshardError` (or ``OSError``: a missing file, a full disk) turned into
+one line on stderr and its exit status; any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def add_stage_arguments(parser: argparse.ArgumentParser, config_cls: type) -> No
 
 # Options every command takes, before its name or after it: (flags, help).
 GLOBAL_OPTIONS = ((("-v", "--verbose"), "debug logging"),
-                  (("-q", "--quiet"), "warnings and errors only"),
+                  (("-q", "--quiet"), "the result's one line, warnings and errors only"),
                   (("--debug",), "on an error, print its traceback and the chain of its causes "
                                  "too"))
 
@@ -100,10 +100,12 @@ def add_global_options(parser: argparse.ArgumentParser, default: Any = argparse.
 def run_command(command: str, config_cls: type[C], stage: Callable[[C], Result],
                 args: argparse.Namespace) -> int:
     """``vlmshard COMMAND``: load the config (``--config`` and flags), run the stage, print its
-    text or JSON; returns the exit status. Errors are one line, ``vlmshard COMMAND: error: ...``,
-    after their traceback and causes with ``--debug`` (``vlmshard --debug COMMAND``)."""
+    text (its summary with ``-q``) or JSON; returns the exit status. Errors are one line,
+    ``vlmshard COMMAND: error: ...``, after their traceback and causes with ``--debug``
+    (``vlmshard --debug COMMAND``)."""
     as_json = vars(args).pop("json", False)
     debug = vars(args).pop("debug", False)
+    quiet = vars(args).pop("quiet", False)
     try:
         result = stage(load_config(config_cls, args))
     except (VlmshardError, OSError) as e:
@@ -111,7 +113,8 @@ def run_command(command: str, config_cls: type[C], stage: Callable[[C], Result],
             traceback.print_exception(e, file=sys.stderr)
         print(f"vlmshard {command}: error: {one_line(e)}", file=sys.stderr, flush=True)
         return getattr(e, "exit_status", 1)
-    sys.stdout.write(canonical_json(result.to_json()) if as_json else result.text() + "\n")
+    text = result.summary() if quiet else result.text()
+    sys.stdout.write(canonical_json(result.to_json()) if as_json else text + "\n")
     return result.exit_status
 
 
