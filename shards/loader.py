@@ -156,6 +156,25 @@ class ShardDataset(IterableDataset):
             if extra is not None:
                 raise ShardError(f"{extra.where}: a record after the last step of rank {v}")
 
+    def record_metas(self) -> Iterator[dict]:
+        """What each of ``records()``' records holds (its json member: ``step``, ``samples``...),
+        folder by folder: read alone, without its images and tokens, where the shards can be
+        sought; else from the whole records (``step`` and ``samples`` only)."""
+        if not self.seekable:
+            yield from ({"step": r.step, "samples": r.samples} for r in self.records())
+            return
+        m = self.manifest
+        for v in self.folders:
+            for entry in m.rank_shards(v):
+                shard = SeekingShard(self.root, entry, m)
+                try:
+                    for index in range(entry.records):
+                        step = entry.first_step + index // m.micro_batches
+                        if step >= self.start_step and v in self.ranks_at(step):
+                            yield shard.meta(index)
+                finally:
+                    shard.close()
+
     def _virtual_rank_records(self, rank: int) -> Iterator[Record]:
         problem = self.manifest.coverage_problem(rank)
         if problem:

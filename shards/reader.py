@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import tarfile
 import zlib
 from typing import IO, Iterator
@@ -27,7 +28,7 @@ from webdataset.tariterators import group_by_keys, tar_file_iterator
 from vlmshard.errors import InputError
 
 from .layout import Manifest, ShardEntry, join, open_url, record_key
-from .records import Record, RecordError, decode_record
+from .records import JSON, Record, RecordError, decode_record
 
 _BLOCK = tarfile.BLOCKSIZE
 
@@ -191,6 +192,25 @@ class SeekingShard:
         except Exception as e:  # tarfile.ReadError on a mangled header
             raise ShardError(f"{url}: record {record_key(*want)} does not parse as tar "
                              f"members: {e}") from e
+
+    def meta(self, index: int) -> dict:
+        """The shard's ``index``-th record's json member alone (its samples and their sizes),
+        found through the members' tar headers: its images and tokens are passed over, not
+        read, nor checked (``read`` checks them)."""
+        want = _place(self.entry, self.manifest, index)
+        at, end = self.entry.offsets[index], self.entry.offsets[index + 1]
+        try:
+            while at < end:
+                self.file.seek(at)
+                member = tarfile.TarInfo.frombuf(self.file.read(_BLOCK), "utf-8",
+                                                 "surrogateescape")
+                if member.name.endswith("." + JSON):
+                    return json.loads(self.file.read(member.size))
+                at += _BLOCK + -(-member.size // _BLOCK) * _BLOCK
+        except Exception as e:  # the fsspec file's backend, a mangled header or json
+            raise ShardError(f"{self.url}: record {record_key(*want)}: cannot read its json "
+                             f"member: {e}") from e
+        raise ShardError(f"{self.url}: record {record_key(*want)} has no json member")
 
     def close(self) -> None:
         self.file.close()

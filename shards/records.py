@@ -69,8 +69,7 @@ class Record:
     @property
     def tiles(self) -> int:
         """The ViT units of its images and videos."""
-        return sum(sum(s["image_tiles"]) + sum(v["tiles"] for v in s.get("videos", ()))
-                   for s in self.samples)
+        return tiles_of(self.samples)
 
     def media_tiles(self) -> list[int]:
         """The planned ViT units of each image and video, in token order."""
@@ -85,6 +84,12 @@ class Record:
     @property
     def where(self) -> str:
         return f"{self.shard}: record {self.key}"
+
+
+def tiles_of(samples: list[dict]) -> int:
+    """The ViT units of the images and videos of a record's ``samples`` (its json member's)."""
+    return sum(sum(s["image_tiles"]) + sum(v["tiles"] for v in s.get("videos", ()))
+               for s in samples)
 
 
 def image_name(index: int, path: str, fmt: str) -> str:

@@ -202,8 +202,8 @@ def test_a_step_logs_the_spans_the_vit_attends_over(setup):
     """What a step logs of a micro-batch's ViT attention (``train_log.micro_batch_size``) is
     Σ len² over the spans the trainer's own ViT blocks attend within, and each block's FLOPs
     follow the spans it takes: each image on a full block, each window on Qwen2.5-VL's windowed
-    ones. A ViT attending within each tile logs none. The default partition's mean sizes, read
-    from the images' headers, are the loader's."""
+    ones. A ViT attending within each tile logs none. The default partition's mean sizes (a
+    Qwen ViT's read from the images' headers) are the mean of the loader's micro-batches."""
     _assert_logged_vit_sizes_are_the_trainers(*setup)
 
 
@@ -222,7 +222,7 @@ def test_a_video_logs_each_temporal_step_as_a_span(tmp_path):
 
 def _assert_logged_vit_sizes_are_the_trainers(folder: str, shards: str) -> list[dict]:
     """``test_a_step_logs_the_spans_the_vit_attends_over``'s checks; the loader's batches."""
-    from vlmshard.train.default_partition import SIZE_STEPS, shard_sizes
+    from vlmshard.train.default_partition import shard_sizes
     from vlmshard.train.train_log import micro_batch_size
 
     model = model_layers(folder)
@@ -230,12 +230,10 @@ def _assert_logged_vit_sizes_are_the_trainers(folder: str, shards: str) -> list[
     work = model.analytic_work()
     blocks = [i for i, n in enumerate(model.names) if n.startswith("vit_block_")]
     loaded = list(ShardDataset(shards, pixel_dtype=torch.float32))
-    dataset = ShardDataset(shards)
-    first = [micro_batch_size(b, sizes)
-             for b in loaded[:SIZE_STEPS * dataset.micro_batches_per_step]]
+    every = [micro_batch_size(b, sizes) for b in loaded]
     mean, _ = shard_sizes(shards, 1, sizes)
-    for key in ("tiles", "vit_squares", "vit_windows"):
-        assert getattr(mean, key) == pytest.approx(np.mean([m.get(key, 0) for m in first]))
+    for key in ("tiles", "tokens", "squares", "vit_squares", "vit_windows"):
+        assert getattr(mean, key) == pytest.approx(np.mean([m.get(key, 0) for m in every]))
     batches = [b for b in loaded if b["num_tiles"]]
     assert batches
     for batch in batches:

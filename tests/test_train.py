@@ -284,9 +284,7 @@ def test_without_a_partition_a_run_takes_the_search_over_analytic_costs(small_sh
     chosen = dp.choose_partition(cfg, model, None, 2)
     assert chosen.source.startswith("searched: the analytic FLOPs") and chosen.recompute == []
 
-    count = dp.SIZE_STEPS * manifest.ranks * manifest.micro_batches
-    sizes = [micro_batch_size(b, model.sizes())
-             for b in ShardDataset(small_shards, 0, 1)][:count]
+    sizes = [micro_batch_size(b, model.sizes()) for b in ShardDataset(small_shards, 0, 1)]
     mean = {k: np.mean([s[k] for s in sizes]) for k in ("tiles", "tokens", "squares")}
     work = {w.name: w for w in layer_work(model_sizes(read_json(
         os.path.join(model.path, "config.json")), model.path))}
@@ -331,6 +329,30 @@ def test_without_a_partition_a_run_takes_the_search_over_analytic_costs(small_sh
     with pytest.raises(ConfigError, match=r"ZeRO-3 holds 0\.9\d GiB beyond each weight's split "
                                           r"\(reduce_bucket 0\.93, .*\): it leaves nothing of 1 B"):
         dp.choose_partition(zero3, model, None, 2)
+
+
+def test_the_default_partition_is_sized_at_the_mean_of_every_micro_batch(tmp_path):
+    """The sizes the partition search costs layers at are the mean of every micro-batch the
+    shards hold (each record's json member read alone), not of their first steps: the mean of
+    the loader's own batches, on shards whose first four steps differ from the rest."""
+    from vlmshard.train.default_partition import shard_sizes
+    from vlmshard.train.train_log import micro_batch_size
+
+    folder = tiny_folder("internvl", str(tmp_path / "model"), max_patches=2)
+    rows = [ROWS[i % 2] for i in range(4)] + [  # four with images, eight texts of their own
+        {"conversations": [{"from": "human", "value": f"Count to {i}."},
+                           {"from": "gpt", "value": "one " * (8 + 12 * i)}]} for i in range(8)]
+    shards = make_shards(folder, tmp_path, rows=rows, algo="random", target_samples=1)
+    sizes = model_layers(folder).sizes()
+    batches = [micro_batch_size(b, sizes) for b in ShardDataset(shards)]
+    assert len(batches) > 8  # more steps than the four the search once read
+    mean, caps = shard_sizes(shards, 1, sizes)
+    for key in ("tiles", "tokens", "squares"):
+        every = np.mean([b[key] for b in batches])
+        assert getattr(mean, key) == pytest.approx(every)
+        assert every != pytest.approx(np.mean([b[key] for b in batches[:4]]))
+    manifest = read_json(os.path.join(shards, "manifest.json"))
+    assert (caps.tiles, caps.tokens) == (manifest["qv"], manifest["qt"])
 
 
 def _log(path) -> list[dict]:

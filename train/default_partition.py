@@ -4,8 +4,8 @@ to hold with them.
 With no ``--partition`` and no ``--bounds``, the exact min-max search of ``vlmshard.partition``
 over the model folder's analytic layer costs (``model_sizes.trainer_layer_work``: FLOPs for
 time; parameters, kept activations and transients for memory), at the micro-batch sizes the
-shards hold (the mean of their first steps for time, the caps for memory: every micro-batch
-must fit) and the memory of the rank's device, with the recompute each stage then needs.
+shards hold (their mean micro-batch for time, the caps for memory: every micro-batch must
+fit) and the memory of the rank's device, with the recompute each stage then needs.
 ``vlmshard train profile`` measures the layers instead; its partition.json (``--partition``)
 wins over the search. Whatever the source, each stage's predicted peak is the same analytic
 model's at the caps, by part (``vlmshard.partition.stage_memory_parts``), for pipeline.json.
@@ -24,7 +24,6 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, field, replace
-from itertools import islice
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -59,7 +58,6 @@ log = logging.getLogger(__name__)
 # stages through gloo on one host; the search needs them only to weigh compute against sends.
 CPU_FLOPS_PER_S = 1e11
 CPU_LINK_BYTES_PER_S = 5e9
-SIZE_STEPS = 4  # steps of records whose sizes stand for the run's micro-batches
 
 
 @dataclass(frozen=True)
@@ -106,27 +104,32 @@ class ChosenPartition:
 
 def shard_sizes(shards: str, dp: int, model: ModelConfig) -> tuple[Size, Size]:
     """The mean sizes (tiles, tokens, Σ seq_len², and a Qwen ViT's squared spans:
-    ``model_sizes.vit_attention_size``) of what a rank of ``dp`` trains per micro-batch in the
-    shards' first steps, and the largest micro-batch a rank holds (the caps; in a
+    ``model_sizes.vit_attention_size``) of what a rank of ``dp`` trains per micro-batch, over
+    every micro-batch of the shards, and the largest micro-batch a rank holds (the caps; in a
     sequence-parallel group, 1/sp of its tokens and attention heads, and the tiles the plan
-    bounds each rank's media to, ``rank_qv``); read without decoding an image (the patch grids
-    from the images' headers)."""
+    bounds each rank's media to, ``rank_qv``). Each record's json member holds its sizes, read
+    alone; a Qwen ViT's attention needs each image's patch grid, which only the image's header
+    holds: for those models every record is read whole (its images read to their headers, not
+    decoded)."""
     from vlmshard.shards.layout import read_manifest
     from vlmshard.shards.loader import ShardDataset
-    from vlmshard.shards.records import decoded_images
+    from vlmshard.shards.records import decoded_images, tiles_of
 
     # every rank's records of plain shards; a grouped plan's as one rank of dp reads them
     dataset = ShardDataset(shards, 0, dp if read_manifest(shards).step_groups else 1)
     m = dataset.manifest
-    records = islice(dataset.records(), SIZE_STEPS * dataset.micro_batches_per_step)
+    if model.vision.fused_qkv:
+        records = ((r.step, r.samples, [im.grid for im in decoded_images(
+            r, dataset.policies, rgb=False, own=set())]) for r in dataset.records())
+    else:
+        records = ((meta["step"], meta["samples"], []) for meta in dataset.record_metas())
     sizes = []
-    for r in records:
-        grids = ([im.grid for im in decoded_images(r, dataset.policies, rgb=False, own=set())]
-                 if model.vision.fused_qkv else [])
+    for step, samples, grids in records:
         vit = vit_attention_size(model.vision, grids)
-        sizes.append(np.array((r.tiles, len(r.input_ids), sum(n * n for n in r.seq_lens),
+        lengths = [s["seq_len"] for s in samples]
+        sizes.append(np.array((tiles_of(samples), sum(lengths), sum(n * n for n in lengths),
                                vit.vit_squares, vit.vit_windows), dtype=float)
-                     / m.step_group(r.step)["sp"])
+                     / m.step_group(step)["sp"])
     groups = m.groups or [m.step_group(0)]
     caps = Size(max(g["rank_qv"] for g in groups), max(g["length"] / g["sp"] for g in groups))
     # memory has no squared term: no attention backend keeps an [n x n] score matrix
