@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -42,15 +43,40 @@ def test_the_qwen3_vl_config_runs_every_stage(tmp_path, capsys):
     assert len(log) == 2 and all(r["loss"] > 0 for r in log)
 
 
+# Decimals the README's demo lines hold as the run prints them: to 0.1% (the loss's last digit
+# may move with the CPUs' threads); times and measured waiting are left out, they vary
+_DECIMAL = re.compile(r"\d+\.\d+")
+_VARYING = (re.compile(r"^(\[\d/\d\] \S+)\s+[\d.]+s"), re.compile(r"measured \d\.\d+"))
+
+
+def _figures(line: str) -> tuple[str, list[float]]:
+    """A stage's line as the README's demo block quotes it: its words (times and measured
+    waiting left out, decimals marked) and its decimals."""
+    for varying in _VARYING:
+        line = varying.sub(lambda m: m.group(1) if m.groups() else "measured", line)
+    return _DECIMAL.sub("#", line), [float(d) for d in _DECIMAL.findall(line)]
+
+
+def _readme_demo_lines() -> list[str]:
+    """The stage lines README.md shows for ``make demo``."""
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f if re.match(r"\[\d/8\] ", line)]
+
+
 @pytest.mark.slow(minutes=3)
 def test_demo_config_runs_every_stage_and_reruns_to_the_same_bytes(tmp_path, capsys):
-    """The first run as ``make demo`` runs it, a process of its own; the reruns in this one,
-    their verify a quick one (the first decoded every image of the same bytes)."""
+    """The first run as ``make demo`` runs it, a process of its own, printing the lines
+    README.md shows (but their times and measured waiting); the reruns in this one, their
+    verify a quick one (the first decoded every image of the same bytes)."""
     out = tmp_path / "demo"
-    train = {"pp": 2, "dp": 1, "max_steps": 2}
-    stdout = vlmshard("run", "--config", _config(tmp_path, out, train=train)).stdout
+    stdout = vlmshard("run", "--config", _config(tmp_path, out)).stdout
     # One line per stage and a last one, nothing else: DeepSpeed's output goes to launcher.log.
     lines = stdout.splitlines()[:-1]
+    readme = _readme_demo_lines()
+    assert len(readme) == len(lines) == 8
+    for quoted, printed in zip(readme, lines):
+        words, decimals = _figures(printed.replace(str(out), "build/demo"))
+        assert _figures(quoted) == (words, pytest.approx(decimals, rel=1e-3)), printed
     assert [line.split()[1] for line in lines] == ["demo-data", "demo-model", "preprocess",
                                                    "pack", "write", "verify", "train", "report"]
     assert [line.split()[0] for line in lines] == [f"[{i}/8]" for i in range(1, 9)]
@@ -59,7 +85,7 @@ def test_demo_config_runs_every_stage_and_reruns_to_the_same_bytes(tmp_path, cap
     report = read_json(out / "report.json")
     plan = read_json(out / "plan" / "plan.json")
     assert report["plans"][0]["metrics"]["cost_efficiency"] == plan["metrics"]["cost_efficiency"]
-    assert report["train_log"]["steps"] == 1  # the warm-up step is left out
+    assert report["train_log"]["steps"] == 3  # the warm-up step is left out
     # The report's line states the run's measured bubble and waiting next to the replay's.
     comparison = report["train_log"]
     assert (f"pipeline bubble measured {comparison['bubble']['measured']:.3f} (predicted "
