@@ -13,6 +13,7 @@ import pytest
 import torch
 from hf_reference import FAMILIES, make_folder
 
+from vlmshard.errors import ConfigError
 from vlmshard.families import model_sizes, presets, tiny_folder
 from vlmshard.io import read_json
 from vlmshard.model_sizes import (
@@ -181,6 +182,18 @@ def test_an_explicit_head_dim_is_counted():
     work = {w.name: w.params for w in layer_work(ModelConfig(llm=llm))}
     assert work["llm_block_0"] == real
     assert real == pytest.approx(15.73e6, rel=1e-3)
+
+
+def test_every_projector_a_config_names_has_its_builder():
+    """A config names its projector by kind (``PROJECTOR_KINDS``, which ``validate`` checks),
+    and the cost model has a builder for each of those kinds and no other (``PROJECTORS``)."""
+    from vlmshard.model_sizes import PROJECTOR_KINDS, PROJECTORS
+
+    assert tuple(PROJECTORS) == PROJECTOR_KINDS
+    for kind in PROJECTOR_KINDS:
+        ModelConfig(projector=kind).validate()
+    with pytest.raises(ConfigError, match="projector 'conv' is none of mlp, merger, pool"):
+        ModelConfig(projector="conv").validate()
 
 
 def _qwen3_vl_8b_config():

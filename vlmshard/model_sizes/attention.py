@@ -1,0 +1,47 @@
+"""An LLM layer's attention, full or within a sliding window (Gemma 3's local layers): its token
+mixer. Packed samples attend only within themselves, so its quadratic FLOPs follow Σseq_len²
+(``Size.squares``) or, sliding, the pairs within the window (``Size.windowed``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .configs import LLMConfig
+from .memory import ACTIVATION_BYTES, FP32, Saves, normalized_kept, pre_norm_kept, rms_norm_kept
+from .work import Mixer, Size
+
+
+def attention(t: LLMConfig, saves: Saves) -> Mixer:
+    """Causal attention: q (doubled when gated), k, v, o; the scores 2·s²·heads·head_dim per
+    sample. Keeps the pre-norm, the q/k norms, the rotary tables, the kernel's q, k, v
+    (``Saves.kv_repeated``: k and v as wide as q), output and log-sum-exp, o's input (and,
+    gated, the gate's sigmoid and the ungated output)."""
+    a, head_dim = ACTIVATION_BYTES, t.head_size
+    q, kv = t.heads * head_dim, t.kv_heads * head_dim
+    offset, fused = t.offset_norms, saves.liger_llm
+    linear = (2 + t.attention_gate) * t.hidden * q + 2 * t.hidden * kv
+    qk_norms = (rms_norm_kept(q, t.heads, offset, fused)
+                + rms_norm_kept(kv, t.kv_heads, offset, fused) if t.qk_norm else 0)
+    return Mixer(
+        params=linear + (2 * head_dim if t.qk_norm else 0) + (q + 2 * kv) * t.qkv_bias,
+        flops=Size(tokens=2 * linear, squares=2 * q),
+        kept=(pre_norm_kept(t.hidden, offset, fused) + qk_norms + 2 * a * head_dim
+              + a * (2 * q + 2 * (q if saves.kv_repeated else kv)) + FP32 * t.heads
+              + a * q * (1 + 2 * t.attention_gate)),
+        # the kernel's fp32 dq accumulator and softmax rows, dq, dk, dv; the q/k norms' fp32
+        # gradients
+        transient=(FP32 * (q + t.heads) + a * (q + 2 * kv) + 2 * FP32 * (q + kv) * t.qk_norm),
+        # q (with its gate), k, v; the kernel's output and log-sum-exp; o
+        selective=a * ((1 + t.attention_gate) * q + 2 * kv + q + t.hidden) + FP32 * t.heads,
+        # the projections' input; the q/k norms' normalized values; gated, o's input (the
+        # gated output: ungated, o reads the kernel's output, which attention keeps anyway)
+        weight_only=(a * t.hidden + (normalized_kept(q, offset, fused)
+                                     + normalized_kept(kv, offset, fused)) * t.qk_norm
+                     + a * q * t.attention_gate))
+
+
+def sliding_attention(t: LLMConfig, saves: Saves) -> Mixer:
+    """Attention within a sliding window: ``attention``, its quadratic term counting only the
+    pairs within the window."""
+    full = attention(t, saves)
+    return replace(full, flops=Size(tokens=full.flops.tokens, windowed=full.flops.squares))

@@ -1,0 +1,47 @@
+"""The LLM's last pipeline layer: the final norm, the LM head and the loss, whose logits exist
+only for supervised tokens, ``LOSS_CHUNK`` rows at a time, recomputed in backward
+(``vlmshard.train``'s ``lm_loss``)."""
+
+from __future__ import annotations
+
+from .configs import LLMConfig
+from .embedding import tied_table_params
+from .memory import ACTIVATION_BYTES, FP32, INT64, Saves, rms_norm_backward, rms_norm_kept
+from .work import LayerWork, Size
+
+# What the loss keeps per supervised token beyond its hidden state: the row's int64 index
+# (``nonzero_static``) and its int64 target
+SUPERVISED_ROW_BYTES = 2 * INT64
+# What the loss's backward holds per row of a chunk and per vocabulary entry: the fp32
+# log-softmax, the gradient into and out of it, the bf16 logits' gradient (a bound held at or
+# above torch's memory tracker by tests/test_model.py)
+LOSS_ROW_BYTES_PER_CLASS = 3 * FP32 + ACTIVATION_BYTES
+
+
+def final_norm(t: LLMConfig, saves: Saves) -> LayerWork:
+    """The final norm: its output, that output's gradient and the input's, and the fp32
+    gradients of its backward."""
+    normalized = 0 if saves.liger_llm else (FP32 if t.offset_norms else ACTIVATION_BYTES)
+    return LayerWork("final_norm", t.hidden, Size(),
+                     Size(tokens=rms_norm_kept(t.hidden, offset=t.offset_norms,
+                                               fused=saves.liger_llm)),
+                     Size(tokens=ACTIVATION_BYTES * t.hidden),
+                     transient_bytes=Size(tokens=3 * ACTIVATION_BYTES * t.hidden
+                                          + rms_norm_backward(t.hidden)),
+                     weight_only_bytes=Size(tokens=normalized * t.hidden))
+
+
+def head(t: LLMConfig, saves: Saves) -> LayerWork:
+    """The final norm and the LM head with its loss. Keeps per supervised token (here: every
+    token, the most there can be) its hidden state, its target and index; holds the final
+    norm's backward, and per row of a loss chunk ``LOSS_ROW_BYTES_PER_CLASS`` per class."""
+    norm = final_norm(t, saves)
+    return LayerWork(
+        "head", t.hidden * t.vocab_size + t.hidden,
+        flops=Size(tokens=2 * t.hidden * t.vocab_size),
+        activation_bytes=Size(tokens=ACTIVATION_BYTES * t.hidden + SUPERVISED_ROW_BYTES
+                              + norm.activation_bytes.tokens),
+        output_bytes=Size(),
+        transient_bytes=norm.transient_bytes,
+        chunk_row_bytes=LOSS_ROW_BYTES_PER_CLASS * t.vocab_size,
+        tied_params=tied_table_params(t))

@@ -1,0 +1,75 @@
+"""The projector between the ViT and the LLM, by kind (``PROJECTORS``), and the pipeline layer
+holding it with the token embedding (``projector_merge``): the image tokens' features are
+merged into the embedded text there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .configs import ModelConfig
+from .embedding import token_embedding
+from .memory import ACTIVATION_BYTES, layer_norm_kept, rms_norm_backward, rms_norm_kept
+from .vit import vit_norm_kept, vit_norm_params
+from .work import LayerWork, Size
+
+
+@dataclass(frozen=True)
+class ProjectorWork:
+    """A projector per tile: its matrices' multiply-adds per image token, its parameters, and
+    the bytes it keeps for backward."""
+
+    linear: float
+    params: float
+    kept: float
+
+
+def mlp_projector(c: ModelConfig) -> ProjectorWork:
+    """A LayerNorm of the shuffled width, width -> hidden -> hidden (InternVL's ``mlp1``)."""
+    width, hidden, a = c.shuffled_width, c.llm.hidden, ACTIVATION_BYTES
+    linear = width * hidden + hidden ** 2
+    return ProjectorWork(linear, linear + 2 * width + 2 * hidden,
+                         c.tokens_per_tile * (layer_norm_kept(width) + a * width + 2 * a * hidden))
+
+
+def merger_projector(c: ModelConfig) -> ProjectorWork:
+    """A norm of each patch, width -> width -> hidden (Qwen's PatchMerger; a DeepStack merger
+    norms the width instead)."""
+    v, width, a = c.vision, c.shuffled_width, ACTIVATION_BYTES
+    linear = width * width + width * c.llm.hidden
+    return ProjectorWork(linear, linear + vit_norm_params(v) * v.hidden + width + c.llm.hidden,
+                         c.patches_per_tile * vit_norm_kept(v) + c.tokens_per_tile * 3 * a * width)
+
+
+def pool_projector(c: ModelConfig) -> ProjectorWork:
+    """The ViT's final norm, an average over each token's patches, an RMSNorm and one matrix
+    Hv -> hidden (Gemma 3's projector)."""
+    v, a = c.vision, ACTIVATION_BYTES
+    linear = v.hidden * c.llm.hidden
+    return ProjectorWork(linear, linear + 2 * v.hidden + v.hidden,
+                         c.patches_per_tile * (layer_norm_kept(v.hidden) + a * v.hidden)
+                         + c.tokens_per_tile * (rms_norm_kept(v.hidden, offset=True)
+                                                + a * v.hidden))
+
+
+# the builder of each projector kind a ``ModelConfig`` names (``PROJECTOR_KINDS``)
+PROJECTORS = {"mlp": mlp_projector, "merger": merger_projector, "pool": pool_projector}
+
+
+def projector_merge(config: ModelConfig) -> LayerWork:
+    """The projector of each tile and the token embedding: the image tokens' features written
+    into the embedded text. Its backward holds per patch three rows of the ViT's width (and an
+    RMSNorm's fp32 gradients), per image token three of the shuffled width and two of the
+    LLM's hidden, and the lookup's fp32 table gradient."""
+    v, t, a = config.vision, config.llm, ACTIVATION_BYTES
+    patches, tokens, width = config.patches_per_tile, config.tokens_per_tile, config.shuffled_width
+    projector, lookup = PROJECTORS[config.projector](config), token_embedding(t, tokens)
+    return LayerWork(
+        "projector_merge", projector.params + lookup.params,
+        flops=Size(tiles=2 * tokens * projector.linear),
+        activation_bytes=Size(tiles=projector.kept + lookup.activation_bytes.tiles,
+                              tokens=lookup.activation_bytes.tokens),
+        output_bytes=Size(tokens=a * t.hidden),
+        transient_bytes=Size(tiles=patches * (3 * a * v.hidden + rms_norm_backward(v.hidden)
+                                              * v.rms_norm)
+                             + tokens * (3 * a * width + 2 * a * t.hidden)),
+        fixed_transient_bytes=lookup.fixed_transient_bytes, tied_params=lookup.tied_params)
