@@ -100,6 +100,40 @@ def test_a_json_file_that_does_not_parse_is_one_line_naming_where(tmp_path):
             "Expecting ',' delimiter: line 2 column 38") in str(e.value)
 
 
+def test_quiet_prints_a_stages_one_line_not_its_table(capsys, demo_out, tmp_path):
+    """``-q``: the stage's one line (the one ``vlmshard run`` prints for it), not the table its
+    command prints otherwise; without it, the table and the same line's figures."""
+    plan = tmp_path / "plan"
+    assert main(["-q", "pack", "--stats", str(demo_out), "--dp", "2", "--out", str(plan)]) == 0
+    quiet = capsys.readouterr().out
+    assert main(["pack", "--stats", str(demo_out), "--dp", "2", "--out", str(plan)]) == 0
+    table = capsys.readouterr().out
+    steps = json.loads((plan / "plan.json").read_text())["metrics"]["steps"]
+    assert quiet.count("\n") == 1 and quiet.endswith(f"-> {plan}\n") and f" {steps} steps" in quiet
+    assert "step_efficiency" in table and "step_efficiency" not in quiet
+
+
+def test_quiet_leaves_out_deepspeeds_cpu_notice_and_hugging_faces_bars():
+    """A process logging at ``-q``'s level imports DeepSpeed without its warning that it found no
+    GPU (a ``vlmshard run``'s model stage imports it), and Hugging Face's libraries, imported
+    after, draw no progress bars."""
+    import os
+    import subprocess
+    import sys
+
+    from vlmshard.process import QUIET_PROGRESS
+
+    code = ("import os\n"
+            "from vlmshard.process import QUIET_PROGRESS, set_up_logging\n"
+            "set_up_logging('WARNING')\n"
+            "import deepspeed\n"
+            "print(*(os.environ[name] for name in QUIET_PROGRESS))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", *QUIET_PROGRESS)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, env=env)
+    assert (proc.stdout, proc.stderr) == ("1 1\n", "")
+
+
 def test_the_command_line_exits_without_collecting_what_is_alive():
     """``vlmshard`` freezes the objects alive at its exit (``vlmshard.process``), once however
     often ``main`` runs: an exit handler registered before the command, so called after its

@@ -6,8 +6,12 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import os
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# Read by Hugging Face's libraries when imported: their progress bars (writing a model folder, a
+# dataset's parquet) are left out where INFO is
+QUIET_PROGRESS = ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS")
 
 
 def skip_collection_at_exit() -> None:
@@ -31,6 +35,17 @@ def set_up_logging(level: int | str) -> None:
     logging.basicConfig(format=LOG_FORMAT, datefmt="%H:%M:%S")
     logging.getLogger().setLevel(level)
     logging.captureWarnings(True)
+    # kept by DeepSpeed's logger when it sets itself up on import, which warns then
+    logging.getLogger("DeepSpeed").addFilter(_not_cpu_fallback)
+    if not logging.getLogger().isEnabledFor(logging.INFO):
+        for name in QUIET_PROGRESS:
+            os.environ.setdefault(name, "1")
+
+
+def _not_cpu_fallback(record: logging.LogRecord) -> bool:
+    """Not DeepSpeed's warning, on import where it finds no GPU, that it takes the CPU: a
+    process without one trains on it (the launcher names it for the ranks, DS_ACCELERATOR)."""
+    return not record.getMessage().startswith("Setting accelerator to CPU")
 
 
 def log_level() -> str:
