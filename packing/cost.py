@@ -161,7 +161,5 @@ def _model_sizes(name: str, presets: dict):
                           f"({', '.join(sorted(presets))}) nor a model folder with a config.json")
     try:
         return model_sizes(read_json(config), name)
-    except InputError:
-        raise
     except ValueError as e:  # sizes this model's config.json does not allow
         raise InputError(f"{config}: {e}") from e

@@ -79,7 +79,7 @@ def read_image_header(path: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
         raise Reject("missing_image", f"image not found: {path}") from e
     except RemoteReadError as e:
         raise Reject("unreachable_image", str(e)) from e
-    except Exception as e:  # OSError locally; each fsspec backend raises its own kinds
+    except OSError as e:  # a folder, a FIFO, a forbidden file or object
         raise Reject("missing_image", f"cannot open image {path}: {e}") from e
     with opener as f:
         return _inspect(f, path, max_pixels)

@@ -93,7 +93,7 @@ def record_index(path: str) -> tuple[list[int], list[int], str, int]:
 def _open(url: str) -> IO[bytes]:
     try:
         return open_url(url)
-    except Exception as e:
+    except Exception as e:  # fsspec's backends and webdataset's gopen raise their own kinds
         raise ShardError(f"{url}: cannot open shard: {e}") from e
 
 
@@ -131,20 +131,26 @@ def iter_shard(root: str, entry: ShardEntry, manifest: Manifest, *,
     reader = ByteLedger(raw, entry.offsets)
     expected = (_place(entry, manifest, i) for i in range(entry.records))
     count, last = 0, "(none)"
+    samples = group_by_keys({**f, "__url__": url} for f in tar_file_iterator(reader))
+
+    def read_tar(step):
+        """``step()``, a read of the tar: what webdataset's iterator and the file raise
+        (tarfile.ReadError, EOFError, OSError, a pipe's exit status) says it is cut or
+        corrupt."""
+        try:
+            return step()
+        except Exception as e:  # webdataset's tar iteration, the file or pipe under it
+            raise ShardError(f"{url}: truncated or corrupt tar after {count} record(s) "
+                             f"(last good record {last}): {e}") from e
+
     try:
-        files = ({**f, "__url__": url} for f in tar_file_iterator(reader))
-        for sample in group_by_keys(files):
+        while (sample := read_tar(lambda: next(samples, None))) is not None:
             record = decode_record(sample, url)
             _check_place(url, record, next(expected, None), entry.rank)
             count += 1
             last = record.key
             yield record
-        reader.drain()
-    except (ShardError, RecordError):
-        raise
-    except Exception as e:  # tarfile.ReadError, EOFError, a pipe's exit status, ...
-        raise ShardError(f"{url}: truncated or corrupt tar after {count} record(s) "
-                         f"(last good record {last}): {e}") from e
+        read_tar(reader.drain)
     finally:
         raw.close()
     if count != entry.records:
@@ -177,7 +183,7 @@ class SeekingShard:
         try:
             self.file.seek(start)
             data = self.file.read(end - start)
-        except Exception as e:
+        except Exception as e:  # the fsspec file's backend raises its own kinds
             raise ShardError(f"{url}: cannot read record {record_key(*want)}: {e}") from e
         if len(data) != end - start:
             raise ShardError(f"{url}: record {record_key(*want)}: {len(data)} of its "

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vlmshard.errors import InputError
 from vlmshard.io import available_cpus, sha256_file
 from vlmshard.progress import Progress
 from vlmshard.stage import Result
@@ -92,7 +93,7 @@ def verify_shards(root: str, plan: str | None = None, quick: bool = False,
     result = VerifyResult(root=root, ok=False, quick=quick, plan=plan)
     try:
         manifest = read_manifest(root)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, InputError) as e:
         result.problems.append(str(e))
         return result
     result.ranks, result.steps, result.shards = manifest.ranks, manifest.steps, len(manifest.shards)

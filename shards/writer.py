@@ -508,7 +508,7 @@ def _png(image) -> bytes:
 def _file_bytes(row: dict, path: str) -> bytes:
     try:
         return read_bytes(path)
-    except Exception as e:  # OSError locally; fsspec and aiohttp raise their own kinds
+    except OSError as e:  # read_bytes' RemoteReadError is one too
         raise WriteError(f"{sample_where(row)}: file vanished since preprocessing: {path} ({e}); "
                          "restore it, or preprocess and pack again") from e
 
@@ -523,13 +523,13 @@ def _read_image(row: dict, path: str, size: dict, data: bytes | None) -> tuple[b
                          "source changed since packing: preprocess and pack again")
     try:
         data = read_bytes(path) if data is None else data
-    except Exception as e:  # OSError locally; fsspec and aiohttp raise their own kinds
+    except OSError as e:  # read_bytes' RemoteReadError is one too
         raise WriteError(f"{sample_where(row)}: image vanished since preprocessing: {path} ({e}); "
                          "restore it, or preprocess and pack again") from e
     try:
         with Image.open(io.BytesIO(data)) as im:
             (w, h), fmt = im.size, im.format or ""
-    except Exception as e:
+    except Exception as e:  # Pillow: UnidentifiedImageError, OSError, ValueError, SyntaxError...
         raise WriteError(f"{sample_where(row)}: image {path} no longer parses: {e}") from e
     if (w, h) != (size["w"], size["h"]):
         raise WriteError(f"{sample_where(row)}: image {path} is {w}x{h} now but was "

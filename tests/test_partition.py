@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vlmshard.errors import ConfigError
 from vlmshard.partition import (
     LayerCost,
     Machine,
@@ -252,5 +253,5 @@ def test_a_devices_budget_leaves_out_context_nccl_and_fragmentation():
     """The one rule the profile and the simulator share: 80 GiB less 768 MiB of CUDA context and
     512 MiB of NCCL buffers, 90% of the rest."""
     assert Machine.for_device(80 * 2**30).memory_budget == int((80 - 1.25) * 2**30 * 0.9)
-    with pytest.raises(ValueError, match="leaves nothing"):
+    with pytest.raises(ConfigError, match="leaves nothing"):
         Machine.for_device(2**30)

@@ -11,6 +11,7 @@ import os
 import numpy as np
 import pytest
 
+from vlmshard.errors import InputError
 from vlmshard.families import presets
 from vlmshard.model_sizes import (
     NO_LAYER_WORK,
@@ -139,9 +140,9 @@ def test_analytic_layers_map_onto_the_trainers_layers(family, tmp_path):
             windowed = full is not None and int(name.rsplit("_", 1)[1]) not in full
             assert rates.forward[i, 3:].tolist() == ([0, per_square] if windowed
                                                      else [per_square, 0]), name
-    with pytest.raises(ValueError, match="'mystery' has no counterpart"):
+    with pytest.raises(InputError, match="'mystery' has no counterpart"):
         analytic_rates(names + ["mystery"], model)
-    with pytest.raises(ValueError, match="do not cover"):
+    with pytest.raises(InputError, match="do not cover"):
         analytic_rates([n for n in names if n != "head"], model)
 
 
@@ -193,5 +194,5 @@ def test_a_run_with_its_pipeline_json_replays_with_a_profile(tmp_path):
     stages = [(0, names[:5], [], []), (1, names[5:-1] + ["lm_head"], [], [])]
     (run / PIPELINE_NAME).write_text(json.dumps(pipeline_record(presets()["tiny"].to_dict(),
                                                                 stages)))
-    with pytest.raises(ValueError, match="profiles other layers"):
+    with pytest.raises(InputError, match="profiles other layers"):
         replay_run(str(run / "train_log.jsonl"), recorded)

@@ -23,6 +23,7 @@ from PIL import Image
 
 import image_references as ref
 from helpers import REPO, kill_9_when, serve_http, tree_bytes, vlmshard
+from vlmshard.errors import ConfigError
 from vlmshard.packing.config import PackConfig
 from vlmshard.packing.plan import run_pack
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
@@ -271,7 +272,7 @@ def test_world_sizes_dividing_the_virtual_ranks_merge_step_by_step(shards):
             ds = ShardDataset(shards, rank, world)
             assert ds.micro_batches_per_step == MICRO * len(vranks)
             assert _summary(ds.records()) == expected
-    with pytest.raises(ValueError, match=r"world size 3 does not divide it \(use one of "
+    with pytest.raises(ConfigError, match=r"world size 3 does not divide it \(use one of "
                                          r"\[1, 2, 4\]"):
         ShardDataset(shards, 0, 3)
 
@@ -449,3 +450,38 @@ def test_verify_names_a_plan_that_differs(shards, demo_out, tmp_path):
     other = _pack(demo_out, tmp_path / "other", seed=1)
     proc = vlmshard("verify", shards, "--plan", other, check=False)
     assert proc.returncode == 1 and "not the plan these shards were written from" in proc.stdout
+
+
+class InjectedBug(Exception):
+    """What a bug in our own code raises: no handler of a data error may take it."""
+
+
+def _raise_bug(*args, **kwargs):
+    raise InjectedBug("a bug in our own code")
+
+
+def test_a_bug_in_our_own_code_stops_the_job_and_is_never_a_data_error(
+        demo_out, plan, shards, tmp_path, monkeypatch):
+    """A bug (an exception from our own function) in the record decoder, in the writer's image
+    read and in preprocess's image read stops the job with that exception, rather than read as
+    a truncated tar, a vanished image or a missing_image reject."""
+    import vlmshard.preprocess.images
+    import vlmshard.shards.reader
+    import vlmshard.shards.writer
+
+    monkeypatch.setattr(vlmshard.shards.reader, "decode_record", _raise_bug)
+    with pytest.raises(InjectedBug):
+        next(iter(ShardDataset(shards, 0, 1).records()))
+
+    monkeypatch.setattr(vlmshard.shards.writer, "read_bytes", _raise_bug)
+    with pytest.raises(InjectedBug):
+        _write(plan, demo_out, tmp_path / "shards")
+
+    photo = tmp_path / "cat.png"
+    Image.new("RGB", (32, 32)).save(photo)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"image": f"file://{photo}", "conversations": [
+        {"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "A cat."}]}))
+    monkeypatch.setattr(vlmshard.preprocess.images, "read_bytes", _raise_bug)
+    with pytest.raises(InjectedBug):
+        run_preprocess(PreprocessConfig(inputs=[str(rows)], out=str(tmp_path / "pre"), workers=1))

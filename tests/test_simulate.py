@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import vlmshard, vlmshard_here
+from vlmshard.errors import ConfigError
 from vlmshard.simulate.model import (LayerRates, StageModel, one_f_one_b, pipeline_times,
                                     planned_columns, replica_micro_batches, simulate)
 from vlmshard.partition import Partition, Stage
@@ -99,7 +100,7 @@ def test_replicas_take_their_virtual_ranks_and_wait_for_the_slowest():
     np.testing.assert_array_equal(batches[1, 1], sizes[[6, 7]])  # step 1, ranks 2 and 3
     regrouped = replica_micro_batches(sizes, ranks=4, micro=1, dp=2, per_step=4)
     np.testing.assert_array_equal(regrouped[0, 0], sizes[[0, 1, 4, 5]])
-    with pytest.raises(ValueError, match="does not divide"):
+    with pytest.raises(ConfigError, match="does not divide"):
         replica_micro_batches(sizes, ranks=4, micro=1, dp=3)
 
     # One stage costing 1 s per token forward, 2 s backward: replica loads are token sums.

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from vlmshard.compat import check_torch, check_transformers
-from vlmshard.errors import ConfigError, InputError, VlmshardError
+from vlmshard.errors import ConfigError, InputError
 from vlmshard.model_sizes import (
     CHECKPOINT_STATE_BYTES,
     Size,
@@ -125,8 +125,6 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
     try:
         model = model_layers(folder, choose_backend(device, cfg.dtype, cfg.attention),
                              Kernels.of(cfg), cfg.recipe)
-    except VlmshardError:
-        raise
     except ValueError as e:  # a config.json the layer maps cannot build
         raise InputError(f"{folder}: {e}") from e
     if read_manifest(cfg.shards).step_groups:

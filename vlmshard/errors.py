@@ -11,8 +11,8 @@ an exit status (``vlmshard.stage``), and nothing else (a bug) is hidden behind t
     └── JobError           a job that cannot go on (the folder is in use, a write that no
                            longer matches its plan, training processes that failed)
 
-Each class also derives from the built-in exception it stood for before this module existed
-(``ValueError``, ``RuntimeError``), so callers that caught those still do.
+None derives from ``ValueError`` or ``RuntimeError``: a handler of those, around third-party
+code, never swallows one of ours.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ class VlmshardError(Exception):
     exit_status = 1
 
 
-class ConfigError(VlmshardError, ValueError):
+class ConfigError(VlmshardError):
     """A config value or file is wrong; the message is one line naming key, type and source."""
 
 
-class InputError(VlmshardError, ValueError):
+class InputError(VlmshardError):
     """An input that cannot be used at all; the message names it and what is wrong."""
 
 
-class JobError(VlmshardError, RuntimeError):
+class JobError(VlmshardError):
     """A job that cannot go on; the message says why and what to do."""
 

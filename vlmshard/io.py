@@ -50,7 +50,7 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
         fsync_path(tmp)
         os.replace(tmp, path)
         fsync_path(path.parent)
-    except BaseException:
+    except BaseException:  # anything, a bug included: leave no temporary file, re-raise
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
@@ -138,7 +138,8 @@ class RetryPolicy:
 
 
 class RemoteReadError(InputError, OSError):
-    """A remote read that still failed transiently after every retry (names URL and error)."""
+    """A remote read that failed for a reason not an ``OSError`` (an HTTP status, a client's own
+    error), at once or, when transient, after every retry (names URL and error)."""
 
 
 def is_transient(error: BaseException) -> bool:
@@ -160,8 +161,10 @@ def is_transient(error: BaseException) -> bool:
 
 
 def retrying(url: str, call: Callable[[], T], policy: RetryPolicy | None = None) -> T:
-    """``call()``, retried on transient errors (see ``RetryPolicy``); when the attempts run
-    out, ``RemoteReadError`` naming ``url`` and the last error. Other errors pass unchanged."""
+    """``call()``, a read through fsspec, retried on transient errors (see ``RetryPolicy``);
+    when the attempts run out, ``RemoteReadError`` naming ``url`` and the last error. Of the
+    other errors an ``OSError`` (a missing or forbidden object) passes unchanged and the rest,
+    a backend's own kinds, become ``RemoteReadError``: callers catch ``OSError`` alone."""
     from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
     policy = policy or RetryPolicy.from_env()
@@ -177,11 +180,13 @@ def retrying(url: str, call: Callable[[], T], policy: RetryPolicy | None = None)
                      retry=retry_if_exception(is_transient), before_sleep=warn)
     try:
         return retry(call)
-    except Exception as e:
+    except Exception as e:  # fsspec's backends: OSError, aiohttp's, botocore's, gcsfs' kinds
         if is_transient(e):
             raise RemoteReadError(f"{url}: still failing after {policy.attempts} attempts: "
                                   f"{_describe(e)}") from e
-        raise
+        if isinstance(e, OSError):
+            raise
+        raise RemoteReadError(f"{url}: {_describe(e)}") from e
 
 
 def _describe(error: BaseException | None) -> str:

@@ -52,7 +52,7 @@ def locked_output(out: str, error: type[Exception] = ValueError) -> Iterator[Non
                             "end or pass another --out")
         write_json_atomic(record, {"pid": os.getpid(), "host": socket.gethostname(),
                                    "started": time.strftime("%Y-%m-%d %H:%M:%S")})
-    except BaseException:
+    except BaseException:  # anything, a bug included: close the lock file and re-raise
         os.close(fd)
         raise
     try:
