@@ -26,10 +26,10 @@ import json
 import logging
 import os
 
-from vlmshard.errors import InputError
+from vlmshard.errors import ConfigError, InputError
 from vlmshard.io import file_exists, is_url, open_file, resolve
 
-from .containers import Container, Source, SourceOptions, sources_of
+from .containers import Container, Input, SourceOptions
 from .conversation import RowFormat
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class InternVLMeta(Container):
     def claims(self, path: str) -> bool:
         return _entries_with(json_object(path), ("annotation",))
 
-    def sources(self, path: str, options: SourceOptions) -> list[Source]:
+    def sources(self, path: str, options: SourceOptions) -> list[Input]:
         entries = selected(json_object(path), options)
         bad = [k for k, v in entries if not isinstance(v, dict) or "annotation" not in v]
         if bad:
@@ -93,13 +93,13 @@ class InternVLMeta(Container):
             try:
                 row_format = RowFormat.from_options(entry.get("format", "auto"),
                                                     entry.get("columns"), entry.get("roles"))
-            except ValueError as e:
+            except ConfigError as e:
                 raise InputError(f"meta file {path}: entry {name!r}: {e}") from e
-            sources += sources_of(annotation, SourceOptions(
+            sources.append(Input(annotation, SourceOptions(
                 name=name, image_root=resolve(base, entry.get("root",
                                                               os.path.dirname(annotation))),
                 format=row_format, split=entry.get("split"), repeat_time=repeat,
-                max_num=int(max_num) if max_num is not None else None))
+                max_num=int(max_num) if max_num is not None else None)))
         return sources
 
 
@@ -124,7 +124,7 @@ class LlamaFactoryInfo(Container):
         return meta is not None and (os.path.basename(path) == "dataset_info.json"
                                      or _entries_with(meta, ("file_name", *_HUB_KEYS)))
 
-    def sources(self, path: str, options: SourceOptions) -> list[Source]:
+    def sources(self, path: str, options: SourceOptions) -> list[Input]:
         base = os.path.dirname(path)
         entries = selected(json_object(path), options)
         unread = {name: why for name, entry in entries
@@ -149,9 +149,9 @@ class LlamaFactoryInfo(Container):
             if entry.get("num_samples") is not None:
                 log.warning("%s: num_samples is not read; every row is taken", where)
             root = options.image_root or base
-            sources += sources_of(resolve(base, entry["file_name"]), SourceOptions(
+            sources.append(Input(resolve(base, entry["file_name"]), SourceOptions(
                 name=name, image_root=root if is_url(root) else os.path.abspath(root),
-                format=_row_format(entry), split=entry.get("split", "train")))
+                format=_row_format(entry), split=entry.get("split", "train"))))
         return sources
 
 

@@ -1,17 +1,11 @@
-"""Container kinds by name: how an input path becomes sources, and how a source's rows are
-counted and read.
+"""Container kinds: how an input path becomes sources, and how a source's rows are counted and
+read.
 
 A ``Container`` claims the paths it reads and turns one into sources. A ``RowReader`` is a
 container whose sources hold rows: it indexes a source (its row count, and byte spans where it
 can) and reads the rows of a part. Meta files (InternVL's, LLaMA-Factory's ``dataset_info.json``)
-and ``DatasetDict`` folders are containers that name other inputs, each found again here.
-
-Built in (``vlmshard.preprocess.readers``): JSONL, JSON lists, Parquet, Arrow, ``save_to_disk``
-folders, ``DatasetDict`` folders, InternVL meta files and LLaMA-Factory's ``dataset_info.json``.
-More come from the modules that the environment variable ``VLMSHARD_READERS`` names
-(comma-separated, importable), each calling ``register`` when imported, as families do: in every
-process a job starts, since they inherit the environment. A registered container is asked before
-the built-in ones, so it may claim paths they would.
+and ``DatasetDict`` folders are containers that name other inputs (``Input``), each found again
+by the registry (``vlmshard.preprocess.registry``), which holds the kinds by name.
 """
 
 from __future__ import annotations
@@ -22,14 +16,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from vlmshard.errors import ConfigError, InputError
 from vlmshard.io import is_url
-from vlmshard.plugins import import_named_modules, once
 from vlmshard.rejects import Reject
 
 from .conversation import RowFormat
-
-PLUGINS_VARIABLE = "VLMSHARD_READERS"
 
 
 @dataclass(frozen=True)
@@ -97,8 +87,17 @@ class SourceOptions:
     datasets: tuple[str, ...] | None = None  # the meta files' entries to read; None: all
 
 
+@dataclass(frozen=True)
+class Input:
+    """Another input a container names (a meta file's entry, a DatasetDict's split), with what
+    the container says of it: the registry finds its container again."""
+
+    path: str
+    options: SourceOptions
+
+
 class Container:
-    """A kind of input: the paths it claims and the sources one of them holds."""
+    """A kind of input: the paths it claims and the sources (or other inputs) one holds."""
 
     kind: str  # its name, unique among the registered containers
     description: str  # what the error for an unknown input lists, e.g. "a .jsonl file"
@@ -106,7 +105,7 @@ class Container:
     def claims(self, path: str) -> bool:
         raise NotImplementedError
 
-    def sources(self, path: str, options: SourceOptions) -> list[Source]:
+    def sources(self, path: str, options: SourceOptions) -> list[Source | Input]:
         raise NotImplementedError
 
 
@@ -139,58 +138,3 @@ def _image_root(path: str, given: str | None) -> str:
     """The folder relative image paths start from: ``given``, else the input's folder."""
     root = given or (os.path.dirname(path) if not is_url(path) else path.rsplit("/", 1)[0])
     return root if is_url(root) else os.path.abspath(root)
-
-
-_CONTAINERS: dict[str, Container] = {}
-_BUILT_IN: set[str] = set()
-
-
-def register(container: Container, *, replace: bool = False, built_in: bool = False
-             ) -> Container:
-    """Add ``container`` (an instance) under its ``kind``; a kind registered already is an error
-    unless ``replace``."""
-    if not built_in:
-        _load()  # the built-in kinds first, so a user's same kind is a duplicate here
-    if container.kind in _CONTAINERS and not replace:
-        raise ConfigError(f"a container kind {container.kind!r} is registered already; pass "
-                          "replace=True to replace it")
-    _CONTAINERS[container.kind] = container
-    (_BUILT_IN.add if built_in else _BUILT_IN.discard)(container.kind)
-    return container
-
-
-@once
-def _load() -> None:
-    """Register the built-in containers, then import the modules ``VLMSHARD_READERS`` names
-    (which call ``register``)."""
-    from .readers import BUILT_IN
-
-    for container in BUILT_IN:
-        register(container, built_in=True)
-    import_named_modules(PLUGINS_VARIABLE, "reader")
-
-
-def containers() -> list[Container]:
-    """Every registered container, in the order they are asked: the user's, then built-in."""
-    _load()
-    return sorted(_CONTAINERS.values(), key=lambda c: c.kind in _BUILT_IN)
-
-
-def reader(kind: str) -> RowReader:
-    """The row reader of ``kind`` (as sources record it)."""
-    _load()
-    found = _CONTAINERS.get(kind)
-    if not isinstance(found, RowReader):
-        known = sorted(k for k, c in _CONTAINERS.items() if isinstance(c, RowReader))
-        raise InputError(f"no row reader of kind {kind!r}; known: {', '.join(known)} (a reader "
-                         f"of your own: name its module in {PLUGINS_VARIABLE})")
-    return found
-
-
-def sources_of(path: str, options: SourceOptions) -> list[Source]:
-    """The sources the input ``path`` holds, by the first container that claims it."""
-    for container in containers():
-        if container.claims(path):
-            return container.sources(path, options)
-    kinds = "; ".join(c.description for c in containers())
-    raise InputError(f"cannot tell the format of {path}: use {kinds}")

@@ -45,7 +45,7 @@ from vlmshard.rejects import REASONS, UNSUPPORTED
 from vlmshard.stage import Result
 
 from .config import PreprocessConfig
-from .containers import reader
+from .registry import reader
 from .conversation import TEXT_ENCODING, format_hint, missing_columns
 from .sample import SampleLimits, SampleSpec, make_encoder
 from .schema import REJECTS_SCHEMA, stats_schema
@@ -86,6 +86,16 @@ class PreprocessResult(Result):
     already_complete: bool = False
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, out: str, report: dict, parts: int, resumed: int, seconds: float,
+           already_complete: bool = False) -> PreprocessResult:
+        """The result a finished job's ``preprocess.json`` (``report``) tells."""
+        totals = report["totals"]
+        return cls(out=out, input_rows=totals["input_rows"], accepted=totals["accepted"],
+                   rejected=totals["rejected"], parts=parts, parts_resumed=resumed,
+                   seconds=seconds, already_complete=already_complete,
+                   rejected_by_reason=report["rejected_by_reason"])
+
     def summary(self) -> str:
         return (f"{self.accepted} accepted, {self.rejected} rejected of {self.input_rows} rows "
                 f"-> {self.out}{' (already complete)' if self.already_complete else ''}")
@@ -108,8 +118,7 @@ def _preprocess(cfg: PreprocessConfig, start: float) -> PreprocessResult:
         raise ConfigError(str(e)) from e
     limits = SampleLimits(max_seq_len=cfg.max_seq_len, cutoff_len=cfg.cutoff_len,
                           max_image_pixels=cfg.max_image_pixels,
-                          max_video_seconds=cfg.max_video_seconds,
-                          decode_videos=cfg.decode_videos,
+                          max_video_seconds=cfg.max_video_seconds, decode_videos=cfg.decode_videos,
                           allow_outside_image_root=cfg.allow_outside_image_root)
     identity = _job_identity(cfg, sources, model, tokenizer, tiling, limits)
 
@@ -125,12 +134,8 @@ def _preprocess(cfg: PreprocessConfig, start: float) -> PreprocessResult:
                                      recorded_as="config", before_claim=tokenizer_loads)
     if done is not None:
         log.info("%s is already complete (same inputs and config): nothing to do", cfg.out)
-        totals = done["totals"]
-        return PreprocessResult(out=cfg.out, input_rows=totals["input_rows"],
-                                accepted=totals["accepted"], rejected=totals["rejected"],
-                                parts=len(done["stats_files"]), parts_resumed=0,
-                                seconds=time.monotonic() - start, already_complete=True,
-                                rejected_by_reason=done["rejected_by_reason"])
+        return PreprocessResult.of(cfg.out, done, len(done["stats_files"]), 0,
+                                   time.monotonic() - start, already_complete=True)
     final_path = os.path.join(cfg.out, "preprocess.json")
     work_dir = os.path.join(cfg.out, WORK)
     parts_dir = os.path.join(work_dir, "parts")
@@ -177,6 +182,17 @@ def _preprocess(cfg: PreprocessConfig, start: float) -> PreprocessResult:
     })
     totals = report["totals"]
     _check_something_accepted(cfg, sources, indexes, report)
+    _check_reject_ratio(cfg, report)
+    write_json_atomic(final_path, report)
+    shutil.rmtree(work_dir)
+    seconds = time.monotonic() - start
+    log.info("preprocess: %d accepted, %d rejected of %d rows in %.1fs -> %s",
+             totals["accepted"], totals["rejected"], totals["input_rows"], seconds, cfg.out)
+    return PreprocessResult.of(cfg.out, report, len(parts), resumed, seconds)
+
+
+def _check_reject_ratio(cfg: PreprocessConfig, report: dict) -> None:
+    totals = report["totals"]
     ratio = totals["rejected"] / max(1, totals["input_rows"])
     if cfg.max_reject_ratio is not None and ratio > cfg.max_reject_ratio:
         top = ", ".join(f"{r}={n}" for r, n in Counter(report["rejected_by_reason"]).most_common(5))
@@ -184,15 +200,6 @@ def _preprocess(cfg: PreprocessConfig, start: float) -> PreprocessResult:
             f"{totals['rejected']} of {totals['input_rows']} rows rejected ({ratio:.1%}) > "
             f"--max-reject-ratio {cfg.max_reject_ratio:.1%}; top reasons: {top}; "
             f"see {os.path.join(cfg.out, 'rejects.parquet')}")
-    write_json_atomic(final_path, report)
-    shutil.rmtree(work_dir)
-    seconds = time.monotonic() - start
-    log.info("preprocess: %d accepted, %d rejected of %d rows in %.1fs -> %s",
-             totals["accepted"], totals["rejected"], totals["input_rows"], seconds, cfg.out)
-    return PreprocessResult(out=cfg.out, input_rows=totals["input_rows"],
-                            accepted=totals["accepted"], rejected=totals["rejected"],
-                            parts=len(parts), parts_resumed=resumed, seconds=seconds,
-                            rejected_by_reason=report["rejected_by_reason"])
 
 
 def _check_columns(source: Source, index: SourceIndex) -> None:

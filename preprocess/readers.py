@@ -17,17 +17,8 @@ from vlmshard.errors import InputError
 from vlmshard.io import is_url, open_file, read_json
 from vlmshard.rejects import Reject
 
-from .catalogs import InternVLMeta, LlamaFactoryInfo, json_object
-from .containers import (
-    Container,
-    Part,
-    RowReader,
-    Source,
-    SourceIndex,
-    SourceOptions,
-    reader,
-    sources_of,
-)
+from .catalogs import json_object
+from .containers import Container, Input, Part, RowReader, Source, SourceIndex, SourceOptions
 from .json_rows import as_record, json_list_index, jsonl_line_index, text_rows
 
 
@@ -41,7 +32,7 @@ class _TextRows(RowReader):
 
     def read_rows(self, source: Source, part: Part) -> Iterator[tuple[int, dict | Reject]]:
         if part.offsets is None and part.unreadable is None:  # a part not made by plan_parts
-            part = _cached_index(source).spans(part)
+            part = _cached_index(self, source).spans(part)
         if part.unreadable is not None:
             yield int(part.rows[0]), Reject("unreadable_source", part.unreadable)
             return
@@ -78,11 +69,11 @@ class JsonList(_TextRows):
 
 
 @lru_cache(maxsize=None)
-def _cached_index(source: Source) -> SourceIndex:
+def _cached_index(reader: RowReader, source: Source) -> SourceIndex:
     """The index of a source whose rows are read without a planned part (rows read back by the
     write job), built once per process and kept: the write reads every source's rows again,
     unit by unit."""
-    return reader(source.kind).index(source)
+    return reader.index(source)
 
 
 _PARQUET_BATCH = 1024  # rows decoded at a time
@@ -141,12 +132,12 @@ class _MappedArrow(RowReader):
     columnar = True
 
     def index(self, source: Source) -> SourceIndex:
-        return SourceIndex(n_rows=len(_load_dataset(source)))
+        return SourceIndex(n_rows=len(_load_dataset(self, source.path)))
 
     def read_rows(self, source: Source, part: Part) -> Iterator[tuple[int, dict | Reject]]:
         import pyarrow as pa
 
-        table = _load_dataset(source).data.table
+        table = _load_dataset(self, source.path).data.table
         for start in range(0, len(part.rows), _PARQUET_BATCH):
             rows = part.rows[start:start + _PARQUET_BATCH]
             for row, rec in zip(rows, table.take(pa.array(rows, pa.int64())).to_pylist()):
@@ -191,9 +182,9 @@ class SavedDataset(_MappedArrow):
 
 
 @lru_cache(maxsize=2)
-def _load_dataset(source: Source):
+def _load_dataset(reader: _MappedArrow, path: str):
     """A saved dataset or an Arrow file, memory-mapped."""
-    return reader(source.kind).load(source.path)
+    return reader.load(path)
 
 
 class DatasetDict(Container):
@@ -205,7 +196,7 @@ class DatasetDict(Container):
     def claims(self, path: str) -> bool:
         return not is_url(path) and os.path.isfile(os.path.join(path, "dataset_dict.json"))
 
-    def sources(self, path: str, options: SourceOptions) -> list[Source]:
+    def sources(self, path: str, options: SourceOptions) -> list[Input]:
         splits = read_json(os.path.join(path, "dataset_dict.json")).get("splits", [])
         split = options.split
         if split is None and len(splits) == 1:
@@ -216,12 +207,6 @@ class DatasetDict(Container):
                              f"'split' in a meta file), one of {', '.join(splits)}")
         name = options.name or os.path.basename(path.rstrip("/"))
         root = options.image_root or os.path.dirname(path)
-        return sources_of(os.path.join(path, split),
-                          SourceOptions(name=name, image_root=root, format=options.format,
-                                        repeat_time=options.repeat_time,
-                                        max_num=options.max_num))
-
-
-# Asked in this order: a meta file before a JSON list, a DatasetDict before a saved dataset.
-BUILT_IN = (InternVLMeta(), LlamaFactoryInfo(), Jsonl(), JsonList(), Parquet(), Arrow(),
-            DatasetDict(), SavedDataset())
+        return [Input(os.path.join(path, split),
+                      SourceOptions(name=name, image_root=root, format=options.format,
+                                    repeat_time=options.repeat_time, max_num=options.max_num))]

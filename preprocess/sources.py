@@ -19,7 +19,8 @@ from vlmshard.errors import InputError
 from vlmshard.io import file_exists
 from vlmshard.rejects import Reject
 
-from .containers import Part, Source, SourceIndex, SourceOptions, reader, sources_of
+from .containers import Part, Source, SourceIndex, SourceOptions
+from .registry import reader, sources_of
 from .conversation import RowFormat
 
 __all__ = ["Part", "Source", "SourceIndex", "discover_sources", "first_record", "index_source",

@@ -554,7 +554,8 @@ def test_a_reader_registered_outside_the_package_reads_its_kind(tmp_path):
     """A user's container kind (tests/tsv_reader.py), named in VLMSHARD_READERS, is read in
     every worker process and gives the samples of the same rows as JSONL; without it the
     input's format is unknown, and registering a kind twice is an error."""
-    from vlmshard.preprocess.containers import SourceOptions, register, sources_of
+    from vlmshard.preprocess.containers import SourceOptions
+    from vlmshard.preprocess.registry import register, sources_of
     from vlmshard.preprocess.readers import Jsonl
 
     pairs = [("What is 2+2?", "4."), ("Name a red fruit.", "A cherry."), ("Hi", "Hello!")]

@@ -102,6 +102,49 @@ def test_imports_flow_one_way():
     assert not problems, "\n".join(sorted(set(problems)))
 
 
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, edges = work[-1]
+            nxt = next((e for e in edges if e not in index or e in stack), None)
+            if nxt is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = stack[stack.index(node):]
+                    del stack[stack.index(node):]
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif nxt in index:
+                low[node] = min(low[node], index[nxt])
+            else:
+                index[nxt] = low[nxt] = len(index)
+                stack.append(nxt)
+                work.append((nxt, iter(sorted(graph[nxt]))))
+    return found
+
+
+def test_no_import_circles():
+    """No module imports, through others, a module that imports it (lazy imports count: a
+    circle hidden in a function still ties the modules together)."""
+    modules = dict(_modules())
+    graph = {m: {t for t in _imports(m, p, p.endswith("__init__.py")) if t in modules and t != m}
+             for m, p in modules.items()}
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert not _circles(graph), _circles(graph)
+
+
 @pytest.mark.parametrize("unit", ["vlmshard.simulate", "vlmshard.report"])
 def test_simulate_and_report_need_no_trainer(unit):
     """They read a run through vlmshard.run_log and cost it with vlmshard.partition, never

@@ -2,7 +2,8 @@
 lines, a row each. ``tests/test_formats.py`` names this module in ``VLMSHARD_READERS``, so every
 process of the job registers it, as a user's own reader would be."""
 
-from vlmshard.preprocess.containers import RowReader, SourceIndex, register
+from vlmshard.preprocess.containers import RowReader, SourceIndex
+from vlmshard.preprocess.registry import register
 
 
 class QuestionAnswerTsv(RowReader):

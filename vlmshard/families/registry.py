@@ -16,7 +16,7 @@ from dataclasses import fields, replace
 from vlmshard.errors import ConfigError, InputError
 from vlmshard.io import sha256_file
 from vlmshard.model_sizes import ModelConfig
-from vlmshard.plugins import import_named_modules, once
+from vlmshard.plugins import Registry
 
 from .base import Family, ModelSpec, TilingPolicy
 from .folder import ModelFolderError, read_model_folder
@@ -26,47 +26,9 @@ log = logging.getLogger(__name__)
 PLUGINS_VARIABLE = "VLMSHARD_FAMILIES"
 DEMO_FAMILY = "internvl"  # whose image processing the demo tokenizer (no model folder) counts with
 
-_FAMILIES: dict[str, Family] = {}
-_BY_MODEL_TYPE: dict[str, str] = {}
-_BUILT_IN: set[str] = set()
 
 
-def register(family: Family, *, replace: bool = False, built_in: bool = False) -> Family:
-    """Add ``family`` (an instance) under its name; it serves its ``model_types`` unless it is
-    built in and another registered family serves one of them already. A name registered
-    already is refused unless ``replace``: then ``family`` takes its place."""
-    if not built_in:
-        _built_ins()
-    if family.default_preset not in family.presets:
-        raise ConfigError(f"model family {family.name}: its default_preset "
-                          f"{family.default_preset!r} is none of its presets "
-                          f"({', '.join(family.presets) or 'none'})")
-    if family.name in _FAMILIES:
-        if not replace:
-            raise ConfigError(f"model family {family.name!r} is registered already (by "
-                              f"{type(_FAMILIES[family.name]).__module__}): give yours another "
-                              "name, or register it with replace=True to replace that one")
-        for model_type in [t for t, name in _BY_MODEL_TYPE.items() if name == family.name]:
-            del _BY_MODEL_TYPE[model_type]
-        _BUILT_IN.discard(family.name)
-    _FAMILIES[family.name] = family
-    for model_type in family.model_types:
-        holder = _BY_MODEL_TYPE.get(model_type)
-        if built_in and holder is not None and holder not in _BUILT_IN:
-            continue
-        if holder is not None and holder != family.name:
-            log.info("model_type %r: family %s takes over from %s", model_type, family.name,
-                     holder)
-        _BY_MODEL_TYPE[model_type] = family.name
-    if built_in:
-        _BUILT_IN.add(family.name)
-    return family
-
-
-@once
 def _built_ins() -> None:
-    """Register the built-in families (before any other: a name is then refused or replaced
-    whatever order modules are imported in)."""
     from .gemma3 import Gemma3
     from .internvl import InternVL
     from .qwen2vl import Qwen2VL
@@ -77,34 +39,51 @@ def _built_ins() -> None:
         register(family, built_in=True)
 
 
-@once
-def _load() -> None:
-    """Register the built-in families, then import the modules ``VLMSHARD_FAMILIES`` names."""
-    _built_ins()
-    import_named_modules(PLUGINS_VARIABLE, "family")
+_FAMILIES: Registry[Family] = Registry("model family", PLUGINS_VARIABLE, _built_ins)
+_BY_MODEL_TYPE: dict[str, str] = {}
+
+
+def register(family: Family, *, replace: bool = False, built_in: bool = False) -> Family:
+    """Add ``family`` (an instance) under its name; it serves its ``model_types`` unless it is
+    built in and another registered family serves one of them already. A name registered
+    already is refused unless ``replace``: then ``family`` takes its place."""
+    if family.default_preset not in family.presets:
+        raise ConfigError(f"model family {family.name}: its default_preset "
+                          f"{family.default_preset!r} is none of its presets "
+                          f"({', '.join(family.presets) or 'none'})")
+    _FAMILIES.add(family.name, family, replace=replace, built_in=built_in)
+    for model_type in [t for t, name in _BY_MODEL_TYPE.items() if name == family.name]:
+        del _BY_MODEL_TYPE[model_type]  # a replaced family's
+    for model_type in family.model_types:
+        holder = _BY_MODEL_TYPE.get(model_type)
+        if built_in and holder is not None and holder not in _FAMILIES.built_in:
+            continue
+        if holder is not None and holder != family.name:
+            log.info("model_type %r: family %s takes over from %s", model_type, family.name,
+                     holder)
+        _BY_MODEL_TYPE[model_type] = family.name
+    return family
 
 
 def families() -> dict[str, Family]:
     """Every registered family by name."""
-    _load()
-    return dict(_FAMILIES)
+    return dict(_FAMILIES.all())
 
 
 def family(name: str) -> Family:
     """The family ``name`` (as stats, plans and shards record it)."""
-    _load()
-    if name not in _FAMILIES:
-        raise InputError(f"unknown model family {name!r}; known: {', '.join(sorted(_FAMILIES))} "
+    found = _FAMILIES.all()
+    if name not in found:
+        raise InputError(f"unknown model family {name!r}; known: {', '.join(sorted(found))} "
                          f"(a family of your own: name its module in {PLUGINS_VARIABLE})")
-    return _FAMILIES[name]
+    return found[name]
 
 
 def presets() -> dict[str, ModelConfig]:
     """Every registered family's named model sizes (``Family.presets``), and ``tiny``: the
     sizes' defaults, every code path in seconds on a CPU."""
-    _load()
     found = {"tiny": ModelConfig()}
-    for fam in _FAMILIES.values():
+    for fam in _FAMILIES.all().values():
         for name, sizes in fam.presets.items():
             if found.setdefault(name, sizes) != sizes:
                 raise ConfigError(f"model preset {name!r} of family {fam.name} is another "
@@ -114,18 +93,18 @@ def presets() -> dict[str, ModelConfig]:
 
 def model_types() -> list[str]:
     """Every ``model_type`` a registered family serves."""
-    _load()
+    _FAMILIES.load()
     return sorted(_BY_MODEL_TYPE)
 
 
 def family_for_model_type(model_type: str, path: str) -> Family:
     """The family serving ``model_type``; ``path`` (the folder) names the error."""
-    _load()
+    _FAMILIES.load()
     if model_type not in _BY_MODEL_TYPE:
         raise ModelFolderError(f"{os.path.join(path, 'config.json')}: model_type {model_type!r} "
                                f"is not a supported family (supported: "
                                f"{', '.join(model_types())})")
-    return _FAMILIES[_BY_MODEL_TYPE[model_type]]
+    return _FAMILIES.items[_BY_MODEL_TYPE[model_type]]
 
 
 def load_model(path: str) -> tuple[ModelSpec, TilingPolicy]:
@@ -166,10 +145,10 @@ def ties_embeddings(config: dict) -> bool:
 
 def policy_from_dict(d: dict) -> TilingPolicy:
     """Inverse of ``policy.to_dict()``, for stages that read the recorded policy."""
-    _load()
+    _FAMILIES.load()
     d = dict(d)
     kind = d.pop("name")
-    classes = {cls.name: cls for fam in _FAMILIES.values() for cls in fam.policies}
+    classes = {cls.name: cls for fam in _FAMILIES.items.values() for cls in fam.policies}
     if kind not in classes:
         raise InputError(f"tiling policy {kind!r} is none of the registered families' "
                          f"({', '.join(sorted(classes))})")
@@ -188,9 +167,9 @@ def source_tiling(base: TilingPolicy, max_patches: int | None) -> TilingPolicy:
 
 def tiny_folder(model_type: str, path: str, **sizes) -> str:
     """A tiny offline model folder of ``model_type`` (random weights) at ``path``."""
-    _load()
+    _FAMILIES.load()
     if model_type not in _BY_MODEL_TYPE:
         raise ConfigError(f"no tiny model of model_type {model_type!r}; known: "
                           f"{', '.join(model_types())}")
-    return _FAMILIES[_BY_MODEL_TYPE[model_type]].tiny_folder(path, model_type, **sizes)
+    return _FAMILIES.items[_BY_MODEL_TYPE[model_type]].tiny_folder(path, model_type, **sizes)
 
