@@ -79,15 +79,11 @@ def fill_bins(tiles, tokens, squares, qv, qt, mean_attn, n_bins):
 
 
 def polish_steps(items, offsets, tiles, tokens, squares, ranks, micro_batches, qt, rounds):
-    """Even out tokens and attention across a step's ranks by swapping samples, in place.
-
-    ``items``/``offsets`` hold micro-batches in step-major order (``Packing``). In each step, up to
-    ``rounds`` times: take the rank most above the step mean (deviation = relative tokens +
-    relative Σ``squares``, each sample's quadratic attention work) and apply the swap of two
-    samples with equal tiles between it and any other rank that most lowers Σ_r (ΔL_r/L̄)² +
-    (ΔA_r/Ā)², keeping Qt. Tiles per micro-batch never change, so ViT balance and caps are kept.
-    Returns the number of swaps.
-    """
+    """Even out tokens and attention across a step's ranks by swapping samples in place (micro-
+    batches in step-major order, ``Packing``); returns the number of swaps. Per step, up to
+    ``rounds`` times, the rank most above the mean (relative tokens + relative Σ``squares``)
+    swaps two samples of equal tiles with the rank that most lowers Σ_r (ΔL_r/L̄)² + (ΔA_r/Ā)²,
+    keeping Qt: tiles per micro-batch, so ViT balance and caps, never change."""
     per_step = ranks * micro_batches
     n_steps = (offsets.shape[0] - 1) // per_step
     L = np.zeros(ranks)

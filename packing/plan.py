@@ -130,18 +130,7 @@ def _pack(cfg: PackConfig) -> PackResult:
                        "steps": packing.steps})
         first_step += packing.steps
         packings.append(packing)
-    for g, packing in zip(groups, packings[0].packings):
-        if len(groups) > 1 and not packing.steps:
-            log.warning("group %d:%d holds %d sample(s), too few for one step of its %d ranks: "
-                        "they are unplaced (remainder)", g.length, g.sp, len(packing.unplaced),
-                        cfg.ranks // g.sp)
-    over_cap = sum(r != "remainder" for r in packings[0].unplaced_reason)
-    if first_step == 0:
-        raise ConfigError(_places_nothing(cfg, packings[0], over_cap))
-    if over_cap > cfg.max_unplaced_ratio * len(lengths):
-        raise ConfigError(_too_many_unplaced(cfg, lengths, packings[0], caps_from))
-    if over_cap:
-        log.warning("%d samples exceed the caps on their own and are not placed", over_cap)
+    _check_placed(cfg, lengths, groups, packings[0], caps_from)
     pack_seconds = time.perf_counter() - t_loaded
     plan = GroupedPacking.concat(packings)
     metrics, each = plan.measure(lengths, cost, cfg.dp, cfg.compute_mode,
@@ -184,6 +173,24 @@ def _pack(cfg: PackConfig) -> PackResult:
              metrics.steps, cfg.ranks, cfg.micro_batches, metrics.samples, metrics.unplaced,
              cfg.out)
     return PackResult(cfg.out, metrics, by_reason, table)
+
+
+def _check_placed(cfg: PackConfig, lengths, groups, packing: GroupedPacking,
+                  caps_from: str) -> None:
+    """Warn of groups too small for a step and of samples over the caps; a plan that places
+    nothing, or leaves more than ``--max-unplaced-ratio`` over the caps, is an error."""
+    for g, group in zip(groups, packing.packings):
+        if len(groups) > 1 and not group.steps:
+            log.warning("group %d:%d holds %d sample(s), too few for one step of its %d ranks: "
+                        "they are unplaced (remainder)", g.length, g.sp, len(group.unplaced),
+                        cfg.ranks // g.sp)
+    over_cap = sum(r != "remainder" for r in packing.unplaced_reason)
+    if packing.steps == 0:
+        raise ConfigError(_places_nothing(cfg, packing, over_cap))
+    if over_cap > cfg.max_unplaced_ratio * len(lengths):
+        raise ConfigError(_too_many_unplaced(cfg, lengths, packing, caps_from))
+    if over_cap:
+        log.warning("%d samples exceed the caps on their own and are not placed", over_cap)
 
 
 def _places_nothing(cfg: PackConfig, packing: GroupedPacking, over_cap: int) -> str:

@@ -1,35 +1,23 @@
 """A model folder's chat template and tokenizer: a conversation becomes ids and labels exactly as
 ``transformers`` renders and tokenizes it, except that data text never becomes control tokens.
 
-How, per conversation:
+1. Messages in ``transformers``' multimodal form (``conversation``), text as written but where
+   the template would change it unseen: the data's line break after an ``<image>`` is dropped
+   where the template writes its own (InternVL), text is trimmed where the template trims it
+   (Qwen3.5, Gemma 3). Both are found by rendering probe conversations once.
+2. ``apply_chat_template`` renders them with a marker in place of each text item and tool call
+   name, so template text and data text are told apart by position. A template that rewrites
+   data text (Qwen3.5 moves an answer's ``<think>`` block) is a ``template_error``: rendered
+   again with the text in place, it must give the marked rendering with the text put back.
+3. The template text is split at special tokens; each image or video placeholder becomes the
+   family's expansion; the rest, template and data text together, is encoded with
+   special-token parsing off (a literal ``<|im_end|>`` in a user turn stays text).
+4. Labels: assistant text and the template's tokens after it up to the first special token (the
+   end of turn). A turn of tool calls alone is supervised from where the generation prompt
+   ends (Qwen's ``<tool_call>`` included), as the model writes it.
 
-1. Messages in ``transformers``' multimodal form: a turn of text items and ``{"type": "image"}``
-   items (``vlmshard.preprocess.conversation``), a plain string where the source gave one. Text
-   is kept as written, with two exceptions. Where the template itself puts whitespace right
-   after an image item (InternVL's ``<IMG_CONTEXT>\\n``), the line break that data writes after
-   an ``<image>`` placeholder is dropped, as the family's own training code renders it once.
-   Where the template trims whitespace (``|trim``: Qwen3.5 the edges of each message's
-   content, Gemma 3 each text item but not the system turn), the text is trimmed the same way
-   first, since the template cannot trim a marker's text. Both are found by rendering probe
-   conversations once.
-2. The template is rendered by ``tokenizer.apply_chat_template`` with a marker in place of each
-   text item, so the template's own text and the data text are told apart by position. A
-   conversation whose text the template would itself rewrite (Qwen3.5 moves a ``<think>``
-   block in an answer into its reasoning) is rejected: the template is rendered once more with
-   the text in place, as written, and must give the marked rendering with the (trimmed) text
-   put back.
-3. The template text is split at the vocabulary's special tokens (as ``tokenizers`` does for the
-   whole string); each image placeholder becomes the family's expansion. Everything between two
-   special tokens, template and data text together, is encoded with special-token parsing off:
-   a literal ``<|im_end|>`` in a user turn stays text.
-4. Labels: the tokens of assistant text, then the template's tokens up to and including the first
-   special token after it (the end of turn, e.g. ``<|im_end|>``). The rest is ``IGNORE_INDEX``.
-   An assistant's tool calls are marked by their names: what the template writes of them is
-   supervised as its text is, and a turn of calls alone from where its generation prompt ends
-   (Qwen's ``<tool_call>`` included), as the model writes it, so LLaMA-Factory supervises it.
-
-For data without special-token text, the ids equal ``apply_chat_template(tokenize=True)`` with
-each placeholder expanded (``tests/test_families.py`` checks it per family).
+For data without special-token text the ids equal ``apply_chat_template(tokenize=True)`` with
+each placeholder expanded (``tests/test_families.py``, per family; ``docs/families.md``).
 """
 
 from __future__ import annotations
@@ -329,90 +317,106 @@ class ChatTemplateEncoder:
         if video is not None and any(video.replaces):  # its expansion brings its own wrapper
             wrapped = video.replaces[0] + video.placeholder + video.replaces[1]
             template = [piece.replace(wrapped, video.placeholder) for piece in template]
-        ids: list[int] = []
-        labels: list[int] = []
-        segment: list[tuple[str, bool]] = []  # text pieces between special tokens, supervised?
-        images = iter(image_tokens)
-        video_items = iter(videos)
-        n_loss = 0  # supervised tokens so far
-        supervise_template = False  # after assistant text, until the end-of-turn token
-        n_images = 0
-
-        def flush() -> None:
-            nonlocal n_loss
-            text = "".join(t for t, _ in segment)
-            if text:
-                enc = self.backend.encode(text, add_special_tokens=False)
-                seg_labels = [IGNORE_INDEX] * len(enc.ids)
-                start = 0
-                for piece, supervised in segment:
-                    if supervised and piece:
-                        lo, hi = _tokens_starting_in(enc, start, start + len(piece))
-                        seg_labels[lo:hi] = enc.ids[lo:hi]
-                        n_loss += hi - lo
-                    start += len(piece)
-                ids.extend(enc.ids)
-                labels.extend(seg_labels)
-            segment.clear()
-
-        def expand(run_ids: tuple[list[int], int, list[int]], pieces: list[str | int]) -> None:
-            """An image's or video's pieces: text goes with the text next to it; each run of
-            the layout's token, in its prefix and suffix, is unsupervised."""
-            prefix, token, suffix = run_ids
-            for piece in pieces:
-                if isinstance(piece, str):
-                    segment.append((piece, False))
-                    continue
-                flush()
-                run = prefix + [token] * piece + suffix
-                ids.extend(run)
-                labels.extend([IGNORE_INDEX] * len(run))
-
-        n_videos = 0
+        seq = _Sequence(self.backend)
+        images, video_items = iter(image_tokens), iter(videos)
+        n_images = n_videos = 0
+        supervise = False  # after assistant text, until the end-of-turn token
         for k, piece in enumerate(template):
             for j, part in enumerate(self._split.split(piece)):
                 if j % 2 == 0:
-                    segment.append((part, supervise_template))
-                    continue
-                if part == self._placeholder:
-                    count = next(images, None)
-                    if count is None:
-                        raise Reject("template_error", "the chat template renders more image "
-                                                       "placeholders than the sample has images")
+                    seq.text(part, supervise)
+                elif part == self._placeholder:
+                    seq.run(self._image_run, self._layout.pieces(_next(images, "image")))
                     n_images += 1
-                    expand(self._image_run, self._layout.pieces(count))
-                    continue
-                if self._video_layout is not None and part == self._video_layout.placeholder:
-                    video = next(video_items, None)
-                    if video is None:
-                        raise Reject("template_error", "the chat template renders more video "
-                                                       "placeholders than the sample has videos")
+                elif video is not None and part == video.placeholder:
+                    sampled = _next(video_items, "video")
+                    seq.run(self._video_run, self._family.video_pieces(sampled, video))
                     n_videos += 1
-                    expand(self._video_run, self._family.video_pieces(video, self._video_layout))
-                    continue
-                flush()
-                ids.append(self.special[part])
-                labels.append(self.special[part] if supervise_template else IGNORE_INDEX)
-                n_loss += supervise_template
-                supervise_template = False
+                else:
+                    seq.token(self.special[part], supervise)
+                    supervise = False
             if k < len(texts):
                 role, text, opens_call = texts[k]
-                if opens_call:  # the turn's text since its last special token, less its prompt
-                    head = segment.pop()[0]
-                    n = len(os.path.commonprefix([head, self._reply_prompt]))
-                    segment += [(head[:n], False), (head[n:], True)]
-                segment.append((text, role == "assistant"))
-                supervise_template = role == "assistant"
-        flush()
+                if opens_call:
+                    seq.supervise_after(self._reply_prompt)
+                seq.text(text, role == "assistant")
+                supervise = role == "assistant"
+        seq.flush()
         if n_images != len(image_tokens) or n_videos != len(videos):
             raise Reject("template_error", f"the chat template rendered {n_images} image and "
                                            f"{n_videos} video placeholder(s) for "
                                            f"{len(image_tokens)} image(s) and {len(videos)} "
                                            "video(s)")
         visual = sum(image_tokens) + sum(v.tokens for v in videos)
-        return EncodedSample(text_tokens=len(ids) - visual, loss_tokens=n_loss,
-                             input_ids=ids if keep_tokens else None,
-                             labels=labels if keep_tokens else None)
+        return EncodedSample(text_tokens=len(seq.ids) - visual,
+                             loss_tokens=sum(label != IGNORE_INDEX for label in seq.labels),
+                             input_ids=seq.ids if keep_tokens else None,
+                             labels=seq.labels if keep_tokens else None)
+
+
+def _next(items, what: str):
+    """The next image or video for a placeholder the template rendered."""
+    item = next(items, None)
+    if item is None:
+        raise Reject("template_error", f"the chat template renders more {what} placeholders "
+                                       f"than the sample has {what}s")
+    return item
+
+
+class _Sequence:
+    """A sample's ids and labels as ``encode`` builds them: text pieces (template and data, each
+    supervised or not) gather between special tokens and media runs, and are encoded together,
+    as ``tokenizers`` encodes the whole string."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.ids: list[int] = []
+        self.labels: list[int] = []
+        self.segment: list[tuple[str, bool]] = []  # text since the last token or run
+
+    def text(self, piece: str, supervised: bool) -> None:
+        self.segment.append((piece, supervised))
+
+    def supervise_after(self, prompt: str) -> None:
+        """Supervise the template text since the last special token, past its part in common
+        with ``prompt`` (a generation prompt's text: what the model does not write)."""
+        head = self.segment.pop()[0]
+        n = len(os.path.commonprefix([head, prompt]))
+        self.segment += [(head[:n], False), (head[n:], True)]
+
+    def flush(self) -> None:
+        text = "".join(t for t, _ in self.segment)
+        if text:
+            enc = self.backend.encode(text, add_special_tokens=False)
+            labels = [IGNORE_INDEX] * len(enc.ids)
+            start = 0
+            for piece, supervised in self.segment:
+                if supervised and piece:
+                    lo, hi = _tokens_starting_in(enc, start, start + len(piece))
+                    labels[lo:hi] = enc.ids[lo:hi]
+                start += len(piece)
+            self.ids.extend(enc.ids)
+            self.labels.extend(labels)
+        self.segment.clear()
+
+    def token(self, token: int, supervised: bool) -> None:
+        """A special token of the template (supervised: the end of an assistant's turn)."""
+        self.flush()
+        self.ids.append(token)
+        self.labels.append(token if supervised else IGNORE_INDEX)
+
+    def run(self, run_ids: tuple[list[int], int, list[int]], pieces: list[str | int]) -> None:
+        """An image's or video's pieces: text goes with the text next to it; each run of the
+        layout's token, in its prefix and suffix, is unsupervised."""
+        prefix, token, suffix = run_ids
+        for piece in pieces:
+            if isinstance(piece, str):
+                self.text(piece, False)
+                continue
+            self.flush()
+            run = prefix + [token] * piece + suffix
+            self.ids.extend(run)
+            self.labels.extend([IGNORE_INDEX] * len(run))
 
 
 def _max_token_chars(backend) -> int | None:

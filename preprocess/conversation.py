@@ -1,46 +1,23 @@
-"""Source rows in any supported format become one internal conversation: turns of text and image
-items, and the images they refer to (a path or URL, or embedded bytes).
+"""Source rows in any supported format become one internal conversation: turns of text, image
+and video items, the images and videos they refer to, and the row's tools.
 
-Formats (``RowFormat.name``; ``auto`` takes the first one whose turn list a row has):
+Formats (``RowFormat.name``; ``auto`` takes the first one whose turn list a row has): ``llava``
+(``conversations`` of ``from``/``value``), ``messages`` (``role``/``content``, content a string
+or ``apply_chat_template``'s typed items, OpenAI's ``image_url`` too), ``texts`` (turn pairs,
+their images first in the first user turn, as Idefics3/SmolVLM's fine-tuning puts them) and
+``alpaca`` (LLaMA-Factory's ``data/converter.py``). Column, key and role names are renamed per
+source (``RowFormat``), as LLaMA-Factory's ``dataset_info.json`` does.
 
-- ``llava``: ``conversations: [{"from": "human"|"gpt"|"system", "value": str}]``;
-- ``messages``: ``messages: [{"role": "user"|"assistant"|"system", "content": ...}]`` where
-  ``content`` is a string (LLaMA-Factory's sharegpt, OpenAI) or a list of typed items as
-  ``apply_chat_template`` takes them: ``{"type": "text", "text": ...}``, ``{"type": "image",
-  "image"|"url"|"path": ...}``, OpenAI's ``{"type": "image_url", "image_url": {"url": ...}}``;
-- ``texts``: ``texts: [{"user": str, "assistant": str}]``, a turn pair per element (the_cauldron,
-  FineVision); their images carry no placeholder and go first in the first user turn, as
-  Idefics3/SmolVLM's fine-tuning puts them;
-- ``alpaca``: LLaMA-Factory's alpaca rows, ``instruction`` and ``input`` (joined by a line break)
-  the user turn, ``output`` the answer, and the ``history`` column's [prompt, answer] pairs before
-  them where ``columns`` names one (LLaMA-Factory's ``data/converter.py``).
+A row's ``system`` column is its system prompt unless its turns open with one; its ``tools`` go
+to the template, a bare function definition wrapped as LLaMA-Factory's tool formatters wrap it.
+A ``function_call`` turn is an assistant turn of ``tool_calls`` (its text their JSON), an
+``observation`` turn a ``tool`` turn, as LLaMA-Factory's converter maps them. Audio is never
+dropped: a row with any is an ``unsupported_audio`` reject.
 
-A row's ``system`` string (a column; LLaMA-Factory's sharegpt and alpaca ``system``) is its
-system prompt, unless its turns start with a system turn, which wins (as in LLaMA-Factory). Its
-``tools`` (LLaMA-Factory's JSON string of function definitions, or a list of them) go to the chat
-template as ``apply_chat_template``'s ``tools``, a bare definition wrapped as ``{"type":
-"function", "function": ...}`` as LLaMA-Factory's tool formatters wrap it.
-
-Tool calls as LLaMA-Factory's ``data/converter.py`` maps them: a ``function_call`` turn is an
-assistant turn whose text is the JSON of its calls (``{"name", "arguments"}`` or a list of them),
-given to the template as the message's ``tool_calls``; an ``observation`` turn is a ``tool``
-turn. An OpenAI assistant message's own ``tool_calls`` are read too.
-
-Audio is never dropped: a row with an ``audios`` (``audio``) column, an ``<audio>`` placeholder
-or an audio item is an ``unsupported_audio`` reject, since no family here reads audio.
-
-In text, ``<image>`` is a placeholder for the next image of the row's ``images`` (or ``image``)
-column and ``<video>`` for the next of its ``videos`` (or ``video``); in a typed content list,
-text is text and images and videos are items (``{"type": "video", "video"|"url"|"path": ...}``,
-``{"type": "video_url", "video_url": {"url": ...}}``). An image is a path, a URL, a ``data:`` URI,
-or a ``datasets`` ``Image`` value ``{"bytes", "path"}`` (bytes win); a video is one of those (a
-container file: MP4, MKV, WebM, ...) or a list of frame images, taken as already sampled (an item's
-or the row's ``fps`` says at what rate; else the family's own). Column and
-key names can be renamed per source (``RowFormat.columns``), as LLaMA-Factory's
-``dataset_info.json`` does, and extra role names mapped (``RowFormat.roles``).
-
-Text is kept as written, including the line break after an ``<image>`` placeholder: whether it is
-dropped is the chat template's business (``vlmshard.preprocess.chat``).
+``<image>`` and ``<video>`` in text take the next of the row's ``images`` and ``videos``; an
+image is a path, URL, ``data:`` URI or ``{"bytes", "path"}``, a video one of those or a list of
+frames. Text is kept as written (the line break after a placeholder is the chat template's
+business, ``vlmshard.preprocess.chat``). ``docs/formats.md`` says it all with examples.
 """
 
 from __future__ import annotations

@@ -285,10 +285,7 @@ def make_report(plan_dirs: list[str], train_log: str | None = None, profile: str
                          "step_efficiency": infos[0]["metrics"]["step_efficiency"],
                          "baseline_step_efficiency": efficiencies}
     if html:
-        from . import html_report, plots  # matplotlib only when a page is asked for
-
-        series: list[PlanSeries] = [plan_series(label, *loaded[d])
-                                    for label, d in zip(labels, plan_dirs)]
+        series = [plan_series(label, *loaded[d]) for label, d in zip(labels, plan_dirs)]
         given = {i["algorithm"] for i in infos}
         shown = [(f"{algo} (baseline)", *plan) for algo, plan in baselines.items()
                  if algo not in given]
@@ -297,11 +294,7 @@ def make_report(plan_dirs: list[str], train_log: str | None = None, profile: str
         if shown:
             notes.append(f"{', '.join(label for label, _, _ in shown)} in the plots: the "
                          "baselines above")
-        page = html_report.render("vlmshard report", headline,
-                                  [html_report.Table(*t) for t in tables],
-                                  plots.report_figures(series, train[0] if train else None))
-        atomic_write(html, lambda tmp: _write_text(tmp, page))
-        log.info("report written to %s", html)
+        _write_html(html, headline, tables, series, train[0] if train else None)
     if out_json:
         write_json_atomic(out_json, result)
         log.info("JSON written to %s", out_json)
@@ -309,6 +302,17 @@ def make_report(plan_dirs: list[str], train_log: str | None = None, profile: str
     for table_notes, table_header, table_rows in tables:
         text += ["", format_table(table_header, table_rows), *table_notes]
     return result, "\n".join(text)
+
+
+def _write_html(path: str, headline: str, tables: list, series: list[PlanSeries],
+                train_series) -> None:
+    from . import html_report, plots  # matplotlib only when a page is asked for
+
+    page = html_report.render("vlmshard report", headline,
+                              [html_report.Table(*t) for t in tables],
+                              plots.report_figures(series, train_series))
+    atomic_write(path, lambda tmp: _write_text(tmp, page))
+    log.info("report written to %s", path)
 
 
 def _write_text(path: str, text: str) -> None:
