@@ -285,8 +285,8 @@ def main() -> None:
     args = p.parse_args()
     rng = random.Random(args.seed)
 
-    from vlmshard.preprocess.demo_data import generate
-    from vlmshard.preprocess.demo_data import demo_model
+    from vlmshard.demo.data import generate
+    from vlmshard.demo.data import demo_model
 
     work = args.work
     shutil.rmtree(work, ignore_errors=True)

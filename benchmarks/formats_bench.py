@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 def make_sources(root: str, n: int, seed: int = 0) -> dict[str, str]:
     import datasets
 
-    from vlmshard.preprocess.demo_data import WORDS, generate
+    from vlmshard.demo.data import WORDS, generate
 
     demo = generate(os.path.abspath(os.path.join(root, "demo")), seed=seed)
     images = [i for i in demo.images

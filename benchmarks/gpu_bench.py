@@ -143,7 +143,7 @@ def memory_bound(model: str, pre: str, device_bytes: int) -> tuple[dict, int]:
     samples a random micro-batch may take, its padded caps (that many of the largest sample)
     inside the second (at least one: ``recompute_free.samples``), and inside the first
     (``samples``)."""
-    from vlmshard.model_sizes import Size, bytes_per_param
+    from vlmshard.model_sizes import CostTerms, bytes_per_param
     from vlmshard.packing.algorithms import padded_caps
     from vlmshard.packing.stats import load_stats
     from vlmshard.partition import Machine, largest_micro_batch
@@ -151,7 +151,7 @@ def memory_bound(model: str, pre: str, device_bytes: int) -> tuple[dict, int]:
     from vlmshard.train.hf_model import rank_model
 
     lengths = load_stats(pre).lengths
-    shape = Size(float(lengths.tiles.mean()), float(lengths.tokens.mean()))
+    shape = CostTerms(float(lengths.tiles.mean()), float(lengths.tokens.mean()))
     cfg = TrainConfig(shards=pre, out="", model=model)
     cfg.resolve_device_defaults(cuda=True)
     work = rank_model(cfg, "cuda", sequence_parallel=False).analytic_work()
@@ -159,7 +159,7 @@ def memory_bound(model: str, pre: str, device_bytes: int) -> tuple[dict, int]:
     bound = largest_micro_batch(work, shape, machine, per_param)
     free = largest_micro_batch(work, shape, machine, per_param, whole_recompute=False)
 
-    def samples_within(size: Size) -> int:
+    def samples_within(size: CostTerms) -> int:
         samples = 1
         while (caps := padded_caps(lengths, samples + 1)).qv <= size.tiles and \
                 caps.qt <= size.tokens:
@@ -180,7 +180,7 @@ def preprocessed(work: str, scale: int, max_seq_len: int, model: str | None = No
     Returns the model folder and the preprocess output."""
     from vlmshard.families import tiny_folder
     from vlmshard.preprocess import PreprocessConfig, run_preprocess
-    from vlmshard.preprocess.demo_data import demo_model, generate
+    from vlmshard.demo.data import demo_model, generate
 
     shutil.rmtree(work, ignore_errors=True)
     data = generate(os.path.join(work, "data"), seed=0, scale=scale)
@@ -272,11 +272,11 @@ def train_plan(args, setup: dict, algo: str, run: str | None = None, with_trace:
                **options) -> dict:
     """Train one plan (``run``, ``with_trace``, ``options``: as ``train_config``); its step
     statistics after the warm-up steps."""
-    from vlmshard.train.launcher import train
+    from vlmshard.train.launcher import train_and_read_log
 
     cfg = train_config(args, setup, algo, run, with_trace, **options)
     out = cfg.out
-    records = train(cfg, output=out + ".log")
+    records = train_and_read_log(cfg, output=out + ".log")
     kept = [r for r in records[args.warmup:] if not r.get("traced")]
     times = sorted(r["step_time_s"] for r in kept)
     seconds = sum(times)
@@ -517,13 +517,13 @@ def attention_flops(model: str, records: list[dict], recipe) -> dict[str, list[f
     and llm-foundry count twice (their MFU takes causal attention as the full square). Each
     layer counted as ``recipe`` runs it (``vlmshard.recipe``)."""
     from vlmshard.families import model_sizes
-    from vlmshard.model_sizes import Size, training_flops
+    from vlmshard.model_sizes import CostTerms, training_flops
 
     flops = training_flops(model_sizes(read_json(os.path.join(model, "config.json")), model),
                            recipe)
-    parts = {"vit": Size(vit_squares=flops.vit_squares, vit_windows=flops.vit_windows),
-             "causal": Size(squares=flops.squares, windowed=flops.windowed)}
-    return {name: [sum(part.dot(Size(**m)) for d in r["data"] for m in d["micro_sizes"])
+    parts = {"vit": CostTerms(vit_squares=flops.vit_squares, vit_windows=flops.vit_windows),
+             "causal": CostTerms(squares=flops.squares, windowed=flops.windowed)}
+    return {name: [sum(part.dot(CostTerms(**m)) for d in r["data"] for m in d["micro_sizes"])
                    for r in records] for name, part in parts.items()}
 
 
@@ -534,7 +534,7 @@ def predicted_step_peak(model: str, records: list[dict], recompute: list[str],
     selectively, its layers keeping what the run's kernels keep (``saves``, as
     ``pipeline.json`` records them)."""
     from vlmshard.families import model_sizes
-    from vlmshard.model_sizes import Saves, Size, bytes_per_param, trainer_layer_work
+    from vlmshard.model_sizes import Saves, CostTerms, bytes_per_param, trainer_layer_work
     from vlmshard.partition import predicted_stage_peak
     from vlmshard.train.hf_model import model_layers
 
@@ -543,9 +543,12 @@ def predicted_step_peak(model: str, records: list[dict], recompute: list[str],
     partly = [names.index(n) for n in selective]
     work = trainer_layer_work(names, model_sizes(read_json(os.path.join(model, "config.json")),
                                                  model), Saves(**saves))
-    return max(predicted_stage_peak(work, again, Size(max(m["tiles"] for m in d["micro_sizes"]),
-                                                      max(m["tokens"] for m in d["micro_sizes"])),
-                                    1, bytes_per_param("bf16", 1), partly)["predicted_peak_bytes"]
+    def largest(d: dict) -> CostTerms:
+        return CostTerms(max(m["tiles"] for m in d["micro_sizes"]),
+                         max(m["tokens"] for m in d["micro_sizes"]))
+
+    return max(predicted_stage_peak(work, again, largest(d), 1, bytes_per_param("bf16", 1),
+                                    partly)["predicted_peak_bytes"]
                for r in records for d in r["data"])
 
 

@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from vlmshard.model_sizes import Saves, Size, bytes_per_param, layer_work  # noqa: E402
+from vlmshard.model_sizes import Saves, CostTerms, bytes_per_param, layer_work  # noqa: E402
 from vlmshard.partition import predicted_stage_peak  # noqa: E402
 
 DEFAULT_RUN = os.path.join(os.path.dirname(REPO), "shared", "measurements", "h100-2026-11-26")
@@ -90,7 +90,7 @@ def step_rows(log: str, recompute: list[str], selective: list[str], sizes,
         records = [json.loads(line) for line in f]
     for record in records[1:]:
         micro = record["data"][0]["micro_sizes"]
-        largest = Size(max(m["tiles"] for m in micro), max(m["tokens"] for m in micro))
+        largest = CostTerms(max(m["tiles"] for m in micro), max(m["tokens"] for m in micro))
         parts = predicted_stage_peak(work, again, largest, 1, param_bytes, partly)
         measured = max(r["peak_memory_bytes"] for r in record["ranks"])
         rows.append({"step": record["step"], "tiles": largest.tiles, "tokens": largest.tokens,

@@ -35,7 +35,7 @@ from PIL import Image
 
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
 from vlmshard.families import tiny_folder
-from vlmshard.preprocess.demo_data import WORDS, generate
+from vlmshard.demo.data import WORDS, generate
 from vlmshard.preprocess.tokenize import TekkenTokenizer, default_tekken_path
 
 

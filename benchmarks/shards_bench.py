@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from vlmshard.packing.config import PackConfig  # noqa: E402
 from vlmshard.packing.plan import run_pack  # noqa: E402
 from vlmshard.preprocess import PreprocessConfig, run_preprocess  # noqa: E402
-from vlmshard.preprocess.demo_data import generate  # noqa: E402
+from vlmshard.demo.data import generate  # noqa: E402
 from vlmshard.preprocess.tokenize import IGNORE_INDEX  # noqa: E402
 from vlmshard.shards.layout import join, read_manifest  # noqa: E402
 from vlmshard.families import to_rgb  # noqa: E402

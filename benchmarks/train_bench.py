@@ -49,11 +49,11 @@ sys.path.insert(0, REPO)
 from vlmshard.packing.config import PackConfig  # noqa: E402
 from vlmshard.packing.plan import run_pack  # noqa: E402
 from vlmshard.preprocess import PreprocessConfig, run_preprocess  # noqa: E402
-from vlmshard.preprocess.demo_data import generate  # noqa: E402
+from vlmshard.demo.data import generate  # noqa: E402
 from vlmshard.shards.config import WriteConfig  # noqa: E402
 from vlmshard.shards.writer import run_write  # noqa: E402
-from vlmshard.train.launcher import train  # noqa: E402
-from vlmshard.preprocess.demo_data import demo_model  # noqa: E402
+from vlmshard.train.launcher import train_and_read_log  # noqa: E402
+from vlmshard.demo.data import demo_model  # noqa: E402
 from vlmshard.train.config import ProfileConfig  # noqa: E402
 from vlmshard.train.profile import run_profile  # noqa: E402
 from vlmshard.simulate.replay import validate_against_log  # noqa: E402
@@ -121,8 +121,9 @@ def bench_balance(work: str, setup: dict, steps: int, repeats: int) -> dict:
     for i in range(repeats):
         for name, shards in setup["shards"].items():
             out = os.path.join(work, "runs", f"dp-{name}-{i}")
-            log = train(TrainConfig(shards=shards, out=out, model=setup["model"], pp=1, dp=2,
-                                    max_steps=steps or None, save_checkpoints=False))
+            log = train_and_read_log(TrainConfig(
+                shards=shards, out=out, model=setup["model"], pp=1, dp=2,
+                max_steps=steps or None, save_checkpoints=False))
             runs[name].append(summarize(log, out, setup["profile"]))
             print(f"  dp=2 {name:<9} repeat {i}: {runs[name][-1]['tokens_per_s']:.0f} tokens/s, "
                   f"waiting {runs[name][-1]['wait_fraction']}", flush=True)
@@ -148,8 +149,9 @@ def bench_padding(work: str, setup: dict, steps: int, repeats: int) -> dict:
     for i in range(repeats):
         for name, shards in runs.items():
             out = os.path.join(work, "runs", f"pad-{name.replace(' ', '')}-{i}")
-            log = train(TrainConfig(shards=shards, out=out, model=setup["model"], pp=1, dp=1,
-                                    max_steps=steps, save_checkpoints=False))
+            log = train_and_read_log(TrainConfig(
+                shards=shards, out=out, model=setup["model"], pp=1, dp=1,
+                max_steps=steps, save_checkpoints=False))
             times[name].append(statistics.median(r["step_time_s"] for r in log[1:]))
             manifest = read_json(os.path.join(shards, "manifest.json"))
             tokens = [m["tokens"] for r in log[1:] for d in r["data"] for m in d["micro_sizes"]]
@@ -179,7 +181,7 @@ def bench_partitions(work: str, setup: dict, steps: int, repeats: int) -> dict:
                               out=os.path.join(work, "runs", f"pp-{name}-{i}"))
             if name != "analytic":
                 cfg.use_partition(partitions[name])
-            summary = summarize(train(cfg), cfg.out, setup["profile"])
+            summary = summarize(train_and_read_log(cfg), cfg.out, setup["profile"])
             times[name].append(summary["median_step_s"])
             errors.append(summary["simulated_median_step_error"])
             print(f"  pp=2 {name:<10} repeat {i}: {times[name][-1]:.3f} s/step", flush=True)

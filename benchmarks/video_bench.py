@@ -111,7 +111,7 @@ def probe(repeats: int, lengths: tuple[int, ...] = (5, 20, 60)) -> dict:
     from PIL import Image
     from skimage import data
 
-    from vlmshard.preprocess.clips import Clip, make_clip
+    from vlmshard.demo.clips import Clip, make_clip
     from vlmshard.preprocess.videos import read_video_header, sampled_frames
 
     photo = Image.fromarray(data.astronaut())

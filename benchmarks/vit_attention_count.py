@@ -6,7 +6,7 @@ across each image's patches.
         --replay benchmarks/results/h200-2026-11-27c
 
 The trainer counts a step's model FLOPs from the analytic cost model (``model_sizes.
-training_flops``). Its logs before ``Size.vit_squares`` had a ViT term linear in tiles, with
+training_flops``). Its logs before ``CostTerms.vit_squares`` had a ViT term linear in tiles, with
 attention within a tile. That is right for InternVL and Gemma 3, whose ViT attends within a
 tile, and not for the Qwen ViTs, whose tile is a merged 2×2 patch and whose attention spans the
 image (a video's temporal step): 2·P²·h multiply-adds (q·kᵀ and its product with v; 4·P²·h

@@ -47,7 +47,7 @@ def smoke_setup(root: str, model_type: str = "internvl") -> tuple[str, str]:
     from vlmshard.packing.config import PackConfig
     from vlmshard.packing.plan import run_pack
     from vlmshard.preprocess import PreprocessConfig, run_preprocess
-    from vlmshard.preprocess.demo_data import demo_model, generate
+    from vlmshard.demo.data import demo_model, generate
     from vlmshard.shards.config import WriteConfig
     from vlmshard.shards.writer import run_write
 

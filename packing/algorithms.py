@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import kernels
+from . import compiled
 from .batches import Lengths, Packing
 from .cost import CostModel
 
@@ -129,7 +129,7 @@ def isf_groups(lengths: Lengths, ids: np.ndarray, caps: Caps, *, seed: int,
     thresh = caps.qt - ISF_MARGIN
     kept_items, kept_groups, n_kept = [], [], 0
     pending = ids[np.random.RandomState(seed).permutation(len(ids))]
-    group = kernels.greedy_groups(lengths.tiles, lengths.tokens, pending, caps.qv, caps.qt)
+    group = compiled.greedy_groups(lengths.tiles, lengths.tokens, pending, caps.qv, caps.qt)
     for i in range(iterations - 1):
         n_groups = int(group[-1]) + 1 if len(group) else 0
         gv = np.bincount(group, lengths.tiles[pending], minlength=n_groups)
@@ -141,7 +141,7 @@ def isf_groups(lengths: Lengths, ids: np.ndarray, caps: Caps, *, seed: int,
         n_kept += int(full.sum())
         rest = pending[~keep]
         pending = rest[np.random.RandomState(seed + i).permutation(len(rest))]
-        group = kernels.greedy_groups(lengths.tiles, lengths.tokens, pending, caps.qv, caps.qt)
+        group = compiled.greedy_groups(lengths.tiles, lengths.tokens, pending, caps.qv, caps.qt)
     kept_items.append(pending)
     kept_groups.append(group + n_kept)
     return np.concatenate(kept_items), np.concatenate(kept_groups)
@@ -219,7 +219,7 @@ class BalancedOptions:
     overfill: float = 0.08  # a window takes this much more than it holds; the rest is carried
     balance_steps: int = 256  # steps whose micro-batches are matched together
     bands: int = 3  # steps per attention band; inside a band micro-batches are matched on tokens
-    polish_rounds: int = 1  # swaps per rank and step (kernels.polish_steps); more rarely help
+    polish_rounds: int = 1  # swaps per rank and step (compiled.polish_steps); more rarely help
 
 
 def memory_bound(lengths: Lengths, target_samples: int, max_qv: int | None = None,
@@ -316,7 +316,7 @@ def pack_balanced(lengths: Lengths, ids: np.ndarray, caps: Caps, *, ranks: int,
     leftover = np.setdiff1d(stream, placed, assume_unique=True)
     packing = Packing.from_bins(placed, bin_of_item, order, ranks, micro_batches,
                                 leftover, ["remainder"] * len(leftover))
-    kernels.polish_steps(packing.items, packing.offsets, lengths.tiles, lengths.tokens,
+    compiled.polish_steps(packing.items, packing.offsets, lengths.tiles, lengths.tokens,
                          cost.squares(lengths.tokens), ranks, micro_batches, caps.qt,
                          options.polish_rounds * ranks)
     return packing
@@ -367,14 +367,14 @@ def _fill_stream(lengths, stream, caps, per_step, padded, options, cost):
 
 
 def _fill(lengths, batch, caps, window, cost):
-    """``kernels.fill_bins`` with the window's mean attention per micro-batch as the soft target
+    """``compiled.fill_bins`` with the window's mean attention per micro-batch as the soft target
     for Σseq_len² (``cost.squares``), so long samples spread out instead of meeting in a few
     micro-batches."""
     if window == 0:
         return np.full(len(batch), -1, np.int64)
     tokens = lengths.tokens[batch]
     mean_attn = float(cost.squares(tokens).sum()) / window
-    return kernels.fill_bins(lengths.tiles[batch], tokens, cost.squares(tokens), caps.qv, caps.qt,
+    return compiled.fill_bins(lengths.tiles[batch], tokens, cost.squares(tokens), caps.qv, caps.qt,
                              mean_attn, window)
 
 

@@ -1,4 +1,4 @@
-"""The packer's hot loops, written for Numba (``kernels.py`` compiles them).
+"""The packer's hot loops, written for Numba (``compiled.py`` compiles them).
 
 Each loop has a pure-Python twin written for clarity, not speed, in ``tests/references.py``;
 the tests hold each kernel to its twin on random inputs, so a change to one without the other

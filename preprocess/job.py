@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from vlmshard import __version__
 from vlmshard.compat import check_transformers
 from vlmshard.config import ConfigError
-from vlmshard.engines import resolve_workers, run_units
+from vlmshard.fleet import resolve_workers, run_units
 from vlmshard.errors import InputError, JobError
 from vlmshard.families import (
     DEMO_FAMILY,

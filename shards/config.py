@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vlmshard.config import option, parse_size
-from vlmshard.engines import EngineOptions
+from vlmshard.fleet import EngineOptions
 
 
 @dataclass(kw_only=True)

@@ -38,7 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlmshard import __version__
-from vlmshard.engines import resolve_workers, run_units
+from vlmshard.fleet import resolve_workers, run_units
 from vlmshard.errors import JobError
 from vlmshard.io import (
     atomic_write,

@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 from helpers import shared_folder  # noqa: E402
 
 from vlmshard.preprocess import PreprocessConfig, run_preprocess  # noqa: E402
-from vlmshard.preprocess.demo_data import DemoDataset, generate  # noqa: E402
+from vlmshard.demo.data import DemoDataset, generate  # noqa: E402
 
 
 @pytest.fixture(scope="session")

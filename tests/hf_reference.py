@@ -89,7 +89,7 @@ def video_rows(root) -> list[dict]:
     frame images (an odd count: Qwen repeats the last), and a text-only row."""
     from PIL import Image
 
-    from vlmshard.preprocess.clips import Clip, make_clip
+    from vlmshard.demo.clips import Clip, make_clip
 
     clips = {"pan.mp4": ("astronaut.png", Clip(frames=20, fps=8)),
              "zoom.mkv": ("coffee.png", Clip(frames=12, fps=6, motion="zoom", container="mkv"))}

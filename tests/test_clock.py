@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from vlmshard.model_sizes import (
-    SIZE_FIELDS,
+    TERM_FIELDS,
     ModelConfig,
     VisionConfig,
     trainer_layer_work,
@@ -248,6 +248,6 @@ def test_recompute_flops_are_the_recomputed_forwards_and_the_heads_logits():
     every = recompute_flops(names, work, names)
     total = training_flops(config)
     assert total.vit_squares > 0 and total.vit_windows > 0
-    for key in set(SIZE_FIELDS) - {"tokens"}:
+    for key in set(TERM_FIELDS) - {"tokens"}:
         assert getattr(every, key) == pytest.approx(getattr(total, key) / 3)
     assert every.tokens == pytest.approx(total.tokens / 3 + head)

@@ -10,7 +10,7 @@ import pytest
 
 from helpers import kill_9_when, serve_http, tree_bytes, vlmshard, vlmshard_here
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
-from vlmshard.preprocess.demo_data import generate
+from vlmshard.demo.data import generate
 
 
 def test_kill_9_then_rerun_gives_identical_bytes(tmp_path):

@@ -18,25 +18,27 @@ from helpers import REPO, parse_python
 
 # Lower layers never import higher ones, nor a sibling of their own layer: the shared helpers
 # (layer 0, the torch-free cost code and the train-log reader among them) are below every stage;
-# the model families (torch-free) sit below the stages that ask them; shards and simulate both
+# the model families (torch-free) sit below the stages that ask them, and the demo's data and
+# model builders beside preprocess, which never needs them; shards and simulate both
 # read plans; train reads shards, and report sets a training run against the simulator's replay
 # of it (reading the run's log, not the trainer); the command line (cli, run) sits on top of
 # everything.
 TOP = 6
 LAYERS = {
-    "vlmshard.io": 0, "vlmshard.jobs": 0, "vlmshard.engines": 0, "vlmshard.progress": 0,
+    "vlmshard.io": 0, "vlmshard.jobs": 0, "vlmshard.fleet": 0, "vlmshard.progress": 0,
     "vlmshard.config": 0, "vlmshard.model_sizes": 0, "vlmshard.errors": 0, "vlmshard.rejects": 0,
     "vlmshard.partition": 0, "vlmshard.run_log": 0, "vlmshard.stage": 0, "vlmshard.compat": 0,
     "vlmshard.plugins": 0, "vlmshard.process": 0,
     "vlmshard.hardware": 0, "vlmshard.recipe": 0,
-    "vlmshard.families": 1,
+    "vlmshard.families": 1, "vlmshard.demo": 2,
     "vlmshard.preprocess": 2, "vlmshard.packing": 3,
     "vlmshard.shards": 4, "vlmshard.simulate": 4,
     "vlmshard.train": 5, "vlmshard.report": 5,
     "vlmshard.run": TOP, "vlmshard.cli": TOP,
 }
 FOLDERS = {"preprocess": "vlmshard.preprocess", "packing": "vlmshard.packing",
-           "shards": "vlmshard.shards", "train": "vlmshard.train", "vlmshard": "vlmshard"}
+           "shards": "vlmshard.shards", "train": "vlmshard.train", "report": "vlmshard.report",
+           "simulate": "vlmshard.simulate", "demo": "vlmshard.demo", "vlmshard": "vlmshard"}
 
 
 def _unit(module: str) -> str | None:
@@ -91,7 +93,7 @@ def test_imports_flow_one_way():
             continue
         for target in _imports(module, path, path.endswith("__init__.py")):
             top = target.split(".")[0]
-            if top in ("preprocess", "packing", "shards", "train"):
+            if top in ("preprocess", "packing", "shards", "train", "report", "simulate", "demo"):
                 problems.append(f"{module} imports the bare top-level {target}")
                 continue
             theirs = _unit(target)
@@ -154,6 +156,62 @@ def test_simulate_and_report_need_no_trainer(unit):
              for target in _imports(module, path, path.endswith("__init__.py"))
              if target == "vlmshard.train" or target.startswith("vlmshard.train.")]
     assert not found, "\n".join(sorted(set(found)))
+
+
+# What makes or holds a process group: torch's group makers, and the types that hold groups
+GROUP_MAKERS = {"new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group",
+                "init_device_mesh", "DeviceMesh"}
+GROUP_TYPES = re.compile(r"\b(ProcessGroup|DeviceMesh|Topology)\b")
+GROUP_NAME = re.compile(r"group|mesh|topolog", re.IGNORECASE)
+TOPOLOGY = "vlmshard.train.topology"
+
+
+def _process_group_state(module: str, tree: ast.Module) -> list[str]:
+    """Where ``tree`` makes a process group outside ``TOPOLOGY`` or keeps one at module level
+    (``test_process_groups_come_from_the_topology`` says why)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and module != TOPOLOGY:
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in GROUP_MAKERS:
+                found.append(f"{module}:{node.lineno} calls {name} outside {TOPOLOGY}")
+        if isinstance(node, ast.Global) and module.startswith("vlmshard.train."):
+            found += [f"{module}:{node.lineno} rebinds the global {name}"
+                      for name in node.names if GROUP_NAME.search(name)]
+    for node in tree.body:
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)):
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+        annotation = getattr(node, "annotation", None)
+        if annotation is not None and GROUP_TYPES.search(ast.unparse(annotation)):
+            found.append(f"{module}:{node.lineno} holds a {ast.unparse(annotation)}")
+        empty = node.value is None or isinstance(node.value, (ast.Dict, ast.List, ast.Set)) or (
+            isinstance(node.value, ast.Constant) and node.value.value is None) or (
+            isinstance(node.value, ast.Call) and ast.unparse(node.value.func) in (
+                "dict", "list", "set", "defaultdict", "collections.defaultdict"))
+        if module.startswith("vlmshard.train.") and empty:
+            found += [f"{module}:{node.lineno} keeps {name} for groups at module level"
+                      for name in names if GROUP_NAME.search(name)]
+    return found
+
+
+def test_process_groups_come_from_the_topology():
+    """Every rank must make every process group, in the same order, from one layout; a group
+    made elsewhere, or kept in a module's global state, is a second layout that can disagree
+    with it (and outlives the run that made it). So, read from the source: only
+    ``vlmshard.train.topology`` calls torch's group makers (``GROUP_MAKERS``); no module-level
+    name anywhere is annotated as a ``ProcessGroup``, ``DeviceMesh`` or ``Topology``; and in
+    the trainer no module-level name saying group, mesh or topology is bound to None or an
+    empty container to fill later, nor rebound by ``global``. The groups live in the
+    ``Topology`` the trainer builds and passes to whoever needs one."""
+    held = ast.parse("_GROUPS: dict[int, ProcessGroup] = {}\n"
+                     "def make():\n    global _MESH\n    _MESH = dist.new_group([0])\n")
+    assert len(_process_group_state("vlmshard.train.x", held)) == 4
+    found = [problem for module, path in _modules()
+             for problem in _process_group_state(module, parse_python(path))]
+    assert not found, "\n".join(found)
 
 
 def test_modules_cite_only_documents_a_clone_has():

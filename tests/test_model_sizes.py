@@ -24,7 +24,7 @@ from vlmshard.model_sizes import (
     LLMConfig,
     ModelConfig,
     Zero3Weights,
-    Size,
+    CostTerms,
     layer_work,
     trainer_layer_work,
     zero3_fixed_bytes,
@@ -72,7 +72,7 @@ def test_each_layer_kind_counts_the_hf_modules_parameters(model_type, tmp_path):
 def _stage_params(work, bounds=None) -> list[int] | int:
     """Parameters one stage holds (or each stage of ``bounds``), as the memory model counts
     them (one byte a parameter)."""
-    costs = analytic_layer_costs(work, time_size=Size(1, 1), memory_size=Size(1, 1),
+    costs = analytic_layer_costs(work, time_size=CostTerms(1, 1), memory_size=CostTerms(1, 1),
                                  flops_per_s=1.0, bytes_per_param=1)
     if bounds is None:
         return stage_param_bytes(costs, 0, len(costs))
@@ -373,10 +373,10 @@ def test_a_qwen_vit_attention_size_is_the_square_of_each_span_transformers_makes
     images = get_vision_cu_seqlens(grids).diff()
     windows = get_vision_window_index(grids, 2, 112, 14)[1].diff()
     vision = VisionConfig(image_size=28, patch_size=14, fused_qkv=True, window=4)
-    assert vit_attention_size(vision, GRIDS) == Size(
+    assert vit_attention_size(vision, GRIDS) == CostTerms(
         vit_squares=int((images ** 2).sum()), vit_windows=int((windows ** 2).sum()))
     # a ViT attending within each tile (InternViT's, Gemma's SigLIP) counts it per tile
-    assert vit_attention_size(replace(vision, fused_qkv=False, window=0), GRIDS) == Size()
+    assert vit_attention_size(replace(vision, fused_qkv=False, window=0), GRIDS) == CostTerms()
 
 
 @pytest.mark.parametrize("model_type", [f for f in FAMILIES if f.startswith("qwen")])

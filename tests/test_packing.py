@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from vlmshard.errors import ConfigError
 from vlmshard.families import presets
-from vlmshard.packing import algorithms, kernels
+from vlmshard.packing import algorithms, compiled
 from vlmshard.packing.batches import Lengths, Packing
 from vlmshard.packing.config import ALGORITHMS, PADDED, PackConfig
 from vlmshard.packing.cost import CostModel
@@ -51,7 +51,7 @@ samples = st.lists(st.tuples(st.integers(0, 6), st.integers(1, 900)), min_size=1
 def test_greedy_groups_equals_reference(rows, qv, qt, rnd):
     tiles, tokens = (np.array(c, np.int64) for c in zip(*rows))
     order = np.array(rnd.sample(range(len(rows)), len(rows)), np.int64)
-    got = kernels.greedy_groups(tiles, tokens, order, qv, qt)
+    got = compiled.greedy_groups(tiles, tokens, order, qv, qt)
     assert np.array_equal(got, references.greedy_groups_reference(tiles, tokens, order, qv, qt))
 
 
@@ -71,7 +71,7 @@ shares = st.sampled_from([0.0, 0.25, 0.5, 1.0])  # exact in binary: sums in any 
 def test_fill_bins_equals_reference(rows, qv, qt, n_bins, mean_attn, window, share):
     tiles, tokens = (np.array(c, np.int64) for c in zip(*rows))
     squares = _squares(tokens, window, share)
-    got = kernels.fill_bins(tiles, tokens, squares, qv, qt, mean_attn, n_bins)
+    got = compiled.fill_bins(tiles, tokens, squares, qv, qt, mean_attn, n_bins)
     want = references.fill_bins_reference(tiles, tokens, squares, qv, qt, mean_attn, n_bins)
     assert np.array_equal(got, want)
     for b in range(n_bins):  # and the caps hold
@@ -109,8 +109,8 @@ def test_polish_steps_equals_reference_and_keeps_tiles(rows, ranks, micro, round
     qt = int(max(lengths.tokens[items[a:b]].sum() for a, b in zip(offsets, offsets[1:])))
     got, want = items.copy(), items.copy()
     squares = _squares(lengths.tokens, window, share)
-    n = kernels.polish_steps(got, offsets, lengths.tiles, lengths.tokens, squares, ranks, micro, qt,
-                             rounds)
+    n = compiled.polish_steps(got, offsets, lengths.tiles, lengths.tokens, squares, ranks, micro,
+                              qt, rounds)
     m = references.polish_steps_reference(want, offsets, lengths.tiles, lengths.tokens, squares,
                                           ranks, micro, qt, rounds)
     assert n == m and np.array_equal(got, want)
@@ -124,10 +124,10 @@ def test_pack_command_runs_compiled_kernels_without_importing_numba(tmp_path):
     """`vlmshard pack` loads the ahead-of-time kernels as an extension module: Numba's import and
     JIT set-up (about a second a run) stay out of the command."""
     meta = os.path.join(OMNIBAL, "meta.json")
-    script = ("import sys; from vlmshard.cli import main; from vlmshard.packing import kernels; "
+    script = ("import sys; from vlmshard.cli import main; from vlmshard.packing import compiled; "
               "code = main(['-q', 'pack', '--stats', sys.argv[1], '--dp', '2', '--out', "
               "sys.argv[2]]); import importlib.machinery as m; "
-              "assert isinstance(kernels._compiled().__loader__, m.ExtensionFileLoader); "
+              "assert isinstance(compiled._compiled().__loader__, m.ExtensionFileLoader); "
               "print(code, sorted(n for n in sys.modules if n.split('.')[0] == 'numba'))")
     out = subprocess.run([sys.executable, "-c", script, meta, str(tmp_path / "plan")],
                          capture_output=True, text=True, check=True).stdout
@@ -140,19 +140,19 @@ def test_numba_jit_fallback_equals_the_compiled_kernels(tmp_path, monkeypatch):
     tiles, tokens = rng.integers(0, 6, 200), rng.integers(1, 900, 200)
     squares = tokens.astype(np.float64) ** 2
     args = (tiles, tokens, squares, 12, 2000, float(squares.sum()) / 16, 16)
-    compiled = kernels.fill_bins(*args)
+    ahead_of_time = compiled.fill_bins(*args)
     monkeypatch.setenv("VLMSHARD_KERNEL_CACHE", str(tmp_path))
 
     def no_compiler(name, path):
         raise OSError("no C compiler")
 
-    monkeypatch.setattr(kernels, "_build", no_compiler)
-    kernels._compiled.cache_clear()
+    monkeypatch.setattr(compiled, "_build", no_compiler)
+    compiled._compiled.cache_clear()
     try:
-        assert not hasattr(kernels._compiled(), "__loader__")  # the JIT's dispatchers
-        assert np.array_equal(kernels.fill_bins(*args), compiled)
+        assert not hasattr(compiled._compiled(), "__loader__")  # the JIT's dispatchers
+        assert np.array_equal(compiled.fill_bins(*args), ahead_of_time)
     finally:
-        kernels._compiled.cache_clear()
+        compiled._compiled.cache_clear()
 
 
 # --- the plan contract for every algorithm ------------------------------------------------------

@@ -157,12 +157,12 @@ def test_the_largest_micro_batch_of_the_analytic_model_is_the_edge_of_fitting(pr
     chunk is costed at each size, not scaled from one. Likewise the largest that recomputes no
     layer whole (``whole_recompute=False``)."""
     from vlmshard.families import presets
-    from vlmshard.model_sizes import Size, bytes_per_param, layer_work
+    from vlmshard.model_sizes import CostTerms, bytes_per_param, layer_work
     from vlmshard.partition import analytic_layer_costs, largest_micro_batch
 
     work = layer_work(presets()[preset])
     machine = Machine.for_device(80 * 2**30)
-    shape = Size(10.0, 40.0)
+    shape = CostTerms(10.0, 40.0)
     largest = largest_micro_batch(work, shape, machine, bytes_per_param("bf16"), stages)
     assert largest.tokens > 1000 and largest.tiles == pytest.approx(largest.tokens / 4)
 
@@ -172,7 +172,7 @@ def test_the_largest_micro_batch_of_the_analytic_model_is_the_edge_of_fitting(pr
 
     search_partition(costs(largest), stages, machine)
     with pytest.raises(PartitionError):
-        search_partition(costs(Size(largest.tiles * 1.01, largest.tokens * 1.01)), stages,
+        search_partition(costs(CostTerms(largest.tiles * 1.01, largest.tokens * 1.01)), stages,
                          machine)
     # without recomputing any layer whole: the searched partition at that size has none, at
     # 1% more it has some
@@ -180,7 +180,7 @@ def test_the_largest_micro_batch_of_the_analytic_model_is_the_edge_of_fitting(pr
                                whole_recompute=False)
     assert 0 < free.tokens < largest.tokens
     assert not search_partition(costs(free), stages, machine).recompute
-    assert search_partition(costs(Size(free.tiles * 1.01, free.tokens * 1.01)), stages,
+    assert search_partition(costs(CostTerms(free.tiles * 1.01, free.tokens * 1.01)), stages,
                             machine).recompute
 
 

@@ -107,7 +107,7 @@ def test_finished_job_rerun_is_a_noop(demo, demo_out, monkeypatch):
 def test_a_tokenizer_that_does_not_load_is_one_error_before_the_job_claims_out(demo, tmp_path):
     """The folder is checked before ``OUT`` is claimed: once fixed, the same command runs (an
     interrupted job's record would name the broken folder's bytes and refuse it)."""
-    from vlmshard.preprocess import demo_data
+    from vlmshard.demo import data as demo_data
 
     model = demo_data.demo_model("internvl", str(tmp_path / "model"))
     tokenizer = os.path.join(model, "tokenizer.json")
@@ -131,7 +131,7 @@ def test_demo_data_and_model_are_reused_when_unchanged(demo, tmp_path, monkeypat
     import shutil
 
     import vlmshard.families
-    from vlmshard.preprocess import demo_data
+    from vlmshard.demo import data as demo_data
 
     copy = str(tmp_path / "data")
     shutil.copytree(demo.root, copy)

@@ -240,12 +240,12 @@ def test_a_frozen_vit_moves_the_partition_and_its_stage_runs_no_backward():
     layers on the first stage, which holds the ViT's weights alone (no gradients or optimizer
     states) and runs no backward."""
     from vlmshard.families import presets
-    from vlmshard.model_sizes import Size, bytes_per_param, layer_work, weight_bytes_per_param
+    from vlmshard.model_sizes import CostTerms, bytes_per_param, layer_work, weight_bytes_per_param
     from vlmshard.partition import Machine, analytic_layer_costs, search_partition
 
     model = presets()["qwen3-vl-8b"]
     work = layer_work(model)
-    size = Size(tiles=2048, tokens=8192, squares=8192 ** 2 / 4)
+    size = CostTerms(tiles=2048, tokens=8192, squares=8192 ** 2 / 4)
     machine = Machine.for_device(80 * 2**30)
     bounds = {}
     for name, recipe in (("full", Recipe()), ("frozen", Recipe(("projector", "llm")))):

@@ -109,7 +109,7 @@ def test_analytic_layers_map_onto_the_trainers_layers(family, tmp_path):
     hidden size per squared patch count, Qwen2.5-VL's windowed blocks per their windows', its
     ``fullatt_block_indexes`` per the images'), the others with tokens and squares only."""
     from vlmshard.families import model_sizes
-    from vlmshard.preprocess.demo_data import demo_model
+    from vlmshard.demo.data import demo_model
     from vlmshard.train.hf_model import model_layers
 
     folder = demo_model(family, str(tmp_path / "model"))

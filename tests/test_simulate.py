@@ -272,17 +272,17 @@ def test_the_replay_takes_the_profiles_sustained_rate_per_layer_kind():
     rate and costs nothing. Replayed at those rates, the mean micro-batch takes what the
     profile measured: 0.012 s."""
     from vlmshard.errors import InputError
-    from vlmshard.model_sizes import LayerWork, Size
+    from vlmshard.model_sizes import LayerWork, CostTerms
     from vlmshard.simulate.model import sustained_flops_per_s
 
     def layer(name, kind, forward_s, flops):
         return ({"name": name, "kind": kind, "forward_s": forward_s, "backward_s": 2 * forward_s},
-                LayerWork(name, 0, flops, Size(), Size()))
+                LayerWork(name, 0, flops, CostTerms(), CostTerms()))
 
-    rows = [layer("vit_block_0", "vit_block", 0.001, Size(tiles=1e6, vit_squares=100)),
-            layer("vit_block_1", "vit_block", 0.002, Size(tiles=1e6, vit_squares=100)),
-            layer("embed_tokens", "embed_tokens", 0.0005, Size()),
-            layer("llm_block_0", "llm_block", 0.001, Size(tokens=1e4, squares=10))]
+    rows = [layer("vit_block_0", "vit_block", 0.001, CostTerms(tiles=1e6, vit_squares=100)),
+            layer("vit_block_1", "vit_block", 0.002, CostTerms(tiles=1e6, vit_squares=100)),
+            layer("embed_tokens", "embed_tokens", 0.0005, CostTerms()),
+            layer("llm_block_0", "llm_block", 0.001, CostTerms(tokens=1e4, squares=10))]
     profile = {"layers": [r[0] for r in rows],
                "micro_batches": [{"tiles": 2, "tokens": 100, "squares": 4000,
                                   "vit_squares": 5000},
@@ -311,7 +311,7 @@ def test_measured_layer_times_scale_a_qwen_vits_attention_by_its_analytic_flops(
     the ViT block, 0.5 s in the projector and 1 s in the LLM block at 10 tokens; without the
     layers' work (or with a profile that logged no squared counts) the ViT block scales by
     tiles alone: 1 s."""
-    from vlmshard.model_sizes import LayerWork, Size
+    from vlmshard.model_sizes import LayerWork, CostTerms
 
     def layer(name, forward_s):
         return {"name": name, "forward_s": forward_s, "backward_s": 2 * forward_s,
@@ -322,9 +322,10 @@ def test_measured_layer_times_scale_a_qwen_vits_attention_by_its_analytic_flops(
                "micro_batches": [{"tiles": 1, "tokens": 5, "squares": 25, "vit_squares": 50},
                                  {"tiles": 3, "tokens": 15, "squares": 25,
                                   "vit_squares": 150}]}
-    work = [LayerWork("vit_block_0", 0, Size(tiles=10, vit_squares=0.8), Size(), Size()),
-            LayerWork("projector_merge", 0, Size(tiles=3), Size(), Size()),
-            LayerWork("llm_block_0", 0, Size(tokens=7), Size(), Size())]
+    work = [LayerWork("vit_block_0", 0, CostTerms(tiles=10, vit_squares=0.8), CostTerms(),
+                      CostTerms()),
+            LayerWork("projector_merge", 0, CostTerms(tiles=3), CostTerms(), CostTerms()),
+            LayerWork("llm_block_0", 0, CostTerms(tokens=7), CostTerms(), CostTerms())]
     cost = {"a_t": 1.0, "b": 0.0}
     micro = np.array([2.0, 10, 25, 200, 0])
     rates = LayerRates.from_profile(profile, cost, work)

@@ -27,7 +27,7 @@ from vlmshard.families.internvl import InternVLTiling
 from vlmshard.families.qwen2vl import Qwen2VLTiling
 from vlmshard.families.qwen3vl import Qwen3VLTiling
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
-from vlmshard.preprocess.clips import Clip, make_clip
+from vlmshard.demo.clips import Clip, make_clip
 from vlmshard.preprocess.videos import read_video_header
 from vlmshard.shards.loader import ShardDataset
 
@@ -63,7 +63,7 @@ def test_a_clip_is_the_same_bytes_from_every_fresh_process(container):
     runs, never in isolation or in 800 back-to-back encodes under load; cause unknown, so this
     test does not rest on a worker's state. On a difference it says from which packet.)"""
     code = ("import sys; from PIL import Image; from skimage import data; "
-            "from vlmshard.preprocess.clips import Clip, make_clip; "
+            "from vlmshard.demo.clips import Clip, make_clip; "
             "sys.stdout.buffer.write(make_clip(Image.fromarray(data.astronaut()), Clip("
             f"frames=13, fps=6, width=96, height=64, container={container!r})))")
     first, second = (subprocess.run([sys.executable, "-c", code], capture_output=True,

@@ -33,7 +33,7 @@ from vlmshard.hardware import GPUS, SUSTAINED_SHARE, gpu_named
 from vlmshard.model_sizes import (
     ZERO3_PERSISTENCE_THRESHOLD,
     ModelConfig,
-    Size,
+    CostTerms,
     bytes_per_param,
     vit_attention_size,
     weight_bytes_per_param,
@@ -102,7 +102,7 @@ class ChosenPartition:
     budget_bytes: int = 0  # what the memory model leaves a stage of this device
 
 
-def shard_sizes(shards: str, dp: int, model: ModelConfig) -> tuple[Size, Size]:
+def shard_sizes(shards: str, dp: int, model: ModelConfig) -> tuple[CostTerms, CostTerms]:
     """The mean sizes (tiles, tokens, Σ seq_len², and a Qwen ViT's squared spans:
     ``model_sizes.vit_attention_size``) of what a rank of ``dp`` trains per micro-batch, over
     every micro-batch of the shards, and the largest micro-batch a rank holds (the caps; in a
@@ -131,10 +131,10 @@ def shard_sizes(shards: str, dp: int, model: ModelConfig) -> tuple[Size, Size]:
                                vit.vit_squares, vit.vit_windows), dtype=float)
                      / m.step_group(step)["sp"])
     groups = m.groups or [m.step_group(0)]
-    caps = Size(max(g["rank_qv"] for g in groups), max(g["length"] / g["sp"] for g in groups))
+    caps = CostTerms(max(g["rank_qv"] for g in groups), max(g["length"] / g["sp"] for g in groups))
     # memory has no squared term: no attention backend keeps an [n x n] score matrix
     tiles, tokens, squares, vit_squares, vit_windows = np.mean(sizes, axis=0)
-    return Size(tiles, tokens, squares, vit_squares=vit_squares, vit_windows=vit_windows), caps
+    return CostTerms(tiles, tokens, squares, vit_squares=vit_squares, vit_windows=vit_windows), caps
 
 
 def device_machine(device: Device | None, ranks_on_node: int) -> tuple[Machine, float, str]:

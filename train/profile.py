@@ -38,7 +38,7 @@ from vlmshard.compat import check_torch, check_transformers
 from vlmshard.errors import ConfigError, InputError
 from vlmshard.model_sizes import (
     CHECKPOINT_STATE_BYTES,
-    Size,
+    CostTerms,
     bytes_per_param,
     kept_bytes,
     held_transient,
@@ -263,7 +263,7 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
                             peak, kept_bytes(work[i], model.modes[i]).dot(
                                 kept_size(model, i, micro.host)),
                             held_transient(work[i], model.modes[i],
-                                            size := Size(micro.num_tiles, micro.num_tokens)),
+                                            size := CostTerms(micro.num_tiles, micro.num_tokens)),
                             _selective_bytes(func, layer_in, live) if selective[i] else 0,
                             work[i].selective_bytes.dot(size) + CHECKPOINT_STATE_BYTES
                             if selective[i] else 0)
@@ -289,18 +289,18 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
                     for i, row in enumerate(means)], [d.kind for d in model.defs])
 
 
-def kept_size(model: ModelLayers, index: int, host: HostMeta) -> Size:
+def kept_size(model: ModelLayers, index: int, host: HostMeta) -> CostTerms:
     """The sizes of a micro-batch that layer ``index`` keeps activations for: its real tiles
     and tokens; the first layer keeps the wire's pixels and the token embedding the wire's ids,
     padded to the caps, and its image tokens' rows; the head only the supervised tokens'
     rows."""
     if index == 0:
-        return Size(tiles=host.qv)
+        return CostTerms(tiles=host.qv)
     if model.input_phase(index).name == "features":
-        return Size(tiles=host.tiles, tokens=host.qt)
+        return CostTerms(tiles=host.tiles, tokens=host.qt)
     if index == len(model.defs) - 1:
-        return Size(tokens=host.supervised)
-    return Size(tiles=host.tiles, tokens=host.tokens)
+        return CostTerms(tokens=host.supervised)
+    return CostTerms(tiles=host.tiles, tokens=host.tokens)
 
 
 class _Clock:

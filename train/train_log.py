@@ -13,7 +13,7 @@ import os
 from typing import IO
 
 from vlmshard.io import atomic_write
-from vlmshard.model_sizes import LayerWork, ModelConfig, Size, vit_attention_size
+from vlmshard.model_sizes import LayerWork, ModelConfig, CostTerms, vit_attention_size
 from vlmshard.run_log import LOG_NAME
 
 log = logging.getLogger(__name__)
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 def micro_batch_size(batch: dict, model: ModelConfig) -> dict:
     """The sizes the cost model and the simulator read: tiles, tokens, Σseq_len², for a model
     with sliding-window layers their Σ m·(2·seq_len − m), m = min(seq_len, window)
-    (``model_sizes.Size.windowed``), and for a ViT attending across whole images its spans'
+    (``model_sizes.CostTerms.windowed``), and for a ViT attending across whole images its spans'
     squares (``model_sizes.vit_attention_size``). A sequence-parallel share's are this rank's
     part: its own tiles and media, its real tokens and 1/sp of the whole's attention."""
     import numpy as np
@@ -101,8 +101,8 @@ def rank_data(micro: list[dict], model: ModelConfig) -> dict:
             "sample_ids": [b["sample_ids"].tolist() for b in micro]}
 
 
-def recompute_flops(names: list[str], work: list[LayerWork], recompute: list[str]) -> Size:
-    """Per unit of ``Size``, the FLOPs a step runs again in backward beyond the model's
+def recompute_flops(names: list[str], work: list[LayerWork], recompute: list[str]) -> CostTerms:
+    """Per unit of ``CostTerms``, the FLOPs a step runs again in backward beyond the model's
     (``model_sizes.training_flops``): the forward of each trainer layer (``names``, their
     analytic ``work``: ``model_sizes.trainer_layer_work``) named in ``recompute`` (recomputed
     whole), and the LM head's logits, which the loss recomputes chunk by chunk
@@ -110,18 +110,18 @@ def recompute_flops(names: list[str], work: list[LayerWork], recompute: list[str
     recompute runs no matrix multiplies again and adds none."""
     again = [w.flops for n, w in zip(names, work) if n in recompute] + [
         w.flops for n, w in zip(names, work) if n == "head"]
-    return sum(again, Size())
+    return sum(again, CostTerms())
 
 
 def step_record(step: int, loss: float, lr: float, ranks: list[dict],
-                flops: Size, again: Size = Size()) -> dict:
+                flops: CostTerms, again: CostTerms = CostTerms()) -> dict:
     """One line of train_log.jsonl from every rank's timings (``rank_timing``, with ``data``
     from ``rank_data`` on first-stage ranks).
 
     ``model_flops`` is the step's useful training work (forward + backward of the real tiles,
     tokens and per-sample attention, and the ViT's attention per image, padding excluded) from
     the model's analytic FLOPs: divided by step time and the cluster's peak it is the MFU;
-    ``hardware_flops`` adds the FLOPs run again in backward (``again``, per unit of ``Size``:
+    ``hardware_flops`` adds the FLOPs run again in backward (``again``, per unit of ``CostTerms``:
     ``recompute_flops``), for the HFU. ``end_to_end_tokens_per_s`` also counts the slowest
     rank's loading, which precedes the step. ``lr``: the learning rate the step's
     update used."""
@@ -129,7 +129,7 @@ def step_record(step: int, loss: float, lr: float, ranks: list[dict],
     load = max(r.get("load_s", 0.0) for r in ranks)
     data = sorted((r for r in ranks if "data" in r), key=lambda r: r["dp_rank"])
     tokens = sum(r["data"]["tokens"] for r in data)
-    sizes = [Size(**m) for r in data for m in r["data"]["micro_sizes"]]
+    sizes = [CostTerms(**m) for r in data for m in r["data"]["micro_sizes"]]
     model_flops = sum(flops.dot(m) for m in sizes)
     hardware_flops = model_flops + sum(again.dot(m) for m in sizes)
     return {"step": step, "loss": loss, "lr": lr, "step_time_s": seconds, "load_s": load,

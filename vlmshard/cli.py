@@ -32,7 +32,7 @@ SUBCOMMANDS = {
                "compare the balance of plans: table, JSON, HTML plots, measured waiting"),
     "simulate": ("vlmshard.simulate.cli",
                  "simulate a plan's epoch at cluster scale: time, GPU-days, bubbles, waiting"),
-    "demo-data": ("vlmshard.preprocess.demo_data",
+    "demo-data": ("vlmshard.demo.data",
                   "write the bundled demo dataset (scikit-image photos, generated conversations)"),
     "run": ("vlmshard.run",
             "run every stage from one config: preprocess, pack, write, verify, train, report"),

@@ -30,7 +30,7 @@ from vlmshard.errors import ConfigError
 from vlmshard.model_sizes import (
     CHECKPOINT_STATE_BYTES,
     LayerWork,
-    Size,
+    CostTerms,
     kept_bytes,
     layer_training_flops,
     held_transient,
@@ -136,7 +136,7 @@ class Partition:
         return [i for s in self.stages for i in s.selective]
 
 
-def analytic_layer_costs(work: list[LayerWork], *, time_size: Size, memory_size: Size,
+def analytic_layer_costs(work: list[LayerWork], *, time_size: CostTerms, memory_size: CostTerms,
                          flops_per_s: float, bytes_per_param: float,
                          modes: list[str] | None = None,
                          frozen_bytes_per_param: float = 0.0) -> list[LayerCost]:
@@ -280,7 +280,7 @@ def choose_selective(layers: list[LayerCost], first: int, end: int, in_flight: i
     return whole, sorted(i for i in eligible if i not in whole)
 
 
-def predicted_stage_peak(work: list[LayerWork], recompute: list[int], size: Size,
+def predicted_stage_peak(work: list[LayerWork], recompute: list[int], size: CostTerms,
                          in_flight: int, bytes_per_param: float,
                          selective: list[int] = ()) -> dict[str, int]:
     """The analytic peak of one stage holding the layers ``work`` (recomputing those at the
@@ -347,9 +347,9 @@ def largest_micro_batch_scale(layers: list[LayerCost], bounds: list[int], machin
     return _largest_scale(fits, steps)
 
 
-def largest_micro_batch(work: list[LayerWork], shape: Size, machine: Machine,
+def largest_micro_batch(work: list[LayerWork], shape: CostTerms, machine: Machine,
                         bytes_per_param: float, stages: int = 1, steps: int = 20,
-                        whole_recompute: bool = True) -> Size:
+                        whole_recompute: bool = True) -> CostTerms:
     """The largest micro-batch of ``shape`` (e.g. a mean sample's tiles and tokens) that some
     partition of the analytic model ``work`` into ``stages`` holds in ``machine``'s memory,
     recomputing what it must (with ``whole_recompute`` off, selectively only: no layer's
@@ -357,7 +357,7 @@ def largest_micro_batch(work: list[LayerWork], shape: Size, machine: Machine,
     candidate is costed at its own size (the loss's chunk does not grow past its rows). Zero
     when the parameters alone do not fit."""
     def fits(scale: float) -> bool:
-        size = Size(shape.tiles * scale, shape.tokens * scale)
+        size = CostTerms(shape.tiles * scale, shape.tokens * scale)
         layers = analytic_layer_costs(work, time_size=size, memory_size=size, flops_per_s=1.0,
                                       bytes_per_param=bytes_per_param)
         try:
@@ -367,7 +367,7 @@ def largest_micro_batch(work: list[LayerWork], shape: Size, machine: Machine,
         return whole_recompute or not found.recompute
 
     scale = _largest_scale(fits, steps)
-    return Size(shape.tiles * scale, shape.tokens * scale)
+    return CostTerms(shape.tiles * scale, shape.tokens * scale)
 
 
 def _largest_scale(fits, steps: int) -> float:

@@ -147,16 +147,16 @@ def input_needs_grad(modes: list[Mode], index: int) -> bool:
     return any(mode in TRAINED_MODES for mode in modes[:index])
 
 
-# Per ``Size`` field, what a mode's forward + backward costs in forwards. A weight's matmul has a
-# backward of two such matmuls (its input's gradient and its weight's), so ``train`` is 3 × the
-# forward and ``input_grad`` 2 ×. Attention's score and value products have no weight: their
+# Per ``CostTerms`` field, what a mode's forward + backward costs in forwards. A weight's matmul
+# has a backward of two such matmuls (its input's gradient and its weight's), so ``train`` is
+# 3 × the forward and ``input_grad`` 2 ×. Attention's score and value products have no weight: their
 # backward is twice their forward whether the layer's weights train or not.
 ATTENTION_FIELDS = ("squares", "windowed", "vit_squares", "vit_windows")
 
 
 def flops_factor(mode: Mode, field: str) -> float:
     """Forward + backward FLOPs over forward FLOPs of a layer in ``mode``, for the work of its
-    ``Size`` ``field`` (``vlmshard.model_sizes.Size``)."""
+    ``CostTerms`` ``field`` (``vlmshard.model_sizes.CostTerms``)."""
     if mode == "forward":
         return 1.0
     if mode in ("input_grad", "lora") and field not in ATTENTION_FIELDS:

@@ -105,10 +105,10 @@ class Stage:
 
 
 STAGES = (
-    Stage("demo-data", "vlmshard.preprocess.config:DemoDataConfig", "demo_data",
-          (Link("out", "data"),), "vlmshard.preprocess.demo_data:run_demo_data"),
-    Stage("demo-model", "vlmshard.preprocess.config:DemoModelConfig", "demo_model",
-          (Link("out", "model"),), "vlmshard.preprocess.demo_data:run_demo_model"),
+    Stage("demo-data", "vlmshard.demo.config:DemoDataConfig", "demo_data",
+          (Link("out", "data"),), "vlmshard.demo.data:run_demo_data"),
+    Stage("demo-model", "vlmshard.demo.config:DemoModelConfig", "demo_model",
+          (Link("out", "model"),), "vlmshard.demo.data:run_demo_model"),
     Stage("preprocess", "vlmshard.preprocess.config:PreprocessConfig", "preprocess",
           (Link("out", "preprocess"), Link("inputs", "data/meta.json", "demo_data", many=True),
            Link("model", "model", "demo_model")), "vlmshard.preprocess.job:run_preprocess"),

@@ -190,7 +190,7 @@ LLM_FEATURES = LLMFeatures(qkv_bias=True)
 PRESETS = {
     # Qwen2-VL-2B: its 675M ViT + Qwen2-1.5B, whose LM head is its token embedding. The ViT
     # unit is a merged patch (28 px: 2×2 patches of 14 px, one LLM token after the merger), as
-    # the Qwen2-VL stats count it; its attention spans each image (``Size.vit_squares``).
+    # the Qwen2-VL stats count it; its attention spans each image (``CostTerms.vit_squares``).
     "qwen2-vl-2b": ModelConfig(
         name="qwen2-vl-2b",
         vision=VisionConfig(image_size=28, patch_size=14, hidden=1280, layers=32, heads=16,

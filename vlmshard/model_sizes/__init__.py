@@ -9,8 +9,8 @@ must make exactly the ``tokens_per_tile`` image tokens the shards were tokenized
 FLOPs count what a token runs through: for a MoE layer its router and its ``experts_per_token``
 experts, while its memory holds all of them.
 
-Every layer cost is linear in the sizes of a micro-batch (``Size``); the packer balances three of
-them: Σtiles, Σtokens and Σseq_len² (packed samples attend only within themselves; a
+Every layer cost is linear in the terms of a micro-batch (``CostTerms``); the packer balances
+three of them: Σtiles, Σtokens and Σseq_len² (packed samples attend only within themselves; a
 linear-attention layer costs linear in tokens). A Qwen ViT attends across each image, so its
 blocks' FLOPs also follow Σ P² over images of P patches, which the trainer's MFU and the replay
 count and the packer leaves out (``vit_attention_size``). ``vlmshard train profile`` measures
@@ -62,13 +62,13 @@ from .projector import (
     mlp_projector,
     pool_projector,
 )
-from .work import SIZE_FIELDS, LayerWork, Mixer, Size, vit_attention_size
+from .work import TERM_FIELDS, LayerWork, Mixer, CostTerms, vit_attention_size
 
 __all__ = [
     "ACTIVATION_BYTES", "CHECKPOINT_STATE_BYTES", "FP32", "INT64", "LOSS_CHUNK", "NO_LAYER_WORK",
-    "PROJECTORS", "PROJECTOR_KINDS", "SIZE_FIELDS", "TRAINER_NAMES", "ZERO3_MAX_REUSE_DISTANCE",
+    "PROJECTORS", "PROJECTOR_KINDS", "TERM_FIELDS", "TRAINER_NAMES", "ZERO3_MAX_REUSE_DISTANCE",
     "ZERO3_PERSISTENCE_THRESHOLD", "ZERO3_PREFETCH_BUCKET", "ZERO3_REDUCE_BUCKET", "LLMConfig",
-    "LLMFeatures", "LayerWork", "Mixer", "ModelConfig", "ProjectorWork", "Saves", "Size",
+    "LLMFeatures", "LayerWork", "Mixer", "ModelConfig", "ProjectorWork", "Saves", "CostTerms",
     "VisionConfig", "Zero3Weights", "bytes_per_param", "executed_flops", "gated_mlp_kept",
     "held_transient", "kept_bytes", "layer_norm_kept", "layer_training_flops", "layer_work",
     "lora_adapter_params", "lora_kept_bytes", "lora_selective_bytes", "merger_projector",

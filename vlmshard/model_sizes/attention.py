@@ -1,6 +1,6 @@
 """An LLM layer's attention, full or within a sliding window (Gemma 3's local layers): its token
 mixer. Packed samples attend only within themselves, so its quadratic FLOPs follow Σseq_len²
-(``Size.squares``) or, sliding, the pairs within the window (``Size.windowed``)."""
+(``CostTerms.squares``) or, sliding, the pairs within the window (``CostTerms.windowed``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from .configs import LLMConfig
 from .memory import ACTIVATION_BYTES, FP32, Saves, normalized_kept, pre_norm_kept, rms_norm_kept
-from .work import Mixer, Size
+from .work import Mixer, CostTerms
 
 
 def attention(t: LLMConfig, saves: Saves) -> Mixer:
@@ -24,7 +24,7 @@ def attention(t: LLMConfig, saves: Saves) -> Mixer:
                 + rms_norm_kept(kv, t.kv_heads, offset, fused) if t.qk_norm else 0)
     return Mixer(
         params=linear + (2 * head_dim if t.qk_norm else 0) + (q + 2 * kv) * t.qkv_bias,
-        flops=Size(tokens=2 * linear, squares=2 * q),
+        flops=CostTerms(tokens=2 * linear, squares=2 * q),
         kept=(pre_norm_kept(t.hidden, offset, fused) + qk_norms + 2 * a * head_dim
               + a * (2 * q + 2 * (q if saves.kv_repeated else kv)) + FP32 * t.heads
               + a * q * (1 + 2 * t.attention_gate)),
@@ -44,4 +44,4 @@ def sliding_attention(t: LLMConfig, saves: Saves) -> Mixer:
     """Attention within a sliding window: ``attention``, its quadratic term counting only the
     pairs within the window."""
     full = attention(t, saves)
-    return replace(full, flops=Size(tokens=full.flops.tokens, windowed=full.flops.squares))
+    return replace(full, flops=CostTerms(tokens=full.flops.tokens, windowed=full.flops.squares))

@@ -32,10 +32,10 @@ class VisionConfig:
     cls_token: bool = False  # a class token and its position row (InternViT)
     # Qwen's ViTs: one qkv matrix, rotary positions (tables in fp32), attention across each
     # image (each temporal step of a video), not within a tile, with the outputs concatenated:
-    # its FLOPs follow ``Size.vit_squares`` (``vit_attention_size``)
+    # its FLOPs follow ``CostTerms.vit_squares`` (``vit_attention_size``)
     fused_qkv: bool = False
     # Qwen2.5-VL: its blocks but ``full_blocks`` attend within windows of ``window`` × ``window``
-    # tiles (``Size.vit_windows``; 0: no windows)
+    # tiles (``CostTerms.vit_windows``; 0: no windows)
     window: int = 0
     full_blocks: tuple[int, ...] = ()
     quick_gelu: bool = False  # x·sigmoid(1.702·x): keeps one MLP hidden more than gelu (Qwen2-VL)

@@ -9,7 +9,7 @@ from .linear_attention import gated_deltanet
 from .memory import ACTIVATION_BYTES, Saves, normalized_kept, rms_norm_backward, rms_norm_kept
 from .mlp import dense_mlp
 from .moe import moe
-from .work import LayerWork, Mixer, Size
+from .work import LayerWork, Mixer, CostTerms
 
 
 def decoder_blocks(t: LLMConfig, saves: Saves) -> list[LayerWork]:
@@ -34,16 +34,16 @@ def decoder_block(name: str, t: LLMConfig, saves: Saves, mixers: tuple[Mixer, Mi
     sandwich = (2 * rms_norm_kept(t.hidden, offset=offset, fused=fused) if t.sandwich_norms
                 else 0)
     selective = (None if any(m.selective is None for m in mixers)
-                 else Size(tokens=sum(m.selective for m in mixers)))
+                 else CostTerms(tokens=sum(m.selective for m in mixers)))
     return LayerWork(
         name, params=sum(m.params for m in mixers) + norms * t.hidden,
-        flops=Size(tokens=sum(m.flops.tokens for m in mixers),
+        flops=CostTerms(tokens=sum(m.flops.tokens for m in mixers),
                    squares=sum(m.flops.squares for m in mixers),
                    windowed=sum(m.flops.windowed for m in mixers)),
-        activation_bytes=Size(tokens=sum(m.kept for m in mixers) + sandwich),
-        weight_only_bytes=Size(tokens=sum(m.weight_only for m in mixers)
+        activation_bytes=CostTerms(tokens=sum(m.kept for m in mixers) + sandwich),
+        weight_only_bytes=CostTerms(tokens=sum(m.weight_only for m in mixers)
                                + norms * normalized_kept(t.hidden, offset, fused)),
-        output_bytes=Size(tokens=a * t.hidden),
-        transient_bytes=Size(tokens=3 * a * t.hidden + rms_norm_backward(t.hidden)
+        output_bytes=CostTerms(tokens=a * t.hidden),
+        transient_bytes=CostTerms(tokens=3 * a * t.hidden + rms_norm_backward(t.hidden)
                              + max(m.transient for m in mixers)),
         selective_bytes=selective)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from .configs import ModelConfig
 from .memory import ACTIVATION_BYTES, layer_norm_kept
 from .projector import PROJECTORS
-from .work import LayerWork, Size
+from .work import LayerWork, CostTerms
 
 
 def deepstack_block(config: ModelConfig, block: LayerWork) -> LayerWork:
@@ -20,10 +20,10 @@ def deepstack_block(config: ModelConfig, block: LayerWork) -> LayerWork:
     merger_params = linear + 2 * width + width + t.hidden
     return LayerWork(
         block.name, block.params + merger_params,
-        flops=block.flops + Size(tiles=2 * tokens * linear),
-        activation_bytes=Size(tiles=block.activation_bytes.tiles
+        flops=block.flops + CostTerms(tiles=2 * tokens * linear),
+        activation_bytes=CostTerms(tiles=block.activation_bytes.tiles
                               + tokens * (layer_norm_kept(width) + 3 * a * width)),
-        output_bytes=Size(tiles=block.output_bytes.tiles + a * tokens * t.hidden),
-        transient_bytes=Size(tiles=block.transient_bytes.tiles + tokens * 3 * a * width),
-        selective_bytes=Size(tiles=block.selective_bytes.tiles
+        output_bytes=CostTerms(tiles=block.output_bytes.tiles + a * tokens * t.hidden),
+        transient_bytes=CostTerms(tiles=block.transient_bytes.tiles + tokens * 3 * a * width),
+        selective_bytes=CostTerms(tiles=block.selective_bytes.tiles
                              + tokens * a * (width + t.hidden)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .configs import LLMConfig
 from .memory import ACTIVATION_BYTES, FP32, INT64
-from .work import LayerWork, Size
+from .work import LayerWork, CostTerms
 
 
 def tied_table_params(t: LLMConfig) -> int:
@@ -19,10 +19,10 @@ def token_embedding(t: LLMConfig, tokens_per_tile: int) -> LayerWork:
     image tokens' rows zeroed, the image features' gradient, the gradient in fp32 where the
     table's accumulates, and the table's fp32 gradient."""
     table = t.vocab_size * t.hidden
-    return LayerWork("embed_tokens", table, Size(),
-                     Size(tokens=INT64, tiles=INT64 * tokens_per_tile),
-                     Size(tokens=ACTIVATION_BYTES * t.hidden),
-                     transient_bytes=Size(tokens=(3 * ACTIVATION_BYTES + FP32) * t.hidden),
+    return LayerWork("embed_tokens", table, CostTerms(),
+                     CostTerms(tokens=INT64, tiles=INT64 * tokens_per_tile),
+                     CostTerms(tokens=ACTIVATION_BYTES * t.hidden),
+                     transient_bytes=CostTerms(tokens=(3 * ACTIVATION_BYTES + FP32) * t.hidden),
                      fixed_transient_bytes=FP32 * table,
                      tied_params=tied_table_params(t),
-                     weight_only_bytes=Size(tokens=INT64))  # the ids index the table alone
+                     weight_only_bytes=CostTerms(tokens=INT64))  # the ids index the table alone

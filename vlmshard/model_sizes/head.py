@@ -7,7 +7,7 @@ from __future__ import annotations
 from .configs import LLMConfig
 from .embedding import tied_table_params
 from .memory import ACTIVATION_BYTES, FP32, INT64, Saves, rms_norm_backward, rms_norm_kept
-from .work import LayerWork, Size
+from .work import LayerWork, CostTerms
 
 # What the loss keeps per supervised token beyond its hidden state: the row's int64 index
 # (``nonzero_static``) and its int64 target
@@ -22,13 +22,13 @@ def final_norm(t: LLMConfig, saves: Saves) -> LayerWork:
     """The final norm: its output, that output's gradient and the input's, and the fp32
     gradients of its backward."""
     normalized = 0 if saves.liger_llm else (FP32 if t.offset_norms else ACTIVATION_BYTES)
-    return LayerWork("final_norm", t.hidden, Size(),
-                     Size(tokens=rms_norm_kept(t.hidden, offset=t.offset_norms,
+    return LayerWork("final_norm", t.hidden, CostTerms(),
+                     CostTerms(tokens=rms_norm_kept(t.hidden, offset=t.offset_norms,
                                                fused=saves.liger_llm)),
-                     Size(tokens=ACTIVATION_BYTES * t.hidden),
-                     transient_bytes=Size(tokens=3 * ACTIVATION_BYTES * t.hidden
+                     CostTerms(tokens=ACTIVATION_BYTES * t.hidden),
+                     transient_bytes=CostTerms(tokens=3 * ACTIVATION_BYTES * t.hidden
                                           + rms_norm_backward(t.hidden)),
-                     weight_only_bytes=Size(tokens=normalized * t.hidden))
+                     weight_only_bytes=CostTerms(tokens=normalized * t.hidden))
 
 
 def head(t: LLMConfig, saves: Saves) -> LayerWork:
@@ -38,10 +38,10 @@ def head(t: LLMConfig, saves: Saves) -> LayerWork:
     norm = final_norm(t, saves)
     return LayerWork(
         "head", t.hidden * t.vocab_size + t.hidden,
-        flops=Size(tokens=2 * t.hidden * t.vocab_size),
-        activation_bytes=Size(tokens=ACTIVATION_BYTES * t.hidden + SUPERVISED_ROW_BYTES
+        flops=CostTerms(tokens=2 * t.hidden * t.vocab_size),
+        activation_bytes=CostTerms(tokens=ACTIVATION_BYTES * t.hidden + SUPERVISED_ROW_BYTES
                               + norm.activation_bytes.tokens),
-        output_bytes=Size(),
+        output_bytes=CostTerms(),
         transient_bytes=norm.transient_bytes,
         chunk_row_bytes=LOSS_ROW_BYTES_PER_CLASS * t.vocab_size,
         tied_params=tied_table_params(t))

@@ -15,7 +15,7 @@ from .head import final_norm, head
 from .memory import ACTIVATION_BYTES, Saves
 from .projector import projector_merge
 from .vit import image_attention, vit_block, vit_embed
-from .work import LayerWork, Size
+from .work import LayerWork, CostTerms
 
 
 def layer_work(config: ModelConfig, saves: Saves = Saves()) -> list[LayerWork]:
@@ -80,7 +80,7 @@ def trainer_layer_work(names: list[str], config: ModelConfig,
             held, kept = out[i].activation_bytes, own.activation_bytes
             out[i] = replace(out[i], params=out[i].params - own.params,
                              tied_params=out[i].tied_params - own.tied_params,
-                             activation_bytes=Size(held.tiles - kept.tiles,
+                             activation_bytes=CostTerms(held.tiles - kept.tiles,
                                                    held.tokens - kept.tokens))
     return out
 

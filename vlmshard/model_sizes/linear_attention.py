@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .configs import LLMConfig
 from .memory import ACTIVATION_BYTES, FP32, Saves, pre_norm_kept
-from .work import Mixer, Size
+from .work import Mixer, CostTerms
 
 # The torch kernel's chunk of tokens (its ``chunk_size``)
 DELTA_RULE_CHUNK = 64
@@ -43,7 +43,7 @@ def gated_deltanet(t: LLMConfig, saves: Saves) -> Mixer:
     rows = DELTA_RULE_CHUNK_ROWS * chunk + DELTA_RULE_KEY_ROWS * dk + DELTA_RULE_VALUE_ROWS * dv
     return Mixer(
         params=linear + conv_dim * t.linear_conv_kernel + 2 * heads + dv,
-        flops=Size(tokens=2 * linear + 2 * conv_dim * t.linear_conv_kernel
+        flops=CostTerms(tokens=2 * linear + 2 * conv_dim * t.linear_conv_kernel
                    + 2 * heads * (DELTA_RULE_KEY_MACS * chunk * dk
                                   + DELTA_RULE_VALUE_MACS * chunk * dv
                                   + DELTA_RULE_STATE_MACS * dk * dv)),

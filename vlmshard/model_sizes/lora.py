@@ -8,7 +8,7 @@ from dataclasses import replace
 from ..recipe import Lora
 from .configs import LLMConfig, ModelConfig
 from .memory import ACTIVATION_BYTES
-from .work import LayerWork, Size
+from .work import LayerWork, CostTerms
 
 
 def lora_adapter_params(t: LLMConfig, layer: int, lora: Lora) -> int:
@@ -72,10 +72,11 @@ def with_adapters(work: list[LayerWork], config: ModelConfig, lora: Lora | None
             layer = int(w.name.rsplit("_", 1)[1])
             n = lora_adapter_params(config.llm, layer, lora)
             # selectively recomputed, an adapter keeps its two matmuls' outputs too
-            selective = None if w.selective_bytes is None else w.selective_bytes + Size(
+            selective = None if w.selective_bytes is None else w.selective_bytes + CostTerms(
                 tokens=lora_selective_bytes(config.llm, layer, lora))
-            w = replace(w, adapter_params=n, adapter_flops=Size(tokens=2 * n),
-                        adapter_kept_bytes=Size(tokens=lora_kept_bytes(config.llm, layer, lora)),
+            w = replace(w, adapter_params=n, adapter_flops=CostTerms(tokens=2 * n),
+                        adapter_kept_bytes=CostTerms(
+                            tokens=lora_kept_bytes(config.llm, layer, lora)),
                         selective_bytes=selective)
         out.append(w)
     return out

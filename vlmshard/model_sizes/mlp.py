@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .configs import LLMConfig
 from .memory import ACTIVATION_BYTES, Saves, gated_mlp_kept, pre_norm_kept
-from .work import Mixer, Size
+from .work import Mixer, CostTerms
 
 
 def dense_mlp(t: LLMConfig, saves: Saves) -> Mixer:
@@ -12,7 +12,7 @@ def dense_mlp(t: LLMConfig, saves: Saves) -> Mixer:
     product (Liger's kernel: no activation)."""
     a, fused = ACTIVATION_BYTES, saves.liger_llm
     return Mixer(params=3 * t.hidden * t.intermediate,
-                 flops=Size(tokens=2 * 3 * t.hidden * t.intermediate),
+                 flops=CostTerms(tokens=2 * 3 * t.hidden * t.intermediate),
                  kept=(pre_norm_kept(t.hidden, t.offset_norms, fused)
                        + gated_mlp_kept(t.intermediate, fused)),
                  transient=3 * a * t.intermediate,

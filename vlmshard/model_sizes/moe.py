@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .configs import LLMConfig
 from .memory import ACTIVATION_BYTES, FP32, Saves, gated_mlp_kept, pre_norm_kept
-from .work import Mixer, Size
+from .work import Mixer, CostTerms
 
 # What ``transformers``' expert loop keeps per token and chosen expert beside the expert's own
 # activations: the routing's int64 token and top-k positions its gathers and ``index_add_`` keep
@@ -24,7 +24,7 @@ def moe(t: LLMConfig, saves: Saves) -> Mixer:
     expert = 3 * t.hidden * t.moe_intermediate
     return Mixer(
         params=t.hidden * t.experts + t.experts * expert + shared,
-        flops=Size(tokens=2 * (t.hidden * t.experts + t.experts_per_token * expert + shared)),
+        flops=CostTerms(tokens=2 * (t.hidden * t.experts + t.experts_per_token * expert + shared)),
         kept=(pre_norm_kept(t.hidden, t.offset_norms, fused) + (FP32 + a) * t.experts + FP32
               + t.experts_per_token * (2 * a * t.hidden + 4 * a * t.moe_intermediate
                                        + MOE_ROUTING_BYTES)

@@ -10,7 +10,7 @@ from .configs import ModelConfig
 from .embedding import token_embedding
 from .memory import ACTIVATION_BYTES, layer_norm_kept, rms_norm_backward, rms_norm_kept
 from .vit import vit_norm_kept, vit_norm_params
-from .work import LayerWork, Size
+from .work import LayerWork, CostTerms
 
 
 @dataclass(frozen=True)
@@ -65,11 +65,11 @@ def projector_merge(config: ModelConfig) -> LayerWork:
     projector, lookup = PROJECTORS[config.projector](config), token_embedding(t, tokens)
     return LayerWork(
         "projector_merge", projector.params + lookup.params,
-        flops=Size(tiles=2 * tokens * projector.linear),
-        activation_bytes=Size(tiles=projector.kept + lookup.activation_bytes.tiles,
+        flops=CostTerms(tiles=2 * tokens * projector.linear),
+        activation_bytes=CostTerms(tiles=projector.kept + lookup.activation_bytes.tiles,
                               tokens=lookup.activation_bytes.tokens),
-        output_bytes=Size(tokens=a * t.hidden),
-        transient_bytes=Size(tiles=patches * (3 * a * v.hidden + rms_norm_backward(v.hidden)
+        output_bytes=CostTerms(tokens=a * t.hidden),
+        transient_bytes=CostTerms(tiles=patches * (3 * a * v.hidden + rms_norm_backward(v.hidden)
                                               * v.rms_norm)
                              + tokens * (3 * a * width + 2 * a * t.hidden)),
         fixed_transient_bytes=lookup.fixed_transient_bytes, tied_params=lookup.tied_params)

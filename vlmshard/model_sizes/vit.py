@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .configs import ModelConfig, VisionConfig
 from .memory import ACTIVATION_BYTES, FP32, INT64, Saves, layer_norm_kept, rms_norm_kept
-from .work import LayerWork, Size
+from .work import LayerWork, CostTerms
 
 # A learned position table resampled to each image (Qwen3-VL's bilinear interpolation): what it
 # keeps per patch, its four neighbours' int64 indices and fp32 weights (held to the saved-tensor
@@ -43,11 +43,11 @@ def vit_embed(config: ModelConfig) -> LayerWork:
               + v.cls_token * (2 if v.position_embeddings < 0 else 1) * v.hidden)
     return LayerWork(
         "vit_embed", params,
-        flops=Size(tiles=2 * patch_in * v.hidden * patches),
-        activation_bytes=Size(tiles=patches * (a * patch_in
+        flops=CostTerms(tiles=2 * patch_in * v.hidden * patches),
+        activation_bytes=CostTerms(tiles=patches * (a * patch_in
                                                + RESAMPLED_POSITIONS_KEPT * resampled)),
-        output_bytes=Size(tiles=a * patches * v.hidden),
-        transient_bytes=Size(tiles=patches * a * v.hidden * (
+        output_bytes=CostTerms(tiles=a * patches * v.hidden),
+        transient_bytes=CostTerms(tiles=patches * a * v.hidden * (
             EMBED_TRANSIENT_ROWS + RESAMPLED_POSITIONS_TRANSIENT_ROWS * resampled)))
 
 
@@ -83,22 +83,22 @@ def vit_block(config: ModelConfig, saves: Saves) -> LayerWork:
         (hiddens + 1) * a * mlp, FP32 * v.hidden + 3 * a * v.hidden))
     return LayerWork(
         "vit_block", params,
-        flops=Size(tiles=2 * patches * linear
+        flops=CostTerms(tiles=2 * patches * linear
                    + (0 if v.fused_qkv else 4 * patches ** 2 * v.hidden)),
-        activation_bytes=Size(tiles=patches * kept),
-        output_bytes=Size(tiles=a * patches * v.hidden),
-        transient_bytes=Size(tiles=transient),
+        activation_bytes=CostTerms(tiles=patches * kept),
+        output_bytes=CostTerms(tiles=a * patches * v.hidden),
+        transient_bytes=CostTerms(tiles=transient),
         # q, k, v; the kernel's output and log-sum-exp; the projection; the MLP's first matmul
         # (two, gated) and its second
-        selective_bytes=Size(tiles=patches * (a * 6 * v.hidden + FP32 * v.heads
+        selective_bytes=CostTerms(tiles=patches * (a * 6 * v.hidden + FP32 * v.heads
                                               + (1 + v.gated_mlp) * a * mlp)))
 
 
-def image_attention(v: VisionConfig, block: int) -> Size:
+def image_attention(v: VisionConfig, block: int) -> CostTerms:
     """A ViT block's attention across images or windows (Qwen's), per unit of their squares
     (``vit_attention_size``): q·kᵀ and its product with v; none for a ViT attending within a
     tile."""
     if not v.fused_qkv:
-        return Size()
+        return CostTerms()
     windowed = v.window and block not in v.full_blocks
-    return Size(vit_windows=4 * v.hidden) if windowed else Size(vit_squares=4 * v.hidden)
+    return CostTerms(vit_windows=4 * v.hidden) if windowed else CostTerms(vit_squares=4 * v.hidden)

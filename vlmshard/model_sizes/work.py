@@ -1,5 +1,6 @@
-"""The units of cost: the sizes of a micro-batch every cost is linear in (``Size``), and what one
-pipeline layer costs per unit of them (``LayerWork``), or one half of an LLM layer (``Mixer``)."""
+"""The units of cost: the terms of a micro-batch every cost is linear in (``CostTerms``), and what
+one pipeline layer costs per unit of them (``LayerWork``), or one half of an LLM layer
+(``Mixer``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from .memory import LOSS_CHUNK
 
 
 @dataclass(frozen=True)
-class Size:
+class CostTerms:
     """The sizes of a micro-batch (or a sum of them) that every cost is linear in: tiles,
     tokens, the LLM's attention and, for a ViT attending across whole images (Qwen's), its
     attention (``vit_attention_size``)."""
@@ -25,26 +26,26 @@ class Size:
     vit_squares: float = 0.0  # Σ P² over images and videos' temporal steps of P patches
     vit_windows: float = 0.0  # Σ P² over the ViT's windows of P patches (Qwen2.5-VL)
 
-    def dot(self, other: "Size") -> float:
-        return sum(getattr(self, k) * getattr(other, k) for k in SIZE_FIELDS)
+    def dot(self, other: "CostTerms") -> float:
+        return sum(getattr(self, k) * getattr(other, k) for k in TERM_FIELDS)
 
-    def __add__(self, other: "Size") -> "Size":
-        return Size(*(getattr(self, k) + getattr(other, k) for k in SIZE_FIELDS))
+    def __add__(self, other: "CostTerms") -> "CostTerms":
+        return CostTerms(*(getattr(self, k) + getattr(other, k) for k in TERM_FIELDS))
 
-    def scaled(self, factor: float) -> "Size":
-        return Size(*(factor * getattr(self, k) for k in SIZE_FIELDS))
+    def scaled(self, factor: float) -> "CostTerms":
+        return CostTerms(*(factor * getattr(self, k) for k in TERM_FIELDS))
 
-    def windows_as_full(self) -> "Size":
+    def windows_as_full(self) -> "CostTerms":
         """These FLOPs with sliding-window layers charged as full attention: for sizes that
         know only Σseq_len² (the simulator's, the default partition's), exact for samples no
         longer than the window and an upper bound beyond."""
         return replace(self, squares=self.squares + self.windowed, windowed=0.0)
 
 
-SIZE_FIELDS = tuple(f.name for f in fields(Size))
+TERM_FIELDS = tuple(f.name for f in fields(CostTerms))
 
 
-def vit_attention_size(vision: VisionConfig, grids: Iterable[Sequence[int]]) -> Size:
+def vit_attention_size(vision: VisionConfig, grids: Iterable[Sequence[int]]) -> CostTerms:
     """The attention sizes of images and videos of ViT patch ``grids`` (t, h, w) for a ViT that
     attends across each image and each temporal step of a video (``VisionConfig.fused_qkv``:
     Qwen's, as ``transformers.vision_utils.get_vision_cu_seqlens`` splits them): Σ P² over
@@ -53,7 +54,7 @@ def vit_attention_size(vision: VisionConfig, grids: Iterable[Sequence[int]]) -> 
     windows cut at the image's edge. A ViT that attends within a tile has its attention in the
     per-tile FLOPs: empty."""
     if not vision.fused_qkv:
-        return Size()
+        return CostTerms()
     merge = vision.image_size // vision.patch_size  # a tile: merge × merge patches
     full = windows = 0
     for t, h, w in grids:
@@ -61,7 +62,7 @@ def vit_attention_size(vision: VisionConfig, grids: Iterable[Sequence[int]]) -> 
         if vision.window:
             rows, cols = (_cut(side // merge, vision.window) for side in (h, w))
             windows += t * merge ** 4 * sum(r * r for r in rows) * sum(c * c for c in cols)
-    return Size(vit_squares=full, vit_windows=windows)
+    return CostTerms(vit_squares=full, vit_windows=windows)
 
 
 def _cut(length: int, window: int) -> list[int]:
@@ -72,11 +73,11 @@ def _cut(length: int, window: int) -> list[int]:
 @dataclass(frozen=True)
 class Mixer:
     """Half of an LLM layer (its token or its channel mixer): parameters, forward FLOPs per unit
-    of ``Size``, the bytes it keeps for backward per token, and the widest gradients its
+    of ``CostTerms``, the bytes it keeps for backward per token, and the widest gradients its
     backward holds at once per token."""
 
     params: float
-    flops: Size
+    flops: CostTerms
     kept: float
     transient: float = 0.0
     # per token, the outputs of its matmuls and attention kernel: what selective recompute keeps
@@ -89,38 +90,39 @@ class Mixer:
 
 @dataclass(frozen=True)
 class LayerWork:
-    """One pipeline layer: parameters, and per unit of ``Size`` its forward FLOPs, the activation
-    bytes it keeps for backward and the bytes of the activation it hands to the next layer."""
+    """One pipeline layer: parameters, and per unit of each of ``CostTerms`` its forward FLOPs,
+    the activation bytes it keeps for backward and the bytes of the activation it hands to the
+    next layer."""
 
     name: str
     params: int
-    flops: Size
-    activation_bytes: Size
-    output_bytes: Size
+    flops: CostTerms
+    activation_bytes: CostTerms
+    output_bytes: CostTerms
     # what its forward + backward hold at once beyond what it keeps and its parameters'
     # gradients (counted with the parameters): its output and that output's gradient, its
     # input's gradient, the widest gradients inside it; and per row of the loss's chunk (the
     # head: logits in fp32, their log-softmax and gradient), up to ``LOSS_CHUNK`` rows
-    transient_bytes: Size = Size()
+    transient_bytes: CostTerms = CostTerms()
     chunk_row_bytes: float = 0.0
     fixed_transient_bytes: float = 0.0  # the token embedding's fp32 table gradient
     # kept under selective recompute besides the layer's input: its matmuls' and attention
     # kernels' outputs (``vlmshard.train.recompute``); None where a layer has no such mode
-    selective_bytes: Size | None = None
+    selective_bytes: CostTerms | None = None
     # of ``params``, the table a tied LM head and the token embedding share
     # (``LLMConfig.tied_embeddings``): a stage holding both layers holds it once
     tied_params: int = 0
     # of ``activation_bytes``, what only the weights' gradients read (linear layers' inputs, a
     # norm's normalized values): not kept with the weights frozen (``kept_bytes``)
-    weight_only_bytes: Size = Size()
+    weight_only_bytes: CostTerms = CostTerms()
     # LoRA's adapters on the layer (``with_adapters``): trained while ``params`` stay frozen,
-    # their forward FLOPs per unit of ``Size``, and what they keep (their linear layers'
+    # their forward FLOPs per unit of ``CostTerms``, and what they keep (their linear layers'
     # inputs again, and each adapter's rank-wide hidden)
     adapter_params: int = 0
-    adapter_flops: Size = Size()
-    adapter_kept_bytes: Size = Size()
+    adapter_flops: CostTerms = CostTerms()
+    adapter_kept_bytes: CostTerms = CostTerms()
 
-    def transient(self, size: Size) -> float:
+    def transient(self, size: CostTerms) -> float:
         """The transient bytes at a micro-batch of ``size``."""
         return (self.transient_bytes.dot(size) + self.chunk_row_bytes * min(size.tokens, LOSS_CHUNK)
                 + self.fixed_transient_bytes)

@@ -487,4 +487,4 @@ def run_demo_data(cfg: DemoDataConfig) -> DemoDataset:
 
 
 add_arguments, main = stage_command("demo-data", DemoDataConfig,
-                                    "vlmshard.preprocess.demo_data:run_demo_data")
+                                    "vlmshard.demo.data:run_demo_data")

@@ -26,7 +26,7 @@ import numpy as np
 
 from vlmshard.errors import ConfigError, InputError
 from vlmshard.hardware import GPU
-from vlmshard.model_sizes import LayerWork, Size, layer_training_flops
+from vlmshard.model_sizes import LayerWork, CostTerms, layer_training_flops
 from vlmshard.partition import Machine, Partition, analytic_layer_costs, deepspeed_bounds
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def pipeline_times(forward: np.ndarray, backward: np.ndarray) -> tuple[np.ndarra
 # ---------------------------------------------------------------------------------------------
 # Stage times from layer work
 
-# The sizes a layer's time is linear in (``model_sizes.Size``'s, the LLM's sliding-window
+# The sizes a layer's time is linear in (``model_sizes.CostTerms``'s, the LLM's sliding-window
 # attention charged as full): a logged micro-batch has them all (``logged_columns``); a plan
 # the first three (``planned_columns``)
 COLUMNS = ("tiles", "tokens", "squares", "vit_squares", "vit_windows")
@@ -237,7 +237,7 @@ class StageModel:
         return forward, backward
 
 
-def _vector(size: Size) -> np.ndarray:
+def _vector(size: CostTerms) -> np.ndarray:
     size = size.windows_as_full()  # the simulator's sizes know Σseq_len² only
     return np.array([getattr(size, k) for k in COLUMNS], dtype=np.float64)
 
@@ -347,7 +347,7 @@ def search_for(work: list[LayerWork], sizes: np.ndarray, stages: int, gpu: GPU, 
     from vlmshard.partition import PartitionError, evaluate, search_partition
 
     mean, peak = sizes.mean(axis=0), sizes.max(axis=0)
-    layers = analytic_layer_costs(work, time_size=Size(*mean), memory_size=Size(*peak),
+    layers = analytic_layer_costs(work, time_size=CostTerms(*mean), memory_size=CostTerms(*peak),
                                   flops_per_s=flops_per_s, bytes_per_param=bytes_per_param,
                                   modes=modes, frozen_bytes_per_param=frozen_bytes_per_param)
     machine = Machine.for_device(gpu.memory_bytes, gpu.link_bytes_per_s, full_recompute)
