@@ -7,36 +7,16 @@ samples kept apart, for training on the shards with your own loop or trainer::
     for batch in make_loader("shards/", rank, world_size):
         loss = model(**model_inputs(batch, model)).loss
 
-Packed samples must never attend to each other. What keeps them apart depends on the model's
-attention implementation (``model.config._attn_implementation``):
+What keeps the samples apart follows ``model.config._attn_implementation``: each sample's
+boundaries for flash-attn's varlen kernel (or torch's, ``TORCH_VARLEN``), or a 4-D additive
+mask (one per layer kind where the model's layers attend differently) for ``sdpa`` and
+``eager``. Refused: any other implementation (nothing tells it where samples end), flash-attn
+for a model whose images attend both ways, and a model with linear-attention layers. Position
+ids restart at each sample, and labels are shifted here, never across a sample boundary.
+``split_batch`` gives each sample alone; ``padded_inputs`` gives them as one right-padded batch.
 
-- ``flash_attention_2`` / ``flash_attention_3``: each sample's boundaries as ``cu_seq_lens_q/k``
-  and ``max_length_q/k``, which ``transformers`` hands to flash-attn's varlen kernel;
-  ``TORCH_VARLEN`` (registered by importing ``vlmshard.train.attention``) takes the same to
-  torch's own varlen flash kernel (CUDA, torch 2.10 on), where flash-attn is not installed,
-  and to SDPA on each sample elsewhere;
-- ``sdpa`` and ``eager``: a 4-D additive mask [1, 1, n, n] in the model's dtype, causal within each
-  sample and ``-inf`` across them (``transformers`` takes a 4-D mask as it is). It costs n²
-  memory: for long micro-batches, use flash-attn on a GPU. A model whose layers attend
-  differently gets one mask per layer kind, as its own forward takes them (Gemma 3: each image's
-  tokens see their whole image, and its ``sliding_attention`` layers a window).
-
-Any other implementation is refused, since nothing tells it where samples end; so are flash-attn
-for a model whose images attend both ways (its kernel cannot), and a model with linear-attention
-layers (Qwen3.5: ``transformers``' own forward carries their state across packed samples; train
-it with ``vlmshard train``, or give it each sample alone, ``split_batch``). Position ids
-restart at each sample (Qwen2-VL's 3-D mRoPE ids as ``get_rope_index`` computes them for each
-sample alone); ``transformers``' own detection of packing from position ids misses 3-D ids, so
-the boundaries are always given explicitly. Labels are shifted here (``shift_labels``), never
-across a sample boundary.
-
-``padded_inputs`` gives the samples of ``split_batch`` to the model as one right-padded batch
-instead, as a Hugging Face data collator pads them (the common default, for comparisons).
-
-Loss normalization: ``vlmshard train`` divides the summed token losses of a step by the
-step's supervised tokens over all ranks (Ave-Token). Pass ``num_items_in_batch`` = that count
-divided by the data-parallel world size (DDP averages the ranks' gradients), and step the
-optimizer once per step of the loader.
+Each implementation, loss normalization (``num_items_in_batch``), ranks and resume:
+docs/training.md, "Use the shards in your own trainer".
 """
 
 from __future__ import annotations

@@ -1,47 +1,23 @@
-"""Attention over packed samples: one backend, chosen when the model is built.
+"""Attention over packed samples: the backends a ``transformers`` attention module calls, one
+chosen when the model is built, so that packed samples never attend to each other.
 
-Packed samples must never attend to each other. The real ``transformers`` attention modules
-compute q, k and v; the kernel they call is named by ``config._attn_implementation``:
+- ``flash``: flash-attn's varlen kernel (``flash_attention_2``), given each sample's boundaries
+  (``cu_seq_lens_q/k``, ``max_length_q/k``);
+- ``varlen``: ``vlmshard_packed_varlen``, torch's own variable-length flash attention over the
+  whole micro-batch in one call, called as the installed torch defines it
+  (``varlen_parameters``);
+- ``sdpa``: ``vlmshard_packed_sdpa``, ``scaled_dot_product_attention`` on each sample (in a Qwen
+  ViT, each image or window) alone.
 
-- ``flash``: ``flash_attention_2`` (flash-attn's varlen kernel, CUDA only), given each sample's
-  boundaries as ``cu_seq_lens_q/k`` and ``max_length_q/k``;
-- ``varlen``: ``vlmshard_packed_varlen``, registered here: torch's own variable-length flash
-  attention (``torch.nn.attention.varlen``, CUDA, bf16/fp16) over the whole micro-batch in one
-  call, given the same boundaries (a Qwen ViT's too: ``packed_one_call``; with ``vit_varlen``
-  off, ``transformers`` runs it one image or window at a time, on SDPA, which takes its flash
-  kernel without a mask). ``varlen_attn`` is called as the installed torch
-  defines it (its parameters read once, ``varlen_parameters``): causal by ``window_size`` where
-  it has one (2.11 on), else by ``is_causal`` (2.10, where a sliding window goes to SDPA);
-  grouped-query heads by ``enable_gqa`` where it has one (2.12 on), else K/V heads repeated to
-  the query heads (logged once; whether 2.10/2.11's kernel takes fewer K/V heads as they are is
-  unchecked: no GPU has been lent);
-- ``sdpa``: ``vlmshard_packed_sdpa``, registered here: ``scaled_dot_product_attention`` on
-  each sample alone (the LLM, causal; the boundaries on the host), and in a Qwen ViT on each
-  image or window alone, as ``transformers`` runs it given the boundaries on the host.
+Each does Σ len² work, never (Σ len)² over a mask of the whole micro-batch. Gemma 3's sliding
+windows and image tokens attended both ways follow the model's own mask functions. ``Spans``
+holds one segmentation and gives each layer its module's keyword arguments;
+``varlen_as_flash`` (``TORCH_VARLEN``) serves a plain ``transformers`` model packed by
+``vlmshard.shards.model_inputs``; ``across_sequence`` attends over a sequence-parallel group's
+micro-batch with this rank's heads.
 
-Every backend does Σ len² work, where one call with a block-diagonal mask over the micro-batch
-did (Σ len)² (and SDPA then could not take its flash kernel): at 10⁴ tokens or patches a
-micro-batch that made a fuller micro-batch cost more than its share.
-
-Two patterns go beyond "causal within each sample", each as the model's own mask functions
-(``transformers.masking_utils``) define it: a **sliding window** (a module passing
-``sliding_window=w``: a query sees the w - 1 keys before it, Gemma 3's local layers), and
-**bidirectional runs** (Gemma 3's image tokens see every token of their own image, also later
-ones; ``Spans.runs``). SDPA gets a boolean mask per sample where either applies; torch's varlen
-kernel takes a window (``window_size``, from 2.11) but no runs, so a micro-batch with runs (or a
-window, on 2.10) goes to SDPA; flash-attn is not offered for a model with runs
-(``supports_runs``).
-
-A plain ``transformers`` model packed by ``vlmshard.shards.model_inputs`` (the Hugging Face
-``Trainer`` peer of ``gpu_bench``) attends with ``varlen_as_flash`` where flash-attn is not
-installed (``TORCH_VARLEN``, set by ``attend_with_torch_varlen``): flash-attn's convention, on
-torch's varlen kernel.
-
-``Spans`` holds one segmentation (its boundaries, on the device and the host) and gives the
-keyword arguments each layer passes to its ``transformers`` module: the backends registered here
-take it whole, and run outside any ``torch.compile`` graph (``vlmshard.train.kernels``). Where
-the segments are a micro-batch shared by a sequence-parallel group, the registered LLM backends
-attend over the whole with this rank's heads (``across_sequence``).
+Each backend, the torch releases it takes, and the masks: docs/training.md, "Attention
+backends".
 """
 
 from __future__ import annotations

@@ -1,37 +1,18 @@
-"""The layers' optional kernels, each behind a switch (``Kernels``, from the train options).
+"""The layers' optional kernels, each behind a switch (``Kernels``, from the train options):
 
-- ``vit_varlen``: a Qwen ViT block attends over every image (or window) of the micro-batch in
-  one call to the attention backend (``attention.packed_one_call``), where ``transformers``
-  calls it once per image for any backend but flash-attn. On CUDA that is one varlen kernel
-  launch per block instead of one SDPA launch per image; on CPU the SDPA backend still runs each
-  image alone inside that call (the same arithmetic).
-- ``patch_linear``: the Qwen ViTs' patch embedding (a Conv3d whose stride is its kernel) as
-  the matmul it is, on the conv's own weight, as ``transformers``' opt-in
-  ``patch_embeddings`` fusion and vLLM run it: cuDNN has no fast kernel for that conv on some
-  GPUs and releases (torch 2.9's Conv3d regression, pytorch#166122; bf16 on Blackwell,
-  transformers#45750). The same arithmetic in another order (on by default on CUDA; on CPU
-  oneDNN's conv is fast, and the CPU tests hold the layers to the model's own op).
-- ``compile_blocks``: regional ``torch.compile`` of the repeated blocks of the parts it names
-  (``vit``: each ViT block's ``transformers`` module; ``llm``: each decoder layer's; in place:
-  their weights keep their names), with
-  dynamic shapes from the first compilation, so a new packed length does not recompile. The
-  attention backends registered in ``attention`` run outside the graph (their host lengths
-  would be guarded on). Every compilation in the process is counted and logged
-  (``CompileCount``); one frame compiled more than ``max_recompiles`` times is a warning:
-  shapes are recompiling.
-- ``sdpa_cudnn``: while a layer runs (its recompute too), ``scaled_dot_product_attention``
-  tries cuDNN's fused attention first (``cudnn_first``), then flash, memory-efficient and math,
-  as it would without: on Hopper cuDNN's kernels train 1.7-2.3x faster than flash's
-  (transformers#48163), and SDPA's fixed order puts flash first. A shape cuDNN cannot serve
-  falls to the next, as before. A Qwen ViT's one call then runs on SDPA
-  (``attention.PACKED_ONE_CALL_SDPA``), consecutive images (or frames, or windows) of one size
-  in one batched call, not torch's varlen flash kernel (torch's ragged cuDNN path builds a
-  cuDNN graph per call).
-- ``liger``: Liger Kernel's fused RMSNorm, gated-MLP and rotary kernels in each layer
-  (``vlmshard.train.models.liger``; CUDA only); with ``compile_blocks``, only in the layers
-  not compiled (the final norm; the decoder layers where only the ViT is): Inductor fuses a
-  compiled block's own ops, and Liger's autograd functions inside a compiled decoder layer
-  stopped Dynamo on torch 2.11.
+- ``vit_varlen`` (``--vit-varlen``): a Qwen ViT block attends over every image or window of the
+  micro-batch in one call of the attention backend (``attention.packed_one_call``);
+- ``patch_linear`` (``--patch-linear``): the Qwen ViTs' patch embedding, a Conv3d whose stride
+  is its kernel, as the matmul it is, on the conv's own weight;
+- ``compile_blocks`` (``--compile-blocks``): regional ``torch.compile`` of each ViT block or
+  decoder layer, with dynamic shapes and attention outside the graph; every compilation is
+  counted (``CompileCount``);
+- ``sdpa_cudnn`` (``--sdpa-cudnn``): while a layer runs, ``scaled_dot_product_attention`` tries
+  cuDNN's fused attention first (``cudnn_first``);
+- ``liger`` (``--liger``): Liger Kernel's fused RMSNorm, gated-MLP and rotary kernels
+  (``vlmshard.train.models.liger``; CUDA only), in the layers not compiled.
+
+Why each exists, its default, and what the tests hold it to: docs/training.md, "Kernels".
 """
 
 from __future__ import annotations
