@@ -6,8 +6,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-quick test-torch bench clean constraints
 
-# uv installs what pip would, at the same pins, in under half pip's time (73 s against 167 s
-# here, bytecode compiled as pip does). It reads no pip configuration: the find-links pip is
+# uv installs what pip would, at the same pins and with bytecode compiled as pip does, in under
+# half pip's time (BENCHMARKS.md). It reads no pip configuration: the find-links pip is
 # given (PIP_FIND_LINKS, or pip's config files) are passed on, for they hold the CPU build of
 # torch on this disk, where a bare `torch` requirement would pull a multi-GB CUDA build.
 UV_VERSION := 0.13.9
@@ -36,9 +36,9 @@ demo: $(STAMP)
 	$(VENV)/bin/vlmshard run --config configs/demo.yaml
 
 # Three pytest workers on 2 CPUs: the end-to-end tests wait on launchers, clusters and sockets as
-# much as they compute, so a third fills the CPUs two leave idle (21:12 against 23:33 for the
-# suite here; tests/conftest.py gives each worker, and what it starts, its share of OpenMP threads,
-# and orders the longest tests first; each worker takes the next test as it finishes one).
+# much as they compute, so a third fills the CPUs two leave idle (BENCHMARKS.md). tests/conftest.py
+# gives each worker, and what it starts, its share of OpenMP threads, and orders the longest tests
+# first; each worker takes the next test as it finishes one.
 # TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 3
 

@@ -9,8 +9,7 @@
 #      (benchmarks/varlen_gqa_probe.py);
 #   3. gpu_bench.py with the given arguments (default: the balanced plan packed up to the
 #      largest micro-batch the memory model lets the device hold recomputing no layer whole,
-#      on an H200 ~1.6x the tokens of the earlier leases' (their --target-samples 4), with a
-#      trace and a host-sampled step; again with every layer on cuDNN's attention;
+#      with a trace and a host-sampled step; again with every layer on cuDNN's attention;
 #      again with the ViT's blocks compiled; the packed Hugging Face Trainer peer on torch's
 #      varlen kernel; the profile and its replay), its JSON written after each phase.
 #
@@ -49,7 +48,7 @@ args=("$@")
 # default: where the step's time goes (the traced step by layer and kernel class, the
 # host-sampled step), every layer on SDPA with cuDNN's attention first (the run's parts say
 # what it does to the ViT and to the LLM), the ViT's blocks compiled,
-# the packed peer (no longer on a block mask), then the profile and the simulator's replay
+# the packed peer (on torch's varlen kernel), then the profile and the simulator's replay
 [ ${#args[@]} -eq 0 ] && args=(--steps 6 --warmup 2 --plans balanced --ab cudnn compiled_vit
                               --baseline hf_packed --trace build/gpu-trace)
 timeout "$BENCH_S" python3 benchmarks/gpu_bench.py --json "$OUT/gpu.json" "${args[@]}" 2>&1 |

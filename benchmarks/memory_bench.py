@@ -47,7 +47,7 @@ DEFAULT_RUN = os.path.join(os.path.dirname(REPO), "shared", "measurements", "h10
 
 def qwen3_vl_2b(tied: bool):
     """Qwen3-VL-2B's sizes as ``gpu_bench.py`` builds its model (``QWEN3_VL_2B``; the LM head
-    tied to the token embedding, or, as the runs before 2026-11-28 did, not), read by the
+    tied to the token embedding or not, as the run read had it), read by the
     family as a folder's config.json is."""
     from transformers import Qwen3VLConfig
 

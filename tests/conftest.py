@@ -12,8 +12,8 @@ import tempfile
 from typing import Iterator
 
 # pytest-xdist's workers share the CPUs: each worker, and every process it starts, takes its share
-# of OpenMP threads, set before torch or numpy is imported. Two workers of two threads each on 2
-# CPUs spin against each other: tests/test_model.py took 147 s so, 49 s with one thread each.
+# of OpenMP threads, set before torch or numpy is imported: two workers of two threads each on 2
+# CPUs spin against each other at OpenMP's barriers (BENCHMARKS.md).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
@@ -97,15 +97,15 @@ def ray_auth_token(tmp_path_factory) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def ray_cluster(ray_auth_token) -> Iterator[str]:
     """A real Ray cluster on loopback: a head node and a second worker node, one CPU each. One
-    a module, stopped after it: idle, the cluster's daemons burn 5 s of CPU a minute, which a
-    session-wide one spent on the rest of the suite (14 s to start one).
+    a module, stopped after it: idle, the cluster's daemons burn CPU that a cluster kept for the
+    whole test session would take from the rest of the suite, for more than a start costs.
 
     Its own temp dir, and stopped by it: ``ray stop`` would stop every Ray on the machine, the
     other test worker's cluster among them.
 
     Its workers at the suite's niceness: Ray starts them at 15 (the raylet's ``worker_niceness``),
-    so beside the other test workers' DeepSpeed ranks they got a sliver of the CPUs, and writing
-    the demo's shards took 223 s in ``make test`` against 18 s alone.
+    so beside the other test workers' DeepSpeed ranks they got a sliver of the CPUs and their
+    tests crawled (BENCHMARKS.md).
     """
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     port = _free_port()

@@ -545,7 +545,7 @@ def test_debug_shows_an_error_with_the_chain_of_its_causes(qwen_folder, tmp_path
     assert "The above exception was the direct cause of the following exception" in debug.stderr
 
 
-# Empty input: a job that reads no row accepts nothing, and that is an error (issue 39, item 4).
+# Empty input: a job that reads no row accepts nothing, and that is an error.
 
 @pytest.mark.parametrize("name,content", [("empty.jsonl", b""), ("list.json", b"[]\n"),
                                           ("blank.jsonl", b"\n  \n\n")])
@@ -589,7 +589,7 @@ def test_an_empty_source_beside_good_ones_is_a_warning_naming_it(tmp_path, caplo
 def test_rejects_parquet_is_the_same_bytes_on_every_run(tmp_path):
     """Pillow names the file object it could not read, address and all ("cannot identify image
     file <_io.BytesIO object at 0x7f...>"): the reject names the image instead, so two runs on
-    the same rows write the same rejects.parquet (issue 39, item 5)."""
+    the same rows write the same rejects.parquet."""
     import base64
 
     from tests.helpers import vlmshard

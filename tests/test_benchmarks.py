@@ -183,7 +183,7 @@ def test_gpu_bench_packs_balanced_up_to_what_the_device_holds(tmp_path, monkeypa
         sizes[algo] = [(int(lengths.tiles[m].sum()), int(lengths.tokens[m].sum()))
                        for m in micro]
     assert all(t <= bound["max_qv"] and k <= bound["max_qt"] for t, k in sizes["balanced"])
-    # which random's caps would not have held (every plan before 2026-11-30 packed under them)
+    # which random's caps would not have held
     random = setup["random_caps"]
     assert any(t > random["max_qv"] or k > random["max_qt"] for t, k in sizes["balanced"])
 

@@ -98,7 +98,7 @@ def _free(port: int) -> bool:
 def test_one_node_takes_a_free_port_when_none_is_given():
     """Another job on 29500 (the default torch.distributed and DeepSpeed share): a one-node job
     with neither --master-port nor MASTER_PORT takes a port the system gives it, as torchrun
-    --standalone does, instead of failing in DeepSpeed's rendezvous (issue 39, item 8)."""
+    --standalone does, instead of failing in DeepSpeed's rendezvous."""
     held = _hold(29500)  # None: another process on this host holds it already
     try:
         for env in ({}, {"NNODES": "1", "NODE_RANK": "0"}):

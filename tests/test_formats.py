@@ -355,7 +355,7 @@ def test_an_older_run_without_kept_tokens_is_refused_not_mistokenized(sources, t
     _preprocess(sources["parquet_embedded"], pre)
     run_pack(PackConfig(stats=pre, dp=1, micro_batches=1, out=plan))
     recorded = json.loads((tmp_path / "pre" / "preprocess.json").read_text())
-    del recorded["config"]["text_encoding"]  # as vlmshard wrote it before issue 24
+    del recorded["config"]["text_encoding"]  # as an older vlmshard wrote it
     (tmp_path / "pre" / "preprocess.json").write_text(json.dumps(recorded))
     with pytest.raises(WriteError, match="older vlmshard.*preprocess again"):
         run_write(WriteConfig(plan=plan, stats=pre, out=str(tmp_path / "shards"), workers=1))

@@ -545,7 +545,7 @@ def test_step_order_stays_random_over_twenty_seeds(tmp_path, algo):
     assert max(np.abs(rhos)) < 3 * sigma, (rhos, sigma)
 
 
-# --- a plan that places nothing is an error (issue 39, item 9) ----------------------------------
+# --- a plan that places nothing is an error ------------------------------------------------------
 
 def _three_samples(tmp_path) -> str:
     path = tmp_path / "three.json"

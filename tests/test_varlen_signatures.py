@@ -188,7 +188,7 @@ def installed_transformers(monkeypatch, version: str) -> None:
     ("5.17.0", False), ("5.18.0", False), ("5.19.0", True), ("5.23.0", True), ("6.0.0", False)])
 def test_transformers_outside_the_supported_range_is_one_line(monkeypatch, version, supported):
     """5.17 and 5.18 fail the tests that hold packed inputs and video positions to the model's
-    own code (``test_model_inputs.py``, ``test_video.py``; run under each, 2026-11-29)."""
+    own code (``test_model_inputs.py``, ``test_video.py``)."""
     installed_transformers(monkeypatch, version)
     if supported:
         check_transformers()
