@@ -24,7 +24,7 @@ from vlmshard.shards.loader import ShardDataset
 from vlmshard.shards.model_inputs import next_token_targets, supervised_tokens
 from vlmshard.train.attention import Spans, supports_runs
 from vlmshard.train.hf_model import model_layers
-from vlmshard.train.micro import HostMeta, pack, unpack, wire_inputs
+from vlmshard.train.micro import HostMeta, from_wire, to_wire, wire_inputs
 from vlmshard.train.pipeline import recompute_modes, run_layers
 
 
@@ -155,7 +155,7 @@ def test_a_stage_never_reads_the_device(setup):
             received = tuple(t.detach().requires_grad_() if t.is_floating_point() else t
                              for t in received)
         Tracked.reads = []
-        micro = unpack(received, host, model.input_phase(lo), model.backend)
+        micro = from_wire(received, host, model.input_phase(lo), model.backend)
         micro = run_layers(funcs[lo:hi], model.defs[lo:hi], micro, ["full"] * (hi - lo))
         outputs = [micro.x, *micro.carry.values()]
         torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
@@ -163,7 +163,7 @@ def test_a_stage_never_reads_the_device(setup):
         if hi < len(funcs):
             detached = micro.with_x(micro.x.detach(),
                                     carry={k: t.detach() for k, t in micro.carry.items()})
-            wire = pack(detached, model.defs[hi - 1].output, model.geometry.tokens_per_tile)
+            wire = to_wire(detached, model.defs[hi - 1].output, model.geometry.tokens_per_tile)
 
 
 def test_profiling_holds_one_layer_of_each_kind(setup):

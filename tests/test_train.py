@@ -700,10 +700,10 @@ def test_a_resumed_log_keeps_the_steps_before_the_checkpoint(tmp_path):
 _FAILING_RUN = """
 import json, os, sys
 from vlmshard.train.config import TrainConfig
-from vlmshard.train.trainer import run
+from vlmshard.train.trainer import run_rank
 cfg = TrainConfig(**json.loads(sys.argv[1]))
 try:
-    run(cfg)
+    run_rank(cfg)
 except OSError:
     held = []
     for fd in os.listdir("/proc/self/fd"):

@@ -12,13 +12,18 @@ need to).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from .clock import StageClock
 from .hf_model import ModelLayers
-from .micro import HostMeta, unpack
+from .micro import HostMeta, from_wire
 from .pipeline import recompute_modes, run_layers
+
+if TYPE_CHECKING:
+    from .topology import Topology
 
 
 class VLMModel(nn.Module):
@@ -27,7 +32,8 @@ class VLMModel(nn.Module):
 
     def __init__(self, model: ModelLayers, loss_fn, *, device: torch.device | str,
                  dtype: torch.dtype, recompute: set[str] = frozenset(),
-                 selective: set[str] = frozenset(), clock: StageClock | None = None) -> None:
+                 selective: set[str] = frozenset(), clock: StageClock | None = None,
+                 topology: Topology | None = None) -> None:
         super().__init__()
         built = model.build_all(device, dtype)  # a tied head is the embedding's module
         self.layers = nn.ModuleList({id(m): m for m in built}.values())  # each module once
@@ -36,13 +42,15 @@ class VLMModel(nn.Module):
         self.loss_fn = loss_fn
         self.recompute = recompute_modes(model.names, recompute, selective, model)
         self.clock = clock  # the engine's, which its layers' forwards mark
+        self.topology = topology  # a sequence-parallel share's groups
 
     @property
     def stage_layer_names(self) -> list[str]:
         return list(self.model.names)
 
     def forward(self, wire: tuple, host: HostMeta) -> torch.Tensor:
-        micro = unpack(wire, host, self.model.input_phase(0), self.model.backend)
+        micro = from_wire(wire, host, self.model.input_phase(0), self.model.backend,
+                          self.topology)
         micro = run_layers(self.ordered, self.model.defs, micro, self.recompute, self.clock)
         return self.loss_fn(micro.x, wire[3])
 

@@ -1,14 +1,16 @@
-"""Process-group set-up for the training ranks, and the gloo groups beside the engine's."""
+"""Joining the world, and moving what the host knows over the topology's gloo groups."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from vlmshard.errors import ConfigError
 
 from .deepspeed_compat import without_shm_allreduce
+
+if TYPE_CHECKING:
+    from .topology import Topology
 
 T = TypeVar("T")
 
@@ -30,48 +32,33 @@ def rank_device(cuda: bool):
     return torch.device("cuda", local)
 
 
-def on_rank_0(compute: Callable[[], T], groups: SideGroups) -> T:
+def on_rank_0(compute: Callable[[], T], topology: Topology) -> T:
     """``compute()`` on global rank 0, its result sent to every rank: one decision the whole
     world takes, whatever each rank would have read or measured."""
     import torch.distributed as dist
 
     box = [compute() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=groups.world)
+    dist.broadcast_object_list(box, src=0, group=topology.world)
     return box[0]
 
 
-@dataclass
-class SideGroups:
-    """gloo groups beside the engine's (NCCL on GPU): what the host knows (a micro-batch's
-    sizes, token counts, timings) crosses them without touching a device."""
-
-    pipe: object  # this rank's pipeline: its stages, one rank each
-    pipe_first: int  # the global rank of its first stage, which reads the data
-    world: object  # every rank
-
-
-def side_groups(topology) -> SideGroups:
-    """The gloo groups of a ``PipeDataParallelTopology`` (every rank creates every group, in
-    the same order, as ``new_group`` requires)."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
-    mine = None
-    for ranks in topology.get_axis_comm_lists("pipe"):
-        group = dist.new_group(ranks, backend="gloo")
-        if rank in ranks:
-            mine = group
-    first = topology.get_rank(pipe=0, data=topology.get_coord(rank).data)
-    return SideGroups(mine, first, dist.new_group(backend="gloo"))
-
-
-def from_first_stage(value: T, groups: SideGroups) -> T:
+def from_first_stage(value: T, topology: Topology) -> T:
     """``value`` as this pipeline's first stage has it, on every stage of the pipeline."""
     import torch.distributed as dist
 
     box = [value]
-    dist.broadcast_object_list(box, src=groups.pipe_first, group=groups.pipe)
+    dist.broadcast_object_list(box, src=topology.pipeline_first, group=topology.pipeline)
     return box[0]
+
+
+def to_rank_0(value: T, topology: Topology) -> list[T] | None:
+    """Every rank's ``value`` in rank order on global rank 0, which writes the log (None
+    elsewhere): each rank sends once, where gathering to all would send world² copies."""
+    import torch.distributed as dist
+
+    values = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(value, values, dst=0, group=topology.world)
+    return values
 
 
 def init_distributed(cuda: bool) -> None:

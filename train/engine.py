@@ -38,6 +38,7 @@ from .kernels import COMPILES
 from .micro import HostMeta
 from .pipeline import AveTokenLoss, VLMPipeline, no_inputs
 from .save import save_hf, save_hf_data_parallel
+from .topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,8 @@ class TrainEngine(ABC):
     where this rank sits."""
 
     def __init__(self, cfg: TrainConfig, model: ModelLayers, chosen: ChosenPartition, *,
-                 device: torch.device, topology, micro_batches: int, steps: int) -> None:
+                 device: torch.device, topology: Topology, micro_batches: int, steps: int
+                 ) -> None:
         import deepspeed
         from transformers import get_scheduler
 
@@ -142,7 +144,7 @@ class TrainEngine(ABC):
 
     @abstractmethod
     def _module(self, model: ModelLayers, chosen: ChosenPartition, device: torch.device,
-                topology) -> torch.nn.Module:
+                topology: Topology) -> torch.nn.Module:
         """The module DeepSpeed wraps: this rank's layers on ``device``, timed on the clock."""
 
     @abstractmethod
@@ -302,7 +304,7 @@ class DataParallelEngine(TrainEngine):
     def _module(self, model, chosen, device, topology) -> VLMModel:
         net = VLMModel(model, self.loss, device=device, dtype=self.cfg.dtype,
                        recompute=set(chosen.recompute), selective=set(chosen.selective),
-                       clock=self.clock)
+                       clock=self.clock, topology=topology)
         if self.cfg.zero == 3:
             net.register_external_weights()
         return net
@@ -327,7 +329,8 @@ class DataParallelEngine(TrainEngine):
 
 
 def build_engine(cfg: TrainConfig, model: ModelLayers, chosen: ChosenPartition, *,
-                 device: torch.device, topology, micro_batches: int, steps: int) -> TrainEngine:
+                 device: torch.device, topology: Topology, micro_batches: int, steps: int
+                 ) -> TrainEngine:
     """The engine ``cfg.zero`` takes: the pipeline engine at ZeRO-1, the plain one at 2 and 3
     (``TrainConfig`` has checked these run at one stage)."""
     fewer_host_syncs()

@@ -15,6 +15,7 @@ import importlib
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -36,10 +37,13 @@ from .attention import choose_backend, implementation, repeats_kv_heads, support
 from .clock import layer_part
 from .kernels import Kernels
 from .lora import add_adapters, lora_config, target_pattern, targeted
-from .micro import HostMeta, Micro, Phase, unpack, wire_inputs
+from .micro import HostMeta, Micro, Phase, from_wire, wire_inputs
 from .models import liger
 from .models.layers import Geometry, LayerDef
 from .weights import Checkpoint, load_layer
+
+if TYPE_CHECKING:
+    from .topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +82,13 @@ class ModelLayers:
             return Phase("pixels", self.geometry.pixel_rows_per_tile)
         return self.defs[index - 1].output
 
-    def first_micro(self, batch: dict, device: torch.device | str = "cpu") -> Micro:
+    def first_micro(self, batch: dict, device: torch.device | str = "cpu",
+                    topology: Topology | None = None) -> Micro:
         """A loader batch as the first layer's micro-batch, where one process runs every layer
-        (the profile, tests)."""
+        (the profile, tests; a sequence-parallel share exchanges over ``topology``'s group)."""
         wire = tuple(t.to(device) for t in wire_inputs(batch))
         host = HostMeta.of_batch(batch, self.geometry)
-        return unpack(wire, host, self.input_phase(0), self.backend)
+        return from_wire(wire, host, self.input_phase(0), self.backend, topology)
 
     def sizes(self) -> ModelConfig:
         """The analytic model of the folder's config (``vlmshard.families.model_sizes``)."""

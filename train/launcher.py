@@ -50,7 +50,7 @@ def run_train(cfg: TrainConfig, output: str | None = None) -> TrainResult:
     """``vlmshard train``: train to completion; ``output`` as in :func:`launch`."""
     if output:
         os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
-    records = train(cfg, output)
+    records = train_and_read_log(cfg, output)
     pipeline = read_json(os.path.join(cfg.out, PIPELINE_NAME))
     adapter = os.path.join(cfg.out, "adapter")
     return TrainResult(cfg.out, len(records), records[0]["loss"] if records else None,
@@ -176,7 +176,7 @@ def launcher_command(cluster: Cluster, visible_devices: str | None = None) -> li
             f"--master_port={cluster.master_port}", level]
 
 
-def train(cfg: TrainConfig, output: str | None = None) -> list[dict]:
+def train_and_read_log(cfg: TrainConfig, output: str | None = None) -> list[dict]:
     """Train to completion and return ``train_log.jsonl``'s records; raises if a process fails.
 
     ``output``: as in :func:`launch`; a failure then logs the file's last lines."""

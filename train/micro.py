@@ -13,7 +13,7 @@ once and shared by the stage's layers (``Micro.cache``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 
@@ -22,6 +22,9 @@ from vlmshard.shards.sequence import Shard
 
 from .attention import Spans
 from .sequence_parallel import Exchange
+
+if TYPE_CHECKING:
+    from .topology import Topology
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,8 @@ class Micro:
     cache: dict = field(default_factory=dict)  # computed once per micro-batch per stage
     # what earlier layers made for later ones, by name (``CARRIED``); absent when none pending
     carry: dict[str, torch.Tensor] = field(default_factory=dict)
+    # a sequence-parallel share's: the ranks sharing its micro-batch (``Topology``)
+    sequence_group: torch.distributed.ProcessGroup | None = None
 
     @property
     def num_tiles(self) -> int:
@@ -143,7 +148,10 @@ class Micro:
     @property
     def exchange(self) -> Exchange:
         """A sequence-parallel share's exchanges with its group."""
-        return self.cached("exchange", lambda: Exchange.of(self.host.shard))
+        if self.sequence_group is None:
+            raise RuntimeError("a sequence-parallel share without its group: give from_wire "
+                               "the run's Topology")
+        return self.cached("exchange", lambda: Exchange(self.host.shard, self.sequence_group))
 
     def targets(self) -> torch.Tensor:
         """Each token's next-token target, never across a sample (a sequence-parallel share's
@@ -168,9 +176,11 @@ CARRIED = {
 }
 
 
-def unpack(wire: tuple, host: HostMeta, phase: Phase, backend: str) -> Micro:
+def from_wire(wire: tuple, host: HostMeta, phase: Phase, backend: str,
+              topology: Topology | None = None) -> Micro:
     """The padded tuple a stage receives, sliced to its real rows as ``host`` says (nothing
-    is read back from the device)."""
+    is read back from the device); a sequence-parallel share takes its group from
+    ``topology``."""
     x, input_ids, position_ids, labels, *extra = wire
     tokens = host.tokens
     if host.blank:  # a share's pixels hold only its own media's rows: none
@@ -178,9 +188,11 @@ def unpack(wire: tuple, host: HostMeta, phase: Phase, backend: str) -> Micro:
     carry = {name: t[:, :host.image_tokens] if per_image_token else t
              for (name, per_image_token), t in zip(CARRIED.items(), extra)
              if t.is_floating_point()}  # an absent one travels as an empty integer tensor
+    group = (topology.sequence_group(host.shard.sp)
+             if host.shard is not None and topology is not None else None)
     return Micro(x=x[:phase.rows(host.tiles, tokens)], input_ids=input_ids[:tokens],
                  position_ids=position_ids[..., :tokens], labels=labels[:tokens], host=host,
-                 backend=backend, phase=phase, wire=wire, carry=carry)
+                 backend=backend, phase=phase, wire=wire, carry=carry, sequence_group=group)
 
 
 def _padded(x: torch.Tensor, rows: int, dim: int = 0) -> torch.Tensor:
@@ -192,7 +204,7 @@ def _padded(x: torch.Tensor, rows: int, dim: int = 0) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
-def pack(micro: Micro, phase: Phase, tokens_per_tile: int = 1) -> tuple:
+def to_wire(micro: Micro, phase: Phase, tokens_per_tile: int = 1) -> tuple:
     """The tuple a stage sends: the activation padded back to the caps, the pending carry
     (image-token rows padded to the cap: ``tokens_per_tile`` × Qv, at most Qt), the rest as
     received."""

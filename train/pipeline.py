@@ -12,7 +12,7 @@ token embedding / LM head is a ``TiedLayerSpec``: the first and last stages each
 DeepSpeed all-reduces their gradients, so they stay one weight.
 
 A stage's ``forward`` slices the padded tuple it receives to the real tiles and tokens once
-(``vlmshard.train.micro.unpack``, with the micro-batch's ``HostMeta`` the trainer gave the
+(``vlmshard.train.micro.from_wire``, with the micro-batch's ``HostMeta`` the trainer gave the
 stage for the step: ``expect``), runs its layers on the real rows only, and pads its output
 back to the static shapes the next stage expects. The last stage returns the micro-batch's
 summed loss.
@@ -21,6 +21,7 @@ summed loss.
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -33,10 +34,13 @@ from . import deepspeed_compat as ds
 from .clock import StageClock, layer_part
 from .hf_model import ModelLayers, model_layers
 from .kernels import Kernels
-from .micro import HostMeta, Micro, pack, unpack, wire_inputs
+from .micro import HostMeta, Micro, from_wire, to_wire, wire_inputs
 from .models.layers import LayerDef
 from .recompute import run_layer
 from .trace import annotated
+
+if TYPE_CHECKING:
+    from .topology import Topology
 
 
 class PipeLayer(nn.Module):
@@ -98,13 +102,14 @@ class VLMPipeline(PipelineModule):
     """``PipelineModule`` over a model folder's layers. ``bounds``: stage s holds layers
     ``bounds[s]:bounds[s + 1]`` (None: DeepSpeed's ``parameters`` method); ``dtype`` and
     ``device``: the weights' (each stage loads its tensors straight into them); ``clock``: the
-    engine's, which the stage's forwards and backwards mark."""
+    engine's, which the stage's forwards and backwards mark; ``topology``: the run's, whose
+    layout DeepSpeed's engine takes and whose groups a sequence-parallel share exchanges over."""
 
     def __init__(self, model: ModelLayers, stages: int, loss_fn, *, clock: StageClock,
                  backend: str, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", bounds: list[int] | None = None,
                  recompute: set[str] = frozenset(), selective: set[str] = frozenset(),
-                 **kwargs) -> None:
+                 topology: Topology | None = None, **kwargs) -> None:
         recompute_modes([], recompute, selective, model)  # unknown names fail before building
         ds.check_compatible()
         self._vlmshard_bounds = bounds
@@ -118,7 +123,9 @@ class VLMPipeline(PipelineModule):
             else:
                 specs.append(LayerSpec(PipeLayer, *args))
         super().__init__(layers=specs, num_stages=stages, loss_fn=loss_fn,
-                         partition_method="bounds" if bounds else "parameters", **kwargs)
+                         partition_method="bounds" if bounds else "parameters",
+                         topology=topology.deepspeed() if topology else None, **kwargs)
+        self.run_topology = topology
         self.layer_indices = ds.local_layers(self)
         self._hosts: deque[HostMeta] = deque()
         self.recompute = recompute_modes(self.stage_layer_names, recompute, selective, model)
@@ -164,7 +171,8 @@ class VLMPipeline(PipelineModule):
         if not self._hosts:
             raise RuntimeError("a forward with no HostMeta: give the step's with expect() "
                                "before train_batch")
-        micro = unpack(wire, self._hosts.popleft(), self.model.input_phase(first), self.backend)
+        micro = from_wire(wire, self._hosts.popleft(), self.model.input_phase(first),
+                          self.backend, self.run_topology)
         defs = [self.model.defs[i] for i in self.layer_indices]
         micro = run_layers(ds.stage_functions(self), defs, micro, self.recompute, self.clock)
         last = self.layer_indices[-1]
@@ -172,7 +180,8 @@ class VLMPipeline(PipelineModule):
         if last == len(self.model.defs) - 1:
             out = activation = micro.x  # the loss
         else:
-            out = pack(micro, self.model.defs[last].output, self.model.geometry.tokens_per_tile)
+            out = to_wire(micro, self.model.defs[last].output,
+                          self.model.geometry.tokens_per_tile)
             activation = out[0]
             if activation.requires_grad:
                 # DeepSpeed runs a backward from every floating output the next stage returns a

@@ -16,8 +16,8 @@ into token order.
 
 All exchanges are torch's functional ``all_to_all_single_autograd`` (gradients flow back
 through the reverse exchange; ``torch.distributed.nn.functional``'s, which did the same, is
-deprecated from torch 2.13, and the functional one is in every release supported, 2.10 on), on a
-group per degree that ``make_groups`` makes once.
+deprecated from torch 2.13, and the functional one is in every release supported, 2.10 on), on
+the group of the share's degree (``vlmshard.train.topology.Topology.sequence_group``).
 """
 
 from __future__ import annotations
@@ -32,40 +32,13 @@ from vlmshard.errors import ConfigError
 from vlmshard.model_sizes import sequence_parallel_refusal
 from vlmshard.shards.sequence import Shard
 
-_GROUPS: dict[int, dist.ProcessGroup] = {}
-
-
-def make_groups(degrees) -> None:
-    """This rank's group for each sequence-parallel degree in ``degrees`` (consecutive ranks
-    w·sp … w·sp + sp − 1). Every rank must call it with the same degrees: making a group is
-    collective."""
-    world, me = dist.get_world_size(), dist.get_rank()
-    for sp in sorted(set(degrees)):
-        if sp == 1 or sp in _GROUPS:
-            continue
-        if world % sp:
-            raise ConfigError(f"sequence-parallel degree {sp} does not divide the world size "
-                              f"{world}")
-        for first in range(0, world, sp):
-            ranks = list(range(first, first + sp))
-            group = dist.new_group(ranks)
-            if me in ranks:
-                _GROUPS[sp] = group
-
 
 @dataclass(frozen=True)
 class Exchange:
     """A share's exchanges with the other ranks of its group."""
 
     shard: Shard
-    group: dist.ProcessGroup | None
-
-    @classmethod
-    def of(cls, shard: Shard) -> "Exchange":
-        if shard.sp not in _GROUPS:
-            raise RuntimeError(f"no sequence-parallel group of {shard.sp} ranks: make_groups "
-                               "first")
-        return cls(shard, _GROUPS[shard.sp])
+    group: dist.ProcessGroup | None  # the ranks sharing its micro-batch (``Topology``)
 
     def _swap(self, x: torch.Tensor) -> torch.Tensor:
         """Chunk i of dim 0 to rank i; the result's chunk i is rank i's chunk for this rank."""

@@ -37,14 +37,8 @@ from vlmshard.run_log import PIPELINE_NAME
 from .config import TrainConfig
 from .deepspeed_compat import route_logging
 from .default_partition import ChosenPartition, Device, choose_partition
-from .distributed import (
-    SideGroups,
-    from_first_stage,
-    init_distributed,
-    on_rank_0,
-    rank_device,
-    side_groups,
-)
+from .distributed import from_first_stage, init_distributed, on_rank_0, rank_device, to_rank_0
+from .topology import Topology
 from .trace import sampled_step, traced_step
 from .train_log import (
     open_log,
@@ -58,7 +52,6 @@ from .train_log import (
 
 if TYPE_CHECKING:
     import torch
-    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     from .engine import TrainEngine
     from .hf_model import ModelLayers
@@ -138,8 +131,7 @@ class Setup:
 
     device: torch.device
     model: ModelLayers
-    topology: PipeDataParallelTopology
-    groups: SideGroups
+    topology: Topology
     chosen: ChosenPartition
     micro_batches: int  # per step: the plan's, the engine's gradient accumulation
     steps: int
@@ -154,12 +146,11 @@ def set_up(cfg: TrainConfig) -> Setup:
     """Join the world, read the model folder and the shards, and take one partition for all
     ranks (rank 0's)."""
     import torch
-    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     from vlmshard.shards.loader import ShardDataset
 
     from .hf_model import rank_model
-    from .sequence_parallel import check_model, make_groups
+    from .sequence_parallel import check_model
 
     cuda = torch.cuda.is_available()
     cfg.resolve_device_defaults(cuda)
@@ -186,25 +177,20 @@ def set_up(cfg: TrainConfig) -> Setup:
                  "rotary embeddings; Liger's kernels run in the layers not compiled")
     check_shards_fit(probe, model)
     check_model(model, probe.manifest, pp=cfg.pp, dp=cfg.dp)
-    make_groups(degrees)  # a collective: every rank, the same degrees
-    topology = PipeDataParallelTopology(num_pp=cfg.pp, num_dp=cfg.dp)
-    groups = side_groups(topology)
+    topology = Topology.build(cfg.pp, cfg.dp, degrees, device.type)  # every rank, in step
     chosen = on_rank_0(lambda: choose_partition(
-        cfg, model, Device.of_rank(device), int(os.environ.get("LOCAL_SIZE", 1))), groups)
+        cfg, model, Device.of_rank(device), int(os.environ.get("LOCAL_SIZE", 1))), topology)
     log.info("partition: bounds %s, recompute %s, selective %s; %s", chosen.bounds,
              chosen.recompute or "none", chosen.selective or "none", chosen.source)
     sizes = model.sizes()
-    return Setup(device, model, topology, groups, chosen, probe.micro_batches_per_step,
+    return Setup(device, model, topology, chosen, probe.micro_batches_per_step,
                  cfg.max_steps or probe.steps, sizes)
 
 
 def write_pipeline(cfg: TrainConfig, setup: Setup, engine: TrainEngine) -> None:
     """``pipeline.json`` from every rank's stage layers (a collective; rank 0 writes it)."""
-    import torch
-
-    stages = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(stages, engine.stage_layers())
-    if engine.global_rank == 0:
+    stages = to_rank_0(engine.stage_layers(), setup.topology)
+    if stages is not None:
         chosen = setup.chosen
         write_json_atomic(os.path.join(cfg.out, PIPELINE_NAME),
                           pipeline_record(setup.sizes.to_dict(), stages, chosen.source,
@@ -222,17 +208,19 @@ def rank_0_log(cfg: TrainConfig, engine: TrainEngine, first_step: int
     return contextlib.nullcontext()
 
 
-def checkpoint_due(cfg: TrainConfig, done: int, steps: int) -> bool:
-    """Whether a checkpoint follows the ``done``-th step: every ``checkpoint_every`` and the
-    last."""
+def checkpoint_due(cfg: TrainConfig, completed: int, steps: int) -> bool:
+    """Whether a checkpoint follows the ``completed``-th step: every ``checkpoint_every`` and
+    the last."""
     return cfg.save_checkpoints and (
-        bool(cfg.checkpoint_every) and done % cfg.checkpoint_every == 0 or done == steps)
+        bool(cfg.checkpoint_every) and completed % cfg.checkpoint_every == 0
+        or completed == steps)
 
 
-def train(cfg: TrainConfig, setup: Setup, engine: TrainEngine, first_step: int,
-          log_file: IO[str] | None) -> None:
+def run_steps(cfg: TrainConfig, setup: Setup, engine: TrainEngine, first_step: int,
+              log_file: IO[str] | None) -> None:
     """Steps ``first_step`` to the last: load the step's micro-batches (first stages) and share
-    their sizes, step the engine, log every rank's timings, checkpoint when due."""
+    their sizes, step the engine, gather every rank's timings to rank 0's log, checkpoint when
+    due."""
     import torch
 
     from .micro import HostMeta
@@ -242,8 +230,8 @@ def train(cfg: TrainConfig, setup: Setup, engine: TrainEngine, first_step: int,
     batches = repeated(cfg, engine.dp_rank, first_step, setup.cuda) if reads else None
     vocab = setup.model.config.get_text_config().vocab_size
     flops = training_flops(setup.sizes, cfg.recipe)
-    again = recompute_flops(setup.model.names, setup.model.analytic_work(),
-                            setup.chosen.recompute)
+    recomputed_flops = recompute_flops(setup.model.names, setup.model.analytic_work(),
+                                       setup.chosen.recompute)
     # --trace: the second step under the profiler, the third's host sampled (HostSampler)
     traced = first_step + 1 if cfg.trace else None
     for step in range(first_step, setup.steps):
@@ -254,29 +242,29 @@ def train(cfg: TrainConfig, setup: Setup, engine: TrainEngine, first_step: int,
         # Each micro-batch's sizes, from the first stage to the others on the host
         hosts = from_first_stage(
             [HostMeta.of_batch(b, setup.model.geometry) for b in micro] if reads else None,
-            setup.groups)
+            setup.topology)
         # The Ave-Token denominator: the first stages' counts, summed over the whole world
         tokens = torch.tensor([sum(h.supervised for h in hosts) if reads else 0])
-        torch.distributed.all_reduce(tokens, group=setup.groups.world)
+        torch.distributed.all_reduce(tokens, group=setup.topology.world)
         load_s = time.perf_counter() - start
         with traced_step(cfg.trace, engine.global_rank, step, setup.cuda, step == traced), \
                 sampled_step(cfg.trace, engine.global_rank, step,
                              cfg.trace is not None and step == traced + 1):
-            done = engine.step(inputs, hosts, int(tokens))
-        times = done.times
-        mine = rank_timing(rank=engine.global_rank, stage=engine.stage_id,
-                           dp_rank=engine.dp_rank, forward_s=times.forward_s,
-                           backward_s=times.backward_s, pipeline_s=times.pipeline_s,
-                           step_time_s=done.seconds, load_s=load_s, parts=times.parts,
-                           recompute_s=times.recompute_s, optimizer_s=times.optimizer_s,
-                           host=times.host)
-        mine.update(done.extra)
+            result = engine.step(inputs, hosts, int(tokens))
+        times = result.times
+        timing = rank_timing(rank=engine.global_rank, stage=engine.stage_id,
+                             dp_rank=engine.dp_rank, forward_s=times.forward_s,
+                             backward_s=times.backward_s, pipeline_s=times.pipeline_s,
+                             step_time_s=result.seconds, load_s=load_s, parts=times.parts,
+                             recompute_s=times.recompute_s, optimizer_s=times.optimizer_s,
+                             host=times.host)
+        timing.update(result.extra)
         if reads:
-            mine["data"] = rank_data(micro, setup.sizes)
-        ranks = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(ranks, mine, group=setup.groups.world)
+            timing["data"] = rank_data(micro, setup.sizes)
+        every_rank = to_rank_0(timing, setup.topology)
         if log_file:
-            record = step_record(step, done.loss, done.lr, ranks, flops, again)
+            record = step_record(step, result.loss, result.lr, every_rank, flops,
+                                 recomputed_flops)
             record["sp"] = micro[0]["shard"].sp if reads and "shard" in micro[0] else 1
             if step == traced:  # profiled: its times hold the profiler's overhead
                 record["traced"] = True
@@ -295,8 +283,8 @@ def leave() -> None:
     torch.distributed.destroy_process_group()
 
 
-def run(cfg: TrainConfig) -> None:
-    """Set up, build the engine, resume, train, save, leave."""
+def run_rank(cfg: TrainConfig) -> None:
+    """One rank's run: set up, build the engine, resume, run the steps, save, leave."""
     from .engine import build_engine
 
     setup = set_up(cfg)
@@ -306,7 +294,7 @@ def run(cfg: TrainConfig) -> None:
     first_step = engine.load(os.path.join(cfg.resume, "checkpoints")) if cfg.resume else 0
     write_pipeline(cfg, setup, engine)
     with rank_0_log(cfg, engine, first_step) as log_file:
-        train(cfg, setup, engine, first_step, log_file)
+        run_steps(cfg, setup, engine, first_step, log_file)
     if cfg.save_checkpoints:
         engine.write_model(cfg.out)
     leave()
@@ -326,7 +314,7 @@ def main() -> None:
     set_up_logging(args.log_level)
     route_logging()
     with open(args.config, encoding="utf-8") as f:
-        run(TrainConfig(**json.load(f)))
+        run_rank(TrainConfig(**json.load(f)))
 
 
 if __name__ == "__main__":
