@@ -255,3 +255,17 @@ def test_a_devices_budget_leaves_out_context_nccl_and_fragmentation():
     assert Machine.for_device(80 * 2**30).memory_budget == int((80 - 1.25) * 2**30 * 0.9)
     with pytest.raises(ConfigError, match="leaves nothing"):
         Machine.for_device(2**30)
+
+
+def test_a_partition_that_cannot_fit_names_a_stage_that_does_not():
+    """Every layer alone fits, but two stages cannot hold four layers of 3 GB each with 5 GB a
+    stage (by hand: the best split holds two layers, 6 GB, on its fullest stage): the message
+    names that stage and its bytes, never a stage that fits."""
+    from vlmshard.partition import LayerCost, Machine, PartitionError, search_partition
+
+    layers = [LayerCost(f"layer_{i}", forward_s=1.0, backward_s=2.0, activation_bytes=0,
+                        input_bytes=0, output_bytes=0, param_bytes=3 * 2**30) for i in range(4)]
+    with pytest.raises(PartitionError, match=r"the best leaves stage \d \(layers layer_\d to "
+                                             r"layer_\d\) needing 6\.00 GiB .* above the "
+                                             r"5\.00 GiB a stage has"):
+        search_partition(layers, 2, Machine(5 * 2**30))

@@ -472,18 +472,45 @@ def _check_stage_count(n: int, stages: int) -> None:
 
 def _why_infeasible(layers: list[LayerCost], stages: int, machine: Machine) -> str:
     """The stage that cannot fit and the bytes it needs with every layer recomputed: one stage
-    holds the whole model; of more, the first holds at least its most demanding layer."""
+    holds the whole model; of more, the first holds at least its most demanding layer, and
+    where that layer alone fits, the fullest stage of the partition whose fullest stage needs
+    least (stages hold consecutive layers, stage s its share of PP − s micro-batches)."""
+    def need(first: int, end: int, stage: int) -> int:
+        return stage_memory(layers, first, end, stages - stage, list(range(first, end)))
+
+    budget = f"above the {machine.memory_budget / 2**30:.2f} GiB a stage has"
     if stages == 1:
-        where, need = "stage 0 (every layer)", stage_memory(layers, 0, len(layers), 1,
-                                                            list(range(len(layers))))
-    else:
-        worst = max(range(len(layers)), key=lambda i: layers[i].param_bytes + stages *
-                    layers[i].input_bytes)
-        where = f"stage 0 (layer {layers[worst].name} alone)"
-        need = stage_memory(layers, worst, worst + 1, stages, [worst])
-    return (f"no partition into {stages} stage(s) fits: {where} needs {need / 2**30:.2f} GiB "
-            f"even with full recompute, above the {machine.memory_budget / 2**30:.2f} GiB a "
-            "stage has")
+        return (f"no partition into 1 stage(s) fits: stage 0 (every layer) needs "
+                f"{need(0, len(layers), 0) / 2**30:.2f} GiB even with full recompute, {budget}")
+    worst = max(range(len(layers)), key=lambda i: layers[i].param_bytes + stages *
+                layers[i].input_bytes)
+    alone = need(worst, worst + 1, 0)
+    if alone > machine.memory_budget:
+        return (f"no partition into {stages} stage(s) fits: stage 0 (layer {layers[worst].name} "
+                f"alone) needs {alone / 2**30:.2f} GiB even with full recompute, {budget}")
+    most, (stage, first, end) = _least_fullest(len(layers), stages, need)
+    return (f"no partition into {stages} stage(s) fits: the best leaves stage {stage} (layers "
+            f"{layers[first].name} to {layers[end - 1].name}) needing {most / 2**30:.2f} GiB "
+            f"even with full recompute, {budget}")
+
+
+def _least_fullest(n: int, stages: int, need) -> tuple[int, tuple[int, int, int]]:
+    """Over the partitions of ``n`` layers into ``stages`` non-empty stages, the least
+    fullest-stage ``need(first, end, stage)``, and that stage: a dynamic programme over where
+    each stage ends."""
+    best = {0: (0, (0, 0, 0))}  # layers placed -> (fullest so far, that stage)
+    for stage in range(stages):
+        ends = range(stage + 1, n - stages + stage + 2) if stage < stages - 1 else [n]
+        step = {}
+        for end in ends:
+            for first, (full, where) in best.items():
+                if first < end:
+                    here = need(first, end, stage)
+                    found = (full, where) if full >= here else (here, (stage, first, end))
+                    if end not in step or found[0] < step[end][0]:
+                        step[end] = found
+        best = step
+    return best[n]
 
 
 def deepspeed_bounds(layers: list[LayerCost], stages: int, method: str) -> list[int]:
