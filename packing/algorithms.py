@@ -416,7 +416,9 @@ def _deal_steps(lengths, placed, bin_of_item, n_bins, ranks, micro_batches, cost
     V = np.bincount(bin_of_item, lengths.tiles[placed], minlength=n_bins)
     L = np.bincount(bin_of_item, tokens, minlength=n_bins)
     A = np.bincount(bin_of_item, cost.squares(tokens), minlength=n_bins)
-    C = cost.cost(V, L, A)
+    S = np.bincount(bin_of_item, lengths.supervised_or_tokens()[placed].astype(np.float64),
+                    minlength=n_bins)
+    C = cost.cost(V, L, A, S)
     index = np.arange(n_bins)
     window = index // (options.balance_steps * per_step)
     by_attn = np.lexsort((A, -V, window))

@@ -19,19 +19,30 @@ class Lengths:
     # under sequence parallelism (``groups.rank_tiles``); None where the input does not say
     # (OmniBal's length files)
     largest: np.ndarray | None = None
+    # int64: the sample's supervised tokens (``loss_tokens``), the LM head's rows; None where
+    # the input does not say (OmniBal's length files): then ``supervised_or_tokens`` gives its
+    # tokens, the most there can be
+    supervised: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.tiles) == len(self.tokens) == len(self.source)):
             raise ValueError("tiles, tokens and source must have one entry per sample")
-        if self.largest is not None and len(self.largest) != len(self.tiles):
-            raise ValueError("largest must have one entry per sample")
+        for name in ("largest", "supervised"):
+            column = getattr(self, name)
+            if column is not None and len(column) != len(self.tiles):
+                raise ValueError(f"{name} must have one entry per sample")
+
+    def supervised_or_tokens(self) -> np.ndarray:
+        """Per sample its supervised tokens, or its tokens (an upper bound) where unknown."""
+        return self.tokens if self.supervised is None else self.supervised
 
     def __len__(self) -> int:
         return len(self.tiles)
 
     def take(self, index: np.ndarray) -> "Lengths":
         return Lengths(self.tiles[index], self.tokens[index], self.source[index], self.sources,
-                       None if self.largest is None else self.largest[index])
+                       None if self.largest is None else self.largest[index],
+                       None if self.supervised is None else self.supervised[index])
 
 
 @dataclass

@@ -1,15 +1,17 @@
 """The cost model of ``docs/design.md``: what one micro-batch costs on each resource.
 
-``vit_cost = a_v·Σtiles`` and ``llm_cost = a_t·Σseq_len + b·Σseq_len²`` (packed samples
-attend only within themselves, so attention is quadratic per sample). Only attention layers make the
-``b`` term (a linear-attention layer costs linear in tokens). Where some of them attend within a
-sliding ``window`` w (Gemma 3's local layers), their ``window_share`` of ``b`` costs w·(2·seq_len
-− w) a sample past the window instead (causal pairs, as seq_len² counts them for full attention):
-``squares`` gives each sample's quadratic work in units of ``b``, seq_len² up to the window, and
-the packer, its metrics and report use it. Defaults are the training FLOPs (forward + backward = 3×
-forward) of the model, from its layer sizes (``vlmshard/model_sizes.py``): a model folder's
-``config.json`` (by default the folder the stats were preprocessed for) or a preset;
-``vlmshard train profile`` writes a measured ``cost_model.json`` with the same three keys.
+``vit_cost = a_v·Σtiles`` and ``llm_cost = a_t·Σseq_len + b·Σseq_len² + a_s·Σsupervised``
+(packed samples attend only within themselves, so attention is quadratic per sample; the LM head
+makes logits for supervised tokens only, the samples' ``loss_tokens``). Only attention layers
+make the ``b`` term (a linear-attention layer costs linear in tokens). Where some of them attend
+within a sliding ``window`` w (Gemma 3's local layers), their ``window_share`` of ``b`` costs
+w·(2·seq_len − w) a sample past the window instead (causal pairs, as seq_len² counts them for
+full attention): ``squares`` gives each sample's quadratic work in units of ``b``, seq_len² up
+to the window, and the packer, its metrics and report use it. Defaults are the training FLOPs
+(forward + backward = 3× forward) of the model, from its layer sizes
+(``vlmshard/model_sizes.py``): a model folder's ``config.json`` (by default the folder the stats
+were preprocessed for) or a preset; ``vlmshard train profile`` writes a measured
+``cost_model.json`` with the same three keys.
 
 A step of sequence-parallel degree s splits each micro-batch's work over s ranks and pays the
 exchange Ulysses makes: ``c_sp·Σseq_len·(s − 1)/s`` per micro-batch, in the same FLOP units
@@ -48,6 +50,9 @@ class CostModel:
     window: int = 0  # the sliding window of the layers that have one (0: none)
     window_share: float = 0.0  # the share of ``b`` those layers make
     c_sp: float = 0.0  # per token, the sequence-parallel exchange at (s − 1)/s = 1
+    # per supervised token: the LM head, whose logits exist only for supervised rows (0 in a
+    # profile's fitted cost_model.json, whose a_t holds the head's time)
+    a_s: float = 0.0
     # what the run trains (``vlmshard.recipe``), and a_v over the a_v of training every part:
     # a frozen ViT's forward alone is about a third of its training work
     recipe: str = "vit,projector,llm"
@@ -67,7 +72,7 @@ class CostModel:
                    window=model.llm.sliding_window if flops.windowed else 0,
                    window_share=flops.windowed / b if flops.windowed else 0.0,
                    c_sp=sequence_parallel_bytes(model) * flops_per_sp_byte(GPUS[REFERENCE_GPU]),
-                   recipe=recipe.describe(),
+                   a_s=flops.supervised, recipe=recipe.describe(),
                    a_v_share=flops.tiles / full.tiles if full.tiles else 1.0)
 
     @classmethod
@@ -94,11 +99,20 @@ class CostModel:
         if window < 0 or not 0.0 <= share <= 1.0 or c_sp < 0:
             raise InputError(f"{path}: window must be >= 0, window_share within [0, 1] and "
                              "c_sp >= 0")
-        return cls(a_v, a_t, b, f"file:{path}", window=window, window_share=share, c_sp=c_sp)
+        try:
+            a_s = float(data.get("a_s", 0.0))
+        except (TypeError, ValueError) as e:
+            raise InputError(f"{path}: a_s must be a number") from e
+        if a_s < 0:
+            raise InputError(f"{path}: a_s must be >= 0")
+        return cls(a_v, a_t, b, f"file:{path}", window=window, window_share=share, c_sp=c_sp,
+                   a_s=a_s)
 
-    def cost(self, tiles, tokens, squares):
-        """Cost of micro-batches (or ranks) from their Σtiles, Σtokens and Σ``squares``."""
-        return self.a_v * tiles + self.a_t * tokens + self.b * squares
+    def cost(self, tiles, tokens, squares, supervised=None):
+        """Cost of micro-batches (or ranks) from their Σtiles, Σtokens, Σ``squares`` and
+        Σsupervised tokens (None: their tokens, the most there can be)."""
+        supervised = tokens if supervised is None else supervised
+        return self.a_v * tiles + self.a_t * tokens + self.b * squares + self.a_s * supervised
 
     def sp_exchange(self, tokens, sp: int):
         """What sequence parallelism of degree ``sp`` adds to micro-batches (or ranks) of

@@ -138,12 +138,18 @@ def step_loads(lengths: Lengths, packing: Packing, cost: CostModel, dp: int) -> 
     V = np.bincount(micro, tiles, minlength=n_micro)
     L = np.bincount(micro, tokens, minlength=n_micro)
     A = np.bincount(micro, cost.squares(tokens), minlength=n_micro)
+    S = np.bincount(micro, lengths.supervised_or_tokens()[packing.items].astype(np.float64),
+                    minlength=n_micro)
 
-    Vr, Lr, Ar = (per_rank(x, packing, dp) for x in (V, L, A))
+    Vr, Lr, Ar, Sr = (per_rank(x, packing, dp) for x in (V, L, A, S))
     n_sources = len(lengths.sources)
     sources = np.bincount((micro // per_step) * n_sources + lengths.source[packing.items],
                           minlength=steps * n_sources).reshape(steps, n_sources)
-    return Loads(V, L, Vr, Lr, Ar, cost.cost(Vr, Lr, Ar), sources)
+    return Loads(V, L, Vr, Lr, Ar, cost.cost(Vr, Lr, Ar, Sr), sources)
+
+
+# the columns of ``micro_batch_sizes``: tiles, tokens, Σseq_len², supervised tokens
+SIZE_COLUMNS = 4
 
 
 def per_rank(micro: np.ndarray, packing: Packing, dp: int) -> np.ndarray:
@@ -154,10 +160,11 @@ def per_rank(micro: np.ndarray, packing: Packing, dp: int) -> np.ndarray:
 
 
 def executed_sizes(sizes: np.ndarray, *, qv: int, qt: int, mode: str) -> np.ndarray:
-    """[micro-batches, 3]: the tiles, tokens and Σseq_len² the trainer computes on for each
-    micro-batch of ``micro_batch_sizes``, in compute ``mode`` (``cost.ComputeMode``): the real
-    ones (``padding-free``), or Qv tiles and Qt tokens with attention within the real samples
-    (``padded``). The metrics and the simulator both cost these."""
+    """[micro-batches, 4]: the tiles, tokens, Σseq_len² and supervised tokens the trainer
+    computes on for each micro-batch of ``micro_batch_sizes``, in compute ``mode``
+    (``cost.ComputeMode``): the real ones (``padding-free``), or Qv tiles and Qt tokens with
+    attention and the LM head's rows within the real samples (``padded``). The metrics and the
+    simulator both cost these."""
     if mode == "padding-free":
         return sizes
     executed = sizes.copy()
@@ -172,22 +179,24 @@ def executed_work(sizes: np.ndarray, packing: Packing, cost: CostModel, dp: int,
     ``sp`` ranks that share its micro-batches, their work with the exchange between them
     (``CostModel.sp_exchange``), so that it lasts 1/``sp`` of this."""
     executed = [per_rank(executed_sizes(sizes, qv=qv, qt=qt, mode=mode)[:, i], packing, dp)
-                for i in range(3)]
+                for i in range(SIZE_COLUMNS)]
     return cost.cost(*executed) + cost.sp_exchange(executed[1], sp)
 
 
 def micro_batch_sizes(lengths: Lengths, packing: Packing, padded: bool,
                       cost: CostModel | None = None) -> np.ndarray:
-    """[micro-batches, 3]: the tiles, tokens and Σseq_len² (``cost.squares`` where given) each
-    micro-batch makes the model process. Packed: the sums over its samples. Padded
-    (``random``, ``lengthgroup``): every sample is as long as the micro-batch's longest."""
+    """[micro-batches, 4]: the tiles, tokens, Σseq_len² (``cost.squares`` where given) and
+    supervised tokens (``Lengths.supervised_or_tokens``) each micro-batch makes the model
+    process. Packed: the sums over its samples. Padded (``random``, ``lengthgroup``): every
+    sample is as long as the micro-batch's longest (its padding supervises nothing)."""
     micro = packing.micro_of_item()
     tokens = lengths.tokens[packing.items].astype(np.float64)
     if padded and len(tokens):
         tokens = np.maximum.reduceat(tokens, packing.offsets[:-1])[micro]
     sums = [np.bincount(micro, x, minlength=packing.n_micro)
             for x in (lengths.tiles[packing.items].astype(np.float64), tokens,
-                      cost.squares(tokens) if cost else tokens * tokens)]
+                      cost.squares(tokens) if cost else tokens * tokens,
+                      lengths.supervised_or_tokens()[packing.items].astype(np.float64))]
     return np.stack(sums, axis=1)
 
 

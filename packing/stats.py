@@ -133,7 +133,8 @@ def _read_parquet_stats(path: str) -> Lengths:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    columns = ["sample_id", "source", "vit_tiles", "seq_len", "image_tiles", "videos"]
+    columns = ["sample_id", "source", "vit_tiles", "seq_len", "image_tiles", "videos",
+               "loss_tokens"]
     try:
         table = pa.concat_tables(pq.read_table(f, columns=columns) for f in stats_files(path))
     except (pa.ArrowInvalid, KeyError) as e:
@@ -145,7 +146,8 @@ def _read_parquet_stats(path: str) -> Lengths:
     return Lengths(table["vit_tiles"].to_numpy().astype(np.int64),
                    table["seq_len"].to_numpy().astype(np.int64),
                    source.indices.to_numpy().astype(np.int32),
-                   tuple(source.dictionary.to_pylist()), _largest_medium(table))
+                   tuple(source.dictionary.to_pylist()), _largest_medium(table),
+                   table["loss_tokens"].to_numpy().astype(np.int64))
 
 
 def _largest_medium(table) -> np.ndarray:

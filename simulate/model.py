@@ -87,21 +87,39 @@ def pipeline_times(forward: np.ndarray, backward: np.ndarray) -> tuple[np.ndarra
 
 # The sizes a layer's time is linear in (``model_sizes.CostTerms``'s, the LLM's sliding-window
 # attention charged as full): a logged micro-batch has them all (``logged_columns``); a plan
-# the first three (``planned_columns``)
-COLUMNS = ("tiles", "tokens", "squares", "vit_squares", "vit_windows")
+# the tiles, tokens, squares and supervised tokens (``planned_columns``)
+COLUMNS = ("tiles", "tokens", "squares", "vit_squares", "vit_windows", "supervised")
 
 
 def logged_columns(sizes: dict) -> list[float]:
     """A micro-batch's sizes as the trainer logs them (``train_log.micro_batch_size``) in
-    ``COLUMNS``; those a model has none of are 0."""
-    return [float(sizes.get(k, 0.0)) for k in COLUMNS]
+    ``COLUMNS``; those a model has none of are 0. A log from before the supervised count
+    (``supervised`` absent) gives its tokens there: the most the LM head can have run on."""
+    return [float(sizes.get(k, sizes["tokens"] if k == "supervised" else 0.0)) for k in COLUMNS]
 
 
 def planned_columns(sizes: np.ndarray) -> np.ndarray:
-    """A plan's sizes [..., 3] (tiles, tokens, Σseq_len²) in ``COLUMNS``: a simulated plan
-    leaves out a Qwen ViT's attention across images, as the packer's cost model does (``a_v``
-    per tile)."""
-    return np.concatenate([sizes, np.zeros((*sizes.shape[:-1], len(COLUMNS) - 3))], axis=-1)
+    """A plan's sizes or rates [..., 3 or 4] (tiles, tokens, Σseq_len², and supervised tokens:
+    ``packing.metrics.micro_batch_sizes``) in ``COLUMNS`` (a fourth column absent: 0). A
+    simulated plan leaves out a Qwen ViT's attention across images, as the packer's cost model
+    does (``a_v`` per tile)."""
+    supervised = sizes[..., 3:4] if sizes.shape[-1] > 3 else np.zeros((*sizes.shape[:-1], 1))
+    return np.concatenate([sizes[..., :3], np.zeros((*sizes.shape[:-1], 2)), supervised],
+                          axis=-1)
+
+
+def plan_sizes(sizes: np.ndarray) -> np.ndarray:
+    """A plan's micro-batch sizes [..., 3 or 4] in ``COLUMNS``; sizes without the supervised
+    count (tiles, tokens, Σseq_len² only) take their tokens there, the most there can be."""
+    sizes = np.asarray(sizes, dtype=float)
+    if sizes.shape[-1] == 3:
+        sizes = np.concatenate([sizes, sizes[..., 1:2]], axis=-1)
+    return planned_columns(sizes)
+
+
+def plan_terms(sizes: np.ndarray) -> CostTerms:
+    """A plan's micro-batch sizes [3 or 4] (``plan_sizes``) as ``CostTerms``."""
+    return CostTerms(**dict(zip(COLUMNS, plan_sizes(sizes))))
 
 
 @dataclass(frozen=True)
@@ -148,14 +166,15 @@ class LayerRates:
         profiled mean, so that a Qwen ViT block's attention across images follows each
         micro-batch's squared patch counts (where the profile logged them)."""
         mean = np.mean([logged_columns(b) for b in profile["micro_batches"]], axis=0)
-        llm = planned_columns(np.array([0.0, cost_model["a_t"], cost_model["b"]]))
+        llm = planned_columns(np.array([0.0, cost_model["a_t"], cost_model["b"],
+                                        cost_model.get("a_s", 0.0)]))
         llm_unit = llm / max(llm @ mean, 1e-30)
-        vit_unit = planned_columns(np.array([1.0 / max(mean[0], 1e-30), 0.0, 0.0]))
-        per_token = planned_columns(np.array([0.0, 1.0 / max(mean[1], 1e-30), 0.0]))
+        vit_unit = planned_columns(np.array([1.0 / max(mean[0], 1e-30), 0.0, 0.0, 0.0]))
+        per_token = planned_columns(np.array([0.0, 1.0 / max(mean[1], 1e-30), 0.0, 0.0]))
         layers = profile["layers"]
 
         def vision_unit(i: int) -> np.ndarray:
-            if work is None or not mean[3:].any():  # no ViT attention sizes logged
+            if work is None or not mean[3:5].any():  # no ViT attention sizes logged
                 return vit_unit
             shape = _vector(work[i].flops)
             at_mean = shape @ mean
@@ -301,14 +320,15 @@ class Simulation:
 
 def replica_micro_batches(sizes: np.ndarray, ranks: int, micro: int, dp: int,
                           per_step: int | None = None) -> np.ndarray:
-    """Micro-batch sizes [steps, dp, M, 3] of each replica's steps. The plan's step-major
-    micro-batches [steps, ranks, micro] go to replicas by virtual rank (replica d takes ranks
-    d·V/D … (d+1)·V/D − 1); ``per_step`` regroups each replica's stream into steps of M."""
+    """Micro-batch sizes [steps, dp, M, C] of each replica's steps, from the plan's [..., C].
+    The plan's step-major micro-batches [steps, ranks, micro] go to replicas by virtual rank
+    (replica d takes ranks d·V/D … (d+1)·V/D − 1); ``per_step`` regroups each replica's stream
+    into steps of M."""
     if ranks % dp:
         raise ConfigError(f"dp={dp} does not divide the plan's {ranks} virtual ranks")
-    steps = len(sizes) // (ranks * micro)
-    streams = sizes[:steps * ranks * micro].reshape(steps, dp, ranks // dp * micro, 3)
-    streams = streams.transpose(1, 0, 2, 3).reshape(dp, -1, 3)  # each replica's micro-batches
+    steps, width = len(sizes) // (ranks * micro), sizes.shape[-1]
+    streams = sizes[:steps * ranks * micro].reshape(steps, dp, ranks // dp * micro, width)
+    streams = streams.transpose(1, 0, 2, 3).reshape(dp, -1, width)  # each replica's stream
     m = per_step or ranks // dp * micro
     whole = streams.shape[1] // m
     if whole == 0:
@@ -317,15 +337,15 @@ def replica_micro_batches(sizes: np.ndarray, ranks: int, micro: int, dp: int,
     if whole * m < streams.shape[1]:
         log.warning("%d micro-batches per replica do not fill a last step of %d; left out",
                     streams.shape[1] - whole * m, m)
-    return streams[:, :whole * m].reshape(dp, whole, m, 3).transpose(1, 0, 2, 3)
+    return streams[:, :whole * m].reshape(dp, whole, m, width).transpose(1, 0, 2, 3)
 
 
 def simulate(batches: np.ndarray, model: StageModel,
              wire: np.ndarray | None = None) -> Simulation:
-    """One epoch of ``batches`` [steps, D, M, 3] through the stage model, the stages exchanging
-    ``wire``-sized tensors (the caps)."""
-    steps, dp, micro, _ = batches.shape
-    forward, backward = model.times(planned_columns(batches.reshape(steps * dp, micro, 3)),
+    """One epoch of ``batches`` [steps, D, M, 3 or 4] (``planned_columns``) through the stage
+    model, the stages exchanging ``wire``-sized tensors (the caps)."""
+    steps, dp, micro, width = batches.shape
+    forward, backward = model.times(plan_sizes(batches.reshape(steps * dp, micro, width)),
                                     None if wire is None else planned_columns(wire))
     makespan, busy = pipeline_times(forward, backward)
     times = PipelineTimes(makespan.reshape(steps, dp), busy.reshape(steps, dp, -1))
@@ -347,7 +367,7 @@ def search_for(work: list[LayerWork], sizes: np.ndarray, stages: int, gpu: GPU, 
     from vlmshard.partition import PartitionError, evaluate, search_partition
 
     mean, peak = sizes.mean(axis=0), sizes.max(axis=0)
-    layers = analytic_layer_costs(work, time_size=CostTerms(*mean), memory_size=CostTerms(*peak),
+    layers = analytic_layer_costs(work, time_size=plan_terms(mean), memory_size=plan_terms(peak),
                                   flops_per_s=flops_per_s, bytes_per_param=bytes_per_param,
                                   modes=modes, frozen_bytes_per_param=frozen_bytes_per_param)
     machine = Machine.for_device(gpu.memory_bytes, gpu.link_bytes_per_s, full_recompute)

@@ -424,7 +424,9 @@ def _real_rank_balance(plan_dir, dp: int) -> dict[str, float]:
                           "V": tiles[ids], "L": tokens[ids], "A": tokens[ids] ** 2})
     loads = frame.groupby(["step", "real"])[["V", "L", "A"]].sum()
     c = info["cost_model"]
-    loads["C"] = c["a_v"] * loads["V"] + c["a_t"] * loads["L"] + c["b"] * loads["A"]
+    # OmniBal's rows hold no labels: every token counts as supervised (a_s), the most there can be
+    loads["C"] = (c["a_v"] * loads["V"] + (c["a_t"] + c["a_s"]) * loads["L"]
+                  + c["b"] * loads["A"])
     out = {}
     for key in ("V", "L", "A"):
         table = loads[key].unstack().to_numpy()  # [steps, dp]

@@ -172,7 +172,7 @@ def test_the_largest_micro_batch_of_the_analytic_model_is_the_edge_of_fitting(pr
 
     search_partition(costs(largest), stages, machine)
     with pytest.raises(PartitionError):
-        search_partition(costs(CostTerms(largest.tiles * 1.01, largest.tokens * 1.01)), stages,
+        search_partition(costs(largest.scaled(1.01)), stages,
                          machine)
     # without recomputing any layer whole: the searched partition at that size has none, at
     # 1% more it has some
@@ -180,7 +180,7 @@ def test_the_largest_micro_batch_of_the_analytic_model_is_the_edge_of_fitting(pr
                                whole_recompute=False)
     assert 0 < free.tokens < largest.tokens
     assert not search_partition(costs(free), stages, machine).recompute
-    assert search_partition(costs(CostTerms(free.tiles * 1.01, free.tokens * 1.01)), stages,
+    assert search_partition(costs(free.scaled(1.01)), stages,
                             machine).recompute
 
 

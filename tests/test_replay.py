@@ -61,8 +61,8 @@ def test_replay_costs_the_logged_vit_attention_sizes():
     forward (backward twice that), and nothing else: a micro-batch logging 2 and 1 of them
     (and tiles, tokens and squares that cost nothing here) runs 12 s forward and 24 s backward;
     one logging none, of an older log or a ViT attending within tiles, runs 0 s."""
-    stages = StageModel(forward=np.array([[0.0, 0, 0, 1, 10]]),
-                        backward=np.array([[0.0, 0, 0, 2, 20]]))
+    stages = StageModel(forward=np.array([[0.0, 0, 0, 1, 10, 0]]),
+                        backward=np.array([[0.0, 0, 0, 2, 20, 0]]))
     qwen = {**_micro(5, 7), "squares": 49, "vit_squares": 2, "vit_windows": 1}
     record = {"data": [{"micro_sizes": [qwen]}, {"micro_sizes": [_micro(5, 7)]}]}
     times = replay_batches([record], stages)
@@ -125,20 +125,22 @@ def test_analytic_layers_map_onto_the_trainers_layers(family, tmp_path):
     assert rates.backward == pytest.approx(2 * rates.forward)
     work = {w.name: w.flops for w in layer_work(model)}
     projector = names.index("projector")
-    assert rates.forward[projector].tolist() == [work["projector_merge"].tiles, 0, 0, 0, 0]
+    assert rates.forward[projector].tolist() == [work["projector_merge"].tiles, 0, 0, 0, 0, 0]
     for name in NO_LAYER_WORK:
-        assert rates.forward[names.index(name)].tolist() == [0, 0, 0, 0, 0]
+        assert rates.forward[names.index(name)].tolist() == [0, 0, 0, 0, 0, 0]
     vit, llm = rates.forward[:projector + 1], rates.forward[projector + 1:]
-    assert (vit[:, 1:3] == 0).all() and (llm[:, [0, 3, 4]] == 0).all()
+    assert (vit[:, [1, 2, 5]] == 0).all() and (llm[:, [0, 3, 4]] == 0).all()
+    # the LM head alone makes logits, per supervised token
+    assert (llm[:-1, 5] == 0).all() and llm[-1, 5] > 0
     vision = config["vision_config"]
     full = vision.get("fullatt_block_indexes")  # Qwen2.5-VL's; the other Qwens': every block
     for i, name in enumerate(names[:projector]):
         if not name.startswith("vit_block_"):
-            assert rates.forward[i, 3:].tolist() == [0, 0]
+            assert rates.forward[i, 3:5].tolist() == [0, 0]
         elif family.startswith("qwen"):
             per_square = 4 * vision.get("embed_dim", vision["hidden_size"])
             windowed = full is not None and int(name.rsplit("_", 1)[1]) not in full
-            assert rates.forward[i, 3:].tolist() == ([0, per_square] if windowed
+            assert rates.forward[i, 3:5].tolist() == ([0, per_square] if windowed
                                                      else [per_square, 0]), name
     with pytest.raises(InputError, match="'mystery' has no counterpart"):
         analytic_rates(names + ["mystery"], model)

@@ -75,16 +75,17 @@ def _omnibal_lengths() -> tuple[np.ndarray, np.ndarray]:
 
 
 def _rank_costs(plan_dir: Path, dp: int) -> np.ndarray:
-    """[plan steps, dp] each DP rank's cost (a_v·tiles + a_t·tokens + b·Σlen²) at each plan
-    step, computed here from plan.parquet, the OmniBal files and plan.json's cost model."""
+    """[plan steps, dp] each DP rank's cost (a_v·tiles + a_t·tokens + b·Σlen² + a_s·supervised)
+    at each plan step, computed here from plan.parquet, the OmniBal files and plan.json's cost
+    model. OmniBal's rows hold no labels: every token counts as supervised."""
     info = json.loads((plan_dir / "plan.json").read_text())
     tiles, tokens = _omnibal_lengths()
-    a_v, a_t, b = (info["cost_model"][k] for k in ("a_v", "a_t", "b"))
+    a_v, a_t, b, a_s = (info["cost_model"][k] for k in ("a_v", "a_t", "b", "a_s"))
     ranks, steps = info["params"]["ranks"], info["metrics"]["steps"]
     cost = np.zeros((steps, dp))
     for (step, rank, _), ids in _micro_batches(plan_dir).items():
         t = tokens[ids].astype(float)
-        cost[step, rank // (ranks // dp)] += (a_v * tiles[ids].sum() + a_t * t.sum()
+        cost[step, rank // (ranks // dp)] += (a_v * tiles[ids].sum() + (a_t + a_s) * t.sum()
                                               + b * (t ** 2).sum())
     return cost
 
@@ -203,7 +204,8 @@ def _expected_predicted(plan_dir: Path, dp: int, steps: int) -> PipelineTimes:
                     ids = batches[(s, v, m)]
                     t = tokens[ids].astype(float)
                     forward.append([flops.tiles * tiles[ids].sum() / 3,
-                                    (flops.tokens * t.sum() + flops.squares * (t ** 2).sum()) / 3])
+                                    ((flops.tokens + flops.supervised) * t.sum()
+                                     + flops.squares * (t ** 2).sum()) / 3])
             backward = [[2 * f for f in row] for row in forward]
             spans[step - 1, d] = makespan(forward, backward)
             busy[step - 1, d] = 3 * np.array(forward).sum(axis=0)

@@ -164,14 +164,16 @@ def _simulate(plan, **options) -> dict:
 def hand_counted_seconds(plan, padded: bool) -> float:
     """The epoch counted from plan.parquet, the length rows and plan.json's cost model and caps.
     One stage: a replica's step is its micro-batches' forward and backward back to back, i.e.
-    its training FLOPs (a_v·tiles + a_t·tokens + b·Σlen²) at the sustained rate; a step waits
-    for the slowest rank. Padded: every micro-batch computes Qv tiles and Qt tokens, attention
-    only over its real samples; padding-free: the real tiles and tokens."""
+    its training FLOPs (a_v·tiles + a_t·tokens + b·Σlen² + a_s·supervised) at the sustained
+    rate; a step waits for the slowest rank. Padded: every micro-batch computes Qv tiles and Qt
+    tokens, attention and the LM head only over its real samples; padding-free: the real tiles
+    and tokens. OmniBal's length rows hold no labels: every token counts as supervised, the
+    most there can be."""
     import pyarrow.parquet as pq
 
     info = json.loads((plan / "plan.json").read_text())
     assert info["cost_model"]["origin"] == "flops:internvl2-2b"
-    a_v, a_t, b = (info["cost_model"][k] for k in ("a_v", "a_t", "b"))
+    a_v, a_t, b, a_s = (info["cost_model"][k] for k in ("a_v", "a_t", "b", "a_s"))
     folder = os.path.dirname(OMNIBAL_META)
     rows = []  # sample_id order: meta.json's files in turn
     for name in ("ai2d_train_12k_head.json", "docvqa_train_10k_head.json"):
@@ -185,7 +187,7 @@ def hand_counted_seconds(plan, padded: bool) -> float:
     for placed in pq.read_table(plan / "plan.parquet").to_pylist():
         row = rows[placed["sample_id"]]
         tiles, tokens = row["vit_num"], row["token_num"]
-        flops[placed["step"], placed["rank"]] += b * tokens ** 2 + (
+        flops[placed["step"], placed["rank"]] += b * tokens ** 2 + a_s * tokens + (
             0.0 if padded else a_v * tiles + a_t * tokens)
     return sum(max(flops[s, 0], flops[s, 1]) for s in range(steps)) / (0.5 * H100_BF16_PEAK)
 
@@ -295,7 +297,7 @@ def test_the_replay_takes_the_profiles_sustained_rate_per_layer_kind():
         {"vit_block": 2 / 3, "llm_block": 0.52}, rel=1e-12)
     stage = StageModel.build(LayerRates.sustained(work, profile),
                              Partition([0, 4], [Stage(0, 4)]), float("inf"))
-    forward, backward = stage.times(np.array([[3.0, 200.0, 8000.0, 1e4, 0.0]]))
+    forward, backward = stage.times(np.array([[3.0, 200.0, 8000.0, 1e4, 0.0, 0.0]]))
     assert float(forward[0, 0]) == pytest.approx(0.004, rel=1e-12)
     assert float(forward[0, 0] + backward[0, 0]) == pytest.approx(0.012, rel=1e-12)
     del profile["layers"][0]["kind"]
@@ -327,7 +329,7 @@ def test_measured_layer_times_scale_a_qwen_vits_attention_by_its_analytic_flops(
             LayerWork("projector_merge", 0, CostTerms(tiles=3), CostTerms(), CostTerms()),
             LayerWork("llm_block_0", 0, CostTerms(tokens=7), CostTerms(), CostTerms())]
     cost = {"a_t": 1.0, "b": 0.0}
-    micro = np.array([2.0, 10, 25, 200, 0])
+    micro = np.array([2.0, 10, 25, 200, 0, 0])
     rates = LayerRates.from_profile(profile, cost, work)
     np.testing.assert_allclose(rates.forward @ micro, [1.8, 0.5, 1.0])
     np.testing.assert_allclose(rates.backward @ micro, [3.6, 1.0, 2.0])

@@ -103,14 +103,14 @@ class ChosenPartition:
 
 
 def shard_sizes(shards: str, dp: int, model: ModelConfig) -> tuple[CostTerms, CostTerms]:
-    """The mean sizes (tiles, tokens, Σ seq_len², and a Qwen ViT's squared spans:
-    ``model_sizes.vit_attention_size``) of what a rank of ``dp`` trains per micro-batch, over
-    every micro-batch of the shards, and the largest micro-batch a rank holds (the caps; in a
-    sequence-parallel group, 1/sp of its tokens and attention heads, and the tiles the plan
-    bounds each rank's media to, ``rank_qv``). Each record's json member holds its sizes, read
-    alone; a Qwen ViT's attention needs each image's patch grid, which only the image's header
-    holds: for those models every record is read whole (its images read to their headers, not
-    decoded)."""
+    """The mean sizes (tiles, tokens, Σ seq_len², supervised tokens from the samples'
+    ``loss_tokens``, and a Qwen ViT's squared spans: ``model_sizes.vit_attention_size``) of what
+    a rank of ``dp`` trains per micro-batch, over every micro-batch of the shards, and the
+    largest micro-batch a rank holds (the caps; in a sequence-parallel group, 1/sp of its tokens
+    and attention heads, and the tiles the plan bounds each rank's media to, ``rank_qv``). Each
+    record's json member holds its sizes, read alone; a Qwen ViT's attention needs each image's
+    patch grid, which only the image's header holds: for those models every record is read whole
+    (its images read to their headers, not decoded)."""
     from vlmshard.shards.layout import read_manifest
     from vlmshard.shards.loader import ShardDataset
     from vlmshard.shards.records import decoded_images, tiles_of
@@ -128,13 +128,15 @@ def shard_sizes(shards: str, dp: int, model: ModelConfig) -> tuple[CostTerms, Co
         vit = vit_attention_size(model.vision, grids)
         lengths = [s["seq_len"] for s in samples]
         sizes.append(np.array((tiles_of(samples), sum(lengths), sum(n * n for n in lengths),
-                               vit.vit_squares, vit.vit_windows), dtype=float)
+                               vit.vit_squares, vit.vit_windows,
+                               sum(s["loss_tokens"] for s in samples)), dtype=float)
                      / m.step_group(step)["sp"])
     groups = m.groups or [m.step_group(0)]
     caps = CostTerms(max(g["rank_qv"] for g in groups), max(g["length"] / g["sp"] for g in groups))
     # memory has no squared term: no attention backend keeps an [n x n] score matrix
-    tiles, tokens, squares, vit_squares, vit_windows = np.mean(sizes, axis=0)
-    return CostTerms(tiles, tokens, squares, vit_squares=vit_squares, vit_windows=vit_windows), caps
+    tiles, tokens, squares, vit_squares, vit_windows, supervised = np.mean(sizes, axis=0)
+    return CostTerms(tiles, tokens, squares, vit_squares=vit_squares, vit_windows=vit_windows,
+                     supervised=supervised), caps
 
 
 def device_machine(device: Device | None, ranks_on_node: int) -> tuple[Machine, float, str]:

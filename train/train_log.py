@@ -20,11 +20,12 @@ log = logging.getLogger(__name__)
 
 
 def micro_batch_size(batch: dict, model: ModelConfig) -> dict:
-    """The sizes the cost model and the simulator read: tiles, tokens, Σseq_len², for a model
-    with sliding-window layers their Σ m·(2·seq_len − m), m = min(seq_len, window)
-    (``model_sizes.CostTerms.windowed``), and for a ViT attending across whole images its spans'
-    squares (``model_sizes.vit_attention_size``). A sequence-parallel share's are this rank's
-    part: its own tiles and media, its real tokens and 1/sp of the whole's attention."""
+    """The sizes the cost model and the simulator read: tiles, tokens, Σseq_len², the supervised
+    tokens (the LM head's rows: ``supervised_count``), for a model with sliding-window layers
+    their Σ m·(2·seq_len − m), m = min(seq_len, window) (``model_sizes.CostTerms.windowed``),
+    and for a ViT attending across whole images its spans' squares
+    (``model_sizes.vit_attention_size``). A sequence-parallel share's are this rank's part: its
+    own tiles, media and supervised tokens, its real tokens and 1/sp of the whole's attention."""
     import numpy as np
 
     shard = batch.get("shard")
@@ -37,7 +38,9 @@ def micro_batch_size(batch: dict, model: ModelConfig) -> dict:
         tokens = max(0, min(shard.start + shard.length, int(lens.sum())) - shard.start)
         share = shard.sp
     sizes = {"tiles": int(batch["num_tiles"]), "tokens": tokens,
-             "squares": int(round((lens ** 2).sum() / share))}
+             "squares": int(round((lens ** 2).sum() / share)),
+             # a batch made from length rows holds no labels: its tokens, the most there can be
+             "supervised": supervised_count(batch) if "labels" in batch else tokens}
     window = model.llm.sliding_window
     if window:
         m = np.minimum(lens, window)
@@ -49,6 +52,23 @@ def micro_batch_size(batch: dict, model: ModelConfig) -> dict:
         if model.vision.window:
             sizes["vit_windows"] = int(vit.vit_windows)
     return sizes
+
+
+def supervised_count(batch: dict) -> int:
+    """Tokens of a collated micro-batch with a next-token target, as the trainer's loss finds
+    them (``shards.model_inputs.supervised_tokens``, here without torch): label t + 1 of the
+    same sample; a sequence-parallel share's labels are its targets already."""
+    import numpy as np
+
+    from vlmshard.preprocess.tokenize import IGNORE_INDEX
+
+    labelled = np.asarray(batch["labels"]) != IGNORE_INDEX
+    if "shard" in batch:
+        return int(labelled.sum())
+    # target i is label i + 1, except at each sample's last token (the next sample's first)
+    firsts = np.asarray(batch["cu_seqlens"], dtype=np.int64)[1:]
+    firsts = firsts[(firsts > 0) & (firsts < len(labelled))]
+    return int(labelled[1:].sum() - labelled[np.unique(firsts)].sum())
 
 
 def rank_timing(*, rank: int, stage: int, dp_rank: int, forward_s: float, backward_s: float,

@@ -357,7 +357,9 @@ def largest_micro_batch(work: list[LayerWork], shape: CostTerms, machine: Machin
     candidate is costed at its own size (the loss's chunk does not grow past its rows). Zero
     when the parameters alone do not fit."""
     def fits(scale: float) -> bool:
-        size = CostTerms(shape.tiles * scale, shape.tokens * scale)
+        # every token supervised: the most the LM head can cost (a shape knows no labels)
+        size = CostTerms(shape.tiles * scale, shape.tokens * scale,
+                         supervised=shape.tokens * scale)
         layers = analytic_layer_costs(work, time_size=size, memory_size=size, flops_per_s=1.0,
                                       bytes_per_param=bytes_per_param)
         try:
@@ -367,7 +369,7 @@ def largest_micro_batch(work: list[LayerWork], shape: CostTerms, machine: Machin
         return whole_recompute or not found.recompute
 
     scale = _largest_scale(fits, steps)
-    return CostTerms(shape.tiles * scale, shape.tokens * scale)
+    return CostTerms(shape.tiles * scale, shape.tokens * scale, supervised=shape.tokens * scale)
 
 
 def _largest_scale(fits, steps: int) -> float:

@@ -32,13 +32,16 @@ def final_norm(t: LLMConfig, saves: Saves) -> LayerWork:
 
 
 def head(t: LLMConfig, saves: Saves) -> LayerWork:
-    """The final norm and the LM head with its loss. Keeps per supervised token (here: every
-    token, the most there can be) its hidden state, its target and index; holds the final
-    norm's backward, and per row of a loss chunk ``LOSS_ROW_BYTES_PER_CLASS`` per class."""
+    """The final norm and the LM head with its loss. Its FLOPs are the logits of the supervised
+    tokens only (``CostTerms.supervised``): ``lm_loss`` selects their rows before the matmul.
+    Keeps per supervised token its hidden state, its target and index, charged here per token
+    (``CostTerms.tokens``: the most there can be, as a memory plan at the caps must; the profile
+    sizes it at the supervised count, ``train.profile.kept_size``); holds the final norm's
+    backward, and per row of a loss chunk ``LOSS_ROW_BYTES_PER_CLASS`` per class."""
     norm = final_norm(t, saves)
     return LayerWork(
         "head", t.hidden * t.vocab_size + t.hidden,
-        flops=CostTerms(tokens=2 * t.hidden * t.vocab_size),
+        flops=CostTerms(supervised=2 * t.hidden * t.vocab_size),
         activation_bytes=CostTerms(tokens=ACTIVATION_BYTES * t.hidden + SUPERVISED_ROW_BYTES
                               + norm.activation_bytes.tokens),
         output_bytes=CostTerms(),

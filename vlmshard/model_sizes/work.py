@@ -14,8 +14,10 @@ from .memory import LOSS_CHUNK
 @dataclass(frozen=True)
 class CostTerms:
     """The sizes of a micro-batch (or a sum of them) that every cost is linear in: tiles,
-    tokens, the LLM's attention and, for a ViT attending across whole images (Qwen's), its
-    attention (``vit_attention_size``)."""
+    tokens, the LLM's attention, for a ViT attending across whole images (Qwen's) its
+    attention (``vit_attention_size``), and the supervised tokens, the rows the LM head makes
+    logits for (``vlmshard.train``'s ``lm_loss``). A producer that cannot know the supervised
+    count passes its tokens, the most there can be."""
 
     tiles: float = 0.0
     tokens: float = 0.0
@@ -25,6 +27,7 @@ class CostTerms:
     windowed: float = 0.0
     vit_squares: float = 0.0  # Σ P² over images and videos' temporal steps of P patches
     vit_windows: float = 0.0  # Σ P² over the ViT's windows of P patches (Qwen2.5-VL)
+    supervised: float = 0.0  # tokens with a next-token target: the LM head's rows
 
     def dot(self, other: "CostTerms") -> float:
         return sum(getattr(self, k) * getattr(other, k) for k in TERM_FIELDS)
