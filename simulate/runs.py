@@ -27,6 +27,8 @@ from vlmshard.stage import Result
 from .config import SimulateConfig
 from .model import LayerRates, StageModel, replica_micro_batches, search_for, simulate
 from .replay import validate_against_log
+from .runtime import STRATEGIES as RUNTIME
+from .runtime import Links, rebalance
 
 # OmniBal (ICML 2025), Table "ablation", InternVL-Chat-1.5 (6B + 20B), A100 GPU-days.
 OMNIBAL_GPU_DAYS = {"baseline": 61.8, "+ data balance": 51.9, "+ model balance": 29.0,
@@ -74,7 +76,7 @@ class _Cluster:
                  recipe: Recipe = Recipe()) -> None:
         self.cfg, self.ranks, self.micro = cfg, ranks, micro
         self.dp = cfg.dp or ranks
-        model = presets()[cfg.model]
+        self.model = model = presets()[cfg.model]
         self.work = with_adapters(layer_work(model), model, recipe.lora)
         # each layer as the plan's recipe runs it: a frozen part's backward, or none
         self.modes = recipe.modes(model.layer_names(), tied=model.llm.tied_embeddings)
@@ -86,6 +88,21 @@ class _Cluster:
             full_recompute: bool = False) -> dict:
         """A packing's executed micro-batch ``sizes`` [micro-batches, 3] whose stages exchange
         ``wire``-sized tensors (``_wire``), on the cluster."""
+        batches = replica_micro_batches(sizes, self.ranks, self.micro, self.dp,
+                                        self.cfg.micro_batches)
+        return self.run_batches(batches, sizes, wire, method=method,
+                                full_recompute=full_recompute)
+
+    def slots(self, n_micro: int) -> np.ndarray:
+        """[steps, D, M]: which of a packing's micro-batches each replica runs in each slot."""
+        index = np.arange(n_micro, dtype=np.float64)[:, None]
+        return replica_micro_batches(index, self.ranks, self.micro, self.dp,
+                                     self.cfg.micro_batches)[..., 0].astype(np.int64)
+
+    def run_batches(self, batches: np.ndarray, sizes: np.ndarray, wire: np.ndarray,
+                    method: str = "search", full_recompute: bool = False) -> dict:
+        """Each replica's micro-batches ``batches`` [steps, D, M, C] on the cluster, its stages
+        partitioned for the micro-batch ``sizes``."""
         partition = search_for(self.work, sizes, self.cfg.pp, self.gpu,
                                flops_per_s=self.flops_per_s,
                                bytes_per_param=bytes_per_param(
@@ -93,8 +110,6 @@ class _Cluster:
                                    zero=1),
                                full_recompute=full_recompute, method=method, modes=self.modes,
                                frozen_bytes_per_param=weight_bytes_per_param("bf16"))
-        batches = replica_micro_batches(sizes, self.ranks, self.micro, self.dp,
-                                        self.cfg.micro_batches)
         input_grads = [input_needs_grad(self.modes, i) for i in range(len(self.modes))]
         sim = simulate(batches, StageModel.build(self.rates, partition,
                                                  self.gpu.link_bytes_per_s, input_grads), wire)
@@ -106,11 +121,34 @@ class _Cluster:
         except PartitionError as e:
             return {"error": str(e)}
 
+    def rebalanced(self, loaded, lengths, strategy: str, mode: str, cost, caps) -> dict:
+        """The micro-batches as ``loaded`` (a packing), dealt out again at every step by the
+        runtime ``strategy`` (``runtime.STRATEGIES``), its exchange and planning added to the
+        step."""
+        from vlmshard.packing.metrics import executed_sizes
+
+        re = rebalance(self.slots(loaded.n_micro), loaded.items, loaded.offsets, lengths.tiles,
+                       lengths.tokens, cost.squares(lengths.tokens),
+                       lengths.supervised_or_tokens(), cost, RUNTIME[strategy],
+                       Links.of(self.model, self.gpu))
+        flat = executed_sizes(re.batches.reshape(-1, 4), qv=caps.qv, qt=caps.qt, mode=mode)
+        try:
+            run = self.run_batches(flat.reshape(re.batches.shape), flat, _wire(caps.qv, caps.qt))
+        except PartitionError as e:
+            return {"error": str(e)}
+        compute = run["seconds"]
+        seconds = compute + float(re.exchange_s.sum() + re.planning_s.sum())
+        return {**run, "seconds": seconds, "gpu_days": run["gpu_days"] * seconds / compute,
+                "exchange_share": float(re.exchange_s.sum()) / seconds,
+                "planning_share": float(re.planning_s.sum()) / seconds,
+                "moved_share": re.moved_share}
+
 
 def simulate_plan(cfg: SimulateConfig) -> dict:
     """The plan, and (``cfg.compare``) the strategies and levers, each costed on what the
     trainer executes in the compute mode: a padded trainer's work and activations are at the
     packing's own caps, so low-fill packings pay for their padding."""
+    from vlmshard.packing.cost import CostModel
     from vlmshard.packing.plan import load_plan, repack
 
     info, packing, lengths = load_plan(cfg.plan)
@@ -125,13 +163,19 @@ def simulate_plan(cfg: SimulateConfig) -> dict:
                     **cluster.run(own, _wire(**plan_caps))}}
     if not cfg.compare:
         return out
-    runs, out["strategies"] = {}, {}  # algo -> (executed sizes, wire)
+    runs, out["strategies"], repacked = {}, {}, {}  # algo -> (executed sizes, wire)
     for algo in STRATEGIES:
-        repacked = repack(info, lengths, algo, mode)
-        caps = repacked.caps
-        runs[algo] = (_executed(lengths, repacked.packing, algo, mode, qv=caps.qv, qt=caps.qt),
-                      _wire(caps.qv, caps.qt))
+        repacked[algo] = repack(info, lengths, algo, mode)
+        caps = repacked[algo].caps
+        runs[algo] = (_executed(lengths, repacked[algo].packing, algo, mode, qv=caps.qv,
+                                qt=caps.qt), _wire(caps.qv, caps.qt))
         out["strategies"][algo] = {"qv": caps.qv, "qt": caps.qt, **cluster.try_run(*runs[algo])}
+    loaded = repacked["random"]  # what a runtime balancer starts from: micro-batches as loaded
+    for name in RUNTIME:
+        out["strategies"][name] = {
+            "qv": loaded.caps.qv, "qt": loaded.caps.qt,
+            **cluster.rebalanced(loaded.packing, lengths, name, mode,
+                                 CostModel(**info["cost_model"]), loaded.caps)}
     out["levers"] = {
         "baseline": cluster.try_run(*runs["random"], method="parameters", full_recompute=True),
         "+ data balance": cluster.try_run(*runs["balanced"], method="parameters",
@@ -185,7 +229,7 @@ def format_result(result: dict) -> str:
         lines.append(f"\n{result['plan']['compute_mode']} compute, each packing at its own "
                      "caps Qv/Qt")
         lines.append(f"{'strategy (Qv/Qt)':<22} {'GPU-days':>9} {'bubble':>7} {'waiting':>8} "
-                     f"{'speedup':>8}")
+                     f"{'speedup':>8} {'exchange':>9} {'planning':>9}")
         for name, r in result["strategies"].items():
             lines.append(_table_row(f"{name} ({r['qv']}/{r['qt']})", r, base))
         lines.append(f"\n{'lever':<22} {'GPU-days':>9} {'bubble':>7} {'waiting':>8} "
@@ -212,6 +256,8 @@ def _table_row(name: str, r: dict, base: float | None) -> str:
     if "error" in r:
         return f"{name:<22} does not fit: {r['error']}"
     speedup = f"{base / r['seconds']:.2f}x" if base else "-"
+    runtime = (f" {r['exchange_share']:>9.1%} {r['planning_share']:>9.2%}"
+               if "exchange_share" in r else "")
     return (f"{name:<22} {r['gpu_days']:>9.4g} {r['bubble_fraction']:>7.1%} "
-            f"{r['waiting_fraction']:>8.1%} {speedup:>8}")
+            f"{r['waiting_fraction']:>8.1%} {speedup:>8}{runtime}")
 

@@ -127,7 +127,17 @@ def test_simulate_compares_strategies_and_levers(tmp_path):
     assert result["plan"]["gpus"] == 8 and "GPU-days" in text
     assert result["plan"]["compute_mode"] == "padding-free" and "padding-free compute" in text
     strategies = result["strategies"]
-    assert set(strategies) == {"random", "lengthgroup", "isf", "balanced"}
+    assert set(strategies) == {"random", "lengthgroup", "isf", "balanced", "orchmllm",
+                               "veomni-vit", "loongforge"}
+    assert "exchange" in text and "planning" in text
+    for name in ("orchmllm", "veomni-vit", "loongforge"):  # what they start from: random's
+        assert (strategies[name]["qv"], strategies[name]["qt"]) == \
+            (strategies["random"]["qv"], strategies["random"]["qt"])
+        assert 0 < strategies[name]["exchange_share"] < 1
+        assert 0 < strategies[name]["planning_share"] < 1
+        assert 0 < strategies[name]["moved_share"] <= 1
+    # re-dealing both sides each step waits less than the micro-batches as loaded
+    assert strategies["orchmllm"]["waiting_fraction"] < strategies["random"]["waiting_fraction"]
     assert strategies["balanced"]["waiting_fraction"] < strategies["random"]["waiting_fraction"]
     assert strategies["balanced"]["seconds"] < strategies["random"]["seconds"]
     levers = [result["levers"][k]["seconds"] for k in
@@ -357,3 +367,53 @@ def test_a_plan_packed_for_a_frozen_vit_is_simulated_as_it_trains(tmp_path):
         results[name] = (one["seconds"], _simulate(plan, pp=2)["plan"]["partition"]["bounds"])
     assert results["frozen"][0] < results["full"][0]
     assert results["frozen"][1][1] > results["full"][1][1], results
+
+
+def test_lpt_deals_the_costliest_first_onto_the_least_loaded():
+    """By hand: 5 to bin 0, 4 to bin 1, 3 to bin 1 (4 < 5), 3 to bin 0 (5 < 7); with a cap of
+    8.5 (sizes 8, 4, 2, 1), the last cannot join bin 0's 8 and goes to bin 1 (6 + 1)."""
+    from vlmshard.simulate.runtime import lpt
+
+    costs = np.array([5.0, 4.0, 3.0, 3.0])
+    assert lpt(costs, 2, np.ones(4)).tolist() == [0, 1, 1, 0]
+    sizes = np.array([8.0, 4.0, 2.0, 1.0])
+    assert lpt(costs, 2, sizes, cap=8.5).tolist() == [0, 1, 1, 1]
+
+
+def test_runtime_strategies_deal_out_each_slot_and_price_what_moves():
+    """Two replicas, one slot: replica 0 loaded sample 0 (8 tiles, 100 tokens) and sample 1
+    (10 tokens), replica 1 sample 2 (20 tokens). OrchMLLM keeps the image where it is (it
+    alone has tiles) and moves sample 1's LLM part to replica 1 (100 | 20 + 10): its 10 token
+    ids cross NVLink. VeOmni's ViT balance moves nothing and leaves the LLM as loaded."""
+    from types import SimpleNamespace
+
+    from vlmshard.simulate.runtime import STRATEGIES, Links, rebalance
+
+    items, offsets = np.array([0, 1, 2]), np.array([0, 2, 3])
+    tiles, tokens = np.array([8, 0, 0]), np.array([100, 10, 20])
+    squares = tokens.astype(np.float64) ** 2
+    supervised = np.array([4, 2, 6])
+    cost = SimpleNamespace(a_v=1.0, a_t=1.0, b=0.01)
+    links = Links(pixel_bytes=1e3, feature_bytes=1e2, intra_bytes_per_s=1e6,
+                  inter_bytes_per_s=1e5)
+    slots = np.array([[[0], [1]]])  # one step, two replicas, one slot
+    orch = rebalance(slots, items, offsets, tiles, tokens, squares, supervised, cost,
+                     STRATEGIES["orchmllm"], links)
+    assert orch.batches[0, :, 0].tolist() == [[8, 100, 10000, 4], [0, 30, 500, 8]]
+    assert orch.exchange_s.tolist() == [10 * 8 / 1e6]
+    assert orch.moved_share == 1 / 4  # of 1 ViT part and 3 LLM parts
+    veomni = rebalance(slots, items, offsets, tiles, tokens, squares, supervised, cost,
+                       STRATEGIES["veomni-vit"], links)
+    assert veomni.batches[0, :, 0].tolist() == [[8, 110, 10100, 6], [0, 20, 400, 6]]
+    assert veomni.exchange_s.tolist() == [0.0] and veomni.moved_share == 0
+
+
+def test_an_all_to_all_is_as_slow_as_its_busiest_rank_and_slower_across_nodes():
+    """Rank 0 sends 1 MB to rank 1 (its node) and 1 MB to rank 8 (the next node): 1 ms on
+    NVLink at 1 GB/s and 10 ms over the network at 100 MB/s, back to back on rank 0's side."""
+    from vlmshard.simulate.runtime import Links
+
+    links = Links(0, 0, intra_bytes_per_s=1e9, inter_bytes_per_s=1e8)
+    seconds = links.all_to_all(np.array([0, 0, 3]), np.array([1, 8, 3]),
+                               np.array([1e6, 1e6, 5e6]), 16)
+    assert seconds == pytest.approx(1e-3 + 1e-2)

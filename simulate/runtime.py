@@ -1,0 +1,163 @@
+"""Runtime re-balancing, as OrchMLLM, VeOmni and LoongForge do it at every step, set beside
+offline balance (``vlmshard simulate --compare``). Written from each system's published
+description (OrchMLLM, arXiv 2503.23830; VeOmni's ``EncoderDataBalance``; LoongForge's
+data-parallel balancing docs), not from their code.
+
+Each starts from the micro-batches as loaded (the plan's samples packed at random) and, for each
+micro-batch slot of a step, deals the samples of the D replicas' micro-batches out again over the
+D replicas, costliest first onto the least loaded (LPT):
+
+- ``orchmllm``: the ViT's work and the LLM's each on its own, at the cost model's rates;
+- ``veomni-vit``: the ViT's only, at a cost of tiles² per sample; the LLM's as loaded;
+- ``loongforge``: both, on its warm-up fit of a·l² + b·l + c (exact here: the true costs are
+  linear and quadratic), a rank's LLM tokens capped at 1.2 × the slot's mean.
+
+What moves is priced on the cluster's links (NVLink between the ranks of a node, the network
+between nodes): pixels to the rank that runs a sample's ViT, its image features on to the rank
+that runs its LLM part (with its token ids), and their gradient back in backward. The exchange
+and the dispatcher's own time (measured here, in Python) are added to the step: no overlap is
+assumed. A sample's images move together: the stats hold a sample's tiles, not each image's.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from vlmshard.hardware import GPU
+from vlmshard.model_sizes import ACTIVATION_BYTES, ModelConfig
+
+GPUS_PER_NODE = 8
+TOKEN_ID_BYTES = 8  # int64 ids
+LOONGFORGE_PACK_CAP = 1.2  # a rank's LLM tokens, over the slot's mean (its pack-length cap)
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """How a strategy deals out one side's samples: by ``cost`` (``model``: the cost model's
+    rate; ``square``: tiles²), or as loaded (None); ``cap``: a rank's LLM tokens at most this
+    times the slot's mean."""
+
+    vit: str | None
+    llm: str | None
+    cap: float | None = None
+
+
+STRATEGIES = {"orchmllm": Dispatch("model", "model"),
+              "veomni-vit": Dispatch("square", None),
+              "loongforge": Dispatch("model", "model", LOONGFORGE_PACK_CAP)}
+
+
+@dataclass(frozen=True)
+class Rebalanced:
+    """What each replica computes after the re-dispatch, and what the dispatch costs a step."""
+
+    batches: np.ndarray  # [steps, D, M, 4]: tiles, tokens, Σseq_len², supervised tokens
+    exchange_s: np.ndarray  # [steps]: the all-to-alls' time
+    planning_s: np.ndarray  # [steps]: the dispatcher's own time
+    moved_share: float  # of the samples' ViT and LLM parts, those run off their loaded rank
+
+
+def lpt(costs: np.ndarray, bins: int, sizes: np.ndarray, cap: float | None = None
+        ) -> np.ndarray:
+    """Each item's bin, costliest first onto the least loaded bin; with a ``cap``, onto the
+    least loaded whose ``sizes`` stay within it, where one does."""
+    heap = [(0.0, b) for b in range(bins)]
+    held = np.zeros(bins)
+    where = np.empty(len(costs), np.int64)
+    for i in np.argsort(-costs, kind="stable"):
+        popped = [heapq.heappop(heap)]
+        while cap is not None and held[popped[-1][1]] + sizes[i] > cap and heap:
+            popped.append(heapq.heappop(heap))
+        fits = [p for p in popped if cap is None or held[p[1]] + sizes[i] <= cap]
+        load, b = fits[0] if fits else popped[0]  # none fits: the least loaded
+        popped.remove((load, b))
+        where[i] = b
+        held[b] += sizes[i]
+        heapq.heappush(heap, (load + costs[i], b))
+        for item in popped:
+            heapq.heappush(heap, item)
+    return where
+
+
+@dataclass(frozen=True)
+class Links:
+    """The bytes a tile and a token move, and the links they cross."""
+
+    pixel_bytes: float  # per tile
+    feature_bytes: float  # per tile: its image tokens' hidden states
+    intra_bytes_per_s: float
+    inter_bytes_per_s: float
+
+    @classmethod
+    def of(cls, model: ModelConfig, gpu: GPU) -> "Links":
+        a = ACTIVATION_BYTES
+        return cls(3 * model.vision.image_size ** 2 * a,
+                   model.tokens_per_tile * model.llm.hidden * a,
+                   gpu.sp_link_bytes_per_s, gpu.link_bytes_per_s)
+
+    def all_to_all(self, source: np.ndarray, target: np.ndarray, size: np.ndarray,
+                   ranks: int) -> float:
+        """Seconds to move ``size`` bytes of each item from its ``source`` rank to its
+        ``target``: the busiest rank's sends or receives, each link at its speed (the ranks of
+        a pipeline stage sit ``GPUS_PER_NODE`` to a node)."""
+        moved = source != target
+        if not moved.any():
+            return 0.0
+        s, t, b = source[moved], target[moved], size[moved]
+        rate = np.where(s // GPUS_PER_NODE == t // GPUS_PER_NODE, self.intra_bytes_per_s,
+                        self.inter_bytes_per_s)
+        seconds = b / rate
+        return float(max(np.bincount(s, seconds, ranks).max(),
+                         np.bincount(t, seconds, ranks).max()))
+
+
+def rebalance(slots: np.ndarray, items: np.ndarray, offsets: np.ndarray, tiles: np.ndarray,
+              tokens: np.ndarray, squares: np.ndarray, supervised: np.ndarray, cost,
+              dispatch: Dispatch, links: Links) -> Rebalanced:
+    """The micro-batches ``slots`` [steps, D, M] (numbers of micro-batches of the packing
+    ``items``/``offsets``, as loaded) dealt out again by ``dispatch``; ``tiles``, ``tokens``,
+    ``squares`` (``cost.squares``) and ``supervised`` tokens per sample."""
+    steps, dp, micro = slots.shape
+    batches = np.zeros((steps, dp, micro, 4))
+    exchange, planning = np.zeros(steps), np.zeros(steps)
+    moved = parts = 0
+    for s in range(steps):
+        for m in range(micro):
+            chosen = [items[offsets[b]:offsets[b + 1]] for b in slots[s, :, m]]
+            owner = np.repeat(np.arange(dp), [len(c) for c in chosen])
+            ids = np.concatenate(chosen)
+            v, t, q, u = tiles[ids], tokens[ids], squares[ids], supervised[ids]
+            start = time.perf_counter()
+            vit = _deal(dispatch.vit, v, owner, dp, cost.a_v * v, v.astype(np.float64) ** 2)
+            llm = _deal(dispatch.llm, t, owner, dp, cost.a_t * t + cost.b * q, None,
+                        dispatch.cap)
+            planning[s] += time.perf_counter() - start
+            batches[s, :, m] = np.stack([np.bincount(vit, v, dp), np.bincount(llm, t, dp),
+                                         np.bincount(llm, q, dp), np.bincount(llm, u, dp)],
+                                        axis=1)
+            images = v > 0
+            exchange[s] += (  # pixels out, features on with the ids, their gradient back
+                links.all_to_all(owner, vit, v * links.pixel_bytes, dp)
+                + links.all_to_all(vit[images], llm[images],
+                                   v[images] * links.feature_bytes, dp)
+                + links.all_to_all(owner, llm, t * TOKEN_ID_BYTES, dp)
+                + links.all_to_all(llm[images], vit[images],
+                                   v[images] * links.feature_bytes, dp))
+            moved += int((vit != owner)[images].sum() + (llm != owner).sum())
+            parts += int(images.sum()) + len(ids)
+    return Rebalanced(batches, exchange, planning, moved / max(parts, 1))
+
+
+def _deal(rule: str | None, sizes: np.ndarray, owner: np.ndarray, bins: int,
+          model_cost: np.ndarray, square_cost: np.ndarray | None,
+          cap: float | None = None) -> np.ndarray:
+    """Each sample's rank for one side (``sizes``: its tiles or tokens): as loaded, or by LPT on
+    its cost."""
+    if rule is None:
+        return owner
+    costs = square_cost if rule == "square" else model_cost
+    return lpt(costs, bins, sizes, None if cap is None else cap * sizes.sum() / bins)
