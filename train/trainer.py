@@ -38,7 +38,6 @@ from .config import TrainConfig
 from .deepspeed_compat import route_logging
 from .default_partition import ChosenPartition, Device, choose_partition
 from .distributed import from_first_stage, init_distributed, on_rank_0, rank_device, to_rank_0
-from .topology import Topology
 from .trace import sampled_step, traced_step
 from .train_log import (
     open_log,
@@ -55,6 +54,7 @@ if TYPE_CHECKING:
 
     from .engine import TrainEngine
     from .hf_model import ModelLayers
+    from .topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +151,7 @@ def set_up(cfg: TrainConfig) -> Setup:
 
     from .hf_model import rank_model
     from .sequence_parallel import check_model
+    from .topology import Topology
 
     cuda = torch.cuda.is_available()
     cfg.resolve_device_defaults(cuda)
