@@ -201,7 +201,8 @@ def sustained_flops_per_s(profile: dict, work: list[LayerWork]) -> dict[str, flo
     seconds: dict[str, float] = {}
     for layer, w in zip(profile["layers"], work, strict=True):
         kind = layer["kind"]
-        flops[kind] = flops.get(kind, 0.0) + 3 * float(_vector(w.flops) @ mean)
+        flops[kind] = flops.get(kind, 0.0) + float(_vector(layer_training_flops(w, "train"))
+                                                           @ mean)
         seconds[kind] = seconds.get(kind, 0.0) + layer["forward_s"] + layer["backward_s"]
     return {kind: flops[kind] / seconds[kind] for kind in flops
             if flops[kind] > 0 and seconds[kind] > 0}

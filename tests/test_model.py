@@ -232,12 +232,14 @@ def _assert_logged_vit_sizes_are_the_trainers(folder: str, shards: str) -> list[
     loaded = list(ShardDataset(shards, pixel_dtype=torch.float32))
     every = [micro_batch_size(b, sizes) for b in loaded]
     mean, _ = shard_sizes(shards, 1, sizes)
-    for key in ("tiles", "tokens", "squares", "vit_squares", "vit_windows"):
+    for key in ("tiles", "tokens", "squares", "vit_squares", "vit_windows", "supervised"):
         assert getattr(mean, key) == pytest.approx(np.mean([m.get(key, 0) for m in every]))
     batches = [b for b in loaded if b["num_tiles"]]
     assert batches
     for batch in batches:
         logged = micro_batch_size(batch, sizes)
+        # the LM head's rows: the loss's own count of tokens with a target
+        assert 0 < logged["supervised"] == supervised_tokens(batch) < logged["tokens"]
         if not sizes.vision.fused_qkv:
             assert "vit_squares" not in logged and "vit_windows" not in logged
             continue

@@ -29,7 +29,7 @@ from vlmshard.report.report import baseline_plans, load_plan, make_report, plan_
 from vlmshard.report.series import PlanSeries, plan_series
 from vlmshard.packing.stats import load_stats
 from vlmshard.families import presets
-from vlmshard.model_sizes import training_flops
+from vlmshard.model_sizes import layer_work, training_flops
 from vlmshard.simulate.model import PipelineTimes
 from vlmshard.run_log import PIPELINE_NAME
 from vlmshard.simulate.replay import Replay, replay_run
@@ -193,22 +193,26 @@ def _expected_predicted(plan_dir: Path, dp: int, steps: int) -> PipelineTimes:
     batches = _micro_batches(plan_dir)
     tiles, tokens = _omnibal_lengths()
     flops = training_flops(MODEL)
+    # the patch embedding's forward, whose backward is its weights' gradient alone
+    embed = layer_work(MODEL)[0].flops.tiles
     per_dp = ranks // dp
     spans, busy = np.zeros((steps - 1, dp)), np.zeros((steps - 1, dp, 2))
     for step in range(1, steps):
         s = step % plan_steps
         for d in range(dp):
-            forward = []
+            forward, backward = [], []
             for v in range(d * per_dp, (d + 1) * per_dp):
                 for m in range(micro):
                     ids = batches[(s, v, m)]
                     t = tokens[ids].astype(float)
-                    forward.append([flops.tiles * tiles[ids].sum() / 3,
-                                    ((flops.tokens + flops.supervised) * t.sum()
-                                     + flops.squares * (t ** 2).sum()) / 3])
-            backward = [[2 * f for f in row] for row in forward]
+                    vit = flops.tiles * tiles[ids].sum()
+                    llm = ((flops.tokens + flops.supervised) * t.sum()
+                           + flops.squares * (t ** 2).sum())
+                    ahead = (vit + embed * tiles[ids].sum()) / 3
+                    forward.append([ahead, llm / 3])
+                    backward.append([vit - ahead, 2 * llm / 3])
             spans[step - 1, d] = makespan(forward, backward)
-            busy[step - 1, d] = 3 * np.array(forward).sum(axis=0)
+            busy[step - 1, d] = (np.array(forward) + np.array(backward)).sum(axis=0)
     return PipelineTimes(spans, busy)
 
 

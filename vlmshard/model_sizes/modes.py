@@ -39,8 +39,12 @@ def held_transient(work: LayerWork, mode: str, size: CostTerms) -> float:
 
 def layer_training_flops(work: LayerWork, mode: str) -> CostTerms:
     """Forward + backward FLOPs of a layer in ``mode`` (``executed_flops``), its LoRA adapters'
-    trained beside it."""
-    return executed_flops(work.flops, mode) + work.adapter_flops.scaled(3)
+    trained beside it. A layer whose input is data (``LayerWork.input_is_data``: the patch
+    embedding's pixels) computes no input gradient: its backward is its weights' alone."""
+    flops = executed_flops(work.flops, mode)
+    if work.input_is_data and mode != "forward":
+        flops = flops + work.flops.scaled(-1)
+    return flops + work.adapter_flops.scaled(3)
 
 
 def training_flops(config: ModelConfig, recipe: Recipe = Recipe()) -> CostTerms:

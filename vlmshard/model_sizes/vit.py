@@ -48,7 +48,8 @@ def vit_embed(config: ModelConfig) -> LayerWork:
                                                + RESAMPLED_POSITIONS_KEPT * resampled)),
         output_bytes=CostTerms(tiles=a * patches * v.hidden),
         transient_bytes=CostTerms(tiles=patches * a * v.hidden * (
-            EMBED_TRANSIENT_ROWS + RESAMPLED_POSITIONS_TRANSIENT_ROWS * resampled)))
+            EMBED_TRANSIENT_ROWS + RESAMPLED_POSITIONS_TRANSIENT_ROWS * resampled)),
+        input_is_data=True)
 
 
 def vit_block(config: ModelConfig, saves: Saves) -> LayerWork:

@@ -124,6 +124,9 @@ class LayerWork:
     adapter_params: int = 0
     adapter_flops: CostTerms = CostTerms()
     adapter_kept_bytes: CostTerms = CostTerms()
+    # its input is data (the pixels), which needs no gradient: its backward computes its
+    # weights' gradients alone, one forward's FLOPs less (``modes.layer_training_flops``)
+    input_is_data: bool = False
 
     def transient(self, size: CostTerms) -> float:
         """The transient bytes at a micro-batch of ``size``."""
