@@ -288,20 +288,20 @@ def train_plan(args, setup: dict, algo: str, run: str | None = None, with_trace:
     recompute = [n for s in pipeline["stages"] for n in s["recompute"]]
     selective = [n for s in pipeline["stages"] for n in s["selective"]]
     attention = attention_flops(setup["model"], kept, cfg.recipe)
+    model_flops = sum(r["model_flops"] for r in kept)
     return {"steps": len(kept), "kept_steps": [r["step"] for r in kept],
             "median_step_s": statistics.median(times),
             "p90_step_s": times[min(len(times) - 1, int(0.9 * len(times)))],
             "tokens_per_s": sum(r["tokens"] for r in kept) / seconds,
             "tiles_per_s": tiles / seconds,
-            "model_flops_per_step": statistics.median(r["model_flops"] for r in kept),
-            "vit_attention_share": statistics.median(
-                vit / r["model_flops"] for vit, r in zip(attention["vit"], kept)),
-            "mfu_flops_per_s": statistics.median(r["model_flops_per_s"] for r in kept),
+            # every rate a sum over the kept steps over their summed time (not a median of
+            # per-step ratios): the one count of tokens/s, MFU and HFU
+            "model_flops_per_step": model_flops / len(kept),
+            "vit_attention_share": sum(attention["vit"]) / model_flops,
+            "mfu_flops_per_s": model_flops / seconds,
             # as Megatron-LM, torchtitan and llm-foundry count: causal attention's full square
-            "mfu_full_attention_flops_per_s": statistics.median(
-                (r["model_flops"] + causal) / r["step_time_s"]
-                for causal, r in zip(attention["causal"], kept)),
-            "hfu_flops_per_s": statistics.median(r["hardware_flops_per_s"] for r in kept),
+            "mfu_full_attention_flops_per_s": (model_flops + sum(attention["causal"])) / seconds,
+            "hfu_flops_per_s": sum(r["hardware_flops"] for r in kept) / seconds,
             **breakdown(kept),
             "peak_memory_bytes": max(peaks) if peaks else None,
             **{key: max((x[key] for r in kept for x in r["ranks"] if key in x), default=None)

@@ -1,5 +1,5 @@
-"""What a gpu_bench.py run's MFU left out before the trainer counted it: a Qwen ViT's attention
-across each image's patches.
+"""A gpu_bench.py run's MFU recounted as the trainer counts it now: a Qwen ViT's attention
+across each image's patches in, the LM head on the supervised tokens only.
 
     python benchmarks/vit_attention_count.py \
         --log benchmarks/results/h200-2026-11-27c/logs/balanced-train_log.jsonl \
@@ -13,6 +13,11 @@ image (a video's temporal step): 2·P²·h multiply-adds (q·kᵀ and its produc
 FLOPs) in the forward for P patches of width h, twice that in the backward, in every block. A
 log that counts it (``vit_squares`` in its micro-batch sizes) is checked instead: its squares
 must be the rebuilt samples'.
+
+A log from before ``CostTerms.supervised`` charged the LM head (6·h·V FLOPs a token, forward
+and backward) for every token, where ``lm_loss`` makes logits for the supervised ones only: its
+unsupervised tokens' share is taken off. Every MFU is the kept steps' FLOPs over their time
+(Σ/Σ), as ``gpu_bench.py`` reports it.
 
 This script rebuilds the run's data with ``gpu_bench.py``'s own ``preprocessed`` (demo data at
 ``--scale``, a folder of Qwen3-VL-2B's sizes at the bench's image limit), checks that every
@@ -57,7 +62,7 @@ def main() -> None:
     p.add_argument("--work", default=os.path.join(REPO, "build", "vit_attention"))
     p.add_argument("--scale", type=int, default=4, help="the run's demo data scale")
     p.add_argument("--max-seq-len", type=int, default=8192)
-    p.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the sums")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--replay", metavar="RESULTS",
                    help="a lease's results folder (profile.json, pipeline-balanced.json): replay "
@@ -75,43 +80,50 @@ def main() -> None:
     # square it computes: the other half, which MFU conventions that take it as the full
     # square add (QKᵀ and AV, 2 × 2·q FLOPs per squared sample length forward, 3× with backward)
     per_causal = 6 * text["num_attention_heads"] * text["head_dim"] * text["num_hidden_layers"]
+    per_head_row = 6 * text["hidden_size"] * text["vocab_size"]  # fwd + bwd per logits row
     _, pre = gpu_bench.preprocessed(args.work, args.scale, args.max_seq_len)
     rows = {}
     for path in sorted(glob.glob(os.path.join(pre, "stats", "part-*.parquet"))):
         for row in pq.read_table(path, columns=["sample_id", "image_tiles", "vit_tiles",
-                                                "videos"]).to_pylist():
+                                                "videos", "loss_tokens"]).to_pylist():
             rows[row["sample_id"]] = row
     with open(args.log, encoding="utf-8") as f:
         records = [json.loads(line) for line in f]
     squares = [counted_squares(record, rows) for record in records]
     peak = args.peak_tflops * 1e12
-    print("| step | step s | logged model FLOPs | ViT attention FLOPs | share | MFU logged | "
-          "MFU with it | and causal attention as the full square |\n"
+    print("| step | step s | logged model FLOPs | ViT attention FLOPs | head on unsupervised "
+          "tokens | MFU logged | recounted | and causal attention as the full square |\n"
           "|---:|---:|---:|---:|---:|---:|---:|---:|")
-    logged, counted, full = [], [], []
+    sums = {"seconds": 0.0, "logged": 0.0, "recounted": 0.0, "full": 0.0}
     for record, micro in zip(records, squares):
-        extra = per_square * sum(n for n, already in micro if not already)
+        extra = per_square * sum(n for n, already, _ in micro if not already)
+        unsupervised = per_head_row * sum(u for _, _, u in micro)
         causal = per_causal * sum(m["squares"] for d in record["data"] for m in d["micro_sizes"])
         flops, seconds = record["model_flops"], record["step_time_s"]
-        mfus = [(flops + more) / seconds / peak for more in (0, extra, extra + causal)]
+        recounted = flops + extra - unsupervised
         if record["step"] >= args.warmup:
-            for kept, mfu in zip((logged, counted, full), mfus):
-                kept.append(mfu)
+            for key, value in (("seconds", seconds), ("logged", flops),
+                               ("recounted", recounted), ("full", recounted + causal)):
+                sums[key] += value
+        mfus = [f / seconds / peak for f in (flops, recounted, recounted + causal)]
         print(f"| {record['step']} | {seconds:.3f} | {flops:.4g} | {extra:.4g} | "
-              f"{extra / flops:.1%} | " + " | ".join(f"{mfu:.1%}" for mfu in mfus) + " |")
-    print(f"median MFU from step {args.warmup}: {statistics.median(logged):.1%} logged, "
-          f"{statistics.median(counted):.1%} with the ViT's attention, "
-          f"{statistics.median(full):.1%} with causal attention as the full square too "
+              f"{unsupervised:.4g} | " + " | ".join(f"{mfu:.1%}" for mfu in mfus) + " |")
+    mfu = {k: v / sums["seconds"] / peak for k, v in sums.items() if k != "seconds"}
+    print(f"MFU from step {args.warmup}, the steps' FLOPs over their time: {mfu['logged']:.1%} "
+          f"logged, {mfu['recounted']:.1%} recounted (the ViT's attention in, the head on "
+          f"supervised tokens), {mfu['full']:.1%} with causal attention as the full square too "
           "(Megatron-LM's, torchtitan's and llm-foundry's convention; gpu_bench.py's "
           "mfu_full_attention)")
     if args.replay:
         replay_both(args, records, squares)
 
 
-def counted_squares(record: dict, rows: dict) -> list[tuple[int, bool]]:
+def counted_squares(record: dict, rows: dict) -> list[tuple[int, bool, int]]:
     """Per micro-batch of a logged step (its first data-parallel rank's), the ViT's squared
-    patch counts of its rebuilt samples, and whether the log counts them already (its
-    ``vit_squares``, then checked equal). Exits where the samples do not hold the logged
+    patch counts of its rebuilt samples, whether the log counts them already (its
+    ``vit_squares``, then checked equal), and the tokens whose logits a log from before the
+    supervised count charged beyond its supervised ones (0 for a log that has it). Exits
+    where the samples do not hold the logged
     tiles: not this run's data."""
     data = record["data"][0] if isinstance(record["data"], list) else record["data"]
     out = []
@@ -124,11 +136,14 @@ def counted_squares(record: dict, rows: dict) -> list[tuple[int, bool]]:
         if size.get("vit_squares", rebuilt) != rebuilt:
             sys.exit(f"step {record['step']}: the log counts {size['vit_squares']} "
                      f"squared patches, the rebuilt samples hold {rebuilt}")
-        out.append((rebuilt, "vit_squares" in size))
+        unsupervised = 0 if "supervised" in size else size["tokens"] - sum(
+            rows[i]["loss_tokens"] for i in ids)
+        out.append((rebuilt, "vit_squares" in size, unsupervised))
     return out
 
 
-def replay_both(args, records: list[dict], squares: list[list[tuple[int, bool]]]) -> None:
+def replay_both(args, records: list[dict],
+                squares: list[list[tuple[int, bool, int]]]) -> None:
     """The simulator's replay per layer kind (``replay_run``, as gpu_bench.py runs it) of the
     logged steps as logged, and with each micro-batch's ``vit_squares`` in the log and in the
     profile's micro-batches (the profile's are the plan's first step's, matched by their
@@ -141,7 +156,7 @@ def replay_both(args, records: list[dict], squares: list[list[tuple[int, bool]]]
     profile = read_json(os.path.join(args.replay, "profile.json"))
     # the profile's micro-batches: as logged (a new log's own count), and counted
     first = {(m["tiles"], m["tokens"], m["squares"]): {False: m.get("vit_squares", 0), True: n}
-             for m, (n, _) in zip(records[0]["data"][0]["micro_sizes"], squares[0])}
+             for m, (n, _, _) in zip(records[0]["data"][0]["micro_sizes"], squares[0])}
     results = {}
     for name, count in (("as logged", False), ("ViT attention counted", True)):
         run = os.path.join(args.work, "replay", name.replace(" ", "-"))
@@ -152,7 +167,7 @@ def replay_both(args, records: list[dict], squares: list[list[tuple[int, bool]]]
             for record, micro in zip(records, squares):
                 record = copy.deepcopy(record)
                 sizes = record["data"][0]["micro_sizes"]
-                for size, (n, _) in zip(sizes, micro):
+                for size, (n, _, _) in zip(sizes, micro):
                     size["vit_squares"] = n if count else size.get("vit_squares", 0)
                 f.write(json.dumps(record) + "\n")
         batches = [{**m, "vit_squares": first[(m["tiles"], m["tokens"], m["squares"])][count]}
