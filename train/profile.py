@@ -490,7 +490,7 @@ def validate_candidates(cfg: ProfileConfig, candidates: list[dict]) -> list[dict
     with ``measured_step_s``, the median step time after the warm-up step."""
     from dataclasses import replace
 
-    from .launcher import train
+    from .launcher import train_and_read_log
 
     base = cfg.training_options()
     measured = []
@@ -500,7 +500,7 @@ def validate_candidates(cfg: ProfileConfig, candidates: list[dict]) -> list[dict
                       save_checkpoints=False)
         run.use_partition(candidate)
         log.info("validating %s: bounds %s", candidate["name"], candidate["bounds"])
-        times = [r["step_time_s"] for r in train(run)[1:]]
+        times = [r["step_time_s"] for r in train_and_read_log(run)[1:]]
         measured.append({**candidate, "measured_step_s": float(np.median(times))})
     return measured
 
