@@ -1,46 +1,20 @@
 """The streaming loader: each data-parallel rank gets exactly its plan's packed micro-batches.
 
 ``ShardDataset(root, rank, world_size, start_step)`` yields one collated micro-batch per record,
-in the tensors the model family's ``forward`` takes, packed. By default padded to the plan's
-caps so every tensor has a static shape (``pad_to_caps=False``: exactly the real tokens, tiles
-and patches; ``pad_pixels=False``: tokens padded, pixels real, for a first pipeline stage,
-whose input has no static shape to keep, so the copy to the GPU moves the real tiles only):
+in the tensors the model family's ``forward`` takes, packed: ``input_ids``, ``labels``,
+``position_ids`` restarting per sample, ``cu_seqlens``, ``image_token_mask``, ``pixel_values``
+(images and video frames in token order, each tile count checked against the plan) and the
+counts and ids the trainer needs. By default padded to the plan's caps, so every tensor has a
+static shape (``pad_to_caps=False``: the real tokens, tiles and patches; ``pad_pixels=False``:
+tokens padded, pixels real, for a first stage whose input has no static shape to keep).
+``docs/shards.md`` lists every key and its shape.
 
-- ``input_ids`` [Qt], ``labels`` [Qt] (-100 on padding and non-assistant tokens);
-- ``position_ids`` restarting for each packed sample (and for the padding): [Qt] for InternVL;
-  [3, Qt] for Qwen2-VL, each sample's mRoPE ids as ``get_rope_index`` computes them for that
-  sample alone;
-- ``cu_seqlens`` [samples + 1, or + 2 with padding] int32: sample boundaries, ending at Qt (the
-  padding is a segment of its own, so varlen attention kernels can take the tensors as they are);
-- ``image_token_mask`` [Qt] bool: where the image and video embeddings go, in token order;
-- ``pixel_values``: each image decoded, its tile count checked against the plan, resized with the
-  model's filter and normalized with its mean and std, in the model's dtype (``pixel_dtype``):
-  InternVL [Qv, 3, 448, 448] tiles; Qwen2-VL [Qv·merge², 3·2·14·14] flattened patches, plus
-  ``image_grid_thw`` [images, 3]. Rows after ``num_tiles`` (× merge²) are zero; ``media_tiles``
-  gives each image's (and video's) tiles, in token order. A video's frames
-  (decoded PNGs, checked against the frames and grid its policy samples) are rows of the same
-  tensor at its place in token order, as the model's ViT takes them: a 448-px tile per frame for
-  InternVL; for Qwen its ``pixel_values_videos`` rows, its ``video_grid_thw`` a row of
-  ``image_grid_thw``; ``media_is_video`` and ``media_seconds_per_step`` [images and videos] tell
-  them apart (``model_inputs`` splits them for a plain ``transformers`` model);
-- ``tile_cap``: the Qv the wire is padded to after the first stage (``num_tiles`` unpadded);
-- ``num_tokens``, ``num_tiles``, ``num_pixel_rows`` (the real rows of ``pixel_values``),
-  ``num_samples``, ``sample_ids``, ``sample_images`` and ``sample_pixel_rows`` (per sample),
-  ``pad_token_id`` (what pads ``input_ids``), ``step``, ``rank``, ``micro``.
-
-``vlmshard.shards.model_inputs`` turns a batch into a plain ``transformers`` model's arguments.
-
-Order and elasticity: shards planned for V virtual ranks serve any world size W dividing V. Rank
-w merges virtual ranks w·V/W … (w+1)·V/W−1 step by step, so each step it yields
-``micro_batches × V/W`` records (the gradient-accumulation micro-batches of that step). Resume is
-exact: ``start_step`` starts at that step's first record, a pure function of the step.
-
-DataLoader workers take every K-th record, which the DataLoader's round-robin turns back into the
-exact order. A worker seeks to its own records through the manifest's per-record byte offsets and
-reads only their bytes, each range checked against its CRC-32, so K workers read the shards once
-between them. ``pipe:`` streams, which cannot seek, and manifests without offsets are read whole
-by every worker, which decodes only its own records. With one
-reader (no workers) every shard is streamed whole and its sha256 checked too.
+Shards planned for V virtual ranks serve any world size W dividing V: rank w merges virtual
+ranks w·V/W … (w+1)·V/W−1 step by step. Resume is exact: ``start_step`` starts at that step's
+first record, a pure function of the step. DataLoader workers take every K-th record (the
+DataLoader's round-robin restores the order), each seeking to its own records' byte ranges and
+checking their CRC-32s; ``pipe:`` streams and manifests without offsets are read whole by every
+worker. With no workers every shard is streamed whole and its sha256 checked too.
 """
 
 from __future__ import annotations

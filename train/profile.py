@@ -234,22 +234,8 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
                 x_in, carry_in = _detached(micro, requires_grad=model.input_needs_grad(i))
                 layer_in = micro.with_x(x_in, carry=carry_in)
                 parameters = list(func.parameters())
-                samples = []
-                for run in range(warmup + repeats):
-                    saved = _SavedBytes(parameters)
-                    clock = _Clock(cuda)
-                    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-                        out = func(layer_in)
-                    clock.lap()
-                    outputs = [t for t in _outputs(out) if t.requires_grad]
-                    if outputs:
-                        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-                    clock.lap()
-                    for p in parameters:
-                        p.grad = None
-                    if run >= warmup:
-                        samples.append((*clock.read(), clock.peak_bytes))
-                forward, backward, peak = np.median(np.array(samples), axis=0)
+                out, saved, (forward, backward, peak) = _timed(func, layer_in, parameters,
+                                                               warmup, repeats, cuda)
                 if model.modes[i] == "forward":
                     backward = 0.0  # it has none (the lap timed an empty list)
                 if cuda:  # the parameters' gradients are counted with the parameters
@@ -287,6 +273,27 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
                    [{"activation_bytes": int(row[6]), "transient_bytes": int(row[7]),
                      **({"selective_bytes": int(row[9])} if selective[i] else {})}
                     for i, row in enumerate(means)], [d.kind for d in model.defs])
+
+
+def _timed(func, layer_in, parameters: list, warmup: int, repeats: int, cuda: bool):
+    """(the output, its saved bytes, the medians of forward and backward seconds and peak bytes)
+    of ``func(layer_in)`` forward and backward, ``warmup`` untimed runs then ``repeats``."""
+    samples = []
+    for run in range(warmup + repeats):
+        saved = _SavedBytes(parameters)
+        clock = _Clock(cuda)
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            out = func(layer_in)
+        clock.lap()
+        outputs = [t for t in _outputs(out) if t.requires_grad]
+        if outputs:
+            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+        clock.lap()
+        for p in parameters:
+            p.grad = None
+        if run >= warmup:
+            samples.append((*clock.read(), clock.peak_bytes))
+    return out, saved, np.median(np.array(samples), axis=0)
 
 
 def kept_size(model: ModelLayers, index: int, host: HostMeta) -> CostTerms:
