@@ -1,8 +1,8 @@
 """Offline balance against runtime re-balancing, held out: ``vlmshard simulate --compare``'s seven
 strategies on data sets the packer was not tuned on, at 8, 64 and 1,024 data-parallel ranks.
 
-    python benchmarks/runtime_bench.py                 # about 10 minutes on 2 vCPUs
-    python benchmarks/runtime_bench.py --ranks 8 64    # the smaller scales only
+    python benchmarks/runtime_bench.py --ranks 8 64    # about a minute on 2 vCPUs
+    python benchmarks/runtime_bench.py                 # 1,024 ranks too: over 10 minutes
 
 Data sets: OmniBal's two released length files (ai2d + docvqa, 22,624 rows, InternVL-Chat-1.5
 on H100s, PP 4) resampled to 1,024 samples a rank, and ``video_bench.py``'s video mix (images,
