@@ -35,7 +35,8 @@ def pack(lengths, algo, mode, **bound):
 
 
 def by_hand(lengths, caps, packing, mode):
-    """step_efficiency and fills recounted from the micro-batches' samples, one at a time."""
+    """step_efficiency and fills recounted from the micro-batches' samples, one at a time: the
+    work of each micro-batch's tiles, tokens, squared lengths and supervised tokens."""
     useful, spent, tiles, tokens = 0.0, 0.0, 0, 0
     per_step = packing.ranks * packing.micro_batches
     for step in range(packing.steps):
@@ -49,10 +50,12 @@ def by_hand(lengths, caps, packing, mode):
                 a = float((lengths.tokens[ids].astype(float) ** 2).sum())
                 assert v <= caps.qv and t <= caps.qt
                 tiles, tokens = tiles + v, tokens + t
-                useful += COST.a_v * v + COST.a_t * t + COST.b * a
+                head = COST.a_s * t  # the LM head's rows: every real token (the mixes say no
+                # fewer are supervised), in either mode
+                useful += COST.a_v * v + COST.a_t * t + COST.b * a + head
                 if mode == "padded":
                     v, t = caps.qv, caps.qt
-                executed += COST.a_v * v + COST.a_t * t + COST.b * a
+                executed += COST.a_v * v + COST.a_t * t + COST.b * a + head
             busiest = max(busiest, executed)
         spent += packing.ranks * busiest
     return useful / spent, tiles / (packing.n_micro * caps.qv), tokens / (packing.n_micro * caps.qt)

@@ -610,13 +610,14 @@ def test_pack_costs_the_model_the_stats_were_made_for(shards, folders, tmp_path)
     cost = plan["cost_model"]
     assert cost["origin"] == "flops:qwen2vl"
     # By hand from the tiny folder's config: per token, 2 decoder layers of q, k, v, o (kv
-    # heads 2 of 8 dims) and a SwiGLU of 64, plus the LM head; x2 FLOPs a multiply-add, x3 for
-    # forward and backward. Per squared length, 2 x hidden per layer (the attention).
+    # heads 2 of 8 dims) and a SwiGLU of 64; per supervised token the LM head; x2 FLOPs a
+    # multiply-add, x3 for forward and backward. Per squared length, 2 x hidden per layer.
     config = json.load(open(os.path.join(folders["qwen2vl"], "config.json")))
     vocab = config.get("text_config", config)["vocab_size"]
     h, kv, inter = 32, 2 * 8, 64
     layer = 2 * h * h + 2 * h * kv + 3 * h * inter
-    assert cost["a_t"] == 3 * (2 * 2 * layer + 2 * h * vocab)
+    assert cost["a_t"] == 3 * 2 * 2 * layer
+    assert cost["a_s"] == 3 * 2 * h * vocab
     assert cost["b"] == 3 * 2 * 2 * h
     proc = vlmshard("pack", "--stats", qwen_pre, "--dp", "1", "--out", str(tmp_path / "p"),
                     "--model", "internvl2-2b", check=False)
@@ -642,7 +643,8 @@ def test_pack_charges_attention_to_the_full_attention_layers_only(shards, folder
     conv = 2 * 2 * dk + v_heads * dv
     delta = 2 * v_heads * (2.5 * 64 * dk + 1.5 * 64 * dv + 3 * dk * dv)  # chunks of 64
     linear = 2 * h * (conv + 2 * v_heads * dv + 2 * v_heads) + 2 * conv * 4 + delta + mlp
-    assert cost["a_t"] == 3 * (3 * linear + full + 2 * h * text["vocab_size"])
+    assert cost["a_t"] == 3 * (3 * linear + full)
+    assert cost["a_s"] == 3 * 2 * h * text["vocab_size"]  # the LM head, per supervised token
     assert cost["b"] == 3 * 2 * q  # one layer: 2·s²·heads·head_dim forward, ×3 with backward
 
 
@@ -658,7 +660,8 @@ def test_pack_charges_sliding_window_layers_within_their_window(shards, folders)
         "vocab_size"]
     h, inter, q, kv = 32, 64, 4 * 16, 2 * 16
     layer = 2 * (2 * h * q + 2 * h * kv) + 2 * 3 * h * inter
-    assert cost["a_t"] == 3 * (3 * layer + 2 * h * vocab)
+    assert cost["a_t"] == 3 * 3 * layer
+    assert cost["a_s"] == 3 * 2 * h * vocab  # the LM head, per supervised token
     assert cost["b"] == 3 * 3 * 2 * q  # every layer's 2·s²·heads·head_dim, ×3 with backward
     assert (cost["window"], cost["window_share"]) == (8, pytest.approx(2 / 3))
     squares = CostModel(**cost).squares(np.array([20, 8, 5]))
