@@ -19,7 +19,7 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    model for the device the bench runs on, with the kernels the trainer runs there, gives the
    largest micro-batch shaped like the mean sample that one stage holds recomputing no layer
    whole (selectively at most: no matmul runs twice, which MFU does not count;
-   ``vlmshard.partition.largest_micro_batch``, ``memory_bound.recompute_free``). Balanced packs
+   ``vlmshard.train.capacity``, ``memory_bound.recompute_free``). Balanced packs
    under it (``caps``), as ``vlmshard pack --max-qv --max-qt`` takes what a device holds;
    random takes as many samples a micro-batch as its padded caps (that many of the largest
    sample, ``random_caps``) keep inside it, for any draw of samples must fit.
@@ -81,6 +81,7 @@ network: install them, or carry a virtual environment built for it). Nothing is 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -135,44 +136,6 @@ BENCH_MAX_PIXELS = 32 * 32 * 1024
 SMOKE_MAX_PIXELS = 32 * 32 * 64
 
 
-def memory_bound(model: str, pre: str, device_bytes: int) -> tuple[dict, int]:
-    """The largest micro-batch (tiles, tokens) the memory model lets one bf16 stage of
-    ``model`` hold on a device of ``device_bytes`` with the kernels the trainer runs there by
-    default, shaped like the mean sample of the stats ``pre``: recomputing layers whole where
-    it must (``max_qv``, ``max_qt``), and selectively only (``recompute_free``); and the most
-    samples a random micro-batch may take, its padded caps (that many of the largest sample)
-    inside the second (at least one: ``recompute_free.samples``), and inside the first
-    (``samples``)."""
-    from vlmshard.model_sizes import CostTerms, bytes_per_param
-    from vlmshard.packing.algorithms import padded_caps
-    from vlmshard.packing.stats import load_stats
-    from vlmshard.partition import Machine, largest_micro_batch
-    from vlmshard.train.config import TrainConfig
-    from vlmshard.train.hf_model import rank_model
-
-    lengths = load_stats(pre).lengths
-    shape = CostTerms(float(lengths.tiles.mean()), float(lengths.tokens.mean()))
-    cfg = TrainConfig(shards=pre, out="", model=model)
-    cfg.resolve_device_defaults(cuda=True)
-    work = rank_model(cfg, "cuda", sequence_parallel=False).analytic_work()
-    machine, per_param = Machine.for_device(device_bytes), bytes_per_param("bf16", 1)
-    bound = largest_micro_batch(work, shape, machine, per_param)
-    free = largest_micro_batch(work, shape, machine, per_param, whole_recompute=False)
-
-    def samples_within(size: CostTerms) -> int:
-        samples = 1
-        while (caps := padded_caps(lengths, samples + 1)).qv <= size.tiles and \
-                caps.qt <= size.tokens:
-            samples += 1
-        return samples
-
-    samples = samples_within(free)
-    return {"max_qv": int(bound.tiles), "max_qt": int(bound.tokens),
-            "samples": samples_within(bound),
-            "recompute_free": {"max_qv": int(free.tiles), "max_qt": int(free.tokens),
-                               "samples": samples}}, samples
-
-
 def preprocessed(work: str, scale: int, max_seq_len: int, model: str | None = None,
                  smoke: bool = False, untied_head: bool = False) -> tuple[str, str]:
     """``work`` made afresh: the demo data at ``scale``, the model folder (``model``, else the
@@ -206,12 +169,14 @@ def prepare(args, device_bytes: int | None, plans: tuple[str, ...]) -> dict:
     from vlmshard.packing.plan import run_pack
     from vlmshard.shards.config import WriteConfig
     from vlmshard.shards.writer import run_write
+    from vlmshard.train.capacity import device_capacity
 
     work = args.work
     model, pre = preprocessed(work, args.scale, args.max_seq_len, model=args.model,
                               smoke=args.smoke, untied_head=args.untied_head)
-    bound, samples = memory_bound(model, pre, device_bytes) if device_bytes else ({}, 8)
-    samples = args.target_samples or samples
+    bound = dataclasses.asdict(device_capacity(model, pre, device_bytes)) if device_bytes \
+        else {}
+    samples = args.target_samples or bound.get("recompute_free", {}).get("samples", 8)
     shards, caps = {}, {}
     for algo in ("random", "balanced"):
         plan = os.path.join(work, f"plan-{algo}")

@@ -155,47 +155,6 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
     assert all(0 < share < 1 for share in result["sustained_share"].values())
 
 
-def test_gpu_bench_packs_balanced_up_to_what_the_device_holds(tmp_path, monkeypatch):
-    """On a GPU the bench sizes both plans by the memory model (here the smoke model on a
-    device of 1.37 GiB, 1.25 of it the CUDA context's and NCCL's): random takes as many samples
-    a micro-batch as keep that many of the largest sample (its padded caps) within the largest
-    micro-batch a stage holds recomputing no layer whole; balanced packs the samples up to that
-    micro-batch itself, larger than random's caps allow."""
-    import numpy as np
-
-    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
-    import gpu_bench
-    from types import SimpleNamespace
-
-    from vlmshard.packing.plan import load_plan
-
-    args = SimpleNamespace(work=str(tmp_path / "work"), scale=1, max_seq_len=8192, model=None,
-                           smoke=True, untied_head=False, target_samples=None, micro_batches=2)
-    setup = gpu_bench.prepare(args, int(1.37 * 2**30), plans=())
-    bound = setup["memory_bound"]["recompute_free"]
-    assert setup["caps"] == {"max_qv": bound["max_qv"], "max_qt": bound["max_qt"]}
-    plans = {algo: load_plan(os.path.join(args.work, f"plan-{algo}"))
-             for algo in ("random", "balanced")}
-    lengths = plans["random"][2]
-    n = setup["target_samples"]
-    padded = lambda k: (k * int(lengths.tiles.max()), k * int(lengths.tokens.max()))  # noqa: E731
-    assert n >= 2 and padded(n)[0] <= bound["max_qv"] and padded(n)[1] <= bound["max_qt"]
-    assert padded(n + 1)[0] > bound["max_qv"] or padded(n + 1)[1] > bound["max_qt"]
-    assert setup["random_caps"] == {"max_qv": padded(n)[0], "max_qt": padded(n)[1]}
-    sizes = {}
-    for algo, (_, packing, _) in plans.items():  # every sample placed, but a last part-step's
-        assert set(packing.unplaced_reason) <= {"remainder"}
-        assert sorted([*packing.items, *packing.unplaced]) == list(range(len(lengths.tiles)))
-        micro = np.split(packing.items, packing.offsets[1:-1])
-        assert algo == "balanced" or {len(m) for m in micro} == {n}
-        sizes[algo] = [(int(lengths.tiles[m].sum()), int(lengths.tokens[m].sum()))
-                       for m in micro]
-    assert all(t <= bound["max_qv"] and k <= bound["max_qt"] for t, k in sizes["balanced"])
-    # which random's caps would not have held
-    random = setup["random_caps"]
-    assert any(t > random["max_qv"] or k > random["max_qt"] for t, k in sizes["balanced"])
-
-
 def test_layer_kinds_bench_costs_less_attention_by_kind(tmp_path):
     """Under the by-kind cost model attention is no larger a share of any mix's work than an
     all-attention FLOPs model claims, and smaller wherever linear-attention layers or samples
