@@ -3,7 +3,6 @@ that device is packed under, and the random micro-batch's samples inside them.""
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
