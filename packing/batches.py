@@ -15,9 +15,10 @@ class Lengths:
     tokens: np.ndarray  # int64: seq_len, the LLM sequence the sample adds
     source: np.ndarray  # int32: index into ``sources``
     sources: tuple[str, ...]
-    # int64: the tiles of the sample's largest image or video, which one rank encodes whole
-    # under sequence parallelism (``groups.rank_tiles``); None where the input does not say
-    # (OmniBal's length files)
+    # int64: the tiles of the sample's largest ViT unit (an image, or one temporal step of a
+    # video: Qwen's temporal patch, InternVL's frame), which one rank encodes whole under
+    # sequence parallelism (``groups.rank_tiles``); None where the input does not say (OmniBal's
+    # length files)
     largest: np.ndarray | None = None
     # int64: the sample's supervised tokens (``loss_tokens``), the LM head's rows; None where
     # the input does not say (OmniBal's length files): then ``supervised_or_tokens`` gives its

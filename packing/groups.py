@@ -39,7 +39,7 @@ class Group:
     length: int  # Qt: the LLM tokens a micro-batch holds over its sp ranks
     qv: int  # the ViT tiles a micro-batch holds over its sp ranks
     sp: int  # sequence-parallel degree: the ranks that share each micro-batch
-    rank_qv: int  # the tiles one of its ranks encodes at most, media dealt whole (``rank_tiles``)
+    rank_qv: int  # the tiles one of its ranks encodes at most, units dealt whole (``rank_tiles``)
 
     @property
     def caps(self) -> Caps:
@@ -78,17 +78,18 @@ def sp_degrees(dp: int, refusal: Refusal = lambda sp: None) -> list[int]:
 
 def rank_tiles(qv: int, sp: int, largest: int) -> int:
     """The most tiles one of ``sp`` ranks encodes of a micro-batch of at most ``qv`` tiles: its
-    media are dealt whole, largest first, each to the least-loaded rank
-    (``shards.sequence.media_owners``), and such a deal gives no rank more than
-    qv/sp + (1 - 1/sp)·largest (the last medium the fullest rank took found it the least
-    loaded; Graham's list-scheduling bound), ``largest`` the largest medium of the data. What
+    ViT units (an image, a video's temporal step) are dealt whole, largest first, each to the
+    least-loaded rank (``shards.sequence.media_pieces``), and such a deal gives no rank more
+    than qv/sp + (1 - 1/sp)·largest (the last unit the fullest rank took found it the least
+    loaded; Graham's list-scheduling bound), ``largest`` the largest unit of the data. What
     the trainer's memory check takes for a rank's ViT (``default_partition.shard_sizes``)."""
     return min(qv, -(-(qv + (sp - 1) * largest) // sp))
 
 
-def largest_medium(lengths: Lengths, rank_qv: int) -> int:
-    """The largest image or video of ``lengths`` that one rank can encode (larger ones are not
-    placed: ``pack_groups``); 0 where the input does not say (OmniBal's length files)."""
+def largest_unit(lengths: Lengths, rank_qv: int) -> int:
+    """The largest ViT unit of ``lengths`` (``Lengths.largest``) that one rank can encode
+    (larger ones are not placed: ``pack_groups``); 0 where the input does not say (OmniBal's
+    length files)."""
     if lengths.largest is None:
         return 0
     return int(lengths.largest[lengths.largest <= rank_qv].max(initial=0))
@@ -99,7 +100,7 @@ def given_groups(spec: list[tuple[int, int | None]], rank: Caps, dp: int,
     """The groups ``--groups`` names, within one rank's memory budget ``rank`` (tiles, tokens):
     a group of length L takes the SP degree given, else the least of ``sp_degrees`` that keeps
     L/s tokens on a rank; its Qv is s ranks' tiles, of which a rank may get more than its share
-    (``rank_tiles``, ``largest`` the largest medium)."""
+    (``rank_tiles``, ``largest`` the largest unit)."""
     degrees = sp_degrees(dp, refusal)
     groups = []
     for length, sp in spec:
@@ -129,7 +130,7 @@ def ladder(lengths: Lengths, rank: Caps, dp: int,
     """``auto``'s candidate levels: one per SP degree s of ``sp_degrees``, of s ranks' budget,
     up to the first that holds the longest sample (HBP's levels double: so do these where
     ``dp`` is a power of two)."""
-    out, largest = [], largest_medium(lengths, rank.qv)
+    out, largest = [], largest_unit(lengths, rank.qv)
     for sp in sp_degrees(dp, refusal):
         out.append(Group(sp * rank.qt, sp * rank.qv, sp, rank_tiles(sp * rank.qv, sp, largest)))
         if (out[-1].length >= lengths.tokens.max(initial=0)
@@ -220,13 +221,13 @@ def pack_groups(lengths: Lengths, ids: np.ndarray, groups: tuple[Group, ...], *,
     """One epoch of ``ids`` in ``groups``: each sample in the smallest group that holds it, each
     group packed with ``balanced`` over ranks ÷ sp, the steps in ``order`` (``order_steps``).
     Samples no group holds come first among the unplaced, with the cap of the largest group
-    they break, or ``medium_over_rank_qv`` for an image or video over one rank's tiles (a rank
-    encodes each medium whole)."""
+    they break, or ``unit_over_rank_qv`` for an image or a video's temporal step over one
+    rank's tiles (a rank encodes each unit whole; a clip's steps spread over the group)."""
     fit, over, reasons = split_over_cap(lengths.take(ids), groups[-1].caps)
     if lengths.largest is not None:
         big = lengths.largest[ids[fit]] > groups[0].qv // groups[0].sp  # one rank: Qv / sp
         over = np.r_[over, fit[big]]
-        reasons = reasons + ["medium_over_rank_qv"] * int(big.sum())
+        reasons = reasons + ["unit_over_rank_qv"] * int(big.sum())
         fit = fit[~big]
     where = assign(lengths, ids[fit], groups)
     packings = [pack_balanced(lengths, ids[fit][where == g], g_.caps, ranks=ranks // g_.sp,

@@ -39,7 +39,7 @@ from .batches import Lengths, Packing, concat_steps
 from .config import PADDED, PackConfig
 from .cost import CostModel, model_for_stats
 from .groups import (Group, GroupedPacking, Refusal, format_group_table, given_groups,
-                     group_table, is_grouped, largest_medium, pack_groups, parse_groups,
+                     group_table, is_grouped, largest_unit, pack_groups, parse_groups,
                      search_groups)
 from .metrics import Metrics, format_metrics
 from .stats import StatsError, load_stats
@@ -220,11 +220,12 @@ def _too_many_unplaced(cfg: PackConfig, lengths: Lengths, packing: GroupedPackin
     ids = packing.unplaced[over]
     reasons = Counter(packing.unplaced_reason[i] for i in over)
     top, first = packing.groups[-1], packing.groups[0]
-    rank_qv = first.qv // first.sp  # pack_groups' bound on one medium
+    rank_qv = first.qv // first.sp  # pack_groups' bound on one unit
     where = "the largest group's " if packing.grouped else ""
     broken = {"tiles_over_qv": f"over {where}Qv {top.qv}",
               "tokens_over_qt": f"over {where}Qt {top.length}",
-              "medium_over_rank_qv": f"with an image or video over one rank's Qv {rank_qv}"}
+              "unit_over_rank_qv": f"with an image or a video's temporal step over one "
+                                   f"rank's Qv {rank_qv}"}
     n, total = len(ids), len(lengths)
     return (f"the plan leaves {n} of {total} samples ({n / total:.1%}) out over the caps, more "
             f"than --max-unplaced-ratio {cfg.max_unplaced_ratio:g}: "
@@ -238,7 +239,7 @@ def _caps_to_raise(cfg: PackConfig, lengths: Lengths, ids: np.ndarray, top: Grou
     """The options, and their values, that would place the samples ``ids`` over the caps of
     the plan whose largest group is ``top``: the caps given, the memory bound searched under,
     isf's caps, or under packing groups one rank's bound (the largest group spreads a sample
-    over its SP ranks; a rank encodes each image or video whole, ``rank_qv`` at most) or the
+    over its SP ranks; a rank encodes each image or video step whole, ``rank_qv`` at most) or the
     largest group's length when ``--groups`` names it."""
     tiles, tokens = lengths.tiles[ids], lengths.tokens[ids]
     over_v = int(tiles[tiles > top.qv].max(initial=0))
@@ -250,9 +251,9 @@ def _caps_to_raise(cfg: PackConfig, lengths: Lengths, ids: np.ndarray, top: Grou
         flags = ("--qv", "--qt") if caps_from == "given" else ("--max-qv", "--max-qt")
         fixes = [(flags[0], over_v), (flags[1], over_t)]
     else:
-        medium = (lengths.largest[ids] if lengths.largest is not None
-                  else np.zeros(len(ids), np.int64))
-        rank_v = max(-(-over_v // top.sp), int(medium[medium > rank_qv].max(initial=0)))
+        unit = (lengths.largest[ids] if lengths.largest is not None
+                else np.zeros(len(ids), np.int64))
+        rank_v = max(-(-over_v // top.sp), int(unit[unit > rank_qv].max(initial=0)))
         fixes = [("--max-qv", rank_v), ("--max-qt", -(-over_t // top.sp))
                  if parse_groups(cfg.groups) is None else ("the largest --groups length", over_t)]
     return "raise " + " and ".join(f"{flag} to {need}" for flag, need in fixes if need)
@@ -335,7 +336,7 @@ def choose_groups(cfg: PackConfig, lengths: Lengths, cost: CostModel,
     bound = {"rank_bound": {"qv": rank.qv, "qt": rank.qt, "from": rank_from}}
     spec = parse_groups(cfg.groups)
     if spec is not None:
-        return (given_groups(spec, rank, cfg.dp, refusal, largest_medium(lengths, rank.qv)),
+        return (given_groups(spec, rank, cfg.dp, refusal, largest_unit(lengths, rank.qv)),
                 "given", bound)
     groups, tried = search_groups(lengths, rank, dp=cfg.dp, ranks=cfg.ranks,
                                   micro_batches=cfg.micro_batches, seed=cfg.seed, cost=cost,

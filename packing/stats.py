@@ -146,20 +146,24 @@ def _read_parquet_stats(path: str) -> Lengths:
     return Lengths(table["vit_tiles"].to_numpy().astype(np.int64),
                    table["seq_len"].to_numpy().astype(np.int64),
                    source.indices.to_numpy().astype(np.int32),
-                   tuple(source.dictionary.to_pylist()), _largest_medium(table),
+                   tuple(source.dictionary.to_pylist()), _largest_unit(table),
                    table["loss_tokens"].to_numpy().astype(np.int64))
 
 
-def _largest_medium(table) -> np.ndarray:
-    """Each row's largest image or video, in tiles (0 for none)."""
+def _largest_unit(table) -> np.ndarray:
+    """Each row's largest ViT unit in tiles (0 for none): an image whole, a video's temporal
+    step (its tiles over its grid's t: the ViT attends within a step, so a clip splits there)."""
     import pyarrow.compute as pc
 
     largest = np.zeros(table.num_rows, np.int64)
     images, videos = table["image_tiles"].combine_chunks(), table["videos"].combine_chunks()
-    for tiles, rows in ((pc.list_flatten(images), pc.list_parent_indices(images)),
-                        (pc.struct_field(pc.list_flatten(videos), "tiles"),
-                         pc.list_parent_indices(videos))):
-        np.maximum.at(largest, rows.to_numpy(), tiles.to_numpy(zero_copy_only=False))
+    flat = pc.list_flatten(videos)
+    steps = pc.list_element(pc.struct_field(flat, "grid"), 0).to_numpy(zero_copy_only=False)
+    step_tiles = pc.struct_field(flat, "tiles").to_numpy(zero_copy_only=False) // steps
+    for tiles, rows in ((pc.list_flatten(images).to_numpy(zero_copy_only=False),
+                         pc.list_parent_indices(images)),
+                        (step_tiles, pc.list_parent_indices(videos))):
+        np.maximum.at(largest, rows.to_numpy(), tiles)
     return largest
 
 

@@ -31,7 +31,7 @@ from vlmshard.preprocess.tokenize import IGNORE_INDEX
 
 from .layout import Manifest, ShardEntry, read_manifest
 from .reader import SeekingShard, ShardError, iter_shard
-from .sequence import media_owners, share_tokens
+from .sequence import media_pieces, share_tokens
 from .records import (
     DecodedImage,
     DecodedVideo,
@@ -223,11 +223,12 @@ class ShardDataset(IterableDataset):
         input_ids[:n] = torch.from_numpy(record.input_ids.astype(np.int64))
         labels = torch.full((qt,), IGNORE_INDEX, dtype=torch.long)
         labels[:n] = torch.from_numpy(record.labels.astype(np.int64))
-        # a share decodes its own media only (dealt by their planned tiles), the others'
+        # a share decodes its own pieces only (a video's own steps' frames), the others'
         # headers for their grids
-        owner = media_owners(record.media_tiles(), sp) if sp > 1 else None
-        mine = None if owner is None else {i for i, o in enumerate(owner)
-                                           if o == record.rank % sp}
+        media = record.media_units()
+        pieces = media_pieces(media, sp) if sp > 1 else None
+        mine = None if pieces is None else {p.medium: (p.first, p.units) for p in pieces
+                                            if p.owner == record.rank % sp}
         images = list(decoded_images(record, self.policies, rgb=self.pixels, own=mine))
         grids = [im.grid for im in images]  # None for InternVL
         steps = [im.video.seconds_per_step if im.is_video else 0.0 for im in images]
@@ -241,7 +242,7 @@ class ShardDataset(IterableDataset):
                                        dtype=torch.int32),
             "image_token_mask": torch.isin(input_ids, torch.tensor(m.visual_token_ids)),
             "pixel_values": self._pixel_values(
-                record, own, group["qv"] if sp == 1 else sum(im.tiles for im in own)),
+                record, own, group["qv"] if sp == 1 else sum(im.own_tiles for im in own)),
             "num_tokens": n, "num_tiles": num_tiles,
             "tile_cap": group["qv"] if self.pad_to_caps else num_tiles,
             "num_pixel_rows": num_tiles * self.rows_per_tile, "num_samples": len(record.samples),
@@ -250,6 +251,7 @@ class ShardDataset(IterableDataset):
                 [sum(im.tiles for im in items) * self.rows_per_tile
                  for items in _split(images, sample_items)]),
             "media_tiles": torch.tensor([im.tiles for im in images], dtype=torch.long),
+            "media_units": torch.tensor([units for _, units in media], dtype=torch.long),
             "media_is_video": torch.tensor([im.is_video for im in images], dtype=torch.bool),
             "media_seconds_per_step": torch.tensor(steps, dtype=torch.float32),
             "sample_ids": torch.tensor([s["sample_id"] for s in record.samples]),
@@ -260,8 +262,8 @@ class ShardDataset(IterableDataset):
             batch["image_token_mask"][n:] = False
         if self.takes_grids:
             batch["image_grid_thw"] = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
-        if owner is not None:
-            batch = share_tokens(batch, sp, record.rank % sp, self.tokens_per_tile, owner,
+        if pieces is not None:
+            batch = share_tokens(batch, sp, record.rank % sp, self.tokens_per_tile, pieces,
                                  self.rows_per_tile)
         return batch
 
@@ -285,8 +287,9 @@ class ShardDataset(IterableDataset):
 
     def _pixel_values(self, record: Record, images: list[DecodedImage | DecodedVideo],
                       cap: int) -> torch.Tensor:
-        """The rows of ``images``, padded to ``cap`` tiles where ``pad_pixels`` says."""
-        num_tiles = sum(im.tiles for im in images)
+        """The rows of ``images`` (a share's: their own steps'), padded to ``cap`` tiles where
+        ``pad_pixels`` says."""
+        num_tiles = sum(im.own_tiles for im in images)
         tiles = cap if self.pad_pixels else num_tiles
         pixels = torch.zeros((tiles * self.rows_per_tile, *self.pixel_shape),
                              dtype=self.pixel_dtype)

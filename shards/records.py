@@ -22,7 +22,7 @@ import hashlib
 import io
 import json
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar, Iterator
 
 import numpy as np
@@ -71,14 +71,16 @@ class Record:
         """The ViT units of its images and videos."""
         return tiles_of(self.samples)
 
-    def media_tiles(self) -> list[int]:
-        """The planned ViT units of each image and video, in token order."""
+    def media_units(self) -> list[tuple[int, int]]:
+        """Each image's and video's planned tiles and ViT units, in token order: an image is
+        one unit, a video one per temporal step (its grid's t)."""
         out = []
         for sample in self.samples:
             tiles = iter(sample["image_tiles"])
             videos = {v["item"]: v for v in sample.get("videos", ())}
             for item in range(len(sample["images"]) + len(videos)):
-                out.append(videos[item]["tiles"] if item in videos else next(tiles))
+                out.append((videos[item]["tiles"], videos[item]["grid"][0]) if item in videos
+                           else (next(tiles), 1))
         return out
 
     @property
@@ -213,17 +215,34 @@ class DecodedImage:
     def tiles(self) -> int:
         return self.policy.tiles(self.width, self.height, self.n_images)
 
+    own_tiles = tiles
+
 
 @dataclass
 class DecodedVideo:
     policy: "TilingPolicy"
     video: "SampledVideo"  # as the source's policy samples it again
-    frames: list  # RGB PIL images in order (empty without rgb)
+    frames: list  # RGB PIL images in order (empty without rgb): the segment's
+    # the temporal steps [first, first + count) whose frames it decoded (a sequence-parallel
+    # rank's piece, ``shards.sequence.media_pieces``); None: all of them
+    segment: tuple[int, int] | None = None
     is_video: ClassVar[bool] = True
 
     def pixels(self) -> np.ndarray:
-        """The model's float32 pixel rows for this video's frames."""
-        return self.policy.video_pixels(self.frames, self.video)
+        """The model's float32 pixel rows for the decoded steps' frames: the whole video's
+        rows of those steps (its grid and frame size are the whole's)."""
+        video = self.video
+        if self.segment is not None:
+            video = replace(video, grid=(self.segment[1], *video.grid[1:]),
+                            tiles=self.own_tiles)
+        return self.policy.video_pixels(self.frames, video)
+
+    @property
+    def own_tiles(self) -> int:
+        """The tiles of the decoded steps."""
+        if self.segment is None:
+            return self.video.tiles
+        return self.video.tiles // self.video.grid[0] * self.segment[1]
 
     @property
     def grid(self) -> tuple[int, int, int] | None:
@@ -235,13 +254,14 @@ class DecodedVideo:
 
 
 def decoded_images(record: Record, policies: dict[str, "TilingPolicy"], *,
-                   rgb: bool = True, own: set[int] | None = None,
+                   rgb: bool = True, own: dict[int, tuple[int, int]] | None = None,
                    known: set[bytes] | None = None) -> Iterator["DecodedImage | DecodedVideo"]:
     """Decode each image and video frame of ``record`` in full, in token order, and check that
     each image makes the tiles the plan has under its source's policy and each video the frames
     and grid; RGB pixels only with ``rgb``. The one decode of the loader and ``verify``. With
-    ``own`` (media indices, in token order), the others are read to their headers only: their
-    sizes checked, no pixels (a sequence-parallel share's loader). ``known`` (without ``rgb``:
+    ``own`` (media indices in token order, each with the units it decodes: a video's temporal
+    steps (first, count)), the rest are read to their headers only: their sizes checked, no
+    pixels (a sequence-parallel share's loader). ``known`` (without ``rgb``:
     ``verify``'s): digests of image bytes decoded in full before, which decode alike and are read
     to their headers; each image decoded here joins it (an image many samples share, or an
     epoch's repeat, is decoded once)."""
@@ -256,8 +276,8 @@ def decoded_images(record: Record, policies: dict[str, "TilingPolicy"], *,
             index += 1
             full = own is None or index in own
             if item in videos:
-                yield _decoded_video(record, sample, videos[item], policy, data, rgb and full,
-                                     full)
+                yield _decoded_video(record, sample, videos[item], policy, data, rgb,
+                                     None if own is None else own.get(index, (0, 0)))
                 continue
             name, planned = next(images)
             image = next(data)
@@ -304,9 +324,10 @@ def _decode(record: Record, name: str, data: bytes, rgb: bool, load: bool = True
 
 
 def _decoded_video(record: Record, sample: dict, video: dict, policy, data, rgb: bool,
-                   load: bool = True) -> DecodedVideo:
-    """A video's frames, checked to be the frames, size and grid its policy samples (each
-    decoded in full with ``load``, else read to its header)."""
+                   segment: tuple[int, int] | None) -> DecodedVideo:
+    """A video's frames, checked to be the frames, size and grid its policy samples: those of
+    the temporal steps ``segment`` (first, count; None: all) decoded in full (RGB with
+    ``rgb``), the others read to their headers."""
     where = f"{record.where}: video {video['item']} of sample {sample['sample_id']}"
     try:
         sampled = policy.sample_video(video["total_frames"], video["fps"], video["w"],
@@ -317,12 +338,15 @@ def _decoded_video(record: Record, sample: dict, video: dict, policy, data, rgb:
         raise RecordError(f"{where}: its policy samples frames {list(sampled.indices)} as grid "
                           f"{list(sampled.grid)}, the plan has {video['indices']} as "
                           f"{video['grid']}")
+    per_step = len(video["frames"]) // video["grid"][0]
+    first, count = (0, video["grid"][0]) if segment is None else segment
     frames = []
-    for name in video["frames"]:
-        width, height, converted = _decode(record, name, next(data), rgb, load)
+    for k, name in enumerate(video["frames"]):
+        load = first * per_step <= k < (first + count) * per_step
+        width, height, converted = _decode(record, name, next(data), rgb and load, load)
         if (width, height) != (video["w"], video["h"]):
             raise RecordError(f"{where}: frame {name} is {width}x{height}, the video "
                               f"{video['w']}x{video['h']}")
-        if rgb:
+        if rgb and load:
             frames.append(converted)
-    return DecodedVideo(policy, sampled, frames)
+    return DecodedVideo(policy, sampled, frames, segment)

@@ -115,6 +115,21 @@ def video_rows(root) -> list[dict]:
     ]
 
 
+def clip_rows(root) -> list[dict]:
+    """A long clip (64 frames at 8 fps: 8 temporal steps where Qwen samples 2 fps) asked about
+    alone, beside an image row and the text-only row: at SP 2 to 8 the clip's steps spread
+    over the group's ranks."""
+    from PIL import Image
+
+    from vlmshard.demo.clips import Clip, make_clip
+
+    with Image.open(_photo("astronaut.png")) as im:
+        (root / "long.mp4").write_bytes(make_clip(im, Clip(frames=64, fps=8)))
+    return [{"videos": [str(root / "long.mp4")], "conversations": [
+        {"from": "human", "value": "<video>\nWhere does the camera move?"},
+        {"from": "gpt", "value": "From left to right."}]}, ROWS[1], ROWS[2]]
+
+
 def split_samples(batch: dict, image_token_id: int, tokens_per_tile: int,
                   rows_per_tile: int, video_token_id: int | None = None) -> list[dict]:
     """The samples of a collated micro-batch, each with its own inputs for the HF model. With

@@ -24,7 +24,7 @@ from vlmshard.packing.cost import CostModel
 from vlmshard.model_sizes import LLMConfig, sequence_parallel_refusal
 from vlmshard.packing.groups import (Group, GroupedPacking, assign, given_groups, ladder,
                                      order_steps, pack_groups, parse_groups, search_groups)
-from vlmshard.shards.sequence import media_owners
+from vlmshard.shards.sequence import media_pieces
 from vlmshard.packing.plan import read_grouped_plan, run_pack
 from vlmshard.packing.stats import load_stats
 
@@ -138,15 +138,26 @@ def test_grouped_packing_keeps_every_sample_and_every_groups_caps(order):
     assert all(np.array_equal(a.items, b.items) for a, b in zip(packed.packings, again.packings))
 
 
+def _random_media(rng) -> list[tuple[int, int]]:
+    """A sample's media as (tiles, units): up to 4 images of 1-6 tiles, and in one sample of
+    ten a clip of 2-8 temporal steps of 1-6 tiles each."""
+    media = [(int(t), 1) for t in rng.integers(1, 7, rng.integers(0, 5))]
+    if rng.random() < 0.1:
+        steps, step_tiles = int(rng.integers(2, 9)), int(rng.integers(1, 7))
+        media.append((steps * step_tiles, steps))
+    return media
+
+
 def test_no_rank_of_a_group_encodes_more_tiles_than_its_bound():
-    """Media are dealt whole to a group's ranks (as the loader deals them): with samples of
-    random images, every SP micro-batch's deal, loads counted here, keeps each rank within the
-    group's ``rank_qv`` (what the trainer's memory check takes); an image over one rank's 8
-    tiles is not placed, with its reason."""
+    """ViT units (an image, a clip's temporal step) are dealt whole to a group's ranks (as the
+    loader deals them): with samples of random images and clips, every SP micro-batch's deal,
+    loads counted here, keeps each rank within the group's ``rank_qv`` (what the trainer's
+    memory check takes); clips over one rank's 8 tiles are placed, spread over the group; an
+    image over one rank's 8 tiles is not placed, with its reason."""
     rng = np.random.default_rng(0)
-    media = [rng.integers(1, 7, rng.integers(0, 5)).tolist() for _ in range(3000)] + [[9]]
-    tiles = np.array([sum(m) for m in media])
-    largest = np.array([max(m, default=0) for m in media])
+    media = [_random_media(rng) for _ in range(3000)] + [[(9, 1)]]
+    tiles = np.array([sum(t for t, _ in m) for m in media])
+    largest = np.array([max((t // u for t, u in m), default=0) for m in media])
     tokens = np.maximum(tiles * 16, 8) + rng.integers(0, 40, len(media))
     lengths = Lengths(tiles, tokens, np.zeros(len(media), np.int32), ("a",), largest)
     rank = Caps(8, 128)
@@ -156,13 +167,25 @@ def test_no_rank_of_a_group_encodes_more_tiles_than_its_bound():
     ids = np.arange(len(media))
     packed = pack_groups(lengths, ids, groups, ranks=8, micro_batches=1, seed=1, cost=COST,
                          mode="padding-free", order="mixed")
-    assert packed.unplaced_reason[list(packed.unplaced).index(3000)] == "medium_over_rank_qv"
+    assert packed.unplaced_reason[list(packed.unplaced).index(3000)] == "unit_over_rank_qv"
+    big = groups[-1]  # what else is unplaced breaks the largest group's caps, by hand
+    for i, reason in zip(packed.unplaced, packed.unplaced_reason):
+        if reason == "tiles_over_qv":
+            assert tiles[i] > big.qv
+        elif reason == "tokens_over_qt":
+            assert tokens[i] > big.length
+        else:
+            assert reason in {"unit_over_rank_qv", "remainder"}
+    placed = set(np.concatenate([p.items for p in packed.packings]).tolist())
+    assert any(tiles[i] > rank.qv and any(u > 1 for _, u in media[i]) for i in placed)
     over_share = 0
     for group, packing in zip(groups, packed.packings):
         for _, items in _micro_batches(packing):
-            sizes = [t for i in items for t in media[i]]
-            owner = media_owners(sizes, group.sp)
-            loads = [sum(t for t, o in zip(sizes, owner) if o == r) for r in range(group.sp)]
+            sizes = [m for i in items for m in media[i]]
+            pieces = media_pieces(sizes, group.sp)
+            assert [sum(p.tiles for p in pieces if p.medium == k)
+                    for k in range(len(sizes))] == [t for t, _ in sizes]
+            loads = [sum(p.tiles for p in pieces if p.owner == r) for r in range(group.sp)]
             assert max(loads, default=0) <= group.rank_qv
             over_share += max(loads, default=0) > rank.qv
     assert over_share > 0  # deals that give a rank more than its share: the bound is needed

@@ -13,6 +13,7 @@ import pytest
 import torch
 from hf_reference import (
     ROWS,
+    clip_rows,
     assert_grad_close,
     grad_floor,
     hf_loss_and_grads,
@@ -24,7 +25,7 @@ from vlmshard.model_sizes import LLMConfig, sequence_parallel_refusal
 from vlmshard.preprocess.tokenize import IGNORE_INDEX
 from vlmshard.shards.loader import ShardDataset
 from vlmshard.shards.model_inputs import next_token_targets
-from vlmshard.shards.sequence import Shard, media_owners, share
+from vlmshard.shards.sequence import Piece, Shard, media_pieces, share
 from vlmshard.train.hf_model import model_layers
 from vlmshard.train.pipeline import recompute_modes, run_layers
 from vlmshard.train.sequence_parallel import Exchange
@@ -33,12 +34,24 @@ from vlmshard.train.train_log import micro_batch_size
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-def test_media_go_largest_first_to_the_least_loaded_rank():
+def owners(tiles: list[int], sp: int) -> list[int]:
+    """The rank of each image (one unit each) in ``media_pieces``' deal."""
+    return [p.owner for p in media_pieces([(t, 1) for t in tiles], sp)]
+
+
+def test_units_go_largest_first_to_the_least_loaded_rank():
     # by hand, largest first: 9 → r0; 5 → r1; 4 → r1 (load 5 < 9); 3 → r0 (loads 9 and 9:
     # the lower rank)
-    assert media_owners([3, 9, 5, 4], 2) == [0, 0, 1, 1]
-    assert media_owners([], 4) == []
-    assert media_owners([2, 2, 2], 4) == [0, 1, 2]
+    assert owners([3, 9, 5, 4], 2) == [0, 0, 1, 1]
+    assert owners([], 4) == []
+    assert owners([2, 2, 2], 4) == [0, 1, 2]
+    # an image of 3, a clip of 4 steps of 3, an image of 5: 5 → r0; 3 → r1; the clip's steps
+    # → r1 (5, 6), r0 (8, 6), r1 (8, 9), r0 (11, 9): two steps each, consecutive by rank
+    assert media_pieces([(3, 1), (12, 4), (5, 1)], 2) == [
+        Piece(0, 0, 1, 3, 1), Piece(1, 0, 2, 6, 0), Piece(1, 2, 2, 6, 1), Piece(2, 0, 1, 5, 0)]
+    # a clip alone over 4 ranks: a segment each, the odd step to the lowest ranks
+    assert [(p.first, p.units, p.owner) for p in media_pieces([(10, 5)], 4)] == [
+        (0, 2, 0), (2, 1, 1), (3, 1, 2), (4, 1, 3)]
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -56,7 +69,7 @@ def test_each_share_gets_its_image_tokens_features_from_their_owners(seed):
             runs.append((len(mask), len(mask) + t))
             mask += [True] * t
         mask += [False] * rng.randint(1, 10)
-        n, owner = len(mask), media_owners(tokens, sp)
+        n, owner = len(mask), owners(tokens, sp)
         length = -(-n // sp)
         firsts = [sum(tokens[:i]) for i in range(len(tokens))]
         shards = [Shard(sp, r, min(r * length, n), length, (n,), tuple(runs), tuple(tokens),
@@ -179,23 +192,39 @@ def _launch(jobs: dict[str, list[str]], degrees: list[int], out: str) -> dict:
     return torch.load(out)
 
 
-@pytest.mark.slow(minutes=2)
+CLIP_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl"]
+
+
+@pytest.mark.slow(minutes=4)
 def test_sequence_parallel_loss_and_gradients_equal_one_rank_and_the_hf_model(tmp_path):
     """For each family: SP 2 (two groups, a micro-batch each) and SP 4 over 4 processes (Qwen's
     and Gemma's 2 key/value heads repeated to 4; Gemma 3's sliding windows and images attended
-    both ways): the summed loss and every gradient, against the ``transformers`` model on each
-    sample alone (which one rank with the whole micro-batch equals: ``test_model.py``)."""
+    both ways; a long clip's temporal steps spread over the group, Qwen2.5-VL's windows and
+    Qwen3-VL's DeepStack and timestamps with them): the summed loss and every gradient, against
+    the ``transformers`` model on each sample alone (which one rank with the whole micro-batch
+    equals: ``test_model.py``)."""
     jobs = {}
-    for family in SP_FAMILIES:
+    for family in ["gemma3", *CLIP_FAMILIES]:
         (tmp_path / family).mkdir()
         folder, shards = _folder_and_shards(family, tmp_path / family)
-        jobs[folder] = shards
-    got = _launch(jobs, [2, 4], str(tmp_path / "sp.pt"))
-    for family, (folder, shards) in zip(SP_FAMILIES, jobs.items()):
+        if family in CLIP_FAMILIES:
+            (tmp_path / family / "clip").mkdir()
+            shards.append(make_shards(folder, tmp_path / family / "clip",
+                                      rows=clip_rows(tmp_path / family / "clip"),
+                                      target_samples=3, micro_batches=1))
+        jobs[family] = (folder, shards)
+    got = _launch(dict(jobs.values()), [2, 4], str(tmp_path / "sp.pt"))
+    for family, (folder, shards) in jobs.items():
         model = model_layers(folder)
         batches = [b for path in shards for b in ShardDataset(path, pixel_dtype=torch.float32)]
-        assert len(batches) == 2 and all(b["num_tiles"] > 0 for b in batches), family
+        assert all(b["num_tiles"] > 0 for b in batches), family
         assert batches[1]["num_samples"] == 1 and len(batches[1]["media_tiles"]) == 2, family
+        if family in CLIP_FAMILIES:  # the clip: one micro-batch, its steps over 3 of 4 ranks
+            clip = batches[2]
+            assert clip["num_samples"] == 3 and clip["media_is_video"].tolist() == [True, False]
+            pieces = media_pieces(list(zip(clip["media_tiles"].tolist(),
+                                           clip["media_units"].tolist())), 4)
+            assert len({p.owner for p in pieces if p.medium == 0}) >= 3, family
         ref_loss, _, ref_grads = hf_loss_and_grads(folder, batches,
                                                    model.geometry.tokens_per_tile,
                                                    model.geometry.pixel_rows_per_tile)
