@@ -220,15 +220,16 @@ def pack_groups(lengths: Lengths, ids: np.ndarray, groups: tuple[Group, ...], *,
                 order: str) -> GroupedPacking:
     """One epoch of ``ids`` in ``groups``: each sample in the smallest group that holds it, each
     group packed with ``balanced`` over ranks ÷ sp, the steps in ``order`` (``order_steps``).
-    Samples no group holds come first among the unplaced, with the cap of the largest group
-    they break, or ``unit_over_rank_qv`` for an image or a video's temporal step over one
-    rank's tiles (a rank encodes each unit whole; a clip's steps spread over the group)."""
+    Samples no group holds come first among the unplaced: ``unit_over_rank_qv`` for an image or
+    a video's temporal step over one rank's tiles (a rank encodes each unit whole, so no
+    degree places it; a clip's steps spread over the group), else the cap of the largest group
+    they break."""
     fit, over, reasons = split_over_cap(lengths.take(ids), groups[-1].caps)
     if lengths.largest is not None:
-        big = lengths.largest[ids[fit]] > groups[0].qv // groups[0].sp  # one rank: Qv / sp
-        over = np.r_[over, fit[big]]
-        reasons = reasons + ["unit_over_rank_qv"] * int(big.sum())
-        fit = fit[~big]
+        big = lengths.largest[ids] > groups[0].qv // groups[0].sp  # one rank: Qv / sp
+        reasons = ["unit_over_rank_qv" if big[i] else r for i, r in zip(over, reasons)]
+        reasons += ["unit_over_rank_qv"] * int(big[fit].sum())
+        over, fit = np.r_[over, fit[big[fit]]], fit[~big[fit]]
     where = assign(lengths, ids[fit], groups)
     packings = [pack_balanced(lengths, ids[fit][where == g], g_.caps, ranks=ranks // g_.sp,
                               micro_batches=micro_batches, seed=seed, cost=cost, mode=mode)

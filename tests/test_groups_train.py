@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 from helpers import kill_9_when, vlmshard, vlmshard_here
-from hf_reference import ROWS, hf_loss_and_grads, make_folder
+from hf_reference import ROWS, clip_rows, hf_loss_and_grads, make_folder
 
 from vlmshard.errors import ConfigError
 from vlmshard.packing.config import PackConfig
@@ -21,6 +21,8 @@ from vlmshard.preprocess import PreprocessConfig, run_preprocess
 from vlmshard.shards.config import WriteConfig
 from vlmshard.shards.layout import read_manifest
 from vlmshard.shards.loader import ShardDataset
+from vlmshard.shards.records import decoded_images
+from vlmshard.shards.sequence import media_pieces, share
 from vlmshard.shards.writer import run_write
 from vlmshard.train.hf_model import model_layers
 from vlmshard.train.sequence_parallel import check_model
@@ -200,3 +202,67 @@ def test_shards_with_sequence_parallel_steps_are_refused_where_they_cannot_train
     check_model(model, manifest, pp=1, dp=4)  # what the training test runs
     with pytest.raises(ConfigError, match="4 does not divide --dp 2"):
         check_model(model, manifest, pp=1, dp=2)
+
+
+@pytest.mark.slow(minutes=2)
+def test_a_clip_four_times_a_ranks_tiles_is_spread_over_sp_4_and_trains_as_the_hf_model(
+        tmp_path):
+    """A tiny Qwen2-VL clip of 8 temporal steps of 15 tiles, 4x one rank's --max-qv of 30:
+    ``--groups auto`` places it at SP 4; each rank of the group decodes only its own steps'
+    frames and gets the pixel rows the whole micro-batch's share has; training it over 4 CPU
+    ranks gives the ``transformers`` model's loss. At --max-qv 14 a single step is over a
+    rank's tiles: the clip alone is unplaced, with its reason."""
+    folder = make_folder("qwen2_vl", str(tmp_path / "model"))
+    clip, _, text = clip_rows(tmp_path)  # its image of 54 tiles left out: over a rank's 30
+    rows = [clip, text] + [{"conversations": [
+        {"from": "human", "value": f"Say {i}"}, {"from": "gpt", "value": f"Number {i}."}]}
+        for i in range(6)]
+    with open(tmp_path / "rows.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    pre, plan, shards = (str(tmp_path / name) for name in ("pre", "plan", "shards"))
+    run_preprocess(PreprocessConfig(inputs=[str(tmp_path / "rows.jsonl")], out=pre,
+                                    model=folder, workers=1))
+    run_pack(PackConfig(stats=pre, dp=DP, out=plan, groups="auto", max_qt=160, max_qv=30))
+    run_write(WriteConfig(plan=plan, stats=pre, out=shards, workers=1))
+    manifest = read_manifest(shards)
+    info = json.loads(open(os.path.join(plan, "plan.json")).read())
+    assert info["unplaced"] == []
+    clip_steps = []
+    for w in range(DP):
+        data = ShardDataset(shards, w, DP, pixel_dtype=torch.float32)
+        for record in data.records():
+            media = record.media_units()
+            if (120, 8) not in media:
+                continue
+            sp = manifest.step_group(record.step)["sp"]
+            assert sp == 4
+            clip_steps.append(record.step)
+            whole = data.collate(record, share=False)
+            mine = data.collate(record)
+            assert torch.equal(mine["pixel_values"],
+                               share(whole, sp, w % sp, 1)["pixel_values"])
+            # the rank's own steps' frames decoded, the others' read to their headers
+            pieces = media_pieces(media, sp)
+            own = {p.medium: (p.first, p.units) for p in pieces if p.owner == w % sp}
+            video = next(im for im in decoded_images(record, data.policies, own=own)
+                         if im.is_video)
+            per_step = len(video.video.indices) // 8
+            assert len(video.frames) == per_step * own.get(media.index((120, 8)), (0, 0))[1]
+    assert len(clip_steps) == DP and len(set(clip_steps)) == 1
+    steps = clip_steps[0] + 1
+    out = tmp_path / "run"
+    # at learning rate 0 every step starts from the folder's weights
+    vlmshard_here("train", "--pp", "1", "--dp", str(DP), "--lr", "0", "--shards", shards,
+                  "--max-steps", str(steps), "--no-save-checkpoints", "--out", str(out))
+    log = _log(out / "train_log.jsonl")
+    model = model_layers(folder)
+    total, tokens, _ = hf_loss_and_grads(folder, _whole_steps(shards)[clip_steps[0]],
+                                         model.geometry.tokens_per_tile,
+                                         model.geometry.pixel_rows_per_tile)
+    assert log[-1]["sp"] == 4
+    assert log[-1]["loss"] == pytest.approx(total / tokens, rel=1e-5)
+    tight = str(tmp_path / "tight")
+    run_pack(PackConfig(stats=pre, dp=DP, out=tight, groups="auto", max_qt=160, max_qv=14,
+                        max_unplaced_ratio=0.5))
+    unplaced = json.loads(open(os.path.join(tight, "plan.json")).read())["unplaced"]
+    assert [u["reason"] for u in unplaced] == ["unit_over_rank_qv"]

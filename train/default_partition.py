@@ -120,7 +120,7 @@ def shard_sizes(shards: str, dp: int, model: ModelConfig) -> tuple[CostTerms, Co
     m = dataset.manifest
     if model.vision.fused_qkv:
         records = ((r.step, r.samples, [im.grid for im in decoded_images(
-            r, dataset.policies, rgb=False, own=set())]) for r in dataset.records())
+            r, dataset.policies, rgb=False, own={})]) for r in dataset.records())
     else:
         records = ((meta["step"], meta["samples"], []) for meta in dataset.record_metas())
     sizes = []
