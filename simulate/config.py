@@ -10,6 +10,8 @@ from vlmshard.hardware import SUSTAINED_SHARE
 from vlmshard.families import presets
 from vlmshard.packing.cost import ComputeMode
 
+from .cost_error import CostError
+
 ModelName = Literal[tuple(presets())]  # type: ignore[valid-type]
 
 
@@ -39,6 +41,12 @@ class SimulateConfig:
                      "bytes per parameter less)")
     compare: bool = option(True, help="also simulate the packing strategies and OmniBal's "
                                       "levers (--no-compare: only the plan itself)")
+    cost_error: CostError = option(
+        factory=CostError, cli=False,
+        help="{noise, vit, llm, seed}: time every strategy at true costs that depart from the "
+             "cost model the plans were packed with (simulate/cost_error.py): each sample's ViT "
+             "and LLM work times a seeded factor uniform in 1 ± noise, then every ViT part times "
+             "1 + vit and every LLM part times 1 + llm; padding-free compute only")
     train_log: str | None = option(None, help="train_log.jsonl of a run to check the simulator "
                                               "against (with --profile)")
     profile: str | None = option(None, help="the run's `vlmshard train profile` folder")

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from vlmshard.errors import InputError
+from vlmshard.errors import ConfigError, InputError
 from vlmshard.hardware import GPUS
 from vlmshard.io import file_in, folder_of, write_json_atomic
 from vlmshard.run_log import LOG_NAME
@@ -25,6 +25,7 @@ from vlmshard.partition import Partition, PartitionError
 from vlmshard.stage import Result
 
 from .config import SimulateConfig
+from .cost_error import true_factors, true_sizes
 from .model import LayerRates, StageModel, replica_micro_batches, search_for, simulate
 from .replay import validate_against_log
 from .runtime import STRATEGIES as RUNTIME
@@ -84,11 +85,12 @@ class _Cluster:
         self.flops_per_s = self.gpu.peak_flops * cfg.mfu
         self.rates = LayerRates.from_work(self.work, self.flops_per_s, self.modes)
 
-    def run(self, sizes: np.ndarray, wire: np.ndarray, method: str = "search",
-            full_recompute: bool = False) -> dict:
-        """A packing's executed micro-batch ``sizes`` [micro-batches, 3] whose stages exchange
-        ``wire``-sized tensors (``_wire``), on the cluster."""
-        batches = replica_micro_batches(sizes, self.ranks, self.micro, self.dp,
+    def run(self, sizes: np.ndarray, wire: np.ndarray, true: np.ndarray,
+            method: str = "search", full_recompute: bool = False) -> dict:
+        """A packing's executed micro-batch ``sizes`` [micro-batches, 4] whose stages exchange
+        ``wire``-sized tensors (``_wire``), on the cluster: partitioned for ``sizes``, timed at
+        their ``true`` work (``cost_error``)."""
+        batches = replica_micro_batches(true, self.ranks, self.micro, self.dp,
                                         self.cfg.micro_batches)
         return self.run_batches(batches, sizes, wire, method=method,
                                 full_recompute=full_recompute)
@@ -115,25 +117,27 @@ class _Cluster:
                                                  self.gpu.link_bytes_per_s, input_grads), wire)
         return {**sim.summary(), "partition": _describe(partition, self.work)}
 
-    def try_run(self, sizes: np.ndarray, wire: np.ndarray, **kwargs) -> dict:
+    def try_run(self, sizes: np.ndarray, wire: np.ndarray, true: np.ndarray, **kwargs) -> dict:
         try:
-            return self.run(sizes, wire, **kwargs)
+            return self.run(sizes, wire, true, **kwargs)
         except PartitionError as e:
             return {"error": str(e)}
 
-    def rebalanced(self, loaded, lengths, strategy: str, mode: str, cost, caps) -> dict:
+    def rebalanced(self, loaded, lengths, strategy: str, mode: str, cost, caps,
+                   factors: np.ndarray) -> dict:
         """The micro-batches as ``loaded`` (a packing), dealt out again at every step by the
         runtime ``strategy`` (``runtime.STRATEGIES``), its exchange and planning added to the
-        step."""
+        step; the samples' work really ``factors`` times the model's."""
         from vlmshard.packing.metrics import executed_sizes
 
         re = rebalance(self.slots(loaded.n_micro), loaded.items, loaded.offsets, lengths.tiles,
                        lengths.tokens, cost.squares(lengths.tokens),
                        lengths.supervised_or_tokens(), cost, RUNTIME[strategy],
-                       Links.of(self.model, self.gpu))
+                       Links.of(self.model, self.gpu), factors)
         flat = executed_sizes(re.batches.reshape(-1, 4), qv=caps.qv, qt=caps.qt, mode=mode)
+        true = executed_sizes(re.true.reshape(-1, 4), qv=caps.qv, qt=caps.qt, mode=mode)
         try:
-            run = self.run_batches(flat.reshape(re.batches.shape), flat, _wire(caps.qv, caps.qt))
+            run = self.run_batches(true.reshape(re.batches.shape), flat, _wire(caps.qv, caps.qt))
         except PartitionError as e:
             return {"error": str(e)}
         compute = run["seconds"]
@@ -153,29 +157,34 @@ def simulate_plan(cfg: SimulateConfig) -> dict:
 
     info, packing, lengths = load_plan(cfg.plan)
     mode = cfg.compute_mode or info["params"].get("compute_mode", "padding-free")
+    factors = true_factors(cfg.cost_error, len(lengths))
+    if mode == "padded" and (factors != 1).any():
+        raise ConfigError("cost_error is modelled for padding-free compute only (a padded "
+                          "micro-batch's padding has no sample to take a factor from)")
     cluster = _Cluster(cfg, packing.ranks, packing.micro_batches,
                        Recipe.from_params(info["params"]))
     plan_caps = {"qv": info["metrics"]["qv"], "qt": info["metrics"]["qt"]}
-    own = _executed(lengths, packing, info["algorithm"], mode, **plan_caps)
+    own, own_true = _executed(lengths, packing, info["algorithm"], mode, factors, **plan_caps)
     out = {"plan": {"algorithm": info["algorithm"], "compute_mode": mode, "dp": cluster.dp,
                     "pp": cfg.pp, "gpus": cluster.dp * cfg.pp, "gpu": cluster.gpu.name,
                     "model": cfg.model, **plan_caps,
-                    **cluster.run(own, _wire(**plan_caps))}}
+                    **cluster.run(own, _wire(**plan_caps), own_true)}}
     if not cfg.compare:
         return out
-    runs, out["strategies"], repacked = {}, {}, {}  # algo -> (executed sizes, wire)
+    runs, out["strategies"], repacked = {}, {}, {}  # algo -> (executed sizes, wire, true)
     for algo in STRATEGIES:
         repacked[algo] = repack(info, lengths, algo, mode)
         caps = repacked[algo].caps
-        runs[algo] = (_executed(lengths, repacked[algo].packing, algo, mode, qv=caps.qv,
-                                qt=caps.qt), _wire(caps.qv, caps.qt))
+        sizes, true = _executed(lengths, repacked[algo].packing, algo, mode, factors,
+                                qv=caps.qv, qt=caps.qt)
+        runs[algo] = (sizes, _wire(caps.qv, caps.qt), true)
         out["strategies"][algo] = {"qv": caps.qv, "qt": caps.qt, **cluster.try_run(*runs[algo])}
     loaded = repacked["random"]  # what a runtime balancer starts from: micro-batches as loaded
     for name in RUNTIME:
         out["strategies"][name] = {
             "qv": loaded.caps.qv, "qt": loaded.caps.qt,
             **cluster.rebalanced(loaded.packing, lengths, name, mode,
-                                 CostModel(**info["cost_model"]), loaded.caps)}
+                                 CostModel(**info["cost_model"]), loaded.caps, factors)}
     out["levers"] = {
         "baseline": cluster.try_run(*runs["random"], method="parameters", full_recompute=True),
         "+ data balance": cluster.try_run(*runs["balanced"], method="parameters",
@@ -192,14 +201,18 @@ def _wire(qv: int, qt: int) -> np.ndarray:
     return np.array([qv, qt, 0.0])
 
 
-def _executed(lengths, packing, algo: str, mode: str, *, qv: int, qt: int) -> np.ndarray:
-    """[micro-batches, 3]: the tiles, tokens and Σseq_len² the trainer computes on for each
-    micro-batch of ``packing`` (made by ``algo``, under caps ``qv``, ``qt``) in ``mode``."""
+def _executed(lengths, packing, algo: str, mode: str, factors: np.ndarray, *, qv: int,
+              qt: int) -> tuple[np.ndarray, np.ndarray]:
+    """[micro-batches, 4] twice: the tiles, tokens, Σseq_len² and supervised tokens the trainer
+    computes on for each micro-batch of ``packing`` (made by ``algo``, under caps ``qv``,
+    ``qt``) in ``mode``, as modelled and as the samples' true ``factors`` make them."""
     from vlmshard.packing.config import PADDED
     from vlmshard.packing.metrics import executed_sizes, micro_batch_sizes
 
-    return executed_sizes(micro_batch_sizes(lengths, packing, algo in PADDED), qv=qv, qt=qt,
-                          mode=mode)
+    padded = algo in PADDED
+    return tuple(executed_sizes(s, qv=qv, qt=qt, mode=mode) for s in (
+        micro_batch_sizes(lengths, packing, padded),
+        true_sizes(lengths, packing, padded, factors)))
 
 
 def _describe(partition: Partition, work) -> dict:

@@ -9,8 +9,9 @@ D replicas, costliest first onto the least loaded (LPT):
 
 - ``orchmllm``: the ViT's work and the LLM's each on its own, at the cost model's rates;
 - ``veomni-vit``: the ViT's only, at a cost of tiles² per sample; the LLM's as loaded;
-- ``loongforge``: both, on its warm-up fit of a·l² + b·l + c (exact here: the true costs are
-  linear and quadratic), a rank's LLM tokens capped at 1.2 × the slot's mean.
+- ``loongforge``: both, each side on its warm-up fit of a·l² + b·l + c to the samples' true
+  costs (``cost_error``; least squares over every sample, the most a warm-up can learn), a
+  rank's LLM tokens capped at 1.2 × the slot's mean.
 
 What moves is priced on the cluster's links (NVLink between the ranks of a node, the network
 between nodes): pixels to the rank that runs a sample's ViT, its image features on to the rank
@@ -37,9 +38,9 @@ LOONGFORGE_PACK_CAP = 1.2  # a rank's LLM tokens, over the slot's mean (its pack
 
 @dataclass(frozen=True)
 class Dispatch:
-    """How a strategy deals out one side's samples: by ``cost`` (``model``: the cost model's
-    rate; ``square``: tiles²), or as loaded (None); ``cap``: a rank's LLM tokens at most this
-    times the slot's mean."""
+    """How a strategy deals out one side's samples: by a cost (``model``: the cost model's
+    rate; ``square``: tiles²; ``fit``: a·l² + b·l + c fitted to the true costs), or as loaded
+    (None); ``cap``: a rank's LLM tokens at most this times the slot's mean."""
 
     vit: str | None
     llm: str | None
@@ -48,7 +49,7 @@ class Dispatch:
 
 STRATEGIES = {"orchmllm": Dispatch("model", "model"),
               "veomni-vit": Dispatch("square", None),
-              "loongforge": Dispatch("model", "model", LOONGFORGE_PACK_CAP)}
+              "loongforge": Dispatch("fit", "fit", LOONGFORGE_PACK_CAP)}
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Rebalanced:
     """What each replica computes after the re-dispatch, and what the dispatch costs a step."""
 
     batches: np.ndarray  # [steps, D, M, 4]: tiles, tokens, Σseq_len², supervised tokens
+    true: np.ndarray  # [steps, D, M, 4]: the same, each sample's share times its true factor
     exchange_s: np.ndarray  # [steps]: the all-to-alls' time
     planning_s: np.ndarray  # [steps]: the dispatcher's own time
     moved_share: float  # of the samples' ViT and LLM parts, those run off their loaded rank
@@ -117,13 +119,17 @@ class Links:
 
 def rebalance(slots: np.ndarray, items: np.ndarray, offsets: np.ndarray, tiles: np.ndarray,
               tokens: np.ndarray, squares: np.ndarray, supervised: np.ndarray, cost,
-              dispatch: Dispatch, links: Links) -> Rebalanced:
+              dispatch: Dispatch, links: Links, factors: np.ndarray) -> Rebalanced:
     """The micro-batches ``slots`` [steps, D, M] (numbers of micro-batches of the packing
     ``items``/``offsets``, as loaded) dealt out again by ``dispatch``; ``tiles``, ``tokens``,
-    ``squares`` (``cost.squares``) and ``supervised`` tokens per sample."""
+    ``squares`` (``cost.squares``) and ``supervised`` tokens per sample, whose ViT and LLM work
+    really cost ``factors`` [samples, 2] times the model's (``cost_error.true_factors``)."""
     steps, dp, micro = slots.shape
-    batches = np.zeros((steps, dp, micro, 4))
+    batches, true = np.zeros((steps, dp, micro, 4)), np.zeros((steps, dp, micro, 4))
     exchange, planning = np.zeros(steps), np.zeros(steps)
+    vit_model, llm_model = cost.a_v * tiles, cost.a_t * tokens + cost.b * squares
+    vit_costs = _costs(dispatch.vit, tiles, vit_model, vit_model * factors[:, 0])
+    llm_costs = _costs(dispatch.llm, tokens, llm_model, llm_model * factors[:, 1])
     moved = parts = 0
     for s in range(steps):
         for m in range(micro):
@@ -132,13 +138,12 @@ def rebalance(slots: np.ndarray, items: np.ndarray, offsets: np.ndarray, tiles: 
             ids = np.concatenate(chosen)
             v, t, q, u = tiles[ids], tokens[ids], squares[ids], supervised[ids]
             start = time.perf_counter()
-            vit = _deal(dispatch.vit, v, owner, dp, cost.a_v * v, v.astype(np.float64) ** 2)
-            llm = _deal(dispatch.llm, t, owner, dp, cost.a_t * t + cost.b * q, None,
-                        dispatch.cap)
+            vit = _deal(vit_costs, ids, v, owner, dp)
+            llm = _deal(llm_costs, ids, t, owner, dp, dispatch.cap)
             planning[s] += time.perf_counter() - start
-            batches[s, :, m] = np.stack([np.bincount(vit, v, dp), np.bincount(llm, t, dp),
-                                         np.bincount(llm, q, dp), np.bincount(llm, u, dp)],
-                                        axis=1)
+            fv, fl = factors[ids, 0], factors[ids, 1]
+            batches[s, :, m] = _sums(vit, llm, dp, v, t, q, u)
+            true[s, :, m] = _sums(vit, llm, dp, v * fv, t * fl, q * fl, u * fl)
             images = v > 0
             exchange[s] += (  # pixels out, features on with the ids, their gradient back
                 links.all_to_all(owner, vit, v * links.pixel_bytes, dp)
@@ -149,15 +154,45 @@ def rebalance(slots: np.ndarray, items: np.ndarray, offsets: np.ndarray, tiles: 
                                    v[images] * links.feature_bytes, dp))
             moved += int((vit != owner)[images].sum() + (llm != owner).sum())
             parts += int(images.sum()) + len(ids)
-    return Rebalanced(batches, exchange, planning, moved / max(parts, 1))
+    return Rebalanced(batches, true, exchange, planning, moved / max(parts, 1))
 
 
-def _deal(rule: str | None, sizes: np.ndarray, owner: np.ndarray, bins: int,
-          model_cost: np.ndarray, square_cost: np.ndarray | None,
-          cap: float | None = None) -> np.ndarray:
-    """Each sample's rank for one side (``sizes``: its tiles or tokens): as loaded, or by LPT on
-    its cost."""
+def _sums(vit: np.ndarray, llm: np.ndarray, ranks: int, *columns: np.ndarray) -> np.ndarray:
+    """[ranks, 4]: each rank's tiles (of the samples whose ViT part it runs, ``vit``) and tokens,
+    Σseq_len² and supervised tokens (of those whose LLM part it runs, ``llm``)."""
+    tiles, *rest = columns
+    return np.stack([np.bincount(vit, tiles, ranks)]
+                    + [np.bincount(llm, x, ranks) for x in rest], axis=1)
+
+
+def _costs(rule: str | None, sizes: np.ndarray, model_cost: np.ndarray,
+           true_cost: np.ndarray) -> np.ndarray | None:
+    """Per sample, what ``rule`` deals one side's samples (``sizes``: their tiles or tokens) by;
+    None: as loaded."""
     if rule is None:
+        return None
+    if rule == "square":
+        return sizes.astype(np.float64) ** 2
+    if rule == "model":
+        return model_cost
+    return quadratic_fit(sizes, true_cost)
+
+
+def quadratic_fit(sizes: np.ndarray, costs: np.ndarray) -> np.ndarray:
+    """At ``sizes``, a·l² + b·l + c least-squares fitted to ``costs`` (each term scaled to at
+    most 1, for the conditioning; a term that is 0 everywhere, as tiles in a text-only plan, is
+    left at 0)."""
+    length = sizes.astype(np.float64)
+    terms = np.stack([length * length, length, np.ones_like(length)], axis=1)
+    scale = np.abs(terms).max(axis=0, initial=0.0)
+    terms /= np.where(scale > 0, scale, 1.0)
+    return terms @ np.linalg.lstsq(terms, costs, rcond=None)[0]
+
+
+def _deal(costs: np.ndarray | None, ids: np.ndarray, sizes: np.ndarray, owner: np.ndarray,
+          bins: int, cap: float | None = None) -> np.ndarray:
+    """Each of samples ``ids``' rank for one side (``sizes``: their tiles or tokens): as loaded,
+    or by LPT on their ``costs``."""
+    if costs is None:
         return owner
-    costs = square_cost if rule == "square" else model_cost
-    return lpt(costs, bins, sizes, None if cap is None else cap * sizes.sum() / bins)
+    return lpt(costs[ids], bins, sizes, None if cap is None else cap * sizes.sum() / bins)

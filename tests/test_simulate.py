@@ -397,13 +397,14 @@ def test_runtime_strategies_deal_out_each_slot_and_price_what_moves():
     links = Links(pixel_bytes=1e3, feature_bytes=1e2, intra_bytes_per_s=1e6,
                   inter_bytes_per_s=1e5)
     slots = np.array([[[0], [1]]])  # one step, two replicas, one slot
+    exact = np.ones((3, 2))
     orch = rebalance(slots, items, offsets, tiles, tokens, squares, supervised, cost,
-                     STRATEGIES["orchmllm"], links)
+                     STRATEGIES["orchmllm"], links, exact)
     assert orch.batches[0, :, 0].tolist() == [[8, 100, 10000, 4], [0, 30, 500, 8]]
     assert orch.exchange_s.tolist() == [10 * 8 / 1e6]
     assert orch.moved_share == 1 / 4  # of 1 ViT part and 3 LLM parts
     veomni = rebalance(slots, items, offsets, tiles, tokens, squares, supervised, cost,
-                       STRATEGIES["veomni-vit"], links)
+                       STRATEGIES["veomni-vit"], links, exact)
     assert veomni.batches[0, :, 0].tolist() == [[8, 110, 10100, 6], [0, 20, 400, 6]]
     assert veomni.exchange_s.tolist() == [0.0] and veomni.moved_share == 0
 
