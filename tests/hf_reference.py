@@ -51,18 +51,19 @@ ROWS = [
 ]
 
 
-def make_folder(family: str, path: str) -> str:
+def make_folder(family: str, path: str, **sizes) -> str:
     """A tiny folder of ``family``: a model_type, or ``internvl3_5_moe`` (InternVL on Qwen3-MoE,
-    as InternVL3.5-30B-A3B; its checkpoint stores each expert apart)."""
+    as InternVL3.5-30B-A3B; its checkpoint stores each expert apart). ``sizes`` go to the
+    family's ``tiny_folder``."""
     if family == "internvl":
-        return tiny_folder("internvl", path, max_patches=2)
+        return tiny_folder("internvl", path, max_patches=2, **sizes)
     if family == "internvl3_5_moe":
         return tiny_folder("internvl", path, max_patches=2, llm="qwen3_moe")
     if family == "gemma3":
         return tiny_folder("gemma3", path)
     if family.startswith(("qwen3_vl", "qwen3_5")):
-        return tiny_folder(family, path, max_pixels=32 * 32 * 64)
-    return tiny_folder(family, path, max_pixels=28 * 28 * 64)
+        return tiny_folder(family, path, max_pixels=32 * 32 * 64, **sizes)
+    return tiny_folder(family, path, max_pixels=28 * 28 * 64, **sizes)
 
 
 def make_shards(folder: str, root, rows=ROWS, **pack) -> str:

@@ -193,6 +193,57 @@ def _launch(jobs: dict[str, list[str]], degrees: list[int], out: str) -> dict:
 
 
 CLIP_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl"]
+# 8 query heads for SP 8: a wider LLM where heads are hidden / heads (Qwen2.5-VL), and
+# InternVL3.5's Qwen3 LLM (heads of 16 apart)
+WIDE = {"qwen2_5_vl": {"text_sizes": {"hidden_size": 64, "num_attention_heads": 8},
+                       "vision_sizes": {"out_hidden_size": 64}},
+        "qwen3_vl": {"text_sizes": {"num_attention_heads": 8}},
+        "internvl": {"llm": "qwen3", "text_sizes": {"num_attention_heads": 8}}}
+
+
+def _clip_jobs(families, root, wide: bool = False) -> dict[str, tuple[str, list[str]]]:
+    """Per family, a folder and its shards folders: ``_folder_and_shards``'s and, for a family
+    with video, a micro-batch of a long clip, an image row and a text-only row."""
+    jobs = {}
+    for family in families:
+        (root / family).mkdir(parents=True)
+        if wide:
+            folder = make_folder(family, str(root / family / "model"), **WIDE[family])
+            shards = [make_shards(folder, root / family, target_samples=5, micro_batches=1)]
+        else:
+            folder, shards = _folder_and_shards(family, root / family)
+        if family in CLIP_FAMILIES:
+            (root / family / "clip").mkdir()
+            shards.append(make_shards(folder, root / family / "clip",
+                                      rows=clip_rows(root / family / "clip"),
+                                      target_samples=3, micro_batches=1))
+        jobs[family] = (folder, shards)
+    return jobs
+
+
+def _assert_equal_to_hf(jobs: dict, got: dict, degrees: list[int]) -> None:
+    for family, (folder, shards) in jobs.items():
+        model = model_layers(folder)
+        batches = [b for path in shards for b in ShardDataset(path, pixel_dtype=torch.float32)]
+        assert all(b["num_tiles"] > 0 for b in batches), family
+        if family in CLIP_FAMILIES:  # the clip's steps spread over the group's ranks
+            clip = batches[-1]
+            assert clip["num_samples"] == 3 and clip["media_is_video"].tolist() == [True, False]
+            media = list(zip(clip["media_tiles"].tolist(), clip["media_units"].tolist()))
+            for sp in degrees:
+                owners = {p.owner for p in media_pieces(media, sp) if p.medium == 0}
+                assert len(owners) >= min(media[0][1], sp - 1), (family, sp)
+        ref_loss, _, ref_grads = hf_loss_and_grads(folder, batches,
+                                                   model.geometry.tokens_per_tile,
+                                                   model.geometry.pixel_rows_per_tile)
+        floor = grad_floor(ref_grads)
+        for sp in degrees:
+            result = got[folder][sp]
+            assert result["loss"] == pytest.approx(ref_loss, rel=1e-5), (family, sp)
+            assert set(result["grads"]) == set(ref_grads), (family, sp)
+            for name, grad in ref_grads.items():
+                assert_grad_close(f"{family} SP {sp} {name}", result["grads"][name], grad,
+                                  floor)
 
 
 @pytest.mark.slow(minutes=4)
@@ -200,39 +251,12 @@ def test_sequence_parallel_loss_and_gradients_equal_one_rank_and_the_hf_model(tm
     """For each family: SP 2 (two groups, a micro-batch each) and SP 4 over 4 processes (Qwen's
     and Gemma's 2 key/value heads repeated to 4; Gemma 3's sliding windows and images attended
     both ways; a long clip's temporal steps spread over the group, Qwen2.5-VL's windows and
-    Qwen3-VL's DeepStack and timestamps with them): the summed loss and every gradient, against
-    the ``transformers`` model on each sample alone (which one rank with the whole micro-batch
+    Qwen3-VL's DeepStack and timestamps with them), and SP 8 over 8 processes on the video
+    families with 8 query heads: the summed loss and every gradient, against the
+    ``transformers`` model on each sample alone (which one rank with the whole micro-batch
     equals: ``test_model.py``)."""
-    jobs = {}
-    for family in ["gemma3", *CLIP_FAMILIES]:
-        (tmp_path / family).mkdir()
-        folder, shards = _folder_and_shards(family, tmp_path / family)
-        if family in CLIP_FAMILIES:
-            (tmp_path / family / "clip").mkdir()
-            shards.append(make_shards(folder, tmp_path / family / "clip",
-                                      rows=clip_rows(tmp_path / family / "clip"),
-                                      target_samples=3, micro_batches=1))
-        jobs[family] = (folder, shards)
-    got = _launch(dict(jobs.values()), [2, 4], str(tmp_path / "sp.pt"))
-    for family, (folder, shards) in jobs.items():
-        model = model_layers(folder)
-        batches = [b for path in shards for b in ShardDataset(path, pixel_dtype=torch.float32)]
-        assert all(b["num_tiles"] > 0 for b in batches), family
-        assert batches[1]["num_samples"] == 1 and len(batches[1]["media_tiles"]) == 2, family
-        if family in CLIP_FAMILIES:  # the clip: one micro-batch, its steps over 3 of 4 ranks
-            clip = batches[2]
-            assert clip["num_samples"] == 3 and clip["media_is_video"].tolist() == [True, False]
-            pieces = media_pieces(list(zip(clip["media_tiles"].tolist(),
-                                           clip["media_units"].tolist())), 4)
-            assert len({p.owner for p in pieces if p.medium == 0}) >= 3, family
-        ref_loss, _, ref_grads = hf_loss_and_grads(folder, batches,
-                                                   model.geometry.tokens_per_tile,
-                                                   model.geometry.pixel_rows_per_tile)
-        floor = grad_floor(ref_grads)
-        for sp in (2, 4):
-            result = got[folder][sp]
-            assert result["loss"] == pytest.approx(ref_loss, rel=1e-5), (family, sp)
-            assert set(result["grads"]) == set(ref_grads), (family, sp)
-            for name, grad in ref_grads.items():
-                assert_grad_close(f"{family} SP {sp} {name}", result["grads"][name], grad,
-                                  floor)
+    jobs = _clip_jobs(["gemma3", *CLIP_FAMILIES], tmp_path / "narrow")
+    wide = _clip_jobs(list(WIDE), tmp_path / "wide", wide=True)
+    _assert_equal_to_hf(jobs, _launch(dict(jobs.values()), [2, 4], str(tmp_path / "sp.pt")),
+                        [2, 4])
+    _assert_equal_to_hf(wide, _launch(dict(wide.values()), [8], str(tmp_path / "sp8.pt")), [8])

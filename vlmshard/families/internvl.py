@@ -237,10 +237,12 @@ class InternVL(Family):
 
     def tiny_folder(self, path: str, model_type: str = "internvl", *, max_patches: int = 6,
                     corpus: list[str] = CORPUS, vocab_size: int = 420, seed: int = 0,
-                    init_std: float = 0.2, llm: str = "qwen2") -> str:
+                    init_std: float = 0.2, llm: str = "qwen2",
+                    text_sizes: dict | None = None) -> str:
         """``llm``: the LLM's model_type, ``qwen2`` (InternVL3) or InternVL3.5's ``qwen3``
         (heads of 16 apart from hidden / heads, q/k norms) or ``qwen3_moe`` (4 experts, 2 a
-        token, layer 1 sparse; its checkpoint stores each expert apart, as the hub's do)."""
+        token, layer 1 sparse; its checkpoint stores each expert apart, as the hub's do).
+        ``text_sizes`` override the LLM config's sizes."""
         from transformers import InternVLConfig
         from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (
             GotOcr2ImageProcessorPil,
@@ -251,9 +253,10 @@ class InternVL(Family):
                  "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
         vocab = save_tokenizer(path, TOKENS, TEMPLATE, named, corpus, vocab_size)
         config = InternVLConfig(
-            text_config=dict(model_type=llm, vocab_size=vocab, hidden_size=32,
-                             intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, **LLM_EXTRAS[llm]),
+            text_config={"model_type": llm, "vocab_size": vocab, "hidden_size": 32,
+                         "intermediate_size": 64, "num_hidden_layers": 2,
+                         "num_attention_heads": 4, "num_key_value_heads": 2, **LLM_EXTRAS[llm],
+                         **(text_sizes or {})},
             vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                num_attention_heads=2, image_size=[448, 448], patch_size=[14, 14]),
             image_token_id=vocab - 2, downsample_ratio=0.5)

@@ -302,7 +302,10 @@ class Qwen2VL(Family):
     def tiny_folder(self, path: str, model_type: str = "qwen2_vl", *,
                     min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 64,
                     corpus: list[str] = CORPUS, vocab_size: int = 420, seed: int = 0,
-                    init_std: float = 0.2) -> str:
+                    init_std: float = 0.2, text_sizes: dict | None = None,
+                    vision_sizes: dict | None = None) -> str:
+        """``text_sizes`` and ``vision_sizes`` override the configs' sizes (e.g. 8 query heads
+        for a sequence-parallel degree of 8)."""
         from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
             Qwen2VLImageProcessorPil,
@@ -321,11 +324,14 @@ class Qwen2VL(Family):
             vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
                           out_hidden_size=32, window_size=112, fullatt_block_indexes=[1])
         config = config_class(
-            text_config=dict(vocab_size=vocab, hidden_size=32, intermediate_size=64,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
-                             bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"]),
-            vision_config=dict(vision, spatial_merge_size=2, patch_size=14, temporal_patch_size=2),
+            text_config=dict(dict(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2,
+                                  rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
+                                  bos_token_id=ids["<|endoftext|>"],
+                                  eos_token_id=ids["<|im_end|>"]), **(text_sizes or {})),
+            vision_config=dict(vision, spatial_merge_size=2, patch_size=14, temporal_patch_size=2,
+                               **(vision_sizes or {})),
             image_token_id=vocab - 2, video_token_id=vocab - 1,
             vision_start_token_id=vocab - 4, vision_end_token_id=vocab - 3,
             bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
