@@ -418,3 +418,98 @@ def test_an_all_to_all_is_as_slow_as_its_busiest_rank_and_slower_across_nodes():
     seconds = links.all_to_all(np.array([0, 0, 3]), np.array([1, 8, 3]),
                                np.array([1e6, 1e6, 5e6]), 16)
     assert seconds == pytest.approx(1e-3 + 1e-2)
+
+
+def test_an_exact_cost_model_times_every_packing_as_the_packer_sizes_it(padded_plan):
+    """All zero (any seed): every factor is exactly 1, and the true micro-batch sizes of a
+    padded and a packed packing are the packer's own ``micro_batch_sizes``, to the bit."""
+    from vlmshard.packing.metrics import micro_batch_sizes
+    from vlmshard.packing.plan import load_plan, repack
+    from vlmshard.simulate.cost_error import CostError, true_factors, true_sizes
+
+    info, packing, lengths = load_plan(str(padded_plan))
+    ones = true_factors(CostError(seed=7), len(lengths))
+    assert ones.shape == (len(lengths), 2) and (ones == 1.0).all()
+    for algo, padded in (("random", True), ("balanced", False)):
+        packed = repack(info, lengths, algo, "padding-free").packing
+        assert np.array_equal(true_sizes(lengths, packed, padded, ones),
+                              micro_batch_sizes(lengths, packed, padded))
+
+
+def test_cost_noise_is_seeded_and_within_its_spread():
+    from vlmshard.simulate.cost_error import CostError, true_factors
+
+    noisy = true_factors(CostError(noise=0.3, llm=-0.1, seed=1), 10_000)
+    assert np.array_equal(noisy, true_factors(CostError(noise=0.3, llm=-0.1, seed=1), 10_000))
+    assert 0.7 <= noisy[:, 0].min() and noisy[:, 0].max() <= 1.3
+    assert 0.9 * 0.7 <= noisy[:, 1].min() and noisy[:, 1].max() <= 0.9 * 1.3
+    assert noisy.mean(axis=0) == pytest.approx([1.0, 0.9], abs=0.01)
+    assert not np.array_equal(noisy, true_factors(CostError(noise=0.3, seed=2), 10_000))
+    with pytest.raises(ConfigError, match="noise must be in"):
+        CostError(noise=1.0)
+
+
+def test_a_bias_on_one_side_moves_no_runtime_dispatch_and_is_timed_in_full():
+    """The case of ``test_runtime_strategies_deal_out_each_slot_and_price_what_moves`` with the
+    ViT 30% slower than modelled: LPT deals one side alone, so scaling that side's costs moves
+    nothing (LoongForge's refit included); the true tiles are 8 × 1.3 on the image's rank."""
+    from types import SimpleNamespace
+
+    from vlmshard.simulate.runtime import STRATEGIES, Links, rebalance
+
+    items, offsets = np.array([0, 1, 2]), np.array([0, 2, 3])
+    tiles, tokens = np.array([8, 0, 0]), np.array([100, 10, 20])
+    squares = tokens.astype(np.float64) ** 2
+    supervised = np.array([4, 2, 6])
+    cost = SimpleNamespace(a_v=1.0, a_t=1.0, b=0.01)
+    links = Links(1e3, 1e2, intra_bytes_per_s=1e6, inter_bytes_per_s=1e5)
+    slots = np.array([[[0], [1]]])
+    slow_vit = np.tile([1.3, 1.0], (3, 1))
+    for name in ("orchmllm", "loongforge"):
+        re = rebalance(slots, items, offsets, tiles, tokens, squares, supervised, cost,
+                       STRATEGIES[name], links, slow_vit)
+        assert re.batches[0, :, 0].tolist() == [[8, 100, 10000, 4], [0, 30, 500, 8]]
+        assert re.true[0, :, 0] == pytest.approx(np.array([[10.4, 100, 10000, 4],
+                                                           [0, 30, 500, 8]]))
+
+
+def test_a_slow_vit_times_the_balanced_plan_by_hand(tmp_path):
+    """Four samples on 2 ranks, one micro-batch each, one stage: a rank's step is its
+    micro-batch's training FLOPs at the sustained rate, and with the ViT 30% slower than the
+    model that packed the plan, 1.3·a_v·tiles + a_t·tokens + b·len² + a_s·tokens (every token
+    supervised: a length file holds no labels); the step waits for the slower rank."""
+    import pyarrow.parquet as pq
+
+    from vlmshard.packing.config import PackConfig
+    from vlmshard.packing.plan import run_pack
+    from vlmshard.simulate.cost_error import CostError
+
+    rows = [{"vit_num": 12, "token_num": 3200}, {"vit_num": 2, "token_num": 900},
+            {"vit_num": 0, "token_num": 2600}, {"vit_num": 7, "token_num": 2100}]
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    (tmp_path / "meta.json").write_text(json.dumps(
+        {"rows": {"token_lengths": str(tmp_path / "rows.json")}}))
+    plan = tmp_path / "plan"
+    run_pack(PackConfig(stats=str(tmp_path / "meta.json"), dp=2, micro_batches=1, out=str(plan),
+                        model="internvl2-2b"))
+    info = json.loads((plan / "plan.json").read_text())
+    a_v, a_t, b, a_s = (info["cost_model"][k] for k in ("a_v", "a_t", "b", "a_s"))
+    flops: dict[tuple[int, int], float] = {}
+    for placed in pq.read_table(plan / "plan.parquet").to_pylist():
+        row = rows[placed["sample_id"]]
+        key = placed["step"], placed["rank"]
+        flops[key] = flops.get(key, 0.0) + 1.3 * a_v * row["vit_num"] + (
+            a_t * row["token_num"] + b * row["token_num"] ** 2 + a_s * row["token_num"])
+    assert len(flops) == 2  # one step, both ranks used: all four samples placed
+    expected = max(flops.values()) / (0.5 * H100_BF16_PEAK)
+    slow = _simulate(plan, cost_error=CostError(vit=0.3))["plan"]
+    assert slow["partition"]["recompute"] == [0]
+    assert slow["seconds"] == pytest.approx(expected, rel=1e-9)
+    assert slow["seconds"] > _simulate(plan)["plan"]["seconds"]
+
+
+def test_a_cost_error_is_refused_for_padded_compute(padded_plan):
+    from vlmshard.simulate.cost_error import CostError
+
+    with pytest.raises(ConfigError, match="padding-free compute only"):
+        _simulate(padded_plan, cost_error=CostError(vit=0.3))
