@@ -46,6 +46,26 @@ class Lengths:
                        None if self.supervised is None else self.supervised[index])
 
 
+@dataclass(frozen=True)
+class MediaUnits:
+    """Each sample's images and videos as ViT units, in token order: medium ``j`` of sample
+    ``i`` (``offsets[i] <= j < offsets[i + 1]``) is ``tiles[j]`` tiles in ``units[j]`` equal
+    units (an image one, a video one per temporal step), what a sequence-parallel group deals
+    over its ranks (``groups.deal_units``)."""
+
+    offsets: np.ndarray  # int64 [samples + 1]
+    tiles: np.ndarray  # int64 [media]
+    units: np.ndarray  # int64 [media]
+
+    def of(self, samples) -> list[tuple[int, int]]:
+        """The (tiles, units) of ``samples``' media, in their order."""
+        out: list[tuple[int, int]] = []
+        for i in samples:
+            a, b = self.offsets[i], self.offsets[i + 1]
+            out.extend(zip(self.tiles[a:b].tolist(), self.units[a:b].tolist()))
+        return out
+
+
 @dataclass
 class Packing:
     """Micro-batches in step-major order, plus the samples left out and why.

@@ -12,6 +12,7 @@ group, in the order ``order_steps`` gives.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import re
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import numpy as np
 from vlmshard.errors import ConfigError
 
 from .algorithms import CAPS_TIE, Caps, pack_balanced, split_over_cap
-from .batches import Lengths, Packing, concat_steps
+from .batches import Lengths, MediaUnits, Packing, concat_steps
 from .cost import CostModel
 from .metrics import Metrics, StepFigures, metrics_of, step_figures
 
@@ -84,6 +85,43 @@ def rank_tiles(qv: int, sp: int, largest: int) -> int:
     loaded; Graham's list-scheduling bound), ``largest`` the largest unit of the data. What
     the trainer's memory check takes for a rank's ViT (``default_partition.shard_sizes``)."""
     return min(qv, -(-(qv + (sp - 1) * largest) // sp))
+
+
+def deal_units(media: list[tuple[int, int]], sp: int) -> list[list[int]]:
+    """How many units of each medium of (tiles, units) each of ``sp`` ranks encodes: units
+    dealt largest first, each to the least-loaded rank (ties: the lower rank, the earlier
+    medium), the deal ``rank_tiles`` bounds; a video's units are equal, so how many each rank
+    takes is the whole of it."""
+    heap = [(0, r) for r in range(sp)]
+    counts = [[0] * sp for _ in media]
+    for i in sorted(range(len(media)), key=lambda i: (-(media[i][0] // media[i][1]), i)):
+        tiles, units = media[i]
+        for _ in range(units):
+            load, rank = heapq.heappop(heap)
+            counts[i][rank] += 1
+            heapq.heappush(heap, (load + tiles // units, rank))
+    return counts
+
+
+def rank_balance(packing: Packing, media: MediaUnits | None, lengths: Lengths,
+                 sp: int) -> tuple[float | None, float]:
+    """Within a group of ``sp`` ranks, over the micro-batches of ``packing``: the ViT's and the
+    LLM's Σ fullest rank over Σ mean rank (1: even), the ViT's as ``deal_units`` deals each
+    micro-batch's units (None without media sizes: OmniBal's length files), the LLM's as
+    the loader cuts its tokens (contiguous shares of ⌈n/sp⌉, the last short)."""
+    vit_max = vit_mean = llm_max = llm_mean = 0.0
+    for b in range(packing.n_micro):
+        items = packing.items[packing.offsets[b]:packing.offsets[b + 1]]
+        n = int(lengths.tokens[items].sum())
+        llm_max, llm_mean = llm_max + -(-n // sp), llm_mean + n / sp
+        if media is not None:
+            units = media.of(items)
+            loads = np.zeros(sp)
+            for (tiles, count), ranks in zip(units, deal_units(units, sp)):
+                loads += np.array(ranks) * (tiles // count)
+            vit_max, vit_mean = vit_max + loads.max(), vit_mean + loads.mean()
+    vit = None if media is None else (vit_max / vit_mean if vit_mean else 1.0)
+    return vit, llm_max / llm_mean if llm_mean else 1.0
 
 
 def largest_unit(lengths: Lengths, rank_qv: int) -> int:
@@ -281,22 +319,29 @@ def describe(group: Group) -> dict:
 
 
 def group_table(packed: GroupedPacking, each: list[Metrics], lengths: Lengths,
-                plan_ranks: int) -> list[dict]:
+                plan_ranks: int, media: MediaUnits | None = None) -> list[dict]:
     """Per group, what ``plan.json`` records and ``vlmshard pack`` prints: its caps and SP
-    degree, its data-parallel ranks, and its steps, samples, tokens, ABR, CR and fill."""
-    return [{**describe(g), "dp": plan_ranks // g.sp, "steps": m.steps, "samples": m.samples,
-             "tokens": int(lengths.tokens[p.items].sum()), "attn_dist_ratio": m.attn_dist_ratio,
-             "communication_ratio": m.communication_ratio, "llm_fill": m.llm_fill,
-             "vit_fill": m.vit_fill, "step_efficiency": m.step_efficiency}
-            for g, p, m in zip(packed.groups, packed.packings, each)]
+    degree, its data-parallel ranks, and its steps, samples, tokens, ABR, CR, fill, and the
+    balance of the ViT's and the LLM's work over its SP ranks (``rank_balance``)."""
+    table = []
+    for g, p, m in zip(packed.groups, packed.packings, each):
+        vit, llm = rank_balance(p, media, lengths, g.sp) if g.sp > 1 else (1.0, 1.0)
+        table.append({**describe(g), "dp": plan_ranks // g.sp, "steps": m.steps,
+                      "samples": m.samples, "tokens": int(lengths.tokens[p.items].sum()),
+                      "attn_dist_ratio": m.attn_dist_ratio,
+                      "communication_ratio": m.communication_ratio, "llm_fill": m.llm_fill,
+                      "vit_fill": m.vit_fill, "step_efficiency": m.step_efficiency,
+                      "vit_rank_balance": vit, "llm_rank_balance": llm})
+    return table
 
 
 def format_group_table(table: list[dict]) -> str:
-    """``group_table`` as aligned text."""
+    """``group_table`` as aligned text (vit_bal: the ViT's fullest SP rank over the mean)."""
     head = (f"{'length':>8} {'sp':>3} {'qv':>7} {'dp':>4} {'steps':>6} {'samples':>8} "
-            f"{'tokens':>11} {'ABR':>7} {'CR':>5} {'fill':>6} {'step_eff':>8}")
+            f"{'tokens':>11} {'ABR':>7} {'CR':>5} {'fill':>6} {'step_eff':>8} {'vit_bal':>7}")
     rows = [f"{t['length']:>8} {t['sp']:>3} {t['qv']:>7} {t['dp']:>4} {t['steps']:>6} "
             f"{t['samples']:>8} {t['tokens']:>11} {t['attn_dist_ratio']:>7.4f} "
-            f"{t['communication_ratio']:>5.2f} {t['llm_fill']:>6.3f} {t['step_efficiency']:>8.4f}"
+            f"{t['communication_ratio']:>5.2f} {t['llm_fill']:>6.3f} {t['step_efficiency']:>8.4f} "
+            + ("      -" if t["vit_rank_balance"] is None else f"{t['vit_rank_balance']:>7.3f}")
             for t in table]
     return "\n".join([head] + rows)

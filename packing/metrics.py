@@ -38,7 +38,10 @@ REPORT_KEYS = ("step_efficiency", "pad_ratio", "vit_dist_ratio", "llm_dist_ratio
 
 
 def format_value(value) -> str:
-    """A metric as pack and report print it: floats to 4 decimals, counts as they are."""
+    """A metric as pack and report print it: floats to 4 decimals, counts as they are, "-"
+    for one not known."""
+    if value is None:
+        return "-"
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 

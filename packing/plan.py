@@ -42,7 +42,7 @@ from .groups import (Group, GroupedPacking, Refusal, format_group_table, given_g
                      group_table, is_grouped, largest_unit, pack_groups, parse_groups,
                      search_groups)
 from .metrics import Metrics, format_metrics
-from .stats import StatsError, load_stats
+from .stats import StatsError, load_stats, read_media_units
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,9 @@ def _pack(cfg: PackConfig) -> PackResult:
     plan = GroupedPacking.concat(packings)
     metrics, each = plan.measure(lengths, cost, cfg.dp, cfg.compute_mode,
                                  padded=cfg.algo in PADDED, pack_seconds=pack_seconds)
-    table = group_table(plan, each, lengths, cfg.ranks)
+    media = (read_media_units(cfg.stats)
+             if stats.format == "vlmshard" and any(g.sp > 1 for g in groups) else None)
+    table = group_table(plan, each, lengths, cfg.ranks, media)
     unplaced = [{"epoch": e, "sample_id": int(s), "reason": r}
                 for e, p in enumerate(packings) for s, r in zip(p.unplaced, p.unplaced_reason)]
     by_reason = dict(sorted(Counter(u["reason"] for u in unplaced).items()))

@@ -25,7 +25,7 @@ from vlmshard.errors import InputError
 from vlmshard.families import DEMO_FAMILY, policy_from_dict
 from vlmshard.io import sha256_file
 
-from .batches import Lengths
+from .batches import Lengths, MediaUnits
 
 log = logging.getLogger(__name__)
 
@@ -157,14 +157,51 @@ def _largest_unit(table) -> np.ndarray:
 
     largest = np.zeros(table.num_rows, np.int64)
     images, videos = table["image_tiles"].combine_chunks(), table["videos"].combine_chunks()
-    flat = pc.list_flatten(videos)
-    steps = pc.list_element(pc.struct_field(flat, "grid"), 0).to_numpy(zero_copy_only=False)
-    step_tiles = pc.struct_field(flat, "tiles").to_numpy(zero_copy_only=False) // steps
-    for tiles, rows in ((pc.list_flatten(images).to_numpy(zero_copy_only=False),
-                         pc.list_parent_indices(images)),
-                        (step_tiles, pc.list_parent_indices(videos))):
-        np.maximum.at(largest, rows.to_numpy(), tiles)
+    tiles, steps, _ = _video_fields(videos)
+    for unit, rows in ((pc.list_flatten(images).to_numpy(zero_copy_only=False),
+                        pc.list_parent_indices(images)),
+                       (tiles // steps, pc.list_parent_indices(videos))):
+        np.maximum.at(largest, rows.to_numpy(), unit)
     return largest
+
+
+def _video_fields(videos) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Of a stats ``videos`` column's videos, in order: their tiles, temporal steps (grid t)
+    and item (place among the sample's images and videos)."""
+    import pyarrow.compute as pc
+
+    flat = pc.list_flatten(videos)
+    return tuple(a.to_numpy(zero_copy_only=False) for a in (
+        pc.struct_field(flat, "tiles"), pc.list_element(pc.struct_field(flat, "grid"), 0),
+        pc.struct_field(flat, "item")))
+
+
+def read_media_units(path: str) -> MediaUnits:
+    """The stats' media as ViT units in token order (``MediaUnits``): a sample's images fill
+    the items its videos (at their ``item``) leave, in order."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    table = pa.concat_tables(pq.read_table(f, columns=["image_tiles", "videos"])
+                             for f in stats_files(path))
+    images, videos = table["image_tiles"].combine_chunks(), table["videos"].combine_chunks()
+    video_tiles, steps, video_item = _video_fields(videos)
+    image_tiles = pc.list_flatten(images).to_numpy(zero_copy_only=False)
+    image_at = images.offsets.to_numpy() - images.offset
+    video_at = videos.offsets.to_numpy() - videos.offset
+    offsets, tiles, units = [0], [], []
+    for i in range(table.num_rows):
+        at = {int(video_item[j]): (int(video_tiles[j]), int(steps[j]))
+              for j in range(video_at[i], video_at[i + 1])}
+        own = iter(image_tiles[image_at[i]:image_at[i + 1]].tolist())
+        for item in range(image_at[i + 1] - image_at[i] + len(at)):
+            t, u = at[item] if item in at else (next(own), 1)
+            tiles.append(t)
+            units.append(u)
+        offsets.append(len(tiles))
+    return MediaUnits(np.array(offsets, np.int64), np.array(tiles, np.int64),
+                      np.array(units, np.int64))
 
 
 def _read_omnibal(path: str) -> tuple[Lengths, list[str]]:

@@ -126,7 +126,9 @@ GROUP_COLUMNS = (("length", "length"), ("sp", "sp"), ("qv", "qv"), ("dp", "dp"),
                  ("steps", "steps"), ("samples", "samples"), ("tokens", "tokens"),
                  ("attn_dist_ratio", "ABR"), ("communication_ratio", "CR"),
                  ("llm_fill", "llm_fill"), ("vit_fill", "vit_fill"),
-                 ("step_efficiency", "step_efficiency"))
+                 ("step_efficiency", "step_efficiency"),
+                 ("vit_rank_balance", "ViT max/mean rank"),
+                 ("llm_rank_balance", "LLM max/mean rank"))
 
 
 def group_table(label: str, info: dict) -> tuple[list[str], list[str], list[list[str]]]:
@@ -134,7 +136,9 @@ def group_table(label: str, info: dict) -> tuple[list[str], list[str], list[list
     degree, data-parallel ranks and figures, as notes and a table."""
     notes = [f"{label}: packing groups (docs/groups.md); ABR is attn_dist_ratio, CR the share "
              f"of tokens that pay the sequence-parallel exchange (the plan's: "
-             f"{info['metrics']['communication_ratio']:.4f})"]
+             f"{info['metrics']['communication_ratio']:.4f}); max/mean rank: a group's fullest "
+             f"SP rank over the mean, summed over its micro-batches (1: even; the ViT's as "
+             f"its images and video steps are dealt, '-' without media sizes)"]
     rows = [[f"group {g}", *(format_value(group[key]) for key, _ in GROUP_COLUMNS)]
             for g, group in enumerate(info["groups"])]
     return notes, [label, *(name for _, name in GROUP_COLUMNS)], rows

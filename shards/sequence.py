@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vlmshard.packing.groups import deal_units
 from vlmshard.preprocess.tokenize import IGNORE_INDEX
 
 from .model_inputs import image_runs, next_token_targets
@@ -60,28 +61,16 @@ class Shard:
 
 
 def media_pieces(media: list[tuple[int, int]], sp: int) -> list[Piece]:
-    """The pieces ``sp`` ranks encode of media of (tiles, units) each, in token order: units
-    dealt largest first, each to the least loaded rank (ties: the lower rank, the earlier
-    medium), as ``packing.groups.rank_tiles`` bounds. A video's units are equal, so only how
-    many each rank gets matters: each takes consecutive steps, in rank order (one segment of
-    frames to decode)."""
-    load = [0] * sp
-    counts = [[0] * sp for _ in media]
-    by_size = sorted(range(len(media)), key=lambda i: (-(media[i][0] // media[i][1]), i))
-    for i in by_size:
-        tiles, units = media[i]
-        for _ in range(units):
-            rank = min(range(sp), key=lambda r: (load[r], r))
-            counts[i][rank] += 1
-            load[rank] += tiles // units
+    """The pieces ``sp`` ranks encode of media of (tiles, units) each, in token order, as
+    ``packing.groups.deal_units`` deals their units: each rank takes its count of a video's
+    steps consecutively, in rank order (one segment of frames to decode)."""
     pieces = []
-    for i, (tiles, units) in enumerate(media):
+    for i, ((tiles, units), counts) in enumerate(zip(media, deal_units(media, sp))):
         first = 0
-        for rank in range(sp):
-            if counts[i][rank]:
-                pieces.append(Piece(i, first, counts[i][rank], counts[i][rank] * tiles // units,
-                                    rank))
-                first += counts[i][rank]
+        for rank, count in enumerate(counts):
+            if count:
+                pieces.append(Piece(i, first, count, count * tiles // units, rank))
+                first += count
     return pieces
 
 

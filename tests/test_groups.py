@@ -18,11 +18,12 @@ from length_mixes import mostly_text, write_length_file
 from vlmshard.errors import ConfigError
 from vlmshard.families import presets
 from vlmshard.packing.algorithms import Caps
-from vlmshard.packing.batches import Lengths, Packing
+from vlmshard.packing.batches import Lengths, MediaUnits, Packing
 from vlmshard.packing.config import PackConfig
 from vlmshard.packing.cost import CostModel
 from vlmshard.model_sizes import LLMConfig, sequence_parallel_refusal
 from vlmshard.packing.groups import (Group, GroupedPacking, assign, given_groups, ladder,
+                                     rank_balance,
                                      order_steps, pack_groups, parse_groups, search_groups)
 from vlmshard.shards.sequence import media_pieces
 from vlmshard.packing.plan import read_grouped_plan, run_pack
@@ -365,3 +366,17 @@ def test_isf_caps_that_leave_samples_out_name_the_caps_that_place_them(tmp_path)
                       r"2 over Qt (\d+) \(tokens_over_qt\); to place them, give isf --qv 20 "
                       r"--qt 3500, or raise", proc.stderr)
     assert found and int(found[1]) < 20 and int(found[2]) < 3500, proc.stderr
+
+
+def test_a_groups_rank_balance_is_its_fullest_rank_over_the_mean_by_hand():
+    """Two SP-2 micro-batches: a clip of 4 steps of 3 tiles beside an image of 5 (101 tokens),
+    then an image of 4 (10 tokens). Dealt by hand, largest unit first to the least loaded:
+    5 -> r0; 3 -> r1, r1 (3 < 5), r0 (5 < 6), r1 (6 < 8): loads 8 and 9; then 4 and 0. The
+    ViT: (9 + 4) / (8.5 + 2); the LLM's contiguous shares: (51 + 5) / (50.5 + 5)."""
+    media = MediaUnits(np.array([0, 2, 3]), np.array([12, 5, 4]), np.array([4, 1, 1]))
+    lengths = Lengths(np.array([17, 4]), np.array([101, 10]), np.zeros(2, np.int32), ("a",))
+    packing = Packing(np.array([0, 1]), np.array([0, 1, 2]), 1, 1, np.array([], np.int64), [])
+    vit, llm = rank_balance(packing, media, lengths, 2)
+    assert vit == pytest.approx(13 / 10.5)
+    assert llm == pytest.approx(56 / 55.5)
+    assert rank_balance(packing, None, lengths, 2)[0] is None

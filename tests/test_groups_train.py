@@ -227,14 +227,17 @@ def test_a_clip_four_times_a_ranks_tiles_is_spread_over_sp_4_and_trains_as_the_h
     manifest = read_manifest(shards)
     info = json.loads(open(os.path.join(plan, "plan.json")).read())
     assert info["unplaced"] == []
-    clip_steps = []
+    clip_steps, loads = [], {}  # loads: per SP-4 micro-batch, its shares' tiles
     for w in range(DP):
         data = ShardDataset(shards, w, DP, pixel_dtype=torch.float32)
         for record in data.records():
             media = record.media_units()
+            sp = manifest.step_group(record.step)["sp"]
+            if sp == 4:
+                loads.setdefault((record.step, record.micro), []).append(
+                    data.collate(record)["num_tiles"])
             if (120, 8) not in media:
                 continue
-            sp = manifest.step_group(record.step)["sp"]
             assert sp == 4
             clip_steps.append(record.step)
             whole = data.collate(record, share=False)
@@ -249,6 +252,11 @@ def test_a_clip_four_times_a_ranks_tiles_is_spread_over_sp_4_and_trains_as_the_h
             per_step = len(video.video.indices) // 8
             assert len(video.frames) == per_step * own.get(media.index((120, 8)), (0, 0))[1]
     assert len(clip_steps) == DP and len(set(clip_steps)) == 1
+    # the plan's ViT balance of the SP-4 group: its shares' tiles as the ranks load them
+    group = next(g for g in info["groups"] if g["sp"] == 4)
+    assert group["vit_rank_balance"] == pytest.approx(
+        sum(max(t) for t in loads.values()) / sum(sum(t) / 4 for t in loads.values()))
+    assert group["vit_rank_balance"] < 120 / (120 / 4)  # the clip whole on one rank: 4
     steps = clip_steps[0] + 1
     out = tmp_path / "run"
     # at learning rate 0 every step starts from the folder's weights
