@@ -95,6 +95,10 @@ class TrainConfig(RecipeOptions):
     checkpoint_every: int | None = option(
         200, help="also save a DeepSpeed checkpoint every N steps, so a crash loses at most N "
                   "steps (YAML null: at the end only)")
+    gc_every: int = option(
+        50, help="collect Python's garbage between steps every N steps, with automatic "
+                 "collection off and the set-up frozen, so no collection stalls a step "
+                 "(0: Python's own schedule)")
     save_checkpoints: bool = option(True, help="save DeepSpeed checkpoints at all (off for short "
                                                "validation runs)")
     attention: Attention = option(
@@ -184,6 +188,8 @@ class TrainConfig(RecipeOptions):
                                      and self.warmup_steps != int(self.warmup_steps)):
             raise ConfigError("--warmup-steps takes a whole number of steps or a fraction in "
                               f"[0, 1) of the run's steps, got {self.warmup_steps}")
+        if self.gc_every < 0:
+            raise ConfigError(f"--gc-every must be at least 0, got {self.gc_every}")
         for name in ("max_steps", "checkpoint_every"):
             value = getattr(self, name)
             if value is not None and value < 1:

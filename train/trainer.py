@@ -34,6 +34,7 @@ from vlmshard.model_sizes import ModelConfig, training_flops
 from vlmshard.process import set_up_logging, skip_collection_at_exit
 from vlmshard.run_log import PIPELINE_NAME
 
+from .collector import StepCollector
 from .config import TrainConfig
 from .deepspeed_compat import route_logging
 from .default_partition import ChosenPartition, Device, choose_partition
@@ -219,59 +220,68 @@ def checkpoint_due(cfg: TrainConfig, completed: int, steps: int) -> bool:
 
 def run_steps(cfg: TrainConfig, setup: Setup, engine: TrainEngine, first_step: int,
               log_file: IO[str] | None) -> None:
-    """Steps ``first_step`` to the last: load the step's micro-batches (first stages) and share
-    their sizes, step the engine, gather every rank's timings to rank 0's log, checkpoint when
-    due."""
+    """Steps ``first_step`` to the last (``run_step``), Python's garbage collected between
+    them only (``StepCollector``)."""
+    batches = (repeated(cfg, engine.dp_rank, first_step, setup.cuda) if engine.reads_data
+               else None)
+    flops = training_flops(setup.sizes, cfg.recipe)
+    recomputed_flops = recompute_flops(setup.model.names, setup.model.analytic_work(),
+                                       setup.chosen.recompute)
+    # --trace: the second step under the profiler, the third's host sampled (HostSampler)
+    traced = first_step + 1 if cfg.trace else None
+    with StepCollector(cfg.gc_every) as collector:
+        for step in range(first_step, setup.steps):
+            run_step(cfg, setup, engine, step, batches, log_file, flops, recomputed_flops,
+                     traced)
+            collector.after_step(step + 1)
+
+
+def run_step(cfg: TrainConfig, setup: Setup, engine: TrainEngine, step: int, batches,
+             log_file: IO[str] | None, flops, recomputed_flops, traced: int | None) -> None:
+    """One step: load its micro-batches (first stages) and share their sizes, step the engine,
+    gather every rank's timings to rank 0's log, checkpoint when due."""
     import torch
 
     from .micro import HostMeta
     from .pipeline import pipeline_inputs
 
     reads = engine.reads_data
-    batches = repeated(cfg, engine.dp_rank, first_step, setup.cuda) if reads else None
     vocab = setup.model.config.get_text_config().vocab_size
-    flops = training_flops(setup.sizes, cfg.recipe)
-    recomputed_flops = recompute_flops(setup.model.names, setup.model.analytic_work(),
-                                       setup.chosen.recompute)
-    # --trace: the second step under the profiler, the third's host sampled (HostSampler)
-    traced = first_step + 1 if cfg.trace else None
-    for step in range(first_step, setup.steps):
-        start = time.perf_counter()
-        micro = [check_vocabulary(next(batches), vocab)
-                 for _ in range(setup.micro_batches)] if reads else []
-        inputs = [pipeline_inputs(b, engine.device) for b in micro]
-        # Each micro-batch's sizes, from the first stage to the others on the host
-        hosts = from_first_stage(
-            [HostMeta.of_batch(b, setup.model.geometry) for b in micro] if reads else None,
-            setup.topology)
-        # The Ave-Token denominator: the first stages' counts, summed over the whole world
-        tokens = torch.tensor([sum(h.supervised for h in hosts) if reads else 0])
-        torch.distributed.all_reduce(tokens, group=setup.topology.world)
-        load_s = time.perf_counter() - start
-        with traced_step(cfg.trace, engine.global_rank, step, setup.cuda, step == traced), \
-                sampled_step(cfg.trace, engine.global_rank, step,
-                             cfg.trace is not None and step == traced + 1):
-            result = engine.step(inputs, hosts, int(tokens))
-        times = result.times
-        timing = rank_timing(rank=engine.global_rank, stage=engine.stage_id,
-                             dp_rank=engine.dp_rank, forward_s=times.forward_s,
-                             backward_s=times.backward_s, pipeline_s=times.pipeline_s,
-                             step_time_s=result.seconds, load_s=load_s, parts=times.parts,
-                             recompute_s=times.recompute_s, optimizer_s=times.optimizer_s,
-                             host=times.host)
-        timing.update(result.extra)
-        if reads:
-            timing["data"] = rank_data(micro, setup.sizes)
-        every_rank = to_rank_0(timing, setup.topology)
-        if log_file:
-            record = step_record(step, result.loss, result.lr, every_rank, flops,
-                                 recomputed_flops)
-            record["sp"] = micro[0]["shard"].sp if reads and "shard" in micro[0] else 1
-            if step == traced:  # profiled: its times hold the profiler's overhead
-                record["traced"] = True
-            write_record(log_file, record)
-        if checkpoint_due(cfg, step + 1, setup.steps):
-            engine.save(os.path.join(cfg.out, "checkpoints"), step + 1)
+    start = time.perf_counter()
+    micro = [check_vocabulary(next(batches), vocab)
+             for _ in range(setup.micro_batches)] if reads else []
+    inputs = [pipeline_inputs(b, engine.device) for b in micro]
+    # Each micro-batch's sizes, from the first stage to the others on the host
+    hosts = from_first_stage(
+        [HostMeta.of_batch(b, setup.model.geometry) for b in micro] if reads else None,
+        setup.topology)
+    # The Ave-Token denominator: the first stages' counts, summed over the whole world
+    tokens = torch.tensor([sum(h.supervised for h in hosts) if reads else 0])
+    torch.distributed.all_reduce(tokens, group=setup.topology.world)
+    load_s = time.perf_counter() - start
+    with traced_step(cfg.trace, engine.global_rank, step, setup.cuda, step == traced), \
+            sampled_step(cfg.trace, engine.global_rank, step,
+                         cfg.trace is not None and step == traced + 1):
+        result = engine.step(inputs, hosts, int(tokens))
+    times = result.times
+    timing = rank_timing(rank=engine.global_rank, stage=engine.stage_id,
+                         dp_rank=engine.dp_rank, forward_s=times.forward_s,
+                         backward_s=times.backward_s, pipeline_s=times.pipeline_s,
+                         step_time_s=result.seconds, load_s=load_s, parts=times.parts,
+                         recompute_s=times.recompute_s, optimizer_s=times.optimizer_s,
+                         host=times.host)
+    timing.update(result.extra)
+    if reads:
+        timing["data"] = rank_data(micro, setup.sizes)
+    every_rank = to_rank_0(timing, setup.topology)
+    if log_file:
+        record = step_record(step, result.loss, result.lr, every_rank, flops, recomputed_flops)
+        record["sp"] = micro[0]["shard"].sp if reads and "shard" in micro[0] else 1
+        if step == traced:  # profiled: its times hold the profiler's overhead
+            record["traced"] = True
+        write_record(log_file, record)
+    if checkpoint_due(cfg, step + 1, setup.steps):
+        engine.save(os.path.join(cfg.out, "checkpoints"), step + 1)
 
 
 def leave() -> None:
