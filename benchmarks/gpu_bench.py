@@ -60,9 +60,10 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    step's samples in random micro-batches of about equal padded tokens, padded per sample (the
    common default), as many a step as keep each within a packed micro-batch's tokens; their
    tokens/s, MFU (the same steps' model FLOPs) and loss per step. Each peer trains without
-   gradient checkpointing where the device holds it, else with it (``gradient_checkpointing``:
-   the runs before 2026-11-28 always checkpointed on a GPU); a peer that runs out of memory
-   even so is reported so (``error``), and the bench goes on.
+   gradient checkpointing where the device holds it, else with it (``gradient_checkpointing``),
+   with Liger's kernels where Liger is installed on a GPU (``liger``), vlmshard's rank's
+   intra-op threads (``threads``) and patch embedding (``patch_linear``); a peer that runs out
+   of memory even so is reported so (``error``), and the bench goes on.
 7. ``--ab NAME ...``: the balanced plan trained again with one switch flipped, beside the run
    with the defaults: ``compiled`` (regional ``torch.compile`` of the ViT's and the LLM's
    blocks), ``compiled_vit`` (the ViT's only), ``cudnn_vit`` (a Qwen ViT on SDPA, a call per
@@ -393,11 +394,11 @@ def hf_baseline(args, setup: dict, padded: bool) -> dict:
             break
     if trained is None:
         return {"error": error}
-    attention, times, losses = trained
+    configured, times, losses = trained
     logged = read_log(os.path.join(train_config(args, setup, "balanced").out,
                                    "train_log.jsonl"))
     logged, kept = logged[args.warmup:args.steps], times[args.warmup:]
-    return {"attention": attention, "gradient_checkpointing": checkpointing,
+    return {**configured, "gradient_checkpointing": checkpointing,
             "steps": len(kept), "median_step_s": statistics.median(kept),
             "tokens_per_s": sum(r["tokens"] for r in logged) / sum(kept),
             "mfu_flops_per_s": sum(r["model_flops"] for r in logged) / sum(kept),
@@ -405,7 +406,7 @@ def hf_baseline(args, setup: dict, padded: bool) -> dict:
 
 
 def hf_train(args, setup: dict, padded: bool,
-             checkpointing: bool) -> tuple[str, list[float], list[float]]:
+             checkpointing: bool) -> tuple[dict, list[float], list[float]]:
     """The balanced shards' steps trained by Hugging Face's ``Trainer`` (examples/hf_trainer.py):
     packed (``model_inputs``: flash-attn's varlen kernel where it is installed, else torch's
     through the same ``transformers`` path, ``TORCH_VARLEN``: the ViT's images in one call, no
@@ -415,7 +416,13 @@ def hf_train(args, setup: dict, padded: bool,
     ``step_time_s``'s: from its micro-batches in hand (the ``Trainer`` fetches a step's before
     ``on_step_begin``; vlmshard logs its wait for them apart, ``load_s``) to the end of its
     optimizer step on the device; tokens and model FLOPs are vlmshard's log's for the same step
-    (the same samples). Returns the attention used, and per step its seconds and loss."""
+    (the same samples). As a user who read the docs configures it, on what vlmshard's rank
+    takes: Liger's kernels (``use_liger_kernel``) where Liger is installed on a GPU, the same
+    intra-op threads and the same patch embedding (a matmul per patch where vlmshard runs
+    one). Returns that configuration (``attention``, ``liger``, ``threads``, ``patch_linear``),
+    and per step its seconds and loss."""
+    import importlib.util
+
     import torch
     from transformers import AutoModelForImageTextToText, TrainerCallback
     from transformers.utils import is_flash_attn_2_available
@@ -423,6 +430,8 @@ def hf_train(args, setup: dict, padded: bool,
     from vlmshard.shards.model_inputs import TORCH_VARLEN
     from vlmshard.train.attention import attend_with_torch_varlen
     from vlmshard.train.hf_model import model_layers
+    from vlmshard.train.models.qwen2vl import patch_embedding_as_matmul
+    from vlmshard.train.trainer import cpu_threads_per_rank, gpu_rank_threads
 
     sys.path.insert(0, os.path.join(REPO, "examples"))
     from hf_trainer import PackedBatches, PaddedBatches, shard_trainer
@@ -441,6 +450,15 @@ def hf_train(args, setup: dict, padded: bool,
     # micro-batch's tokens over the steps trained (``PaddedBatches``)
     batches = functools.partial(PaddedBatches, steps=args.steps) if padded else PackedBatches
     workers = args.loader_workers if args.loader_workers is not None else (4 if cuda else 0)
+    cfg.resolve_device_defaults(cuda)  # vlmshard's per-device choices, which the peer takes
+    torch.set_num_threads(gpu_rank_threads(workers) if cuda else cpu_threads_per_rank(1))
+    patch_embeds = [m for name, m in model.named_modules() if name.endswith("patch_embed")
+                    and isinstance(getattr(m, "proj", None), torch.nn.Conv3d)]
+    for patch_embed in patch_embeds if cfg.patch_linear else []:
+        patch_embedding_as_matmul(patch_embed)
+    liger = cuda and importlib.util.find_spec("liger_kernel") is not None
+    configured = {"attention": attention, "liger": liger, "threads": torch.get_num_threads(),
+                  "patch_linear": bool(cfg.patch_linear and patch_embeds)}
 
     class Clock(TrainerCallback):
         def __init__(self) -> None:
@@ -469,8 +487,9 @@ def hf_train(args, setup: dict, padded: bool,
         out, args.steps, callbacks=[clock], learning_rate=cfg.lr,
         lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps_of(args.steps),
         weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
-        optim="adamw_torch_fused", bf16=cuda, gradient_checkpointing=checkpointing).train()
-    return attention, clock.times, clock.losses
+        optim="adamw_torch_fused", bf16=cuda, gradient_checkpointing=checkpointing,
+        use_liger_kernel=liger).train()
+    return configured, clock.times, clock.losses
 
 
 def attention_flops(model: str, records: list[dict], recipe) -> dict[str, list[float]]:

@@ -41,7 +41,8 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
     are left out.
     The Hugging Face ``Trainer`` peers (``--baseline``) train the same steps: packed on
     ``TORCH_VARLEN`` (flash-attn's convention; here each sample on SDPA) and padded per
-    sample, each losing at its first step what vlmshard's first step lost, within 1e-4."""
+    sample, on vlmshard's rank's threads and kernels, each losing at its first step what
+    vlmshard's first step lost, within 1e-4."""
     import json
     from collections import Counter
 
@@ -146,9 +147,14 @@ def test_gpu_bench_smoke_runs_the_gpu_path_on_cpu(tmp_path):
     peers = result["baseline"]
     assert peers["hf_packed"]["attention"] == TORCH_VARLEN
     assert peers["hf_padded"]["attention"] == "sdpa"
+    from vlmshard.train.trainer import cpu_threads_per_rank
+
     for peer in peers.values():  # no gradient checkpointing where memory does not need it
         assert len(peer["loss"]) == 4 and peer["tokens_per_s"] > 0 and 0 < peer["mfu"] < 1
         assert peer["gradient_checkpointing"] is False
+        # configured on what a vlmshard CPU rank takes: its threads, Conv3d patches, no Liger
+        assert peer["threads"] == cpu_threads_per_rank(1)
+        assert peer["liger"] is False and peer["patch_linear"] is False
         assert peer["loss"][0] == pytest.approx(run["loss"][0], rel=1e-4)
     # the ViT's and the LLM's blocks ran at a measured rate, below the given 1 TFLOP/s
     assert {"vit_block", "llm_block"} <= set(result["sustained_share"])

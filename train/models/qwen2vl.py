@@ -101,13 +101,8 @@ class VisionEmbedding(HFLayer):
         self.linear = False
 
     def use_kernels(self, kernels: Kernels) -> None:
-        proj = self.patch_embed.proj
         if kernels.patch_linear:
-            if (proj.stride, proj.padding, proj.dilation, proj.groups) != (
-                    proj.kernel_size, (0,) * 3, (1,) * 3, 1):
-                raise ValueError(f"{type(self.patch_embed).__name__}'s Conv3d is not one matmul "
-                                 "per patch: --no-patch-linear")
-            proj.forward = types.MethodType(_patch_matmul, proj)
+            patch_embedding_as_matmul(self.patch_embed)
             self.linear = True
         super().use_kernels(kernels)
 
@@ -116,6 +111,18 @@ class VisionEmbedding(HFLayer):
         if self.geometry.windowed:
             hidden = self.geometry.window_order(hidden, self.geometry.meta(micro).window_index)
         return hidden
+
+
+def patch_embedding_as_matmul(patch_embed: nn.Module) -> None:
+    """A Qwen ViT's patch embedding (``transformers``' module, its Conv3d in ``proj``) run as
+    the one matmul per patch row its conv is (``_patch_matmul``): vlmshard's kernel, and the
+    peers' in ``benchmarks/gpu_bench.py --baseline``."""
+    proj = patch_embed.proj
+    if (proj.stride, proj.padding, proj.dilation, proj.groups) != (
+            proj.kernel_size, (0,) * 3, (1,) * 3, 1):
+        raise ValueError(f"{type(patch_embed).__name__}'s Conv3d is not one matmul per patch: "
+                         "--no-patch-linear")
+    proj.forward = types.MethodType(_patch_matmul, proj)
 
 
 def _patch_matmul(conv: nn.Conv3d, patches: torch.Tensor) -> torch.Tensor:
