@@ -77,6 +77,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/layer_kinds_bench.py --json build/bench/layer_kinds.json
 	$(PY) benchmarks/hbp_bench.py --json build/bench/hbp.json
 	$(PY) benchmarks/hbp_bench.py --measure --json build/bench/hbp_measure.json
+	$(PY) benchmarks/long_video_bench.py --json build/bench/long_video.json
+	$(PY) benchmarks/long_video_bench.py --loader --json build/bench/long_video_loader.json
 	$(PY) benchmarks/shards_bench.py --json build/bench/shards.json
 	$(PY) benchmarks/video_bench.py --json build/bench/video.json
 	$(PY) benchmarks/train_bench.py --json build/bench/train.json
