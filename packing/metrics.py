@@ -190,17 +190,28 @@ def micro_batch_sizes(lengths: Lengths, packing: Packing, padded: bool,
                       cost: CostModel | None = None) -> np.ndarray:
     """[micro-batches, 4]: the tiles, tokens, Σseq_len² (``cost.squares`` where given) and
     supervised tokens (``Lengths.supervised_or_tokens``) each micro-batch makes the model
-    process. Packed: the sums over its samples. Padded (``random``, ``lengthgroup``): every
-    sample is as long as the micro-batch's longest (its padding supervises nothing)."""
-    micro = packing.micro_of_item()
+    process: the sums of its samples' ``item_sizes``."""
+    return per_micro_batch(packing, item_sizes(lengths, packing, padded, cost))
+
+
+def item_sizes(lengths: Lengths, packing: Packing, padded: bool,
+               cost: CostModel | None = None) -> np.ndarray:
+    """[items, 4]: ``micro_batch_sizes``' columns for each placed sample, in ``packing.items``
+    order. Padded (``random``, ``lengthgroup``): the sample as long as its micro-batch's
+    longest (its padding supervises nothing)."""
     tokens = lengths.tokens[packing.items].astype(np.float64)
     if padded and len(tokens):
-        tokens = np.maximum.reduceat(tokens, packing.offsets[:-1])[micro]
-    sums = [np.bincount(micro, x, minlength=packing.n_micro)
-            for x in (lengths.tiles[packing.items].astype(np.float64), tokens,
-                      cost.squares(tokens) if cost else tokens * tokens,
-                      lengths.supervised_or_tokens()[packing.items].astype(np.float64))]
-    return np.stack(sums, axis=1)
+        tokens = np.maximum.reduceat(tokens, packing.offsets[:-1])[packing.micro_of_item()]
+    return np.stack([lengths.tiles[packing.items].astype(np.float64), tokens,
+                     cost.squares(tokens) if cost else tokens * tokens,
+                     lengths.supervised_or_tokens()[packing.items].astype(np.float64)], axis=1)
+
+
+def per_micro_batch(packing: Packing, per_item: np.ndarray) -> np.ndarray:
+    """[micro-batches, columns]: ``per_item`` [items, columns] summed over each micro-batch."""
+    micro = packing.micro_of_item()
+    return np.stack([np.bincount(micro, column, minlength=packing.n_micro)
+                     for column in per_item.T], axis=1)
 
 
 @dataclass(frozen=True)

@@ -46,13 +46,8 @@ def true_factors(error: CostError, samples: int) -> np.ndarray:
 def true_sizes(lengths, packing, padded: bool, factors: np.ndarray) -> np.ndarray:
     """[micro-batches, 4]: ``packing.metrics.micro_batch_sizes`` (tiles, tokens, Σseq_len²,
     supervised tokens) with each sample's share times its ``factors``: tiles by its ViT
-    factor, the rest by its LLM factor. Padded: every sample as long as its micro-batch's
-    longest, as there."""
-    micro = packing.micro_of_item()
-    tokens = lengths.tokens[packing.items].astype(np.float64)
-    if padded and len(tokens):
-        tokens = np.maximum.reduceat(tokens, packing.offsets[:-1])[micro]
-    vit, llm = factors[packing.items, 0], factors[packing.items, 1]
-    return np.stack([np.bincount(micro, x, minlength=packing.n_micro) for x in (
-        lengths.tiles[packing.items] * vit, tokens * llm, tokens * tokens * llm,
-        lengths.supervised_or_tokens()[packing.items] * llm)], axis=1)
+    factor, the rest by its LLM factor."""
+    from vlmshard.packing.metrics import item_sizes, per_micro_batch
+
+    scale = factors[packing.items][:, [0, 1, 1, 1]]
+    return per_micro_batch(packing, item_sizes(lengths, packing, padded) * scale)
