@@ -77,9 +77,11 @@ class PackConfig(RecipeOptions):
                       "spread evenly over it) or short-first (HBP's curriculum)")
     seed: int = option(0, help="shuffle seed; epoch e uses seed + e")
     epochs: int = option(1, help="epochs to plan")
-    cost_model: str | None = option(None, help="cost_model.json with a_v, a_t, b (from vlmshard "
-                                               "train profile)",
-                                    default_text="the FLOPs of --model")
+    cost_model: str | None = option(
+        None, help="measured costs: a cost_model.json with a_v, a_t, b, or a `vlmshard train "
+                   "profile` folder holding one, or a training run's folder (a_v, a_t, b and "
+                   "a_s refit from its train_log.jsonl's step times)",
+        metavar="FILE|DIR", default_text="the FLOPs of --model")
     model: str | None = option(
         None, help=f"model whose FLOPs set the default cost model: a Hugging Face model folder "
                    f"(its config.json's sizes) or a preset ({', '.join(presets())}); its ViT unit "

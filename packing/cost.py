@@ -11,7 +11,8 @@ to the window, and the packer, its metrics and report use it. Defaults are the t
 (forward + backward = 3× forward) of the model, from its layer sizes
 (``vlmshard/model_sizes.py``): a model folder's ``config.json`` (by default the folder the stats
 were preprocessed for) or a preset; ``vlmshard train profile`` writes a measured
-``cost_model.json`` with the same three keys.
+``cost_model.json`` with the same three keys, and a training run's folder is refit from its
+own log (``CostModel.from_run``): both by ``fit_coefficients``.
 
 A step of sequence-parallel degree s splits each micro-batch's work over s ranks and pays the
 exchange Ulysses makes: ``c_sp·Σseq_len·(s − 1)/s`` per micro-batch, in the same FLOP units
@@ -23,14 +24,16 @@ without it, communication is not priced.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+import os
+from dataclasses import asdict, dataclass, replace
 from typing import Literal, get_args
 
 import numpy as np
 
 from vlmshard.errors import ConfigError, InputError
-from vlmshard.io import read_json
+from vlmshard.io import file_in, read_json
 from vlmshard.recipe import Recipe
+from vlmshard.run_log import LOG_NAME, PIPELINE_NAME, read_log
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,8 @@ class CostModel:
     # a frozen ViT's forward alone is about a third of its training work
     recipe: str = "vit,projector,llm"
     a_v_share: float = 1.0
+    # a model refit from a run's log (``from_run``): the rows it was fitted over and its error
+    fit: dict | None = None
 
     @classmethod
     def from_sizes(cls, model, recipe: Recipe = Recipe()) -> "CostModel":
@@ -107,6 +112,31 @@ class CostModel:
             raise InputError(f"{path}: a_s must be >= 0")
         return cls(a_v, a_t, b, f"file:{path}", window=window, window_share=share, c_sp=c_sp,
                    a_s=a_s)
+
+    @classmethod
+    def from_run(cls, folder: str) -> "CostModel":
+        """Refit from a training run's folder: its ``train_log.jsonl``'s sizes and part times
+        per step and data-parallel rank (``run_rows``) by ``fit_coefficients``, ``b`` per unit
+        of quadratic work under the sliding window of the model its ``pipeline.json`` names."""
+        from vlmshard.model_sizes import ModelConfig
+
+        path = os.path.join(folder, LOG_NAME)
+        model = ModelConfig.from_dict(
+            read_json(file_in(folder, PIPELINE_NAME, "--cost-model"))["model"])
+        window = cls.from_sizes(model)
+        try:
+            rows = run_rows(read_log(path))
+            if len(rows) < 3:
+                raise InputError(f"{path}: {len(rows)} step(s) x data-parallel ranks after the "
+                                 "warm-up step: too few to fit a_v, a_t and b (train more steps)")
+            refit = cls(**fit_coefficients(rows, window.window_share), origin=f"run:{folder}",
+                        window=window.window, window_share=window.window_share)
+            refit = replace(refit, fit=fit_error(refit, rows))
+        except KeyError as e:
+            raise InputError(f"{path} lacks {e}: a run of an older vlmshard") from e
+        if refit.a_v + refit.a_t + refit.b <= 0:
+            raise InputError(f"{path}: its times fit no positive cost (a_v, a_t, b all 0)")
+        return refit
 
     def cost(self, tiles, tokens, squares, supervised=None):
         """Cost of micro-batches (or ranks) from their Σtiles, Σtokens, Σ``squares`` and
@@ -177,3 +207,96 @@ def _model_sizes(name: str, presets: dict):
         return model_sizes(read_json(config), name)
     except ValueError as e:  # sizes this model's config.json does not allow
         raise InputError(f"{config}: {e}") from e
+
+
+def read_cost_model(path: str) -> CostModel:
+    """``--cost-model`` as ``resolve_cost_model`` resolved it: a run's folder refit, else a
+    ``cost_model.json``."""
+    return CostModel.from_run(path) if os.path.isdir(path) else CostModel.from_json(path)
+
+
+def resolve_cost_model(path: str) -> str:
+    """What ``--cost-model`` names: a training run's folder (one holding ``train_log.jsonl``)
+    as it is, a profile's folder's ``cost_model.json``, or the file given."""
+    if os.path.isfile(os.path.join(path, LOG_NAME)):
+        return path
+    return file_in(path, "cost_model.json", "--cost-model")
+
+
+def cost_model_file(path: str) -> dict:
+    """The fields of a resolved ``--cost-model`` file (a profile's memory caps among them); a
+    run's folder states none."""
+    return {} if os.path.isdir(path) else read_json(path)
+
+
+# A run's parts as a profile splits its layers: the ViT's time holds the projector's (per-tile
+# layers), the LLM's the rest but the LM head, timed apart for a_s
+_RUN_PARTS = {"vit_s": ("vit", "projector"), "llm_s": ("llm",), "head_s": ("head",)}
+_RUN_SIZES = ("tiles", "tokens", "squares", "supervised", "windowed")
+
+
+def run_rows(records: list[dict]) -> list[dict]:
+    """Per logged step and data-parallel rank: the sizes its first stage trained (Σ over its
+    micro-batches) and its stages' seconds per part (``_RUN_PARTS``), for ``fit_coefficients``.
+    Left out: the first step (warm-up), a traced one (the profiler's overhead) and
+    sequence-parallel ones (their times hold the exchange, which is not fitted)."""
+    rows = []
+    for record in records[1:]:
+        if record.get("traced") or record.get("sp", 1) > 1:
+            continue
+        for data in record["data"]:
+            ranks = [r["time_breakdown"] for r in record["ranks"]
+                     if r["dp_rank"] == data["dp_rank"]]
+            row = {k: sum(m[k] for m in data["micro_sizes"]) for k in _RUN_SIZES
+                   if k in data["micro_sizes"][0]}
+            row.update({k: sum(r[p] for r in ranks for p in parts)
+                        for k, parts in _RUN_PARTS.items()})
+            rows.append(row)
+    return rows
+
+
+def fit_coefficients(rows: list[dict], window_share: float = 0.0) -> dict:
+    """``a_v``, ``a_t``, ``b`` in seconds, by non-negative least squares over rows of measured
+    sizes (``tiles``, ``tokens``, ``squares``, a sliding window's ``windowed``) and seconds (the
+    ViT's ``vit_s``, the LLM's ``llm_s``): ``b`` per unit of quadratic work as
+    ``CostModel.squares`` counts it (``window_share`` of it within the window). Where the rows
+    time the LM head apart (``head_s``), ``a_s`` per ``supervised`` token too; else ``llm_s``
+    holds the head."""
+    (a_v,) = _nnls(_column(rows, "tiles")[:, None], _column(rows, "vit_s"))
+    a_t, b = _nnls(np.stack([_column(rows, "tokens"), _quadratic(rows, window_share)], axis=1),
+                   _column(rows, "llm_s"))
+    fitted = {"a_v": a_v, "a_t": a_t, "b": b}
+    if "head_s" in rows[0]:
+        (fitted["a_s"],) = _nnls(_column(rows, "supervised")[:, None], _column(rows, "head_s"))
+    return fitted
+
+
+def _column(rows: list[dict], key: str) -> np.ndarray:
+    return np.array([r[key] for r in rows], dtype=float)
+
+
+def _quadratic(rows: list[dict], window_share: float) -> np.ndarray:
+    """Each row's quadratic work in units of ``b``: its squares, less ``window_share`` of what
+    a sliding window skips (``windowed``: those layers' work within it)."""
+    squares = _column(rows, "squares")
+    windowed = np.array([r.get("windowed", r["squares"]) for r in rows], dtype=float)
+    return squares - window_share * (squares - windowed)
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> list[float]:
+    """Non-negative least squares of ``y`` on the columns of ``x``, each scaled to at most 1
+    first: tokens and squares differ by 1e4, which ill-conditions the solve."""
+    from scipy.optimize import nnls
+
+    scale = x.max(axis=0).clip(min=1.0)
+    coefficients, _ = nnls(x / scale, y)
+    return [float(c) for c in coefficients / scale]
+
+
+def fit_error(cost: CostModel, rows: list[dict]) -> dict:
+    """How well ``cost`` times ``run_rows``: their count and the root-mean-square error of each
+    row's predicted compute over the mean measured."""
+    measured = sum(_column(rows, k) for k in _RUN_PARTS)
+    error = cost.cost(_column(rows, "tiles"), _column(rows, "tokens"),
+                      _quadratic(rows, cost.window_share), _column(rows, "supervised")) - measured
+    return {"rows": len(rows), "rms_error": float(np.sqrt(np.mean(error ** 2)) / measured.mean())}

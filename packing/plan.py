@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from vlmshard import __version__
 from vlmshard.errors import ConfigError, InputError
-from vlmshard.io import (arrow_column, atomic_write, file_in, read_json, sha256_file,
+from vlmshard.io import (arrow_column, atomic_write, read_json, sha256_file,
                          write_json_atomic, write_parquet)
 from vlmshard.jobs import fingerprint as job_fingerprint
 from vlmshard.jobs import locked_output
@@ -37,7 +37,8 @@ from . import algorithms
 from .algorithms import BalancedOptions, Caps
 from .batches import Lengths, Packing, concat_steps
 from .config import PADDED, PackConfig
-from .cost import CostModel, model_for_stats
+from .cost import (CostModel, cost_model_file, model_for_stats, read_cost_model,
+                   resolve_cost_model)
 from .groups import (Group, GroupedPacking, Refusal, format_group_table, given_groups,
                      group_table, is_grouped, largest_unit, pack_groups, parse_groups,
                      search_groups)
@@ -103,17 +104,17 @@ def run_pack(cfg: PackConfig) -> PackResult:
 
 def _pack(cfg: PackConfig) -> PackResult:
     t0 = time.perf_counter()
-    if cfg.cost_model:  # a profile's folder for its cost_model.json
-        cfg.cost_model = file_in(cfg.cost_model, "cost_model.json", "--cost-model")
+    if cfg.cost_model:  # a profile's folder for its cost_model.json; a run's folder, refit
+        cfg.cost_model = resolve_cost_model(cfg.cost_model)
     stats = load_stats(cfg.stats)
     lengths = stats.lengths
-    cost = (CostModel.from_json(cfg.cost_model) if cfg.cost_model
+    cost = (read_cost_model(cfg.cost_model) if cfg.cost_model
             else CostModel.for_stats(cfg.model, stats.family, stats.model_folder, stats.unit_px,
                                      cfg.recipe))
     t_loaded = time.perf_counter()
     fingerprint = job_fingerprint({
         "vlmshard_version": __version__, "stats_sha256": stats.sha256, "cost_model": cost.to_dict(),
-        "cost_model_file": read_json(cfg.cost_model) if cfg.cost_model else None,
+        "cost_model_file": cost_model_file(cfg.cost_model) if cfg.cost_model else None,
         "options": {k: v for k, v in asdict(cfg).items() if k not in ("out", "cost_model")}})
     finished = _finished_plan(cfg.out, fingerprint)
     if finished is not None:
@@ -300,7 +301,7 @@ def caps_bound(cfg: PackConfig, lengths: Lengths) -> tuple[Caps, str]:
     """The memory bound balanced's caps are searched under, and where it came from:
     ``--max-qv/--max-qt``, else the ``max_qv``/``max_qt`` that ``vlmshard train profile`` wrote
     into the ``--cost-model`` file (what the device's memory holds), else ``--target-samples``."""
-    profiled = read_json(cfg.cost_model) if cfg.cost_model else {}
+    profiled = cost_model_file(cfg.cost_model) if cfg.cost_model else {}
     if cfg.max_qv is not None or cfg.max_qt is not None:
         given, origin = (cfg.max_qv, cfg.max_qt), "--max-qv/--max-qt"
     elif "max_qv" in profiled and "max_qt" in profiled:

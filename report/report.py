@@ -144,6 +144,45 @@ def group_table(label: str, info: dict) -> tuple[list[str], list[str], list[list
     return notes, [label, *(name for _, name in GROUP_COLUMNS)], rows
 
 
+COEFFICIENTS = ("a_v", "a_t", "b", "a_s")
+
+
+def cost_table(labels: list[str], infos: list[dict],
+               refit: CostModel | None) -> tuple[list[str], list[str], list[list[str]]]:
+    """Each plan's cost model (plan.json's) and, with a run, the one refit from its log
+    (``CostModel.from_run``), as notes and a table: the coefficients in their own units, then
+    the ratios to a_t that balance weighs, unit-free, and a refit's rows and error."""
+    models = [(label, CostModel(**i["cost_model"]).to_dict())  # an older plan's defaults
+              for label, i in zip(labels, infos)]
+    if refit is not None:
+        models.append(("refit from the run", refit.to_dict()))
+
+    def per_token(m: dict, k: str) -> str:
+        return f"{m[k] / m['a_t']:.4g}" if m["a_t"] else "-"
+
+    rows = [["origin", *(m["origin"] for _, m in models)]]
+    rows += [[k, *(f"{m[k]:.4g}" for _, m in models)] for k in COEFFICIENTS]
+    rows += [[f"{k} / a_t", *(per_token(m, k) for _, m in models)] for k in ("a_v", "b", "a_s")]
+    rows.append(["fit: rows, rms error", *(f"{m['fit']['rows']}, {m['fit']['rms_error']:.1%}"
+                                           if m.get("fit") else "-" for _, m in models)])
+    notes = ["cost models: a_v per tile, a_t per token, b per squared sequence length, a_s per "
+             "supervised token, in FLOPs (origin flops:) or seconds (a profile's file:, a "
+             "run's run:); the ratios to a_t are what balance weighs, in any unit. A "
+             "run's refit: its logged sizes and part times per step and data-parallel rank, "
+             "by non-negative least squares (docs/packing.md)"]
+    return notes, ["cost model", *(name for name, _ in models)], rows
+
+
+def refit_of(train_log: str) -> CostModel | None:
+    """The cost model refit from the run whose log is ``train_log``; None, with a warning,
+    for a log that times no parts of the model (one of an older vlmshard, or made by hand)."""
+    try:
+        return CostModel.from_run(os.path.dirname(train_log) or ".")
+    except InputError as e:
+        log.warning("no cost model refit from the run: %s", e)
+        return None
+
+
 TRAIN_HEADER = ["training run", "measured", "predicted", "per-step correlation",
                 "per-step median abs error"]
 
@@ -277,6 +316,11 @@ def make_report(plan_dirs: list[str], train_log: str | None = None, profile: str
     tables = [(notes, header, rows)]
     tables += [group_table(label, info) for label, info, is_group in zip(labels, infos, grouped)
                if is_group]
+    refit = refit_of(train_log) if train_log else None
+    tables.append(cost_table(labels, infos, refit))
+    result["cost_models"] = {label: i["cost_model"] for label, i in zip(labels, infos)}
+    if refit is not None:
+        result["cost_models"]["refit"] = refit.to_dict()
     if train_log and train is None:
         notes.append(f"{train_log}: only the warm-up step was logged, which the comparison "
                      "with the simulator leaves out: train two steps or more")

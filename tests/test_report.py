@@ -619,7 +619,9 @@ def test_html_is_self_contained_with_a_png_per_plot(plans, report_run):
     assert [r[0] for r in page.rows[1:1 + len(ROWS)]] == ROWS
     assert page.rows[1 + ROWS.index("llm_dist_ratio")][1:] == [
         format_value(_metrics(plans[a])["llm_dist_ratio"]) for a in ("balanced", "random")]
-    train = page.rows[1 + len(ROWS):]  # the training run's table
+    # the cost models' table, then the training run's
+    assert page.rows[1 + len(ROWS)] == ["cost model", "balanced", "random"]
+    train = page.rows[[r[0] for r in page.rows].index("training run"):]
     assert train[0][:3] == ["training run", "measured", "predicted"]
     assert [r[0] for r in train[1:]] == [
         "bubble, stage 0 (vit_embed .. embed_tokens)", "bubble, stage 1 (llm_block_0 .. head)",

@@ -19,7 +19,8 @@ buffers and fragmentation off it, as the simulator does.
 
 The calibrated cost model fits, over the profiled micro-batches, the ViT layers' time to
 ``a_v·Σtiles`` and the LLM layers' time to ``a_t·Σtokens + b·Σseq_len²`` (non-negative least
-squares), the same three coefficients ``vlmshard pack --cost-model`` reads.
+squares), the same three coefficients ``vlmshard pack --cost-model`` reads
+(``packing.cost.fit_coefficients``, which also refits a model from a training run's log).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from vlmshard.model_sizes import (
     held_transient,
     weight_bytes_per_param,
 )
+from vlmshard.packing.cost import fit_coefficients
 from vlmshard.partition import (
     LayerCost,
     Machine,
@@ -151,7 +153,7 @@ def run_profile(cfg: ProfileConfig) -> ProfileResult:
         partitions["validated"] = validate_candidates(
             cfg, [partitions["search"], *partitions["omnibal"]][:cfg.validate_top])
         partitions["chosen"] = min(partitions["validated"], key=lambda p: p["measured_step_s"])
-    cost = {**fit_cost_model(profile.micro_batches, window.get("window_share", 0.0)), **window,
+    cost = {**fit_coefficients(profile.micro_batches, window.get("window_share", 0.0)), **window,
             **memory_caps(profile, partitions["chosen"]["bounds"], machine)}
     os.makedirs(cfg.out, exist_ok=True)
     write_json_atomic(os.path.join(cfg.out, "profile.json"),
@@ -216,7 +218,7 @@ def profile_layers(model: ModelLayers, batches: list[dict], device: str = "cpu",
     trained, ``frozen_bytes`` frozen."""
     funcs = model.build_all(device, dtype, one_per_kind=True)
     vision = sum(1 for d in model.defs if d.output.per_tile)  # ViT layers and the projector
-    work, sizes = model.analytic_work(), model.sizes()
+    work, sizes = model.analytic_work(dtype), model.sizes()
     # forward, backward, activation, input, output, peak; analytic activation and transient;
     # measured and analytic bytes kept under selective recompute beyond the input
     sums = np.zeros((len(funcs), 10))
@@ -445,23 +447,6 @@ def layer_kind_window(folder: str) -> dict:
                                                 folder))
     return {"window": analytic.window, "window_share": analytic.window_share} \
         if analytic.window else {}
-
-
-def fit_cost_model(micro_batches: list[dict], window_share: float = 0.0) -> dict:
-    """``a_v``, ``a_t``, ``b`` in seconds, by non-negative least squares over micro-batches;
-    ``b`` per unit of quadratic work as ``CostModel.squares`` counts it (``window_share`` of it
-    within the window: the micro-batch's ``windowed`` size)."""
-    from scipy.optimize import nnls
-
-    tiles = np.array([m["tiles"] for m in micro_batches], dtype=float)
-    vit = np.array([m["vit_s"] for m in micro_batches])
-    llm_x = np.array([[m["tokens"], m["squares"] - window_share * (
-        m["squares"] - m.get("windowed", m["squares"]))] for m in micro_batches], dtype=float)
-    llm = np.array([m["llm_s"] for m in micro_batches])
-    a_v = float(vit @ tiles / max(tiles @ tiles, 1e-12))
-    scale = llm_x.max(axis=0).clip(min=1.0)  # conditioning: tokens and squares differ by 1e4
-    (a_t, b), _ = nnls(llm_x / scale, llm)
-    return {"a_v": a_v, "a_t": float(a_t / scale[0]), "b": float(b / scale[1])}
 
 
 def memory_caps(profile: "Profile", bounds: list[int], machine: Machine) -> dict:
