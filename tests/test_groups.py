@@ -252,6 +252,15 @@ def test_pack_groups_writes_the_groups_and_each_steps_group(tmp_path):
         assert rows.groupby("step").apply(lambda s: len(set(zip(s["rank"], s["micro"])))).eq(
             group["dp"] * 2).all()
     assert info["metrics"]["samples"] == len(plan) == 3000 - len(info["unplaced"])
+    # each group's balance over its SP ranks: the LLM's shares of ceil(n/sp), counted here from
+    # plan.parquet; the ViT's unknown without media sizes (an OmniBal length file)
+    tokens = load_stats(stats).lengths.tokens
+    for g, group in enumerate(info["groups"]):
+        sp = group["sp"]
+        n = plan[plan["group"] == g].groupby(["step", "rank", "micro"])["sample_id"].apply(
+            lambda ids: int(tokens[ids.to_numpy()].sum())).to_numpy()
+        assert group["llm_rank_balance"] == pytest.approx((-(-n // sp)).sum() / (n.sum() / sp))
+        assert group["vit_rank_balance"] == (1.0 if sp == 1 else None)
     # read back, the plan measures as pack measured it
     _, read = read_grouped_plan(str(out))
     again, _ = read.measure(load_stats(stats).lengths, CostModel(**info["cost_model"]), 8,
