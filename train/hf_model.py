@@ -94,20 +94,20 @@ class ModelLayers:
         """The analytic model of the folder's config (``vlmshard.families.model_sizes``)."""
         return model_sizes(read_json(os.path.join(self.path, "config.json")), self.path)
 
-    def analytic_work(self) -> list[LayerWork]:
+    def analytic_work(self, dtype: torch.dtype = torch.bfloat16) -> list[LayerWork]:
         """Per layer, its work in the analytic model of the folder's config (FLOPs, parameters
-        and the activation bytes it keeps with this model's kernels:
+        and the activation bytes it keeps with this model's kernels, built in ``dtype``:
         ``model_sizes.trainer_layer_work``; LoRA's adapters: ``model_sizes.with_adapters``)."""
-        sizes = self.sizes()
-        return with_adapters(trainer_layer_work(self.names, sizes, self.saves()), sizes,
-                             self.recipe.lora)
+        sizes, saves = self.sizes(), self.saves(dtype)
+        return with_adapters(trainer_layer_work(self.names, sizes, saves), sizes,
+                             self.recipe.lora, saves)
 
-    def saves(self) -> Saves:
+    def saves(self, dtype: torch.dtype = torch.bfloat16) -> Saves:
         """Where the layers this model builds keep other tensors for backward than
         ``transformers``' own modules on SDPA (``model_sizes.Saves``): the ViT's attention in
         one call of torch's varlen kernel, K/V heads repeated for it, Liger's kernels in the
         parts that take them (not in compiled blocks) where they swap a module of the part's
-        first block."""
+        first block; and the width of their activations, built in ``dtype``."""
         k = self.kernels
 
         def liger_in(part: str) -> bool:
@@ -117,7 +117,7 @@ class ModelLayers:
 
         return Saves(vit_one_call=k.vit_varlen and self.backend == "varlen" and not k.sdpa_cudnn,
                      liger_llm=liger_in("llm"), liger_vit=liger_in("vit"),
-                     kv_repeated=repeats_kv_heads(self.backend))
+                     kv_repeated=repeats_kv_heads(self.backend), element_bytes=dtype.itemsize)
 
     def as_recipe(self, model: nn.Module) -> nn.Module:
         """A ``transformers`` model of this folder trained as the trainer trains its layers, for

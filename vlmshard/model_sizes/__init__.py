@@ -15,8 +15,9 @@ linear-attention layer costs linear in tokens). A Qwen ViT attends across each i
 blocks' FLOPs also follow Σ P² over images of P patches, which the trainer's MFU and the replay
 count and the packer leaves out (``vit_attention_size``). ``vlmshard train profile`` measures
 the same quantities on a device; this is its analytic twin. Conventions: a multiply-add is 2
-FLOPs (backward is 2x forward); activations are bf16 with memory-efficient attention (no score
-matrix), kept as ``transformers``' modules save them; parameters cost what the trainer's engine
+FLOPs (backward is 2x forward); activations are in the run's dtype (``Saves.element_bytes``:
+bf16 unless a run says otherwise) with memory-efficient attention (no score matrix), kept as
+``transformers``' modules save them; parameters cost what the trainer's engine
 holds per parameter (``bytes_per_param``). Each layer kind has its builder module (``vit``,
 ``deepstack``, ``projector``, ``attention``, ``linear_attention``, ``mlp``, ``moe``, ``head``),
 ``layers`` puts them in pipeline order, and ``modes`` and ``lora`` cost them as a recipe runs.

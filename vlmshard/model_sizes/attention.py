@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .configs import LLMConfig
-from .memory import ACTIVATION_BYTES, FP32, Saves, normalized_kept, pre_norm_kept, rms_norm_kept
+from .memory import FP32, Saves, normalized_kept, pre_norm_kept, rms_norm_kept
 from .work import Mixer, CostTerms
 
 
@@ -16,16 +16,16 @@ def attention(t: LLMConfig, saves: Saves) -> Mixer:
     sample. Keeps the pre-norm, the q/k norms, the rotary tables, the kernel's q, k, v
     (``Saves.kv_repeated``: k and v as wide as q), output and log-sum-exp, o's input (and,
     gated, the gate's sigmoid and the ungated output)."""
-    a, head_dim = ACTIVATION_BYTES, t.head_size
+    a, head_dim = saves.element_bytes, t.head_size
     q, kv = t.heads * head_dim, t.kv_heads * head_dim
     offset, fused = t.offset_norms, saves.liger_llm
     linear = (2 + t.attention_gate) * t.hidden * q + 2 * t.hidden * kv
-    qk_norms = (rms_norm_kept(q, t.heads, offset, fused)
-                + rms_norm_kept(kv, t.kv_heads, offset, fused) if t.qk_norm else 0)
+    qk_norms = (rms_norm_kept(q, a, t.heads, offset, fused)
+                + rms_norm_kept(kv, a, t.kv_heads, offset, fused) if t.qk_norm else 0)
     return Mixer(
         params=linear + (2 * head_dim if t.qk_norm else 0) + (q + 2 * kv) * t.qkv_bias,
         flops=CostTerms(tokens=2 * linear, squares=2 * q),
-        kept=(pre_norm_kept(t.hidden, offset, fused) + qk_norms + 2 * a * head_dim
+        kept=(pre_norm_kept(t.hidden, a, offset, fused) + qk_norms + 2 * a * head_dim
               + a * (2 * q + 2 * (q if saves.kv_repeated else kv)) + FP32 * t.heads
               + a * q * (1 + 2 * t.attention_gate)),
         # the kernel's fp32 dq accumulator and softmax rows, dq, dk, dv; the q/k norms' fp32
@@ -35,8 +35,8 @@ def attention(t: LLMConfig, saves: Saves) -> Mixer:
         selective=a * ((1 + t.attention_gate) * q + 2 * kv + q + t.hidden) + FP32 * t.heads,
         # the projections' input; the q/k norms' normalized values; gated, o's input (the
         # gated output: ungated, o reads the kernel's output, which attention keeps anyway)
-        weight_only=(a * t.hidden + (normalized_kept(q, offset, fused)
-                                     + normalized_kept(kv, offset, fused)) * t.qk_norm
+        weight_only=(a * t.hidden + (normalized_kept(q, a, offset, fused)
+                                     + normalized_kept(kv, a, offset, fused)) * t.qk_norm
                      + a * q * t.attention_gate))
 
 

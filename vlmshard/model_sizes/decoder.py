@@ -6,7 +6,7 @@ from __future__ import annotations
 from .attention import attention, sliding_attention
 from .configs import LLMConfig
 from .linear_attention import gated_deltanet
-from .memory import ACTIVATION_BYTES, Saves, normalized_kept, rms_norm_backward, rms_norm_kept
+from .memory import Saves, normalized_kept, rms_norm_backward, rms_norm_kept
 from .mlp import dense_mlp
 from .moe import moe
 from .work import LayerWork, Mixer, CostTerms
@@ -28,10 +28,10 @@ def decoder_block(name: str, t: LLMConfig, saves: Saves, mixers: tuple[Mixer, Mi
     on its hidden. Beside the widest gradients inside a mixer (``Mixer.transient``), its
     backward holds its output, that output's gradient and its input's gradient, and a norm's
     fp32 gradients. Selective recompute applies where both mixers have it."""
-    a, offset, fused = ACTIVATION_BYTES, t.offset_norms, saves.liger_llm
+    a, offset, fused = saves.element_bytes, t.offset_norms, saves.liger_llm
     norms = 2 + 2 * t.sandwich_norms
     # sandwich norms: their outputs join the residual, nothing else keeps them
-    sandwich = (2 * rms_norm_kept(t.hidden, offset=offset, fused=fused) if t.sandwich_norms
+    sandwich = (2 * rms_norm_kept(t.hidden, a, offset=offset, fused=fused) if t.sandwich_norms
                 else 0)
     selective = (None if any(m.selective is None for m in mixers)
                  else CostTerms(tokens=sum(m.selective for m in mixers)))
@@ -42,7 +42,7 @@ def decoder_block(name: str, t: LLMConfig, saves: Saves, mixers: tuple[Mixer, Mi
                    windowed=sum(m.flops.windowed for m in mixers)),
         activation_bytes=CostTerms(tokens=sum(m.kept for m in mixers) + sandwich),
         weight_only_bytes=CostTerms(tokens=sum(m.weight_only for m in mixers)
-                               + norms * normalized_kept(t.hidden, offset, fused)),
+                               + norms * normalized_kept(t.hidden, a, offset, fused)),
         output_bytes=CostTerms(tokens=a * t.hidden),
         transient_bytes=CostTerms(tokens=3 * a * t.hidden + rms_norm_backward(t.hidden)
                              + max(m.transient for m in mixers)),

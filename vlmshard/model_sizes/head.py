@@ -6,27 +6,28 @@ from __future__ import annotations
 
 from .configs import LLMConfig
 from .embedding import tied_table_params
-from .memory import ACTIVATION_BYTES, FP32, INT64, Saves, rms_norm_backward, rms_norm_kept
+from .memory import FP32, INT64, Saves, rms_norm_backward, rms_norm_kept
 from .work import LayerWork, CostTerms
 
 # What the loss keeps per supervised token beyond its hidden state: the row's int64 index
 # (``nonzero_static``) and its int64 target
 SUPERVISED_ROW_BYTES = 2 * INT64
-# What the loss's backward holds per row of a chunk and per vocabulary entry: the fp32
-# log-softmax, the gradient into and out of it, the bf16 logits' gradient (a bound held at or
-# above torch's memory tracker by tests/test_model.py)
-LOSS_ROW_BYTES_PER_CLASS = 3 * FP32 + ACTIVATION_BYTES
+# What the loss's backward holds per row of a chunk and per vocabulary entry in fp32: the
+# log-softmax, the gradient into and out of it; besides them, the logits' gradient in the run's
+# dtype (a bound held at or above torch's memory tracker by tests/test_model.py)
+LOSS_ROW_FP32_PER_CLASS = 3
 
 
 def final_norm(t: LLMConfig, saves: Saves) -> LayerWork:
     """The final norm: its output, that output's gradient and the input's, and the fp32
     gradients of its backward."""
-    normalized = 0 if saves.liger_llm else (FP32 if t.offset_norms else ACTIVATION_BYTES)
+    a = saves.element_bytes
+    normalized = 0 if saves.liger_llm else (FP32 if t.offset_norms else a)
     return LayerWork("final_norm", t.hidden, CostTerms(),
-                     CostTerms(tokens=rms_norm_kept(t.hidden, offset=t.offset_norms,
-                                               fused=saves.liger_llm)),
-                     CostTerms(tokens=ACTIVATION_BYTES * t.hidden),
-                     transient_bytes=CostTerms(tokens=3 * ACTIVATION_BYTES * t.hidden
+                     CostTerms(tokens=rms_norm_kept(t.hidden, a, offset=t.offset_norms,
+                                                    fused=saves.liger_llm)),
+                     CostTerms(tokens=a * t.hidden),
+                     transient_bytes=CostTerms(tokens=3 * a * t.hidden
                                           + rms_norm_backward(t.hidden)),
                      weight_only_bytes=CostTerms(tokens=normalized * t.hidden))
 
@@ -37,14 +38,15 @@ def head(t: LLMConfig, saves: Saves) -> LayerWork:
     Keeps per supervised token its hidden state, its target and index, charged here per token
     (``CostTerms.tokens``: the most there can be, as a memory plan at the caps must; the profile
     sizes it at the supervised count, ``train.profile.kept_size``); holds the final norm's
-    backward, and per row of a loss chunk ``LOSS_ROW_BYTES_PER_CLASS`` per class."""
+    backward, and per row of a loss chunk and class ``LOSS_ROW_FP32_PER_CLASS`` fp32 values
+    and the logits' gradient."""
     norm = final_norm(t, saves)
     return LayerWork(
         "head", t.hidden * t.vocab_size + t.hidden,
         flops=CostTerms(supervised=2 * t.hidden * t.vocab_size),
-        activation_bytes=CostTerms(tokens=ACTIVATION_BYTES * t.hidden + SUPERVISED_ROW_BYTES
+        activation_bytes=CostTerms(tokens=saves.element_bytes * t.hidden + SUPERVISED_ROW_BYTES
                               + norm.activation_bytes.tokens),
         output_bytes=CostTerms(),
         transient_bytes=norm.transient_bytes,
-        chunk_row_bytes=LOSS_ROW_BYTES_PER_CLASS * t.vocab_size,
+        chunk_row_bytes=(LOSS_ROW_FP32_PER_CLASS * FP32 + saves.element_bytes) * t.vocab_size,
         tied_params=tied_table_params(t))

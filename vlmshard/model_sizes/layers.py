@@ -21,7 +21,7 @@ from .work import LayerWork, CostTerms
 def layer_work(config: ModelConfig, saves: Saves = Saves()) -> list[LayerWork]:
     """Every pipeline layer of ``config``, in pipeline order (``config.layer_names()``), keeping
     for backward what the kernels ``saves`` describes keep."""
-    return [vit_embed(config), *vit_blocks(config, saves), projector_merge(config),
+    return [vit_embed(config, saves), *vit_blocks(config, saves), projector_merge(config, saves),
             *decoder_blocks(config.llm, saves), head(config.llm, saves)]
 
 
@@ -29,7 +29,7 @@ def vit_blocks(config: ModelConfig, saves: Saves) -> list[LayerWork]:
     """Every ViT block in order (``vit_block_i``): plain, or DeepStack where a merger reads it,
     with its attention across images or windows (``image_attention``)."""
     v, plain = config.vision, vit_block(config, saves)
-    stacked = deepstack_block(config, plain)
+    stacked = deepstack_block(config, plain, saves)
     blocks = []
     for i in range(v.layers):
         block = stacked if i in v.deepstack else plain
@@ -56,7 +56,8 @@ def trainer_layer_work(names: list[str], config: ModelConfig,
     work = layer_work(config, saves)
     index = {w.name: i for i, w in enumerate(work)}
     moved = {"embed_tokens": ("projector_merge",
-                              token_embedding(config.llm, config.tokens_per_tile)),
+                              token_embedding(config.llm, config.tokens_per_tile,
+                                              saves.element_bytes)),
              "final_norm": ("head", final_norm(config.llm, saves))}
     out, used = [], []
     for name in names:

@@ -6,7 +6,7 @@ runs it, in fp32 chunks, which is what a CPU run and tests/test_model.py run."""
 from __future__ import annotations
 
 from .configs import LLMConfig
-from .memory import ACTIVATION_BYTES, FP32, Saves, pre_norm_kept
+from .memory import FP32, Saves, pre_norm_kept
 from .work import Mixer, CostTerms
 
 # The torch kernel's chunk of tokens (its ``chunk_size``)
@@ -34,7 +34,7 @@ def gated_deltanet(t: LLMConfig, saves: Saves) -> Mixer:
     value head; the conv of ``linear_conv_kernel``; the chunked delta rule. Keeps the pre-norm,
     q/k/v before and after the conv, b and a, the delta rule's fp32 chunks, the core output's
     gated norm and z. No selective mode: the chunked kernel has no outputs to keep apart."""
-    a, heads = ACTIVATION_BYTES, t.linear_value_heads
+    a, heads = saves.element_bytes, t.linear_value_heads
     key_dim = t.linear_key_heads * t.linear_key_dim
     value_dim = heads * t.linear_value_dim
     conv_dim = 2 * key_dim + value_dim
@@ -47,7 +47,7 @@ def gated_deltanet(t: LLMConfig, saves: Saves) -> Mixer:
                    + 2 * heads * (DELTA_RULE_KEY_MACS * chunk * dk
                                   + DELTA_RULE_VALUE_MACS * chunk * dv
                                   + DELTA_RULE_STATE_MACS * dk * dv)),
-        kept=(pre_norm_kept(t.hidden, t.offset_norms, saves.liger_llm) + 2 * a * conv_dim
+        kept=(pre_norm_kept(t.hidden, a, t.offset_norms, saves.liger_llm) + 2 * a * conv_dim
               + a * heads
               + heads * FP32 * (rows + DELTA_RULE_SCALARS + DELTA_RULE_STATES * dk * dv / chunk)
               + value_dim * (3 * FP32 + 3 * a) + FP32 * heads),

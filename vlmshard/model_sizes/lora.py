@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from ..recipe import Lora
 from .configs import LLMConfig, ModelConfig
-from .memory import ACTIVATION_BYTES
+from .memory import Saves
 from .work import LayerWork, CostTerms
 
 
@@ -34,19 +34,18 @@ def _lora_shapes(t: LLMConfig, layer: int, lora: Lora) -> list[tuple[int, int]]:
     return [shape for name, shape in shapes.items() if name in lora.targets]
 
 
-def lora_selective_bytes(t: LLMConfig, layer: int, lora: Lora) -> float:
+def lora_selective_bytes(t: LLMConfig, layer: int, lora: Lora, a: int) -> float:
     """Per token, what LoRA's adapters on decoder layer ``layer`` keep under selective
     recompute: each adapter's two matmul outputs (A's, rank wide; B's, as wide as the layer's
-    output)."""
-    return ACTIVATION_BYTES * sum(lora.rank + out for _, out in _lora_shapes(t, layer, lora))
+    output); ``a``: an activation element's bytes."""
+    return a * sum(lora.rank + out for _, out in _lora_shapes(t, layer, lora))
 
 
-def lora_kept_bytes(t: LLMConfig, layer: int, lora: Lora) -> float:
+def lora_kept_bytes(t: LLMConfig, layer: int, lora: Lora, a: int) -> float:
     """Per token, what LoRA's adapters on decoder layer ``layer`` keep with its weights frozen:
     each adapter's input (a targeted layer's input, which the frozen layer no longer keeps:
     the projections' input, a gated attention's output, the MLP's input and down's) and its
     rank-wide hidden (B's input)."""
-    a = ACTIVATION_BYTES
     targets = set(lora.targets)
     linear, moe = t.is_linear(layer), t.is_moe(layer)
     mlp = t.shared_expert_intermediate if moe else t.intermediate
@@ -60,10 +59,12 @@ def lora_kept_bytes(t: LLMConfig, layer: int, lora: Lora) -> float:
     return a * sum(width[i] for i in inputs) + a * lora.rank * len(_lora_shapes(t, layer, lora))
 
 
-def with_adapters(work: list[LayerWork], config: ModelConfig, lora: Lora | None
-                  ) -> list[LayerWork]:
+def with_adapters(work: list[LayerWork], config: ModelConfig, lora: Lora | None,
+                  saves: Saves = Saves()) -> list[LayerWork]:
     """``work`` with LoRA's adapters on each LLM decoder block (none without ``lora``): their
-    parameters and their forward FLOPs, a multiply-add per parameter per token."""
+    parameters and their forward FLOPs, a multiply-add per parameter per token, and what they
+    keep at the activations' width ``saves`` gives (``layer_work``'s)."""
+    a = saves.element_bytes
     if lora is None:
         return work
     out = []
@@ -73,10 +74,10 @@ def with_adapters(work: list[LayerWork], config: ModelConfig, lora: Lora | None
             n = lora_adapter_params(config.llm, layer, lora)
             # selectively recomputed, an adapter keeps its two matmuls' outputs too
             selective = None if w.selective_bytes is None else w.selective_bytes + CostTerms(
-                tokens=lora_selective_bytes(config.llm, layer, lora))
+                tokens=lora_selective_bytes(config.llm, layer, lora, a))
             w = replace(w, adapter_params=n, adapter_flops=CostTerms(tokens=2 * n),
                         adapter_kept_bytes=CostTerms(
-                            tokens=lora_kept_bytes(config.llm, layer, lora)),
+                            tokens=lora_kept_bytes(config.llm, layer, lora, a)),
                         selective_bytes=selective)
         out.append(w)
     return out

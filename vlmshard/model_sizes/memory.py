@@ -1,12 +1,13 @@
 """What activations cost: the dtypes' widths, where the trainer's kernels keep other tensors than
-``transformers``' modules (``Saves``), and the bytes a norm or a gated MLP keeps for backward,
-which every layer kind's builder adds up."""
+``transformers``' modules and in what dtype (``Saves``), and the bytes a norm or a gated MLP
+keeps for backward, which every layer kind's builder adds up. ``a`` is the width of one element
+of an activation in the run's dtype (``Saves.element_bytes``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-ACTIVATION_BYTES = 2  # bf16
+ACTIVATION_BYTES = 2  # bf16: what a GPU rank trains in, the default ``Saves.element_bytes``
 FP32 = 4
 INT64 = 8  # an index: token ids, gathered rows, targets
 LOSS_CHUNK = 1024  # rows of logits the LM loss makes at a time (vlmshard.train's lm_loss)
@@ -28,43 +29,47 @@ class Saves:
     and 1/rms per row (not fp32 copies), a gated MLP its gate and up projections (not the
     activation between them). ``kv_repeated``: the LLM's attention kernel is given K/V heads
     repeated to the query heads (torch's varlen kernel before 2.12 takes no grouped-query
-    heads), and keeps them so. Compiled blocks are counted as their eager modules."""
+    heads), and keeps them so. Compiled blocks are counted as their eager modules.
+    ``element_bytes``: the width of an element of the run's dtype, bf16's 2 (a GPU rank's) or
+    fp32's 4 (a CPU run's default); tensors in the run's dtype scale with it, while fp32 upcasts
+    and statistics, and int64 indices, keep their widths."""
 
     vit_one_call: bool = False
     liger_llm: bool = False
     liger_vit: bool = False
     kv_repeated: bool = False
+    element_bytes: int = ACTIVATION_BYTES
 
 
-def rms_norm_kept(width: float, rows: float = 1, offset: bool = False,
+def rms_norm_kept(width: float, a: int, rows: float = 1, offset: bool = False,
                   fused: bool = False) -> float:
     """Bytes a ``transformers`` RMSNorm of ``width`` keeps per token (``rows`` norms a token):
     its input upcast to fp32, 1/rms per row, and the normalized values the weight multiplies,
-    in bf16, or in fp32 for a (1 + weight) norm (``LLMConfig.offset_norms``). ``fused``:
-    Liger's kernel, which keeps the input as it came and 1/rms in fp32. What reads its output
-    keeps that apart."""
+    in the run's dtype, or in fp32 for a (1 + weight) norm (``LLMConfig.offset_norms``).
+    ``fused``: Liger's kernel, which keeps the input as it came and 1/rms in fp32. What reads
+    its output keeps that apart."""
     if fused:
-        return ACTIVATION_BYTES * width + FP32 * rows
-    return FP32 * width + FP32 * rows + (FP32 if offset else ACTIVATION_BYTES) * width
+        return a * width + FP32 * rows
+    return FP32 * width + FP32 * rows + (FP32 if offset else a) * width
 
 
-def normalized_kept(width: float, offset: bool = False, fused: bool = False) -> float:
+def normalized_kept(width: float, a: int, offset: bool = False, fused: bool = False) -> float:
     """Of what an RMSNorm keeps per token, the normalized values only its weight's gradient
     reads (Liger's kernel keeps none: it recomputes them)."""
-    return 0.0 if fused else (FP32 if offset else ACTIVATION_BYTES) * width
+    return 0.0 if fused else (FP32 if offset else a) * width
 
 
-def pre_norm_kept(width: float, offset: bool = False, fused: bool = False) -> float:
+def pre_norm_kept(width: float, a: int, offset: bool = False, fused: bool = False) -> float:
     """Bytes an LLM mixer's pre-norm keeps per token, and its output, which the mixer's first
     projections keep as their input."""
-    return rms_norm_kept(width, offset=offset, fused=fused) + ACTIVATION_BYTES * width
+    return rms_norm_kept(width, a, offset=offset, fused=fused) + a * width
 
 
-def gated_mlp_kept(intermediate: float, fused: bool = False) -> float:
+def gated_mlp_kept(intermediate: float, a: int, fused: bool = False) -> float:
     """Bytes a gated MLP keeps per token beyond its input: the gate and up projections' outputs,
     the activation of the gate (not with Liger's fused kernel, ``fused``) and the product the
     down projection reads."""
-    return (3 if fused else 4) * ACTIVATION_BYTES * intermediate
+    return (3 if fused else 4) * a * intermediate
 
 
 def rms_norm_backward(width: float) -> float:
@@ -73,6 +78,7 @@ def rms_norm_backward(width: float) -> float:
     return 5 * FP32 * width
 
 
-def layer_norm_kept(width: float) -> float:
-    """Bytes a LayerNorm keeps per row: its input, and the mean and 1/std in fp32."""
-    return ACTIVATION_BYTES * width + 2 * FP32
+def layer_norm_kept(width: float, a: int) -> float:
+    """Bytes a LayerNorm keeps per row: its input, and the mean and 1/std in fp32 (a GPU's;
+    torch's CPU kernel keeps them in the input's dtype)."""
+    return a * width + 2 * FP32

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .configs import ModelConfig
 from .embedding import token_embedding
-from .memory import ACTIVATION_BYTES, layer_norm_kept, rms_norm_backward, rms_norm_kept
+from .memory import Saves, layer_norm_kept, rms_norm_backward, rms_norm_kept
 from .vit import vit_norm_kept, vit_norm_params
 from .work import LayerWork, CostTerms
 
@@ -23,46 +23,50 @@ class ProjectorWork:
     kept: float
 
 
-def mlp_projector(c: ModelConfig) -> ProjectorWork:
+def mlp_projector(c: ModelConfig, a: int) -> ProjectorWork:
     """A LayerNorm of the shuffled width, width -> hidden -> hidden (InternVL's ``mlp1``)."""
-    width, hidden, a = c.shuffled_width, c.llm.hidden, ACTIVATION_BYTES
+    width, hidden = c.shuffled_width, c.llm.hidden
     linear = width * hidden + hidden ** 2
     return ProjectorWork(linear, linear + 2 * width + 2 * hidden,
-                         c.tokens_per_tile * (layer_norm_kept(width) + a * width + 2 * a * hidden))
+                         c.tokens_per_tile * (layer_norm_kept(width, a) + a * width
+                                              + 2 * a * hidden))
 
 
-def merger_projector(c: ModelConfig) -> ProjectorWork:
+def merger_projector(c: ModelConfig, a: int) -> ProjectorWork:
     """A norm of each patch, width -> width -> hidden (Qwen's PatchMerger; a DeepStack merger
     norms the width instead)."""
-    v, width, a = c.vision, c.shuffled_width, ACTIVATION_BYTES
+    v, width = c.vision, c.shuffled_width
     linear = width * width + width * c.llm.hidden
     return ProjectorWork(linear, linear + vit_norm_params(v) * v.hidden + width + c.llm.hidden,
-                         c.patches_per_tile * vit_norm_kept(v) + c.tokens_per_tile * 3 * a * width)
+                         c.patches_per_tile * vit_norm_kept(v, a)
+                         + c.tokens_per_tile * 3 * a * width)
 
 
-def pool_projector(c: ModelConfig) -> ProjectorWork:
+def pool_projector(c: ModelConfig, a: int) -> ProjectorWork:
     """The ViT's final norm, an average over each token's patches, an RMSNorm and one matrix
     Hv -> hidden (Gemma 3's projector)."""
-    v, a = c.vision, ACTIVATION_BYTES
+    v = c.vision
     linear = v.hidden * c.llm.hidden
     return ProjectorWork(linear, linear + 2 * v.hidden + v.hidden,
-                         c.patches_per_tile * (layer_norm_kept(v.hidden) + a * v.hidden)
-                         + c.tokens_per_tile * (rms_norm_kept(v.hidden, offset=True)
+                         c.patches_per_tile * (layer_norm_kept(v.hidden, a) + a * v.hidden)
+                         + c.tokens_per_tile * (rms_norm_kept(v.hidden, a, offset=True)
                                                 + a * v.hidden))
 
 
-# the builder of each projector kind a ``ModelConfig`` names (``PROJECTOR_KINDS``)
+# the builder of each projector kind a ``ModelConfig`` names (``PROJECTOR_KINDS``), at an
+# activation element of ``a`` bytes (``Saves.element_bytes``)
 PROJECTORS = {"mlp": mlp_projector, "merger": merger_projector, "pool": pool_projector}
 
 
-def projector_merge(config: ModelConfig) -> LayerWork:
+def projector_merge(config: ModelConfig, saves: Saves) -> LayerWork:
     """The projector of each tile and the token embedding: the image tokens' features written
     into the embedded text. Its backward holds per patch three rows of the ViT's width (and an
     RMSNorm's fp32 gradients), per image token three of the shuffled width and two of the
     LLM's hidden, and the lookup's fp32 table gradient."""
-    v, t, a = config.vision, config.llm, ACTIVATION_BYTES
+    v, t, a = config.vision, config.llm, saves.element_bytes
     patches, tokens, width = config.patches_per_tile, config.tokens_per_tile, config.shuffled_width
-    projector, lookup = PROJECTORS[config.projector](config), token_embedding(t, tokens)
+    projector = PROJECTORS[config.projector](config, a)
+    lookup = token_embedding(t, tokens, a)
     return LayerWork(
         "projector_merge", projector.params + lookup.params,
         flops=CostTerms(tiles=2 * tokens * projector.linear),

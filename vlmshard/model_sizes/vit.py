@@ -4,25 +4,26 @@ Qwen's ViTs across each image or window, added per block by ``image_attention``)
 from __future__ import annotations
 
 from .configs import ModelConfig, VisionConfig
-from .memory import ACTIVATION_BYTES, FP32, INT64, Saves, layer_norm_kept, rms_norm_kept
+from .memory import FP32, INT64, Saves, layer_norm_kept, rms_norm_kept
 from .work import LayerWork, CostTerms
 
 # A learned position table resampled to each image (Qwen3-VL's bilinear interpolation): what it
 # keeps per patch, its four neighbours' int64 indices and fp32 weights (held to the saved-tensor
 # hooks by tests/test_model.py)
 RESAMPLED_POSITIONS_KEPT = 4 * INT64 + 4 * FP32
-# Hidden-wide bf16 rows per patch the embedding's backward holds (no gradient reaches the
-# pixels): the output and its gradient, a copy reordered (Qwen2.5's windows) and its gradient,
-# the conv's workspace; with a resampled position table, its four neighbours' rows, their
+# Hidden-wide rows per patch, in the run's dtype, the embedding's backward holds (no gradient
+# reaches the pixels): the output and its gradient, a copy reordered (Qwen2.5's windows) and its
+# gradient, the conv's workspace; with a resampled position table, its four neighbours' rows, their
 # weighted sum and their gradients too (bounds held at or above torch's memory tracker by
 # tests/test_model.py)
 EMBED_TRANSIENT_ROWS = 6
 RESAMPLED_POSITIONS_TRANSIENT_ROWS = 16
 
 
-def vit_norm_kept(v: VisionConfig, fused: bool = False) -> float:
+def vit_norm_kept(v: VisionConfig, a: int, fused: bool = False) -> float:
     """Bytes one of the ViT's norms keeps per patch (``fused``: an RMSNorm, Liger's)."""
-    return rms_norm_kept(v.hidden, fused=fused) if v.rms_norm else layer_norm_kept(v.hidden)
+    return (rms_norm_kept(v.hidden, a, fused=fused) if v.rms_norm
+            else layer_norm_kept(v.hidden, a))
 
 
 def vit_norm_params(v: VisionConfig) -> int:
@@ -31,11 +32,11 @@ def vit_norm_params(v: VisionConfig) -> int:
     return 1 if v.rms_norm else 2
 
 
-def vit_embed(config: ModelConfig) -> LayerWork:
+def vit_embed(config: ModelConfig, saves: Saves) -> LayerWork:
     """The patch embedding (a conv over ``temporal_patch`` frames), the learned position table
     (one row per patch of a tile, or a table resampled to each image) and a class token. The
     conv keeps its pixels; a resampled table its neighbours' indices and weights."""
-    v, a, patches = config.vision, ACTIVATION_BYTES, config.patches_per_tile
+    v, a, patches = config.vision, saves.element_bytes, config.patches_per_tile
     patch_in = 3 * v.temporal_patch * v.patch_size ** 2
     positions = patches if v.position_embeddings < 0 else v.position_embeddings
     resampled = v.position_embeddings > 0
@@ -57,7 +58,7 @@ def vit_block(config: ModelConfig, saves: Saves) -> LayerWork:
     ``gated_mlp``), two norms, layer scales where the ViT has them. Its attention's FLOPs are
     here only for a ViT attending within a tile: q·kᵀ and its product with v, 2·P²·hidden each
     for the P patches of a tile (Qwen's: ``image_attention``, per block)."""
-    v, a, patches = config.vision, ACTIVATION_BYTES, config.patches_per_tile
+    v, a, patches = config.vision, saves.element_bytes, config.patches_per_tile
     mlp = int(v.hidden * v.mlp_ratio)
     matrices = 3 if v.gated_mlp else 2
     linear = 4 * v.hidden ** 2 + matrices * v.hidden * mlp
@@ -76,7 +77,7 @@ def vit_block(config: ModelConfig, saves: Saves) -> LayerWork:
     else:
         attention = 4 * a * v.hidden
     hiddens = (3 if saves.liger_vit else 4) if v.gated_mlp else 3 if v.quick_gelu else 2
-    kept = (2 * vit_norm_kept(v, saves.liger_vit) + 2 * a * v.hidden + attention
+    kept = (2 * vit_norm_kept(v, a, saves.liger_vit) + 2 * a * v.hidden + attention
             + FP32 * v.heads + 2 * a * v.hidden * v.layer_scale + hiddens * a * mlp)
     # backward: output, its gradient, the input's, a norm's fp32 gradients, and the wider of
     # the MLP's hidden gradients and attention's (fp32 dq accumulator, dq, dk, dv)
