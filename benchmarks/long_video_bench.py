@@ -256,9 +256,9 @@ def _clip_groups(config, bounds: dict, clip, ranks: int, seed: int) -> dict:
         holder = next((g for g in groups if g.length >= clip.tokens and g.qv >= clip.tiles),
                       None)  # None: no degree up to ``ranks`` holds it
         out[name] = {"rank_qv": rank.qv, "rank_qt": rank.qt,
-                               "groups": [f"{g.length}:{g.sp}" for g in groups],
-                               "clip_sp": holder and holder.sp,
-                               "clips_unplaced": int((lengths.source[plan.unplaced] == 3).sum())}
+                     "groups": [f"{g.length}:{g.sp}" for g in groups],
+                     "clip_sp": holder and holder.sp,
+                     "clips_unplaced": int((lengths.source[plan.unplaced] == 3).sum())}
     return out
 
 
