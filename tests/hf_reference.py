@@ -53,10 +53,16 @@ ROWS = [
 
 def make_folder(family: str, path: str, **sizes) -> str:
     """A tiny folder of ``family``: a model_type, or ``internvl3_5_moe`` (InternVL on Qwen3-MoE,
-    as InternVL3.5-30B-A3B; its checkpoint stores each expert apart). ``sizes`` go to the
-    family's ``tiny_folder``."""
+    as InternVL3.5-30B-A3B; its checkpoint stores each expert apart), or
+    ``internvl_final_norm`` (InternViT's final LayerNorm before the projector:
+    ``use_mean_pooling`` false; ViT and LLM widths of their own). ``sizes`` go to the family's
+    ``tiny_folder``."""
     if family == "internvl":
         return tiny_folder("internvl", path, max_patches=2, **sizes)
+    if family == "internvl_final_norm":
+        return tiny_folder("internvl", path, max_patches=2,
+                           vision_sizes={"use_mean_pooling": False, "hidden_size": 40},
+                           text_sizes={"hidden_size": 48})
     if family == "internvl3_5_moe":
         return tiny_folder("internvl", path, max_patches=2, llm="qwen3_moe")
     if family == "gemma3":

@@ -39,14 +39,15 @@ ROPE = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20]
         "mrope_interleaved": True}
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("model_type", FAMILIES + ("internvl_final_norm",))
 def test_each_layer_kind_counts_the_hf_modules_parameters(model_type, tmp_path):
     """Every trainer layer (what a stage holds) as the analytic model counts it, against the
     transformers modules it builds, for every family the trainer runs: InternViT's class token,
-    layer scales and bias-free q/k/v; Qwen2's q/k/v biases; Qwen2-VL's bias-free patch
-    embedding; Qwen2.5-VL's SwiGLU MLPs and RMSNorms; Qwen3-VL's learned position table, plain
-    and DeepStack ViT blocks (a block and its merger), Qwen3 decoder layers (explicit head_dim,
-    q/k norms; dense or router + every expert); the merger or projector; the head."""
+    layer scales and bias-free q/k/v, its final LayerNorm where it has one; Qwen2's q/k/v
+    biases; Qwen2-VL's bias-free patch embedding; Qwen2.5-VL's SwiGLU MLPs and RMSNorms;
+    Qwen3-VL's learned position table, plain and DeepStack ViT blocks (a block and its merger),
+    Qwen3 decoder layers (explicit head_dim, q/k norms; dense or router + every expert); the
+    merger or projector; the head."""
     from vlmshard.train.hf_model import model_layers
 
     folder = make_folder(model_type, str(tmp_path / "model"))

@@ -223,7 +223,8 @@ class InternVL(Family):
                            layers=vision["num_hidden_layers"], heads=vision["num_attention_heads"],
                            mlp_ratio=vision["intermediate_size"] / hidden,
                            qkv_bias=bool(vision.get("attention_bias", False)), layer_scale=True,
-                           cls_token=True, rms_norm=vision.get("norm_type") == "rms_norm")
+                           cls_token=True, rms_norm=vision.get("norm_type") == "rms_norm",
+                           final_norm=not vision.get("use_mean_pooling", True))
         llm = (config.get("text_config") or {}).get("model_type", "qwen2")
         if llm not in LLM_FEATURES:
             raise ConfigError(f"{name}: an InternVL whose LLM is {llm!r} has features this "
@@ -238,11 +239,11 @@ class InternVL(Family):
     def tiny_folder(self, path: str, model_type: str = "internvl", *, max_patches: int = 6,
                     corpus: list[str] = CORPUS, vocab_size: int = 420, seed: int = 0,
                     init_std: float = 0.2, llm: str = "qwen2",
-                    text_sizes: dict | None = None) -> str:
+                    text_sizes: dict | None = None, vision_sizes: dict | None = None) -> str:
         """``llm``: the LLM's model_type, ``qwen2`` (InternVL3) or InternVL3.5's ``qwen3``
         (heads of 16 apart from hidden / heads, q/k norms) or ``qwen3_moe`` (4 experts, 2 a
         token, layer 1 sparse; its checkpoint stores each expert apart, as the hub's do).
-        ``text_sizes`` override the LLM config's sizes."""
+        ``text_sizes`` and ``vision_sizes`` override the LLM's and the ViT's config."""
         from transformers import InternVLConfig
         from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (
             GotOcr2ImageProcessorPil,
@@ -257,8 +258,9 @@ class InternVL(Family):
                          "intermediate_size": 64, "num_hidden_layers": 2,
                          "num_attention_heads": 4, "num_key_value_heads": 2, **LLM_EXTRAS[llm],
                          **(text_sizes or {})},
-            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                               num_attention_heads=2, image_size=[448, 448], patch_size=[14, 14]),
+            vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                           "num_attention_heads": 2, "image_size": [448, 448],
+                           "patch_size": [14, 14], **(vision_sizes or {})},
             image_token_id=vocab - 2, downsample_ratio=0.5)
         config.save_pretrained(path)
         GotOcr2ImageProcessorPil(crop_to_patches=True, min_patches=1, max_patches=max_patches,

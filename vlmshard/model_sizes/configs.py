@@ -30,6 +30,9 @@ class VisionConfig:
     qkv_bias: bool = True  # biases on q, k and v (InternViT-6B and HF's InternViT default: none)
     layer_scale: bool = False  # a learned scale per channel on each residual branch (InternViT)
     cls_token: bool = False  # a class token and its position row (InternViT)
+    # a LayerNorm over the last block's output, class token included, before the projector
+    # (InternViT's ``layernorm`` where ``use_mean_pooling`` is false; an identity otherwise)
+    final_norm: bool = False
     # Qwen's ViTs: one qkv matrix, rotary positions (tables in fp32), attention across each
     # image (each temporal step of a video), not within a tile, with the outputs concatenated:
     # its FLOPs follow ``CostTerms.vit_squares`` (``vit_attention_size``)

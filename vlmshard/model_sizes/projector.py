@@ -24,12 +24,19 @@ class ProjectorWork:
 
 
 def mlp_projector(c: ModelConfig, a: int) -> ProjectorWork:
-    """A LayerNorm of the shuffled width, width -> hidden -> hidden (InternVL's ``mlp1``)."""
-    width, hidden = c.shuffled_width, c.llm.hidden
+    """The ViT's final LayerNorm where it has one (``VisionConfig.final_norm``: over each patch
+    and the class token), then the pixel shuffle, whose copies keep nothing, and InternVL's
+    ``multi_modal_projector``: a LayerNorm of the shuffled width, width -> hidden, GELU,
+    hidden -> hidden. Keeps per image token the LayerNorm (its input, the shuffled features),
+    its output (the first matrix's input), the GELU's input and its output (the second
+    matrix's input)."""
+    v, width, hidden = c.vision, c.shuffled_width, c.llm.hidden
     linear = width * hidden + hidden ** 2
-    return ProjectorWork(linear, linear + 2 * width + 2 * hidden,
-                         c.tokens_per_tile * (layer_norm_kept(width, a) + a * width
-                                              + 2 * a * hidden))
+    final_rows = (c.patches_per_tile + v.cls_token) * v.final_norm
+    return ProjectorWork(linear, linear + 2 * width + 2 * hidden + 2 * v.hidden * v.final_norm,
+                         final_rows * layer_norm_kept(v.hidden, a)
+                         + c.tokens_per_tile * (layer_norm_kept(width, a) + a * width
+                                                + 2 * a * hidden))
 
 
 def merger_projector(c: ModelConfig, a: int) -> ProjectorWork:
