@@ -46,6 +46,16 @@ class Lengths:
                        None if self.supervised is None else self.supervised[index])
 
 
+def in_token_order(image_tiles: list[int],
+                   videos: dict[int, tuple[int, int]]) -> list[tuple[int, int]]:
+    """A sample's images and videos as (tiles, ViT units) in token order: each video at its
+    item (``videos``: item -> its tiles and temporal steps), the images filling the items the
+    videos leave, in order; an image is one unit. Stats and records both place media so."""
+    images = iter(image_tiles)
+    return [videos[item] if item in videos else (next(images), 1)
+            for item in range(len(image_tiles) + len(videos))]
+
+
 @dataclass(frozen=True)
 class MediaUnits:
     """Each sample's images and videos as ViT units, in token order: medium ``j`` of sample

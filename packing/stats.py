@@ -25,7 +25,7 @@ from vlmshard.errors import InputError
 from vlmshard.families import DEMO_FAMILY, policy_from_dict
 from vlmshard.io import sha256_file
 
-from .batches import Lengths, MediaUnits
+from .batches import Lengths, MediaUnits, in_token_order
 
 log = logging.getLogger(__name__)
 
@@ -192,13 +192,11 @@ def read_media_units(path: str) -> MediaUnits:
     video_at = videos.offsets.to_numpy() - videos.offset
     offsets, tiles, units = [0], [], []
     for i in range(table.num_rows):
-        at = {int(video_item[j]): (int(video_tiles[j]), int(steps[j]))
-              for j in range(video_at[i], video_at[i + 1])}
-        own = iter(image_tiles[image_at[i]:image_at[i + 1]].tolist())
-        for item in range(image_at[i + 1] - image_at[i] + len(at)):
-            t, u = at[item] if item in at else (next(own), 1)
-            tiles.append(t)
-            units.append(u)
+        media = in_token_order(image_tiles[image_at[i]:image_at[i + 1]].tolist(),
+                               {int(video_item[j]): (int(video_tiles[j]), int(steps[j]))
+                                for j in range(video_at[i], video_at[i + 1])})
+        tiles.extend(t for t, _ in media)
+        units.extend(u for _, u in media)
         offsets.append(len(tiles))
     return MediaUnits(np.array(offsets, np.int64), np.array(tiles, np.int64),
                       np.array(units, np.int64))

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, ClassVar, Iterator
 import numpy as np
 
 from vlmshard.errors import InputError
+from vlmshard.packing.batches import in_token_order
 from vlmshard.rejects import Reject
 
 from .layout import parse_key, record_key
@@ -74,14 +75,9 @@ class Record:
     def media_units(self) -> list[tuple[int, int]]:
         """Each image's and video's planned tiles and ViT units, in token order: an image is
         one unit, a video one per temporal step (its grid's t)."""
-        out = []
-        for sample in self.samples:
-            tiles = iter(sample["image_tiles"])
-            videos = {v["item"]: v for v in sample.get("videos", ())}
-            for item in range(len(sample["images"]) + len(videos)):
-                out.append((videos[item]["tiles"], videos[item]["grid"][0]) if item in videos
-                           else (next(tiles), 1))
-        return out
+        return [medium for sample in self.samples for medium in in_token_order(
+            sample["image_tiles"], {v["item"]: (v["tiles"], v["grid"][0])
+                                    for v in sample.get("videos", ())})]
 
     @property
     def where(self) -> str:
