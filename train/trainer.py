@@ -30,7 +30,7 @@ from typing import IO, TYPE_CHECKING, ContextManager, Iterator
 import vlmshard.io
 from vlmshard.errors import ConfigError, InputError
 from vlmshard.io import write_json_atomic
-from vlmshard.model_sizes import ModelConfig, training_flops
+from vlmshard.model_sizes import CostTerms, ModelConfig, training_flops
 from vlmshard.process import set_up_logging, skip_collection_at_exit
 from vlmshard.run_log import PIPELINE_NAME
 
@@ -218,26 +218,37 @@ def checkpoint_due(cfg: TrainConfig, completed: int, steps: int) -> bool:
         or completed == steps)
 
 
+@dataclass(frozen=True)
+class StepShared:
+    """What every step of a run shares, set up once before the first."""
+
+    batches: Iterator[dict] | None  # this rank's micro-batches (first stages only)
+    vocab: int  # the LLM's vocabulary, each micro-batch's tokens checked against it
+    flops: CostTerms  # the model's training FLOPs per size (``training_flops``)
+    recomputed_flops: CostTerms  # what the chosen recompute adds (``recompute_flops``)
+    traced: int | None  # --trace: the step under the profiler (the next one host-sampled)
+
+
 def run_steps(cfg: TrainConfig, setup: Setup, engine: TrainEngine, first_step: int,
               log_file: IO[str] | None) -> None:
     """Steps ``first_step`` to the last (``run_step``), Python's garbage collected between
     them only (``StepCollector``)."""
-    batches = (repeated(cfg, engine.dp_rank, first_step, setup.cuda) if engine.reads_data
-               else None)
-    flops = training_flops(setup.sizes, cfg.recipe)
-    recomputed_flops = recompute_flops(setup.model.names, setup.model.analytic_work(),
-                                       setup.chosen.recompute)
-    # --trace: the second step under the profiler, the third's host sampled (HostSampler)
-    traced = first_step + 1 if cfg.trace else None
+    shared = StepShared(
+        batches=(repeated(cfg, engine.dp_rank, first_step, setup.cuda) if engine.reads_data
+                 else None),
+        vocab=setup.model.config.get_text_config().vocab_size,
+        flops=training_flops(setup.sizes, cfg.recipe),
+        recomputed_flops=recompute_flops(setup.model.names, setup.model.analytic_work(),
+                                         setup.chosen.recompute),
+        traced=first_step + 1 if cfg.trace else None)
     with StepCollector(cfg.gc_every) as collector:
         for step in range(first_step, setup.steps):
-            run_step(cfg, setup, engine, step, batches, log_file, flops, recomputed_flops,
-                     traced)
+            run_step(cfg, setup, engine, step, shared, log_file)
             collector.after_step(step + 1)
 
 
-def run_step(cfg: TrainConfig, setup: Setup, engine: TrainEngine, step: int, batches,
-             log_file: IO[str] | None, flops, recomputed_flops, traced: int | None) -> None:
+def run_step(cfg: TrainConfig, setup: Setup, engine: TrainEngine, step: int,
+             shared: StepShared, log_file: IO[str] | None) -> None:
     """One step: load its micro-batches (first stages) and share their sizes, step the engine,
     gather every rank's timings to rank 0's log, checkpoint when due."""
     import torch
@@ -245,10 +256,9 @@ def run_step(cfg: TrainConfig, setup: Setup, engine: TrainEngine, step: int, bat
     from .micro import HostMeta
     from .pipeline import pipeline_inputs
 
-    reads = engine.reads_data
-    vocab = setup.model.config.get_text_config().vocab_size
+    reads, traced = engine.reads_data, shared.traced
     start = time.perf_counter()
-    micro = [check_vocabulary(next(batches), vocab)
+    micro = [check_vocabulary(next(shared.batches), shared.vocab)
              for _ in range(setup.micro_batches)] if reads else []
     inputs = [pipeline_inputs(b, engine.device) for b in micro]
     # Each micro-batch's sizes, from the first stage to the others on the host
@@ -275,7 +285,8 @@ def run_step(cfg: TrainConfig, setup: Setup, engine: TrainEngine, step: int, bat
         timing["data"] = rank_data(micro, setup.sizes)
     every_rank = to_rank_0(timing, setup.topology)
     if log_file:
-        record = step_record(step, result.loss, result.lr, every_rank, flops, recomputed_flops)
+        record = step_record(step, result.loss, result.lr, every_rank, shared.flops,
+                             shared.recomputed_flops)
         record["sp"] = micro[0]["shard"].sp if reads and "shard" in micro[0] else 1
         if step == traced:  # profiled: its times hold the profiler's overhead
             record["traced"] = True
