@@ -76,13 +76,18 @@ def video_mix(n: int, seed: int, clip_share: float = 0.075) -> tuple[Lengths, Me
         offsets.append(len(tiles))
         tokens[i] += text[i]
     media = MediaUnits(np.array(offsets), np.array(tiles, np.int64), np.array(units, np.int64))
-    per_sample = np.add.reduceat(np.r_[media.tiles, 0], media.offsets[:-1])
-    per_sample[np.diff(media.offsets) == 0] = 0
-    unit = media.tiles // media.units
-    largest = np.zeros(n, np.int64)
-    np.maximum.at(largest, np.repeat(np.arange(n), np.diff(media.offsets)), unit)
-    return (Lengths(per_sample, tokens, kind.astype(np.int32),
-                    ("image", "images", "text", "clip"), largest), media)
+    owner = np.repeat(np.arange(n), np.diff(media.offsets))
+    return (Lengths(np.bincount(owner, media.tiles, minlength=n).astype(np.int64), tokens,
+                    kind.astype(np.int32), ("image", "images", "text", "clip"),
+                    largest_units(media)), media)
+
+
+def largest_units(media: MediaUnits) -> np.ndarray:
+    """Each sample's largest ViT unit in tiles (``Lengths.largest``; 0 without media)."""
+    largest = np.zeros(len(media.offsets) - 1, np.int64)
+    np.maximum.at(largest, np.repeat(np.arange(len(largest)), np.diff(media.offsets)),
+                  media.tiles // media.units)
+    return largest
 
 
 def whole(media: MediaUnits) -> MediaUnits:
@@ -300,8 +305,7 @@ def main() -> None:
         return
     lengths, media = video_mix(args.samples, args.seed, args.clip_share)
     before = Lengths(lengths.tiles, lengths.tokens, lengths.source, lengths.sources,
-                     np.maximum.reduceat(np.r_[media.tiles, 0], media.offsets[:-1]) *
-                     (np.diff(media.offsets) > 0))
+                     largest_units(whole(media)))
     refusal = lambda sp: sequence_parallel_refusal(MODEL.llm, sp)  # noqa: E731
     common = {"dp": args.ranks, "ranks": args.ranks, "micro_batches": 1, "seed": args.seed,
               "cost": COST, "mode": MODE, "refusal": refusal}
