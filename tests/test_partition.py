@@ -4,6 +4,7 @@ from the stage model (vlmshard/partition.py's docstring), not from its functions
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -15,6 +16,7 @@ from vlmshard.partition import (
     Machine,
     PartitionError,
     choose_recompute,
+    evaluate,
     greedy_anchor,
     largest_micro_batch_scale,
     omnibal_candidates,
@@ -25,24 +27,37 @@ layer = st.builds(
     lambda f, b, act, inp, out, par, peak: LayerCost("L", f, b, act + inp, inp, out, par, peak),
     st.floats(0.1, 5.0), st.floats(0.1, 10.0), st.integers(0, 1000), st.integers(0, 200),
     st.integers(0, 500), st.integers(0, 800), st.integers(0, 1500))
+# a layer that may have a selective mode, keeping its input and a share of the rest (percent)
+selective_layer = st.builds(
+    lambda f, act, inp, par, peak, share: LayerCost(
+        "L", f, 2 * f, act + inp, inp, 0, par, peak,
+        selective_bytes=None if share is None else inp + act * share // 100),
+    st.floats(0.1, 5.0), st.integers(0, 1000), st.integers(0, 200), st.integers(0, 800),
+    st.integers(0, 1500), st.none() | st.integers(0, 100))
 
 
 # --- the stage model, written out again ----------------------------------------------------------
 # Stage s of P over layers [first, end), recomputing the set R, under 1F1B:
 #   memory = Σ params + (P − s) · Σ (input if recomputed else activation) + max activation in R
 #            + max over the stage of (peak − activation, or 0): what a layer needs while it runs
+#   (a layer recomputed selectively, of those in S not in R, keeps its selective bytes instead,
+#   and its transient is peak − selective bytes: it rebuilds the rest as it runs)
 #   time   = Σ (forward + backward) + Σ_R forward + output bytes of its last layer / link
 #            (not last)
 # The recompute a stage gets is the fewest layers that fit the budget, of those the least memory.
 
-def _memory(layers, first, end, in_flight, recompute) -> int:
-    total = 0
+def _memory(layers, first, end, in_flight, recompute, selective=()) -> int:
+    total = transient = 0
     for i in range(first, end):
         lay = layers[i]
-        total += lay.param_bytes + in_flight * (lay.input_bytes if i in recompute
-                                                else lay.activation_bytes)
-    transient = max(max(layers[i].peak_bytes - layers[i].activation_bytes, 0)
-                    for i in range(first, end))
+        if i in recompute:
+            kept, unrebuilt = lay.input_bytes, lay.activation_bytes
+        elif i in selective and lay.selective_bytes is not None:
+            kept = unrebuilt = lay.selective_bytes
+        else:
+            kept = unrebuilt = lay.activation_bytes
+        total += lay.param_bytes + in_flight * kept
+        transient = max(transient, lay.peak_bytes - unrebuilt)
     return total + max([layers[i].activation_bytes for i in recompute] or [0]) + transient
 
 
@@ -52,13 +67,14 @@ def _time(layers, first, end, recompute, link, last) -> float:
     return t + (0.0 if last else layers[end - 1].output_bytes / link)
 
 
-def _admissible(layers, first, end, in_flight, budget) -> list[tuple[int, ...]]:
-    """Every recompute set of [first, end) the rule allows: of the subsets that fit, those with
-    the fewest layers, and of those the least memory (ties all returned). Empty if none fits."""
+def _admissible(layers, first, end, in_flight, budget, selective=()) -> list[tuple[int, ...]]:
+    """Every recompute set of [first, end) the rule allows (the layers ``selective`` recomputed
+    selectively where not whole): of the subsets that fit, those with the fewest layers, and of
+    those the least memory (ties all returned). Empty if none fits."""
     span = range(first, end)
     for k in range(len(span) + 1):
         fits = [(m, c) for c in itertools.combinations(span, k)
-                if (m := _memory(layers, first, end, in_flight, c)) <= budget]
+                if (m := _memory(layers, first, end, in_flight, c, selective)) <= budget]
         if fits:
             least = min(m for m, _ in fits)
             return [c for m, c in fits if m == least]
@@ -124,6 +140,78 @@ def test_recompute_is_the_fewest_layers_that_fit(layers, in_flight, budget):
         assert chosen is None
         return
     assert tuple(chosen) in allowed
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(selective_layer, min_size=1, max_size=6), st.integers(1, 4),
+       st.integers(0, 8000))
+def test_whole_layers_beside_selective_ones_are_the_fewest_that_fit(layers, in_flight, budget):
+    """The whole layers ``choose_selective`` adds when selective recompute is not enough: a
+    whole layer keeps its input, rebuilds its full activation and has its own transient, not
+    the larger one it has recomputed selectively."""
+    n = len(layers)
+    selective = [i for i, c in enumerate(layers) if c.selective_bytes is not None]
+    chosen = choose_recompute(layers, 0, n, in_flight, budget, selective)
+    allowed = _admissible(layers, 0, n, in_flight, budget, selective)
+    if not allowed:
+        assert chosen is None
+        return
+    assert tuple(chosen) in allowed
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(selective_layer, min_size=1, max_size=6), st.integers(1, 3),
+       st.integers(500, 6000))
+def test_the_search_finds_a_partition_where_full_recompute_fits_one(layers, stages, budget):
+    """Where recomputing every layer whole fits some partition, the search (selective
+    recompute first) finds one: its error, which says no partition fits even so, is true.
+    (Not the converse: rebuilding a layer can cost more than keeping it.)"""
+    n = len(layers)
+    if stages > n:
+        return
+    fits = any(all(_memory(layers, first, end, stages - s, range(first, end)) <= budget
+                   for s, (first, end) in enumerate(zip(bounds, bounds[1:])))
+               for cuts in itertools.combinations(range(1, n), stages - 1)
+               for bounds in [[0, *cuts, n]])
+    try:
+        found = search_partition(layers, stages, Machine(memory_budget=budget))
+    except PartitionError as e:
+        assert not fits, e
+        return
+    for s, stage in enumerate(found.stages):
+        assert stage.memory_bytes == _memory(layers, stage.first, stage.end, stages - s,
+                                             stage.recompute, stage.selective) <= budget
+
+
+def test_a_stage_fits_by_recomputing_its_selective_layers_whole_by_hand():
+    """Layers A and B keep 100 units, 10 of input, 40 recomputed selectively, and peak at 100
+    (no transient as they are; selectively 60, the rest rebuilt); C keeps 20, 10 of input, has
+    no selective mode and 60 of parameters. Two stages, 150 units each: stage 0 holds 2
+    micro-batches, stage 1 one.
+    - [A B | C]: stage 0 as it is 2 x 200 = 400; A selective 2 x 140 + 60 = 340; both
+      selective 2 x 80 + 60 = 220; A whole, B selective 2 x 50 + 100 rebuilt + B's 60 = 260;
+      both whole 2 x 20 + 100 = 140: fits (counting the selective transient of 60 too, 200,
+      it would not). Stage 1: 60 + 20 = 80.
+    - [A | B C]: stage 1 as it is 60 + 100 + 20 = 180; B selective 60 + 40 + 20 + 60 = 180;
+      B whole 60 + 10 + 20 + 100 = 190; B and C whole 60 + 10 + 10 + 100 = 180; C whole, B
+      selective 60 + 40 + 10 + 20 + 60 = 190: none fits.
+    So the one partition is [0, 2, 3], A and B recomputed whole: 1 + 2 s each and their
+    forwards again, 8 s. At 130 units none fits, and the error names [A B | C]'s stage 0,
+    140 units with every layer recomputed ([A | B C]'s fullest needs 180)."""
+    unit = 2**30 // 100
+    a = LayerCost("A", 1.0, 2.0, 100 * unit, 10 * unit, 0, 0, 100 * unit,
+                  selective_bytes=40 * unit)
+    c = LayerCost("C", 1.0, 2.0, 20 * unit, 10 * unit, 0, 60 * unit, 20 * unit)
+    layers = [a, replace(a, name="B"), c]
+    found = search_partition(layers, 2, Machine(150 * unit))
+    assert found.bounds == [0, 2, 3]
+    assert [(s.recompute, s.selective, s.memory_bytes) for s in found.stages] == [
+        ([0, 1], [], 140 * unit), ([], [], 80 * unit)]
+    assert found.max_time_s == pytest.approx(8.0)
+    assert evaluate(layers, [0, 1, 3], Machine(150 * unit)) is None
+    with pytest.raises(PartitionError, match=r"the best leaves stage 0 \(layers A to B\) "
+                                             r"needing 1\.40 GiB .* above the 1\.30 GiB"):
+        search_partition(layers, 2, Machine(130 * unit))
 
 
 def test_recompute_counts_the_activation_it_rebuilds():
@@ -194,7 +282,9 @@ def test_selective_recompute_comes_before_whole_layers_by_hand():
       selective 40 + 50 + 60 = 150 + 60 = 210: both, no whole layer.
     - 200: both selective is 210; then the fewest whole layers on top: one is not enough (A:
       10 + 50 + 60 + its full 100 rebuilt + B's 30 = 250; B: 40 + 10 + 60 + 80 + A's 60 = 250;
-      C: 40 + 50 + 10 + 60 + 60 = 220), two are: B and C, 40 + 10 + 10 + 80 + A's 60 = 200.
+      C: 40 + 50 + 10 + 60 + 60 = 220), two are: A and C 10 + 50 + 10 + 100 + B's 30 = 200,
+      B and C 40 + 10 + 10 + 80 + A's 60 = 200, and the least, A and B: 10 + 10 + 60 + 100,
+      no transient left (a whole layer has its own, none) = 180.
     - 100: even all three whole need 10 + 10 + 10 + 100 = 130."""
     from vlmshard.partition import make_stage, stage_memory
 
@@ -202,7 +292,7 @@ def test_selective_recompute_comes_before_whole_layers_by_hand():
               LayerCost("B", 1.0, 2.0, 80, 10, 10, 0, 80, selective_bytes=50),
               LayerCost("C", 1.0, 2.0, 60, 10, 10, 0, 60)]
     for budget, whole, selective, memory in ((240, [], [], 240), (230, [], [0, 1], 210),
-                                             (215, [], [0, 1], 210), (200, [1, 2], [0], 200)):
+                                             (215, [], [0, 1], 210), (200, [0, 1], [], 180)):
         stage = make_stage(layers, 0, 3, 0, 1, Machine(memory_budget=budget))
         assert (stage.recompute, stage.selective, stage.memory_bytes) == (
             whole, selective, memory), budget

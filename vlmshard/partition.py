@@ -11,8 +11,9 @@ Model of one stage s of P holding layers [first, end) under 1F1B:
   analytic model's, ``model_sizes.LayerWork.transient``).
 
 ``choose_recompute`` picks, for one stage, the fewest layers to recompute so the stage fits the
-memory budget: recomputing the layers that save the most first is optimal for the count, since
-any k layers save at most the k largest savings. ``search_partition`` is the exact min-max
+memory budget: once the largest layer it rebuilds and the largest transient are fixed,
+recomputing the layers that save the most first is optimal for the count, since any k layers
+save at most the k largest savings. ``search_partition`` is the exact min-max
 contiguous partition by dynamic programming over (stage, first layer), each stage costed with
 the recompute it then needs (tests/test_partition.py holds it to an exhaustive search).
 ``omnibal_candidates`` is OmniBal's neighbourhood search around the greedy anchor, ranked by
@@ -176,41 +177,50 @@ class PartitionError(ConfigError):
 
 
 def choose_recompute(layers: list[LayerCost], first: int, end: int, in_flight: int,
-                     budget: int, rebuilt: list[int] | None = None) -> list[int] | None:
-    """Fewest layers of [first, end) to recompute so the stage fits ``budget`` (of those, the
-    least memory); None if even recomputing every layer does not fit.
+                     budget: int, selective=()) -> list[int] | None:
+    """Fewest layers of [first, end) to recompute whole so the stage fits ``budget`` (of those,
+    the least memory), those at the indices ``selective`` recomputed selectively unless chosen;
+    None if even recomputing every layer does not fit.
 
-    Recomputing layer i saves ``in_flight × (activation − input)`` but the backward pass then
-    rebuilds the largest recomputed activation. So for each candidate largest layer j, the best
-    set of k layers is j and the k − 1 largest savings among layers no larger than j; the answer
-    is the best over j. Exact, O(n²) per stage. ``rebuilt``: per layer what a whole recompute
-    rebuilds, where it is more than the activation it keeps otherwise (a selective layer's)."""
+    Recomputing layer i whole saves ``in_flight × (kept − input)``, but the backward pass then
+    rebuilds the largest recomputed activation, and a whole layer's transient is its own, not
+    the one it has as it runs otherwise (a selective layer's includes its rebuild). So for each
+    cap R on the rebuilt activation and level T on the largest transient, the set must hold
+    every layer whose transient otherwise exceeds T, and the best set of k layers adds to those
+    the largest savings among layers no larger than R; the answer is the best over R and T,
+    the layers' sizes and transients. Exact, O(n²) per stage without selective layers."""
     span = range(first, end)
-    if stage_memory(layers, first, end, in_flight, []) <= budget:
+    left = dict(zip(span, with_selective(layers[first:end], [i - first for i in selective])))
+    base = (stage_param_bytes(layers, first, end)
+            + in_flight * sum(c.activation_bytes for c in left.values()))
+    running = {i: c.transient_bytes for i, c in left.items()}  # the transient unless whole
+    if base + max(running.values()) <= budget:
         return []
-    saving = {i: in_flight * (layers[i].activation_bytes - layers[i].input_bytes) for i in span}
-    size = {i: rebuilt[i] if rebuilt else layers[i].activation_bytes for i in span}
-    fixed = (stage_param_bytes(layers, first, end)
-             + in_flight * sum(layers[i].activation_bytes for i in span)
-             + max(layers[i].transient_bytes for i in span))
+    saving = {i: in_flight * (c.activation_bytes - c.input_bytes) for i, c in left.items()}
+    size = {i: layers[i].activation_bytes for i in span}
+    floor = max(layers[i].transient_bytes for i in span)  # the transient with every layer whole
     by_saving = sorted(span, key=lambda i: (-saving[i], i))
-    # (layers, memory, largest layer, chosen): ties go to the first largest layer in order, so
-    # of the layers alike in size and saving (a model's repeated blocks) only the first can win
-    peaks = {(size[i], saving[i]): i for i in reversed(span)}.values()
-    best: tuple[int, int, int, list[int]] | None = None
-    for peak in sorted(peaks, key=lambda i: -size[i]):  # most choice first: the best soonest
-        cap = size[peak]
-        chosen = [peak]
-        memory = fixed + cap - saving[peak]
-        for i in by_saving:
-            if memory <= budget or (best and len(chosen) > best[0]):
-                break  # fits, or already more layers than the best: it cannot win
-            if i != peak and size[i] <= cap:
-                chosen.append(i)
-                memory -= saving[i]
-        if memory <= budget and (best is None or (len(chosen), memory, peak) < best[:3]):
-            best = (len(chosen), memory, peak, sorted(chosen))
-    return None if best is None else best[3]
+    best: tuple[int, int, list[int]] | None = None  # (layers, memory, chosen)
+    # a level or cap above the one the chosen set reaches only overstates its memory, which
+    # the set's own level and cap, also tried, state exactly
+    for level in sorted({floor, *(t for t in running.values() if t > floor)}, reverse=True):
+        forced = [i for i in span if running[i] > level]
+        if best and len(forced) > best[0]:
+            break  # a lower level forces at least these: it cannot win
+        for cap in sorted(set(size.values()), reverse=True):  # most choice first: best soonest
+            if any(size[i] > cap for i in forced):
+                break
+            chosen = list(forced)
+            memory = base + cap + level - sum(saving[i] for i in forced)
+            for i in by_saving:
+                if memory <= budget or (best and len(chosen) > best[0]):
+                    break  # fits, or already more layers than the best: it cannot win
+                if running[i] <= level and size[i] <= cap:
+                    chosen.append(i)
+                    memory -= saving[i]
+            if memory <= budget and (best is None or (len(chosen), memory) < best[:2]):
+                best = (len(chosen), memory, sorted(chosen))
+    return None if best is None else best[2]
 
 
 def stage_param_bytes(layers: list[LayerCost], first: int, end: int) -> int:
@@ -255,9 +265,9 @@ def choose_selective(layers: list[LayerCost], first: int, end: int, in_flight: i
     """Recompute for a stage: (whole layers, selective layers), none where it fits as it is.
     Selective recompute costs no matrix FLOPs, so it comes first: the fewest layers with a
     selective mode, largest saving first, that make the stage fit; where all of them are not
-    enough, the fewest whole layers on top (``choose_recompute`` over the layers as selective
-    recompute leaves them, a whole layer rebuilding its full activation). None if nothing
-    fits."""
+    enough, the fewest whole layers on top (``choose_recompute``, the rest selective: a whole
+    layer rebuilds its full activation beside its own transient, not its selective one's).
+    None if nothing fits."""
     # stage_memory with ``chosen`` selective, kept up as each joins
     params = stage_param_bytes(layers, first, end)
     kept = in_flight * sum(layers[i].activation_bytes for i in range(first, end))
@@ -273,8 +283,7 @@ def choose_selective(layers: list[LayerCost], first: int, end: int, in_flight: i
         transient = max(transient, layers[i].selectively.transient_bytes)
         if params + kept + transient <= budget:
             return [], sorted(chosen)
-    whole = choose_recompute(with_selective(layers, eligible), first, end, in_flight, budget,
-                             [c.activation_bytes for c in layers])
+    whole = choose_recompute(layers, first, end, in_flight, budget, eligible)
     if whole is None:
         return None
     return whole, sorted(i for i in eligible if i not in whole)
