@@ -418,7 +418,8 @@ def _deal_steps(lengths, placed, bin_of_item, n_bins, ranks, micro_batches, cost
     A = np.bincount(bin_of_item, cost.squares(tokens), minlength=n_bins)
     S = np.bincount(bin_of_item, lengths.supervised_or_tokens()[placed].astype(np.float64),
                     minlength=n_bins)
-    C = cost.cost(V, L, A, S)
+    U = np.bincount(bin_of_item, lengths.unit_squares_or_zero()[placed], minlength=n_bins)
+    C = cost.cost(V, L, A, S, U)
     index = np.arange(n_bins)
     window = index // (options.balance_steps * per_step)
     by_attn = np.lexsort((A, -V, window))

@@ -24,11 +24,14 @@ class Lengths:
     # the input does not say (OmniBal's length files): then ``supervised_or_tokens`` gives its
     # tokens, the most there can be
     supervised: np.ndarray | None = None
+    # float64: Σ over the sample's ViT units of their tiles², the work of a ViT that attends
+    # across each unit (Qwen's: ``CostModel.a_vs``); None where the input does not say (0 then)
+    unit_squares: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.tiles) == len(self.tokens) == len(self.source)):
             raise ValueError("tiles, tokens and source must have one entry per sample")
-        for name in ("largest", "supervised"):
+        for name in ("largest", "supervised", "unit_squares"):
             column = getattr(self, name)
             if column is not None and len(column) != len(self.tiles):
                 raise ValueError(f"{name} must have one entry per sample")
@@ -37,13 +40,19 @@ class Lengths:
         """Per sample its supervised tokens, or its tokens (an upper bound) where unknown."""
         return self.tokens if self.supervised is None else self.supervised
 
+    def unit_squares_or_zero(self) -> np.ndarray:
+        """Per sample Σ tiles² over its ViT units, 0 where unknown (float64)."""
+        return (np.zeros(len(self.tiles)) if self.unit_squares is None
+                else self.unit_squares.astype(np.float64))
+
     def __len__(self) -> int:
         return len(self.tiles)
 
     def take(self, index: np.ndarray) -> "Lengths":
         return Lengths(self.tiles[index], self.tokens[index], self.source[index], self.sources,
                        None if self.largest is None else self.largest[index],
-                       None if self.supervised is None else self.supervised[index])
+                       None if self.supervised is None else self.supervised[index],
+                       None if self.unit_squares is None else self.unit_squares[index])
 
 
 def in_token_order(image_tiles: list[int],

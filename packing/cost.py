@@ -1,8 +1,12 @@
 """The cost model of ``docs/design.md``: what one micro-batch costs on each resource.
 
-``vit_cost = a_v·Σtiles`` and ``llm_cost = a_t·Σseq_len + b·Σseq_len² + a_s·Σsupervised``
-(packed samples attend only within themselves, so attention is quadratic per sample; the LM head
-makes logits for supervised tokens only, the samples' ``loss_tokens``). Only attention layers
+``vit_cost = a_v·Σtiles + a_vs·Σunit_tiles²`` and
+``llm_cost = a_t·Σseq_len + b·Σseq_len² + a_s·Σsupervised``. A Qwen ViT attends across each
+image and each temporal step of a video (its ViT units), so its attention is quadratic per unit
+(``Lengths.unit_squares``); a windowed block's is charged as whole windows in ``a_v``, exact
+where an image's sides are whole windows, above it otherwise. Packed samples attend only within
+themselves, so the LLM's attention is quadratic per sample; the LM head makes logits for
+supervised tokens only, the samples' ``loss_tokens``. Only attention layers
 make the ``b`` term (a linear-attention layer costs linear in tokens). Where some of them attend
 within a sliding ``window`` w (Gemma 3's local layers), their ``window_share`` of ``b`` costs
 w·(2·seq_len − w) a sample past the window instead (causal pairs, as seq_len² counts them for
@@ -62,6 +66,8 @@ class CostModel:
     a_v_share: float = 1.0
     # a model refit from a run's log (``from_run``): the rows it was fitted over and its error
     fit: dict | None = None
+    # per tile² of a ViT unit: the attention of a ViT across each image and video step (Qwen's)
+    a_vs: float = 0.0
 
     @classmethod
     def from_sizes(cls, model, recipe: Recipe = Recipe()) -> "CostModel":
@@ -73,12 +79,17 @@ class CostModel:
         flops = training_flops(model, recipe)
         full = training_flops(model)
         b = flops.squares + flops.windowed
-        return cls(flops.tiles, flops.tokens, b, f"flops:{model.name}",
+        # ``vit_attention_size``'s Σ P² of P = tiles·merge² patches per unit, and per tile a
+        # whole window's (window² tiles') P² over its tiles
+        per_tile = model.patches_per_tile ** 2 * model.vision.window ** 2
+        a_v, full_a_v = (f.tiles + f.vit_windows * per_tile for f in (flops, full))
+        return cls(a_v, flops.tokens, b, f"flops:{model.name}",
                    window=model.llm.sliding_window if flops.windowed else 0,
                    window_share=flops.windowed / b if flops.windowed else 0.0,
                    c_sp=sequence_parallel_bytes(model) * flops_per_sp_byte(GPUS[REFERENCE_GPU]),
                    a_s=flops.supervised, recipe=recipe.describe(),
-                   a_v_share=flops.tiles / full.tiles if full.tiles else 1.0)
+                   a_v_share=a_v / full_a_v if full_a_v else 1.0,
+                   a_vs=flops.vit_squares * model.patches_per_tile ** 2)
 
     @classmethod
     def for_stats(cls, name: str | None, family: str, model_folder: str | None = None,
@@ -105,13 +116,13 @@ class CostModel:
             raise InputError(f"{path}: window must be >= 0, window_share within [0, 1] and "
                              "c_sp >= 0")
         try:
-            a_s = float(data.get("a_s", 0.0))
+            a_s, a_vs = (float(data.get(k, 0.0)) for k in ("a_s", "a_vs"))
         except (TypeError, ValueError) as e:
-            raise InputError(f"{path}: a_s must be a number") from e
-        if a_s < 0:
-            raise InputError(f"{path}: a_s must be >= 0")
+            raise InputError(f"{path}: a_s and a_vs must be numbers") from e
+        if min(a_s, a_vs) < 0:
+            raise InputError(f"{path}: a_s and a_vs must be >= 0")
         return cls(a_v, a_t, b, f"file:{path}", window=window, window_share=share, c_sp=c_sp,
-                   a_s=a_s)
+                   a_s=a_s, a_vs=a_vs)
 
     @classmethod
     def from_run(cls, folder: str) -> "CostModel":
@@ -129,20 +140,23 @@ class CostModel:
             if len(rows) < 3:
                 raise InputError(f"{path}: {len(rows)} step(s) x data-parallel ranks after the "
                                  "warm-up step: too few to fit a_v, a_t and b (train more steps)")
-            refit = cls(**fit_coefficients(rows, window.window_share), origin=f"run:{folder}",
+            refit = cls(**fit_coefficients(rows, window.window_share, model.patches_per_tile),
+                        origin=f"run:{folder}",
                         window=window.window, window_share=window.window_share)
-            refit = replace(refit, fit=fit_error(refit, rows))
+            refit = replace(refit, fit=fit_error(refit, rows, model.patches_per_tile))
         except KeyError as e:
             raise InputError(f"{path} lacks {e}: a run of an older vlmshard") from e
         if refit.a_v + refit.a_t + refit.b <= 0:
             raise InputError(f"{path}: its times fit no positive cost (a_v, a_t, b all 0)")
         return refit
 
-    def cost(self, tiles, tokens, squares, supervised=None):
-        """Cost of micro-batches (or ranks) from their Σtiles, Σtokens, Σ``squares`` and
-        Σsupervised tokens (None: their tokens, the most there can be)."""
+    def cost(self, tiles, tokens, squares, supervised=None, unit_squares=0.0):
+        """Cost of micro-batches (or ranks) from their Σtiles, Σtokens, Σ``squares``,
+        Σsupervised tokens (None: their tokens, the most there can be) and Σ tiles² over their
+        ViT units (``Lengths.unit_squares``)."""
         supervised = tokens if supervised is None else supervised
-        return self.a_v * tiles + self.a_t * tokens + self.b * squares + self.a_s * supervised
+        return (self.a_v * tiles + self.a_vs * unit_squares + self.a_t * tokens
+                + self.b * squares + self.a_s * supervised)
 
     def sp_exchange(self, tokens, sp: int):
         """What sequence parallelism of degree ``sp`` adds to micro-batches (or ranks) of
@@ -232,7 +246,7 @@ def cost_model_file(path: str) -> dict:
 # A run's parts as a profile splits its layers: the ViT's time holds the projector's (per-tile
 # layers), the LLM's the rest but the LM head, timed apart for a_s
 _RUN_PARTS = {"vit_s": ("vit", "projector"), "llm_s": ("llm",), "head_s": ("head",)}
-_RUN_SIZES = ("tiles", "tokens", "squares", "supervised", "windowed")
+_RUN_SIZES = ("tiles", "tokens", "squares", "supervised", "windowed", "vit_squares")
 
 
 def run_rows(records: list[dict]) -> list[dict]:
@@ -255,24 +269,36 @@ def run_rows(records: list[dict]) -> list[dict]:
     return rows
 
 
-def fit_coefficients(rows: list[dict], window_share: float = 0.0) -> dict:
+def fit_coefficients(rows: list[dict], window_share: float = 0.0,
+                     patches_per_tile: int | None = None) -> dict:
     """``a_v``, ``a_t``, ``b`` in seconds, by non-negative least squares over rows of measured
     sizes (``tiles``, ``tokens``, ``squares``, a sliding window's ``windowed``) and seconds (the
     ViT's ``vit_s``, the LLM's ``llm_s``): ``b`` per unit of quadratic work as
     ``CostModel.squares`` counts it (``window_share`` of it within the window). Where the rows
     time the LM head apart (``head_s``), ``a_s`` per ``supervised`` token too; else ``llm_s``
-    holds the head."""
-    (a_v,) = _nnls(_column(rows, "tiles")[:, None], _column(rows, "vit_s"))
+    holds the head. For a ViT attending across its units (``patches_per_tile`` given) whose
+    rows log their Σ P² (``vit_squares``, P patches a unit), ``a_vs`` per unit tile² too,
+    where the rows tell it apart from ``a_v``."""
+    vit = _column(rows, "tiles")[:, None]
+    if patches_per_tile and any(r.get("vit_squares") for r in rows):
+        both = np.c_[vit, _column(rows, "vit_squares") / patches_per_tile ** 2]
+        # rows whose tiles and tile² are in one proportion (ranks given equal media) cannot
+        # tell the two apart: a_v alone then holds the attention
+        across = np.linalg.matrix_rank(both / both.max(axis=0).clip(min=1.0)) == 2
+        vit = both if across else vit
+    a_v, *a_vs = _nnls(vit, _column(rows, "vit_s"))
     a_t, b = _nnls(np.stack([_column(rows, "tokens"), _quadratic(rows, window_share)], axis=1),
                    _column(rows, "llm_s"))
-    fitted = {"a_v": a_v, "a_t": a_t, "b": b}
+    fitted = {"a_v": a_v, "a_t": a_t, "b": b, **({"a_vs": a_vs[0]} if a_vs else {})}
     if "head_s" in rows[0]:
         (fitted["a_s"],) = _nnls(_column(rows, "supervised")[:, None], _column(rows, "head_s"))
     return fitted
 
 
 def _column(rows: list[dict], key: str) -> np.ndarray:
-    return np.array([r[key] for r in rows], dtype=float)
+    """``key`` of each row; the ViT's ``vit_squares`` 0 where not logged (a ViT within tiles)."""
+    return np.array([r.get(key, 0.0) if key == "vit_squares" else r[key] for r in rows],
+                    dtype=float)
 
 
 def _quadratic(rows: list[dict], window_share: float) -> np.ndarray:
@@ -293,10 +319,11 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> list[float]:
     return [float(c) for c in coefficients / scale]
 
 
-def fit_error(cost: CostModel, rows: list[dict]) -> dict:
-    """How well ``cost`` times ``run_rows``: their count and the root-mean-square error of each
-    row's predicted compute over the mean measured."""
+def fit_error(cost: CostModel, rows: list[dict], patches_per_tile: int) -> dict:
+    """How well ``cost`` times ``run_rows`` (of a model of ``patches_per_tile``): their count and
+    the root-mean-square error of each row's predicted compute over the mean measured."""
     measured = sum(_column(rows, k) for k in _RUN_PARTS)
     error = cost.cost(_column(rows, "tiles"), _column(rows, "tokens"),
-                      _quadratic(rows, cost.window_share), _column(rows, "supervised")) - measured
+                      _quadratic(rows, cost.window_share), _column(rows, "supervised"),
+                      _column(rows, "vit_squares") / patches_per_tile ** 2) - measured
     return {"rows": len(rows), "rms_error": float(np.sqrt(np.mean(error ** 2)) / measured.mean())}

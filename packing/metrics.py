@@ -143,16 +143,18 @@ def step_loads(lengths: Lengths, packing: Packing, cost: CostModel, dp: int) -> 
     A = np.bincount(micro, cost.squares(tokens), minlength=n_micro)
     S = np.bincount(micro, lengths.supervised_or_tokens()[packing.items].astype(np.float64),
                     minlength=n_micro)
+    U = np.bincount(micro, lengths.unit_squares_or_zero()[packing.items], minlength=n_micro)
 
-    Vr, Lr, Ar, Sr = (per_rank(x, packing, dp) for x in (V, L, A, S))
+    Vr, Lr, Ar, Sr, Ur = (per_rank(x, packing, dp) for x in (V, L, A, S, U))
     n_sources = len(lengths.sources)
     sources = np.bincount((micro // per_step) * n_sources + lengths.source[packing.items],
                           minlength=steps * n_sources).reshape(steps, n_sources)
-    return Loads(V, L, Vr, Lr, Ar, cost.cost(Vr, Lr, Ar, Sr), sources)
+    return Loads(V, L, Vr, Lr, Ar, cost.cost(Vr, Lr, Ar, Sr, Ur), sources)
 
 
-# the columns of ``micro_batch_sizes``: tiles, tokens, Σseq_len², supervised tokens
-SIZE_COLUMNS = 4
+# the columns of ``micro_batch_sizes``: tiles, tokens, Σseq_len², supervised tokens, Σ tiles²
+# over ViT units (``CostModel.cost``'s arguments in order)
+SIZE_COLUMNS = 5
 
 
 def per_rank(micro: np.ndarray, packing: Packing, dp: int) -> np.ndarray:
@@ -163,10 +165,10 @@ def per_rank(micro: np.ndarray, packing: Packing, dp: int) -> np.ndarray:
 
 
 def executed_sizes(sizes: np.ndarray, *, qv: int, qt: int, mode: str) -> np.ndarray:
-    """[micro-batches, 4]: the tiles, tokens, Σseq_len² and supervised tokens the trainer
-    computes on for each micro-batch of ``micro_batch_sizes``, in compute ``mode``
-    (``cost.ComputeMode``): the real ones (``padding-free``), or Qv tiles and Qt tokens with
-    attention and the LM head's rows within the real samples (``padded``). The metrics and the
+    """[micro-batches, 5]: the sizes (``SIZE_COLUMNS``) the trainer computes on for each
+    micro-batch of ``micro_batch_sizes``, in compute ``mode`` (``cost.ComputeMode``): the real
+    ones (``padding-free``), or Qv tiles and Qt tokens with attention (the LLM's and the ViT's)
+    and the LM head's rows within the real samples and units (``padded``). The metrics and the
     simulator both cost these."""
     if mode == "padding-free":
         return sizes
@@ -188,15 +190,16 @@ def executed_work(sizes: np.ndarray, packing: Packing, cost: CostModel, dp: int,
 
 def micro_batch_sizes(lengths: Lengths, packing: Packing, padded: bool,
                       cost: CostModel | None = None) -> np.ndarray:
-    """[micro-batches, 4]: the tiles, tokens, Σseq_len² (``cost.squares`` where given) and
-    supervised tokens (``Lengths.supervised_or_tokens``) each micro-batch makes the model
-    process: the sums of its samples' ``item_sizes``."""
+    """[micro-batches, 5]: the tiles, tokens, Σseq_len² (``cost.squares`` where given),
+    supervised tokens (``Lengths.supervised_or_tokens``) and Σ tiles² over ViT units
+    (``Lengths.unit_squares``) each micro-batch makes the model process: the sums of its
+    samples' ``item_sizes``."""
     return per_micro_batch(packing, item_sizes(lengths, packing, padded, cost))
 
 
 def item_sizes(lengths: Lengths, packing: Packing, padded: bool,
                cost: CostModel | None = None) -> np.ndarray:
-    """[items, 4]: ``micro_batch_sizes``' columns for each placed sample, in ``packing.items``
+    """[items, 5]: ``micro_batch_sizes``' columns for each placed sample, in ``packing.items``
     order. Padded (``random``, ``lengthgroup``): the sample as long as its micro-batch's
     longest (its padding supervises nothing)."""
     tokens = lengths.tokens[packing.items].astype(np.float64)
@@ -204,7 +207,8 @@ def item_sizes(lengths: Lengths, packing: Packing, padded: bool,
         tokens = np.maximum.reduceat(tokens, packing.offsets[:-1])[packing.micro_of_item()]
     return np.stack([lengths.tiles[packing.items].astype(np.float64), tokens,
                      cost.squares(tokens) if cost else tokens * tokens,
-                     lengths.supervised_or_tokens()[packing.items].astype(np.float64)], axis=1)
+                     lengths.supervised_or_tokens()[packing.items].astype(np.float64),
+                     lengths.unit_squares_or_zero()[packing.items]], axis=1)
 
 
 def per_micro_batch(packing: Packing, per_item: np.ndarray) -> np.ndarray:

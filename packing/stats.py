@@ -143,26 +143,32 @@ def _read_parquet_stats(path: str) -> Lengths:
     if not np.array_equal(sample_id, np.arange(len(sample_id))):
         raise StatsError(f"{path}: sample_id is not dense 0..N-1 in file order")
     source = table["source"].combine_chunks().dictionary_encode()
+    largest, unit_squares = _units(table)
     return Lengths(table["vit_tiles"].to_numpy().astype(np.int64),
                    table["seq_len"].to_numpy().astype(np.int64),
                    source.indices.to_numpy().astype(np.int32),
-                   tuple(source.dictionary.to_pylist()), _largest_unit(table),
-                   table["loss_tokens"].to_numpy().astype(np.int64))
+                   tuple(source.dictionary.to_pylist()), largest,
+                   table["loss_tokens"].to_numpy().astype(np.int64), unit_squares)
 
 
-def _largest_unit(table) -> np.ndarray:
-    """Each row's largest ViT unit in tiles (0 for none): an image whole, a video's temporal
-    step (its tiles over its grid's t: the ViT attends within a step, so a clip splits there)."""
+def _units(table) -> tuple[np.ndarray, np.ndarray]:
+    """Per row its largest ViT unit in tiles (0 for none) and Σ tiles² over its units: an image
+    is one unit, a video one per temporal step (its tiles over its grid's t: the ViT attends
+    within a step, so a clip splits there)."""
     import pyarrow.compute as pc
 
     largest = np.zeros(table.num_rows, np.int64)
+    squares = np.zeros(table.num_rows, np.float64)
     images, videos = table["image_tiles"].combine_chunks(), table["videos"].combine_chunks()
     tiles, steps, _ = _video_fields(videos)
-    for unit, rows in ((pc.list_flatten(images).to_numpy(zero_copy_only=False),
-                        pc.list_parent_indices(images)),
-                       (tiles // steps, pc.list_parent_indices(videos))):
-        np.maximum.at(largest, rows.to_numpy(), unit)
-    return largest
+    for unit, count, rows in (
+            (pc.list_flatten(images).to_numpy(zero_copy_only=False).astype(np.int64), 1,
+             pc.list_parent_indices(images)),
+            (tiles // steps, steps, pc.list_parent_indices(videos))):
+        rows = rows.to_numpy()
+        np.maximum.at(largest, rows, unit)
+        np.add.at(squares, rows, count * unit.astype(np.float64) ** 2)
+    return largest, squares
 
 
 def _video_fields(videos) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -144,7 +144,7 @@ def group_table(label: str, info: dict) -> tuple[list[str], list[str], list[list
     return notes, [label, *(name for _, name in GROUP_COLUMNS)], rows
 
 
-COEFFICIENTS = ("a_v", "a_t", "b", "a_s")
+COEFFICIENTS = ("a_v", "a_vs", "a_t", "b", "a_s")
 
 
 def cost_table(labels: list[str], infos: list[dict],
@@ -162,10 +162,12 @@ def cost_table(labels: list[str], infos: list[dict],
 
     rows = [["origin", *(m["origin"] for _, m in models)]]
     rows += [[k, *(f"{m[k]:.4g}" for _, m in models)] for k in COEFFICIENTS]
-    rows += [[f"{k} / a_t", *(per_token(m, k) for _, m in models)] for k in ("a_v", "b", "a_s")]
+    rows += [[f"{k} / a_t", *(per_token(m, k) for _, m in models)]
+             for k in COEFFICIENTS if k != "a_t"]
     rows.append(["fit: rows, rms error", *(f"{m['fit']['rows']}, {m['fit']['rms_error']:.1%}"
                                            if m.get("fit") else "-" for _, m in models)])
-    notes = ["cost models: a_v per tile, a_t per token, b per squared sequence length, a_s per "
+    notes = ["cost models: a_v per tile, a_vs per tile² of an image or video step a ViT "
+             "attends across (Qwen's), a_t per token, b per squared sequence length, a_s per "
              "supervised token, in FLOPs (origin flops:) or seconds (a profile's file:, a "
              "run's run:); the ratios to a_t are what balance weighs, in any unit. A "
              "run's refit: its logged sizes and part times per step and data-parallel rank, "

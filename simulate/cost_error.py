@@ -44,10 +44,10 @@ def true_factors(error: CostError, samples: int) -> np.ndarray:
 
 
 def true_sizes(lengths, packing, padded: bool, factors: np.ndarray) -> np.ndarray:
-    """[micro-batches, 4]: ``packing.metrics.micro_batch_sizes`` (tiles, tokens, Σseq_len²,
-    supervised tokens) with each sample's share times its ``factors``: tiles by its ViT
-    factor, the rest by its LLM factor."""
+    """[micro-batches, 5]: ``packing.metrics.micro_batch_sizes`` (tiles, tokens, Σseq_len²,
+    supervised tokens, Σ tiles² over ViT units) with each sample's share times its
+    ``factors``: tiles and units by its ViT factor, the rest by its LLM factor."""
     from vlmshard.packing.metrics import item_sizes, per_micro_batch
 
-    scale = factors[packing.items][:, [0, 1, 1, 1]]
+    scale = factors[packing.items][:, [0, 1, 1, 1, 0]]
     return per_micro_batch(packing, item_sizes(lengths, packing, padded) * scale)

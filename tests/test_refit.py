@@ -20,7 +20,7 @@ from PIL import Image
 from vlmshard.families import presets
 from vlmshard.io import read_json
 from vlmshard.model_sizes import CostTerms
-from vlmshard.packing.cost import CostModel
+from vlmshard.packing.cost import CostModel, fit_coefficients
 from vlmshard.preprocess import PreprocessConfig, run_preprocess
 from vlmshard.preprocess.tokenize import IGNORE_INDEX
 from vlmshard.run_log import PIPELINE_NAME
@@ -93,6 +93,22 @@ def test_a_refit_finds_the_coefficients_the_runs_times_were_made_of(tmp_path):
     assert refit.origin == f"run:{tmp_path / 'run'}"
     assert refit.fit["rows"] == 10 and refit.fit["rms_error"] < 1e-6
     assert (refit.window, refit.window_share, refit.c_sp) == (0, 0.0, 0.0)
+
+
+def test_a_vits_attention_across_units_is_fitted_where_the_rows_tell_it_apart():
+    """Rows of a Qwen ViT (4 patches a tile: its logged Σ P² is 16·Σ tiles²) timed at a_v 2e-4
+    and a_vs 3e-6 s are fitted to both; rows whose tiles and tiles² keep one proportion to a_v
+    alone, the least squares of time on tiles."""
+    rows = [{"tiles": t, "vit_squares": 16 * u, "vit_s": 2e-4 * t + 3e-6 * u, "tokens": 10,
+             "squares": 100, "llm_s": 1.0} for t, u in ((10, 50), (20, 400), (30, 300))]
+    fitted = fit_coefficients(rows, patches_per_tile=4)
+    assert (fitted["a_v"], fitted["a_vs"]) == pytest.approx((2e-4, 3e-6), rel=1e-9)
+    same = [{**r, "tiles": 2 * r["tiles"], "vit_squares": 2 * r["vit_squares"]}
+            for r in (rows[0], rows[0])] + [rows[0]]
+    fitted = fit_coefficients(same, patches_per_tile=4)
+    tiles = np.array([r["tiles"] for r in same], float)
+    time = np.array([r["vit_s"] for r in same])
+    assert "a_vs" not in fitted and fitted["a_v"] == pytest.approx(tiles @ time / (tiles @ tiles))
 
 
 def test_a_run_with_too_few_steps_to_fit_says_so(tmp_path):
@@ -206,7 +222,7 @@ def _logged_rows(run: Path) -> list[dict]:
             (rank,) = [r for r in record["ranks"] if r["dp_rank"] == data["dp_rank"]]
             parts = rank["time_breakdown"]
             sums = {k: sum(m[k] for m in data["micro_sizes"])
-                    for k in ("tiles", "tokens", "squares", "supervised")}
+                    for k in ("tiles", "tokens", "squares", "supervised", "vit_squares")}
             rows.append({**sums, "vit": parts["vit"] + parts["projector"], "llm": parts["llm"],
                          "head": parts["head"]})
     return rows
@@ -254,7 +270,13 @@ def test_a_run_packed_with_a_wrong_model_refits_to_a_plan_that_spreads_less(tmp_
     rows = _logged_rows(run)
     column = lambda k: np.array([r[k] for r in rows], dtype=float)  # noqa: E731
     assert fitted["fit"]["rows"] == len(rows) >= 10
-    tiles, supervised = column("tiles"), column("supervised")
+    supervised = column("supervised")
+    # Qwen2-VL's ViT attends across each image (its logged Σ P² over 4 patches a tile, as
+    # Σ tiles² of its images), but balanced gave every rank of every step the same images: 58
+    # tiles, 706 tiles², so the run cannot tell a_vs from a_v and a_v holds both
+    tiles = column("tiles")
+    assert (tiles == 58).all() and (column("vit_squares") == 706 * 4 ** 2).all()
+    assert "a_vs" not in fitted or fitted["a_vs"] == 0.0
     a_t, b = _nnls_two(np.stack([column("tokens"), column("squares")], axis=1), column("llm"))
     hand = {"a_v": column("vit") @ tiles / (tiles @ tiles), "a_t": a_t, "b": b,
             "a_s": column("head") @ supervised / (supervised @ supervised)}

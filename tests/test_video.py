@@ -227,6 +227,47 @@ def test_video_positions_equal_get_rope_index(family, shards):
     assert checked == 3
 
 
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_the_packers_vit_cost_is_the_trainers_count_of_each_samples_grids(family, shards):
+    """The packer's ViT cost of a sample (``a_v``·tiles + ``a_vs``·Σ tiles² over its units, from
+    the stats alone) against the trainer's count of what its ViT runs: the model's FLOPs per
+    tile and per squared patch span (``training_flops``, held to ``FlopCounterMode`` in
+    test_flops) over the grids the loader hands the model (held to the processors above).
+    Qwen3-VL attends across each image and video step: equal. Qwen2.5-VL's windowed blocks are
+    charged as whole windows: the packer's count is at or above, by what the windows cut at an
+    image's edge leave out."""
+    from vlmshard.families import model_sizes
+    from vlmshard.io import read_json
+    from vlmshard.model_sizes import CostTerms, training_flops, vit_attention_size
+    from vlmshard.packing.cost import CostModel
+    from vlmshard.packing.stats import load_stats
+
+    folder, root = shards[family]
+    model = model_sizes(read_json(f"{folder}/config.json"), folder)
+    cost, flops = CostModel.from_sizes(model), training_flops(model)
+    lengths = load_stats(root.rsplit("/", 1)[0] + "/pre").lengths
+    dataset = ShardDataset(root)
+    checked = 0
+    for record in dataset.records():
+        batch = dataset.collate(record)
+        items = 0
+        for sample in record.samples:
+            n = len(sample["images"]) + len(sample.get("videos", ()))
+            grids = batch["image_grid_thw"][items:items + n].tolist()
+            items += n
+            i = sample["sample_id"]
+            tiles = sum(t * h * w for t, h, w in grids) / model.patches_per_tile
+            assert tiles == lengths.tiles[i]
+            runs = flops.dot(CostTerms(tiles=tiles) + vit_attention_size(model.vision, grids))
+            packed = cost.cost(lengths.tiles[i], 0, 0, 0, lengths.unit_squares[i])
+            if family == "qwen3_vl":
+                assert packed == pytest.approx(runs, rel=1e-12)
+            else:
+                assert runs <= packed <= 1.5 * runs
+            checked += bool(n)
+    assert checked >= 3
+
 BAD = {  # row id: (what the row holds, the reason it must get)
     "corrupt": ("garbage.mp4", "corrupt_video"),
     "truncated": ("cut.mp4", "truncated_video"),
