@@ -210,3 +210,26 @@ def test_video_bench_balances_videos_and_probes_without_decoding(tmp_path):
     short, long = result["probe"]["2 s"], result["probe"]["8 s"]
     assert long["frames"] == 240 and long["probe_ms"] < long["decode_all_ms"]
     assert long["decode_all_ms"] / long["probe_ms"] > short["decode_all_ms"] / short["probe_ms"]
+
+
+@pytest.mark.slow
+def test_host_path_bench_smoke_recomputes_every_block_in_backward(tmp_path):
+    """``host_path_bench.py --smoke``: 2 ViT and 2 LLM blocks on a loader micro-batch, each plan
+    timed and its ops counted. Recomputing every block whole runs each block's forward again in
+    backward: the backward dispatches at least those blocks' forward ops more than without."""
+    import json
+
+    out = tmp_path / "host.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "host_path_bench.py"),
+                           "--smoke", "--json", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    plans = result["plans"]
+    assert set(plans) == {"none", "full", "selective"}
+    assert all(plan["host_ms"] > 0 for plan in plans.values())
+    per_layer = plans["none"]["forward_ops_per_layer"]
+    blocks = 2 * per_layer["vit_block"] + 2 * per_layer["llm_block"]
+    assert plans["full"]["whole"] == plans["selective"]["selective"] == 4
+    assert plans["full"]["ops_backward"] - plans["none"]["ops_backward"] >= blocks
+    assert result["outside_ops_ms"]["text_rope"] > 0
