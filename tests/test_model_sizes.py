@@ -319,6 +319,42 @@ def test_the_kernels_that_run_change_what_a_layer_keeps_by_a_hand_count():
     assert kept(qwen3, plain, "vit_block_0") == kept(qwen3, Saves(liger_vit=True), "vit_block_0")
 
 
+def test_a_sequence_parallel_rank_keeps_and_holds_by_a_hand_count():
+    """What ``Saves.sp`` adds to a rank's layers, counted by hand from the exchanges
+    (``vlmshard.train.sequence_parallel``): Qwen3-VL-8B's 8 key/value heads split over SP 8 as
+    they come (nothing added) and are repeated to 16 at SP 16, where the kernel keeps k and v
+    and its backward makes their gradients 16 heads wide (bf16: 2 bytes an element); the token
+    embedding's media exchange keeps two int64 indices per image token (bounded per token) and
+    holds, per own tile, the rows it sends, and per token those it gets and their order, of the
+    features and each of the 3 DeepStack levels (measured: ``test_sp_memory.py``)."""
+    from vlmshard.model_sizes import Saves
+    from vlmshard.model_sizes.attention import attention
+
+    qwen3 = presets()["qwen3-vl-8b"]
+    t = qwen3.llm
+
+    def work(sp):
+        return {w.name: w for w in layer_work(qwen3, Saves(sp=sp))}
+
+    one, eight, sixteen = work(1), work(8), work(16)
+    assert one == {w.name: w for w in layer_work(qwen3)}
+    assert eight["llm_block_0"] == one["llm_block_0"]
+    wider = 2 * 2 * (16 - t.kv_heads) * t.head_size
+    assert (sixteen["llm_block_0"].activation_bytes.tokens
+            - one["llm_block_0"].activation_bytes.tokens == wider)
+    # the attention's own (the block holds the widest of its mixers')
+    assert attention(t, Saves(sp=16)).transient - attention(t, Saves()).transient == wider
+    embed = {n: trainer_layer_work(["vit_embed", *[f"vit_block_{i}" for i in range(27)],
+                                    "projector", "embed_tokens",
+                                    *[f"llm_block_{i}" for i in range(t.layers)], "final_norm",
+                                    "head"], qwen3, Saves(sp=n))[29] for n in (1, 2)}
+    assert len(qwen3.vision.deepstack) == 3 and qwen3.tokens_per_tile == 1
+    extra = [getattr(embed[2], f) + getattr(embed[1], f).scaled(-1)
+             for f in ("activation_bytes", "transient_bytes")]
+    assert extra == [CostTerms(tokens=16), CostTerms(tiles=4 * 2 * t.hidden,
+                                                     tokens=2 * 4 * 2 * t.hidden)]
+
+
 @pytest.mark.parametrize("model_type, vit_liger", [("qwen3_vl", False), ("qwen2_5_vl", True)])
 def test_a_model_says_what_its_kernels_keep(model_type, vit_liger, tmp_path):
     """``ModelLayers.saves`` from the backend and switches a rank builds with: the one varlen

@@ -56,8 +56,7 @@ def trainer_layer_work(names: list[str], config: ModelConfig,
     work = layer_work(config, saves)
     index = {w.name: i for i, w in enumerate(work)}
     moved = {"embed_tokens": ("projector_merge",
-                              token_embedding(config.llm, config.tokens_per_tile,
-                                              saves.element_bytes)),
+                              token_embedding(config, saves)),
              "final_norm": ("head", final_norm(config.llm, saves))}
     out, used = [], []
     for name in names:

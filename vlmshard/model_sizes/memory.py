@@ -32,13 +32,26 @@ class Saves:
     heads), and keeps them so. Compiled blocks are counted as their eager modules.
     ``element_bytes``: the width of an element of the run's dtype, bf16's 2 (a GPU rank's) or
     fp32's 4 (a CPU run's default); tensors in the run's dtype scale with it, while fp32 upcasts
-    and statistics, and int64 indices, keep their widths."""
+    and statistics, and int64 indices, keep their widths. ``sp``: the Ulysses degree of the
+    rank's sequence-parallel group (``vlmshard.train.sequence_parallel``; sizes are then one
+    rank's share): its attention kernel keeps the K/V heads repeated to ``sp`` where fewer
+    (``kv_kernel_heads``), and its token embedding exchanges the media rows (``media_exchange``).
+    """
 
     vit_one_call: bool = False
     liger_llm: bool = False
     liger_vit: bool = False
     kv_repeated: bool = False
     element_bytes: int = ACTIVATION_BYTES
+    sp: int = 1
+
+
+def kv_kernel_heads(kv_heads: int, saves: Saves) -> int:
+    """The K/V heads per token an LLM attention kernel keeps, and whose gradients its backward
+    makes: a sequence-parallel rank's exchange repeats them to ``sp`` where fewer, so that each
+    of the ``sp`` ranks gets one (``Exchange.heads_to_sequence``): per token of its share
+    max(kv_heads, sp) of them."""
+    return max(kv_heads, saves.sp)
 
 
 def rms_norm_kept(width: float, a: int, rows: float = 1, offset: bool = False,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .configs import ModelConfig
-from .embedding import token_embedding
+from .embedding import media_exchange, token_embedding
 from .memory import Saves, layer_norm_kept, rms_norm_backward, rms_norm_kept
 from .vit import vit_norm_kept, vit_norm_params
 from .work import LayerWork, CostTerms
@@ -69,11 +69,12 @@ def projector_merge(config: ModelConfig, saves: Saves) -> LayerWork:
     """The projector of each tile and the token embedding: the image tokens' features written
     into the embedded text. Its backward holds per patch three rows of the ViT's width (and an
     RMSNorm's fp32 gradients), per image token three of the shuffled width and two of the
-    LLM's hidden, and the lookup's fp32 table gradient."""
+    LLM's hidden, and the lookup's fp32 table gradient; on a sequence-parallel rank, the media
+    exchange's buffers between them (``media_exchange``)."""
     v, t, a = config.vision, config.llm, saves.element_bytes
     patches, tokens, width = config.patches_per_tile, config.tokens_per_tile, config.shuffled_width
     projector = PROJECTORS[config.projector](config, a)
-    lookup = token_embedding(t, tokens, a)
+    lookup = token_embedding(config, saves)
     return LayerWork(
         "projector_merge", projector.params + lookup.params,
         flops=CostTerms(tiles=2 * tokens * projector.linear),
@@ -82,5 +83,6 @@ def projector_merge(config: ModelConfig, saves: Saves) -> LayerWork:
         output_bytes=CostTerms(tokens=a * t.hidden),
         transient_bytes=CostTerms(tiles=patches * (3 * a * v.hidden + rms_norm_backward(v.hidden)
                                               * v.rms_norm)
-                             + tokens * (3 * a * width + 2 * a * t.hidden)),
+                             + tokens * (3 * a * width + 2 * a * t.hidden))
+        + media_exchange(config, saves)[1],
         fixed_transient_bytes=lookup.fixed_transient_bytes, tied_params=lookup.tied_params)
