@@ -1,21 +1,16 @@
 """The cost model of ``docs/design.md``: what one micro-batch costs on each resource.
 
-``vit_cost = a_v·Σtiles + a_vs·Σunit_tiles²`` and
-``llm_cost = a_t·Σseq_len + b·Σseq_len² + a_s·Σsupervised``. A Qwen ViT attends across each
-image and each temporal step of a video (its ViT units), so its attention is quadratic per unit
-(``Lengths.unit_squares``); a windowed block's is charged as whole windows in ``a_v``, exact
-where an image's sides are whole windows, above it otherwise. Packed samples attend only within
-themselves, so the LLM's attention is quadratic per sample; the LM head makes logits for
-supervised tokens only, the samples' ``loss_tokens``. Only attention layers
-make the ``b`` term (a linear-attention layer costs linear in tokens). Where some of them attend
-within a sliding ``window`` w (Gemma 3's local layers), their ``window_share`` of ``b`` costs
-w·(2·seq_len − w) a sample past the window instead (causal pairs, as seq_len² counts them for
-full attention): ``squares`` gives each sample's quadratic work in units of ``b``, seq_len² up
-to the window, and the packer, its metrics and report use it. Defaults are the training FLOPs
-(forward + backward = 3× forward) of the model, from its layer sizes
-(``vlmshard/model_sizes.py``): a model folder's ``config.json`` (by default the folder the stats
-were preprocessed for) or a preset; ``vlmshard train profile`` writes a measured
-``cost_model.json`` with the same three keys, and a training run's folder is refit from its
+``vit_cost = a_v·Σtiles + a_vs·Σunit_tiles²``, ``llm_cost = a_t·Σseq_len + b·Σseq_len² +
+a_s·Σsupervised``. A Qwen ViT attends across each image and video step (its units:
+``Lengths.unit_squares``), a windowed block within whole windows (charged in ``a_v``: exact where
+an image's sides are whole windows, above it otherwise). Packed samples attend only within
+themselves; the LM head makes logits for supervised tokens (``loss_tokens``) only. Only
+attention layers make the ``b`` term; a ``window_share`` of it within a sliding ``window`` w
+(Gemma 3's local layers) costs w·(2·seq_len − w) past the window: ``squares`` gives each
+sample's quadratic work in units of ``b``, which the packer, its metrics and report use.
+Defaults are the model's training FLOPs (forward + backward = 3× forward) from its layer sizes
+(``vlmshard/model_sizes``: a model folder's ``config.json`` or a preset); ``vlmshard train
+profile`` writes a measured ``cost_model.json``, and a training run's folder is refit from its
 own log (``CostModel.from_run``): both by ``fit_coefficients``.
 
 A step of sequence-parallel degree s splits each micro-batch's work over s ranks and pays the
