@@ -23,6 +23,7 @@ backends".
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -30,6 +31,7 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+from torch._C import DispatchKey
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
@@ -280,13 +282,126 @@ def across_sequence(attend):
     return attend_share
 
 
-# Outside any compiled graph (``torch.compile`` of a block breaks its graph here): the host
-# lengths in ``packed_spans`` would otherwise be guarded on, and recompile each micro-batch.
-AttentionInterface.register(PACKED_SDPA, torch.compiler.disable(across_sequence(packed_sdpa)))
-AttentionInterface.register(PACKED_VARLEN,
-                            torch.compiler.disable(across_sequence(packed_varlen)))
-AttentionInterface.register(PACKED_ONE_CALL, torch.compiler.disable(packed_one_call))
-AttentionInterface.register(PACKED_ONE_CALL_SDPA, torch.compiler.disable(packed_sdpa))
+class _Heads:
+    """What the kernels read of an attention module, inside the op (which takes no module)."""
+
+    def __init__(self, groups: int, causal: bool) -> None:
+        self.num_key_value_groups = groups
+        self.is_causal = causal
+
+
+def _attend(query, key, value, cu_seqlens, host_cu_seqlens, host_runs, kernel, causal, groups,
+            scaling, window):
+    """``kernel`` (``sdpa`` or ``varlen``) over the packed segments, from the op's arguments."""
+    runs = None
+    if len(host_runs):
+        runs = [[] for _ in range(len(host_cu_seqlens) - 1)]
+        for segment, start, end in host_runs.tolist():
+            runs[segment].append((start, end))
+    lengths = host_cu_seqlens.diff()
+    spans = Spans(cu_seqlens, int(lengths.max()) if len(lengths) else 0, kernel, runs,
+                  made_on_host=host_cu_seqlens)
+    attend = packed_varlen if kernel == "varlen" else packed_sdpa
+    return attend(_Heads(groups, causal), query, key, value, None, packed_spans=spans,
+                  scaling=scaling, is_causal=causal, sliding_window=window)[0]
+
+
+@torch.library.custom_op("vlmshard::packed_attention", mutates_args=())
+def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     cu_seqlens: torch.Tensor, host_cu_seqlens: torch.Tensor,
+                     host_runs: torch.Tensor, kernel: str, causal: bool, groups: int,
+                     scaling: float | None, window: int | None) -> torch.Tensor:
+    """The packed attention as one op of a compiled graph: the segments' boundaries are tensors
+    (on the device for the kernel, on the host for the per-segment loop: ``Spans``), so a
+    graph holds no length and guards on none; [1, tokens, heads, d], as the kernels return."""
+    return _attend(query, key, value, cu_seqlens, host_cu_seqlens, host_runs, kernel, causal,
+                   groups, scaling, window).contiguous()
+
+
+@packed_attention.register_fake
+def _(query, key, value, *args):
+    return query.new_empty((1, query.shape[2], query.shape[1], value.shape[-1]))
+
+
+@torch.library.custom_op("vlmshard::packed_attention_backward", mutates_args=())
+def packed_attention_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                              value: torch.Tensor, cu_seqlens: torch.Tensor,
+                              host_cu_seqlens: torch.Tensor, host_runs: torch.Tensor,
+                              kernel: str, causal: bool, groups: int, scaling: float | None,
+                              window: int | None) -> list[torch.Tensor]:
+    """``packed_attention``'s gradients: its forward again under autograd, then its backward
+    (one more forward of the attention kernels than eager; the kernels' own saved state, the
+    softmax's log-sum-exp, is not an output of the op). An op runs below autograd: its
+    dispatch keys are let back in for the while (as torch's ``invoke_leaf_function`` does)."""
+    with _autograd_inside_op(), torch.enable_grad():
+        inputs = [t.detach().requires_grad_() for t in (query, key, value)]
+        out = _attend(*inputs, cu_seqlens, host_cu_seqlens, host_runs, kernel, causal, groups,
+                      scaling, window)
+        return [g.contiguous() for g in torch.autograd.grad(out, inputs, grad)]
+
+
+@contextlib.contextmanager
+def _autograd_inside_op():
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in (DispatchKey.AutogradFunctionality, DispatchKey.AutogradOther,
+                DispatchKey.AutogradNestedTensor):
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
+        yield
+
+
+@packed_attention_backward.register_fake
+def _(grad, query, key, value, *args):
+    return [torch.empty_like(t, memory_format=torch.contiguous_format)
+            for t in (query, key, value)]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    query, key, value, *rest = inputs
+    ctx.save_for_backward(query, key, value, *rest[:3])
+    ctx.options = rest[3:]
+
+
+def _backward(ctx, grad):
+    query, key, value, *boundaries = ctx.saved_tensors
+    grads = packed_attention_backward(grad.contiguous(), query, key, value, *boundaries,
+                                      *ctx.options)
+    return (*grads, *[None] * (3 + len(ctx.options)))
+
+
+packed_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def in_graph(kernel: str | None):
+    """The registered attention: eager, ``kernel`` (``sdpa``, ``varlen``, or None: the spans'
+    backend) called as it is; while ``torch.compile`` traces a block, ``packed_attention``, so
+    the block's graph holds its attention whole and guards on no length (dynamic shapes make
+    the boundaries' count a symbol)."""
+    kernels = {"sdpa": packed_sdpa, "varlen": packed_varlen}
+
+    def attend(module, query, key, value, attention_mask, *, packed_spans=None, scaling=None,
+               is_causal=None, sliding_window=None, dropout=0.0, **kwargs):
+        name = kernel or getattr(packed_spans, "backend", "sdpa")
+        if packed_spans is None or not torch.compiler.is_compiling():
+            return kernels[name](module, query, key, value, attention_mask,
+                                 packed_spans=packed_spans, scaling=scaling, is_causal=is_causal,
+                                 sliding_window=sliding_window, dropout=dropout, **kwargs)
+        if dropout:
+            raise ValueError("a compiled block's packed attention takes no dropout")
+        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        groups = getattr(module, "num_key_value_groups", 1)
+        out = packed_attention(query, key, value, packed_spans.cu_seqlens,
+                               packed_spans.made_on_host, packed_spans.host_runs, name, causal,
+                               groups, scaling, sliding_window)
+        return out, None
+    return attend
+
+
+AttentionInterface.register(PACKED_SDPA, across_sequence(in_graph("sdpa")))
+AttentionInterface.register(PACKED_VARLEN, across_sequence(in_graph("varlen")))
+AttentionInterface.register(PACKED_ONE_CALL, in_graph(None))
+AttentionInterface.register(PACKED_ONE_CALL_SDPA, in_graph("sdpa"))
+# a plain ``transformers`` model's (the peer's), never compiled here: boundaries from the device
 AttentionInterface.register(TORCH_VARLEN, torch.compiler.disable(varlen_as_flash))
 AttentionMaskInterface.register(TORCH_VARLEN, flash_attention_mask)
 
@@ -315,6 +430,10 @@ class Spans:
     sequence: object | None = None
     # ``cu_seqlens`` on the host where they were made there (``from_lengths``)
     made_on_host: torch.Tensor | None = field(default=None, repr=False)
+    # ``runs`` on the host, a row (segment, start, end) each: what a compiled block's attention
+    # op takes (``packed_attention``)
+    host_runs: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 3, dtype=torch.long),
+                                    repr=False)
 
     @functools.cached_property
     def host_cu_seqlens(self) -> torch.Tensor:
@@ -333,15 +452,17 @@ class Spans:
         """``runs``: bidirectional [start, end) runs of the whole sequence, none across a
         segment's end; ``sequence``: see the field."""
         cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        local = None
+        local, rows = None, []
         if runs is not None:
             starts = cu[:-1].tolist()
             local = [[] for _ in lengths]
             for start, end in runs:
                 segment = bisect.bisect_right(starts, start) - 1
                 local[segment].append((start - starts[segment], end - starts[segment]))
+                rows.append((segment, *local[segment][-1]))
         return cls(from_host(cu, device), max(lengths, default=0), backend, local,
-                   sequence=sequence, made_on_host=cu)
+                   sequence=sequence, made_on_host=cu,
+                   host_runs=torch.tensor(rows, dtype=torch.long).reshape(-1, 3))
 
     def kwargs(self) -> dict:
         """Keyword arguments for a ``transformers`` attention layer call: flash-attn takes the

@@ -5,8 +5,8 @@
 - ``patch_linear`` (``--patch-linear``): the Qwen ViTs' patch embedding, a Conv3d whose stride
   is its kernel, as the matmul it is, on the conv's own weight;
 - ``compile_blocks`` (``--compile-blocks``): regional ``torch.compile`` of each ViT block or
-  decoder layer, with dynamic shapes and attention outside the graph; every compilation is
-  counted (``CompileCount``);
+  decoder layer, one graph each with its attention and its recompute inside, dynamic shapes;
+  every compilation is counted (``CompileCount``);
 - ``sdpa_cudnn`` (``--sdpa-cudnn``): while a layer runs, ``scaled_dot_product_attention`` tries
   cuDNN's fused attention first (``cudnn_first``);
 - ``liger`` (``--liger``): Liger Kernel's fused RMSNorm, gated-MLP and rotary kernels
@@ -22,7 +22,12 @@ import logging
 import re
 from dataclasses import dataclass
 
+import torch
 from torch import nn
+
+from vlmshard.errors import ConfigError
+
+from .recompute import in_graph_mode, recomputed
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +41,11 @@ class Kernels:
     compile_blocks: tuple[str, ...] = ()  # parts: "vit", "llm"
     compile_backend: str = "inductor"
     max_recompiles: int = 4  # compilations of one frame beyond its first
+
+    def __post_init__(self) -> None:
+        if "vit" in self.compile_blocks and not self.vit_varlen:
+            raise ConfigError("--compile-blocks vit takes --vit-varlen: without it transformers "
+                              "reads each image's length back to the host inside the block")
 
     @classmethod
     def of(cls, cfg) -> "Kernels":
@@ -53,20 +63,40 @@ class Kernels:
 
 
 def compile_block(module: nn.Module, kernels: Kernels) -> None:
-    """Compile ``module`` in place (``nn.Module.compile``) and count the process's
-    compilations. ``dynamic=True``: the graph breaks at the attention call resume in frames
-    whose locals (the attention's output, the input's shape as numbers) no mark on the block's
-    input reaches; left to dynamo's automatic dynamic shapes, each such frame compiled again
-    at the second packed length (on the H200, with more causes unknown, one frame 7 times in
-    all). The weights' shapes stay static (``force_parameter_static_shapes``), so the hidden
-    sizes do too. No duck sizing (process-wide): two inputs' sizes that happen to be equal at
-    the first compilation (the image boundaries and the rotary table's width, say) would be
-    one symbol, and a micro-batch where they differ would compile again."""
+    """Compile ``module`` in place and count the process's compilations: its forward becomes
+    ``torch.compile(checkpoint(forward))`` for the recompute mode the layer runs it under
+    (``recompute.run_layer``; torchtitan's order), each compiled at first use. One graph a
+    block (``fullgraph``): the packed attention is an op of the graph
+    (``attention.packed_attention``), its boundaries tensors. ``dynamic=True``: the packed
+    length and the boundaries' count are symbols from the first micro-batch on, never
+    specialized on it and compiled again at the second. The weights' shapes stay static
+    (``force_parameter_static_shapes``), so the hidden sizes do too. No duck sizing
+    (process-wide): two inputs' sizes that happen to be equal at the first compilation (the
+    image boundaries and the rotary table's width, say) would be one symbol, and a
+    micro-batch where they differ would compile again."""
     import torch.fx.experimental._config as fx_config
 
     COMPILES.watch(kernels.max_recompiles)
     fx_config.use_duck_shape = False
-    module.compile(backend=kernels.compile_backend, dynamic=True)
+    forward = module.forward
+    compiled: dict[str | None, object] = {}
+
+    def run(*args, **kwargs):
+        mode = in_graph_mode()
+        if mode not in compiled:
+            compiled[mode] = torch.compile(recomputed(forward, mode), fullgraph=True,
+                                           backend=kernels.compile_backend, dynamic=True)
+        return compiled[mode](*args, **kwargs)
+
+    module.forward = run
+    module.compiled_in_place = True
+
+
+def compiles_inside(layer) -> bool:
+    """Whether ``layer`` (a module; anything else is not) holds a block ``compile_block``
+    compiled: ``run_layer`` then leaves its recompute to the block's graph."""
+    return isinstance(layer, nn.Module) and any(
+        getattr(m, "compiled_in_place", False) for m in layer.modules())
 
 
 def cudnn_first(module: nn.Module) -> None:

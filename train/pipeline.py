@@ -33,7 +33,7 @@ from vlmshard.recipe import Recipe
 from . import deepspeed_compat as ds
 from .clock import StageClock, layer_part
 from .hf_model import ModelLayers, model_layers
-from .kernels import Kernels
+from .kernels import Kernels, compiles_inside
 from .micro import HostMeta, Micro, from_wire, to_wire, wire_inputs
 from .models.layers import LayerDef
 from .recompute import run_layer
@@ -87,10 +87,11 @@ def run_layers(layers: list[nn.Module], defs: list[LayerDef], micro: Micro,
     marks the forward's start: ``StageClock.forward_begin``)."""
     parts = [layer_part(d.name) for d in defs]
     for i, (layer, d, mode) in enumerate(zip(layers, defs, modes)):
+        compiled = compiles_inside(layer)
         layer = annotated(d.name, layer)
         if clock is not None and mode in ("full", "selective"):
             layer = clock.recomputed(parts[i], layer)
-        micro = micro.with_output(run_layer(layer, micro, mode), d.output)
+        micro = micro.with_output(run_layer(layer, micro, mode, compiled), d.output)
         if clock is not None and (i + 1 == len(parts) or parts[i + 1] != parts[i]):
             clock.forward_part(parts[i])
             if i + 1 < len(parts) and micro.x.requires_grad:

@@ -14,10 +14,16 @@ takes ``selective`` before ``full``, since its recompute costs no matrix FLOPs.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import torch
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 # Kept under ``selective``: the ops whose outputs took the FLOPs, as this torch names them
 # (matmuls, grouped expert matmuls, SDPA's kernels, the varlen and flash kernels).
@@ -27,7 +33,12 @@ _SAVED = [("aten", "mm"), ("aten", "addmm"), ("aten", "bmm"), ("aten", "_grouped
           ("aten", "_scaled_dot_product_efficient_attention"),
           ("aten", "_scaled_dot_product_cudnn_attention"),
           ("aten", "_flash_attention_forward"), ("aten", "_efficient_attention_forward"),
-          ("torch_attn", "_varlen_attn"), ("flash_attn", "_flash_attn_varlen_forward")]
+          ("torch_attn", "_varlen_attn"), ("flash_attn", "_flash_attn_varlen_forward"),
+          ("vlmshard", "packed_attention")]  # a compiled block's (``attention.in_graph``)
+
+# How the compiled block running now recomputes itself inside its graph (``run_layer``)
+_IN_GRAPH: contextvars.ContextVar[str | None] = contextvars.ContextVar("recompute_in_graph",
+                                                                       default=None)
 
 
 @functools.cache
@@ -41,15 +52,47 @@ def saved_ops() -> list:
     return found
 
 
-def run_layer(layer, micro, mode: str | None):
+def recomputed(fn, mode: str | None):
+    """``fn`` run under ``torch.utils.checkpoint`` as ``mode`` (``full``, ``selective``, or
+    None: not at all) says."""
+    if not mode:
+        return fn
+    contexts = functools.partial(create_selective_checkpoint_contexts, saved_ops()) \
+        if mode == "selective" else noop_context_fn
+
+    def run(*args, **kwargs):
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+    return run
+
+
+def in_graph_mode() -> str | None:
+    """The recompute mode a compiled block takes inside its graph now (``run_layer``)."""
+    return _IN_GRAPH.get()
+
+
+@contextlib.contextmanager
+def _in_graph(mode: str):
+    token = _IN_GRAPH.set(mode)
+    try:
+        yield
+    finally:
+        _IN_GRAPH.reset(token)
+
+
+def run_layer(layer, micro, mode: str | None, compiled: bool = False):
     """``layer(micro)``, its activations recomputed in backward as ``mode`` says; ``no_grad``:
-    a layer with no backward (frozen, nothing trained before it) keeps nothing."""
+    a layer with no backward (frozen, nothing trained before it) keeps nothing. ``compiled``:
+    the layer's repeated block is compiled (``kernels.compile_block``), and recomputes itself
+    inside its graph, torchtitan's order ``compile(checkpoint(block))``: an eager checkpoint
+    around compiled code would have Dynamo trace under its dispatch mode (a run stopped in
+    Dynamo there), and the compiled graph's own recompute is fused. What the layer does around
+    the block (a micro-batch's rotary tables, made once and cached) is then kept."""
     if mode == "no_grad":
         with torch.no_grad():
             return layer(micro)
     if not mode or not torch.is_grad_enabled():
         return layer(micro)
-    if mode == "selective":
-        return checkpoint(layer, micro, use_reentrant=False, context_fn=functools.partial(
-            create_selective_checkpoint_contexts, saved_ops()))
-    return checkpoint(layer, micro, use_reentrant=False)
+    if compiled:
+        with _in_graph(mode):
+            return layer(micro)
+    return recomputed(layer, mode)(micro)
