@@ -139,6 +139,16 @@ def shard_sizes(shards: str, dp: int, model: ModelConfig) -> tuple[CostTerms, Co
                      supervised=supervised), caps
 
 
+def largest_sp(shards: str) -> int:
+    """The largest sequence-parallel degree of the shards' packing groups: its exchange keeps
+    the most per token (``model_sizes.Saves.sp``), so memory is bounded at it with the largest
+    group's caps."""
+    from vlmshard.shards.layout import read_manifest
+
+    m = read_manifest(shards)
+    return max(g["sp"] for g in (m.groups or [m.step_group(0)]))
+
+
 def device_machine(device: Device | None, ranks_on_node: int) -> tuple[Machine, float, str]:
     """The partition search's machine for a rank's ``device``, the FLOP rate it assumes, and
     the device in words. A GPU the table (``vlmshard.hardware``) does not know is costed as an
@@ -163,7 +173,8 @@ def choose_partition(cfg: TrainConfig, model: "ModelLayers", device: Device | No
     machine, flops_per_s, where = device_machine(device, ranks_on_node)
     machine, fixed = less_zero3_fixed(cfg, model, machine, where)
     layers = analytic_layer_costs(
-        model.analytic_work(), time_size=mean, memory_size=caps, flops_per_s=flops_per_s,
+        model.analytic_work(sp=largest_sp(cfg.shards)), time_size=mean, memory_size=caps,
+        flops_per_s=flops_per_s,
         bytes_per_param=bytes_per_param(cfg.precision, cfg.dp, cfg.grad_accum, cfg.zero),
         modes=model.modes,
         frozen_bytes_per_param=weight_bytes_per_param(cfg.precision, cfg.dp, cfg.zero))

@@ -14,7 +14,7 @@ import functools
 import importlib
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -94,11 +94,12 @@ class ModelLayers:
         """The analytic model of the folder's config (``vlmshard.families.model_sizes``)."""
         return model_sizes(read_json(os.path.join(self.path, "config.json")), self.path)
 
-    def analytic_work(self, dtype: torch.dtype = torch.bfloat16) -> list[LayerWork]:
+    def analytic_work(self, dtype: torch.dtype = torch.bfloat16, sp: int = 1) -> list[LayerWork]:
         """Per layer, its work in the analytic model of the folder's config (FLOPs, parameters
-        and the activation bytes it keeps with this model's kernels, built in ``dtype``:
-        ``model_sizes.trainer_layer_work``; LoRA's adapters: ``model_sizes.with_adapters``)."""
-        sizes, saves = self.sizes(), self.saves(dtype)
+        and the activation bytes it keeps with this model's kernels, built in ``dtype``, on a
+        rank of a sequence-parallel group of ``sp``: ``model_sizes.trainer_layer_work``; LoRA's
+        adapters: ``model_sizes.with_adapters``)."""
+        sizes, saves = self.sizes(), replace(self.saves(dtype), sp=sp)
         return with_adapters(trainer_layer_work(self.names, sizes, saves), sizes,
                              self.recipe.lora, saves)
 
