@@ -87,7 +87,7 @@ def pipeline_times(forward: np.ndarray, backward: np.ndarray) -> tuple[np.ndarra
 
 # The sizes a layer's time is linear in (``model_sizes.CostTerms``'s, the LLM's sliding-window
 # attention charged as full): a logged micro-batch has them all (``logged_columns``); a plan
-# the tiles, tokens, squares and supervised tokens (``planned_columns``)
+# the tiles, tokens, squares, supervised tokens and a ViT's Σ P² (``planned_columns``)
 COLUMNS = ("tiles", "tokens", "squares", "vit_squares", "vit_windows", "supervised")
 
 
@@ -99,17 +99,27 @@ def logged_columns(sizes: dict) -> list[float]:
 
 
 def planned_columns(sizes: np.ndarray) -> np.ndarray:
-    """A plan's sizes or rates [..., 3 or 4] (tiles, tokens, Σseq_len², and supervised tokens:
-    ``packing.metrics.micro_batch_sizes``) in ``COLUMNS`` (a fourth column absent: 0). A
-    simulated plan leaves out a Qwen ViT's attention across images, as the packer's cost model
-    does (``a_v`` per tile)."""
-    supervised = sizes[..., 3:4] if sizes.shape[-1] > 3 else np.zeros((*sizes.shape[:-1], 1))
-    return np.concatenate([sizes[..., :3], np.zeros((*sizes.shape[:-1], 2)), supervised],
-                          axis=-1)
+    """A plan's sizes or rates [..., 3, 4 or 5] (tiles, tokens, Σseq_len², supervised tokens,
+    and Σ P² over ViT units of P patches: ``packing.metrics.micro_batch_sizes`` with its units'
+    tiles² in patches², ``in_patches``) in ``COLUMNS``, a column absent 0. A windowed ViT's
+    windows are not counted (no preset has one)."""
+    def column(i: int) -> np.ndarray:
+        return sizes[..., i:i + 1] if sizes.shape[-1] > i else np.zeros((*sizes.shape[:-1], 1))
+
+    return np.concatenate([sizes[..., :3], column(4), np.zeros((*sizes.shape[:-1], 1)),
+                           column(3)], axis=-1)
+
+
+def in_patches(sizes: np.ndarray, patches_per_tile: int) -> np.ndarray:
+    """A plan's micro-batch sizes [..., 5] with their fifth column, Σ tiles² over ViT units,
+    in patches² (``planned_columns``'s)."""
+    out = np.array(sizes, dtype=np.float64)
+    out[..., 4] *= patches_per_tile ** 2
+    return out
 
 
 def plan_sizes(sizes: np.ndarray) -> np.ndarray:
-    """A plan's micro-batch sizes [..., 3 or 4] in ``COLUMNS``; sizes without the supervised
+    """A plan's micro-batch sizes [..., 3, 4 or 5] in ``COLUMNS``; sizes without the supervised
     count (tiles, tokens, Σseq_len² only) take their tokens there, the most there can be."""
     sizes = np.asarray(sizes, dtype=float)
     if sizes.shape[-1] == 3:
@@ -118,7 +128,7 @@ def plan_sizes(sizes: np.ndarray) -> np.ndarray:
 
 
 def plan_terms(sizes: np.ndarray) -> CostTerms:
-    """A plan's micro-batch sizes [3 or 4] (``plan_sizes``) as ``CostTerms``."""
+    """A plan's micro-batch sizes [3, 4 or 5] (``plan_sizes``) as ``CostTerms``."""
     return CostTerms(**dict(zip(COLUMNS, plan_sizes(sizes))))
 
 
@@ -343,7 +353,7 @@ def replica_micro_batches(sizes: np.ndarray, ranks: int, micro: int, dp: int,
 
 def simulate(batches: np.ndarray, model: StageModel,
              wire: np.ndarray | None = None) -> Simulation:
-    """One epoch of ``batches`` [steps, D, M, 3 or 4] (``planned_columns``) through the stage
+    """One epoch of ``batches`` [steps, D, M, 3, 4 or 5] (``planned_columns``) through the stage
     model, the stages exchanging ``wire``-sized tensors (the caps)."""
     steps, dp, micro, width = batches.shape
     forward, backward = model.times(plan_sizes(batches.reshape(steps * dp, micro, width)),

@@ -26,7 +26,8 @@ from vlmshard.stage import Result
 
 from .config import SimulateConfig
 from .cost_error import true_factors, true_sizes
-from .model import LayerRates, StageModel, replica_micro_batches, search_for, simulate
+from .model import (LayerRates, StageModel, in_patches, replica_micro_batches, search_for,
+                    simulate)
 from .replay import validate_against_log
 from .runtime import STRATEGIES as RUNTIME
 from .runtime import Links, rebalance
@@ -87,7 +88,7 @@ class _Cluster:
 
     def run(self, sizes: np.ndarray, wire: np.ndarray, true: np.ndarray,
             method: str = "search", full_recompute: bool = False) -> dict:
-        """A packing's executed micro-batch ``sizes`` [micro-batches, 4] whose stages exchange
+        """A packing's executed micro-batch ``sizes`` [micro-batches, 5] whose stages exchange
         ``wire``-sized tensors (``_wire``), on the cluster: partitioned for ``sizes``, timed at
         their ``true`` work (``cost_error``)."""
         batches = replica_micro_batches(true, self.ranks, self.micro, self.dp,
@@ -130,12 +131,11 @@ class _Cluster:
         step; the samples' work really ``factors`` times the model's."""
         from vlmshard.packing.metrics import executed_sizes
 
-        re = rebalance(self.slots(loaded.n_micro), loaded.items, loaded.offsets, lengths.tiles,
-                       lengths.tokens, cost.squares(lengths.tokens),
-                       lengths.supervised_or_tokens(), cost, RUNTIME[strategy],
-                       Links.of(self.model, self.gpu), factors)
-        flat = executed_sizes(re.batches.reshape(-1, 4), qv=caps.qv, qt=caps.qt, mode=mode)
-        true = executed_sizes(re.true.reshape(-1, 4), qv=caps.qv, qt=caps.qt, mode=mode)
+        re = rebalance(self.slots(loaded.n_micro), loaded.items, loaded.offsets, lengths,
+                       cost, RUNTIME[strategy], Links.of(self.model, self.gpu), factors)
+        flat, true = (in_patches(executed_sizes(x.reshape(-1, x.shape[-1]), qv=caps.qv,
+                                                qt=caps.qt, mode=mode),
+                                 self.model.patches_per_tile) for x in (re.batches, re.true))
         try:
             run = self.run_batches(true.reshape(re.batches.shape), flat, _wire(caps.qv, caps.qt))
         except PartitionError as e:
@@ -164,7 +164,8 @@ def simulate_plan(cfg: SimulateConfig) -> dict:
     cluster = _Cluster(cfg, packing.ranks, packing.micro_batches,
                        Recipe.from_params(info["params"]))
     plan_caps = {"qv": info["metrics"]["qv"], "qt": info["metrics"]["qt"]}
-    own, own_true = _executed(lengths, packing, info["algorithm"], mode, factors, **plan_caps)
+    own, own_true = _executed(lengths, packing, info["algorithm"], mode, factors,
+                              cluster.model.patches_per_tile, **plan_caps)
     out = {"plan": {"algorithm": info["algorithm"], "compute_mode": mode, "dp": cluster.dp,
                     "pp": cfg.pp, "gpus": cluster.dp * cfg.pp, "gpu": cluster.gpu.name,
                     "model": cfg.model, **plan_caps,
@@ -176,7 +177,7 @@ def simulate_plan(cfg: SimulateConfig) -> dict:
         repacked[algo] = repack(info, lengths, algo, mode)
         caps = repacked[algo].caps
         sizes, true = _executed(lengths, repacked[algo].packing, algo, mode, factors,
-                                qv=caps.qv, qt=caps.qt)
+                                cluster.model.patches_per_tile, qv=caps.qv, qt=caps.qt)
         runs[algo] = (sizes, _wire(caps.qv, caps.qt), true)
         out["strategies"][algo] = {"qv": caps.qv, "qt": caps.qt, **cluster.try_run(*runs[algo])}
     loaded = repacked["random"]  # what a runtime balancer starts from: micro-batches as loaded
@@ -201,16 +202,18 @@ def _wire(qv: int, qt: int) -> np.ndarray:
     return np.array([qv, qt, 0.0])
 
 
-def _executed(lengths, packing, algo: str, mode: str, factors: np.ndarray, *, qv: int,
-              qt: int) -> tuple[np.ndarray, np.ndarray]:
-    """[micro-batches, 4] twice: the tiles, tokens, Σseq_len² and supervised tokens the trainer
-    computes on for each micro-batch of ``packing`` (made by ``algo``, under caps ``qv``,
-    ``qt``) in ``mode``, as modelled and as the samples' true ``factors`` make them."""
+def _executed(lengths, packing, algo: str, mode: str, factors: np.ndarray,
+              patches_per_tile: int, *, qv: int, qt: int) -> tuple[np.ndarray, np.ndarray]:
+    """[micro-batches, 5] twice: the tiles, tokens, Σseq_len², supervised tokens and Σ P² over
+    ViT units (``in_patches``) the trainer computes on for each micro-batch of ``packing`` (made
+    by ``algo``, under caps ``qv``, ``qt``) in ``mode``, as modelled and as the samples' true
+    ``factors`` make them."""
     from vlmshard.packing.config import PADDED
     from vlmshard.packing.metrics import executed_sizes, micro_batch_sizes
 
     padded = algo in PADDED
-    return tuple(executed_sizes(s, qv=qv, qt=qt, mode=mode) for s in (
+    return tuple(in_patches(executed_sizes(s, qv=qv, qt=qt, mode=mode), patches_per_tile)
+                 for s in (
         micro_batch_sizes(lengths, packing, padded),
         true_sizes(lengths, packing, padded, factors)))
 

@@ -56,7 +56,8 @@ STRATEGIES = {"orchmllm": Dispatch("model", "model"),
 class Rebalanced:
     """What each replica computes after the re-dispatch, and what the dispatch costs a step."""
 
-    batches: np.ndarray  # [steps, D, M, 4]: tiles, tokens, Σseq_len², supervised tokens
+    # [steps, D, M, 5]: tiles, tokens, Σseq_len², supervised tokens, Σ tiles² over ViT units
+    batches: np.ndarray
     true: np.ndarray  # [steps, D, M, 4]: the same, each sample's share times its true factor
     exchange_s: np.ndarray  # [steps]: the all-to-alls' time
     planning_s: np.ndarray  # [steps]: the dispatcher's own time
@@ -117,17 +118,19 @@ class Links:
                          np.bincount(t, seconds, ranks).max()))
 
 
-def rebalance(slots: np.ndarray, items: np.ndarray, offsets: np.ndarray, tiles: np.ndarray,
-              tokens: np.ndarray, squares: np.ndarray, supervised: np.ndarray, cost,
+def rebalance(slots: np.ndarray, items: np.ndarray, offsets: np.ndarray, lengths, cost,
               dispatch: Dispatch, links: Links, factors: np.ndarray) -> Rebalanced:
     """The micro-batches ``slots`` [steps, D, M] (numbers of micro-batches of the packing
-    ``items``/``offsets``, as loaded) dealt out again by ``dispatch``; ``tiles``, ``tokens``,
-    ``squares`` (``cost.squares``) and ``supervised`` tokens per sample, whose ViT and LLM work
-    really cost ``factors`` [samples, 2] times the model's (``cost_error.true_factors``)."""
+    ``items``/``offsets``, as loaded) dealt out again by ``dispatch``; the samples'
+    ``lengths`` (``packing.batches.Lengths``) costed by ``cost``, their ViT and LLM work really
+    ``factors`` [samples, 2] times the model's (``cost_error.true_factors``)."""
     steps, dp, micro = slots.shape
-    batches, true = np.zeros((steps, dp, micro, 4)), np.zeros((steps, dp, micro, 4))
+    tiles, tokens, units = lengths.tiles, lengths.tokens, lengths.unit_squares_or_zero()
+    squares, supervised = cost.squares(tokens), lengths.supervised_or_tokens()
+    batches, true = np.zeros((steps, dp, micro, 5)), np.zeros((steps, dp, micro, 5))
     exchange, planning = np.zeros(steps), np.zeros(steps)
-    vit_model, llm_model = cost.a_v * tiles, cost.a_t * tokens + cost.b * squares
+    vit_model = cost.a_v * tiles + cost.a_vs * units
+    llm_model = cost.a_t * tokens + cost.b * squares
     vit_costs = _costs(dispatch.vit, tiles, vit_model, vit_model * factors[:, 0])
     llm_costs = _costs(dispatch.llm, tokens, llm_model, llm_model * factors[:, 1])
     moved = parts = 0
@@ -136,14 +139,14 @@ def rebalance(slots: np.ndarray, items: np.ndarray, offsets: np.ndarray, tiles: 
             chosen = [items[offsets[b]:offsets[b + 1]] for b in slots[s, :, m]]
             owner = np.repeat(np.arange(dp), [len(c) for c in chosen])
             ids = np.concatenate(chosen)
-            v, t, q, u = tiles[ids], tokens[ids], squares[ids], supervised[ids]
+            v, t, q, u, w = tiles[ids], tokens[ids], squares[ids], supervised[ids], units[ids]
             start = time.perf_counter()
             vit = _deal(vit_costs, ids, v, owner, dp)
             llm = _deal(llm_costs, ids, t, owner, dp, dispatch.cap)
             planning[s] += time.perf_counter() - start
             fv, fl = factors[ids, 0], factors[ids, 1]
-            batches[s, :, m] = _sums(vit, llm, dp, v, t, q, u)
-            true[s, :, m] = _sums(vit, llm, dp, v * fv, t * fl, q * fl, u * fl)
+            batches[s, :, m] = _sums(vit, llm, dp, (v, w), (t, q, u))
+            true[s, :, m] = _sums(vit, llm, dp, (v * fv, w * fv), (t * fl, q * fl, u * fl))
             images = v > 0
             exchange[s] += (  # pixels out, features on with the ids, their gradient back
                 links.all_to_all(owner, vit, v * links.pixel_bytes, dp)
@@ -157,12 +160,15 @@ def rebalance(slots: np.ndarray, items: np.ndarray, offsets: np.ndarray, tiles: 
     return Rebalanced(batches, true, exchange, planning, moved / max(parts, 1))
 
 
-def _sums(vit: np.ndarray, llm: np.ndarray, ranks: int, *columns: np.ndarray) -> np.ndarray:
-    """[ranks, 4]: each rank's tiles (of the samples whose ViT part it runs, ``vit``) and tokens,
-    Σseq_len² and supervised tokens (of those whose LLM part it runs, ``llm``)."""
-    tiles, *rest = columns
-    return np.stack([np.bincount(vit, tiles, ranks)]
-                    + [np.bincount(llm, x, ranks) for x in rest], axis=1)
+def _sums(vit: np.ndarray, llm: np.ndarray, ranks: int, vit_columns: tuple,
+          llm_columns: tuple) -> np.ndarray:
+    """[ranks, 5]: each rank's tiles and units' tiles² (of the samples whose ViT part it runs,
+    ``vit``), tokens, Σseq_len² and supervised tokens (of those whose LLM part it runs,
+    ``llm``), in ``Rebalanced.batches``' order."""
+    (tiles, units), rest = vit_columns, llm_columns
+    by_vit = [np.bincount(vit, x, ranks) for x in (tiles, units)]
+    by_llm = [np.bincount(llm, x, ranks) for x in rest]
+    return np.stack([by_vit[0], *by_llm, by_vit[1]], axis=1)
 
 
 def _costs(rule: str | None, sizes: np.ndarray, model_cost: np.ndarray,

@@ -380,32 +380,38 @@ def test_lpt_deals_the_costliest_first_onto_the_least_loaded():
     assert lpt(costs, 2, sizes, cap=8.5).tolist() == [0, 1, 1, 1]
 
 
+def _three_samples():
+    """Sample 0: one image of 8 tiles and 100 tokens (4 supervised); samples 1 and 2: text of 10
+    and 20 tokens."""
+    from vlmshard.packing.batches import Lengths
+
+    return Lengths(np.array([8, 0, 0]), np.array([100, 10, 20]), np.zeros(3, np.int32), ("a",),
+                   supervised=np.array([4, 2, 6]), unit_squares=np.array([64.0, 0.0, 0.0]))
+
+
 def test_runtime_strategies_deal_out_each_slot_and_price_what_moves():
     """Two replicas, one slot: replica 0 loaded sample 0 (8 tiles, 100 tokens) and sample 1
     (10 tokens), replica 1 sample 2 (20 tokens). OrchMLLM keeps the image where it is (it
     alone has tiles) and moves sample 1's LLM part to replica 1 (100 | 20 + 10): its 10 token
     ids cross NVLink. VeOmni's ViT balance moves nothing and leaves the LLM as loaded."""
-    from types import SimpleNamespace
-
+    from vlmshard.packing.cost import CostModel
     from vlmshard.simulate.runtime import STRATEGIES, Links, rebalance
 
     items, offsets = np.array([0, 1, 2]), np.array([0, 2, 3])
-    tiles, tokens = np.array([8, 0, 0]), np.array([100, 10, 20])
-    squares = tokens.astype(np.float64) ** 2
-    supervised = np.array([4, 2, 6])
-    cost = SimpleNamespace(a_v=1.0, a_t=1.0, b=0.01)
+    lengths = _three_samples()
+    cost = CostModel(a_v=1.0, a_t=1.0, b=0.01, origin="hand", a_vs=0.5)
     links = Links(pixel_bytes=1e3, feature_bytes=1e2, intra_bytes_per_s=1e6,
                   inter_bytes_per_s=1e5)
     slots = np.array([[[0], [1]]])  # one step, two replicas, one slot
     exact = np.ones((3, 2))
-    orch = rebalance(slots, items, offsets, tiles, tokens, squares, supervised, cost,
-                     STRATEGIES["orchmllm"], links, exact)
-    assert orch.batches[0, :, 0].tolist() == [[8, 100, 10000, 4], [0, 30, 500, 8]]
+    orch = rebalance(slots, items, offsets, lengths, cost, STRATEGIES["orchmllm"], links, exact)
+    # tiles, tokens, Σlen², supervised, the image's tiles² (one unit of 8 tiles)
+    assert orch.batches[0, :, 0].tolist() == [[8, 100, 10000, 4, 64], [0, 30, 500, 8, 0]]
     assert orch.exchange_s.tolist() == [10 * 8 / 1e6]
     assert orch.moved_share == 1 / 4  # of 1 ViT part and 3 LLM parts
-    veomni = rebalance(slots, items, offsets, tiles, tokens, squares, supervised, cost,
-                       STRATEGIES["veomni-vit"], links, exact)
-    assert veomni.batches[0, :, 0].tolist() == [[8, 110, 10100, 6], [0, 20, 400, 6]]
+    veomni = rebalance(slots, items, offsets, lengths, cost, STRATEGIES["veomni-vit"], links,
+                       exact)
+    assert veomni.batches[0, :, 0].tolist() == [[8, 110, 10100, 6, 64], [0, 20, 400, 6, 0]]
     assert veomni.exchange_s.tolist() == [0.0] and veomni.moved_share == 0
 
 
@@ -453,24 +459,20 @@ def test_a_bias_on_one_side_moves_no_runtime_dispatch_and_is_timed_in_full():
     """The case of ``test_runtime_strategies_deal_out_each_slot_and_price_what_moves`` with the
     ViT 30% slower than modelled: LPT deals one side alone, so scaling that side's costs moves
     nothing (LoongForge's refit included); the true tiles are 8 × 1.3 on the image's rank."""
-    from types import SimpleNamespace
-
+    from vlmshard.packing.cost import CostModel
     from vlmshard.simulate.runtime import STRATEGIES, Links, rebalance
 
     items, offsets = np.array([0, 1, 2]), np.array([0, 2, 3])
-    tiles, tokens = np.array([8, 0, 0]), np.array([100, 10, 20])
-    squares = tokens.astype(np.float64) ** 2
-    supervised = np.array([4, 2, 6])
-    cost = SimpleNamespace(a_v=1.0, a_t=1.0, b=0.01)
+    cost = CostModel(a_v=1.0, a_t=1.0, b=0.01, origin="hand", a_vs=0.5)
     links = Links(1e3, 1e2, intra_bytes_per_s=1e6, inter_bytes_per_s=1e5)
     slots = np.array([[[0], [1]]])
     slow_vit = np.tile([1.3, 1.0], (3, 1))
     for name in ("orchmllm", "loongforge"):
-        re = rebalance(slots, items, offsets, tiles, tokens, squares, supervised, cost,
-                       STRATEGIES[name], links, slow_vit)
-        assert re.batches[0, :, 0].tolist() == [[8, 100, 10000, 4], [0, 30, 500, 8]]
-        assert re.true[0, :, 0] == pytest.approx(np.array([[10.4, 100, 10000, 4],
-                                                           [0, 30, 500, 8]]))
+        re = rebalance(slots, items, offsets, _three_samples(), cost, STRATEGIES[name], links,
+                       slow_vit)
+        assert re.batches[0, :, 0].tolist() == [[8, 100, 10000, 4, 64], [0, 30, 500, 8, 0]]
+        assert re.true[0, :, 0] == pytest.approx(np.array([[10.4, 100, 10000, 4, 64 * 1.3],
+                                                           [0, 30, 500, 8, 0]]))
 
 
 def test_a_slow_vit_times_the_balanced_plan_by_hand(tmp_path):
@@ -513,3 +515,22 @@ def test_a_cost_error_is_refused_for_padded_compute(padded_plan):
 
     with pytest.raises(ConfigError, match="padding-free compute only"):
         _simulate(padded_plan, cost_error=CostError(vit=0.3))
+
+
+@pytest.mark.parametrize("name", ["qwen3-vl-8b", "internvl2-2b"])
+def test_a_plans_micro_batch_takes_the_simulator_the_flops_the_packer_charges(name):
+    """One micro-batch of a plan (``micro_batch_sizes``' columns: 900 tiles in two images of 400
+    and 500 tiles, 3,000 tokens in two samples, 1,000 supervised) through every layer's rates
+    at 1 FLOP/s: its forward and backward seconds are the packer's ``CostModel.cost`` of it,
+    the Qwen ViT's attention across each image included (its tiles² in patches², 4 a tile)."""
+    from vlmshard.families import presets
+    from vlmshard.model_sizes import layer_work
+    from vlmshard.packing.cost import CostModel
+    from vlmshard.simulate.model import in_patches, plan_sizes
+
+    model = presets()[name]
+    sizes = np.array([900.0, 3000.0, 1000.0 ** 2 + 2000.0 ** 2, 1000.0, 400.0 ** 2 + 500.0 ** 2])
+    rates = LayerRates.from_work(layer_work(model), 1.0)
+    columns = plan_sizes(in_patches(sizes, model.patches_per_tile))
+    seconds = float((rates.forward + rates.backward).sum(axis=0) @ columns)
+    assert seconds == pytest.approx(CostModel.from_sizes(model).cost(*sizes), rel=1e-12)
