@@ -7,7 +7,8 @@ Packing: a synthetic Qwen2-VL mix (20,000 samples by default: 20% text only, 62%
 two to four images, 10% one video), costed as Qwen2-VL-2B; each sample's tiles and tokens come
 from the family's own rules (``Qwen2VLTiling.tiles`` for images; ``sample_video`` for videos:
 2 fps, the video processor's default per-frame pixel limit and total budget), drawn from the
-distributions stated in ``video_mix``; samples over 32,768 tokens are left out, as
+distributions stated in ``video_mix`` (each image and video step's tiles² too: Qwen2-VL's ViT
+attends across each, ``CostModel.a_vs``); samples over 32,768 tokens are left out, as
 ``--max-seq-len 32768`` would reject them. Packed by ``random``, ``isf`` (OmniBal's caps search:
 its unplaced samples shown), ``isf`` at ``balanced``'s caps and ``balanced`` (automatic caps),
 R=8, M=1 and M=4, on the mix and on its 90% without videos: step_efficiency and the
@@ -63,19 +64,24 @@ def video_mix(n: int, seed: int = 0) -> tuple[Lengths, dict]:
     kind = rng.choice(4, size=n, p=[0.20, 0.62, 0.08, 0.10])  # text, image, images, video
     text = np.clip(np.round(rng.lognormal(np.log(150), 1.0, n)), 8, 4096).astype(np.int64)
     tiles = np.zeros(n, np.int64)
+    unit_squares = np.zeros(n)  # Σ tiles² over each image and video step: the ViT attends there
     video_tokens = []
     for i in range(n):
         if kind[i] in (1, 2):
             for _ in range(1 if kind[i] == 1 else int(rng.integers(2, 5))):
                 w, h = IMAGE_SIZES[rng.integers(len(IMAGE_SIZES))]
                 scale = rng.uniform(0.5, 1.5)
-                tiles[i] += POLICY.tiles(int(w * scale), int(h * scale), 1)
+                image = POLICY.tiles(int(w * scale), int(h * scale), 1)
+                tiles[i] += image
+                unit_squares[i] += image ** 2
         elif kind[i] == 3:
             seconds = float(np.clip(rng.lognormal(np.log(20), 0.9), 2, 300))
             fps = float(rng.choice([24, 25, 30]))
             w, h = VIDEO_SIZES[rng.integers(len(VIDEO_SIZES))]
             video = POLICY.sample_video(int(seconds * fps), fps, w, h)
             tiles[i] = video.tiles
+            steps = video.grid[0]
+            unit_squares[i] = steps * (video.tiles // steps) ** 2
             video_tokens.append(video.tokens)
     tokens = tiles + text  # one LLM token per merged patch
     keep = tokens <= MAX_SEQ_LEN
@@ -85,7 +91,7 @@ def video_mix(n: int, seed: int = 0) -> tuple[Lengths, dict]:
              "video_tokens_p90": int(np.percentile(video_tokens, 90)),
              "image_sample_tokens_median": int(np.median(tokens[(kind == 1) & keep]))}
     lengths = Lengths(tiles[keep], tokens[keep], (kind[keep] == 3).astype(np.int32),
-                      ("images-and-text", "video"))
+                      ("images-and-text", "video"), unit_squares=unit_squares[keep])
     return lengths, drawn
 
 
