@@ -55,7 +55,7 @@ FPS, MAX_FRAMES = 2.0, 768  # Qwen3-VL's video processor defaults
 
 def video_mix(n: int, seed: int, clip_share: float = 0.075) -> tuple[Lengths, MediaUnits]:
     """The module docstring's mix: each sample's lengths (``largest`` its largest temporal
-    step or image) and its media as ViT units."""
+    step or image, ``unit_squares`` its units' tiles²) and its media as ViT units."""
     rng = np.random.default_rng(seed)
     kind = rng.choice(4, n, p=[0.75, 0.10, 0.075 + 0.075 - clip_share, clip_share])
     tiles, units, offsets, tokens = [], [], [0], np.zeros(n, np.int64)
@@ -77,9 +77,12 @@ def video_mix(n: int, seed: int, clip_share: float = 0.075) -> tuple[Lengths, Me
         tokens[i] += text[i]
     media = MediaUnits(np.array(offsets), np.array(tiles, np.int64), np.array(units, np.int64))
     owner = np.repeat(np.arange(n), np.diff(media.offsets))
+    unit = media.tiles // media.units
     return (Lengths(np.bincount(owner, media.tiles, minlength=n).astype(np.int64), tokens,
                     kind.astype(np.int32), ("image", "images", "text", "clip"),
-                    largest_units(media)), media)
+                    largest_units(media),
+                    unit_squares=np.bincount(owner, media.units * unit.astype(float) ** 2,
+                                             minlength=n)), media)
 
 
 def largest_units(media: MediaUnits) -> np.ndarray:
@@ -305,7 +308,7 @@ def main() -> None:
         return
     lengths, media = video_mix(args.samples, args.seed, args.clip_share)
     before = Lengths(lengths.tiles, lengths.tokens, lengths.source, lengths.sources,
-                     largest_units(whole(media)))
+                     largest_units(whole(media)), unit_squares=lengths.unit_squares)
     refusal = lambda sp: sequence_parallel_refusal(MODEL.llm, sp)  # noqa: E731
     common = {"dp": args.ranks, "ranks": args.ranks, "micro_batches": 1, "seed": args.seed,
               "cost": COST, "mode": MODE, "refusal": refusal}

@@ -52,6 +52,10 @@ class CostModel:
     window: int = 0  # the sliding window of the layers that have one (0: none)
     window_share: float = 0.0  # the share of ``b`` those layers make
     c_sp: float = 0.0  # per token, the sequence-parallel exchange at (s − 1)/s = 1
+    # per token and key/value head sent beyond the model's ``kv_heads``: an SP degree above them
+    # repeats each to s heads before the exchange
+    c_sp_head: float = 0.0
+    kv_heads: int = 0
     # per supervised token: the LM head, whose logits exist only for supervised rows (0 in a
     # profile's fitted cost_model.json, whose a_t holds the head's time)
     a_s: float = 0.0
@@ -77,11 +81,14 @@ class CostModel:
         # ``vit_attention_size``'s Σ P² of P = tiles·merge² patches per unit, and per tile a
         # whole window's (window² tiles') P² over its tiles
         per_tile = model.patches_per_tile ** 2 * model.vision.window ** 2
+        price, kv = flops_per_sp_byte(GPUS[REFERENCE_GPU]), model.llm.kv_heads
+        c_sp = sequence_parallel_bytes(model) * price
         a_v, full_a_v = (f.tiles + f.vit_windows * per_tile for f in (flops, full))
         return cls(a_v, flops.tokens, b, f"flops:{model.name}",
                    window=model.llm.sliding_window if flops.windowed else 0,
                    window_share=flops.windowed / b if flops.windowed else 0.0,
-                   c_sp=sequence_parallel_bytes(model) * flops_per_sp_byte(GPUS[REFERENCE_GPU]),
+                   c_sp=c_sp, kv_heads=kv,
+                   c_sp_head=sequence_parallel_bytes(model, kv + 1) * price - c_sp,
                    a_s=flops.supervised, recipe=recipe.describe(),
                    a_v_share=a_v / full_a_v if full_a_v else 1.0,
                    a_vs=flops.vit_squares * model.patches_per_tile ** 2)
@@ -155,8 +162,10 @@ class CostModel:
 
     def sp_exchange(self, tokens, sp: int):
         """What sequence parallelism of degree ``sp`` adds to micro-batches (or ranks) of
-        Σ``tokens``, in the cost's units: the exchange, ``c_sp·tokens·(sp − 1)/sp``."""
-        return self.c_sp * tokens * (sp - 1) / sp
+        Σ``tokens``, in the cost's units: the exchange, ``c_sp·tokens·(sp − 1)/sp``, its
+        key/value heads repeated to ``sp`` where fewer."""
+        repeated = self.c_sp_head * max(0, sp - self.kv_heads)
+        return (self.c_sp + repeated) * tokens * (sp - 1) / sp
 
     def squares(self, tokens: np.ndarray) -> np.ndarray:
         """Per sample of ``tokens`` its quadratic work in units of ``b``: seq_len², less what

@@ -192,6 +192,20 @@ def test_no_rank_of_a_group_encodes_more_tiles_than_its_bound():
     assert over_share > 0  # deals that give a rank more than its share: the bound is needed
 
 
+@pytest.mark.parametrize("sp,kv_sent", [(2, 2), (4, 4), (6, 6)])
+def test_the_exchange_prices_key_value_heads_repeated_to_the_sp_degree(sp, kv_sent):
+    """Qwen2-VL-2B: 28 layers of 12 query and 2 key/value heads of 128. Per token of a share, a
+    step sends q, k, v and the output forward and their gradients back, 2 bytes each (bf16);
+    at SP above 2 each key/value head is repeated to SP heads before the exchange
+    (``Exchange.heads_to_sequence``), and (SP − 1)/SP of it leaves the rank."""
+    from vlmshard.hardware import GPUS, REFERENCE_GPU, flops_per_sp_byte
+
+    hand = 2 * 2 * 28 * (2 * 12 + 2 * kv_sent) * 128 * (sp - 1) / sp
+    cost = CostModel.from_sizes(presets()["qwen2-vl-2b"])
+    assert cost.sp_exchange(1.0, sp) == pytest.approx(
+        hand * flops_per_sp_byte(GPUS[REFERENCE_GPU]), rel=1e-12)
+
+
 def test_sequence_parallel_steps_pay_the_exchange_and_count_in_the_communication_ratio():
     cost = CostModel(a_v=1.0, a_t=2.0, b=0.0, origin="hand", c_sp=1.0)
     lengths = Lengths(np.array([1, 1, 2, 0, 3, 1]), np.array([10, 20, 30, 40, 100, 60]),

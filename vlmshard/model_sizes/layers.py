@@ -101,11 +101,12 @@ def sequence_parallel_refusal(llm: LLMConfig, sp: int) -> str | None:
     return None
 
 
-def sequence_parallel_bytes(config: ModelConfig) -> float:
+def sequence_parallel_bytes(config: ModelConfig, sp: int = 1) -> float:
     """Bytes one rank sends per token of its shard in a training step of Ulysses sequence
-    parallelism, before the (s − 1)/s that stays home: each LLM layer's token mixer re-shards
-    its q, k, v (from sequence to heads) and its output (back) in the forward, and their
-    gradients in the backward, in bf16. Attention moves its query and key/value heads; a
+    parallelism of degree ``sp``, before the (s − 1)/s that stays home: each LLM layer's token
+    mixer re-shards its q, k, v (from sequence to heads) and its output (back) in the forward,
+    and their gradients in the backward, in bf16. Attention moves its query and key/value
+    heads, the latter repeated to ``sp`` where fewer (``Exchange.heads_to_sequence``); a
     linear-attention layer its key and value heads likewise."""
     t = config.llm
     per_layer = []
@@ -114,5 +115,5 @@ def sequence_parallel_bytes(config: ModelConfig) -> float:
             per_layer.append(2 * t.linear_key_heads * t.linear_key_dim
                              + 2 * t.linear_value_heads * t.linear_value_dim)
         else:
-            per_layer.append((2 * t.heads + 2 * t.kv_heads) * t.head_size)
+            per_layer.append((2 * t.heads + 2 * max(t.kv_heads, sp)) * t.head_size)
     return 2 * ACTIVATION_BYTES * float(sum(per_layer))
