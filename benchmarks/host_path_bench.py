@@ -97,8 +97,8 @@ def main() -> None:
                         "(the norms' and rotary's to float32 and back), but its CPU matmuls "
                         "cost ~5x float32's")
     p.add_argument("--compiled", action="store_true",
-                   help="also none with every ViT block and decoder layer compiled "
-                        "(``--compile-blocks vit llm``; compiled at the warm-up)")
+                   help="also none and selective with every ViT block and decoder layer "
+                        "compiled (``--compile-blocks vit llm``; compiled at the warm-up)")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args()
     import torch
@@ -117,9 +117,11 @@ def main() -> None:
         compiled = model_layers(model.path, args.attention,
                                 replace(model.kernels, compile_blocks=("vit", "llm")))
         built = compiled.build_all(dtype=getattr(torch, args.dtype))
-        # (recomputed blocks stopped Dynamo on 2026-12-04: the compiled recompute was
-        # being changed)
-        plans["none+compiled"] = (compiled, built, plans["none"][2])
+        # selective recomputes inside the graph (``recompute.run_layer``); a block recomputed
+        # whole there stopped Dynamo at ce60c3b (checkpoint given noop_context_fn), and with
+        # it the default plan
+        for name in ("none", "selective"):
+            plans[f"{name}+compiled"] = (compiled, built, plans[name][2])
     repeats = 1 if args.smoke else args.repeats
     print(f"{len(model.names)} layers of {model.family} at tiny widths, {batch['num_samples']} "
           f"samples, {len(batch['image_grid_thw'])} images, {batch['num_tiles']} tiles, "
