@@ -66,7 +66,9 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    of memory even so is reported so (``error``), and the bench goes on.
 7. ``--ab NAME ...``: the balanced plan trained again with one switch flipped, beside the run
    with the defaults: ``compiled`` (regional ``torch.compile`` of the ViT's and the LLM's
-   blocks), ``compiled_vit`` (the ViT's only), ``cudnn_vit`` (a Qwen ViT on SDPA, a call per
+   blocks), ``compiled_vit`` (the ViT's only), ``frozen_vit`` (``--train projector llm``: the
+   vision tower frozen, the recipe users run; with ``--baseline`` the peers train it too, as
+   ``hf_packed_frozen_vit``, ...), ``cudnn_vit`` (a Qwen ViT on SDPA, a call per
    run of equal-sized images, cuDNN's kernel first), ``compiled_cudnn_vit`` (both), ``cudnn``
    (every layer on SDPA, cuDNN's kernel first: the LLM's samples too), ``no_liger`` (Liger's
    kernels off), ``no_vit_varlen`` (the ViT's attention once per image), ``conv_patch`` (the
@@ -76,7 +78,11 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    balanced plan alone (no random plan, loader, profile or replay), for an A/B inside a short
    GPU lease; ``--plans balanced`` leaves out the random plan only.
 
+The phases run in the order their results matter: the plans, the peers beside them, each A/B
+(the peers again after one that changes the recipe), then the loader, profile and replay.
 ``--json`` is written after each phase: a run cut short keeps what it measured.
+``--prepare-only`` makes the data, model, plans and shards (on the CPUs, no CUDA context) and
+``--prepared`` trains them in a later call: gpu_session.sh prepares while its CUDA tests run.
 """
 
 from __future__ import annotations
@@ -96,7 +102,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from vlmshard.io import read_json  # noqa: E402
+from vlmshard.io import read_json, write_json_atomic  # noqa: E402
 
 # Qwen3-VL-2B-Instruct's config.json sizes (text: Qwen3-1.7B's)
 QWEN3_VL_2B = {
@@ -113,6 +119,8 @@ QWEN3_VL_2B = {
 # vlmshard's runs, in the result's and the table's order
 # ``--ab``: a name, and the train options its run flips (given the model's layer names)
 AB = {"compiled": lambda names: {"compile_blocks": ["vit", "llm"]},
+      # the recipe users run: the vision tower frozen (with --baseline, the peers train it too)
+      "frozen_vit": lambda names: {"train": ["projector", "llm"]},
       "compiled_vit": lambda names: {"compile_blocks": ["vit"]},
       "no_liger": lambda names: {"liger": False},
       "no_vit_varlen": lambda names: {"vit_varlen": False},
@@ -228,10 +236,9 @@ def train_config(args, setup: dict, algo: str, run: str | None = None,
     run = run or algo
     return TrainConfig(shards=setup["shards"][algo], out=os.path.join(args.work, f"run-{run}"),
                        model=setup["model"], pp=1, dp=1, max_steps=args.steps,
-                       save_checkpoints=False, count_host_syncs=True, train=args.train,
-                       lora_rank=args.lora,
+                       save_checkpoints=False, count_host_syncs=True,
                        trace=os.path.join(args.trace, run) if args.trace and with_trace else None,
-                       **options)
+                       **{"train": args.train, "lora_rank": args.lora, **options})
 
 
 def train_plan(args, setup: dict, algo: str, run: str | None = None, with_trace: bool = True,
@@ -366,8 +373,9 @@ def replayed(args, run: str, profile_dir: str, kept: list[int]) -> dict:
             "replay_step_error": [s["predicted_s"] / s["measured_s"] - 1 for s in steps]}
 
 
-def hf_baseline(args, setup: dict, padded: bool) -> dict:
-    """``hf_train``'s run: its time, tokens/s, model FLOP/s and loss per step, and the device's
+def hf_baseline(args, setup: dict, padded: bool, run: str = "balanced", **options) -> dict:
+    """``hf_train``'s run of vlmshard's run ``run`` (trained with the train ``options``: its
+    recipe): its time, tokens/s, model FLOP/s and loss per step, and the device's
     memory handed back (gradients, optimizer states and the model gone). As a user tunes it:
     without gradient checkpointing, and where that runs out of the device's memory, again with
     it (``gradient_checkpointing`` says which ran); out of memory with it too, the peer's own
@@ -381,7 +389,7 @@ def hf_baseline(args, setup: dict, padded: bool) -> dict:
     trained, error = None, None
     for checkpointing in (False, True) if torch.cuda.is_available() else (False,):
         try:
-            trained = hf_train(args, setup, padded, checkpointing)
+            trained = hf_train(args, setup, padded, checkpointing, run, **options)
         except torch.OutOfMemoryError as e:
             error = f"out of memory{' with gradient checkpointing' * checkpointing}: " \
                     f"{str(e).splitlines()[0]}"
@@ -395,7 +403,7 @@ def hf_baseline(args, setup: dict, padded: bool) -> dict:
     if trained is None:
         return {"error": error}
     configured, times, losses = trained
-    logged = read_log(os.path.join(train_config(args, setup, "balanced").out,
+    logged = read_log(os.path.join(train_config(args, setup, "balanced", run, **options).out,
                                    "train_log.jsonl"))
     logged, kept = logged[args.warmup:args.steps], times[args.warmup:]
     return {**configured, "gradient_checkpointing": checkpointing,
@@ -405,14 +413,15 @@ def hf_baseline(args, setup: dict, padded: bool) -> dict:
             "loss": losses}
 
 
-def hf_train(args, setup: dict, padded: bool,
-             checkpointing: bool) -> tuple[dict, list[float], list[float]]:
+def hf_train(args, setup: dict, padded: bool, checkpointing: bool, run: str = "balanced",
+             **options) -> tuple[dict, list[float], list[float]]:
     """The balanced shards' steps trained by Hugging Face's ``Trainer`` (examples/hf_trainer.py):
     packed (``model_inputs``: flash-attn's varlen kernel where it is installed, else torch's
     through the same ``transformers`` path, ``TORCH_VARLEN``: the ViT's images in one call, no
     mask over the micro-batch) or padded per sample (SDPA); vlmshard's optimizer, schedule,
     clipping, steps and precision (fp32 master weights, bf16 compute on a GPU; fp32 on CPU),
-    with gradient checkpointing where ``checkpointing`` says. Each step's time is vlmshard's
+    with gradient checkpointing where ``checkpointing`` says, on the recipe of vlmshard's run
+    ``run`` (its ``options``, as ``hf_baseline``). Each step's time is vlmshard's
     ``step_time_s``'s: from its micro-batches in hand (the ``Trainer`` fetches a step's before
     ``on_step_begin``; vlmshard logs its wait for them apart, ``load_s``) to the end of its
     optimizer step on the device; tokens and model FLOPs are vlmshard's log's for the same step
@@ -437,7 +446,7 @@ def hf_train(args, setup: dict, padded: bool,
     from hf_trainer import PackedBatches, PaddedBatches, shard_trainer
 
     cuda = torch.cuda.is_available()
-    cfg = train_config(args, setup, "balanced")
+    cfg = train_config(args, setup, "balanced", run, **options)  # its recipe and optimizer
     flash = cuda and is_flash_attn_2_available()
     model = AutoModelForImageTextToText.from_pretrained(
         setup["model"], dtype=torch.float32,
@@ -596,13 +605,23 @@ def main() -> None:
     p.add_argument("--ab", nargs="+", choices=list(AB), default=[],
                    help="also train the balanced plan with one switch flipped, each beside the "
                         "run with the defaults: compiled (--compile-blocks vit llm), "
-                        "compiled_vit (--compile-blocks vit), cudnn_vit (--sdpa-cudnn), "
+                        "compiled_vit (--compile-blocks vit), frozen_vit (--train projector "
+                        "llm: the vision tower frozen; the peers train it too), cudnn_vit "
+                        "(--sdpa-cudnn), "
                         "compiled_cudnn_vit (both), cudnn (--attention sdpa --sdpa-cudnn), "
                         "no_liger "
                         "(--no-liger), no_vit_varlen (--no-vit-varlen), conv_patch "
                         "(--no-patch-linear), full_recompute (every "
                         "LLM block recomputed whole, not selectively)")
     p.add_argument("--json", help="also write the result here (after each phase)")
+    staged = p.add_mutually_exclusive_group()
+    staged.add_argument("--prepare-only", action="store_true",
+                        help="make the data, model, plans and shards under --work, write what "
+                             "they are to its setup.json, and stop: on the CPUs, while the "
+                             "device runs something else (gpu_session.sh: its CUDA tests)")
+    staged.add_argument("--prepared", action="store_true",
+                        help="train what --work's setup.json says (a --prepare-only run's, "
+                             "with the same data options) instead of preparing again")
     p.add_argument("--trace", help="write a torch profiler trace (Chrome trace JSON) of each "
                                    "plan's second step under this folder (not the --ab "
                                    "runs'); that step is left out of the figures")
@@ -637,7 +656,16 @@ def main() -> None:
     gpu = gpu_named(device.name) if device else None
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (gpu.peak_flops if gpu else None)
     plans = ("balanced",) if args.quick else tuple(args.plans)
-    setup = prepare(args, device.memory_bytes if device else None, plans)
+    setup_file = os.path.join(args.work, "setup.json")
+    if args.prepared:
+        setup = read_json(setup_file)
+        if not set(plans) <= set(setup["shards"]):
+            p.error(f"--prepared: {setup_file} has shards of {', '.join(setup['shards'])} only")
+    else:
+        setup = prepare(args, device.memory_bytes if device else None, plans)
+    if args.prepare_only:
+        write_json_atomic(setup_file, setup)
+        return
     runs = {algo: train_plan(args, setup, algo) for algo in plans}
     workers = args.loader_workers if args.loader_workers is not None else (4 if cuda else 0)
     result = {**environment(cuda), "attention": choose_backend("cuda" if cuda else "cpu", dtype),
@@ -648,24 +676,25 @@ def main() -> None:
               "memory_bound": setup["memory_bound"], "target_samples": setup["target_samples"],
               "peak_flops": peak, **runs}
     save(args, result, peak)
-    if args.ab:  # next to the run with the defaults, before the longer phases
+    # the phases in the order their results matter: the peers beside the defaults, then each
+    # A/B, the peers again after one that changes what trains (its recipe)
+    peers(args, setup, result, peak)
+    if args.ab:
         from vlmshard.train.hf_model import model_layers
 
         names = model_layers(setup["model"]).names
     for name in args.ab:
+        options = AB[name](names)
         # not traced: the trace and its summary take a lease's minutes; the traced step is a
         # warm-up step with the defaults
         try:
             result[f"balanced_{name}"] = train_plan(args, setup, "balanced", f"balanced-{name}",
-                                                    with_trace=False, **AB[name](names))
+                                                    with_trace=False, **options)
         except JobError as e:  # a switch that fails on this device is its result: go on
             result[f"balanced_{name}"] = {"error": str(e)}
         save(args, result, peak)
-    if args.baseline is not None:
-        result["baseline"] = {}
-        for name in args.baseline or BASELINES:
-            result["baseline"][name] = hf_baseline(args, setup, padded=name == "hf_padded")
-            save(args, result, peak)
+        if "train" in options and "error" not in result[f"balanced_{name}"]:
+            peers(args, setup, result, peak, name, **options)
     if not args.quick:
         result["loader"] = loader_throughput(setup["shards"]["balanced"],
                                              args.steps * args.micro_batches, workers, cuda,
@@ -679,6 +708,19 @@ def main() -> None:
         save(args, result, peak)
     print(json.dumps(result))
     print(table(result))
+
+
+def peers(args, setup: dict, result: dict, peak: float | None, ab: str | None = None,
+          **options) -> None:
+    """With ``--baseline``, each peer trains the recipe of the balanced run with the defaults,
+    or of its A/B ``ab`` (that run's train ``options``), as ``baseline[peer]`` or
+    ``baseline[peer_ab]``; the result saved after each."""
+    if args.baseline is None:
+        return
+    for name in args.baseline or BASELINES:
+        result.setdefault("baseline", {})[f"{name}_{ab}" if ab else name] = hf_baseline(
+            args, setup, name == "hf_padded", f"balanced-{ab}" if ab else "balanced", **options)
+        save(args, result, peak)
 
 
 def save(args, result: dict, peak: float | None) -> None:

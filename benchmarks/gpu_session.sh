@@ -2,63 +2,131 @@
 # One GPU machine's checks, prepared to run once inside a short lease (the device machine has
 # no network; its image lacks DeepSpeed, webdataset, pydantic, ... and this transformers):
 #
-#   1. install the wheels in $WHEELS (built beforehand; see docs/gpu.md) and this checkout;
-#   2. the CUDA cases of the numerical tests (attention backends, one-call ViT, Liger's
-#      kernels, host syncs, the memory model with the GPU's kernels, the peer's varlen path),
-#      and whether torch's varlen kernel takes fewer K/V heads as they are
-#      (benchmarks/varlen_gqa_probe.py);
-#   3. gpu_bench.py with the given arguments (default: the balanced plan packed up to the
-#      largest micro-batch the memory model lets the device hold recomputing no layer whole,
-#      with a trace and a host-sampled step; again with every layer on cuDNN's attention;
-#      again with the ViT's blocks compiled; the packed Hugging Face Trainer peer on torch's
-#      varlen kernel; the profile and its replay), its JSON written after each phase.
+#   1. install the wheels in $WHEELS (built beforehand: make device-wheels; docs/gpu.md) and
+#      this checkout;
+#   2. on the device, the CUDA cases of the numerical tests (attention backends, one-call ViT,
+#      Liger's kernels, host syncs, the memory model with the GPU's kernels, the peer's varlen
+#      path) and whether torch's varlen kernel takes fewer K/V heads as they are
+#      (benchmarks/varlen_gqa_probe.py); meanwhile, on the CPUs, gpu_bench.py --prepare-only
+#      makes the bench's data, model, plans and shards (it holds no CUDA context);
+#   3. gpu_bench.py --prepared, its phases in the order their results matter, its JSON written
+#      after each (a run cut short keeps what it measured). Default: the balanced plan packed
+#      up to the largest micro-batch the memory model lets the device hold recomputing no
+#      layer whole, a full fine-tune, with a traced and a host-sampled step; the fair peer
+#      (the packed Hugging Face Trainer on torch's varlen kernel) on the same recipe; the
+#      recipe users run (--ab frozen_vit: the vision tower frozen) for vlmshard, then the
+#      peer; the ViT's and LLM's blocks compiled (--ab compiled). Arguments replace these
+#      phases, not the sizes (--steps, ... given again win): e.g. --quick --ab cudnn for the
+#      cuDNN A/B, whose 20 s steps (10.4% MFU on the H200) ate the 2026-12-04 lease.
 #
-# Everything lands in $OUT (default build/gpu-session): logs, nvidia-smi, the bench's JSON, and
-# the runs' logs with the trace summaries, gzipped. Each step is bounded by `timeout`, so a hang
-# leaves the rest's time.
+# Device time, estimated (s) from the H200 run of 2026-12-04 (benchmarks/results/
+# h200-2026-12-04: its run logs' times) at the default sizes, 4 steps of 2 micro-batches a run
+# (that run: 6 of 4; a step of 4 took 5.9 s, the first 12.2 s and 3.9 s loading; a run 37 s
+# from its launch to its pipeline.json, 17 s more to its first step's end; the traced step's
+# trace and summary 9 s):
+#   install                     25  pip: the 16 wheels, then this checkout
+#   prepare                     90  data, 2B model, plans, shards on the CPUs (that run: the
+#                                   bench's start to its first launch, at most 90); beside
+#                                   it the CUDA tests (TESTS_S: 52 s of pytest then) + probe
+#   balanced                    66  37 launch + 14 first step + 8 traced + 2 x 3 + 1
+#   hf_packed                   60  out of memory without checkpointing (8), then with it: two
+#                                   loads of the 2B model in fp32 (2 x 13), a first step 12,
+#                                   3 x 4.5 (a guess: no varlen peer has run on a GPU yet)
+#   balanced_frozen_vit         57  37 + 13 first step + 3 x 2.2 (the ViT's backward, 0.4 s
+#                                   of each micro-batch's 1.5, gone)
+#   hf_packed_frozen_vit        55  as hf_packed, 3 x 3 s steps
+#   balanced_compiled          120  37 + 14 + 60 compiling (a guess: one compilation a block
+#                                   kind, 37 s on this 2-CPU machine for the tiny model) + 3 x 3
+#   archive                      2
+#   total                      475  of DEADLINE_S: the bench gets what is left of it, so the
+#                                   session ends inside it, the last phase (compiled) cut first
+#
+# Everything lands in $OUT (default build/gpu-session): install.log, nvidia-smi.txt,
+# cuda-tests.log, prepare.log, bench.log, gpu.json, pipeline-balanced.json and runs.tgz (the
+# runs' train logs, pipeline.json files, trace summaries and host samples, under $BUILD).
 #
 #   WHEELS=.device-wheels OUT=build/gpu-session bash benchmarks/gpu_session.sh [gpu_bench args]
+#   bash benchmarks/gpu_session.sh --smoke     # (or SMOKE=1) here, on CPU, the venv's python3
+#
+# --smoke runs every step at the smallest sizes with no GPU: no install (this environment),
+# instead the size a device run carries (the working tree git keeps and $WHEELS, at most 64
+# MiB); the CUDA tests collected, not run; no probe (it needs CUDA); gpu_bench.py --smoke with
+# the same phases; the same files in $OUT (tests/test_gpu_session.py runs it).
 set -u
+cd "$(dirname "$0")/.."
+SMOKE=${SMOKE:-0}
+[ "${1:-}" = --smoke ] && { SMOKE=1; shift; }
 OUT=${OUT:-build/gpu-session}
+BUILD=${BUILD:-build}
 WHEELS=${WHEELS:-.device-wheels}
-BENCH_S=${BENCH_S:-460}
-TESTS_S=${TESTS_S:-90}
+DEADLINE_S=${DEADLINE_S:-480}
+INSTALL_S=${INSTALL_S:-90}
+TESTS_S=${TESTS_S:-75}
+PREPARE_S=${PREPARE_S:-150}
+CARRY_MIB=64
 export PYTHONUNBUFFERED=1
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$BUILD"
+OUT=$(cd "$OUT" && pwd)
+BUILD=$(cd "$BUILD" && pwd)
 start=$SECONDS
 stamp() { echo "[gpu_session +$((SECONDS - start))s] $*"; }
+# seconds left before the deadline, less the archive's; at least 1 (timeout 0 would not stop)
+left() { local s=$((DEADLINE_S - (SECONDS - start) - 5)); echo $((s > 0 ? s : 1)); }
 
-stamp install
-python3 -m pip install -q --no-deps --no-index "$WHEELS"/*.whl >"$OUT/install.log" 2>&1 &&
-    python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/install.log" 2>&1 ||
-    { tail -20 "$OUT/install.log"; exit 1; }
-nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+if [ "$SMOKE" = 1 ]; then
+    sizes=(--smoke --steps 3 --warmup 1 --micro-batches 2 --target-samples 2)
+    # what a device run carries: the files git does not ignore, and the wheels
+    bytes=$({ git ls-files -z --cached --others --exclude-standard |
+              xargs -0 stat -c %s 2>/dev/null; stat -c %s "$WHEELS"/*.whl 2>/dev/null; } |
+            awk '{s += $1} END {print s + 0}')
+    wheels=$(ls "$WHEELS"/*.whl 2>/dev/null | wc -l)
+    stamp "install skipped (--smoke: this environment); a device run carries" \
+          "$((bytes >> 20)) MiB of $CARRY_MIB: the working tree and $wheels wheels in $WHEELS"
+    [ "$wheels" -gt 0 ] || echo "no wheels in $WHEELS: make device-wheels before a lease"
+    [ "$bytes" -le $((CARRY_MIB << 20)) ] || { echo "over the $CARRY_MIB MiB a run carries"
+                                               exit 1; }
+else
+    sizes=(--steps 4 --warmup 2 --micro-batches 2)
+    stamp install
+    timeout "$INSTALL_S" sh -c 'python3 -m pip install -q --no-deps --no-index "$0"/*.whl &&
+        python3 -m pip install -q --no-deps --no-build-isolation -e .' "$WHEELS" \
+        >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+    nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+fi
 
-stamp "CUDA tests"
-timeout "$TESTS_S" python3 -m pytest -q -p no:cacheprovider -p no:xdist -o addopts="" \
-    tests/test_kernels.py tests/test_model.py tests/test_clock.py tests/test_model_inputs.py \
-    -k "cuda or liger" 2>&1 |
-    tee "$OUT/cuda-tests.log" | tail -15
-# whether this torch's varlen kernel takes fewer K/V heads as they are (the trainer repeats them
-# where varlen_attn has no enable_gqa), beside the tests' log
-timeout 60 python3 benchmarks/varlen_gqa_probe.py 2>&1 | tee -a "$OUT/cuda-tests.log"
-
-stamp gpu_bench
 args=("$@")
-# default: where the step's time goes (the traced step by layer and kernel class, the
-# host-sampled step), every layer on SDPA with cuDNN's attention first (the run's parts say
-# what it does to the ViT and to the LLM), the ViT's blocks compiled,
-# the packed peer (on torch's varlen kernel), then the profile and the simulator's replay
-[ ${#args[@]} -eq 0 ] && args=(--steps 6 --warmup 2 --plans balanced --ab cudnn compiled_vit
-                              --baseline hf_packed --trace build/gpu-trace)
-timeout "$BENCH_S" python3 benchmarks/gpu_bench.py --json "$OUT/gpu.json" "${args[@]}" 2>&1 |
+[ ${#args[@]} -eq 0 ] && args=(--quick --ab frozen_vit compiled --baseline hf_packed
+                               --trace "$BUILD/gpu-trace")
+rm -rf "$BUILD/gpu-trace"
+bench=(python3 benchmarks/gpu_bench.py "${sizes[@]}" --work "$BUILD/gpu_bench" "${args[@]}")
+
+stamp "prepare (CPUs) beside the CUDA tests (device)"
+timeout "$PREPARE_S" "${bench[@]}" --prepare-only >"$OUT/prepare.log" 2>&1 &
+prepare=$!
+tests=(tests/test_kernels.py tests/test_model.py tests/test_clock.py tests/test_model_inputs.py
+       -k "cuda or liger")
+if [ "$SMOKE" = 1 ]; then
+    timeout "$TESTS_S" python3 -m pytest -q --collect-only -p no:cacheprovider -p no:xdist \
+        -o addopts="" \
+        "${tests[@]}" 2>&1 | tee "$OUT/cuda-tests.log" | tail -1
+    echo "varlen_gqa_probe skipped (--smoke: it needs CUDA)" | tee -a "$OUT/cuda-tests.log"
+else
+    timeout "$TESTS_S" python3 -m pytest -q -p no:cacheprovider -p no:xdist -o addopts="" \
+        "${tests[@]}" 2>&1 | tee "$OUT/cuda-tests.log" | tail -15
+    # whether this torch's varlen kernel takes fewer K/V heads as they are (the trainer repeats
+    # them where varlen_attn has no enable_gqa), beside the tests' log
+    timeout 30 python3 benchmarks/varlen_gqa_probe.py 2>&1 | tee -a "$OUT/cuda-tests.log"
+fi
+wait "$prepare" || { stamp "prepare failed"; tail -20 "$OUT/prepare.log"; exit 1; }
+
+stamp "gpu_bench (up to $(left) s)"
+timeout "$(left)" "${bench[@]}" --prepared --json "$OUT/gpu.json" 2>&1 |
     tee "$OUT/bench.log" | grep -v "^{" | tail -40
 stamp "bench done (rc ${PIPESTATUS[0]})"
-cp build/gpu_bench/run-balanced/pipeline.json "$OUT/pipeline-balanced.json" 2>/dev/null
-# the train logs, pipeline.json files, trace summaries and host samples in one archive (the
-# device tool takes back 8 files at most, each of limited size: a step's whole trace, ~20 MB
-# gzipped, is not)
-tar czf "$OUT/runs.tgz" build/gpu_bench/run-*/train_log.jsonl build/gpu_bench/run-*.log \
-    build/gpu_bench/run-*/pipeline.json build/gpu_bench/profile/profile.json \
-    build/gpu-trace/*/*-summary.json build/gpu-trace/*/host-*.json 2>/dev/null
+cp "$BUILD/gpu_bench/run-balanced/pipeline.json" "$OUT/pipeline-balanced.json" 2>/dev/null
+# the train logs, pipeline.json files, trace summaries and host samples in one archive (a
+# step's whole trace, ~20 MB gzipped, is over what a lease brings back)
+(cd "$BUILD" && tar czf "$OUT/runs.tgz" $(ls -d gpu_bench/setup.json gpu_bench/run-*.log \
+    gpu_bench/run-*/train_log.jsonl gpu_bench/run-*/pipeline.json gpu_bench/profile/profile.json \
+    gpu-trace/*/*-summary.json gpu-trace/*/host-*.json 2>/dev/null))
 ls -la "$OUT"
