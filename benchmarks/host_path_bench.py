@@ -99,6 +99,8 @@ def main() -> None:
     p.add_argument("--compiled", action="store_true",
                    help="also none and selective with every ViT block and decoder layer "
                         "compiled (``--compile-blocks vit llm``; compiled at the warm-up)")
+    p.add_argument("--by-source", action="store_true",
+                   help="also the none plan's forward ops by the source file that called them")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args()
     import torch
@@ -135,17 +137,21 @@ def main() -> None:
     table = {name: summary(runs[name][1:], None if plan[0].kernels.compile_blocks
                            else count_ops(batch, *plan), plan[2])
              for name, plan in plans.items()}
-    print(f"{'plan':<16} {'whole':>5} {'sel.':>4} {'host ms':>8} {'wall ms':>8} {'ops fwd':>7} "
+    print(f"{'plan':<18} {'whole':>5} {'sel.':>4} {'host ms':>8} {'wall ms':>8} {'ops fwd':>7} "
           f"{'ops bwd':>7} {'us/op':>6} {'attn ms':>7}  by part (ms)")
     for name, row in table.items():
         counted = (f"{row['ops_forward']:>7} {row['ops_backward']:>7} {row['us_per_op']:6.1f} "
                    f"{row['attention_ms']:7.1f}"
                    if "ops_forward" in row else f"{'-':>7} {'-':>7} {'-':>6} {'-':>7}")
-        print(f"{name:<16} {row['whole']:>5} {row['selective']:>4} {row['host_ms']:8.1f} "
+        print(f"{name:<18} {row['whole']:>5} {row['selective']:>4} {row['host_ms']:8.1f} "
               f"{row['wall_ms']:8.1f} {counted}  "
               + ", ".join(f"{k} {v:.1f}" for k, v in row["parts_ms"].items() if v))
     print("forward ops per layer, none: " + ", ".join(
         f"{kind} {n}" for kind, n in table["none"]["forward_ops_per_layer"].items()))
+    if args.by_source:
+        sources = forward_ops_by_source(batch, *plans["none"])
+        print(f"forward ops of none by caller ({sum(sources.values())}): " + ", ".join(
+            f"{source} {n}" for source, n in sources.most_common()))
     where = "default" if "default" in plans else "none"
     extra = breakdown(batch, *plans[where])
     print(f"\n{where}: per micro-batch outside the layers' ops (ms): "
@@ -333,6 +339,30 @@ def count_ops(batch, model, layers, modes) -> Ops:
     return Ops(forward.ops, backward.ops, forward_kinds,
                Counter(kinds[i] for i, layer in enumerate(layers)
                        if i == layers.index(layer)), seconds["attention"])
+
+
+def forward_ops_by_source(batch, model, layers, modes) -> Counter:
+    """One forward's aten ops by the file (outside torch) of the innermost frame that called
+    them: a ``transformers`` module, vlmshard's own code."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vlmshard.train.pipeline import run_layers
+
+    sources = Counter()
+
+    class BySource(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            frame = next(f for f in reversed(traceback.extract_stack())
+                         if "/torch/" not in f.filename and f.filename != __file__)
+            sources[frame.filename.split("site-packages/")[-1].removeprefix(REPO + "/")] += 1
+            return func(*args, **(kwargs or {}))
+
+    with BySource():
+        run_layers(layers, model.defs, model.first_micro(batch), modes)
+    zero_grads(layers)
+    return sources
 
 
 def zero_grads(layers) -> None:
