@@ -62,7 +62,6 @@ WHEELS=${WHEELS:-.device-wheels}
 DEADLINE_S=${DEADLINE_S:-480}
 INSTALL_S=${INSTALL_S:-90}
 TESTS_S=${TESTS_S:-75}
-PREPARE_S=${PREPARE_S:-150}
 CARRY_MIB=64
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT" "$BUILD"
@@ -101,7 +100,7 @@ rm -rf "$BUILD/gpu-trace"
 bench=(python3 benchmarks/gpu_bench.py "${sizes[@]}" --work "$BUILD/gpu_bench" "${args[@]}")
 
 stamp "prepare (CPUs) beside the CUDA tests (device)"
-timeout "$PREPARE_S" "${bench[@]}" --prepare-only >"$OUT/prepare.log" 2>&1 &
+timeout "$(left)" "${bench[@]}" --prepare-only >"$OUT/prepare.log" 2>&1 &
 prepare=$!
 tests=(tests/test_kernels.py tests/test_model.py tests/test_clock.py tests/test_model_inputs.py
        -k "cuda or liger")
