@@ -19,11 +19,7 @@ import contextvars
 import functools
 
 import torch
-from torch.utils.checkpoint import (
-    checkpoint,
-    create_selective_checkpoint_contexts,
-    noop_context_fn,
-)
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 # Kept under ``selective``: the ops whose outputs took the FLOPs, as this torch names them
 # (matmuls, grouped expert matmuls, SDPA's kernels, the varlen and flash kernels).
@@ -57,11 +53,13 @@ def recomputed(fn, mode: str | None):
     None: not at all) says."""
     if not mode:
         return fn
-    contexts = functools.partial(create_selective_checkpoint_contexts, saved_ops()) \
-        if mode == "selective" else noop_context_fn
+    # whole recompute passes no context_fn: under torch.compile, checkpoint takes none but
+    # selective checkpointing's ("checkpoint not implemented for ... context_fn")
+    contexts = ({"context_fn": functools.partial(create_selective_checkpoint_contexts,
+                                                 saved_ops())} if mode == "selective" else {})
 
     def run(*args, **kwargs):
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, **contexts, **kwargs)
     return run
 
 
