@@ -119,10 +119,8 @@ def main() -> None:
         compiled = model_layers(model.path, args.attention,
                                 replace(model.kernels, compile_blocks=("vit", "llm")))
         built = compiled.build_all(dtype=getattr(torch, args.dtype))
-        # selective recomputes inside the graph (``recompute.run_layer``); a block recomputed
-        # whole there stopped Dynamo at ce60c3b (checkpoint given noop_context_fn), and with
-        # it the default plan
-        for name in ("none", "selective"):
+        # each plan's recompute inside the compiled graphs (``recompute.run_layer``)
+        for name in list(plans):
             plans[f"{name}+compiled"] = (compiled, built, plans[name][2])
     repeats = 1 if args.smoke else args.repeats
     print(f"{len(model.names)} layers of {model.family} at tiny widths, {batch['num_samples']} "
