@@ -74,6 +74,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/preprocess_bench.py
 	$(PY) benchmarks/formats_bench.py
 	$(PY) benchmarks/pack_bench.py --json build/bench/pack.json
+	$(PY) benchmarks/vit_units_bench.py
 	$(PY) benchmarks/layer_kinds_bench.py --json build/bench/layer_kinds.json
 	$(PY) benchmarks/hbp_bench.py --json build/bench/hbp.json
 	$(PY) benchmarks/hbp_bench.py --measure --json build/bench/hbp_measure.json
@@ -84,6 +85,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/train_bench.py --json build/bench/train.json
 	$(PY) benchmarks/simulate_bench.py --json build/bench/simulate.json
 	$(PY) benchmarks/memory_bench.py --layer-kinds --json build/bench/memory.json
+	$(PY) benchmarks/runtime_bench.py --ranks 8 64 --json build/bench/runtime.json
+	$(PY) benchmarks/host_path_bench.py --compiled
 
 # Re-pin constraints.txt after changing setup.cfg's requirements (uv's resolver; keeps the
 # current pins where they still satisfy the requirements).
