@@ -412,7 +412,17 @@ class _LiveStorages:
     def __call__(self) -> dict[int, int]:
         tensors = [t for t in (ref() for ref in self._entered) if t is not None]
         tensors += [t for t in gc.get_objects() if type(t) in _PLAIN]
-        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return dict(storage for storage in map(_storage, tensors) if storage is not None)
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int] | None:
+    """A tensor's storage as (address, bytes); None for one that has none, as the tensors
+    ``torch.compile`` keeps from tracing (symbolic shapes, no data: no activation)."""
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except RuntimeError:  # "invalid python storage": a traced tensor torch's caches hold
+        return None
 
 
 class _SavedBytes:
