@@ -7,7 +7,9 @@ strategies on data sets the packer was not tuned on, at 8, 64 and 1,024 data-par
 
 Data sets: OmniBal's two released length files (ai2d + docvqa, 22,624 rows, InternVL-Chat-1.5
 on H100s, PP 4) resampled to 1,024 samples a rank, and ``video_bench.py``'s video mix (images,
-image sets, clips of 2 s to 5 min; Qwen3-VL-8B on H100s, PP 2) drawn at the same count. Each is
+image sets, clips of 2 s to 5 min; Qwen3-VL-8B on H100s, PP 2) and ``hbp_bench.py``'s long-tail
+mix (80% short samples, 15% documents of 4k-16k tokens, 5% clips of 16k-64k; Qwen3-VL-8B, PP 4,
+each sample whole on one rank: the runtime strategies split none) drawn at the same count. Each is
 packed ``balanced`` for the ranks with 8 micro-batches a rank a step (the packer's defaults
 otherwise), then simulated as packed; the random, runtime and offline strategies all
 place the same samples. Prints a Markdown table for BENCHMARKS.md: GPU-days, DP waiting, the
@@ -34,6 +36,7 @@ REPO = os.path.dirname(BENCH)
 sys.path.insert(0, REPO)
 sys.path.insert(0, BENCH)
 
+from hbp_bench import long_tail  # noqa: E402
 from pack_bench import DATA, real_lengths, resample  # noqa: E402
 from video_bench import video_mix  # noqa: E402
 
@@ -49,6 +52,7 @@ SAMPLES_PER_RANK = 1024
 DATASETS = {  # name: (lengths for n samples, model preset, pipeline stages)
     "omnibal": (lambda n: resample(real_lengths(DATA), n), "internvl-chat-1.5", 4),
     "video-mix": (lambda n: resample(video_mix(4 * n)[0], n), "qwen3-vl-8b", 2),
+    "long-tail": (lambda n: long_tail(n, seed=0), "qwen3-vl-8b", 4),
 }
 ORDER = ("random", "lengthgroup", "isf", "balanced", "orchmllm", "veomni-vit", "loongforge")
 
