@@ -90,6 +90,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib
+import importlib.util
 import itertools
 import json
 import os
@@ -430,8 +432,6 @@ def hf_train(args, setup: dict, padded: bool, checkpointing: bool, run: str = "b
     intra-op threads and the same patch embedding (a matmul per patch where vlmshard runs
     one). Returns that configuration (``attention``, ``liger``, ``threads``, ``patch_linear``),
     and per step its seconds and loss."""
-    import importlib.util
-
     import torch
     from transformers import AutoModelForImageTextToText, TrainerCallback
     from transformers.utils import is_flash_attn_2_available
@@ -465,9 +465,12 @@ def hf_train(args, setup: dict, padded: bool, checkpointing: bool, run: str = "b
                     and isinstance(getattr(m, "proj", None), torch.nn.Conv3d)]
     for patch_embed in patch_embeds if cfg.patch_linear else []:
         patch_embedding_as_matmul(patch_embed)
-    liger = cuda and importlib.util.find_spec("liger_kernel") is not None
+    liger_missing = liger_patch_missing(model.config.model_type) if cuda else "no GPU"
+    liger = liger_missing is None
     configured = {"attention": attention, "liger": liger, "threads": torch.get_num_threads(),
                   "patch_linear": bool(cfg.patch_linear and patch_embeds)}
+    if liger_missing:
+        configured["liger_missing"] = liger_missing
 
     class Clock(TrainerCallback):
         def __init__(self) -> None:
@@ -499,6 +502,23 @@ def hf_train(args, setup: dict, padded: bool, checkpointing: bool, run: str = "b
         optim="adamw_torch_fused", bf16=cuda, gradient_checkpointing=checkpointing,
         use_liger_kernel=liger).train()
     return configured, clock.times, clock.losses
+
+
+def liger_patch_missing(model_type: str) -> str | None:
+    """Why ``use_liger_kernel=True`` cannot run for ``model_type`` here, or None where it can.
+    The ``Trainer`` imports Liger's module for the model inside ``train()``; where that module
+    does not import against this ``transformers`` (Liger 0.8.5's ``qwen3_vl`` wants
+    ``Qwen3VLCausalLMOutputWithPast``, which transformers 5.23 no longer has), a user has to
+    train without Liger, and so does the peer."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "liger_kernel is not installed"
+    module = f"liger_kernel.transformers.model.{model_type}"
+    try:
+        importlib.import_module(module)
+    except ImportError as error:  # Liger's own module against this transformers
+        if getattr(error, "name", None) != module:  # a model Liger has no module for is fine
+            return f"{type(error).__name__}: {error}"
+    return None
 
 
 def attention_flops(model: str, records: list[dict], recipe) -> dict[str, list[float]]:
