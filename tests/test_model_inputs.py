@@ -69,8 +69,10 @@ def test_packed_logits_and_loss_equal_each_sample_alone(packed, implementation):
 def test_torch_varlen_on_cuda_equals_each_sample_alone(family, tmp_path):
     """``TORCH_VARLEN`` on a GPU as the Hugging Face ``Trainer`` peer trains (fp32 weights,
     bf16 autocast): torch's varlen kernel over the whole micro-batch, in the LLM and (Qwen2-VL)
-    the ViT, against the same model on each sample alone with SDPA: logits within bf16's error,
-    the loss within 1%."""
+    the ViT, against the same model on each sample alone with SDPA: the logits' largest error
+    against each sample alone in fp32 at most twice SDPA's in bf16 (flash-attention's own
+    tests' bound; a fixed 0.05 failed on 3 of 144,780 logits, 0.069 off on an H200), the loss
+    within 1%."""
     from vlmshard.train.attention import available_backends
 
     if not torch.cuda.is_available() or "varlen" not in available_backends("cuda",
@@ -82,15 +84,57 @@ def test_torch_varlen_on_cuda_equals_each_sample_alone(family, tmp_path):
     models = {name: _model(folder, name).cuda() for name in (TORCH_VARLEN, "sdpa")}
     samples = _alone(models["sdpa"], family, batch)
     count = sum(supervised(s) for s in samples)
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        out = models[TORCH_VARLEN](**model_inputs(batch, models[TORCH_VARLEN],
-                                                  num_items_in_batch=count))
-        want = [models["sdpa"](**{k: v.cuda() if torch.is_tensor(v) else v
-                                  for k, v in s.items()}, use_cache=False) for s in samples]
+    samples = [{k: v.cuda() if torch.is_tensor(v) else v for k, v in s.items()}
+               for s in samples]
+    with torch.no_grad():
+        reference = torch.cat([models["sdpa"](**s, use_cache=False).logits[0] for s in samples])
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = models[TORCH_VARLEN](**model_inputs(batch, models[TORCH_VARLEN],
+                                                      num_items_in_batch=count))
+            want = [models["sdpa"](**s, use_cache=False) for s in samples]
     logits = torch.cat([w.logits[0] for w in want]).float()
-    torch.testing.assert_close(out.logits[0].float(), logits, rtol=5e-2, atol=5e-2)
+    error = float((out.logits[0].float() - reference).abs().max())
+    bound = 2 * float((logits - reference).abs().max())
+    assert 0 < error <= bound, (error, bound)
     summed = sum(float(w.loss) * supervised(s) for w, s in zip(want, samples))
     assert float(out.loss) == pytest.approx(summed / count, rel=1e-2)
+
+
+def _widest_square(model, inputs: dict) -> int:
+    """The largest n of any [..., n, n] tensor an op takes or makes in ``model``'s forward on
+    ``inputs`` (an attention mask or score matrix over n tokens)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Squares(TorchDispatchMode):
+        widest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves((args, kwargs, out)):
+                if torch.is_tensor(t) and t.dim() >= 2 and t.shape[-1] == t.shape[-2]:
+                    Squares.widest = max(Squares.widest, t.shape[-1])
+            return out
+
+    with torch.no_grad(), Squares():
+        model(**inputs)
+    return Squares.widest
+
+
+def test_the_packed_peer_makes_no_mask_over_the_micro_batch(packed):
+    """The Hugging Face peer packed as ``gpu_bench.py --baseline hf_packed`` runs it
+    (``TORCH_VARLEN``) attends sample by sample: no op makes a [tokens, tokens] tensor over the
+    micro-batch, where SDPA on the same packed inputs takes its block mask."""
+    family, folder, _, batch = packed
+    if family == "gemma3":
+        pytest.skip("refused for Gemma 3 (test_models_that_packing_breaks_are_refused)")
+    tokens = batch["num_tokens"]
+    longest = max(s["input_ids"].shape[1] for s in _alone(_model(folder, "sdpa"), family, batch))
+    assert longest < tokens
+    varlen = _model(folder, TORCH_VARLEN)
+    assert _widest_square(varlen, model_inputs(batch, varlen)) < tokens
+    sdpa = _model(folder, "sdpa")
+    assert _widest_square(sdpa, model_inputs(batch, sdpa)) == tokens
 
 
 def test_padding_to_the_caps_changes_nothing(packed):

@@ -283,9 +283,9 @@ class HostSyncs:
     accelerator, counted): the synchronizing CUDA calls ``torch.cuda``'s sync debug mode warns
     at (a ``.item()``, a copy from the device, a pageable copy to it), and
     ``torch.cuda.synchronize``, counted by wrapping it while inside (the mode sees it on some
-    torch versions and not on others: what it reports during the wrapped call is dropped, so
-    each call counts once, at its caller). A no-op when
-    not ``enabled``; off CUDA only ``synchronize`` calls are counted."""
+    torch versions and not on others: what it reports at ``torch.cuda``'s own lines is dropped,
+    so each call counts once, at its caller). A no-op when not ``enabled``; off CUDA only
+    ``synchronize`` calls are counted."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
@@ -301,12 +301,9 @@ class HostSyncs:
             self._synchronize = torch.cuda.synchronize
 
             def counted(*args, **kwargs):
-                reported = len(self._caught) if self._debug else 0
                 try:
                     return self._synchronize(*args, **kwargs)
                 finally:
-                    if self._debug:  # the mode's own report of this call (torch 2.11)
-                        del self._caught[reported:]
                     self.sites[_caller(sys._getframe(1))] += 1
 
             torch.cuda.synchronize = counted
@@ -321,12 +318,17 @@ class HostSyncs:
         if self._debug:
             torch.cuda.set_sync_debug_mode("default")
             self._warnings.__exit__(*exc)
+            # torch 2.11 on an H200 reported each ``synchronize`` at its own line as well, even
+            # with that report dropped during the wrapped call or the mode off inside it
             self.sites.update(code_site(w.filename, w.lineno) for w in self._caught
-                              if "synchronizing" in str(w.message))
+                              if "synchronizing" in str(w.message)
+                              and not w.filename.endswith(_TORCH_CUDA))
         if self.enabled:
             torch.cuda.synchronize = self._synchronize
 
 
+# torch.cuda's module, whose ``synchronize`` the wrapper counts at its caller
+_TORCH_CUDA = os.path.join("torch", "cuda", "__init__.py")
 # frames a synchronisation passes through on its way from the code that asked for it
 _PASSED = (f"{os.sep}torch{os.sep}", f"{os.sep}deepspeed{os.sep}accelerator{os.sep}")
 
