@@ -361,7 +361,8 @@ def test_a_model_says_what_its_kernels_keep(model_type, vit_liger, tmp_path):
     call only on torch's varlen kernel (SDPA splits per image, and so does ``--sdpa-cudnn``),
     Liger's counts only where Liger runs (not in compiled blocks), and in the ViT only where
     its blocks have modules Liger swaps: Qwen2.5-VL's RMSNorms and SwiGLU MLPs, not Qwen3-VL's
-    LayerNorms and GELU MLPs."""
+    LayerNorms and GELU MLPs; and in the projector (never compiled) where its norm is an
+    RMSNorm: Qwen2.5-VL's merger, not Qwen3-VL's."""
     from vlmshard.model_sizes import Saves
     from vlmshard.train.hf_model import model_layers
     from vlmshard.train.kernels import Kernels
@@ -373,15 +374,17 @@ def test_a_model_says_what_its_kernels_keep(model_type, vit_liger, tmp_path):
     # torch's varlen kernel takes grouped-query heads from 2.12 on; before, they are repeated
     repeated = "enable_gqa" not in inspect.signature(varlen_attn).parameters
     assert model_layers(folder, "varlen", Kernels(liger=True)).saves() == Saves(
-        vit_one_call=True, liger_llm=True, liger_vit=vit_liger, kv_repeated=repeated)
+        vit_one_call=True, liger_llm=True, liger_vit=vit_liger, liger_projector=vit_liger,
+        kv_repeated=repeated)
     assert model_layers(folder, "varlen", Kernels(vit_varlen=False)).saves() == Saves(
         kv_repeated=repeated)
     assert model_layers(folder, "varlen", Kernels(sdpa_cudnn=True)).saves() == Saves(
         kv_repeated=repeated)
     assert model_layers(folder, "sdpa", Kernels(liger=True, compile_blocks=("llm", "vit"))
-                        ).saves() == Saves()
+                        ).saves() == Saves(liger_projector=vit_liger)
     assert (model_layers(folder, "sdpa", Kernels(liger=True)).analytic_work()
-            == model_sizes_work(folder, Saves(liger_llm=True, liger_vit=vit_liger)))
+            == model_sizes_work(folder, Saves(liger_llm=True, liger_vit=vit_liger,
+                                              liger_projector=vit_liger)))
 
 
 def model_sizes_work(folder: str, saves) -> list:

@@ -111,13 +111,14 @@ class ModelLayers:
         first block; and the width of their activations, built in ``dtype``."""
         k = self.kernels
 
-        def liger_in(part: str) -> bool:
-            block = next((d for d in self.defs if d.kind.startswith(f"{part}_block")), None)
-            return (k.liger and part not in k.compile_blocks and block is not None
-                    and liger.fuses(block.build(self.meta)))
+        def liger_in(kind: str) -> bool:
+            layer = next((d for d in self.defs if d.kind.startswith(kind)), None)
+            return (k.liger and kind.removesuffix("_block") not in k.compile_blocks
+                    and layer is not None and liger.fuses(layer.build(self.meta)))
 
         return Saves(vit_one_call=k.vit_varlen and self.backend == "varlen" and not k.sdpa_cudnn,
-                     liger_llm=liger_in("llm"), liger_vit=liger_in("vit"),
+                     liger_llm=liger_in("llm_block"), liger_vit=liger_in("vit_block"),
+                     liger_projector=liger_in("projector"),
                      kv_repeated=repeats_kv_heads(self.backend), element_bytes=dtype.itemsize)
 
     def as_recipe(self, model: nn.Module) -> nn.Module:

@@ -16,7 +16,7 @@ def deepstack_block(config: ModelConfig, block: LayerWork, saves: Saves) -> Laye
     features beside the block's output."""
     t, a, tokens = config.llm, saves.element_bytes, config.tokens_per_tile
     width = config.shuffled_width
-    linear = PROJECTORS[config.projector](config, a).linear
+    linear = PROJECTORS[config.projector](config, saves).linear
     merger_params = linear + 2 * width + width + t.hidden
     return LayerWork(
         block.name, block.params + merger_params,

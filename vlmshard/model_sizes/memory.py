@@ -27,7 +27,9 @@ class Saves:
     qkv output, and the projection keeps the images' outputs concatenated. ``liger_llm`` and
     ``liger_vit``: Liger's kernels in the LLM's (the ViT's) layers: an RMSNorm keeps its input
     and 1/rms per row (not fp32 copies), a gated MLP its gate and up projections (not the
-    activation between them). ``kv_repeated``: the LLM's attention kernel is given K/V heads
+    activation between them); ``liger_projector``: Liger's RMSNorm in the projector's norm of
+    each patch (Qwen2-VL's and Qwen2.5-VL's merger), which Liger takes wherever it is on, the
+    ViT's blocks compiled or not. ``kv_repeated``: the LLM's attention kernel is given K/V heads
     repeated to the query heads (torch's varlen kernel before 2.12 takes no grouped-query
     heads), and keeps them so. Compiled blocks are counted as their eager modules.
     ``element_bytes``: the width of an element of the run's dtype, bf16's 2 (a GPU rank's) or
@@ -41,6 +43,7 @@ class Saves:
     vit_one_call: bool = False
     liger_llm: bool = False
     liger_vit: bool = False
+    liger_projector: bool = False
     kv_repeated: bool = False
     element_bytes: int = ACTIVATION_BYTES
     sp: int = 1

@@ -23,14 +23,14 @@ class ProjectorWork:
     kept: float
 
 
-def mlp_projector(c: ModelConfig, a: int) -> ProjectorWork:
+def mlp_projector(c: ModelConfig, saves: Saves) -> ProjectorWork:
     """The ViT's final LayerNorm where it has one (``VisionConfig.final_norm``: over each patch
     and the class token), then the pixel shuffle, whose copies keep nothing, and InternVL's
     ``multi_modal_projector``: a LayerNorm of the shuffled width, width -> hidden, GELU,
     hidden -> hidden. Keeps per image token the LayerNorm (its input, the shuffled features),
     its output (the first matrix's input), the GELU's input and its output (the second
     matrix's input)."""
-    v, width, hidden = c.vision, c.shuffled_width, c.llm.hidden
+    v, width, hidden, a = c.vision, c.shuffled_width, c.llm.hidden, saves.element_bytes
     linear = width * hidden + hidden ** 2
     final_rows = (c.patches_per_tile + v.cls_token) * v.final_norm
     return ProjectorWork(linear, linear + 2 * width + 2 * hidden + 2 * v.hidden * v.final_norm,
@@ -39,20 +39,20 @@ def mlp_projector(c: ModelConfig, a: int) -> ProjectorWork:
                                                 + 2 * a * hidden))
 
 
-def merger_projector(c: ModelConfig, a: int) -> ProjectorWork:
-    """A norm of each patch, width -> width -> hidden (Qwen's PatchMerger; a DeepStack merger
-    norms the width instead)."""
-    v, width = c.vision, c.shuffled_width
+def merger_projector(c: ModelConfig, saves: Saves) -> ProjectorWork:
+    """A norm of each patch (Liger's, ``Saves.liger_projector``), width -> width -> hidden
+    (Qwen's PatchMerger; a DeepStack merger norms the width instead)."""
+    v, width, a = c.vision, c.shuffled_width, saves.element_bytes
     linear = width * width + width * c.llm.hidden
     return ProjectorWork(linear, linear + vit_norm_params(v) * v.hidden + width + c.llm.hidden,
-                         c.patches_per_tile * vit_norm_kept(v, a)
+                         c.patches_per_tile * vit_norm_kept(v, a, saves.liger_projector)
                          + c.tokens_per_tile * 3 * a * width)
 
 
-def pool_projector(c: ModelConfig, a: int) -> ProjectorWork:
+def pool_projector(c: ModelConfig, saves: Saves) -> ProjectorWork:
     """The ViT's final norm, an average over each token's patches, an RMSNorm and one matrix
     Hv -> hidden (Gemma 3's projector)."""
-    v = c.vision
+    v, a = c.vision, saves.element_bytes
     linear = v.hidden * c.llm.hidden
     return ProjectorWork(linear, linear + 2 * v.hidden + v.hidden,
                          c.patches_per_tile * (layer_norm_kept(v.hidden, a) + a * v.hidden)
@@ -60,8 +60,8 @@ def pool_projector(c: ModelConfig, a: int) -> ProjectorWork:
                                                 + a * v.hidden))
 
 
-# the builder of each projector kind a ``ModelConfig`` names (``PROJECTOR_KINDS``), at an
-# activation element of ``a`` bytes (``Saves.element_bytes``)
+# the builder of each projector kind a ``ModelConfig`` names (``PROJECTOR_KINDS``), for the
+# kernels and dtype of ``Saves``
 PROJECTORS = {"mlp": mlp_projector, "merger": merger_projector, "pool": pool_projector}
 
 
@@ -73,7 +73,7 @@ def projector_merge(config: ModelConfig, saves: Saves) -> LayerWork:
     exchange's buffers between them (``media_exchange``)."""
     v, t, a = config.vision, config.llm, saves.element_bytes
     patches, tokens, width = config.patches_per_tile, config.tokens_per_tile, config.shuffled_width
-    projector = PROJECTORS[config.projector](config, a)
+    projector = PROJECTORS[config.projector](config, saves)
     lookup = token_embedding(config, saves)
     return LayerWork(
         "projector_merge", projector.params + lookup.params,
