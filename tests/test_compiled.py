@@ -20,6 +20,7 @@ block takes none of its modules.
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -101,15 +102,15 @@ def _assert_within(got: list[torch.Tensor], want: list[torch.Tensor], what) -> N
 
 
 def _check_blocks(folder, backend: str, names: tuple[str, ...], swap=None,
-                  mode: str = "selective") -> _Compilations:
+                  mode: str = "selective", attention: str = "sdpa") -> _Compilations:
     """Each layer of ``names`` compiled (with ``backend``) against eager, on its part's 20
-    micro-batches, recomputed as ``mode`` says; ``swap(layer)`` changes both before they
-    run."""
-    eager_model = model_layers(folder, "sdpa", Kernels())
+    micro-batches, recomputed as ``mode`` says, attending with ``attention``; ``swap(layer)``
+    changes both before they run."""
+    eager_model = model_layers(folder, attention, Kernels())
     rng = random.Random(0)
     with _Compilations(backend) as seen:
         kernels = Kernels(compile_blocks=("vit", "llm"), compile_backend=seen.backend)
-        compiled_model = model_layers(folder, "sdpa", kernels)
+        compiled_model = model_layers(folder, attention, kernels)
         for name in names:
             index = compiled_model.names.index(name)
             layer, reference = compiled_model.build_layer(index), eager_model.build_layer(index)
@@ -128,7 +129,7 @@ def _check_blocks(folder, backend: str, names: tuple[str, ...], swap=None,
                 weights = torch.randn(rows, hidden)
 
                 def micro(x, grids=grids, lengths=lengths):
-                    return _micro(x, "sdpa", grids, lengths)
+                    return _micro(x, attention, grids, lengths)
 
                 d = compiled_model.defs[index]
                 got = _loss_and_grads(layer, d, x, micro, weights, mode)
@@ -151,12 +152,20 @@ def _targets(graph: torch.fx.GraphModule) -> set[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("attention", ["sdpa", "varlen"])
 @pytest.mark.parametrize("mode", ["selective", "full"])
-def test_compiled_blocks_hold_one_graph_and_eagers_numbers_over_20_micro_batches(folder, mode):
+def test_compiled_blocks_hold_one_graph_and_eagers_numbers_over_20_micro_batches(folder, mode,
+                                                                                 attention):
     """Inductor: a ViT block and a decoder layer, each compiled once (one frame, one
     compilation) over 20 micro-batches, no graph break, within 1e-5 of eager, recomputed
-    selectively or whole (a partition's plan mixes both)."""
-    seen = _check_blocks(folder, "inductor", ("vit_block_0", "llm_block_0"), mode=mode)
+    selectively or whole (a partition's plan mixes both); on SDPA (the CPU's) and on torch's
+    varlen kernel (the GPU's, its flash ops computed by ``flash_reference``), whose backward
+    the compiled op calls itself."""
+    from flash_reference import flash_on_cpu
+
+    with flash_on_cpu() if attention == "varlen" else contextlib.nullcontext():
+        seen = _check_blocks(folder, "inductor", ("vit_block_0", "llm_block_0"), mode=mode,
+                             attention=attention)
     assert len(seen.ids) == 2, seen.ids
 
 
@@ -220,3 +229,52 @@ def test_an_autograd_function_norm_in_a_recomputed_compiled_block(folder, monkey
     assert len(seen.ids) == 1, seen.ids
     targets = seen.graphs[0][1]
     assert any("autograd_function_apply" in t for t in targets), targets
+
+
+@pytest.mark.parametrize("repeated", [False, True])
+@pytest.mark.parametrize("causal, window", [(True, None), (True, 4), (False, None)])
+def test_the_attention_ops_backward_is_the_varlen_kernels_own(causal, window, repeated,
+                                                              monkeypatch):
+    """Where torch's varlen kernel runs a compiled block's attention in one call, the op keeps
+    the kernel's log-sum-exp and its backward is the kernel's own (one forward and one
+    backward kernel call, not the forward again): on the reference kernels of FlashAttention's
+    paper (``flash_reference``, the GPU's ops on this CPU), the output and q, k, v gradients
+    (4 query heads, 2 K/V heads, 3 segments, a sliding window) within 1e-5 of SDPA on each
+    segment alone; ``repeated``: K/V heads repeated to the query's, as for a torch whose
+    ``varlen_attn`` has no ``enable_gqa`` (before 2.12), their gradients summed back."""
+    from flash_reference import flash_on_cpu
+    from torch.nn.functional import scaled_dot_product_attention
+
+    from vlmshard.train import attention
+    from vlmshard.train.attention import packed_attention
+
+    if repeated:
+        names = attention.varlen_parameters
+        monkeypatch.setattr(attention, "varlen_parameters",
+                            lambda kernel: names(kernel) - {"enable_gqa"})
+
+    torch.manual_seed(0)
+    lengths, heads, kv, scale = [5, 9, 3], 4, 2, 0.3
+    cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
+    query, key, value = (torch.randn(1, n, sum(lengths), 8, requires_grad=True)
+                         for n in (heads, kv, kv))
+    weights = torch.randn(1, sum(lengths), heads, 8)
+    with flash_on_cpu() as calls:
+        out, _ = packed_attention(query, key, value, cu, cu, torch.zeros(0, 3, dtype=torch.long),
+                                  "varlen", causal, heads // kv, scale, window)
+        got = [out, *torch.autograd.grad((out * weights).sum(), [query, key, value])]
+    assert calls == {"forward": 1, "backward": 1}
+    parts = []
+    for a, b in zip(cu.tolist(), cu.tolist()[1:]):
+        n = b - a
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        keep = (j <= i) if causal else torch.ones(n, n, dtype=torch.bool)
+        if causal and window:
+            keep &= j > i - window
+        parts.append(scaled_dot_product_attention(
+            *(t[:, :, a:b] for t in (query, key, value)), attn_mask=keep, scale=scale,
+            enable_gqa=True))
+    want_out = torch.cat(parts, dim=2).transpose(1, 2)
+    want = [want_out, *torch.autograd.grad((want_out * weights).sum(), [query, key, value])]
+    for name, g, w in zip(["out", "query", "key", "value"], got, want):
+        assert g.shape == w.shape and torch.allclose(g, w, atol=1e-5, rtol=1e-5), name

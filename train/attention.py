@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import importlib
 import importlib.util
 import inspect
 import logging
@@ -192,7 +193,16 @@ def packed_varlen(module, query, key, value, attention_mask, *, packed_spans=Non
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    # [tokens, heads, d], as the kernel takes them (no copy where the layout already is)
+    q, k, v, options = _varlen_inputs(query, key, value, causal, scaling, sliding_window, names)
+    out = varlen_attn(q, k, v, spans.cu_seqlens, spans.cu_seqlens, spans.max_len,
+                      spans.max_len, **options)
+    return out.unsqueeze(0), None
+
+
+def _varlen_inputs(query, key, value, causal: bool, scaling, sliding_window, names):
+    """q, k and v as torch's varlen kernel takes them, [tokens, heads, d] (no copy where the
+    layout already is; K/V heads repeated where the kernel takes no fewer), and the keyword
+    arguments of ``varlen_attn`` (whose parameter names are ``names``)."""
     q, k, v = (t.transpose(1, 2).squeeze(0).contiguous() for t in (query, key, value))
     options = {"scale": scaling}
     if "window_size" in names:
@@ -205,9 +215,7 @@ def packed_varlen(module, query, key, value, attention_mask, *, packed_spans=Non
             options["enable_gqa"] = True
         else:
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    out = varlen_attn(q, k, v, spans.cu_seqlens, spans.cu_seqlens, spans.max_len,
-                      spans.max_len, **options)
-    return out.unsqueeze(0), None
+    return q, k, v, options
 
 
 def varlen_as_flash(module, query, key, value, attention_mask, *, cu_seq_lens_q=None,
@@ -306,38 +314,128 @@ def _attend(query, key, value, cu_seqlens, host_cu_seqlens, host_runs, kernel, c
                   scaling=scaling, is_causal=causal, sliding_window=window)[0]
 
 
+@dataclass(frozen=True)
+class _VarlenOps:
+    """torch's private ops behind ``varlen_attn`` (``torch_attn::_varlen_attn`` and its
+    backward), called by the argument names torch 2.11 and 2.13 share, so that a compiled
+    block's attention keeps the kernel's log-sum-exp and its backward runs the kernel's own
+    (``packed_attention``)."""
+
+    forward: object
+    backward: object
+    forward_names: frozenset[str]
+    backward_names: frozenset[str]
+
+    @staticmethod
+    @functools.cache
+    def installed() -> "_VarlenOps | None":
+        """The ops where this torch has both with the arguments they are called with, for
+        NVIDIA's kernels (ROCm's log-sum-exp has another shape); None elsewhere."""
+        if torch.version.hip or importlib.util.find_spec("torch.nn.attention.varlen") is None:
+            return None
+        importlib.import_module("torch.nn.attention.varlen")  # registers the ops
+        ops = getattr(torch.ops, "torch_attn", None)
+        forward = getattr(ops, "_varlen_attn", None)
+        backward = getattr(ops, "_varlen_attn_backward", None)
+        if forward is None or backward is None:
+            return None
+        names = [frozenset(a.name for a in op.default._schema.arguments)
+                 for op in (forward, backward)]
+        needed = {"query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k",
+                  "is_causal", "scale"}
+        if not needed <= names[0] or not needed | {"grad_out", "out", "lse",
+                                                   "rng_state"} <= names[1]:
+            return None
+        return _VarlenOps(forward.default, backward.default, *names)
+
+    def call(self, query, key, value, host_cu_seqlens, host_runs, kernel: str, causal: bool,
+             scaling, window) -> tuple | None:
+        """(q, k and v as the kernel takes them, the keyword arguments both ops share) for
+        this call of ``packed_attention``, or None where it does not run the kernel in one
+        call (SDPA, bidirectional runs, a window the kernel does not take)."""
+        if kernel != "varlen" or len(host_runs) or (window and "window_size"
+                                                     not in self.forward_names):
+            return None
+        from torch.nn.attention.varlen import varlen_attn
+
+        q, k, v, options = _varlen_inputs(query, key, value, causal, scaling, window,
+                                          varlen_parameters(varlen_attn))
+        if "window_size" in options:  # as varlen_attn calls its op
+            options["window_size"] = list(options["window_size"])
+            options["is_causal"] = options["window_size"] == [-1, 0]
+        if not set(options) <= self.forward_names:
+            return None
+        lengths = host_cu_seqlens.diff()
+        length = int(lengths.max()) if len(lengths) else 0
+        return q, k, v, {"max_q": length, "max_k": length, **options}
+
+
 @torch.library.custom_op("vlmshard::packed_attention", mutates_args=())
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      cu_seqlens: torch.Tensor, host_cu_seqlens: torch.Tensor,
                      host_runs: torch.Tensor, kernel: str, causal: bool, groups: int,
-                     scaling: float | None, window: int | None) -> torch.Tensor:
+                     scaling: float | None, window: int | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The packed attention as one op of a compiled graph: the segments' boundaries are tensors
     (on the device for the kernel, on the host for the per-segment loop: ``Spans``), so a
-    graph holds no length and guards on none; [1, tokens, heads, d], as the kernels return."""
-    return _attend(query, key, value, cu_seqlens, host_cu_seqlens, host_runs, kernel, causal,
-                   groups, scaling, window).contiguous()
+    graph holds no length and guards on none. Returns [1, tokens, heads, d], as the kernels
+    return, and where torch's varlen kernel ran in one call its log-sum-exp, [heads, tokens]
+    in fp32, which its backward reads (``_VarlenOps``; elsewhere that tensor is unfilled)."""
+    ops = _VarlenOps.installed()
+    call = ops and ops.call(query, key, value, host_cu_seqlens, host_runs, kernel, causal,
+                            scaling, window)
+    if not call:
+        out = _attend(query, key, value, cu_seqlens, host_cu_seqlens, host_runs, kernel,
+                      causal, groups, scaling, window)
+        return out.contiguous(), _lse_like(query)
+    q, k, v, options = call
+    out, lse, _ = ops.forward(query=q, key=k, value=v, cu_seq_q=cu_seqlens, cu_seq_k=cu_seqlens,
+                              **options)
+    return out.unsqueeze(0), lse
+
+
+def _lse_like(query: torch.Tensor) -> torch.Tensor:
+    return query.new_empty((query.shape[1], query.shape[2]), dtype=torch.float32)
 
 
 @packed_attention.register_fake
 def _(query, key, value, *args):
-    return query.new_empty((1, query.shape[2], query.shape[1], value.shape[-1]))
+    return (query.new_empty((1, query.shape[2], query.shape[1], value.shape[-1])),
+            _lse_like(query))
 
 
 @torch.library.custom_op("vlmshard::packed_attention_backward", mutates_args=())
 def packed_attention_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                               value: torch.Tensor, cu_seqlens: torch.Tensor,
                               host_cu_seqlens: torch.Tensor, host_runs: torch.Tensor,
-                              kernel: str, causal: bool, groups: int, scaling: float | None,
+                              out: torch.Tensor, lse: torch.Tensor, kernel: str, causal: bool,
+                              groups: int, scaling: float | None,
                               window: int | None) -> list[torch.Tensor]:
-    """``packed_attention``'s gradients: its forward again under autograd, then its backward
-    (one more forward of the attention kernels than eager; the kernels' own saved state, the
-    softmax's log-sum-exp, is not an output of the op). An op runs below autograd: its
-    dispatch keys are let back in for the while (as torch's ``invoke_leaf_function`` does)."""
-    with _autograd_inside_op(), torch.enable_grad():
-        inputs = [t.detach().requires_grad_() for t in (query, key, value)]
-        out = _attend(*inputs, cu_seqlens, host_cu_seqlens, host_runs, kernel, causal, groups,
-                      scaling, window)
-        return [g.contiguous() for g in torch.autograd.grad(out, inputs, grad)]
+    """``packed_attention``'s gradients. Where its forward ran torch's varlen kernel in one
+    call, that kernel's backward on the forward's output and log-sum-exp (K/V gradients summed
+    over the heads they were repeated to). Elsewhere its forward again under autograd, then
+    its backward (one more forward of the attention kernels than eager). An op runs below
+    autograd: its dispatch keys are let back in for the while (as torch's
+    ``invoke_leaf_function`` does)."""
+    ops = _VarlenOps.installed()
+    call = ops and ops.call(query, key, value, host_cu_seqlens, host_runs, kernel, causal,
+                            scaling, window)
+    if not call:
+        with _autograd_inside_op(), torch.enable_grad():
+            inputs = [t.detach().requires_grad_() for t in (query, key, value)]
+            again = _attend(*inputs, cu_seqlens, host_cu_seqlens, host_runs, kernel, causal,
+                            groups, scaling, window)
+            return [g.contiguous() for g in torch.autograd.grad(again, inputs, grad)]
+    q, k, v, options = call
+    options = {name: value for name, value in options.items() if name in ops.backward_names}
+    grads = ops.backward(grad_out=grad.squeeze(0), query=q, key=k, value=v, out=out.squeeze(0),
+                         lse=lse, cu_seq_q=cu_seqlens, cu_seq_k=cu_seqlens,
+                         rng_state=torch.zeros(2, dtype=torch.uint64, device=q.device),
+                         **options)
+    dq, dk, dv = (g.unsqueeze(0).transpose(1, 2) for g in grads)
+    if dk.shape[1] != key.shape[1]:  # repeated to the query heads
+        dk, dv = (g.unflatten(1, (key.shape[1], -1)).sum(2) for g in (dk, dv))
+    return [g.contiguous() for g in (dq, dk, dv)]
 
 
 @contextlib.contextmanager
@@ -358,14 +456,14 @@ def _(grad, query, key, value, *args):
 
 def _setup_context(ctx, inputs, output) -> None:
     query, key, value, *rest = inputs
-    ctx.save_for_backward(query, key, value, *rest[:3])
+    ctx.save_for_backward(query, key, value, *rest[:3], *output)
     ctx.options = rest[3:]
 
 
-def _backward(ctx, grad):
-    query, key, value, *boundaries = ctx.saved_tensors
-    grads = packed_attention_backward(grad.contiguous(), query, key, value, *boundaries,
-                                      *ctx.options)
+def _backward(ctx, grad, _grad_lse):
+    query, key, value, *boundaries, out, lse = ctx.saved_tensors
+    grads = packed_attention_backward(grad.contiguous(), query, key, value, *boundaries, out,
+                                      lse, *ctx.options)
     return (*grads, *[None] * (3 + len(ctx.options)))
 
 
@@ -390,9 +488,9 @@ def in_graph(kernel: str | None):
             raise ValueError("a compiled block's packed attention takes no dropout")
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         groups = getattr(module, "num_key_value_groups", 1)
-        out = packed_attention(query, key, value, packed_spans.cu_seqlens,
-                               packed_spans.made_on_host, packed_spans.host_runs, name, causal,
-                               groups, scaling, sliding_window)
+        out, _ = packed_attention(query, key, value, packed_spans.cu_seqlens,
+                                  packed_spans.made_on_host, packed_spans.host_runs, name,
+                                  causal, groups, scaling, sliding_window)
         return out, None
     return attend
 

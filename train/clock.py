@@ -318,8 +318,9 @@ class HostSyncs:
         if self._debug:
             torch.cuda.set_sync_debug_mode("default")
             self._warnings.__exit__(*exc)
-            # torch 2.11 on an H200 reported each ``synchronize`` at its own line as well, even
-            # with that report dropped during the wrapped call or the mode off inside it
+            # torch 2.11 on an H200 reported ``synchronize`` again, at torch/cuda/__init__.py:1270:
+            # ``set_sync_debug_mode``'s call into C++, where the warning surfaces after the
+            # wrapped call (dropping it there did not catch it)
             self.sites.update(code_site(w.filename, w.lineno) for w in self._caught
                               if "synchronizing" in str(w.message)
                               and not w.filename.endswith(_TORCH_CUDA))

@@ -1,0 +1,90 @@
+"""CPU kernels for the two flash-attention ops torch's varlen attention calls (a GPU's only),
+computed as FlashAttention's paper defines them, so that the CPU suite can run the GPU's path
+(``torch.nn.attention.varlen``, ``vlmshard::packed_attention``'s use of its backward) on real
+numbers: per segment of the packed [tokens, heads, d] inputs, the forward's output and
+log-sum-exp [heads, tokens]; the backward from the output and log-sum-exp alone (P = exp(S -
+lse), dV = Pᵀ·dO, dS = P∘(dO·Vᵀ - rowsum(dO∘O)), dQ = dS·K·scale, dK = dSᵀ·Q·scale), K/V heads
+fewer than the query's summed over the heads they serve. ``calls`` counts each op's calls."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import Counter
+
+import torch
+
+
+def _scores(q, k, scale, causal, left):
+    """[heads, L, L] scores of one segment, masked: causal, and a window of ``left`` tokens."""
+    heads = q.shape[1]
+    k = k.repeat_interleave(heads // k.shape[1], dim=1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    n = q.shape[0]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    keep = torch.ones(n, n, dtype=torch.bool)
+    if causal:
+        keep &= j <= i
+    if left is not None and left >= 0:
+        keep &= j >= i - left
+    return s.masked_fill(~keep, float("-inf"))
+
+
+def _segments(cu):
+    bounds = cu.tolist()
+    return list(zip(bounds, bounds[1:]))
+
+
+@contextlib.contextmanager
+def flash_on_cpu():
+    """The reference kernels registered for CPU while inside; yields the call counter."""
+    calls: Counter[str] = Counter()
+
+    def forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None,
+                **_):
+        calls["forward"] += 1
+        scale = scale if scale is not None else 1 / math.sqrt(query.shape[-1])
+        out = torch.empty_like(query)
+        lse = query.new_empty(query.shape[1], query.shape[0], dtype=torch.float32)
+        heads = query.shape[1]
+        for a, b in _segments(cum_seq_q):
+            s = _scores(query[a:b], key[a:b], scale, is_causal or window_size_right == 0,
+                        window_size_left)
+            lse[:, a:b] = torch.logsumexp(s, dim=-1)
+            p = torch.exp(s - lse[:, a:b, None])
+            v = value[a:b].repeat_interleave(heads // value.shape[1], dim=1)
+            out[a:b] = torch.einsum("hqk,khd->qhd", p, v)
+        empty = query.new_empty(0)
+        return out, lse, torch.zeros(2, dtype=torch.uint64), empty, empty
+
+    def backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
+                 max_k, dropout_p, is_causal, rng_state, unused, *, scale=None,
+                 window_size_left=None, window_size_right=None):
+        calls["backward"] += 1
+        scale = scale if scale is not None else 1 / math.sqrt(query.shape[-1])
+        heads, kv = query.shape[1], key.shape[1]
+        dq, dk, dv = (torch.zeros_like(t) for t in (query, key, value))
+        for a, b in _segments(cum_seq_q):
+            s = _scores(query[a:b], key[a:b], scale, is_causal or window_size_right == 0,
+                        window_size_left)
+            p = torch.exp(s - logsumexp[:, a:b, None])
+            do, o = grad_out[a:b], out[a:b]
+            k = key[a:b].repeat_interleave(heads // kv, dim=1)
+            v = value[a:b].repeat_interleave(heads // kv, dim=1)
+            dv_h = torch.einsum("hqk,qhd->khd", p, do)
+            dp = torch.einsum("qhd,khd->hqk", do, v)
+            ds = p * (dp - (do * o).sum(-1).T[:, :, None])
+            dq[a:b] = torch.einsum("hqk,khd->qhd", ds, k) * scale
+            dk_h = torch.einsum("hqk,qhd->khd", ds, query[a:b]) * scale
+            dk[a:b] = dk_h.unflatten(1, (kv, heads // kv)).sum(2)
+            dv[a:b] = dv_h.unflatten(1, (kv, heads // kv)).sum(2)
+        return dq, dk, dv
+
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_flash_attention_forward", forward, "CPU")
+    lib.impl("_flash_attention_backward", backward, "CPU")
+    try:
+        yield calls
+    finally:
+        lib._destroy()
