@@ -68,7 +68,8 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    with the defaults: ``compiled`` (regional ``torch.compile`` of the ViT's and the LLM's
    blocks), ``compiled_vit`` (the ViT's only), ``frozen_vit`` (``--train projector llm``: the
    vision tower frozen, the recipe users run; with ``--baseline`` the peers train it too, as
-   ``hf_packed_frozen_vit``, ...), ``cudnn_vit`` (a Qwen ViT on SDPA, a call per
+   ``hf_packed_frozen_vit``, ...), ``compiled_frozen_vit`` (both: the peers do not train that
+   recipe again), ``cudnn_vit`` (a Qwen ViT on SDPA, a call per
    run of equal-sized images, cuDNN's kernel first), ``compiled_cudnn_vit`` (both), ``cudnn``
    (every layer on SDPA, cuDNN's kernel first: the LLM's samples too), ``no_liger`` (Liger's
    kernels off), ``no_vit_varlen`` (the ViT's attention once per image), ``conv_patch`` (the
@@ -79,7 +80,8 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    GPU lease; ``--plans balanced`` leaves out the random plan only.
 
 The phases run in the order their results matter: the plans, the peers beside them, each A/B
-(the peers again after one that changes the recipe), then the loader, profile and replay.
+(the peers again after one that changes the recipe to one they have not trained), then the
+loader, profile and replay.
 ``--json`` is written after each phase: a run cut short keeps what it measured.
 ``--prepare-only`` makes the data, model, plans and shards (on the CPUs, no CUDA context) and
 ``--prepared`` trains them in a later call: gpu_session.sh prepares while its CUDA tests run.
@@ -123,6 +125,8 @@ QWEN3_VL_2B = {
 AB = {"compiled": lambda names: {"compile_blocks": ["vit", "llm"]},
       # the recipe users run: the vision tower frozen (with --baseline, the peers train it too)
       "frozen_vit": lambda names: {"train": ["projector", "llm"]},
+      "compiled_frozen_vit": lambda names: {"compile_blocks": ["vit", "llm"],
+                                            "train": ["projector", "llm"]},
       "compiled_vit": lambda names: {"compile_blocks": ["vit"]},
       "no_liger": lambda names: {"liger": False},
       "no_vit_varlen": lambda names: {"vit_varlen": False},
@@ -626,7 +630,8 @@ def main() -> None:
                    help="also train the balanced plan with one switch flipped, each beside the "
                         "run with the defaults: compiled (--compile-blocks vit llm), "
                         "compiled_vit (--compile-blocks vit), frozen_vit (--train projector "
-                        "llm: the vision tower frozen; the peers train it too), cudnn_vit "
+                        "llm: the vision tower frozen; the peers train it too), "
+                        "compiled_frozen_vit (both), cudnn_vit "
                         "(--sdpa-cudnn), "
                         "compiled_cudnn_vit (both), cudnn (--attention sdpa --sdpa-cudnn), "
                         "no_liger "
@@ -697,8 +702,9 @@ def main() -> None:
               "peak_flops": peak, **runs}
     save(args, result, peak)
     # the phases in the order their results matter: the peers beside the defaults, then each
-    # A/B, the peers again after one that changes what trains (its recipe)
+    # A/B, the peers again after one that changes what trains to a recipe they have not trained
     peers(args, setup, result, peak)
+    recipes = {None}
     if args.ab:
         from vlmshard.train.hf_model import model_layers
 
@@ -713,7 +719,9 @@ def main() -> None:
         except JobError as e:  # a switch that fails on this device is its result: go on
             result[f"balanced_{name}"] = {"error": str(e)}
         save(args, result, peak)
-        if "train" in options and "error" not in result[f"balanced_{name}"]:
+        recipe = tuple(options["train"]) if "train" in options else None
+        if recipe not in recipes and "error" not in result[f"balanced_{name}"]:
+            recipes.add(recipe)
             peers(args, setup, result, peak, name, **options)
     if not args.quick:
         result["loader"] = loader_throughput(setup["shards"]["balanced"],
