@@ -427,7 +427,7 @@ def packed_attention_backward(grad: torch.Tensor, query: torch.Tensor, key: torc
                             groups, scaling, window)
             return [g.contiguous() for g in torch.autograd.grad(again, inputs, grad)]
     q, k, v, options = call
-    options = {name: value for name, value in options.items() if name in ops.backward_names}
+    options = {name: arg for name, arg in options.items() if name in ops.backward_names}
     grads = ops.backward(grad_out=grad.squeeze(0), query=q, key=k, value=v, out=out.squeeze(0),
                          lse=lse, cu_seq_q=cu_seqlens, cu_seq_k=cu_seqlens,
                          rng_state=torch.zeros(2, dtype=torch.uint64, device=q.device),
