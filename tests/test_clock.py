@@ -13,6 +13,7 @@ from torch import nn
 
 from vlmshard.model_sizes import (
     TERM_FIELDS,
+    CostTerms,
     ModelConfig,
     VisionConfig,
     trainer_layer_work,
@@ -234,18 +235,21 @@ def test_deepspeed_times_no_micro_batch():
         assert parsed.wall_clock_breakdown is False
 
 
-def test_recompute_flops_are_the_recomputed_forwards_and_the_heads_logits():
-    """Nothing recomputed: the head's logits again, 2 × hidden × vocabulary per supervised
-    token; every layer recomputed: the whole forward (a third of the training FLOPs) on top, a
-    Qwen-like ViT's attention across images and within windows too."""
+def test_recompute_flops_are_the_recomputed_forwards():
+    """Nothing recomputed: nothing again (the LM loss computes its gradients in its forward, its
+    logits' matmul never runs twice); every layer recomputed: the whole forward (a third of the
+    training FLOPs) on top, a Qwen-like ViT's attention across images and within windows too,
+    and the head's forward as the fused loss runs it: the logits and both gradients, 3 × 2 ×
+    hidden × vocabulary per supervised token."""
     config = ModelConfig(vision=VisionConfig(image_size=28, patch_size=14, layers=2,
                                              fused_qkv=True, window=2, full_blocks=(1,)))
     names = config.layer_names()
     names[names.index("projector_merge")] = "projector"
     work = trainer_layer_work(names, config)
     head = 2 * config.llm.hidden * config.llm.vocab_size
-    assert recompute_flops(names, work, []).supervised == head
-    every = recompute_flops(names, work, names)
+    trained = ["train"] * len(names)
+    assert recompute_flops(names, work, trained, []) == CostTerms()
+    every = recompute_flops(names, work, trained, names)
     total = training_flops(config)
     assert total.vit_squares > 0 and total.vit_windows > 0
     # the training FLOPs are three forwards, but the patch embedding's two (its input is the
@@ -254,4 +258,4 @@ def test_recompute_flops_are_the_recomputed_forwards_and_the_heads_logits():
     for key in set(TERM_FIELDS) - {"supervised"}:
         assert getattr(every, key) == pytest.approx((getattr(total, key)
                                                      + getattr(embed, key)) / 3)
-    assert every.supervised == pytest.approx(total.supervised / 3 + head)
+    assert every.supervised == 3 * head

@@ -13,7 +13,13 @@ import os
 from typing import IO
 
 from vlmshard.io import atomic_write
-from vlmshard.model_sizes import LayerWork, ModelConfig, CostTerms, vit_attention_size
+from vlmshard.model_sizes import (
+    CostTerms,
+    LayerWork,
+    ModelConfig,
+    forward_flops,
+    vit_attention_size,
+)
 from vlmshard.run_log import LOG_NAME
 
 log = logging.getLogger(__name__)
@@ -121,15 +127,16 @@ def rank_data(micro: list[dict], model: ModelConfig) -> dict:
             "sample_ids": [b["sample_ids"].tolist() for b in micro]}
 
 
-def recompute_flops(names: list[str], work: list[LayerWork], recompute: list[str]) -> CostTerms:
+def recompute_flops(names: list[str], work: list[LayerWork], modes: list[str],
+                    recompute: list[str]) -> CostTerms:
     """Per unit of ``CostTerms``, the FLOPs a step runs again in backward beyond the model's
     (``model_sizes.training_flops``): the forward of each trainer layer (``names``, their
-    analytic ``work``: ``model_sizes.trainer_layer_work``) named in ``recompute`` (recomputed
-    whole), and the LM head's logits, which the loss recomputes chunk by chunk
-    (``models.layers.lm_loss``; once more if the head is itself recomputed whole). Selective
-    recompute runs no matrix multiplies again and adds none."""
-    again = [w.flops for n, w in zip(names, work) if n in recompute] + [
-        w.flops for n, w in zip(names, work) if n == "head"]
+    analytic ``work``: ``model_sizes.trainer_layer_work``, run as ``modes`` say) named in
+    ``recompute`` (recomputed whole), as it runs (``model_sizes.forward_flops``: the LM head's
+    fused loss computes its gradients in its forward, so the logits' matmul never runs twice
+    unless the head itself is recomputed). Selective recompute runs no matrix multiplies again
+    and adds none."""
+    again = [forward_flops(w, mode) for n, w, mode in zip(names, work, modes) if n in recompute]
     return sum(again, CostTerms())
 
 

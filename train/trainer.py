@@ -239,7 +239,7 @@ def run_steps(cfg: TrainConfig, setup: Setup, engine: TrainEngine, first_step: i
         vocab=setup.model.config.get_text_config().vocab_size,
         flops=training_flops(setup.sizes, cfg.recipe),
         recomputed_flops=recompute_flops(setup.model.names, setup.model.analytic_work(),
-                                         setup.chosen.recompute),
+                                         setup.model.modes, setup.chosen.recompute),
         traced=first_step + 1 if cfg.trace else None)
     with StepCollector(cfg.gc_every) as collector:
         for step in range(first_step, setup.steps):

@@ -33,6 +33,7 @@ from vlmshard.model_sizes import (
     LayerWork,
     CostTerms,
     kept_bytes,
+    forward_flops,
     layer_training_flops,
     held_transient,
 )
@@ -152,7 +153,7 @@ def analytic_layer_costs(work: list[LayerWork], *, time_size: CostTerms, memory_
     costs = []
     for i, (w, mode) in enumerate(zip(work, modes or ["train"] * len(work))):
         w = replace(w, flops=w.flops.windows_as_full())
-        forward = (w.flops + w.adapter_flops).dot(time_size) / flops_per_s
+        forward = forward_flops(w, mode).dot(time_size) / flops_per_s
         backward = layer_training_flops(w, mode).dot(time_size) / flops_per_s - forward
         inputs = work[i - 1].output_bytes if i else w.activation_bytes
         kept, held = int(kept_bytes(w, mode).dot(memory_size)), int(inputs.dot(memory_size))

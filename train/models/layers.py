@@ -16,16 +16,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-from vlmshard.model_sizes import LOSS_CHUNK
-from vlmshard.preprocess.tokenize import IGNORE_INDEX
 
 from ..kernels import Kernels, compile_block, cudnn_first
 from ..micro import CARRIED, TOKENS, LayerOutput, Micro, Phase
 from . import liger
+from .loss import lm_loss
 
 
 class HFLayer(nn.Module):
@@ -103,7 +99,7 @@ class TokenEmbedding(HFLayer):
                 micro = media_in_share(micro)
                 return LayerOutput(embed_tokens(self, micro), micro.carry)
             return embed_tokens(self, micro)
-        return lm_loss(self, micro)
+        return lm_loss(self.weight, micro)
 
 
 def media_in_share(micro: Micro) -> Micro:
@@ -174,27 +170,7 @@ class LMHead(HFLayer):
         return self.head.weight
 
     def forward(self, micro: Micro) -> torch.Tensor:
-        return lm_loss(self, micro)
-
-
-def lm_loss(module: nn.Module, micro: Micro, chunk: int = LOSS_CHUNK) -> torch.Tensor:
-    """Next-token cross entropy summed over the supervised tokens (the target of token t is label
-    t + 1 of the same sample). Logits exist only for supervised tokens, ``chunk`` rows at a time,
-    recomputed in backward: a [tokens, vocab] tensor would not fit."""
-    targets = micro.targets()
-    # the supervised rows, their count known on the host: no read back of the mask
-    keep = torch.nonzero_static(targets != IGNORE_INDEX, size=micro.host.supervised).flatten()
-    hidden, targets = micro.x.index_select(0, keep), targets.index_select(0, keep)
-    # one chunk at least, empty where no token is supervised (a sequence-parallel share, a
-    # micro-batch of prompts): its zero loss still reaches the head's weight and the hidden
-    # states, so every rank runs the same backward (``micro.HostMeta.of_batch`` says why)
-    return torch.stack([checkpoint(_chunk_loss, hidden[start:start + chunk], module.weight,
-                                   targets[start:start + chunk], use_reentrant=False)
-                        for start in range(0, max(hidden.shape[0], 1), chunk)]).sum()
-
-
-def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
-    return F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum")
+        return lm_loss(self.weight, micro)
 
 
 # ---------------------------------------------------------------------------------------------

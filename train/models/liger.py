@@ -20,8 +20,8 @@ Every kernel's backward writes its own output (``in_place=False``, as Liger's Ge
 a gradient handed in (by the pipeline engine, from a residual branch) is never overwritten.
 
 Liger's fused linear + cross-entropy is not used: it reads the count of supervised tokens back
-to the host once per call (a wait for the device each micro-batch, where a step may have two),
-and the head with its loss was 6% of an H200 step; ``lm_loss`` keeps its chunks.
+to the host once per call (a wait for the device each micro-batch, where a step may have two).
+``models/loss.py`` fuses the head's matmul with its loss the same way, the count from the host.
 """
 
 from __future__ import annotations

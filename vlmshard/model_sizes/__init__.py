@@ -39,13 +39,21 @@ from .memory import (
     FP32,
     INT64,
     LOSS_CHUNK,
+    LOSS_SCALE_BLOCK,
     Saves,
     gated_mlp_kept,
     layer_norm_kept,
     rms_norm_backward,
     rms_norm_kept,
 )
-from .modes import executed_flops, held_transient, kept_bytes, layer_training_flops, training_flops
+from .modes import (
+    executed_flops,
+    forward_flops,
+    held_transient,
+    kept_bytes,
+    layer_training_flops,
+    training_flops,
+)
 from .param_bytes import (
     ZERO3_MAX_REUSE_DISTANCE,
     ZERO3_PERSISTENCE_THRESHOLD,
@@ -66,12 +74,14 @@ from .projector import (
 from .work import TERM_FIELDS, LayerWork, Mixer, CostTerms, vit_attention_size
 
 __all__ = [
-    "ACTIVATION_BYTES", "CHECKPOINT_STATE_BYTES", "FP32", "INT64", "LOSS_CHUNK", "NO_LAYER_WORK",
+    "ACTIVATION_BYTES", "CHECKPOINT_STATE_BYTES", "FP32", "INT64", "LOSS_CHUNK", "LOSS_SCALE_BLOCK",
+    "NO_LAYER_WORK",
     "PROJECTORS", "PROJECTOR_KINDS", "TERM_FIELDS", "TRAINER_NAMES", "ZERO3_MAX_REUSE_DISTANCE",
     "ZERO3_PERSISTENCE_THRESHOLD", "ZERO3_PREFETCH_BUCKET", "ZERO3_REDUCE_BUCKET", "LLMConfig",
     "LLMFeatures", "LayerWork", "Mixer", "ModelConfig", "ProjectorWork", "Saves", "CostTerms",
-    "VisionConfig", "Zero3Weights", "bytes_per_param", "executed_flops", "gated_mlp_kept",
-    "held_transient", "kept_bytes", "layer_norm_kept", "layer_training_flops", "layer_work",
+    "VisionConfig", "Zero3Weights", "bytes_per_param", "executed_flops", "forward_flops",
+    "gated_mlp_kept", "held_transient", "kept_bytes", "layer_norm_kept", "layer_training_flops",
+    "layer_work",
     "lora_adapter_params", "lora_kept_bytes", "lora_selective_bytes", "merger_projector",
     "mlp_projector", "pool_projector", "rms_norm_backward", "rms_norm_kept",
     "sequence_parallel_bytes", "sequence_parallel_refusal", "trainer_layer_work",

@@ -1,21 +1,21 @@
 """The LLM's last pipeline layer: the final norm, the LM head and the loss, whose logits exist
-only for supervised tokens, ``LOSS_CHUNK`` rows at a time, recomputed in backward
-(``vlmshard.train``'s ``lm_loss``)."""
+only for supervised tokens, ``LOSS_CHUNK`` rows at a time, their gradients computed in the
+forward (``vlmshard.train``'s ``lm_loss``, fused as Liger's linear + cross entropy)."""
 
 from __future__ import annotations
 
 from .configs import LLMConfig
 from .embedding import tied_table_params
-from .memory import FP32, INT64, Saves, rms_norm_backward, rms_norm_kept
+from .memory import FP32, INT64, LOSS_SCALE_BLOCK, Saves, rms_norm_backward, rms_norm_kept
 from .work import LayerWork, CostTerms
 
-# What the loss keeps per supervised token beyond its hidden state: the row's int64 index
-# (``nonzero_static``) and its int64 target
-SUPERVISED_ROW_BYTES = 2 * INT64
-# What the loss's backward holds per row of a chunk and per vocabulary entry in fp32: the
-# log-softmax, the gradient into and out of it; besides them, the logits' gradient in the run's
-# dtype (a bound held at or above torch's memory tracker by tests/test_model.py)
-LOSS_ROW_FP32_PER_CLASS = 3
+# What the loss keeps per supervised token beyond its hidden state's gradient: the row's int64
+# index (``nonzero_static``), which gathering the rows keeps for its backward
+SUPERVISED_ROW_BYTES = INT64
+# What a loss chunk holds per row and per vocabulary entry in fp32: the logits cast up and their
+# log-softmax (which becomes the gradient in place; a bound held at or above torch's memory
+# tracker by tests/test_model.py)
+LOSS_ROW_FP32_PER_CLASS = 2
 
 
 def final_norm(t: LLMConfig, saves: Saves) -> LayerWork:
@@ -37,10 +37,14 @@ def head(t: LLMConfig, saves: Saves) -> LayerWork:
     tokens only (``CostTerms.supervised``): ``lm_loss`` selects their rows before the matmul.
     Keeps per supervised token its hidden state, its target and index, charged here per token
     (``CostTerms.tokens``: the most there can be, as a memory plan at the caps must; the profile
-    sizes it at the supervised count, ``train.profile.kept_size``); holds the final norm's
-    backward, and per row of a loss chunk and class ``LOSS_ROW_FP32_PER_CLASS`` fp32 values
-    and the logits' gradient."""
+    sizes it at the supervised count, ``train.profile.kept_size``): the gradient the loss
+    computed for its hidden state, in the run's dtype. Holds the final norm's backward, per row
+    of a loss chunk and class ``LOSS_ROW_FP32_PER_CLASS`` fp32 values, and in backward a block
+    of the weight's gradient made fp32 to be scaled (its gradient itself is counted with the
+    parameters)."""
     norm = final_norm(t, saves)
+    scaled = 0 if saves.element_bytes == FP32 else FP32 * min(LOSS_SCALE_BLOCK,
+                                                               t.hidden * t.vocab_size)
     return LayerWork(
         "head", t.hidden * t.vocab_size + t.hidden,
         flops=CostTerms(supervised=2 * t.hidden * t.vocab_size),
@@ -48,5 +52,6 @@ def head(t: LLMConfig, saves: Saves) -> LayerWork:
                               + norm.activation_bytes.tokens),
         output_bytes=CostTerms(),
         transient_bytes=norm.transient_bytes,
-        chunk_row_bytes=(LOSS_ROW_FP32_PER_CLASS * FP32 + saves.element_bytes) * t.vocab_size,
-        tied_params=tied_table_params(t))
+        chunk_row_bytes=LOSS_ROW_FP32_PER_CLASS * FP32 * t.vocab_size,
+        fixed_transient_bytes=scaled,
+        tied_params=tied_table_params(t), gradients_in_forward=True)

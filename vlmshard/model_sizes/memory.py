@@ -11,6 +11,8 @@ ACTIVATION_BYTES = 2  # bf16: what a GPU rank trains in, the default ``Saves.ele
 FP32 = 4
 INT64 = 8  # an index: token ids, gathered rows, targets
 LOSS_CHUNK = 1024  # rows of logits the LM loss makes at a time (vlmshard.train's lm_loss)
+# elements of a low-precision gradient the LM loss's backward scales in fp32 at a time
+LOSS_SCALE_BLOCK = 2**25
 # what a checkpointed (recomputed) layer keeps besides tensors: the CPU generator's state,
 # saved to replay its randomness (torch's Mersenne Twister: 5056 bytes)
 CHECKPOINT_STATE_BYTES = 5056

@@ -47,6 +47,15 @@ def layer_training_flops(work: LayerWork, mode: str) -> CostTerms:
     return flops + work.adapter_flops.scaled(3)
 
 
+def forward_flops(work: LayerWork, mode: str) -> CostTerms:
+    """The FLOPs a layer's forward runs in ``mode``: its own and its LoRA adapters'; for a
+    layer that computes its gradients in its forward (``LayerWork.gradients_in_forward``), all
+    its training FLOPs. What a recompute of the layer runs again."""
+    if work.gradients_in_forward:
+        return layer_training_flops(work, mode)
+    return work.flops + work.adapter_flops
+
+
 def training_flops(config: ModelConfig, recipe: Recipe = Recipe()) -> CostTerms:
     """Forward + backward FLOPs of the whole model per unit of each ``CostTerms``, each layer as
     ``recipe`` runs it (a frozen ViT at the front: its forward alone; LoRA's adapters beside

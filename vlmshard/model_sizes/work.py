@@ -108,7 +108,9 @@ class LayerWork:
     # head: logits in fp32, their log-softmax and gradient), up to ``LOSS_CHUNK`` rows
     transient_bytes: CostTerms = CostTerms()
     chunk_row_bytes: float = 0.0
-    fixed_transient_bytes: float = 0.0  # the token embedding's fp32 table gradient
+    # held whatever the micro-batch's size: the token embedding's fp32 table gradient, the LM
+    # loss's fp32 block of the gradient it scales
+    fixed_transient_bytes: float = 0.0
     # kept under selective recompute besides the layer's input: its matmuls' and attention
     # kernels' outputs (``vlmshard.train.recompute``); None where a layer has no such mode
     selective_bytes: CostTerms | None = None
@@ -127,6 +129,9 @@ class LayerWork:
     # its input is data (the pixels), which needs no gradient: its backward computes its
     # weights' gradients alone, one forward's FLOPs less (``modes.layer_training_flops``)
     input_is_data: bool = False
+    # its forward computes its backward's gradients too (the LM head's fused loss, which keeps
+    # them for a backward that only scales them): its training FLOPs all run in the forward
+    gradients_in_forward: bool = False
 
     def transient(self, size: CostTerms) -> float:
         """The transient bytes at a micro-batch of ``size``."""
