@@ -60,7 +60,8 @@ network: install them, or carry a virtual environment built for it). Nothing is 
    step's samples in random micro-batches of about equal padded tokens, padded per sample (the
    common default), as many a step as keep each within a packed micro-batch's tokens; their
    tokens/s, MFU (the same steps' model FLOPs) and loss per step. Each peer trains without
-   gradient checkpointing where the device holds it, else with it (``gradient_checkpointing``),
+   gradient checkpointing where the device holds it; else, packed, each micro-batch cut in two
+   and accumulated (``split``); else with checkpointing (``gradient_checkpointing``),
    with Liger's kernels where Liger is installed on a GPU (``liger``), vlmshard's rank's
    intra-op threads (``threads``) and patch embedding (``patch_linear``); a peer that runs out
    of memory even so is reported so (``error``), and the bench goes on.
@@ -383,22 +384,26 @@ def hf_baseline(args, setup: dict, padded: bool, run: str = "balanced", **option
     """``hf_train``'s run of vlmshard's run ``run`` (trained with the train ``options``: its
     recipe): its time, tokens/s, model FLOP/s and loss per step, and the device's
     memory handed back (gradients, optimizer states and the model gone). As a user tunes it:
-    without gradient checkpointing, and where that runs out of the device's memory, again with
-    it (``gradient_checkpointing`` says which ran); out of memory with it too, the peer's own
-    limit at this budget is the result (``error``)."""
+    without gradient checkpointing; where that runs out of the device's memory, packed, each
+    micro-batch cut in two and accumulated (``split``: no recompute, half the activations);
+    then with checkpointing on whole micro-batches (``gradient_checkpointing`` and ``split``
+    say which ran); out of memory with it too, the peer's own limit at this budget is the
+    result (``error``)."""
     import gc
 
     import torch
 
     from vlmshard.run_log import read_log
 
+    tries = [(1, False)] + [(2, False)] * (not padded) + [(1, True)]
     trained, error = None, None
-    for checkpointing in (False, True) if torch.cuda.is_available() else (False,):
+    for split, checkpointing in tries if torch.cuda.is_available() else tries[:1]:
         try:
-            trained = hf_train(args, setup, padded, checkpointing, run, **options)
+            trained = hf_train(args, setup, padded, checkpointing, run, split=split, **options)
         except torch.OutOfMemoryError as e:
-            error = f"out of memory{' with gradient checkpointing' * checkpointing}: " \
-                    f"{str(e).splitlines()[0]}"
+            error = (f"out of memory{' with gradient checkpointing' * checkpointing}"
+                     f"{f', micro-batches cut in {split}' * (split > 1)}: "
+                     f"{str(e).splitlines()[0]}")
             print(f"hf_{'padded' if padded else 'packed'}: {error}", flush=True)
         # outside the handler (its traceback holds the model): the Trainer's reference cycles
         gc.collect()
@@ -412,7 +417,7 @@ def hf_baseline(args, setup: dict, padded: bool, run: str = "balanced", **option
     logged = read_log(os.path.join(train_config(args, setup, "balanced", run, **options).out,
                                    "train_log.jsonl"))
     logged, kept = logged[args.warmup:args.steps], times[args.warmup:]
-    return {**configured, "gradient_checkpointing": checkpointing,
+    return {**configured, "gradient_checkpointing": checkpointing, "split": split,
             "steps": len(kept), "median_step_s": statistics.median(kept),
             "tokens_per_s": sum(r["tokens"] for r in logged) / sum(kept),
             "mfu_flops_per_s": sum(r["model_flops"] for r in logged) / sum(kept),
@@ -420,14 +425,15 @@ def hf_baseline(args, setup: dict, padded: bool, run: str = "balanced", **option
 
 
 def hf_train(args, setup: dict, padded: bool, checkpointing: bool, run: str = "balanced",
-             **options) -> tuple[dict, list[float], list[float]]:
+             split: int = 1, **options) -> tuple[dict, list[float], list[float]]:
     """The balanced shards' steps trained by Hugging Face's ``Trainer`` (examples/hf_trainer.py):
     packed (``model_inputs``: flash-attn's varlen kernel where it is installed, else torch's
     through the same ``transformers`` path, ``TORCH_VARLEN``: the ViT's images in one call, no
     mask over the micro-batch) or padded per sample (SDPA); vlmshard's optimizer, schedule,
     clipping, steps and precision (fp32 master weights, bf16 compute on a GPU; fp32 on CPU),
-    with gradient checkpointing where ``checkpointing`` says, on the recipe of vlmshard's run
-    ``run`` (its ``options``, as ``hf_baseline``). Each step's time is vlmshard's
+    with gradient checkpointing where ``checkpointing`` says, packed micro-batches each cut into
+    ``split`` (``PackedBatches``), on the recipe of vlmshard's run ``run`` (its ``options``, as
+    ``hf_baseline``). Each step's time is vlmshard's
     ``step_time_s``'s: from its micro-batches in hand (the ``Trainer`` fetches a step's before
     ``on_step_begin``; vlmshard logs its wait for them apart, ``load_s``) to the end of its
     optimizer step on the device; tokens and model FLOPs are vlmshard's log's for the same step
@@ -461,7 +467,8 @@ def hf_train(args, setup: dict, padded: bool, checkpointing: bool, run: str = "b
     model = model_layers(setup["model"], recipe=cfg.recipe).as_recipe(model)  # the same recipe
     # the padded peer: as many micro-batches a step as keep each, padded, within the packed
     # micro-batch's tokens over the steps trained (``PaddedBatches``)
-    batches = functools.partial(PaddedBatches, steps=args.steps) if padded else PackedBatches
+    batches = (functools.partial(PaddedBatches, steps=args.steps) if padded
+               else functools.partial(PackedBatches, split=split))
     workers = args.loader_workers if args.loader_workers is not None else (4 if cuda else 0)
     cfg.resolve_device_defaults(cuda)  # vlmshard's per-device choices, which the peer takes
     torch.set_num_threads(gpu_rank_threads(workers) if cuda else cpu_threads_per_rank(1))
@@ -805,9 +812,11 @@ def table(result: dict) -> str:
         if "error" in r:
             lines.append(f"{name:<22} {r['error']}")
             continue
+        split = r.get("split", 1)
         lines.append(f"{name:<22} {r['median_step_s']:>9.3f} {'-':>7} {r['tokens_per_s']:>9,.0f} "
                      f"{'-':>8} {fmt(r.get('mfu'), '.1%'):>6}   ({r['attention']}"
-                     f"{', gradient checkpointing' * r['gradient_checkpointing']})")
+                     f"{', gradient checkpointing' * r['gradient_checkpointing']}"
+                     f"{f', micro-batches cut in {split}' * (split > 1)})")
     for algo in RUNS:
         if share := result.get(algo, {}).get("vit_attention_share"):
             lines.append(f"{algo}: its MFU counts the ViT's attention across each image, "

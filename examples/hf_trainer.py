@@ -30,28 +30,33 @@ from torch.utils.data import IterableDataset
 
 class PackedBatches(IterableDataset):
     """One rank's micro-batches as the model's keyword arguments (``model_inputs``), read by the
-    trainer's loader (``workers`` processes decode ahead)."""
+    trainer's loader (``workers`` processes decode ahead); ``split`` > 1: each cut into that
+    many micro-batches of consecutive samples (``split_micro_batch``), accumulated instead, for
+    a device that cannot hold a whole one."""
 
-    def __init__(self, shards: str, model, rank: int, world_size: int, workers: int = 0) -> None:
+    def __init__(self, shards: str, model, rank: int, world_size: int, workers: int = 0,
+                 split: int = 1) -> None:
         from vlmshard.shards.loader import make_loader
 
         self.loader = make_loader(shards, rank, world_size, num_workers=workers,
                                   pin_memory=workers > 0 and torch.cuda.is_available(),
                                   pad_to_caps=False)
         self.model = model
+        self.split = split
 
     @property
     def micro_batches_per_step(self) -> int:
-        return self.loader.dataset.micro_batches_per_step
+        return self.loader.dataset.micro_batches_per_step * self.split
 
     def __len__(self) -> int:
-        return len(self.loader.dataset)
+        return len(self.loader.dataset) * self.split
 
     def __iter__(self):
-        from vlmshard.shards.model_inputs import model_inputs
+        from vlmshard.shards.model_inputs import model_inputs, split_micro_batch
 
         for batch in self.loader:
-            yield model_inputs(batch, self.model)
+            for part in split_micro_batch(batch, self.split) if self.split > 1 else [batch]:
+                yield model_inputs(part, self.model)
 
 
 class PaddedBatches(PackedBatches):

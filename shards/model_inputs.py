@@ -13,7 +13,8 @@ mask (one per layer kind where the model's layers attend differently) for ``sdpa
 ``eager``. Refused: any other implementation (nothing tells it where samples end), flash-attn
 for a model whose images attend both ways, and a model with linear-attention layers. Position
 ids restart at each sample, and labels are shifted here, never across a sample boundary.
-``split_batch`` gives each sample alone; ``padded_inputs`` gives them as one right-padded batch.
+``split_batch`` gives each sample alone; ``padded_inputs`` gives them as one right-padded batch;
+``split_micro_batch`` cuts a micro-batch into smaller ones of consecutive samples.
 
 Each implementation, loss normalization (``num_items_in_batch``), ranks and resume:
 docs/training.md, "Use the shards in your own trainer".
@@ -197,6 +198,46 @@ def split_batch(batch: dict, model=None) -> list[dict]:
         samples.append(sample)
         row, image = row + rows, image + images
     return samples
+
+
+def split_micro_batch(batch: dict, parts: int) -> list[dict]:
+    """A collated micro-batch (not padded to the caps: ``pad_to_caps=False``) as ``parts``
+    micro-batches of consecutive samples, each a collated micro-batch of its own, cut where
+    their tokens come nearest to equal (none empty): what a trainer that cannot hold the whole
+    micro-batch trains with gradient accumulation instead, on the same samples."""
+    whole_micro_batch(batch)
+    n = int(batch["num_samples"])
+    if not 1 <= parts <= n or batch["num_tokens"] != len(batch["input_ids"]):
+        raise ValueError(f"cannot split a micro-batch of {n} samples into {parts} parts, or "
+                         "one padded to the caps")
+    cu = batch["cu_seqlens"].tolist()
+    cuts = [0]
+    for k in range(1, parts):  # the sample boundary nearest k/parts of the tokens, none empty
+        nearest = min(range(n + 1), key=lambda i: abs(cu[i] - cu[-1] * k / parts))
+        cuts.append(min(max(nearest, cuts[-1] + 1), n - parts + k))
+    cuts.append(n)
+    rows = [0] + torch.cumsum(batch["sample_pixel_rows"], 0).tolist()
+    items = [0] + torch.cumsum(batch["sample_images"], 0).tolist()
+    out = []
+    for a, b in zip(cuts, cuts[1:]):
+        tokens, media = slice(cu[a], cu[b]), slice(items[a], items[b])
+        part = {**batch,
+                "input_ids": batch["input_ids"][tokens], "labels": batch["labels"][tokens],
+                "position_ids": batch["position_ids"][..., tokens],
+                "image_token_mask": batch["image_token_mask"][tokens],
+                "cu_seqlens": batch["cu_seqlens"][a:b + 1] - cu[a],
+                "pixel_values": batch["pixel_values"][rows[a]:rows[b]],
+                "num_tokens": cu[b] - cu[a], "num_samples": b - a,
+                "num_pixel_rows": rows[b] - rows[a],
+                **{key: batch[key][a:b] for key in ("sample_images", "sample_pixel_rows",
+                                                    "sample_ids")},
+                **{key: batch[key][media] for key in ("media_tiles", "media_units",
+                                                      "media_is_video",
+                                                      "media_seconds_per_step",
+                                                      "image_grid_thw") if key in batch}}
+        part["num_tiles"] = part["tile_cap"] = int(part["media_tiles"].sum())
+        out.append(part)
+    return out
 
 
 VISUAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",

@@ -182,6 +182,33 @@ def test_split_batch_gives_each_sample_as_the_reference_cuts_it(packed):
             assert (key in g) == (key in w) and (key not in g or torch.equal(g[key], w[key]))
 
 
+@pytest.mark.parametrize("parts", [2, 3])
+def test_a_split_micro_batch_loses_what_the_whole_loses(packed, parts):
+    """``split_micro_batch`` (the packed peer's micro-batches where a whole one does not fit):
+    consecutive samples, none empty, whose tokens, pixel rows and media concatenate to the
+    whole's, each read by ``model_inputs`` as a micro-batch of its own, and whose losses summed
+    over the whole's supervised count (the Trainer's gradient accumulation) are the whole's
+    loss; each sample's own loss alone (``split_samples``) is the reference."""
+    from vlmshard.shards.model_inputs import split_micro_batch
+
+    family, folder, _, batch = packed
+    model = _model(folder, "sdpa")
+    split = split_micro_batch(batch, parts)
+    assert len(split) == parts and all(p["num_samples"] >= 1 for p in split)
+    for key in ("input_ids", "labels", "pixel_values", "sample_ids", "media_tiles"):
+        assert torch.equal(torch.cat([p[key] for p in split]), batch[key]), key
+    assert [s["input_ids"].shape[1] for p in split for s in _alone(model, family, p)] == \
+        [s["input_ids"].shape[1] for s in _alone(model, family, batch)]
+    samples = _alone(model, family, batch)
+    count = sum(supervised(s) for s in samples)
+    with torch.no_grad():
+        got = sum(float(model(**model_inputs(p, model, num_items_in_batch=count)).loss)
+                  for p in split)
+        want = [model(**s, use_cache=False) for s in samples]
+    summed = sum(float(w.loss) * supervised(s) for w, s in zip(want, samples))
+    assert got == pytest.approx(summed / count, rel=1e-5)
+
+
 def test_padded_loss_equals_each_sample_alone(packed):
     """``padded_inputs``: the micro-batch's samples padded per sample in one batch (the
     ``gpu_bench.py --baseline`` peer) lose what each sample alone loses, summed over them, and
