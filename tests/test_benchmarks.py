@@ -233,3 +233,17 @@ def test_host_path_bench_smoke_recomputes_every_block_in_backward(tmp_path):
     assert plans["full"]["whole"] == plans["selective"]["selective"] == 4
     assert plans["full"]["ops_backward"] - plans["none"]["ops_backward"] >= blocks
     assert result["outside_ops_ms"]["text_rope"] > 0
+
+
+def test_loss_bench_smoke_counts_one_logits_matmul_fewer(tmp_path):
+    """``loss_bench.py --smoke``: the fused loss runs three matmuls of the logits' size (logits,
+    both gradients) where the recomputed one runs four (the logits again in backward): FLOPs
+    3/4 of it, by ``FlopCounterMode``; and it holds no more at once."""
+    import re
+
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "loss_bench.py"),
+                           "--smoke"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ratios = dict(re.findall(r"(\w+) ([\d.]+)", proc.stdout.splitlines()[-1].split(":", 1)[1]))
+    assert float(ratios["FLOPs"]) == 0.75
+    assert float(ratios["held"]) <= 1.0

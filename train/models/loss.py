@@ -3,7 +3,7 @@ fused with it as Liger's fused linear + cross entropy is (``liger_kernel.ops.
 fused_linear_cross_entropy``, read at 0.8.5): the logits are made ``LOSS_CHUNK`` rows at a time
 and each chunk's gradients, to the hidden states and to the head's weight, are computed in the
 forward, so the backward only scales them. The logits' matmul then runs once, not again in
-backward as a recomputed chunk's would, and a chunk holds its fp32 log-probabilities alone.
+backward as a recomputed chunk's would, and a chunk holds one fp32 [rows, vocab] buffer.
 
 Unlike Liger's, the count of supervised tokens comes from the host (``Micro.host``): Liger's
 reads it back from the device once a call, a wait each micro-batch. The arithmetic is the
@@ -53,15 +53,20 @@ class LinearCrossEntropy(torch.autograd.Function):
         loss = hidden.new_zeros((), dtype=torch.float32)
         for start in range(0, hidden.shape[0], chunk):
             rows, target = hidden[start:start + chunk], targets[start:start + chunk]
-            log_probs = F.log_softmax(F.linear(rows, weight).float(), dim=-1)
-            loss += F.nll_loss(log_probs, target, reduction="sum")
+            # log-softmax's arithmetic in place on the fp32 logits: one [rows, vocab] fp32
+            # buffer, where log_softmax would make a second
+            logits = F.linear(rows, weight).float()
+            logits -= logits.amax(dim=-1, keepdim=True)
+            picked = logits.gather(1, target[:, None])
+            sums = logits.exp_().sum(dim=-1, keepdim=True)
+            loss += (sums.log() - picked).sum()
             if not (need_hidden or need_weight):
                 continue
             # d loss / d logits = softmax - one-hot(target), in fp32, then in the run's dtype
-            grad = log_probs.exp_()
+            grad = logits.div_(sums)
             grad[torch.arange(len(target), device=grad.device), target] -= 1
             grad = grad.to(hidden.dtype)
-            del log_probs
+            del logits
             if need_hidden:
                 torch.mm(grad, weight, out=grad_hidden[start:start + chunk])
             if need_weight:

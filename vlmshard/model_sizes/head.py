@@ -12,10 +12,6 @@ from .work import LayerWork, CostTerms
 # What the loss keeps per supervised token beyond its hidden state's gradient: the row's int64
 # index (``nonzero_static``), which gathering the rows keeps for its backward
 SUPERVISED_ROW_BYTES = INT64
-# What a loss chunk holds per row and per vocabulary entry in fp32: the logits cast up and their
-# log-softmax (which becomes the gradient in place; a bound held at or above torch's memory
-# tracker by tests/test_model.py)
-LOSS_ROW_FP32_PER_CLASS = 2
 
 
 def final_norm(t: LLMConfig, saves: Saves) -> LayerWork:
@@ -39,12 +35,13 @@ def head(t: LLMConfig, saves: Saves) -> LayerWork:
     (``CostTerms.tokens``: the most there can be, as a memory plan at the caps must; the profile
     sizes it at the supervised count, ``train.profile.kept_size``): the gradient the loss
     computed for its hidden state, in the run's dtype. Holds the final norm's backward, per row
-    of a loss chunk and class ``LOSS_ROW_FP32_PER_CLASS`` fp32 values, and in backward a block
+    of a loss chunk and class the fp32 logits (their log-softmax and gradient made in place) and,
+    below fp32, the logits or their gradient in the run's dtype beside them; in backward a block
     of the weight's gradient made fp32 to be scaled (its gradient itself is counted with the
-    parameters)."""
+    parameters). A bound held at or above torch's memory tracker by tests/test_model.py."""
     norm = final_norm(t, saves)
-    scaled = 0 if saves.element_bytes == FP32 else FP32 * min(LOSS_SCALE_BLOCK,
-                                                               t.hidden * t.vocab_size)
+    low = saves.element_bytes != FP32  # the logits are cast up, their gradient down
+    scaled = FP32 * min(LOSS_SCALE_BLOCK, t.hidden * t.vocab_size) if low else 0
     return LayerWork(
         "head", t.hidden * t.vocab_size + t.hidden,
         flops=CostTerms(supervised=2 * t.hidden * t.vocab_size),
@@ -52,6 +49,6 @@ def head(t: LLMConfig, saves: Saves) -> LayerWork:
                               + norm.activation_bytes.tokens),
         output_bytes=CostTerms(),
         transient_bytes=norm.transient_bytes,
-        chunk_row_bytes=LOSS_ROW_FP32_PER_CLASS * FP32 * t.vocab_size,
+        chunk_row_bytes=(FP32 + saves.element_bytes * low) * t.vocab_size,
         fixed_transient_bytes=scaled,
         tied_params=tied_table_params(t), gradients_in_forward=True)
