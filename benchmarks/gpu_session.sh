@@ -6,7 +6,7 @@
 #      this checkout;
 #   2. on the device, the CUDA cases of the numerical tests (attention backends, one-call ViT,
 #      Liger's kernels, host syncs, the memory model with the GPU's kernels, the peer's varlen
-#      path) and whether torch's varlen kernel takes fewer K/V heads as they are
+#      path, the fused LM loss) and whether torch's varlen kernel takes fewer K/V heads as they are
 #      (benchmarks/varlen_gqa_probe.py); meanwhile, on the CPUs, gpu_bench.py --prepare-only
 #      makes the bench's data, model, plans and shards (it holds no CUDA context);
 #   3. gpu_bench.py --prepared, its phases in the order their results matter, its JSON written
@@ -28,8 +28,10 @@
 #   prepare                     60  data, 2B model, plans, shards on the CPUs (that lease: 58);
 #                                   beside it the CUDA tests (TESTS_S: 36 s of pytest then)
 #   balanced                    60  37 launch + 8 first step + 8 traced + 2 x 3
-#   hf_packed                   45  out of memory without checkpointing, then with it: two
-#                                   loads of the 2B model in fp32, 4 steps of 4.5-6.6 s
+#   hf_packed                   45  out of memory as it is (that lease), then its micro-batches
+#                                   cut in two, no recompute: two loads of the 2B model in
+#                                   fp32, 4 steps of ~4-5 s (that lease, checkpointed: 4.5-6.6);
+#                                   ~10 more where halves do not fit (checkpointing then)
 #   balanced_compiled          125  37 + 80 first step (72 compiling) + 3 x 3
 #   balanced_frozen_vit         50  37 + 7 first step + 3 x 2
 #   hf_packed_frozen_vit        40  as hf_packed, steps of 3.6 s
@@ -101,7 +103,7 @@ stamp "prepare (CPUs) beside the CUDA tests (device)"
 timeout "$(left)" "${bench[@]}" --prepare-only >"$OUT/prepare.log" 2>&1 &
 prepare=$!
 tests=(tests/test_kernels.py tests/test_model.py tests/test_clock.py tests/test_model_inputs.py
-       -k "cuda or liger")
+       tests/test_loss.py -k "cuda or liger")
 if [ "$SMOKE" = 1 ]; then
     timeout "$TESTS_S" python3 -m pytest -q --collect-only -p no:cacheprovider -p no:xdist \
         -o addopts="" \

@@ -22,12 +22,12 @@ def counted():
     return FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: addmm_})
 
 
-def _inputs(dtype, hidden_grad=True, weight_grad=True):
+def _inputs(dtype, hidden_grad=True, weight_grad=True, device="cpu"):
     gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(ROWS, HIDDEN, generator=gen).to(dtype).requires_grad_(hidden_grad)
-    weight = torch.randn(VOCAB, HIDDEN, generator=gen).to(dtype).requires_grad_(weight_grad)
-    targets = torch.randint(0, VOCAB, (ROWS,), generator=gen)
-    return hidden, weight, targets
+    hidden = torch.randn(ROWS, HIDDEN, generator=gen).to(device, dtype)
+    weight = torch.randn(VOCAB, HIDDEN, generator=gen).to(device, dtype)
+    targets = torch.randint(0, VOCAB, (ROWS,), generator=gen).to(device)
+    return hidden.requires_grad_(hidden_grad), weight.requires_grad_(weight_grad), targets
 
 
 def _grads(loss_fn, hidden, weight, targets, scale):
@@ -46,13 +46,13 @@ def unfused(hidden, weight, targets):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2**-6)])
-def test_the_fused_loss_and_its_gradients_are_the_unfused_ones(dtype, tol):
+def test_the_fused_loss_and_its_gradients_are_the_unfused_ones(dtype, tol, device="cpu"):
     """Loss, hidden and weight gradients under a loss scale of 1/3 (as ``AveTokenLoss`` gives):
     fp32 within 1e-6 of the unfused loss, bf16 within its rounding (two units in the last place
     of the largest gradient: the weight's is rounded once per chunk it sums, the unfused
     loss's once)."""
-    hidden, weight, targets = _inputs(dtype)
-    scale = torch.tensor(1 / 3)
+    hidden, weight, targets = _inputs(dtype, device=device)
+    scale = torch.tensor(1 / 3, device=device)
     want = _grads(unfused, hidden, weight, targets, scale)
     got = _grads(fused, hidden, weight, targets, scale)
     assert got[0].dtype == torch.float32 and got[0] == pytest.approx(want[0].item(), rel=1e-6)
@@ -103,3 +103,19 @@ def test_no_supervised_row_still_reaches_both_inputs():
     assert loss.item() == 0.0
     assert hidden.grad is not None and not hidden.grad.any()
     assert weight.grad is not None and not weight.grad.any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2**-6)])
+def test_on_cuda_the_fused_loss_is_the_unfused_one_and_never_waits(dtype, tol):
+    """The same on a GPU, and its forward and backward make the host wait for the device not
+    once (``HostSyncs``: the sync debug mode; Liger's reads the supervised count back)."""
+    from vlmshard.train.clock import HostSyncs
+
+    test_the_fused_loss_and_its_gradients_are_the_unfused_ones(dtype, tol, device="cuda")
+    hidden, weight, targets = _inputs(dtype, device="cuda")
+    scale = torch.tensor(1 / 3, device="cuda")
+    torch.cuda.synchronize()
+    with HostSyncs(True) as syncs:
+        _grads(fused, hidden, weight, targets, scale)
+    assert syncs.count == 0, syncs.sites
