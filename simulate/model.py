@@ -26,7 +26,7 @@ import numpy as np
 
 from vlmshard.errors import ConfigError, InputError
 from vlmshard.hardware import GPU
-from vlmshard.model_sizes import LayerWork, CostTerms, layer_training_flops
+from vlmshard.model_sizes import CostTerms, LayerWork, forward_flops, layer_training_flops
 from vlmshard.partition import Machine, Partition, analytic_layer_costs, deepspeed_bounds
 
 log = logging.getLogger(__name__)
@@ -146,11 +146,13 @@ class LayerRates:
                   modes: list[str] | None = None) -> "LayerRates":
         """FLOPs at a sustained rate, one for all layers or one per layer; backward is what
         each layer's mode runs (``vlmshard.recipe``; by default every layer trains: twice the
-        forward)."""
+        forward), the LM head's all in its forward (``model_sizes.forward_flops``)."""
         rate = np.reshape(flops_per_s, (-1, 1))
-        forward = np.array([_vector(w.flops + w.adapter_flops) for w in work]) / rate
+        modes = modes or ["train"] * len(work)
+        forward = np.array([_vector(forward_flops(w, mode)) for w, mode in zip(work, modes)]
+                           ) / rate
         executed = np.array([_vector(layer_training_flops(w, mode)) for w, mode
-                             in zip(work, modes or ["train"] * len(work))]) / rate
+                             in zip(work, modes)]) / rate
         return cls(forward, executed - forward,
                    np.array([_vector(w.output_bytes) for w in work]))
 

@@ -119,13 +119,17 @@ def test_analytic_layers_map_onto_the_trainers_layers(family, tmp_path):
     model = model_sizes(config, "tiny")
     rates = analytic_rates(names, model)
     assert len(rates.forward) == len(names)
-    # forward + backward, 3x the forward; the patch embedding's backward its weights' alone
-    embed = names.index("vit_embed")
+    # forward + backward, 3x the forward; the patch embedding's backward its weights' alone;
+    # the LM head's fused loss computes its gradients in its forward: all three there, per
+    # supervised token (no other layer's column), none in its backward
+    embed, head = names.index("vit_embed"), names.index("head")
     total = training_flops(model) + layer_work(model)[0].flops
-    assert rates.forward.sum(axis=0) == pytest.approx(
-        np.array([getattr(total.windows_as_full(), k) for k in COLUMNS]) / 3, rel=1e-12)
+    forward = np.array([getattr(total.windows_as_full(), k) for k in COLUMNS]) / 3
+    forward[COLUMNS.index("supervised")] *= 3
+    assert rates.forward.sum(axis=0) == pytest.approx(forward, rel=1e-12)
     twice = 2 * rates.forward
     twice[embed] /= 2
+    twice[head] = 0
     assert rates.backward == pytest.approx(twice)
     work = {w.name: w.flops for w in layer_work(model)}
     projector = names.index("projector")
