@@ -31,10 +31,10 @@ def final_norm(t: LLMConfig, saves: Saves) -> LayerWork:
 def head(t: LLMConfig, saves: Saves) -> LayerWork:
     """The final norm and the LM head with its loss. Its FLOPs are the logits of the supervised
     tokens only (``CostTerms.supervised``): ``lm_loss`` selects their rows before the matmul.
-    Keeps per supervised token its hidden state, its target and index, charged here per token
-    (``CostTerms.tokens``: the most there can be, as a memory plan at the caps must; the profile
-    sizes it at the supervised count, ``train.profile.kept_size``): the gradient the loss
-    computed for its hidden state, in the run's dtype. Holds the final norm's backward, per row
+    Keeps per supervised token the gradient the loss computed for its hidden state (in the
+    run's dtype) and the row's index, charged here per token (``CostTerms.tokens``: the most
+    there can be, as a memory plan at the caps must; the profile sizes it at the supervised
+    count, ``train.profile.kept_size``). Holds the final norm's backward, per row
     of a loss chunk and class the fp32 logits (their log-softmax and gradient made in place) and,
     below fp32, the logits or their gradient in the run's dtype beside them; in backward a block
     of the weight's gradient made fp32 to be scaled (its gradient itself is counted with the

@@ -105,7 +105,8 @@ class LayerWork:
     # what its forward + backward hold at once beyond what it keeps and its parameters'
     # gradients (counted with the parameters): its output and that output's gradient, its
     # input's gradient, the widest gradients inside it; and per row of the loss's chunk (the
-    # head: logits in fp32, their log-softmax and gradient), up to ``LOSS_CHUNK`` rows
+    # head: its fp32 logits, made the gradient in place, and below fp32 their cast), up to
+    # ``LOSS_CHUNK`` rows
     transient_bytes: CostTerms = CostTerms()
     chunk_row_bytes: float = 0.0
     # held whatever the micro-batch's size: the token embedding's fp32 table gradient, the LM
