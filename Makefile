@@ -56,6 +56,7 @@ TORCH ?= 2.11.0
 TORCH_VENV := .venv-torch$(TORCH)
 TORCH_TESTS := tests/test_kernels.py tests/test_varlen_signatures.py tests/test_model.py \
   tests/test_model_inputs.py tests/test_clock.py \
+  tests/test_compiled.py::test_the_attention_ops_backward_is_the_varlen_kernels_own \
   tests/test_train.py::test_pipeline_of_two_stages_learns_from_its_plan \
   tests/test_benchmarks.py::test_gpu_bench_smoke_runs_the_gpu_path_on_cpu
 

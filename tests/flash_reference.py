@@ -4,7 +4,9 @@ computed as FlashAttention's paper defines them, so that the CPU suite can run t
 numbers: per segment of the packed [tokens, heads, d] inputs, the forward's output and
 log-sum-exp [heads, tokens]; the backward from the output and log-sum-exp alone (P = exp(S -
 lse), dV = Pᵀ·dO, dS = P∘(dO·Vᵀ - rowsum(dO∘O)), dQ = dS·K·scale, dK = dSᵀ·Q·scale), K/V heads
-fewer than the query's summed over the heads they serve. ``calls`` counts each op's calls."""
+fewer than the query's summed over the heads they serve. ``calls`` counts each op's calls.
+``sdpa_by_segment`` is what those kernels should give, from SDPA on each segment alone;
+``against_sdpa`` holds an attention to it on the reference kernels."""
 
 from __future__ import annotations
 
@@ -88,3 +90,44 @@ def flash_on_cpu():
         yield calls
     finally:
         lib._destroy()
+
+
+def sdpa_by_segment(query, key, value, cu: torch.Tensor, causal: bool, window: int | None,
+                    scale: float) -> torch.Tensor:
+    """[1, tokens, heads, d]: each segment of [1, heads, tokens, d] inputs alone through SDPA
+    (K/V heads grouped), causal or not, a causal ``window`` of keys (key > query - window)."""
+    from torch.nn.functional import scaled_dot_product_attention
+
+    parts = []
+    for a, b in _segments(cu):
+        n = b - a
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        keep = (j <= i) if causal else torch.ones(n, n, dtype=torch.bool)
+        if causal and window:
+            keep &= j > i - window
+        parts.append(scaled_dot_product_attention(
+            *(t[:, :, a:b] for t in (query, key, value)), attn_mask=keep, scale=scale,
+            enable_gqa=True))
+    return torch.cat(parts, dim=2).transpose(1, 2)
+
+
+def against_sdpa(attend, causal: bool, window: int | None, scale: float):
+    """Run ``attend(query, key, value, cu_seqlens)`` ([1, heads, tokens, d] in, [1, tokens,
+    heads, d] out) on 3 packed segments of 5, 9 and 3 tokens, 4 query heads over 2 K/V heads,
+    head dim 8, under the reference kernels; assert its output and q, k, v gradients within
+    1e-5 of ``sdpa_by_segment``'s; return the kernels' calls."""
+    torch.manual_seed(0)
+    lengths, heads, kv = [5, 9, 3], 4, 2
+    cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
+    query, key, value = (torch.randn(1, n, sum(lengths), 8, requires_grad=True)
+                         for n in (heads, kv, kv))
+    weights = torch.randn(1, sum(lengths), heads, 8)
+    inputs = [query, key, value]
+    with flash_on_cpu() as calls:
+        out = attend(query, key, value, cu)
+        got = [out, *torch.autograd.grad((out * weights).sum(), inputs)]
+    want_out = sdpa_by_segment(query, key, value, cu, causal, window, scale)
+    want = [want_out, *torch.autograd.grad((want_out * weights).sum(), inputs)]
+    for name, g, w in zip(["out", "query", "key", "value"], got, want):
+        assert g.shape == w.shape and torch.allclose(g, w, atol=1e-5, rtol=1e-5), name
+    return calls

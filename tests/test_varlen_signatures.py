@@ -1,9 +1,13 @@
 """torch's ``varlen_attn`` as each supported release defines it, and the supported range.
 
 ``packed_varlen`` is run on CPU against stand-ins with the exact signatures of torch 2.10
-(``is_causal``, no ``window_size`` or ``enable_gqa``: its published docs), 2.11 (``window_size``,
-no ``enable_gqa``: measured on a GPU node) and 2.13 (both: read from the installed release);
-each stand-in records what it is given and returns a tensor of the query's shape."""
+(``is_causal``; no ``scale``, ``window_size`` or ``enable_gqa``), 2.11 (``scale`` and
+``window_size``, no ``enable_gqa``) and 2.12/2.13 (all three), read from
+``torch/nn/attention/varlen.py`` in the 2.10.0, 2.11.0 and 2.12.0 wheels on PyPI and in the
+installed 2.13; each stand-in records what it is given and returns a tensor of the query's
+shape. 2.10's private ops (``torch_attn::_varlen_attn`` and its backward, which a compiled
+block's attention calls) are stood in for with their exact schemas too, on the reference
+flash kernels (``flash_reference``)."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import logging
 
 import pytest
 import torch
+from torch import Tensor
 
 from vlmshard.compat import check_torch, check_transformers
 from vlmshard.errors import ConfigError
@@ -20,7 +25,7 @@ from vlmshard.train.attention import Spans, packed_varlen, varlen_parameters
 calls: list[dict] = []
 
 
-def _record(args: dict) -> torch.Tensor:
+def _record(args: dict) -> Tensor:
     calls.append(args)
     q, k = args["query"], args["key"]
     if q.shape[1] != k.shape[1] and not args.get("enable_gqa"):
@@ -29,7 +34,7 @@ def _record(args: dict) -> torch.Tensor:
 
 
 def varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False,
-                return_aux=None, scale=None):
+                return_aux=None):
     return _record(locals())
 
 
@@ -44,7 +49,9 @@ def varlen_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
     return _record(locals())
 
 
-KERNELS = {"2.10": varlen_2_10, "2.11": varlen_2_11, "2.13": varlen_2_13}
+KERNELS = {"2.10": varlen_2_10, "2.11": varlen_2_11, "2.12": varlen_2_13,  # 2.12's is 2.13's
+           "2.13": varlen_2_13}
+D = 8  # head dim: the kernels' own scale is D ** -0.5
 LENGTHS = [4, 2]  # cu_seqlens [0, 4, 6], longest 4
 
 
@@ -53,7 +60,7 @@ class Module(torch.nn.Module):
     num_key_value_groups = 2  # what transformers' SDPA path repeats K/V by
 
 
-def attend(monkeypatch, release, heads_kv=2, **kwargs):
+def attend(monkeypatch, release, heads_kv=2, scaling=D ** -0.5, **kwargs):
     """packed_varlen on 4 query heads over LENGTHS with ``release``'s kernel: its output and
     the K it was given, shaped as the kernel takes it ([tokens, heads, d])."""
     import torch.nn.attention.varlen
@@ -62,24 +69,32 @@ def attend(monkeypatch, release, heads_kv=2, **kwargs):
     calls.clear()
     torch.manual_seed(0)
     n = sum(LENGTHS)
-    q = torch.randn(1, 4, n, 8)
-    k, v = torch.randn(1, heads_kv, n, 8), torch.randn(1, heads_kv, n, 8)
+    q = torch.randn(1, 4, n, D)
+    k, v = torch.randn(1, heads_kv, n, D), torch.randn(1, heads_kv, n, D)
     spans = Spans.from_lengths(LENGTHS, "varlen", torch.device("cpu"))
-    out, _ = packed_varlen(Module(), q, k, v, None, scaling=0.5, **kwargs, **spans.kwargs())
+    out, _ = packed_varlen(Module(), q, k, v, None, scaling=scaling, **kwargs, **spans.kwargs())
     return out, k[0].transpose(0, 1)
 
 
-def test_the_installed_release_has_the_213_parameters():
+def test_the_installed_release_has_its_stand_ins_parameters():
+    """Here 2.13's; under ``make test-torch TORCH=2.10.0`` (or 2.11.0, 2.12.0) that release's,
+    and 2.10's private ops have the schemas ``op_2_10`` stands in with."""
     from torch.nn.attention.varlen import varlen_attn
 
-    if not torch.__version__.startswith("2.13."):
-        pytest.skip(f"torch {torch.__version__} is installed, not 2.13")
-    assert varlen_parameters(varlen_attn) == varlen_parameters(varlen_2_13)
+    release = ".".join(torch.__version__.split(".")[:2])
+    assert varlen_parameters(varlen_attn) == varlen_parameters(KERNELS[release])
+    if release == "2.10":
+        for name in ("_varlen_attn", "_varlen_attn_backward"):
+            ours = getattr(torch.ops.vlmshard_tests_torch_2_10, name).default._schema
+            theirs = getattr(torch.ops.torch_attn, name).default._schema
+            assert [(a.name, str(a.type)) for a in theirs.arguments] == [
+                (a.name, str(a.type)) for a in ours.arguments]
 
 
 @pytest.mark.parametrize("release, causal_form, repeated", [
     ("2.10", {"is_causal": True}, True),
     ("2.11", {"window_size": (-1, 0)}, True),
+    ("2.12", {"window_size": (-1, 0), "enable_gqa": True}, False),
     ("2.13", {"window_size": (-1, 0), "enable_gqa": True}, False),
 ])
 def test_causal_grouped_query_call(monkeypatch, release, causal_form, repeated):
@@ -88,7 +103,10 @@ def test_causal_grouped_query_call(monkeypatch, release, causal_form, repeated):
     assert out.shape == (1, 6, 4, 8)
     assert call["cu_seq_q"].tolist() == [0, 4, 6] and call["cu_seq_k"].tolist() == [0, 4, 6]
     assert call["max_q"] == 4 and call["max_k"] == 4
-    assert call["scale"] == 0.5
+    if release == "2.10":  # no scale to pass: the kernel's own is the layer's
+        assert "scale" not in call
+    else:
+        assert call["scale"] == D ** -0.5
     for name in ("is_causal", "window_size", "enable_gqa"):
         if name in causal_form:
             assert call[name] == causal_form[name]
@@ -123,23 +141,91 @@ def test_sliding_window_is_the_kernels_window(monkeypatch, release):
     assert call["window_size"] == (2, 0)  # a query sees the 2 keys before it and itself
 
 
-def test_sliding_window_without_window_size_runs_on_sdpa(monkeypatch):
-    """2.10's kernel takes no window: each sample alone on SDPA, against a mask written out by
-    hand (causal, key > query - 3)."""
-    out, _ = attend(monkeypatch, "2.10", sliding_window=3)
-    assert calls == []
+def sdpa_by_hand(scale: float, window: int | None = None) -> Tensor:
+    """The output ``attend`` should give: each of LENGTHS alone through SDPA, against a mask
+    written out by hand (causal; with a ``window``, key > query - window)."""
     torch.manual_seed(0)  # the same tensors attend() made
-    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    n = sum(LENGTHS)
+    q, k, v = torch.randn(1, 4, n, D), torch.randn(1, 2, n, D), torch.randn(1, 2, n, D)
     expected, start = [], 0
     for length in LENGTHS:
-        mask = torch.tensor([[j <= i and j > i - 3 for j in range(length)]
-                             for i in range(length)])
+        mask = torch.tensor([[j <= i and (window is None or j > i - window)
+                              for j in range(length)] for i in range(length)])
         part = slice(start, start + length)
         expected.append(torch.nn.functional.scaled_dot_product_attention(
             q[:, :, part], k[:, :, part].repeat_interleave(2, 1),
-            v[:, :, part].repeat_interleave(2, 1), attn_mask=mask, scale=0.5).transpose(1, 2))
+            v[:, :, part].repeat_interleave(2, 1), attn_mask=mask, scale=scale).transpose(1, 2))
         start += length
-    torch.testing.assert_close(out, torch.cat(expected, dim=1))
+    return torch.cat(expected, dim=1)
+
+
+def test_sliding_window_without_window_size_runs_on_sdpa(monkeypatch):
+    """2.10's kernel takes no window: each sample alone on SDPA."""
+    out, _ = attend(monkeypatch, "2.10", sliding_window=3)
+    assert calls == []
+    torch.testing.assert_close(out, sdpa_by_hand(D ** -0.5, window=3))
+
+
+@pytest.mark.parametrize("release", ["2.10", "2.11", "2.13"])
+def test_a_scale_other_than_the_kernels_own(monkeypatch, release):
+    """A layer scaled by other than 1/√head_dim (Gemma 3's ``query_pre_attn_scalar``): the
+    kernel is given it where it takes a scale; 2.10's takes none, so each sample runs alone on
+    SDPA at the layer's scale."""
+    out, _ = attend(monkeypatch, release, scaling=0.5)
+    if release != "2.10":
+        (call,) = calls
+        assert call["scale"] == 0.5
+        return
+    assert calls == []
+    torch.testing.assert_close(out, sdpa_by_hand(0.5))
+
+
+@torch.library.custom_op("vlmshard_tests_torch_2_10::_varlen_attn", mutates_args={})
+def op_2_10(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor,
+            max_q: int, max_k: int, is_causal: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """2.10's ``torch_attn::_varlen_attn``: its schema, and the flash call its body makes."""
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, 0.0, is_causal,
+        return_debug_mask=False)
+    return out, lse, torch.zeros(2, dtype=torch.uint64, device=query.device)
+
+
+@torch.library.custom_op("vlmshard_tests_torch_2_10::_varlen_attn_backward", mutates_args={})
+def op_2_10_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
+                     lse: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor, max_q: int, max_k: int,
+                     is_causal: bool, rng_state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """2.10's ``torch_attn::_varlen_attn_backward``, likewise."""
+    return torch.ops.aten._flash_attention_backward(
+        grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, 0.0,
+        is_causal, rng_state, torch.empty(0, device=query.device))
+
+
+@pytest.mark.parametrize("scale, kernel_calls", [
+    (D ** -0.5, {"forward": 1, "backward": 1}), (0.3, {})])
+def test_a_compiled_blocks_attention_on_2_10s_ops(monkeypatch, scale, kernel_calls):
+    """2.10's private ops take no scale: at the kernel's own, a compiled block's attention
+    (``packed_attention``) runs its forward and backward once each; at another scale, each
+    sample alone on SDPA. Both within 1e-5 of SDPA on each segment."""
+    import torch.nn.attention.varlen
+    from flash_reference import against_sdpa
+
+    from vlmshard.train.attention import _VarlenOps, packed_attention
+
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", varlen_2_10)
+    ops_2_10 = torch.ops.vlmshard_tests_torch_2_10
+    monkeypatch.setattr(torch.ops, "torch_attn", ops_2_10)
+    _VarlenOps.installed.cache_clear()
+    try:
+        assert _VarlenOps.installed().forward is ops_2_10._varlen_attn.default
+
+        def attend(query, key, value, cu):
+            return packed_attention(query, key, value, cu, cu,
+                                    torch.zeros(0, 3, dtype=torch.long), "varlen", True, 2,
+                                    scale, None)[0]
+
+        assert against_sdpa(attend, True, None, scale) == kernel_calls
+    finally:
+        _VarlenOps.installed.cache_clear()
 
 
 def test_missing_parameters_are_logged_once(monkeypatch, caplog):

@@ -29,6 +29,7 @@ import importlib
 import importlib.util
 import inspect
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -158,7 +159,19 @@ def varlen_parameters(kernel) -> frozenset[str]:
     if "enable_gqa" not in names:
         log.info("torch %s's varlen_attn has no enable_gqa: K/V heads are repeated to the "
                  "query heads where they are fewer", torch.__version__)
+    if "scale" not in names:
+        log.info("torch %s's varlen_attn has no scale: layers whose scale is not 1/sqrt(head "
+                 "dim) run on SDPA", torch.__version__)
     return names
+
+
+def kernel_takes(names: frozenset[str], head_dim: int, scaling: float | None,
+                 window: int | None) -> bool:
+    """Whether torch's varlen kernel, whose ``varlen_attn`` has the parameters ``names``, runs
+    a layer with this scale and sliding window: a window only where it takes ``window_size``,
+    a scale other than its own 1/√head_dim only where it takes ``scale`` (neither in 2.10)."""
+    own_scale = scaling is None or math.isclose(scaling, head_dim ** -0.5, rel_tol=1e-6)
+    return (not window or "window_size" in names) and (own_scale or "scale" in names)
 
 
 def repeats_kv_heads(backend: str) -> bool:
@@ -185,8 +198,8 @@ def packed_varlen(module, query, key, value, attention_mask, *, packed_spans=Non
     for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
         kwargs.pop(name, None)
     spans = packed_spans
-    if spans is not None and (any(spans.runs or ()) or (sliding_window
-                                                         and "window_size" not in names)):
+    if spans is not None and (any(spans.runs or ()) or not kernel_takes(
+            names, query.shape[-1], scaling, sliding_window)):
         return packed_sdpa(module, query, key, value, None, packed_spans=spans,
                            sliding_window=sliding_window, scaling=scaling, **kwargs)
     if spans is None:
@@ -202,9 +215,10 @@ def packed_varlen(module, query, key, value, attention_mask, *, packed_spans=Non
 def _varlen_inputs(query, key, value, causal: bool, scaling, sliding_window, names):
     """q, k and v as torch's varlen kernel takes them, [tokens, heads, d] (no copy where the
     layout already is; K/V heads repeated where the kernel takes no fewer), and the keyword
-    arguments of ``varlen_attn`` (whose parameter names are ``names``)."""
+    arguments of ``varlen_attn`` (whose parameter names are ``names``; where it has no
+    ``scale``, the kernel's own is the layer's: ``kernel_takes``)."""
     q, k, v = (t.transpose(1, 2).squeeze(0).contiguous() for t in (query, key, value))
-    options = {"scale": scaling}
+    options = {"scale": scaling} if "scale" in names else {}
     if "window_size" in names:
         left = sliding_window - 1 if sliding_window else -1
         options["window_size"] = (left, 0) if causal else (-1, -1)
@@ -317,7 +331,8 @@ def _attend(query, key, value, cu_seqlens, host_cu_seqlens, host_runs, kernel, c
 @dataclass(frozen=True)
 class _VarlenOps:
     """torch's private ops behind ``varlen_attn`` (``torch_attn::_varlen_attn`` and its
-    backward), called by the argument names torch 2.11 and 2.13 share, so that a compiled
+    backward), called by the argument names torch 2.10 to 2.13 share (2.10's ops take no
+    ``scale`` and no ``window_size``; read from each release's wheel), so that a compiled
     block's attention keeps the kernel's log-sum-exp and its backward runs the kernel's own
     (``packed_attention``)."""
 
@@ -342,7 +357,7 @@ class _VarlenOps:
         names = [frozenset(a.name for a in op.default._schema.arguments)
                  for op in (forward, backward)]
         needed = {"query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k",
-                  "is_causal", "scale"}
+                  "is_causal"}
         if not needed <= names[0] or not needed | {"grad_out", "out", "lse",
                                                    "rng_state"} <= names[1]:
             return None
@@ -353,13 +368,13 @@ class _VarlenOps:
         """(q, k and v as the kernel takes them, the keyword arguments both ops share) for
         this call of ``packed_attention``, or None where it does not run the kernel in one
         call (SDPA, bidirectional runs, a window the kernel does not take)."""
-        if kernel != "varlen" or len(host_runs) or (window and "window_size"
-                                                     not in self.forward_names):
-            return None
         from torch.nn.attention.varlen import varlen_attn
 
-        q, k, v, options = _varlen_inputs(query, key, value, causal, scaling, window,
-                                          varlen_parameters(varlen_attn))
+        names = varlen_parameters(varlen_attn)
+        if kernel != "varlen" or len(host_runs) or not kernel_takes(names, query.shape[-1],
+                                                                    scaling, window):
+            return None
+        q, k, v, options = _varlen_inputs(query, key, value, causal, scaling, window, names)
         if "window_size" in options:  # as varlen_attn calls its op
             options["window_size"] = list(options["window_size"])
             options["is_causal"] = options["window_size"] == [-1, 0]

@@ -4,8 +4,8 @@ Checked where they matter, since an install without dependencies (``pip --no-dep
 image's own packages) skips setup.cfg's.
 
 torch's variable-length attention changed its signature within the range (2.10: ``is_causal``,
-no ``window_size``; 2.10 and 2.11: no ``enable_gqa``): ``vlmshard.train.attention`` calls it as
-the installed release defines it. Importing this module imports neither.
+no ``scale`` or ``window_size``; 2.10 and 2.11: no ``enable_gqa``): ``vlmshard.train.attention``
+calls it as the installed release defines it. Importing this module imports neither.
 """
 
 from __future__ import annotations
