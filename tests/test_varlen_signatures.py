@@ -142,21 +142,15 @@ def test_sliding_window_is_the_kernels_window(monkeypatch, release):
 
 
 def sdpa_by_hand(scale: float, window: int | None = None) -> Tensor:
-    """The output ``attend`` should give: each of LENGTHS alone through SDPA, against a mask
-    written out by hand (causal; with a ``window``, key > query - window)."""
+    """The output ``attend`` should give: each of LENGTHS alone through SDPA, causal (with a
+    ``window``, key > query - window)."""
+    from flash_reference import sdpa_by_segment
+
     torch.manual_seed(0)  # the same tensors attend() made
     n = sum(LENGTHS)
     q, k, v = torch.randn(1, 4, n, D), torch.randn(1, 2, n, D), torch.randn(1, 2, n, D)
-    expected, start = [], 0
-    for length in LENGTHS:
-        mask = torch.tensor([[j <= i and (window is None or j > i - window)
-                              for j in range(length)] for i in range(length)])
-        part = slice(start, start + length)
-        expected.append(torch.nn.functional.scaled_dot_product_attention(
-            q[:, :, part], k[:, :, part].repeat_interleave(2, 1),
-            v[:, :, part].repeat_interleave(2, 1), attn_mask=mask, scale=scale).transpose(1, 2))
-        start += length
-    return torch.cat(expected, dim=1)
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    return sdpa_by_segment(q, k, v, cu, True, window, scale)
 
 
 def test_sliding_window_without_window_size_runs_on_sdpa(monkeypatch):

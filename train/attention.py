@@ -368,11 +368,12 @@ class _VarlenOps:
         """(q, k and v as the kernel takes them, the keyword arguments both ops share) for
         this call of ``packed_attention``, or None where it does not run the kernel in one
         call (SDPA, bidirectional runs, a window the kernel does not take)."""
+        if kernel != "varlen" or len(host_runs):
+            return None
         from torch.nn.attention.varlen import varlen_attn
 
         names = varlen_parameters(varlen_attn)
-        if kernel != "varlen" or len(host_runs) or not kernel_takes(names, query.shape[-1],
-                                                                    scaling, window):
+        if not kernel_takes(names, query.shape[-1], scaling, window):
             return None
         q, k, v, options = _varlen_inputs(query, key, value, causal, scaling, window, names)
         if "window_size" in options:  # as varlen_attn calls its op
